@@ -1,0 +1,96 @@
+"""Step 1: turn the newest next-token logits into one sampled token.
+
+Pure function: the caller owns the generator, so a seeded run is reproducible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+GREEDY_BELOW = 1e-3  # temperatures at or below this mean argmax
+TOP_N = 20  # how many candidates the tick record keeps
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The sampled token and the top-20 candidates (id, probability), most likely first.
+
+    `top` is the distribution after repetition penalty and temperature but before
+    top-k / top-p filtering, so it shows what the model wanted, not what survived.
+    """
+
+    token_id: int
+    top: list[tuple[int, float]]
+
+
+def sample(
+    logits: Tensor,
+    *,
+    temperature: float = 0.7,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    recent_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> Sample:
+    """Sample one token id from `logits` (shape [vocab], any float dtype).
+
+    - temperature <= 1e-3: greedy, ties to the lowest id.
+    - top_k: keep the k most likely tokens (0 = off).
+    - top_p: keep the smallest most-likely set whose probability reaches top_p (1.0 = off);
+      applied after top_k, on the renormalised survivors; never empties the set.
+    - repetition_penalty (CTRL / Hugging Face): for each distinct id in `recent_ids`,
+      a positive logit is divided by the penalty, a non-positive one multiplied.
+    - generator: a CPU `torch.Generator`; the same seed gives the same token.
+    """
+    _validate(logits, temperature, top_k, top_p, repetition_penalty)
+    # One small vector per tick: float32 on the CPU avoids float16 overflow/rounding in
+    # softmax and lets a CPU generator drive the draw whatever device the model is on.
+    x = logits.detach().to("cpu", torch.float32).clone()
+    vocab = x.numel()
+
+    if recent_ids and repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(int(i) for i in recent_ids)), dtype=torch.long)
+        if ids[0] < 0 or ids[-1] >= vocab:
+            raise ValueError(f"recent_ids must lie in [0, {vocab}), got {ids.tolist()}")
+        picked = x[ids]
+        x[ids] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
+
+    greedy = temperature <= GREEDY_BELOW
+    probs = torch.softmax(x if greedy else x / temperature, dim=-1)
+    # Stable sort keeps equal probabilities in id order: ties go to the lowest id.
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    top = [(int(i), float(p)) for i, p in zip(order[:TOP_N], sorted_probs[:TOP_N])]
+
+    if greedy:
+        # argmax on the logits, not the probabilities: softmax can round distinct
+        # large logits to the same probability.
+        return Sample(token_id=int(torch.argmax(x)), top=top)
+
+    keep = sorted_probs.clone()
+    if top_k:
+        keep[top_k:] = 0.0
+    if top_p < 1.0:
+        keep = keep / keep.sum()
+        before = torch.cumsum(keep, dim=-1) - keep  # mass of strictly more likely tokens
+        keep[before >= top_p] = 0.0
+    pick = torch.multinomial(keep, 1, generator=generator)
+    return Sample(token_id=int(order[pick]), top=top)
+
+
+def _validate(logits: Tensor, temperature, top_k, top_p, repetition_penalty) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() != 1 or logits.numel() == 0:
+        raise ValueError("logits must be a non-empty 1-D tensor [vocab]")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")

@@ -1,0 +1,163 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from steps.sample import Sample, sample
+
+
+def draws(logits, n=300, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return [sample(logits, generator=g, **kw).token_id for _ in range(n)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-3])
+def test_greedy_picks_argmax_with_ties_to_lowest_id(temperature):
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.0])
+    assert sample(logits, temperature=temperature).token_id == 1
+
+
+def test_greedy_ignores_generator_state():
+    logits = torch.tensor([0.0, 5.0, 4.9])
+    assert set(draws(logits, n=50, temperature=0.0)) == {1}
+
+
+def test_top_is_twenty_sorted_probabilities_after_temperature():
+    logits = torch.arange(30, dtype=torch.float32) % 7  # many ties
+    s = sample(logits, temperature=0.5, generator=torch.Generator().manual_seed(1))
+    expected = torch.softmax(logits / 0.5, dim=-1)
+    assert len(s.top) == 20
+    ids = [i for i, _ in s.top]
+    assert len(set(ids)) == 20
+    for (i, p), (j, q) in zip(s.top, s.top[1:]):
+        assert p > q or (p == q and i < j)  # descending, ties in id order
+    for i, p in s.top:
+        assert p == pytest.approx(float(expected[i]), rel=1e-6)
+    assert ids[:5] == [6, 13, 20, 27, 5]
+
+
+def test_top_for_greedy_is_softmax_of_logits():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    s = sample(logits, temperature=0.0)
+    expected = torch.softmax(logits, dim=-1).tolist()
+    assert [i for i, _ in s.top] == [0, 1, 2]
+    assert [p for _, p in s.top] == pytest.approx(expected)
+
+
+def test_small_vocab_top_has_vocab_entries():
+    assert len(sample(torch.tensor([0.0, 1.0]), temperature=0.0).top) == 2
+
+
+def test_float16_logits_are_computed_in_float32():
+    # 1000/0.01 overflows float16; computing in half precision would give NaNs.
+    logits = torch.tensor([990.0, 1000.0], dtype=torch.float16)
+    s = sample(logits, temperature=0.01, generator=torch.Generator().manual_seed(0))
+    assert s.token_id == 1
+    assert all(math.isfinite(p) for _, p in s.top)
+    assert s.top[0] == (1, pytest.approx(1.0))
+
+
+def test_sampling_follows_distribution_and_temperature():
+    logits = torch.log(torch.tensor([0.75, 0.25]))
+    at_one = draws(logits, n=2000, temperature=1.0)
+    assert 0.72 < at_one.count(0) / 2000 < 0.78
+    # T=0.5 squares the probabilities: .5625 / (.5625 + .0625) = 0.9
+    at_half = draws(logits, n=2000, temperature=0.5)
+    assert 0.88 < at_half.count(0) / 2000 < 0.92
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    logits = torch.zeros(100)
+    a = draws(logits, n=50, seed=123, temperature=1.0)
+    b = draws(logits, n=50, seed=123, temperature=1.0)
+    c = draws(logits, n=50, seed=124, temperature=1.0)
+    assert a == b
+    assert a != c
+
+
+def test_top_k_keeps_only_k_most_likely():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -1.0])
+    assert set(draws(logits, temperature=1.0, top_k=1)) == {1}
+    assert set(draws(logits, temperature=1.0, top_k=2)) == {1, 3}
+    assert set(draws(logits, temperature=5.0, top_k=0)) == {0, 1, 2, 3, 4}
+
+
+PROBS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+@pytest.mark.parametrize(
+    "top_p, allowed",
+    [(1e-6, {0}), (0.45, {0}), (0.75, {0, 1}), (0.81, {0, 1, 2}), (0.96, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_smallest_set_reaching_p(top_p, allowed):
+    assert set(draws(PROBS, n=600, temperature=1.0, top_p=top_p)) == allowed
+
+
+def test_top_p_boundary_is_inclusive():
+    # Equal logits give exactly 0.25 each: two tokens already reach 0.5, so a third is not kept.
+    assert set(draws(torch.zeros(4), n=600, temperature=1.0, top_p=0.5)) == {0, 1}
+
+
+def test_top_p_applies_to_top_k_survivors():
+    # After top_k=2 the survivors are 0.5/0.8 and 0.3/0.8; top_p=0.6 keeps only the first.
+    assert set(draws(PROBS, temperature=1.0, top_k=2, top_p=0.6)) == {0}
+
+
+def test_repetition_penalty_divides_positive_logits():
+    logits = torch.tensor([2.0, 1.9, -1.0])
+    assert sample(logits, temperature=0.0, repetition_penalty=2.0, recent_ids=[0]).token_id == 1
+    assert sample(logits, temperature=0.0, repetition_penalty=1.0, recent_ids=[0]).token_id == 0
+
+
+def test_repetition_penalty_multiplies_negative_logits_and_shows_in_top():
+    logits = torch.tensor([2.0, 1.9, -1.0, -1.1])
+    s = sample(logits, temperature=0.5, repetition_penalty=2.0, recent_ids=[0, 2],
+               generator=torch.Generator().manual_seed(0))
+    expected = torch.softmax(torch.tensor([1.0, 1.9, -2.0, -1.1]) / 0.5, dim=-1)
+    assert [i for i, _ in s.top] == [1, 0, 3, 2]
+    assert dict(s.top) == pytest.approx({i: float(p) for i, p in enumerate(expected)})
+
+
+def test_repeated_recent_ids_are_penalised_once():
+    logits = torch.tensor([2.0, 0.7])
+    # once: 2.0 -> 1.0 > 0.7; twice would give 0.5 < 0.7
+    assert sample(logits, temperature=0.0, repetition_penalty=2.0, recent_ids=[0, 0]).token_id == 0
+
+
+def test_input_logits_are_not_modified():
+    logits = torch.tensor([2.0, -1.0])
+    sample(logits, temperature=0.0, repetition_penalty=3.0, recent_ids=[0, 1])
+    assert logits.tolist() == [2.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"recent_ids": [5], "repetition_penalty": 1.2}, "recent_ids"),
+    ],
+)
+def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        sample(torch.zeros(3), **kwargs)
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(2, 3), torch.zeros(0), torch.zeros(3, dtype=torch.long)])
+def test_bad_logits_raise(logits):
+    with pytest.raises(ValueError, match="logits"):
+        sample(logits)
+
+
+def test_sample_is_frozen():
+    s = sample(torch.tensor([0.0, 1.0]), temperature=0.0)
+    assert isinstance(s, Sample)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.token_id = 0
