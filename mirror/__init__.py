@@ -1,0 +1,15 @@
+"""Metadata side of the brain: the ledger of every token and the live map of cache rows.
+
+Pure Python; no torch. See README "State model".
+"""
+
+from .ledger import CULLED, LIVE, REPLACED, SOURCES, STATES, Ledger, LedgerEntry
+from .live_map import LiveMap
+from .mirror import Mirror, MirrorInvariantError
+from .storage import MirrorFileError, from_bytes, load, save, to_bytes
+
+__all__ = [
+    "CULLED", "LIVE", "REPLACED", "SOURCES", "STATES",
+    "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
+    "MirrorFileError", "from_bytes", "load", "save", "to_bytes",
+]

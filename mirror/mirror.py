@@ -1,0 +1,127 @@
+"""The mirror: ledger + live map, the metadata blade of the knife.
+
+Only StateManager calls the splice methods here, each time together with the same splice
+on the KV store. Nothing in this package imports torch.
+"""
+
+from __future__ import annotations
+
+from .ledger import CULLED, LIVE, REPLACED, Ledger
+from .live_map import LiveMap
+
+
+class MirrorInvariantError(AssertionError):
+    """The mirror does not describe a consistent context."""
+
+
+class Mirror:
+    def __init__(self, ledger: Ledger | None = None, live: LiveMap | None = None):
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.live = live if live is not None else LiveMap()
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    # --- splices (each mirrors one tensor splice) ---------------------------------------
+
+    def delete(self, index: int, tick: int) -> int:
+        """Remove live row `index`; its ledger entry becomes culled. Returns its ledger id."""
+        ledger_id = self.live.ledger_ids[index] if 0 <= index < len(self.live) else None
+        if ledger_id is None:
+            raise IndexError(f"row {index} out of range 0..{len(self.live) - 1}")
+        self.ledger.retire(ledger_id, tick)
+        self.live.delete(index)
+        return ledger_id
+
+    def insert(
+        self,
+        index: int,
+        token_ids: list[int],
+        texts: list[str],
+        positions: list[int],
+        *,
+        source: str,
+        tick: int,
+        brightness: float,
+    ) -> list[int]:
+        """Insert new tokens before live row `index`; returns their ledger ids."""
+        if not (len(token_ids) == len(texts) == len(positions)):
+            raise ValueError("insert needs one text and one position per token")
+        if not 0 <= index <= len(self.live):
+            raise IndexError(f"insert row {index} out of range 0..{len(self.live)}")
+        new_ids = [self.ledger.add(t, s, source, tick, brightness) for t, s in zip(token_ids, texts)]
+        self.live.insert(index, new_ids, positions)
+        return new_ids
+
+    def link_replacement(self, old_ledger_ids: list[int], new_ledger_ids: list[int]) -> None:
+        self.ledger.link_replacement(old_ledger_ids, new_ledger_ids)
+
+    # --- reads --------------------------------------------------------------------------
+
+    def live_token_ids(self) -> list[int]:
+        entries = self.ledger.entries
+        return [entries[i].token_id for i in self.live.ledger_ids]
+
+    def live_texts(self) -> list[str]:
+        entries = self.ledger.entries
+        return [entries[i].text for i in self.live.ledger_ids]
+
+    def positions(self) -> list[int]:
+        return list(self.live.positions)
+
+    def brightness(self) -> list[float]:
+        entries = self.ledger.entries
+        return [entries[i].brightness for i in self.live.ledger_ids]
+
+    def set_brightness(self, values: list[float]) -> None:
+        """Store one brightness per live row (Step 2b's output)."""
+        if len(values) != len(self.live):
+            raise ValueError(f"{len(values)} brightness values for {len(self.live)} live rows")
+        entries = self.ledger.entries
+        for ledger_id, value in zip(self.live.ledger_ids, values):
+            entries[ledger_id].brightness = float(value)
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def check(self, max_position: int | None = None) -> None:
+        """Raise MirrorInvariantError unless the mirror describes a consistent context.
+
+        Checked: one position per row; positions strictly increasing, >= 0 and below
+        `max_position`; every live row names a distinct, existing, live ledger entry and
+        every live ledger entry is in the live map; dead entries carry their tick of death
+        and replaced entries name existing replacements.
+        """
+        live, entries = self.live, self.ledger.entries
+        if len(live.ledger_ids) != len(live.positions):
+            raise MirrorInvariantError(f"{len(live.ledger_ids)} live rows but {len(live.positions)} positions")
+        previous = -1
+        for row, position in enumerate(live.positions):
+            if position <= previous:
+                raise MirrorInvariantError(f"RoPE positions not strictly increasing at row {row}: {previous} then {position}")
+            previous = position
+        if live.positions and live.positions[0] < 0:
+            raise MirrorInvariantError(f"negative RoPE position {live.positions[0]}")
+        if max_position is not None and previous >= max_position:
+            raise MirrorInvariantError(f"RoPE position {previous} beyond the model's limit {max_position}")
+        if len(set(live.ledger_ids)) != len(live.ledger_ids):
+            raise MirrorInvariantError("a ledger id appears twice in the live map")
+        for row, ledger_id in enumerate(live.ledger_ids):
+            if not 0 <= ledger_id < len(entries):
+                raise MirrorInvariantError(f"row {row} names ledger id {ledger_id}, which does not exist")
+            if entries[ledger_id].state != LIVE:
+                raise MirrorInvariantError(f"row {row} holds ledger id {ledger_id}, which is {entries[ledger_id].state}")
+        live_count = 0
+        for ledger_id, entry in enumerate(entries):
+            if entry.state == LIVE:
+                live_count += 1
+            elif entry.state in (CULLED, REPLACED):
+                if entry.tick_died is None:
+                    raise MirrorInvariantError(f"ledger id {ledger_id} is {entry.state} but has no tick of death")
+                if entry.state == REPLACED and (
+                    not entry.replaced_by or not all(0 <= r < len(entries) for r in entry.replaced_by)
+                ):
+                    raise MirrorInvariantError(f"ledger id {ledger_id} is replaced but names no valid replacement")
+            else:
+                raise MirrorInvariantError(f"ledger id {ledger_id} has unknown state {entry.state!r}")
+        if live_count != len(live):
+            raise MirrorInvariantError(f"ledger has {live_count} live tokens but the live map has {len(live)} rows")

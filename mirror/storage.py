@@ -1,0 +1,117 @@
+"""Save and load a mirror (plus a small metadata dict) as msgpack.
+
+The file is columnar: one list per ledger field, so 100k tokens stay compact. Writes are
+atomic (temporary file, then rename) and loads validate everything before building a
+Mirror, so a truncated or corrupt file raises MirrorFileError and yields nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgpack
+
+from .ledger import SOURCES, STATES, Ledger, LedgerEntry
+from .live_map import LiveMap
+from .mirror import Mirror, MirrorInvariantError
+
+FORMAT = "positronic-mirror"
+VERSION = 1
+
+# column name -> (type check, description used in errors)
+_COLUMNS = {
+    "token_id": (lambda v: type(v) is int, "int"),
+    "text": (lambda v: type(v) is str, "str"),
+    "source": (lambda v: v in SOURCES, f"one of {SOURCES}"),
+    "tick_born": (lambda v: type(v) is int, "int"),
+    "brightness": (lambda v: type(v) in (int, float), "number"),
+    "state": (lambda v: v in STATES, f"one of {STATES}"),
+    "tick_died": (lambda v: v is None or type(v) is int, "int or None"),
+    "replaced_by": (lambda v: type(v) is list and all(type(i) is int for i in v), "list of int"),
+}
+
+
+class MirrorFileError(ValueError):
+    """A mirror file that cannot be trusted: unreadable, truncated, or not a valid mirror."""
+
+
+def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
+    entries = mirror.ledger.entries
+    ledger = {name: [getattr(e, name) for e in entries] for name in _COLUMNS}
+    return msgpack.packb(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "ledger": ledger,
+            "live": {"ledger_ids": mirror.live.ledger_ids, "positions": mirror.live.positions},
+            "meta": meta or {},
+        },
+        use_bin_type=True,
+    )
+
+
+def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MirrorFileError(f"{source}: not a readable mirror file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise MirrorFileError(f"{source}: not a positronic mirror file")
+    if doc.get("version") != VERSION:
+        raise MirrorFileError(f"{source}: mirror file version {doc.get('version')!r}, this build reads {VERSION}")
+    ledger, live, meta = doc.get("ledger"), doc.get("live"), doc.get("meta")
+    if not isinstance(ledger, dict) or not isinstance(live, dict) or not isinstance(meta, dict):
+        raise MirrorFileError(f"{source}: missing ledger, live map or meta section")
+    columns = []
+    for name, (valid, kind) in _COLUMNS.items():
+        column = ledger.get(name)
+        if not isinstance(column, list):
+            raise MirrorFileError(f"{source}: ledger column {name!r} missing")
+        bad = next((i for i, v in enumerate(column) if not valid(v)), None)
+        if bad is not None:
+            raise MirrorFileError(f"{source}: ledger {name}[{bad}] = {column[bad]!r}, expected {kind}")
+        columns.append(column)
+    if len({len(c) for c in columns}) != 1:
+        raise MirrorFileError(f"{source}: ledger columns have different lengths")
+    ids, positions = live.get("ledger_ids"), live.get("positions")
+    for name, column in (("ledger_ids", ids), ("positions", positions)):
+        if not isinstance(column, list) or not all(type(v) is int for v in column):
+            raise MirrorFileError(f"{source}: live map {name} must be a list of int")
+    if len(ids) != len(positions):
+        raise MirrorFileError(f"{source}: live map has {len(ids)} rows but {len(positions)} positions")
+    entries = [
+        LedgerEntry(t, s, src, born, float(b), state, died, list(rb))
+        for t, s, src, born, b, state, died, rb in zip(*columns)
+    ]
+    mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)))
+    try:
+        mirror.check()
+    except MirrorInvariantError as exc:
+        raise MirrorFileError(f"{source}: inconsistent mirror: {exc}") from None
+    return mirror, meta
+
+
+def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    data = to_bytes(mirror, meta)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: str | os.PathLike) -> tuple[Mirror, dict]:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise MirrorFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return from_bytes(data, source=str(path))

@@ -1,0 +1,114 @@
+"""The Step 3e → Step 4 contract: action dicts, their validation, and their order.
+
+Actions are plain dicts (DESIGN §3):
+    {'action': 'add',          'token_id': int}
+    {'action': 'replace_pair', 'original_pos1': int, 'original_pos2': int, 'new_token_ids': [int, ...]}
+    {'action': 'delete',       'position': int}
+Positions are live rows before the tick's edits. A whole list is validated before anything
+is touched; then position edits run in strictly descending order of their highest row (so
+no edit moves a row a later edit refers to) and adds run last, in list order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA = {
+    "add": ("token_id",),
+    "replace_pair": ("original_pos1", "original_pos2", "new_token_ids"),
+    "delete": ("position",),
+}
+
+
+class ActionError(ValueError):
+    """An action list that Step 4 refuses; the state was not touched."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated action list: `edits` in the order to apply them, then `adds`."""
+
+    edits: list[dict]
+    adds: list[dict]
+    final_length: int
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def rows_of(action: dict) -> tuple[int, ...]:
+    """The live rows an action edits (none for an add)."""
+    if action["action"] == "replace_pair":
+        return (action["original_pos1"], action["original_pos2"])
+    if action["action"] == "delete":
+        return (action["position"],)
+    return ()
+
+
+def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> Plan:
+    """Check a whole action list against the current state and return the order to apply it.
+
+    Raises ActionError naming the action (index and kind) and the problem.
+    """
+    if not isinstance(actions, list):
+        raise ActionError(f"action list must be a list, got {type(actions).__name__}")
+    seen: dict[int, int] = {}  # row -> index of the action that edits it
+    final_length = live_length
+    for index, action in enumerate(actions):
+        name = action.get("action") if isinstance(action, dict) else None
+        where = f"action {index} ({name})" if isinstance(name, str) else f"action {index}"
+
+        def fail(problem: str):
+            raise ActionError(f"{where}: {problem}")
+
+        if not isinstance(action, dict):
+            fail(f"must be a dict, got {type(action).__name__}")
+        if name not in SCHEMA:
+            fail(f"unknown action {name!r}; expected one of {', '.join(SCHEMA)}")
+        expected = set(SCHEMA[name]) | {"action"}
+        if unknown := sorted(set(map(str, action)) - expected):
+            fail(f"unknown key(s) {', '.join(unknown)}")
+        if missing := [key for key in SCHEMA[name] if key not in action]:
+            fail(f"missing key(s) {', '.join(missing)}")
+
+        def token(key: str, value) -> None:
+            if not _is_int(value):
+                fail(f"{key} must be an int, got {type(value).__name__} {value!r}")
+            if not 0 <= value < vocab_size:
+                fail(f"{key}={value} is outside the vocabulary 0..{vocab_size - 1}")
+
+        def row(key: str) -> int:
+            value = action[key]
+            if not _is_int(value):
+                fail(f"{key} must be an int, got {type(value).__name__} {value!r}")
+            if not 0 <= value < live_length:
+                fail(f"{key}={value} is out of range 0..{live_length - 1}")
+            if value in seen:
+                fail(f"{key}={value} is already edited by action {seen[value]}")
+            return value
+
+        if name == "add":
+            token("token_id", action["token_id"])
+            final_length += 1
+        elif name == "delete":
+            seen[row("position")] = index
+            final_length -= 1
+        else:
+            pos1, pos2 = row("original_pos1"), row("original_pos2")
+            if pos1 >= pos2:
+                fail(f"original_pos1={pos1} must be below original_pos2={pos2}")
+            seen[pos1] = seen[pos2] = index
+            new_ids = action["new_token_ids"]
+            if not isinstance(new_ids, list) or not new_ids:
+                fail(f"new_token_ids must be a non-empty list of ints, got {new_ids!r}")
+            for token_id in new_ids:
+                token("new_token_ids item", token_id)
+            final_length += len(new_ids) - 2
+    if final_length < 1:
+        raise ActionError(f"the action list would leave the context empty ({live_length} rows before)")
+    if final_length > max_length:
+        raise ActionError(f"the action list would grow the context to {final_length} rows, beyond the model's {max_length}")
+    edits = sorted((a for a in actions if a["action"] != "add"), key=lambda a: max(rows_of(a)), reverse=True)
+    adds = [a for a in actions if a["action"] == "add"]
+    return Plan(edits=edits, adds=adds, final_length=final_length)
