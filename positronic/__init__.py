@@ -1,0 +1,16 @@
+"""Positronic Brain: continuous inference with a KV cache kept inside a fixed budget.
+
+    from positronic import load_model, StateManager
+    lm = load_model("smollm2")
+    sm = StateManager.from_tokens(lm, [lm.bos_id] + lm.encode("Once upon a time"))
+    report = sm.apply([{"action": "add", "token_id": 42}])
+"""
+
+from .actions import ActionError
+from .models import LoadedModel, ModelError, ModelNotAvailable, load_model
+from .state_manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
+
+__all__ = [
+    "ActionError", "ApplyReport", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
+    "StateInvariantError", "StateManager", "load_model",
+]

@@ -1,0 +1,103 @@
+"""The mirror on its own: splices, invariants, and msgpack files that round-trip or refuse."""
+
+import pytest
+
+import mirror
+from mirror import Mirror, MirrorFileError, MirrorInvariantError
+
+
+def built():
+    """A mirror with history: prompt, a cull, a replacement, a generated token."""
+    m = Mirror()
+    m.insert(0, [1, 10, 11, 12, 13], ["<s>", "A", " big", " red", " dog"], [0, 1, 2, 3, 4],
+             source="prompt", tick=0, brightness=255.0)
+    m.delete(1, tick=3)
+    old = [m.delete(2, tick=4), m.delete(1, tick=4)]
+    new = m.insert(1, [99, 98], [" huge", "!"], [1, 2], source="repair", tick=4, brightness=255.0)
+    m.link_replacement(old[::-1], new)
+    m.insert(len(m), [7], [" ran"], [9], source="generated", tick=5, brightness=200.5)
+    m.set_brightness([1.0, 2.0, 3.0, 4.5, 5.0])
+    return m
+
+
+def test_splices_keep_ledger_and_live_map_in_step():
+    m = built()
+    m.check(max_position=10)
+    assert m.live_token_ids() == [1, 99, 98, 13, 7]
+    assert m.positions() == [0, 1, 2, 4, 9]
+    assert m.brightness() == [1.0, 2.0, 3.0, 4.5, 5.0]
+    assert [e.state for e in m.ledger.entries] == ["live", "culled", "replaced", "replaced", "live", "live", "live", "live"]
+    assert m.ledger[2].replaced_by == [5, 6] and m.ledger[1].tick_died == 3
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda m: m.live.positions.__setitem__(2, 1), "not strictly increasing at row 2"),
+    (lambda m: m.live.positions.__setitem__(4, 10), "beyond the model's limit 10"),
+    (lambda m: m.live.ledger_ids.__setitem__(1, 2), "which is replaced"),
+    (lambda m: m.live.ledger_ids.__setitem__(1, 0), "appears twice"),
+    (lambda m: m.live.ledger_ids.__setitem__(1, 50), "does not exist"),
+    (lambda m: setattr(m.ledger[1], "state", "live"), "ledger has 6 live tokens"),
+    (lambda m: setattr(m.ledger[1], "tick_died", None), "no tick of death"),
+    (lambda m: setattr(m.ledger[2], "replaced_by", []), "names no valid replacement"),
+    (lambda m: m.live.positions.pop(), "5 live rows but 4 positions"),
+])
+def test_check_finds_each_kind_of_inconsistency(corrupt, message):
+    m = built()
+    corrupt(m)
+    with pytest.raises(MirrorInvariantError, match=message):
+        m.check(max_position=10)
+
+
+def test_save_and_load_round_trip_exactly(tmp_path):
+    m = built()
+    path = tmp_path / "mirror.msgpack"
+    mirror.save(path, m, meta={"tick": 5, "model": "smollm2"})
+    loaded, meta = mirror.load(path)
+    assert meta == {"tick": 5, "model": "smollm2"}
+    assert loaded.ledger.entries == m.ledger.entries
+    assert loaded.live.ledger_ids == m.live.ledger_ids and loaded.live.positions == m.live.positions
+    assert mirror.to_bytes(loaded, meta) == path.read_bytes()
+    assert list(tmp_path.iterdir()) == [path], "no temporary file left behind"
+
+
+def test_save_replaces_atomically_and_a_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "mirror.msgpack"
+    mirror.save(path, built(), meta={"n": 1})
+    good = path.read_bytes()
+    monkeypatch.setattr(mirror.storage.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        mirror.save(path, Mirror(), meta={"n": 2})
+    assert path.read_bytes() == good and list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[: len(b) // 2], "not a readable mirror file"),
+    (lambda b: b"", "not a readable mirror file"),
+    (lambda b: b"\xc1" + b[1:], "not a readable mirror file"),
+    (lambda b: mirror.storage.msgpack.packb({"format": "something else"}), "not a positronic mirror file"),
+    (lambda b: mirror.storage.msgpack.packb([1, 2, 3]), "not a positronic mirror file"),
+    (lambda b: b.replace(b"\xa7version\x01", b"\xa7version\x07"), "version 7"),
+    (lambda b: b.replace(b"\xa5 huge", b"\xa5 HUGE").replace(b"\xa5state", b"\xa5stat_"), "column 'state' missing"),
+    (lambda b: b.replace(b"\xa6prompt", b"\xa6pr0mpt"), r"ledger source\[0\] = 'pr0mpt'"),
+])
+def test_damaged_file_gives_one_clear_error_and_nothing_else(tmp_path, damage, message):
+    path = tmp_path / "mirror.msgpack"
+    mirror.save(path, built())
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(MirrorFileError, match=message) as info:
+        mirror.load(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_file_that_parses_but_is_inconsistent_is_refused(tmp_path):
+    m = built()
+    m.live.positions[1] = 0  # decreasing positions
+    path = tmp_path / "bad.msgpack"
+    path.write_bytes(mirror.to_bytes(m))
+    with pytest.raises(MirrorFileError, match="inconsistent mirror: RoPE positions not strictly increasing"):
+        mirror.load(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(MirrorFileError, match="cannot read"):
+        mirror.load(tmp_path / "nope.msgpack")
