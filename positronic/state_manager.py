@@ -106,6 +106,10 @@ class StateManager:
     def positions(self) -> list[int]:
         return self.mirror.positions()
 
+    def set_brightness(self, values: list[float]) -> None:
+        """Store Step 2b's brightness, one value per live row (metadata only; no cache change)."""
+        self.mirror.set_brightness(values)
+
     # --- coupled operations -------------------------------------------------------------
 
     def delete(self, row: int) -> int:

@@ -1,0 +1,160 @@
+"""The tick loop: Steps 1–3 decide, Step 4 (StateManager.apply) acts.
+
+One tick: sample the next token from the last forward's logits (1); score every live row by
+the newest token's attention (2a) and update brightness (2b); if the context is at or over
+budget pick the dimmest adjacent pairs (3a–3b) and ask the repairer for replacements
+(3c–3d); consolidate everything into one action list with the add last (3e); apply it (4),
+which runs the one forward that leaves the next tick's logits and attention row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import steps
+
+from .repairers import make_repairer
+from .state_manager import StateManager
+
+
+@dataclass
+class BrainConfig:
+    """Every setting of a run; saved with a session, so resuming needs nothing else."""
+
+    budget: int = 500  # target live length
+    sinks: int = 4  # attention-sink rows never culled
+    protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
+    window: int = 32  # most recent rows never culled
+    brightness: str = "ttl"  # rule: ttl | vote
+    score_layers: str | list[int] = "last"  # which layers' attention scores a row
+    repairer: str = "self"  # self | mlm:PATH
+    repair_tokens: int = 1  # tokens the self repairer proposes per pair
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    penalty_window: int = 64  # recent tokens the repetition penalty looks at
+    seed: int = 0
+    refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
+            raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
+                             f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
+        for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.brightness not in steps.RULES:
+            raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
+        if self.repair_tokens < 1:
+            raise ValueError(f"repair_tokens must be >= 1, got {self.repair_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass
+class TickRecord:
+    """What one tick did, for the event log, the progress line and the terminal view."""
+
+    tick: int
+    token_id: int
+    text: str
+    actions: list[dict]
+    outcomes: list[tuple[tuple[int, int], str]]
+    live_length: int
+    brightness_min: float
+    brightness_mean: float
+    brightness_max: float
+    rebuilt: bool = False
+    error: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per step
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Brain:
+    """A StateManager plus the policy that drives it, tick after tick."""
+
+    def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
+                 generator_state: torch.Tensor | None = None):
+        config.validate()
+        self.state, self.config, self.tick = state, config, tick
+        self.rule = steps.RULES[config.brightness]
+        state.new_brightness = self.rule.start
+        self.repairer = make_repairer(config.repairer, state, tokens=config.repair_tokens)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
+        self.counts = {"repairs": 0, "culls": 0, "rebuilds": 0, "refreshes": 0}
+
+    @classmethod
+    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None, *, store: str = "dynamic") -> "Brain":
+        config = config or BrainConfig()
+        config.validate()
+        state = StateManager.from_tokens(lm, prompt_ids, store=store, brightness=steps.RULES[config.brightness].start)
+        return cls(state, config)
+
+    def step(self) -> TickRecord:
+        """Run one tick."""
+        cfg, sm, seconds = self.config, self.state, {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            seconds[name] = now - clock
+            clock = now
+
+        self.tick += 1
+        sm.tick = self.tick
+        live_ids = sm.live_token_ids()
+        # Step 1
+        sampled = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                               repetition_penalty=cfg.repetition_penalty,
+                               recent_ids=live_ids[-cfg.penalty_window:] if cfg.penalty_window else (),
+                               generator=self.generator)
+        lap("sample")
+        # Steps 2a-2b
+        scores = steps.scores(sm.last_attention, cfg.score_layers)
+        brightness = self.rule.update(sm.mirror.brightness(), scores)
+        sm.set_brightness(brightness)
+        lap("brightness")
+        # Steps 3a-3d
+        length = len(live_ids)
+        pairs = steps.select_pairs(brightness, steps.cull_count(length, cfg.budget), sinks=cfg.sinks,
+                                   protect=cfg.protect, window=cfg.window)
+        lap("select")
+        proposals = [self.repairer.propose(live_ids, pair) for pair in pairs]
+        plan = steps.plan_repairs(pairs, proposals, must_meet_budget=length > cfg.budget)
+        lap("repair")
+        # Step 3e and Step 4
+        actions = steps.consolidate(sampled.token_id, plan.actions)
+        report = sm.apply(actions)
+        lap("apply")
+        if cfg.refresh_every and self.tick % cfg.refresh_every == 0 and not report.rebuilt:
+            sm.rebuild()
+            self.counts["refreshes"] += 1
+            lap("refresh")
+        outcomes = [outcome for _, outcome in plan.outcomes]
+        self.counts["repairs"] += outcomes.count(steps.repair.REPLACED)
+        self.counts["culls"] += outcomes.count(steps.repair.DELETED)
+        self.counts["rebuilds"] += report.rebuilt
+        live = sm.mirror
+        new_brightness = live.brightness()
+        return TickRecord(
+            tick=self.tick, token_id=sampled.token_id, text=live.ledger[live.live.ledger_ids[-1]].text,
+            actions=actions, outcomes=plan.outcomes, live_length=len(live),
+            brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
+            brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, seconds=seconds)
+
+    def generator_state(self) -> torch.Tensor:
+        return self.generator.get_state()

@@ -1,0 +1,72 @@
+"""Sessions: a run's mirror, settings and sampler state saved with msgpack, and resumed.
+
+A checkpoint first rebuilds the cache from the mirror (a fidelity refresh), so the saved
+mirror alone reproduces the running state exactly: a resumed run continues token for token
+as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+import mirror
+
+from .loop import Brain, BrainConfig
+from .state_manager import StateManager
+
+MIRROR_FILE = "mirror.msgpack"
+
+
+class SessionError(ValueError):
+    """A session directory that cannot be saved to or resumed from."""
+
+
+def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
+    """Checkpoint `brain` into `directory` (created if needed); atomic."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    brain.state.rebuild(count=False)
+    meta = {
+        "model": model_name,
+        "tick": brain.tick,
+        "config": dataclasses.asdict(brain.config),
+        "generator": bytes(brain.generator_state().numpy().tobytes()),
+        "counts": dict(brain.counts),
+    }
+    path = directory / MIRROR_FILE
+    mirror.save(path, brain.state.mirror, meta)
+    return path
+
+
+def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
+    """The saved mirror and its metadata, validated."""
+    path = Path(directory) / MIRROR_FILE
+    if not path.is_file():
+        raise SessionError(f"{directory}: no saved session ({MIRROR_FILE} missing)")
+    saved, meta = mirror.load(path)
+    known = {f.name for f in dataclasses.fields(BrainConfig)}
+    config = meta.get("config")
+    if not isinstance(config, dict) or set(config) - known:
+        raise SessionError(f"{path}: settings missing or unknown: {sorted(set(config or {}) - known)}")
+    if type(meta.get("tick")) is not int or not isinstance(meta.get("model"), str):
+        raise SessionError(f"{path}: tick or model missing")
+    if not isinstance(meta.get("generator"), bytes):
+        raise SessionError(f"{path}: sampler state missing")
+    return saved, meta
+
+
+def resume(lm, directory: str | Path, *, store: str = "dynamic") -> Brain:
+    """Rebuild the cache from the saved mirror and return a Brain that continues the run."""
+    saved, meta = load(directory)
+    if meta["model"] != lm.name:
+        raise SessionError(f"{directory}: saved with model {meta['model']!r}, not {lm.name!r}")
+    state = StateManager.from_mirror(lm, saved, store=store)
+    config = BrainConfig(**meta["config"])
+    generator_state = torch.frombuffer(bytearray(meta["generator"]), dtype=torch.uint8)
+    brain = Brain(state, config, tick=meta["tick"], generator_state=generator_state)
+    brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})
+    state.tick = brain.tick
+    return brain
