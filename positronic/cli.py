@@ -10,10 +10,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +24,7 @@ except ImportError:  # pragma: no cover - older typer
 
 from . import session as sessions
 from .loop import Brain, BrainConfig, TickRecord
+from .runner import Runner, RunResult, summary
 from .models import ModelError, load_model
 
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
@@ -39,17 +37,6 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line, exit code 2."""
 
 
-def rss_mb() -> float:
-    """Resident memory of this process in MiB (Linux /proc; peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @app.callback(invoke_without_command=True)
 def run(
     ctx: typer.Context,
@@ -57,6 +44,7 @@ def run(
     ticks: int = typer.Option(200, min=1, help="Ticks (generated tokens) to run."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none."),
     budget: int = typer.Option(500, help="Target live context length."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
@@ -78,6 +66,12 @@ def run(
     save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
     no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
+    kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
+    kv_sink_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --sinks (0-256)."),
+    kv_protected_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --protect (>= 0)."),
+    at_capacity: str = typer.Option("stop", help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
+    capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
+    capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
@@ -91,7 +85,9 @@ def run(
             prompt = prompt_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read --prompt-file {prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
-    config = BrainConfig(budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
+    policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
+                                               kv_protected_tokens)
+    config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
                          repairer=repairer, repair_tokens=repair_tokens, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every)
     config.validate()
@@ -104,67 +100,75 @@ def run(
         if len(prompt_ids) + ticks > lm.max_positions and len(prompt_ids) >= budget:
             raise UserError(f"the prompt has {len(prompt_ids)} tokens; the budget is {budget}")
         brain = Brain.start(lm, prompt_ids, config, store=store)
-    plain = no_tui or not sys.stdout.isatty()
-    run_plain(brain, lm, ticks, events=events, session=session, save_every=save_every, show_prompt=not resume)
-    del plain  # the live view arrives with the terminal UI
+    if capture is not None:
+        from .fixtures import Capture
+
+        brain.observers.append(Capture(capture, lm, capture_ticks))
+    runner = Runner(brain, lm.name, ticks, events=events, append_events=resume, session=session,
+                    save_every=save_every)
+    if no_tui or not sys.stdout.isatty():
+        run_plain(brain, lm, runner, show_prompt=not resume)
+    else:
+        from .tui import run_live
+
+        run_live(brain, lm, runner, show_prompt=not resume)
 
 
-def run_plain(brain: Brain, lm, ticks: int, *, events: Path | None, session: Path | None, save_every: int,
-              show_prompt: bool) -> None:
-    """Stream the generated text to stdout, progress to stderr, then a summary."""
+def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,
+                      kv_protected_tokens: int | None) -> tuple[str, int, int]:
+    """Map llama.cpp's --kv-eviction/--kv-sink-tokens/--kv-protected-tokens onto our flags,
+    with llama.cpp's validation."""
+    if kv_eviction is not None:
+        modes = {0: "none", 1: "streaming", 2: "scored"}
+        if kv_eviction not in modes:
+            raise UserError(f"--kv-eviction must be 0 (none), 1 (streaming) or 2 (scored), got {kv_eviction}")
+        policy = modes[kv_eviction]
+    if kv_sink_tokens is not None:
+        if not 0 <= kv_sink_tokens <= 256:
+            raise UserError(f"--kv-sink-tokens must be in 0..256, got {kv_sink_tokens}")
+        sinks = kv_sink_tokens
+    if kv_protected_tokens is not None:
+        if kv_protected_tokens < 0:
+            raise UserError(f"--kv-protected-tokens must be >= 0, got {kv_protected_tokens}")
+        protect = kv_protected_tokens
+    return policy, sinks, protect
+
+
+def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> None:
+    """Stream the generated text to stdout, a progress line to stderr every tenth of the run,
+    then the summary."""
     out, err = sys.stdout, sys.stderr
     if show_prompt:
         out.write(lm.decode(brain.state.live_token_ids()[1:]))
-    log = open(events, "a" if not show_prompt else "w", encoding="utf-8") if events else None
-    start, first_tick, every = time.perf_counter(), brain.tick, max(1, ticks // 10)
-    rss = {}
-    try:
-        for done in range(1, ticks + 1):
-            record = brain.step()
-            out.write(record.text)
-            out.flush()
-            if log:
-                log.write(json.dumps(record.to_json()) + "\n")
-            if session and brain.tick % save_every == 0:
-                sessions.save(session, brain, lm.name)
-            if done in (1000, 10000):
-                rss[done] = rss_mb()
-            if done % every == 0 or done == ticks:
-                rate = done / (time.perf_counter() - start)
-                err.write(progress_line(brain, record, done, ticks, rate) + "\n")
-    except KeyboardInterrupt:
-        err.write("\ninterrupted\n")
-    finally:
-        if log:
-            log.close()
-        if session:
-            path = sessions.save(session, brain, lm.name)
-            err.write(f"session saved: {path} (tick {brain.tick})\n")
-    elapsed = time.perf_counter() - start
-    out.write("\n")
-    out.write(summary(brain, lm, brain.tick - first_tick, elapsed, rss) + "\n")
+    every = max(1, runner.ticks // 10)
+
+    def on_tick(record: TickRecord, result: RunResult) -> None:
+        out.write(record.text)
+        out.flush()
+        if result.ticks % every == 0 or result.ticks == runner.ticks:
+            err.write(progress_line(brain, record, result, runner.ticks) + "\n")
+
+    result = runner.run(on_tick)
+    out.write("\n" + summary(brain, lm, result) + "\n")
 
 
-def progress_line(brain: Brain, record: TickRecord, done: int, total: int, rate: float) -> str:
+def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: int) -> str:
     c = brain.counts
-    return (f"[{done}/{total}] tick {record.tick}  live {record.live_length}/{brain.config.budget}  "
-            f"{rate:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  "
+    return (f"[{result.ticks}/{total}] tick {record.tick}  live {record.live_length}/{brain.config.budget}  "
+            f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
+            f"rebuilds {c['rebuilds']}  "
             f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
 
 
-def summary(brain: Brain, lm, ticks: int, elapsed: float, rss: dict[int, float]) -> str:
-    c, ledger = brain.counts, brain.state.mirror.ledger
-    lines = [
-        "--- summary ---",
-        f"model {lm.name} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), store {type(brain.state.store).__name__}",
-        f"ticks {ticks} in {elapsed:.1f} s ({ticks / max(elapsed, 1e-9):.2f} tok/s); now at tick {brain.tick}",
-        f"live {len(brain.state)} / budget {brain.config.budget}; ledger {len(ledger)} tokens "
-        f"({ledger.count('culled')} culled, {ledger.count('replaced')} replaced)",
-        f"repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  refreshes {c['refreshes']}",
-        f"cache {brain.state.store.memory_usage_mb():.1f} MiB  RSS {rss_mb():.0f} MiB"
-        + "".join(f"  (RSS at {k} ticks: {v:.0f} MiB)" for k, v in rss.items()),
-    ]
-    return "\n".join(lines)
+# Subcommands register here, each importing its module only when run.
+
+
+@app.command()
+def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")) -> None:
+    """Show what a captured tick does: its actions, and the text before and after."""
+    from .fixtures import print_replay
+
+    print_replay(file)
 
 
 def main(argv: list[str] | None = None) -> None:

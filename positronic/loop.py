@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
 import steps
 
-from .repairers import make_repairer
+from .policy import POLICIES, make_policy
 from .state_manager import StateManager
 
 
@@ -24,6 +25,8 @@ from .state_manager import StateManager
 class BrainConfig:
     """Every setting of a run; saved with a session, so resuming needs nothing else."""
 
+    policy: str = "brightness"  # maintenance policy (see positronic/policy.py)
+    at_capacity: str = "stop"  # policy none when the cache is full: stop | shift
     budget: int = 500  # target live length
     sinks: int = 4  # attention-sink rows never culled
     protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
@@ -48,6 +51,10 @@ class BrainConfig:
         for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.at_capacity not in ("stop", "shift"):
+            raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
         if self.brightness not in steps.RULES:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
         if self.repair_tokens < 1:
@@ -68,17 +75,26 @@ class TickRecord:
     token_id: int
     text: str
     actions: list[dict]
-    outcomes: list[tuple[tuple[int, int], str]]
+    outcomes: list[tuple[tuple[int, ...], str]]
     live_length: int
     brightness_min: float
     brightness_mean: float
     brightness_max: float
     rebuilt: bool = False
     error: str | None = None
+    stopped: bool = False  # the policy could not go on; the run ends after this tick
     seconds: dict[str, float] = field(default_factory=dict)  # per step
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+class Observer(Protocol):
+    """Sees every action list just before and just after Step 4 (fixture capture uses it)."""
+
+    def before_apply(self, brain: "Brain", actions: list[dict]) -> None: ...
+
+    def after_apply(self, brain: "Brain", actions: list[dict], report) -> None: ...
 
 
 class Brain:
@@ -88,9 +104,8 @@ class Brain:
                  generator_state: torch.Tensor | None = None):
         config.validate()
         self.state, self.config, self.tick = state, config, tick
-        self.rule = steps.RULES[config.brightness]
-        state.new_brightness = self.rule.start
-        self.repairer = make_repairer(config.repairer, state, tokens=config.repair_tokens)
+        self.policy = make_policy(config.policy, state, config)
+        self.observers: list[Observer] = []
         self.generator = torch.Generator().manual_seed(config.seed)
         if generator_state is not None:
             self.generator.set_state(generator_state)
@@ -123,30 +138,26 @@ class Brain:
                                recent_ids=live_ids[-cfg.penalty_window:] if cfg.penalty_window else (),
                                generator=self.generator)
         lap("sample")
-        # Steps 2a-2b
+        # Step 2a, then the policy (Steps 2b-3d)
         scores = steps.scores(sm.last_attention, cfg.score_layers)
-        brightness = self.rule.update(sm.mirror.brightness(), scores)
-        sm.set_brightness(brightness)
-        lap("brightness")
-        # Steps 3a-3d
-        length = len(live_ids)
-        pairs = steps.select_pairs(brightness, steps.cull_count(length, cfg.budget), sinks=cfg.sinks,
-                                   protect=cfg.protect, window=cfg.window)
-        lap("select")
-        proposals = [self.repairer.propose(live_ids, pair) for pair in pairs]
-        plan = steps.plan_repairs(pairs, proposals, must_meet_budget=length > cfg.budget)
-        lap("repair")
+        lap("attention")
+        plan = self.policy.plan(scores, seconds)
+        clock = time.perf_counter()
         # Step 3e and Step 4
         actions = steps.consolidate(sampled.token_id, plan.actions)
+        for observer in self.observers:
+            observer.before_apply(self, actions)
         report = sm.apply(actions)
+        for observer in self.observers:
+            observer.after_apply(self, actions, report)
         lap("apply")
         if cfg.refresh_every and self.tick % cfg.refresh_every == 0 and not report.rebuilt:
             sm.rebuild()
             self.counts["refreshes"] += 1
             lap("refresh")
-        outcomes = [outcome for _, outcome in plan.outcomes]
-        self.counts["repairs"] += outcomes.count(steps.repair.REPLACED)
-        self.counts["culls"] += outcomes.count(steps.repair.DELETED)
+        kinds = [a["action"] for a in actions]
+        self.counts["repairs"] += kinds.count("replace_pair")
+        self.counts["culls"] += kinds.count("delete")
         self.counts["rebuilds"] += report.rebuilt
         live = sm.mirror
         new_brightness = live.brightness()
@@ -154,7 +165,8 @@ class Brain:
             tick=self.tick, token_id=sampled.token_id, text=live.ledger[live.live.ledger_ids[-1]].text,
             actions=actions, outcomes=plan.outcomes, live_length=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
-            brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, seconds=seconds)
+            brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
+            seconds=seconds)
 
     def generator_state(self) -> torch.Tensor:
         return self.generator.get_state()

@@ -1,0 +1,67 @@
+"""Maintenance policies: what to cut from the context this tick (DESIGN §2 Steps 2b–3d, §5).
+
+A policy sees each tick's attention scores (one per live row) and returns position-editing
+actions; Step 3e adds the generated token and Step 4 applies everything through the same
+StateManager operations, whatever the policy. Per-token state a policy keeps (brightness
+lives in the mirror; other policies key theirs by ledger id) survives every splice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import steps
+
+from .repairers import make_repairer
+
+
+@dataclass
+class PolicyPlan:
+    """Actions for Step 3e and, per selected pair or row, what becomes of it, in words."""
+
+    actions: list[dict] = field(default_factory=list)
+    outcomes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+    stop: bool = False  # the policy cannot continue (e.g. `none` at capacity, asked to stop)
+
+
+class Policy(Protocol):
+    def plan(self, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
+        """Decide this tick's edits; may record its sub-step timings in `seconds`."""
+        ...
+
+
+class BrightnessPolicy:
+    """The halo rules: brightness from attention, then repair or cull the dimmest pairs."""
+
+    def __init__(self, state, config):
+        self.state, self.config = state, config
+        self.rule = steps.RULES[config.brightness]
+        state.new_brightness = self.rule.start
+        self.repairer = make_repairer(config.repairer, state, tokens=config.repair_tokens)
+
+    def plan(self, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
+        cfg, sm = self.config, self.state
+        clock = time.perf_counter()
+        brightness = self.rule.update(sm.mirror.brightness(), scores)
+        sm.set_brightness(brightness)
+        length = len(brightness)
+        pairs = steps.select_pairs(brightness, steps.cull_count(length, cfg.budget), sinks=cfg.sinks,
+                                   protect=cfg.protect, window=cfg.window)
+        seconds["brightness"] = (now := time.perf_counter()) - clock
+        live_ids = sm.live_token_ids() if pairs else []
+        proposals = [self.repairer.propose(live_ids, pair) for pair in pairs]
+        repairs = steps.plan_repairs(pairs, proposals, must_meet_budget=length > cfg.budget)
+        seconds["repair"] = time.perf_counter() - now
+        return PolicyPlan(repairs.actions, [(pair, outcome) for pair, outcome in repairs.outcomes])
+
+
+POLICIES = {"brightness": BrightnessPolicy}
+
+
+def make_policy(name: str, state, config) -> Policy:
+    try:
+        return POLICIES[name](state, config)
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -1,0 +1,97 @@
+"""One invocation of the brain: ticks, the event log, checkpoints, memory samples, Ctrl-C.
+
+Both views (plain progress and the live terminal view) drive a run through `Runner.run`,
+passing a callback that sees every TickRecord; the bookkeeping lives only here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import session as sessions
+from .loop import Brain, TickRecord
+
+RSS_SAMPLES = (1000, 10000)  # ticks at which resident memory is recorded
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class RunResult:
+    ticks: int = 0  # ticks run by this invocation
+    seconds: float = 0.0
+    interrupted: bool = False
+    stopped: bool = False  # the policy ended the run
+    saved_to: Path | None = None
+    rss_mb: dict[int, float] = field(default_factory=dict)  # ticks run -> RSS
+
+
+class Runner:
+    def __init__(self, brain: Brain, model_name: str, ticks: int, *, events: Path | None = None,
+                 append_events: bool = False, session: Path | None = None, save_every: int = 100):
+        self.brain, self.model_name, self.ticks = brain, model_name, ticks
+        self.events, self.append_events = events, append_events
+        self.session, self.save_every = session, save_every
+
+    def run(self, on_tick: Callable[[TickRecord, RunResult], None]) -> RunResult:
+        """Run the ticks; Ctrl-C ends the run cleanly (the session is saved either way)."""
+        result, brain = RunResult(), self.brain
+        log = open(self.events, "a" if self.append_events else "w", encoding="utf-8") if self.events else None
+        start = time.perf_counter()
+        try:
+            for done in range(1, self.ticks + 1):
+                record = brain.step()
+                result.ticks, result.seconds = done, time.perf_counter() - start
+                if log:
+                    log.write(json.dumps(record.to_json()) + "\n")
+                if self.session and brain.tick % self.save_every == 0:
+                    sessions.save(self.session, brain, self.model_name)
+                if done in RSS_SAMPLES:
+                    result.rss_mb[done] = rss_mb()
+                on_tick(record, result)
+                if record.stopped:
+                    result.stopped = True
+                    break
+        except KeyboardInterrupt:
+            result.interrupted = True
+        finally:
+            result.seconds = time.perf_counter() - start
+            if log:
+                log.close()
+            if self.session:
+                result.saved_to = sessions.save(self.session, brain, self.model_name)
+        return result
+
+
+def summary(brain: Brain, lm, result: RunResult) -> str:
+    """The closing lines of a run, in words."""
+    c, ledger = brain.counts, brain.state.mirror.ledger
+    lines = [
+        "--- summary ---" + (" (interrupted)" if result.interrupted else "") + (" (policy stopped)" if result.stopped else ""),
+        f"model {lm.name} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), store {type(brain.state.store).__name__}, "
+        f"policy {brain.config.policy}",
+        f"ticks {result.ticks} in {result.seconds:.1f} s ({result.ticks / max(result.seconds, 1e-9):.2f} tok/s); "
+        f"now at tick {brain.tick}",
+        f"live {len(brain.state)} / budget {brain.config.budget}; ledger {len(ledger)} tokens "
+        f"({ledger.count('culled')} culled, {ledger.count('replaced')} replaced)",
+        f"repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  refreshes {c['refreshes']}",
+        f"cache {brain.state.store.memory_usage_mb():.1f} MiB  RSS {rss_mb():.0f} MiB"
+        + "".join(f"  (RSS after {k} ticks: {v:.0f} MiB)" for k, v in result.rss_mb.items()),
+    ]
+    if result.saved_to:
+        lines.append(f"session saved: {result.saved_to} (tick {brain.tick})")
+    return "\n".join(lines)
