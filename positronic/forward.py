@@ -36,7 +36,7 @@ def causal_mask(past: int, new: int, dtype: torch.dtype, device: torch.device) -
     return mask[None, None]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def forward(
     lm, cache: Cache, token_ids: list[int], positions: list[int], *, attention: bool = False
 ) -> ForwardResult:
@@ -74,7 +74,7 @@ def prefill(lm, cache: Cache, token_ids: list[int], positions: list[int]) -> For
     return forward(lm, cache, token_ids[-1:], positions[-1:], attention=True)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def fresh_layer0_kv(lm, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's K/V computed from scratch: they depend only on token and position.
 

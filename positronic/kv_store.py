@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import rope
 
@@ -136,7 +136,121 @@ class DynamicStore(KVStore):
         self.cache = DynamicCache()
 
 
-STORES = {"dynamic": DynamicStore}
+class PreallocatedStore(KVStore):
+    """Fast backend: one buffer for every layer, K and V, with a length counter.
+
+    buffer: [2 (keys, values), layers, kv_heads, capacity, head_dim]; rows [0, length) are
+    live. An edit is one in-place row move for all layers at once; appends write into spare
+    capacity, so steady-state decoding never reallocates. Capacity doubles when exceeded.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 1024):
+        self._num_layers, self.capacity = num_layers, capacity
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
+        self.cache = Cache(layers=[_BufferLayer(self, index) for index in range(num_layers)])
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    def __len__(self) -> int:
+        return self.length
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffer is None:
+            raise IndexError("the store is empty")
+        return self.buffer[0, index, None, :, : self.length], self.buffer[1, index, None, :, : self.length]
+
+    def reserve(self, rows: int, like: torch.Tensor) -> None:
+        """Make room for `rows` rows; `like` ([1, kv_heads, n, head_dim]) fixes dtype, device, shape."""
+        if self.buffer is not None and rows <= self.buffer.shape[3]:
+            return
+        capacity = max(rows, self.capacity if self.buffer is None else 2 * self.buffer.shape[3])
+        shape = (2, self.num_layers, like.shape[1], capacity, like.shape[3])
+        buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if self.buffer is not None:
+            buffer[:, :, :, : self.length] = self.buffer[:, :, :, : self.length]
+        self.buffer = buffer
+
+    def delete(self, row: int) -> None:
+        end = self.length
+        if row < end - 1:  # source and destination overlap: move through a temporary
+            self.buffer[:, :, :, row : end - 1] = self.buffer[:, :, :, row + 1 : end].clone()
+        self.length -= 1
+
+    def insert(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.buffer is not None:
+            self.check_block(keys, values)
+        count, end = keys.shape[3], self.length
+        self.reserve(end + count, keys[0])
+        if row < end:
+            self.buffer[:, :, :, row + count : end + count] = self.buffer[:, :, :, row:end].clone()
+        self.buffer[:, :, :, row : row + count] = torch.stack((keys[:, 0], values[:, 0]))
+        self.length += count
+
+    def rotate_keys(self, start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        keys = self.buffer[0, :, :, start : self.length]  # [layers, kv_heads, rows, head_dim]
+        self.buffer[0, :, :, start : self.length] = rope.rotate(keys, cos, sin)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def memory_usage_mb(self) -> float:
+        """What the buffer holds, spare capacity included."""
+        return 0.0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size() / 2**20
+
+
+class _BufferLayer(CacheLayerMixin):
+    """What the model sees of one layer of a PreallocatedStore: views of the shared buffer.
+
+    A forward writes its new rows after the live ones in every layer; the last layer's
+    write makes them live (all layers hold them by then).
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, store: PreallocatedStore, index: int):
+        self.store, self.index = store, index
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.store.layer(self.index)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.store.layer(self.index)[1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        store, start, count = self.store, self.store.length, key_states.shape[-2]
+        store.reserve(start + count, key_states)
+        store.buffer[0, self.index, :, start : start + count] = key_states[0]
+        store.buffer[1, self.index, :, start : start + count] = value_states[0]
+        keys = store.buffer[0, self.index, None, :, : start + count]
+        values = store.buffer[1, self.index, None, :, : start + count]
+        if self.index == store.num_layers - 1:
+            store.length += count
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.store.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store.reset()
+
+
+STORES = {"dynamic": DynamicStore, "preallocated": PreallocatedStore}
 
 
 def make_store(kind: str, num_layers: int) -> KVStore:

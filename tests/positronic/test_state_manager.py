@@ -13,6 +13,15 @@ from positronic.actions import ActionError
 from positronic.forward import fresh_layer0_kv
 from positronic.state_manager import StateManager
 
+STORES = ["dynamic", "preallocated"]
+
+
+@pytest.fixture(params=STORES)
+def store(request):
+    """Every Step 4 test runs on each KV store backend."""
+    return request.param
+
+
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."
 
 
@@ -47,9 +56,9 @@ def snapshot(sm):
 # --- 1. layer-0 exactness on SmolLM2 --------------------------------------------------------
 
 
-def test_layer0_matches_fresh_prefill_after_random_edits(smol):
+def test_layer0_matches_fresh_prefill_after_random_edits(smol, store):
     rng = random.Random(1)
-    sm = StateManager.from_tokens(smol, prompt_ids(smol))
+    sm = StateManager.from_tokens(smol, prompt_ids(smol), store=store)
     expected = sm.live_token_ids()
     edge_lists = [
         [{"action": "delete", "position": 0}],
@@ -74,9 +83,9 @@ def test_layer0_matches_fresh_prefill_after_random_edits(smol):
 # --- 2. incremental decode parity (seed 001) ------------------------------------------------
 
 
-def test_incremental_decode_matches_one_forward(smol):
+def test_incremental_decode_matches_one_forward(smol, store):
     token_ids = prompt_ids(smol)[:24]
-    sm = StateManager.from_tokens(smol, token_ids[:1])
+    sm = StateManager.from_tokens(smol, token_ids[:1], store=store)
     incremental = [sm.next_logits]
     for token_id in token_ids[1:]:
         sm.append([token_id])
@@ -87,8 +96,8 @@ def test_incremental_decode_matches_one_forward(smol):
     assert ratio <= 1e-5, f"max |dlogit| / max |logit| = {ratio:.2e}"
 
 
-def test_store_refuses_a_block_of_the_wrong_shape(tiny):
-    sm = StateManager.from_tokens(tiny, [1, 2, 3, 4])
+def test_store_refuses_a_block_of_the_wrong_shape(tiny, store):
+    sm = StateManager.from_tokens(tiny, [1, 2, 3, 4], store=store)
     keys, values = sm.store.layer(0)
     good = torch.zeros(tiny.num_layers, 1, tiny.num_kv_heads, 2, tiny.head_dim)
     bad_head_dim = torch.zeros(tiny.num_layers, 1, tiny.num_kv_heads, 2, tiny.head_dim + 1)
@@ -102,9 +111,9 @@ def test_store_refuses_a_block_of_the_wrong_shape(tiny):
 # --- 3. rebuild -----------------------------------------------------------------------------
 
 
-def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol):
+def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol, store):
     rng = random.Random(3)
-    sm = StateManager.from_tokens(smol, prompt_ids(smol))
+    sm = StateManager.from_tokens(smol, prompt_ids(smol), store=store)
     for _ in range(5):
         sm.apply(random_actions(rng, len(sm), smol.vocab_size, adds=(1, 1)))
     assert sm.positions() != list(range(len(sm))), "edits should leave gaps in the positions"
@@ -124,10 +133,10 @@ def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), start=st.integers(1, 12), rounds=st.integers(1, 8))
-def test_random_action_lists_match_a_list_model(tiny, seed, start, rounds):
+def test_random_action_lists_match_a_list_model(tiny, store, seed, start, rounds):
     rng = random.Random(seed)
     expected = [rng.randrange(tiny.vocab_size) for _ in range(start)]
-    sm = StateManager.from_tokens(tiny, expected)
+    sm = StateManager.from_tokens(tiny, expected, store=store)
     for _ in range(rounds):
         actions = random_actions(rng, len(sm), tiny.vocab_size, max_new=4)
         report = sm.apply(actions)
@@ -175,8 +184,8 @@ BAD_LISTS = [
 
 
 @pytest.mark.parametrize("actions, message", BAD_LISTS, ids=[m for _, m in BAD_LISTS])
-def test_bad_action_list_is_refused_and_changes_nothing(tiny, actions, message):
-    sm = StateManager.from_tokens(tiny, list(range(1, 11)))
+def test_bad_action_list_is_refused_and_changes_nothing(tiny, store, actions, message):
+    sm = StateManager.from_tokens(tiny, list(range(1, 11)), store=store)
     sm.apply([{"action": "delete", "position": 2}, {"action": "add", "token_id": 77}])  # some history
     before = snapshot(sm)
     with pytest.raises(ActionError, match=message):
@@ -215,9 +224,9 @@ def ids_after_edits(ids, count):
 
 @pytest.mark.parametrize("mid_edit", [False, True], ids=["between-edits", "between-blades"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 8, 9])
-def test_fault_mid_tick_rebuilds_a_consistent_state(tiny, k, mid_edit):
+def test_fault_mid_tick_rebuilds_a_consistent_state(tiny, store, k, mid_edit):
     rng = random.Random(k)
-    sm = StateManager.from_tokens(tiny, [rng.randrange(512) for _ in range(30)])
+    sm = StateManager.from_tokens(tiny, [rng.randrange(512) for _ in range(30)], store=store)
     before = sm.live_token_ids()
     assert ids_after_edits(before, len(TICK_EDITS)) == apply_to_list(before, TICK)
     sm.inject_fault(k, mid_edit=mid_edit)
@@ -227,7 +236,7 @@ def test_fault_mid_tick_rebuilds_a_consistent_state(tiny, k, mid_edit):
     # the mirror holds exactly the edits that completed; a half-done edit counts for nothing
     assert sm.live_token_ids() == ids_after_edits(before, k - 1 if mid_edit else k)
     # every layer equals a cache computed from scratch from the mirror
-    fresh = StateManager.from_mirror(tiny, mirror_pkg.from_bytes(mirror_pkg.to_bytes(sm.mirror))[0])
+    fresh = StateManager.from_mirror(tiny, mirror_pkg.from_bytes(mirror_pkg.to_bytes(sm.mirror))[0], store=store)
     for i in range(tiny.num_layers):
         for a, b in zip(sm.store.layer(i), fresh.store.layer(i)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -237,9 +246,9 @@ def test_fault_mid_tick_rebuilds_a_consistent_state(tiny, k, mid_edit):
 # --- 7. drift under long runs in float16 ----------------------------------------------------
 
 
-def test_keys_stay_close_to_fresh_values_through_2000_edits(tiny_half):
+def test_keys_stay_close_to_fresh_values_through_2000_edits(tiny_half, store):
     lm, rng = tiny_half, random.Random(7)
-    sm = StateManager.from_tokens(lm, [rng.randrange(lm.vocab_size) for _ in range(40)])
+    sm = StateManager.from_tokens(lm, [rng.randrange(lm.vocab_size) for _ in range(40)], store=store)
     edits_seen = {}  # ledger id -> coupled edits made while it was live
     while sm.edits < 2000:
         length = len(sm)
