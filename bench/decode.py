@@ -1,0 +1,131 @@
+"""Decode speed: Hugging Face `generate` against the brain's loop, per store backend.
+
+    python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32]
+
+For each live length it prints ms per token and tokens/s for
+  (a) hf-generate   `model.generate` on the same model object, greedy, prefill excluded;
+  (b) loop, maintenance off — sample + apply([add]) per tick (one forward, no edits);
+  (c) loop, maintenance on — a full Brain tick at budget = context: brightness, one
+      dimmest pair repaired by the self repairer, Step 4;
+(b) and (c) on each store backend, with ratios against (a) from the same run, plus the
+Step 4 share of a maintained tick and peak memory (CUDA: max allocated; CPU: peak RSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import steps  # noqa: E402
+from positronic import StateManager, load_model  # noqa: E402
+from positronic.kv_store import STORES  # noqa: E402
+from positronic.loop import Brain, BrainConfig  # noqa: E402
+
+
+def sync(lm) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_mb(lm) -> float:
+    if lm.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def context_ids(lm, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(length)
+    return [lm.bos_id] + torch.randint(3, lm.vocab_size, (length - 1,), generator=generator).tolist()
+
+
+def hf_generate(lm, ids: list[int], ticks: int) -> float:
+    """Median seconds between consecutive decode steps of `generate` (so prefill is excluded);
+    a logits processor stamps the time at every step."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            sync(lm)
+            stamps.append(time.perf_counter())
+            return scores
+
+    with torch.no_grad():
+        lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=1 + ticks, min_new_tokens=1 + ticks,
+                          do_sample=False, logits_processor=LogitsProcessorList([Clock()]),
+                          pad_token_id=lm.eos_id if lm.eos_id is not None else 0)
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def loop_plain(lm, ids: list[int], ticks: int, store: str) -> float:
+    """Seconds per tick of sample + apply([add]): the loop with maintenance off."""
+    sm = StateManager.from_tokens(lm, ids, store=store)
+    times = []
+    for _ in range(ticks):
+        sync(lm)
+        start = time.perf_counter()
+        token = steps.sample(sm.next_logits, temperature=0).token_id
+        sm.apply([{"action": "add", "token_id": token}])
+        sync(lm)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def loop_maintained(lm, ids: list[int], ticks: int, store: str) -> tuple[float, float]:
+    """Seconds per full Brain tick at budget = context, and the Step 4 share of it."""
+    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32), store=store)
+    times, shares = [], []
+    for _ in range(ticks):
+        sync(lm)
+        start = time.perf_counter()
+        record = brain.step()
+        sync(lm)
+        times.append(time.perf_counter() - start)
+        shares.append(record.seconds["apply"] / times[-1])
+    return statistics.median(times), statistics.median(shares)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:tinyllama")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--ticks", type=int, default=32)
+    parser.add_argument("--stores", nargs="+", default=list(STORES))
+    args = parser.parse_args()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    import transformers
+
+    device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
+    print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  torch {torch.__version__}  "
+          f"transformers {transformers.__version__}  ticks {args.ticks}  {time.strftime('%Y-%m-%d')}")
+    print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'step4':>6} {'peak MiB':>9}")
+    for context in args.contexts:
+        if context > lm.max_positions:
+            print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
+            continue
+        ids = context_ids(lm, context)
+        base = hf_generate(lm, ids, args.ticks)
+        rows = [("(a) hf-generate", base, None)]
+        for store in args.stores:
+            rows.append((f"(b) loop, maintenance off, {store}", loop_plain(lm, ids, args.ticks, store), None))
+            seconds, share = loop_maintained(lm, ids, args.ticks, store)
+            rows.append((f"(c) loop, maintenance on, {store}", seconds, share))
+        for name, seconds, share in rows:
+            step4 = f"{share:>6.1%}" if share is not None else f"{'':>6}"
+            print(f"{context:>7} {name:<40} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {base / seconds:>5.2f}x "
+                  f"{step4} {peak_memory_mb(lm):>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
