@@ -97,8 +97,6 @@ def run(
     else:
         text = DEFAULT_PROMPT if prompt is None else prompt
         prompt_ids = [lm.bos_id] + lm.encode(text)
-        if len(prompt_ids) + ticks > lm.max_positions and len(prompt_ids) >= budget:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; the budget is {budget}")
         brain = Brain.start(lm, prompt_ids, config, store=store)
     if capture is not None:
         from .fixtures import Capture
