@@ -58,6 +58,7 @@ def run(
     repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
     seed: int = typer.Option(0, help="Sampling seed."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
+    refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
     store: str = typer.Option("dynamic", help="KV store backend."),
@@ -89,7 +90,8 @@ def run(
                                                kv_protected_tokens)
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
                          repairer=repairer, repair_tokens=repair_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every)
+                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
+                         refresh_kl=refresh_kl)
     config.validate()
     lm = load_model(model, device=device, dtype=dtype)
     if resume:
@@ -167,6 +169,32 @@ def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")
     from .fixtures import print_replay
 
     print_replay(file)
+
+
+@app.command("eval")
+def eval_command(
+    model: str = typer.Option("smollm2", help="Model, as for the run command."),
+    text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
+    budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
+    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: all five)."),
+    max_tokens: int = typer.Option(1024, help="Text tokens to score."),
+    out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot."),
+    segments: int = typer.Option(8, help="Perplexity segments reported per run."),
+    sinks: int = typer.Option(4, min=0, max=256, help="Attention-sink rows never evicted."),
+    protect: int = typer.Option(0, min=0, help="Protected prefix rows."),
+    at_capacity: str = typer.Option("shift", help="Policy none when full: shift | stop."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
+    probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe (default: max budget + 128)."),
+    smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+) -> None:
+    """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe."""
+    from .evaluate import main as evaluate_main
+
+    evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
+                  segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
+                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

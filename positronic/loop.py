@@ -42,13 +42,14 @@ class BrainConfig:
     penalty_window: int = 64  # recent tokens the repetition penalty looks at
     seed: int = 0
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
+    refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
         if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
             raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
                              f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
-        for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every"):
+        for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every", "refresh_kl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:
@@ -110,6 +111,7 @@ class Brain:
         if generator_state is not None:
             self.generator.set_state(generator_state)
         self.counts = {"repairs": 0, "culls": 0, "rebuilds": 0, "refreshes": 0}
+        self.last_divergence: float | None = None
 
     @classmethod
     def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None, *, store: str = "dynamic") -> "Brain":
@@ -151,7 +153,7 @@ class Brain:
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")
-        if cfg.refresh_every and self.tick % cfg.refresh_every == 0 and not report.rebuilt:
+        if not report.rebuilt and self._refresh_due(report):
             sm.rebuild()
             self.counts["refreshes"] += 1
             lap("refresh")
@@ -167,6 +169,18 @@ class Brain:
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
             seconds=seconds)
+
+    KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
+
+    def _refresh_due(self, report) -> bool:
+        """Periodic refresh, or a threshold on the measured divergence (DESIGN §4 fidelity)."""
+        cfg = self.config
+        if cfg.refresh_every and self.tick % cfg.refresh_every == 0:
+            return True
+        if cfg.refresh_kl and self.tick % self.KL_CHECK_EVERY == 0 and self.state.next_logits is not None:
+            self.last_divergence = self.state.divergence()
+            return self.last_divergence > cfg.refresh_kl
+        return False
 
     def generator_state(self) -> torch.Tensor:
         return self.generator.get_state()

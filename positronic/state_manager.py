@@ -51,9 +51,10 @@ class ApplyReport:
 
 
 class StateManager:
-    def __init__(self, lm, store: KVStore, mirror: Mirror):
+    def __init__(self, lm, store: KVStore, mirror: Mirror, *, store_kind: str = "dynamic"):
         self.lm = lm
         self.store = store
+        self.store_kind = store_kind  # backend for scratch caches (divergence)
         self.mirror = mirror
         self.tick = 0  # stamped on ledger entries; the loop advances it
         self.new_brightness = 255.0  # brightness a new token starts with (depends on the rule)
@@ -72,7 +73,7 @@ class StateManager:
         """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1."""
         if not token_ids:
             raise ValueError("a context needs at least one token")
-        manager = cls(lm, make_store(store, lm.num_layers), Mirror())
+        manager = cls(lm, make_store(store, lm.num_layers), Mirror(), store_kind=store)
         manager.new_brightness = brightness
         manager.append(list(token_ids), source=source)
         return manager
@@ -81,7 +82,7 @@ class StateManager:
     def from_mirror(cls, lm, mirror: Mirror, *, store: str = "dynamic") -> "StateManager":
         """Resume from a saved mirror: the cache is recomputed from its live rows."""
         mirror.check(lm.max_positions)
-        manager = cls(lm, make_store(store, lm.num_layers), mirror)
+        manager = cls(lm, make_store(store, lm.num_layers), mirror, store_kind=store)
         manager.rebuild(count=False)
         return manager
 
@@ -233,6 +234,19 @@ class StateManager:
             result = prefill(self.lm, self.store.cache, token_ids, positions)
             self.next_logits, self.last_attention = result.logits, result.attention
         self.rebuilds += count
+
+    def divergence(self) -> float:
+        """KL(fresh ‖ spliced) in nats of the next-token distribution: what the splices cost.
+
+        "fresh" is a cache computed from scratch from the same live tokens at the same
+        positions (in a scratch store); the live state is not touched. Costs one prefill.
+        """
+        if self.next_logits is None:
+            raise ValueError("no next-token logits: the last operation was not an append")
+        scratch = make_store(self.store_kind, self.lm.num_layers)
+        fresh = prefill(self.lm, scratch.cache, self.live_token_ids(), self.positions()).logits
+        log_fresh, log_spliced = fresh.log_softmax(-1), self.next_logits.log_softmax(-1)
+        return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
 
     # --- invariants ---------------------------------------------------------------------
 

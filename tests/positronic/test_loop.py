@@ -144,3 +144,31 @@ def test_unknown_repairer_is_refused(tiny):
     sm = StateManager.from_tokens(tiny, [1, 2, 3])
     with pytest.raises(RepairerError, match="unknown repairer"):
         make_repairer("oracle", sm)
+
+
+# --- fidelity -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["dynamic", "preallocated"])
+def test_divergence_measures_what_splicing_costs(tiny, store):
+    sm = StateManager.from_tokens(tiny, [1] + list(range(40, 80)), store=store)
+    assert sm.divergence() < 1e-9, "a freshly built cache equals itself"
+    sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11, "new_token_ids": [300]},
+              {"action": "add", "token_id": 5}])
+    spliced = sm.divergence()
+    assert spliced > 1e-6, "later rows still carry the replaced tokens' trace"
+    before = sm.live_token_ids(), sm.positions()
+    sm.rebuild()
+    assert (sm.live_token_ids(), sm.positions()) == before
+    assert sm.divergence() < 1e-9
+
+
+def test_refresh_kl_rebuilds_only_above_the_threshold(tiny):
+    ids = [1] + list(range(40, 70))
+    eager = Brain.start(tiny, ids, BrainConfig(budget=40, refresh_kl=1e-12))
+    lazy = Brain.start(tiny, ids, BrainConfig(budget=40, refresh_kl=1e9))
+    for _ in range(100):
+        eager.step()
+        lazy.step()
+    assert eager.counts["refreshes"] == 2 and eager.last_divergence > 1e-12
+    assert lazy.counts["refreshes"] == 0 and lazy.last_divergence is not None
