@@ -50,7 +50,8 @@ class Runner:
     def run(self, on_tick: Callable[[TickRecord, RunResult], None]) -> RunResult:
         """Run the ticks; Ctrl-C ends the run cleanly (the session is saved either way)."""
         result, brain = RunResult(), self.brain
-        log = open(self.events, "a" if self.append_events else "w", encoding="utf-8") if self.events else None
+        # line-buffered, so `tail -f` shows every tick as it happens
+        log = open(self.events, "a" if self.append_events else "w", encoding="utf-8", buffering=1) if self.events else None
         start = time.perf_counter()
         try:
             for done in range(1, self.ticks + 1):
