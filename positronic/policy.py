@@ -14,6 +14,7 @@ from typing import Protocol
 
 import steps
 
+from .eviction import EVICTION_POLICIES
 from .repairers import make_repairer
 
 
@@ -57,7 +58,7 @@ class BrightnessPolicy:
         return PolicyPlan(repairs.actions, [(pair, outcome) for pair, outcome in repairs.outcomes])
 
 
-POLICIES = {"brightness": BrightnessPolicy}
+POLICIES = {"brightness": BrightnessPolicy, **EVICTION_POLICIES}  # streaming, scored, h2o, none
 
 
 def make_policy(name: str, state, config) -> Policy:

@@ -1,0 +1,441 @@
+"""How much a bounded cache costs: perplexity of a long text per policy and budget.
+
+    positronic eval --budget 128 --budget 256 --max-tokens 1024 --out bench/eval_results
+    python run.py eval --policy h2o --policy streaming --budget 64 --text my.txt
+
+    from positronic.evaluate import evaluate, write_outputs
+    report = evaluate(lm, text, policies=["streaming", "h2o"], budgets=[128], max_tokens=512)
+    report.runs[0].ppl, report.runs[0].ratio, report.runs[0].probe.recalled
+
+Teacher forcing through the real tick machinery: the text is tokenized (BOS first) and fed
+one token per tick into a StateManager. At each tick the NLL of the true next token is read
+from `sm.next_logits` (log-softmax) *before* it is added; then the policy plans with the
+scores of `sm.last_attention` (exactly as the Brain does), and its actions plus an `add` of
+the true token go through `sm.apply`. So every policy sees, edits and is scored on the same
+cache the generator would have; brightness may repair (its self repairer proposes tokens).
+
+Reported per (policy, budget): perplexity exp(mean NLL) over all predicted tokens and over
+`segments` equal consecutive chunks, and the ratio to the full cache over the same tokens.
+The full-cache reference is policy `none` with a budget above the stream length (so nothing
+is ever evicted); it is run automatically whenever the stream fits the model's positions.
+`none` below that budget follows `at_capacity`: `shift` (default here; llama.cpp's context
+shift) or `stop` (the run ends when the cache is full; later tokens are not scored and the
+coverage column says how many were).
+
+Retrieval probe: a fact stated right after BOS ("The secret code is 4817. ..."), then
+`probe_filler` tokens of the text (default: the largest budget + 128, so every bounded cache
+has had to evict by then), then the question "The secret code is"; the answer " 4817" is
+teacher-forced and its log-probability (sum over its tokens) and the rank of each answer
+token under the next-token distribution are recorded. `recalled` = every answer token ranked
+first (greedy decoding would reproduce the code). The fact sits outside the sinks (rows 1..)
+and is not protected, so it survives only if the policy keeps it.
+
+Outputs (`write_outputs`): results.csv (one row per run), results.json (settings, every run
+with its per-token NLL), nll_by_position.png (moving-average NLL over position, one subplot
+per budget, one line per policy, the full cache dashed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import steps
+
+from .eviction import EvictionPolicy
+from .loop import BrainConfig
+from .policy import POLICIES, make_policy
+from .state_manager import StateManager
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "texts" / "alice_ch1-2.txt"
+DEFAULT_POLICIES = ("brightness", "streaming", "scored", "h2o", "none")
+DEFAULT_BUDGETS = (128, 256, 512)
+PROBE_FACT = "The secret code is 4817. Remember this code.\n\n"
+PROBE_QUESTION = "\n\nQuestion: what is the secret code? Answer: The secret code is"
+PROBE_ANSWER = " 4817"
+
+
+class EvalError(ValueError):
+    """A bad evaluation setting (printed as one line by the CLI, exit code 2)."""
+
+
+@dataclass
+class ProbeResult:
+    logprob: float  # sum of the answer tokens' log-probabilities (natural log)
+    ranks: list[int]  # rank of each answer token (1 = most likely)
+    filler: int  # tokens between the fact and the question
+    recalled: bool = False  # every answer token ranked first
+
+    def __post_init__(self):
+        self.recalled = bool(self.ranks) and all(r == 1 for r in self.ranks)
+
+
+@dataclass
+class RunSummary:
+    policy: str
+    budget: int | None  # None: the full-cache reference
+    tokens: int  # tokens scored (fewer than the stream when `none` stopped)
+    ppl: float
+    segments: list[float | None]  # perplexity per segment (None: not reached)
+    ratio: float | None = None  # ppl / full-cache ppl over the same tokens
+    segment_ratios: list[float | None] = field(default_factory=list)
+    probe: ProbeResult | None = None
+    deletes: int = 0
+    repairs: int = 0
+    max_live: int = 0
+    stopped_at: int | None = None  # stream index at which `none` (stop) ended the run
+    rebuilds: int = 0
+    seconds: float = 0.0
+    nll: list[float] = field(default_factory=list)  # per scored token, in stream order
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}@{'full' if self.budget is None else self.budget}"
+
+
+@dataclass
+class EvalReport:
+    model: str
+    text: str
+    stream_tokens: int  # BOS + text tokens fed
+    settings: dict
+    runs: list[RunSummary]
+    reference: RunSummary | None
+
+
+@dataclass
+class StreamResult:
+    nll: list[float]
+    ranks: list[int]  # ranks of the tokens at index >= rank_from
+    stopped_at: int | None
+    deletes: int
+    repairs: int
+    max_live: int
+    rebuilds: int
+    seconds: float
+
+
+def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
+                score_layers="last") -> BrainConfig:
+    """The BrainConfig of one run; EvalError if the combination cannot run."""
+    config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
+                         score_layers=score_layers)
+    try:
+        config.validate()
+        cls = POLICIES[policy]
+        if isinstance(cls, type) and issubclass(cls, EvictionPolicy):
+            cls.check(config)
+    except ValueError as exc:
+        raise EvalError(str(exc)) from None
+    return config
+
+
+@torch.inference_mode()
+def run_stream(lm, ids: list[int], config: BrainConfig, *, rank_from: int | None = None,
+               on_token=None) -> StreamResult:
+    """Teacher-force `ids` (ids[0] is the start, usually BOS) through a cache kept by
+    `config.policy`. nll[i] is the NLL of ids[i + 1]. `on_token(i)` is called per step."""
+    if len(ids) < 2:
+        raise EvalError("the stream needs at least two tokens")
+    start = time.perf_counter()
+    sm = StateManager.from_tokens(lm, ids[:1], brightness=steps.RULES[config.brightness].start)
+    policy = make_policy(config.policy, sm, config)
+    nll: list[float] = []
+    ranks: list[int] = []
+    deletes = repairs = rebuilds = 0
+    max_live = len(sm)
+    stopped_at = None
+    for i in range(1, len(ids)):
+        target = ids[i]
+        logprobs = torch.log_softmax(sm.next_logits.float(), dim=-1)
+        nll.append(-float(logprobs[target]))
+        if rank_from is not None and i >= rank_from:
+            ranks.append(int((logprobs > logprobs[target]).sum()) + 1)
+        if on_token:
+            on_token(i)
+        if i == len(ids) - 1:
+            break
+        sm.tick += 1
+        scores = steps.scores(sm.last_attention, config.score_layers)
+        plan = policy.plan(scores, {})
+        actions = steps.consolidate(target, plan.actions)
+        report = sm.apply(actions)
+        kinds = [a["action"] for a in actions]
+        deletes += kinds.count("delete")
+        repairs += kinds.count("replace_pair")
+        rebuilds += report.rebuilt
+        max_live = max(max_live, len(sm))
+        if plan.stop:
+            stopped_at = i
+            break
+    return StreamResult(nll, ranks, stopped_at, deletes, repairs, max_live, rebuilds, time.perf_counter() - start)
+
+
+def perplexity(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll)) if nll else float("nan")
+
+
+def segment_bounds(count: int, segments: int) -> list[tuple[int, int]]:
+    """`segments` consecutive [start, stop) chunks of `count` scored tokens (as equal as possible)."""
+    segments = max(1, min(segments, count))
+    return [(count * k // segments, count * (k + 1) // segments) for k in range(segments)]
+
+
+def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
+    """BOS + fact + `filler` text tokens + question + answer; returns (ids, answer start)."""
+    head = [lm.bos_id] + lm.encode(PROBE_FACT) + text_ids[:filler] + lm.encode(PROBE_QUESTION)
+    return head + lm.encode(PROBE_ANSWER), len(head)
+
+
+def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
+             segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
+             probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
+             progress=None, on_run=None, text_name: str = "") -> EvalReport:
+    """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
+    full-cache reference when it fits. `progress` is a rich Progress (or None); `on_run`
+    is called with each finished RunSummary."""
+    policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
+    if not policies or not budgets:
+        raise EvalError("give at least one policy and one budget")
+    for name in policies:
+        if name not in POLICIES:
+            raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    if max_tokens < 2:
+        raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if segments < 1:
+        raise EvalError(f"segments must be >= 1, got {segments}")
+    configs = {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
+                                   score_layers=score_layers) for b in budgets for p in policies}
+    text_ids = lm.encode(text)
+    if len(text_ids) < 2:
+        raise EvalError("the text has fewer than 2 tokens")
+    ids = [lm.bos_id] + text_ids[:max_tokens]
+    filler = min(probe_filler if probe_filler is not None else max(budgets) + 128, len(text_ids))
+    if probe and filler < 0:
+        raise EvalError(f"probe filler must be >= 0, got {probe_filler}")
+    p_ids, answer_at = probe_stream(lm, text_ids, filler) if probe else ([], 0)
+    longest = max(len(ids), len(p_ids))
+    if max(budgets) > lm.max_positions:
+        raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
+
+    def one(policy: str, budget: int | None, config: BrainConfig) -> RunSummary:
+        label = f"{policy}@{'full' if budget is None else budget}"
+        task = progress.add_task(label, total=len(ids) - 1 + (len(p_ids) - 1 if probe else 0)) if progress else None
+        tick = (lambda i: progress.advance(task)) if progress else None
+        main = run_stream(lm, ids, config, on_token=tick)
+        bounds = segment_bounds(len(ids) - 1, segments)
+        seg = [perplexity(main.nll[a:b]) if b <= len(main.nll) else None for a, b in bounds]
+        summary = RunSummary(policy, budget, len(main.nll), perplexity(main.nll), seg, deletes=main.deletes,
+                             repairs=main.repairs, max_live=main.max_live, stopped_at=main.stopped_at,
+                             rebuilds=main.rebuilds, seconds=main.seconds, nll=main.nll)
+        if probe:
+            result = run_stream(lm, p_ids, config, rank_from=answer_at, on_token=tick)
+            if result.stopped_at is None:
+                answer = result.nll[answer_at - 1:]
+                summary.probe = ProbeResult(-sum(answer), result.ranks, filler)
+            summary.seconds += result.seconds
+            summary.rebuilds += result.rebuilds
+        if progress:
+            progress.update(task, completed=progress.tasks[task].total)
+        if on_run:
+            on_run(summary)
+        return summary
+
+    ref = None
+    if reference and longest <= lm.max_positions:  # the full cache fits: nothing is ever evicted
+        ref = one("none", None, BrainConfig(policy="none", budget=longest + 1, sinks=sinks, protect=protect,
+                                            at_capacity="stop", score_layers=score_layers))
+    runs = [one(p, b, configs[(p, b)]) for b in budgets for p in policies]
+    if ref is not None:
+        bounds = segment_bounds(len(ids) - 1, segments)
+        for run in runs:
+            run.ratio = run.ppl / perplexity(ref.nll[:run.tokens])
+            run.segment_ratios = [None if s is None else s / r for s, r in zip(run.segments, ref.segments)]
+        ref.ratio, ref.segment_ratios = 1.0, [1.0] * len(bounds)
+    settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=sinks,
+                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, probe=probe,
+                    probe_filler=filler if probe else None, probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
+                    probe_answer=PROBE_ANSWER, torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
+                    device=str(lm.device), threads=torch.get_num_threads())
+    return EvalReport(lm.name, text_name, len(ids), settings, runs, ref)
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _fmt(value, digits=2) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def table(report: EvalReport):
+    """A rich Table of the report: one row per run, the reference first."""
+    from rich.table import Table
+
+    runs = ([report.reference] if report.reference else []) + report.runs
+    nseg = len(runs[0].segments) if runs else 0
+    t = Table(title=f"{report.model} · {report.text or 'text'} · {report.stream_tokens - 1} tokens "
+                    f"(perplexity; ×full = ratio to the full cache)")
+    for name in ("policy", "budget", "ppl", "×full", *[f"s{k + 1}" for k in range(nseg)], "probe logp",
+                 "recalled", "evicted", "repairs", "max live", "ms/tok"):
+        t.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
+    for run in runs:
+        probe = run.probe
+        scored = run.tokens + (probe.filler if probe else 0)
+        t.add_row(run.policy, "full" if run.budget is None else str(run.budget), _fmt(run.ppl), _fmt(run.ratio, 3),
+                  *[_fmt(s, 1) for s in run.segments], _fmt(probe.logprob) if probe else "-",
+                  ("yes" if probe.recalled else "no") if probe else "-", str(run.deletes + 2 * run.repairs),
+                  str(run.repairs), str(run.max_live), f"{1000 * run.seconds / max(scored, 1):.0f}")
+    return t
+
+
+def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -> dict[str, Path]:
+    """Write results.csv, results.json and nll_by_position.png into `out` (created)."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    runs = ([report.reference] if report.reference else []) + report.runs
+    paths = {"csv": out / "results.csv", "json": out / "results.json", "png": out / "nll_by_position.png"}
+    nseg = len(runs[0].segments)
+    with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["policy", "budget", "tokens", "ppl", "ratio_to_full", *[f"seg{k + 1}_ppl" for k in range(nseg)],
+                         *[f"seg{k + 1}_ratio" for k in range(nseg)], "probe_logprob", "probe_ranks", "probe_recalled",
+                         "probe_filler", "evicted_rows", "deletes", "repairs", "max_live", "stopped_at", "rebuilds",
+                         "seconds"])
+        for run in runs:
+            probe = run.probe
+            writer.writerow([run.policy, "full" if run.budget is None else run.budget, run.tokens, f"{run.ppl:.4f}",
+                             _fmt(run.ratio, 4), *[_fmt(s, 4) for s in run.segments],
+                             *[_fmt(s, 4) for s in (run.segment_ratios or [None] * nseg)],
+                             _fmt(probe.logprob, 4) if probe else "", " ".join(map(str, probe.ranks)) if probe else "",
+                             probe.recalled if probe else "", probe.filler if probe else "",
+                             run.deletes + 2 * run.repairs, run.deletes, run.repairs, run.max_live,
+                             "" if run.stopped_at is None else run.stopped_at, run.rebuilds, f"{run.seconds:.1f}"])
+    data = {"model": report.model, "text": report.text, "stream_tokens": report.stream_tokens,
+            "settings": report.settings,
+            "reference": _run_json(report.reference) if report.reference else None,
+            "runs": [_run_json(run) for run in report.runs]}
+    paths["json"].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    plot(report, paths["png"], smooth=smooth)
+    return paths
+
+
+def _run_json(run: RunSummary) -> dict:
+    data = asdict(run)
+    data["nll"] = [round(x, 4) for x in run.nll]
+    data["label"] = run.label
+    return data
+
+
+def moving_average(values: list[float], window: int) -> tuple[list[int], list[float]]:
+    """Trailing moving average: (x, y) with y[k] = mean(values[x-window+1 .. x])."""
+    window = max(1, min(window, len(values)))
+    total, xs, ys = 0.0, [], []
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            xs.append(i + 1)
+            ys.append(total / window)
+    return xs, ys
+
+
+def plot(report: EvalReport, path: Path, *, smooth: int | None = None) -> None:
+    """NLL over position (moving average), one subplot per budget, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = list(dict.fromkeys(run.budget for run in report.runs))
+    window = smooth or max(8, (report.stream_tokens - 1) // 16)
+    fig, axes = plt.subplots(len(budgets), 1, figsize=(10, 3.2 * len(budgets)), sharex=True, squeeze=False)
+    colors = {"brightness": "tab:orange", "streaming": "tab:blue", "scored": "tab:green", "h2o": "tab:red",
+              "none": "tab:purple"}
+    for ax, budget in zip(axes[:, 0], budgets):
+        if report.reference:
+            ax.plot(*moving_average(report.reference.nll, window), color="black", linestyle="--", linewidth=1.2,
+                    label=f"full cache (ppl {report.reference.ppl:.2f})")
+        for run in report.runs:
+            if run.budget == budget and run.nll:
+                ax.plot(*moving_average(run.nll, window), color=colors.get(run.policy), linewidth=1.1,
+                        label=f"{run.policy} (ppl {run.ppl:.2f})")
+        ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"budget {budget}", fontsize=10)
+        ax.set_ylabel(f"NLL (mean of {window})")
+        ax.legend(fontsize=8, loc="upper right", ncol=2)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("token position in the text")
+    fig.suptitle(f"{report.model}: next-token NLL over {report.stream_tokens - 1} tokens of {report.text or 'the text'}",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def read_text(path: Path | None) -> tuple[str, str]:
+    """(text, its display name); OSError/EvalError with one-line messages."""
+    path = Path(path) if path is not None else DEFAULT_TEXT
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"cannot read --text {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise EvalError(f"--text {path} is empty")
+    return text, path.name
+
+
+def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
+         out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
+         at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
+         dtype: str | None = None, smooth: int | None = None) -> EvalReport:
+    """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .models import load_model
+
+    policies = list(policies or DEFAULT_POLICIES)
+    budgets = list(budgets or DEFAULT_BUDGETS)
+    for name in policies:
+        if name not in POLICIES:
+            raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    for budget in budgets:
+        for name in policies:
+            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity)
+    if max_tokens < 2:
+        raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if smooth is not None and smooth < 1:
+        raise EvalError(f"--smooth must be >= 1, got {smooth}")
+    body, name = read_text(text)
+    lm = load_model(model, device=device, dtype=dtype)
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+
+    def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run
+        if not err.is_terminal:
+            print(f"{run.label}: ppl {run.ppl:.3f} over {run.tokens} tokens in {run.seconds:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress:
+        report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
+                          sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
+                          probe_filler=probe_filler, progress=progress, on_run=done, text_name=name)
+    Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
+    paths = write_outputs(report, out, smooth=smooth)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return report

@@ -1,0 +1,127 @@
+"""`positronic eval`: teacher-forced perplexity through a bounded cache, the probe, the outputs."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from positronic.cli import main
+from positronic.evaluate import (DEFAULT_TEXT, PROBE_ANSWER, EvalError, evaluate, moving_average, probe_stream,
+                                 segment_bounds, table, write_outputs)
+
+TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
+        "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
+        "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
+
+
+def run_cli(*args) -> int:
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        return exc.code or 0
+    return 0
+
+
+def plain_nll(lm, ids: list[int]) -> torch.Tensor:
+    """Per-token NLL of ids[1:] from one plain forward over the whole sequence."""
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids])).logits[0].float()
+    return F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="none")
+
+
+def test_full_cache_perplexity_equals_the_plain_models(tiny):
+    ids = [tiny.bos_id] + tiny.encode(TEXT)[:120]
+    report = evaluate(tiny, TEXT, policies=["none"], budgets=[200], max_tokens=120, probe=False)
+    expected = plain_nll(tiny, ids)
+    for run in (report.reference, report.runs[0]):
+        assert run.tokens == 120
+        assert torch.allclose(torch.tensor(run.nll), expected, atol=1e-4, rtol=0), run.label
+        assert run.ppl == pytest.approx(math.exp(expected.mean().item()), rel=1e-4)
+    assert report.runs[0].ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_probe_scores_the_answer_tokens_as_a_plain_forward_does(tiny):
+    text_ids = tiny.encode(TEXT)
+    report = evaluate(tiny, TEXT, policies=["streaming"], budgets=[48], max_tokens=60, probe_filler=70)
+    ids, answer_at = probe_stream(tiny, text_ids, 70)
+    assert ids[answer_at:] == tiny.encode(PROBE_ANSWER)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(tiny.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    answer = [(logprobs[i - 1], ids[i]) for i in range(answer_at, len(ids))]
+    probe = report.reference.probe
+    assert probe.filler == 70
+    assert probe.logprob == pytest.approx(sum(float(lp[t]) for lp, t in answer), abs=1e-3)
+    assert probe.ranks == [int((lp > lp[t]).sum()) + 1 for lp, t in answer]
+    assert probe.recalled == all(r == 1 for r in probe.ranks)
+    bounded = report.runs[0].probe
+    assert bounded is not None and len(bounded.ranks) == len(answer)
+    assert bounded.logprob != pytest.approx(probe.logprob, abs=1e-6), "the bounded cache saw a different context"
+
+
+def test_every_policy_runs_end_to_end_and_writes_csv_json_png(tiny, tmp_path):
+    report = evaluate(tiny, TEXT, policies=["brightness", "streaming", "scored", "h2o", "none"], budgets=[48],
+                      max_tokens=72, segments=4, probe_filler=20, text_name="t")
+    assert [r.label for r in report.runs] == [f"{p}@48" for p in ("brightness", "streaming", "scored", "h2o", "none")]
+    for run in report.runs:
+        assert run.tokens == 72 and len(run.segments) == 4 and run.max_live <= run.budget + 1
+        assert run.ratio == pytest.approx(run.ppl / report.reference.ppl)
+        assert run.deletes + run.repairs > 0, f"{run.label} never had to evict"
+        assert run.probe is not None
+    paths = write_outputs(report, tmp_path / "out")
+    rows = list(csv.DictReader(open(paths["csv"])))
+    assert [r["policy"] for r in rows][:2] == ["none", "brightness"] and rows[0]["budget"] == "full"
+    assert len(rows) == 6 and float(rows[3]["ppl"]) == pytest.approx(report.runs[2].ppl, rel=1e-4)
+    data = json.loads(paths["json"].read_text())
+    assert len(data["runs"]) == 5 and len(data["runs"][0]["nll"]) == 72
+    assert data["settings"]["budgets"] == [48]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "streaming" in str(table(report).columns[0]._cells)
+
+
+def test_none_with_stop_scores_only_what_fit(tiny):
+    report = evaluate(tiny, TEXT, policies=["none"], budgets=[48], max_tokens=100, at_capacity="stop", probe=False)
+    run = report.runs[0]
+    assert run.stopped_at == 47 and run.tokens == 47 and run.segments[-1] is None
+    assert run.ratio == pytest.approx(1.0, abs=1e-5), "nothing was evicted before it stopped"
+
+
+def test_helpers():
+    assert segment_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert segment_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    assert moving_average([1, 2, 3, 4], 2) == ([2, 3, 4], [1.5, 2.5, 3.5])
+
+
+def test_bad_settings_are_refused(tiny):
+    with pytest.raises(EvalError, match="unknown policy"):
+        evaluate(tiny, TEXT, policies=["lru"], budgets=[48])
+    with pytest.raises(EvalError, match="budget"):
+        evaluate(tiny, TEXT, policies=["streaming"], budgets=[20])
+
+
+def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "res"
+    assert run_cli("eval", "--model", "random:tiny", "--text", str(text), "--budget", "48", "--budget", "56",
+                   "--policy", "h2o", "--max-tokens", "70", "--probe-filler", "30", "--out", str(out)) == 0
+    stdout = capsys.readouterr().out
+    assert "h2o" in stdout and "full" in stdout and "probe logp" in stdout
+    data = json.loads((out / "results.json").read_text())
+    assert [run["label"] for run in data["runs"]] == ["h2o@48", "h2o@56"] and data["reference"]["label"] == "none@full"
+    assert {p.name for p in out.iterdir()} == {"results.csv", "results.json", "nll_by_position.png"}
+    assert DEFAULT_TEXT.is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--policy", "lru"], "unknown policy 'lru'"),
+    (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
+    (["--budget", "20"], "budget 20"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+])
+def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys):
+    assert run_cli("eval", "--model", "random:tiny", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err

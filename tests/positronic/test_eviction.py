@@ -1,0 +1,187 @@
+"""llama.cpp-style eviction policies (positronic/eviction.py) on crafted states and in real runs."""
+
+import pytest
+
+from positronic.eviction import (H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
+                                 evictable_rows, recent_window)
+from positronic.loop import Brain, BrainConfig
+from positronic.policy import POLICIES, make_policy
+from positronic.runner import Runner
+from positronic.state_manager import StateManager
+
+
+def state(lm, rows: int) -> StateManager:
+    """A live cache of `rows` tokens (BOS then a fixed pattern of ids)."""
+    return StateManager.from_tokens(lm, [lm.bos_id] + [(7 * i) % 500 + 5 for i in range(rows - 1)])
+
+
+def config(policy: str, budget: int, **kw) -> BrainConfig:
+    cfg = BrainConfig(policy=policy, budget=budget, **kw)
+    cfg.validate()
+    return cfg
+
+
+def deleted(plan) -> list[int]:
+    assert all(a["action"] == "delete" for a in plan.actions)
+    return [a["position"] for a in plan.actions]
+
+
+def add(sm, token_id: int = 42) -> None:
+    sm.apply([{"action": "add", "token_id": token_id}])
+
+
+def scores_with(length: int, *, low=(), high=(), sinks: int = 4) -> list[float]:
+    """Attention-like scores: the sinks take most mass, rows in `low` get 0, rows in `high`
+    get 10x the rest; normalised to sum to 1."""
+    raw = [1.0] * length
+    for row in range(min(sinks, length)):
+        raw[row] = 20.0
+    for row in high:
+        raw[row] = 10.0
+    for row in low:
+        raw[row] = 0.0
+    total = sum(raw)
+    return [x / total for x in raw]
+
+
+def test_registered_and_window_batch_rules():
+    assert {"brightness", "streaming", "scored", "h2o", "none"} <= set(POLICIES)
+    assert [recent_window(n) for n in (10, 128, 200, 512)] == [32, 32, 50, 128]
+    assert [batch_size(b) for b in (10, 48, 128, 512)] == [1, 3, 8, 32]
+    assert evictable_rows(100, sinks=4, protect=0) == range(4, 68)
+    assert evictable_rows(200, sinks=4, protect=10) == range(10, 150)
+
+
+def test_streaming_evicts_one_batch_of_the_oldest_middle_rows_only_when_full(tiny):
+    sm = state(tiny, 100)
+    policy = make_policy("streaming", sm, config("streaming", 101))
+    assert deleted(policy.plan(scores_with(100), {})) == []  # the add fills row 101: still within budget
+    policy = make_policy("streaming", sm, config("streaming", 100))
+    plan = policy.plan(scores_with(100), {})
+    # batch = 100 // 16 = 6: after the add the cache holds 100 - 6 rows, so 7 rows go
+    assert deleted(plan) == list(range(4, 11))
+    sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
+    assert len(sm) == 100 - 6
+    sm.check()
+
+
+def test_sinks_and_protected_prefix_are_never_evicted(tiny):
+    sm = state(tiny, 100)
+    for name in ("streaming", "scored", "h2o"):
+        policy = make_policy(name, sm, config(name, 100, sinks=4, protect=20))
+        rows = deleted(policy.plan(scores_with(100, low=range(0, 30)), {}))
+        assert len(rows) == 7 and min(rows) >= 20, (name, rows)
+        policy = make_policy(name, sm, config(name, 100, sinks=8))
+        rows = deleted(policy.plan(scores_with(100, low=range(0, 12), sinks=8), {}))
+        assert len(rows) == 7 and min(rows) >= 8, (name, rows)
+    shift = make_policy("none", sm, config("none", 100, at_capacity="shift", sinks=4, protect=10))
+    assert deleted(shift.plan(scores_with(100), {})) == list(range(10, 10 + 45))
+
+
+def test_recent_window_is_a_quarter_of_the_length_once_that_exceeds_32(tiny):
+    sm = state(tiny, 200)
+    policy = make_policy("h2o", sm, config("h2o", 160))
+    # the newest 60 rows are the least attended: a 32-row window would let 28 of them go
+    rows = deleted(policy.plan(scores_with(200, low=range(140, 200)), {}))
+    assert len(rows) == 200 + 1 - (160 - 10)
+    assert max(rows) < 200 - 50, "rows in the last len/4 = 50 are protected"
+    assert set(range(140, 150)) <= set(rows), "the least attended rows before the window go first"
+
+
+def test_scored_evicts_the_least_recently_accessed_rows(tiny):
+    sm = state(tiny, 96)
+    policy = make_policy("scored", sm, config("scored", 100))
+    never_again = [12, 30, 50]  # last accessed at tick 1 (the tick they were first seen)
+    once_more = [55, 57, 60, 62]  # last accessed at tick 2
+    for tick in range(1, 5):
+        length = len(sm)
+        low = [] if tick == 1 else never_again + (once_more if tick > 2 else [])
+        assert deleted(policy.plan(scores_with(length, low=low), {})) == []
+        add(sm)
+    # tick 5, cache full (100 rows): rows 20 and 21 are unattended now but were accessed at tick 4
+    plan = policy.plan(scores_with(100, low=never_again + once_more + [20, 21]), {})
+    assert deleted(plan) == sorted(never_again + once_more)
+    ids = list(sm.mirror.live.ledger_ids)
+    kept_id = ids[70]
+    assert policy.last_access(kept_id) == 5
+    sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
+    assert sm.mirror.live.ledger_ids.index(kept_id) == 70 - 7, "the row moved down"
+    assert policy.last_access(kept_id) == 5, "its access time follows it (keyed by ledger id)"
+    assert policy.last_access(ids[12]) is None, "evicted rows are forgotten"
+
+
+def test_scored_breaks_ties_by_age(tiny):
+    sm = state(tiny, 100)
+    policy = make_policy("scored", sm, config("scored", 100))
+    assert deleted(policy.plan(scores_with(100), {})) == list(range(4, 11))
+
+
+def test_h2o_keeps_heavy_hitters_and_accumulates_attention(tiny):
+    sm = state(tiny, 99)
+    policy = make_policy("h2o", sm, config("h2o", 100))
+    first = scores_with(99, high=[4, 5, 6, 7, 8, 9, 10], low=range(40, 47))
+    assert deleted(policy.plan(first, {})) == []
+    heavy_id = sm.mirror.live.ledger_ids[5]
+    add(sm)
+    second = scores_with(100)
+    rows = deleted(policy.plan(second, {}))
+    assert rows == list(range(40, 47)), "the lightest rows go, not the oldest"
+    assert policy.accumulated(heavy_id) == pytest.approx(first[5] + second[5])
+    streaming = make_policy("streaming", sm, config("streaming", 100))
+    assert deleted(streaming.plan(second, {})) == list(range(4, 11)), "streaming would have lost the heavy hitters"
+
+
+def test_none_stops_when_the_add_fills_the_cache_or_shifts_out_the_older_half(tiny):
+    sm = state(tiny, 98)
+    stop = make_policy("none", sm, config("none", 100, at_capacity="stop"))
+    assert isinstance(stop, NoEvictionPolicy)
+    plan = stop.plan(scores_with(98), {})
+    assert not plan.stop and plan.actions == []
+    add(sm)
+    plan = stop.plan(scores_with(99), {})
+    assert plan.stop and plan.actions == []
+    shift = make_policy("none", sm, config("none", 100, at_capacity="shift"))
+    assert deleted(shift.plan(scores_with(99), {})) == []
+    add(sm)
+    plan = shift.plan(scores_with(100), {})
+    assert deleted(plan) == list(range(4, 4 + 48)) and not plan.stop
+    sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
+    assert len(sm) == 100 - 48 + 1
+    sm.check()
+
+
+def test_a_budget_without_room_to_evict_is_refused(tiny):
+    sm = state(tiny, 20)
+    for cls in (StreamingPolicy, ScoredPolicy, H2OPolicy):
+        with pytest.raises(ValueError, match="evictable rows"):
+            cls(sm, config(cls.name, 140, protect=100))
+
+
+@pytest.mark.parametrize("name,at_capacity", [("streaming", "stop"), ("scored", "stop"), ("h2o", "stop"),
+                                              ("none", "shift")])
+def test_100_brain_ticks_stay_within_budget_and_consistent(tiny, name, at_capacity):
+    cfg = BrainConfig(policy=name, budget=48, sinks=4, protect=6, at_capacity=at_capacity, seed=1)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), cfg)
+    prefix = brain.state.mirror.live.ledger_ids[:6]
+    lengths, deletes = [], 0
+    for _ in range(100):
+        record = brain.step()
+        brain.state.check()
+        assert not record.rebuilt and not record.stopped
+        lengths.append(record.live_length)
+        deletes += sum(a["action"] == "delete" for a in record.actions)
+    assert max(lengths) == 48 and deletes > 0
+    assert brain.state.mirror.live.ledger_ids[:6] == prefix, "sinks and the protected prefix survive"
+    if name != "none":
+        assert min(lengths[lengths.index(48):]) == 48 - batch_size(48)
+    brain.state.check(deep=True)
+
+
+def test_none_stop_ends_the_run_with_the_cache_full(tiny):
+    cfg = BrainConfig(policy="none", budget=48, at_capacity="stop", seed=1)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), cfg)
+    records = []
+    result = Runner(brain, tiny.name, 100).run(lambda record, _: records.append(record))
+    assert result.stopped and result.ticks == 48 - 21
+    assert records[-1].stopped and len(brain.state) == 48
+    assert all([a["action"] for a in r.actions] == ["add"] for r in records), "no deletes, only the adds"
