@@ -37,15 +37,25 @@ class MirrorFileError(ValueError):
     """A mirror file that cannot be trusted: unreadable, truncated, or not a valid mirror."""
 
 
-def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
+def to_columns(mirror: Mirror) -> dict:
+    """The mirror as plain data (fresh lists, nothing shared with the mirror):
+    {"ledger": {column: [value per ledger id]}, "live": {"ledger_ids": [...], "positions": [...]}}.
+    Also the form a mirror takes inside a .pt tick fixture."""
     entries = mirror.ledger.entries
     ledger = {name: [getattr(e, name) for e in entries] for name in _COLUMNS}
+    ledger["replaced_by"] = [list(ids) for ids in ledger["replaced_by"]]
+    return {"ledger": ledger, "live": {"ledger_ids": list(mirror.live.ledger_ids),
+                                       "positions": list(mirror.live.positions)}}
+
+
+def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
+    columns = to_columns(mirror)
     return msgpack.packb(
         {
             "format": FORMAT,
             "version": VERSION,
-            "ledger": ledger,
-            "live": {"ledger_ids": mirror.live.ledger_ids, "positions": mirror.live.positions},
+            "ledger": columns["ledger"],
+            "live": columns["live"],
             "meta": meta or {},
         },
         use_bin_type=True,
@@ -64,7 +74,16 @@ def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
     ledger, live, meta = doc.get("ledger"), doc.get("live"), doc.get("meta")
     if not isinstance(ledger, dict) or not isinstance(live, dict) or not isinstance(meta, dict):
         raise MirrorFileError(f"{source}: missing ledger, live map or meta section")
-    columns = []
+    return from_columns({"ledger": ledger, "live": live}, source), meta
+
+
+def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
+    """Build a Mirror from `to_columns` data, validating every column and then the mirror's
+    invariants; raises MirrorFileError naming `source` and the first problem."""
+    ledger, live = (columns.get("ledger"), columns.get("live")) if isinstance(columns, dict) else (None, None)
+    if not isinstance(ledger, dict) or not isinstance(live, dict):
+        raise MirrorFileError(f"{source}: missing ledger or live map section")
+    values = []
     for name, (valid, kind) in _COLUMNS.items():
         column = ledger.get(name)
         if not isinstance(column, list):
@@ -72,8 +91,8 @@ def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
         bad = next((i for i, v in enumerate(column) if not valid(v)), None)
         if bad is not None:
             raise MirrorFileError(f"{source}: ledger {name}[{bad}] = {column[bad]!r}, expected {kind}")
-        columns.append(column)
-    if len({len(c) for c in columns}) != 1:
+        values.append(column)
+    if len({len(c) for c in values}) != 1:
         raise MirrorFileError(f"{source}: ledger columns have different lengths")
     ids, positions = live.get("ledger_ids"), live.get("positions")
     for name, column in (("ledger_ids", ids), ("positions", positions)):
@@ -83,14 +102,14 @@ def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
         raise MirrorFileError(f"{source}: live map has {len(ids)} rows but {len(positions)} positions")
     entries = [
         LedgerEntry(t, s, src, born, float(b), state, died, list(rb))
-        for t, s, src, born, b, state, died, rb in zip(*columns)
+        for t, s, src, born, b, state, died, rb in zip(*values)
     ]
     mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)))
     try:
         mirror.check()
     except MirrorInvariantError as exc:
         raise MirrorFileError(f"{source}: inconsistent mirror: {exc}") from None
-    return mirror, meta
+    return mirror
 
 
 def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> None:

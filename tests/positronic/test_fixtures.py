@@ -1,0 +1,383 @@
+"""Tick fixtures: the committed ones replay exactly on SmolLM2; capture in a real loop;
+tampered fixtures fail their check; bad or hostile files give one line and run nothing;
+`positronic replay FILE` prints the tick and exits 0 / 1 / 2."""
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from positronic.cli import main
+from positronic.fixtures import (
+    Capture, CaptureMismatch, Fault, FixtureError, capture_tick, finish, load_fixture, parse_spec, replay,
+    save_fixture, snapshot,
+)
+from positronic.loop import Brain, BrainConfig
+from positronic.state_manager import StateManager
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = sorted((ROOT / "fixtures").glob("*.pt"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tests run many small forwards; where cores are shared, two torch threads spin
+    against each other (7x slower measured here). Results do not depend on it: the committed
+    fixtures were captured with two threads and replay exactly with one."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def run_cli(*args) -> int:
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        return exc.code or 0
+    return 0
+
+
+# --- the committed fixtures -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_committed_fixture_replays_exactly(path, smol):
+    result = replay(load_fixture(path), smol)
+    assert result.passed, [f"{c.name}: {c.detail}" for c in result.checks if not c.passed]
+    assert result.layer0_error <= 1e-4
+
+
+def test_committed_fixtures_cover_the_required_ticks():
+    fixtures = [load_fixture(p) for p in COMMITTED]
+    assert fixtures, "no fixtures/*.pt committed"
+    assert {f.model for f in fixtures} == {"smollm2"}
+    pairs = [a for f in fixtures for a in f.actions if a["action"] == "replace_pair"]
+    assert {2, 3} <= {len(a["new_token_ids"]) for a in pairs}, "multi-token replacements of 2 and 3 tokens"
+    deletes = [(a["position"], len(f.live_ids_before)) for f in fixtures for a in f.actions if a["action"] == "delete"]
+    assert any(row == 4 for row, _ in deletes), "a delete at the first row after the 4 sinks"
+    assert any(row == length - 1 for row, length in deletes), "a delete at the last row"
+    rebuilt = [f for f in fixtures if f.expected.rebuilt]
+    assert rebuilt and all(f.fault is not None for f in rebuilt)
+    assert any(f.fault.mid_edit for f in rebuilt) and any(not f.fault.mid_edit for f in rebuilt)
+    assert sum(p.stat().st_size for p in COMMITTED) < 5 * 2**20
+
+
+# --- a small fixture on the tiny random model -----------------------------------------------
+
+PROMPT = [1] + list(range(40, 70))  # BOS + 30 tokens of the byte vocabulary
+
+
+@pytest.fixture(scope="module")
+def tiny_fixture(tiny, tmp_path_factory) -> Path:
+    """A crafted tick with history behind it: a 3-token replacement, a delete and an add,
+    applied to a state that was already edited (so the live cache carries splice traces)."""
+    state = StateManager.from_tokens(tiny, PROMPT)
+    state.apply([{"action": "replace_pair", "original_pos1": 8, "original_pos2": 9, "new_token_ids": [90]},
+                 {"action": "add", "token_id": 77}])
+    state.tick = 2
+    fixture, report = capture_tick(state, [
+        {"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [80, 81, 82]},
+        {"action": "delete", "position": 20},
+        {"action": "add", "token_id": 99},
+    ], label="tiny test tick")
+    assert not report.rebuilt
+    path = tmp_path_factory.mktemp("tiny") / "tiny.pt"
+    save_fixture(fixture, path)
+    return path
+
+
+def raw(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def rewrite(data: dict, path: Path) -> Path:
+    torch.save(data, path)
+    return path
+
+
+def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture):
+    fixture = load_fixture(tiny_fixture)
+    assert fixture.tick == 2 and fixture.label == "tiny test tick" and fixture.fault is None
+    assert len(fixture.live_ids_before) == len(PROMPT)  # 31 - 2 + 1 + 1
+    assert fixture.expected.live_ids[5:8] == [80, 81, 82] and fixture.expected.live_ids[-1] == 99
+    assert fixture.expected.layer0_rows.tolist() == [0, 5, 6, 7, 31]  # first, created (incl. the add), last
+    assert fixture.expected.layer0_keys.shape == (tiny.num_kv_heads, 5, tiny.head_dim)
+    assert len(fixture.expected.greedy) == 4
+    result = replay(fixture, tiny)
+    assert result.passed, [c for c in result.checks if not c.passed]
+
+
+@pytest.mark.parametrize("tamper, failing", [
+    (lambda d: d["after"]["live_ids"].__setitem__(-1, d["after"]["live_ids"][-1] + 1), "live ids"),
+    (lambda d: d["after"]["positions"].__setitem__(-1, d["after"]["positions"][-1] + 1), "positions"),
+    (lambda d: d["after"]["texts"].__setitem__(3, d["after"]["texts"][3] + "x"), "text"),
+    (lambda d: d["after"]["layer0"]["keys"][0, 1, 0].add_(1e-3), "layer-0 K/V"),
+    (lambda d: d["after"]["layer0"]["values"][0, -1, 3].sub_(1e-3), "layer-0 K/V"),
+    (lambda d: d["after"]["greedy"].__setitem__(2, (d["after"]["greedy"][2] + 1) % 256), "greedy"),
+    (lambda d: d["after"].__setitem__("rebuilt", True), "rebuild"),
+], ids=["live-id", "position", "text", "layer0-key", "layer0-value", "greedy", "rebuilt-flag"])
+def test_replay_detects_a_tampered_expectation(tiny, tiny_fixture, tmp_path, tamper, failing):
+    data = raw(tiny_fixture)
+    tamper(data)
+    result = replay(load_fixture(rewrite(data, tmp_path / "tampered.pt")), tiny)
+    assert not result.passed
+    assert result.failed() == [failing]
+
+
+def test_layer0_tolerance_is_1e_4(tiny, tiny_fixture, tmp_path):
+    data = raw(tiny_fixture)
+    data["after"]["layer0"]["keys"][0, 1, 0] += 5e-5
+    assert replay(load_fixture(rewrite(data, tmp_path / "close.pt")), tiny).passed
+
+
+def test_replay_of_changed_actions_fails(tiny, tiny_fixture, tmp_path):
+    data = raw(tiny_fixture)
+    data["actions"][0]["new_token_ids"] = [80, 81, 83]
+    result = replay(load_fixture(rewrite(data, tmp_path / "other.pt")), tiny)
+    assert {"live ids", "layer-0 K/V"} <= set(result.failed())
+
+
+def test_replay_refuses_another_model(smol, tiny_fixture):
+    with pytest.raises(FixtureError, match="captured with model 'random:tiny', not 'smollm2'"):
+        replay(load_fixture(tiny_fixture), smol)
+
+
+# --- capture in a real loop -----------------------------------------------------------------
+
+LOOP = dict(budget=40, window=8, seed=0)
+
+
+def run_loop(tiny, ticks: int, *observers) -> list:
+    brain = Brain.start(tiny, PROMPT, BrainConfig(**LOOP))
+    brain.observers.extend(observers)
+    return [brain.step() for _ in range(ticks)]
+
+
+def test_capture_listed_ticks_writes_exactly_those_and_they_replay(tiny, tmp_path):
+    log = io.StringIO()
+    capture = Capture(tmp_path / "cap", tiny, "3,14,16", log=log)
+    records = run_loop(tiny, 18, capture)
+    assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["tick000003.pt", "tick000014.pt", "tick000016.pt"]
+    for path in capture.written:
+        fixture = load_fixture(path)
+        assert fixture.actions == records[fixture.tick - 1].actions
+        assert fixture.expected.live_ids[-1] == records[fixture.tick - 1].token_id
+        result = replay(fixture, tiny)
+        assert result.passed, (path.name, [c for c in result.checks if not c.passed])
+    assert any(a["action"] == "replace_pair" for a in load_fixture(capture.written[-1]).actions)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == f"capture: ticks 3,14,16 into {tmp_path / 'cap'}/ (at most 3 files)"
+    assert lines[1].startswith("capture: tick 3 (add) -> ") and lines[1].endswith("tick000003.pt")
+    assert lines[2:] == [f"capture: done, 3 fixtures in {tmp_path / 'cap'}/"]
+
+
+def test_capture_repairs_takes_the_first_repair_ticks_up_to_the_limit(tiny, tmp_path):
+    log = io.StringIO()
+    capture = Capture(tmp_path / "cap", tiny, "repairs", limit=3, log=log)
+    records = run_loop(tiny, 20, capture)
+    repair_ticks = [r.tick for r in records if any(a["action"] in ("replace_pair", "delete") for a in r.actions)]
+    assert len(repair_ticks) > 3
+    assert [load_fixture(p).tick for p in capture.written] == repair_ticks[:3]
+    assert "capture: done, 3 fixtures in" in log.getvalue() and "(the limit; later ticks" in log.getvalue()
+
+
+class FaultAt:
+    """Observer: make the given tick's apply fail after its first edit."""
+
+    def __init__(self, tick: int):
+        self.tick = tick
+
+    def before_apply(self, brain, actions):
+        if brain.tick == self.tick:
+            brain.state.inject_fault(1)
+
+    def after_apply(self, brain, actions, report):
+        pass
+
+
+def test_capture_of_a_tick_that_needed_a_rebuild_replays_the_rebuild(tiny, tmp_path):
+    capture = Capture(tmp_path / "cap", tiny, "15", log=io.StringIO())
+    records = run_loop(tiny, 15, FaultAt(15), capture)
+    assert records[-1].rebuilt
+    fixture = load_fixture(capture.written[0])
+    assert fixture.expected.rebuilt and fixture.fault == Fault(1, False)
+    result = replay(fixture, tiny)
+    assert result.passed and result.report.rebuilt
+
+
+def test_capture_refuses_a_fresh_state_that_disagrees_with_the_live_run(tiny):
+    live = StateManager.from_tokens(tiny, PROMPT)
+    other = StateManager.from_tokens(tiny, PROMPT[:-1] + [5])
+    actions = [{"action": "add", "token_id": 9}]
+    snap = snapshot(live, actions)
+    report = other.apply(actions)
+    with pytest.raises(CaptureMismatch, match="ends the tick differently"):
+        finish(snap, other, report)
+
+
+@pytest.mark.parametrize("spec", ["", "some", "0", "5,x", "-3"])
+def test_bad_capture_spec_is_a_value_error(spec):
+    with pytest.raises(ValueError, match="--capture-ticks"):
+        parse_spec(spec)
+
+
+# --- bad and hostile files ------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this would run a shell command that creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _set(path: list, value):
+    def change(d):
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return change
+
+
+def _drop(path: list):
+    def change(d):
+        for key in path[:-1]:
+            d = d[key]
+        del d[path[-1]]
+    return change
+
+
+BAD = {
+    "not-a-dict": (lambda d: [1, 2, 3], "not a tick fixture: holds list"),
+    "wrong-format": (_set(["format"], "something-else"), "not a tick fixture (format 'something-else'"),
+    "wrong-version": (_set(["version"], 2), "fixture version 2, this build reads 1"),
+    "unknown-field": (_set(["extra"], 1), "unknown field(s) extra"),
+    "missing-actions": (_drop(["actions"]), "missing field actions"),
+    "missing-greedy": (_drop(["after", "greedy"]), "missing field after.greedy"),
+    "tick-as-str": (_set(["tick"], "5"), "field tick must be an int >= 0, got str '5'"),
+    "rebuilt-as-int": (_set(["after", "rebuilt"], 1), "field after.rebuilt must be a bool"),
+    "bad-action": (_set(["actions", 0, "new_token_ids"], []), "actions: action 0 (replace_pair): new_token_ids"),
+    "bad-fault": (_set(["fault"], {"after_edits": 0, "mid_edit": False}), "field fault must be None or"),
+    "keys-2d": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"][0])(d) or d,
+                "field after.layer0.keys must be a finite float32 tensor"),
+    "keys-float64": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"].double())(d) or d,
+                     "got tensor float64"),
+    "keys-nan": (lambda d: d["after"]["layer0"]["keys"].fill_(float("nan")) is None or d,
+                 "field after.layer0.keys must be a finite float32 tensor"),
+    "rows-beyond": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 99])), "must be increasing rows"),
+    "rows-int32": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 31], dtype=torch.int32)),
+                   "field after.layer0.rows must be an int64 tensor"),
+    "lengths-differ": (lambda d: d["after"]["texts"].pop() and d, "after: 32 live ids, 32 positions, 31 texts"),
+    "mirror-bad-column": (_set(["mirror", "ledger", "text", 0], 7), "mirror: ledger text[0] = 7, expected str"),
+    "mirror-inconsistent": (_set(["mirror", "live", "positions", 3], 0), "inconsistent mirror: RoPE positions"),
+    "before-mismatch": (lambda d: d["before"]["live_ids"].reverse() or d, "do not match the mirror's live rows"),
+}
+
+
+def _apply(change, data):
+    result = change(data)
+    return data if result is None else result
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_fixture_gives_one_clear_line(tiny_fixture, tmp_path, name):
+    change, message = BAD[name]
+    path = rewrite(_apply(change, raw(tiny_fixture)), tmp_path / f"{name}.pt")
+    with pytest.raises(FixtureError) as caught:
+        load_fixture(path)
+    text = str(caught.value)
+    assert "\n" not in text and text.startswith(f"{path}: ")
+    assert message in text
+
+
+def test_truncated_empty_garbage_and_missing_files_give_one_line(tiny_fixture, tmp_path):
+    data = tiny_fixture.read_bytes()
+    cases = {
+        "truncated.pt": data[: len(data) // 2],
+        "empty.pt": b"",
+        "garbage.pt": b"\x80\x04 definitely not a pickle \xff" * 10,
+        "text.pt": b"# a README, not a fixture\n",
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    for name in [*cases, "missing.pt"]:
+        with pytest.raises(FixtureError) as caught:
+            load_fixture(tmp_path / name)
+        text = str(caught.value)
+        assert "\n" not in text and text.startswith(f"{tmp_path / name}: ")
+        expected = {"missing.pt": "cannot read", "garbage.pt": "refused: holds something other than plain data",
+                    "empty.pt": "not a .pt file",
+                    "text.pt": "not a .pt file (neither a torch zip archive nor a pickle)"}
+        assert expected.get(name, "not a readable .pt file") in text
+
+
+@pytest.mark.parametrize("writer, reason", [
+    ("pickle-2", "GLOBAL posix.system"),  # reaches the global, which is refused
+    ("pickle-5", "Unsupported operand"),
+    ("torch.save", "GLOBAL posix.system"),
+])
+def test_a_malicious_pickle_is_refused_and_runs_nothing(tmp_path, writer, reason):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    payload = {"format": "positronic-tick-fixture", "version": 1, "model": Payload(marker)}
+    if writer.startswith("pickle"):
+        path.write_bytes(pickle.dumps(payload, protocol=int(writer[-1])))
+    else:
+        torch.save(payload, path)
+    with pytest.raises(FixtureError, match=r"refused: holds something other than plain data and tensors") as caught:
+        load_fixture(path)
+    assert "\n" not in str(caught.value) and reason in str(caught.value)
+    assert not marker.exists()
+    assert run_cli("replay", str(path)) == 2
+    assert not marker.exists()
+
+
+# --- the replay command ---------------------------------------------------------------------
+
+
+def test_replay_command_prints_the_tick(capsys):
+    path = ROOT / "fixtures" / "api_delete_row4.pt"
+    assert run_cli("replay", str(path)) == 0
+    out = capsys.readouterr().out
+    fixture = load_fixture(path)
+    assert "model smollm2 (float32)" in out and f"tick {fixture.tick}" in out
+    assert "delete row 4 (" in out and "add token" in out
+    before = next(line for line in out.splitlines() if line.startswith("before: "))
+    after = next(line for line in out.splitlines() if line.startswith("after:  "))
+    removed = fixture.mirror().live_texts()[4]
+    assert f"[-{removed}-]" in before and "{+" in after and "[-" not in after  # changes marked without colour
+    assert out.count("PASS") == 7 and "FAIL" not in out
+
+
+def test_replay_command_on_a_bad_file_prints_one_error_line(tmp_path, capsys):
+    path = tmp_path / "bad.pt"
+    torch.save({"format": "positronic-tick-fixture", "version": 99}, path)
+    assert run_cli("replay", str(path)) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {path}: fixture version 99, this build reads 1\n"
+
+
+def test_replay_command_on_a_tampered_file_reports_fail(tiny_fixture, tmp_path, capsys):
+    data = raw(tiny_fixture)
+    data["after"]["greedy"][0] = (data["after"]["greedy"][0] + 1) % 256
+    assert run_cli("replay", str(rewrite(data, tmp_path / "tampered.pt"))) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  greedy" in out and "FAIL: greedy differ" in out
+
+
+def test_layer0_rows_keep_first_and_last_when_a_tick_creates_many(tiny):
+    state = StateManager.from_tokens(tiny, PROMPT)
+    actions = [{"action": "replace_pair", "original_pos1": p, "original_pos2": p + 1, "new_token_ids": [80, 81, 82]}
+               for p in (6, 10, 14)] + [{"action": "add", "token_id": 99}]
+    fixture, _ = capture_tick(state, actions)
+    rows = fixture.expected.layer0_rows.tolist()
+    assert len(rows) == 8 and rows[0] == 0 and rows[-1] == len(state) - 1
+    assert rows[1:7] == [6, 7, 8, 11, 12, 13]  # then the created rows, in order, as many as fit
+    assert replay(fixture, tiny).passed
