@@ -24,9 +24,10 @@ coverage column says how many were).
 
 Retrieval probe: a fact stated right after BOS ("The secret code is 4817. ..."), then
 `probe_filler` tokens of the text (default: the largest budget + 128, so every bounded cache
-has had to evict by then), then the question "The secret code is"; the answer " 4817" is
-teacher-forced and its log-probability (sum over its tokens) and the rank of each answer
-token under the next-token distribution are recorded. `recalled` = every answer token ranked
+has had to evict by then), then the question "... Answer: The secret code is " (its trailing
+space is one token, as in the fact); the answer "4817" (one token per digit in SmolLM2 and
+Llama tokenizers) is teacher-forced and its log-probability (sum over its tokens) and the
+rank of each answer token under the next-token distribution are recorded. `recalled` = every answer token ranked
 first (greedy decoding would reproduce the code). The fact sits outside the sinks (rows 1..)
 and is not protected, so it survives only if the policy keeps it.
 
@@ -58,8 +59,8 @@ DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "texts" / "alice_ch1-2.t
 DEFAULT_POLICIES = ("brightness", "streaming", "scored", "h2o", "none")
 DEFAULT_BUDGETS = (128, 256, 512)
 PROBE_FACT = "The secret code is 4817. Remember this code.\n\n"
-PROBE_QUESTION = "\n\nQuestion: what is the secret code? Answer: The secret code is"
-PROBE_ANSWER = " 4817"
+PROBE_QUESTION = "\n\nQuestion: what is the secret code? Answer: The secret code is "
+PROBE_ANSWER = "4817"  # the space before it belongs to the question: only the digits are scored
 
 
 class EvalError(ValueError):
@@ -71,6 +72,7 @@ class ProbeResult:
     logprob: float  # sum of the answer tokens' log-probabilities (natural log)
     ranks: list[int]  # rank of each answer token (1 = most likely)
     filler: int  # tokens between the fact and the question
+    logprobs: list[float] = field(default_factory=list)  # per answer token
     recalled: bool = False  # every answer token ranked first
 
     def __post_init__(self):
@@ -189,9 +191,12 @@ def segment_bounds(count: int, segments: int) -> list[tuple[int, int]]:
 
 
 def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
-    """BOS + fact + `filler` text tokens + question + answer; returns (ids, answer start)."""
-    head = [lm.bos_id] + lm.encode(PROBE_FACT) + text_ids[:filler] + lm.encode(PROBE_QUESTION)
-    return head + lm.encode(PROBE_ANSWER), len(head)
+    """BOS + fact + `filler` text tokens + question + answer; returns (ids, answer start).
+    The answer's tokens are those the tokenizer gives the question and answer together."""
+    question, joint = lm.encode(PROBE_QUESTION), lm.encode(PROBE_QUESTION + PROBE_ANSWER)
+    answer = joint[len(question):] if joint[:len(question)] == question else lm.encode(PROBE_ANSWER)
+    head = [lm.bos_id] + lm.encode(PROBE_FACT) + text_ids[:filler] + question
+    return head + answer, len(head)
 
 
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
@@ -239,7 +244,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
             result = run_stream(lm, p_ids, config, rank_from=answer_at, on_token=tick)
             if result.stopped_at is None:
                 answer = result.nll[answer_at - 1:]
-                summary.probe = ProbeResult(-sum(answer), result.ranks, filler)
+                summary.probe = ProbeResult(-sum(answer), result.ranks, filler, [-x for x in answer])
             summary.seconds += result.seconds
             summary.rebuilds += result.rebuilds
         if progress:
@@ -283,13 +288,14 @@ def table(report: EvalReport):
     t = Table(title=f"{report.model} · {report.text or 'text'} · {report.stream_tokens - 1} tokens "
                     f"(perplexity; ×full = ratio to the full cache)")
     for name in ("policy", "budget", "ppl", "×full", *[f"s{k + 1}" for k in range(nseg)], "probe logp",
-                 "recalled", "evicted", "repairs", "max live", "ms/tok"):
+                 "probe ranks", "recalled", "evicted", "repairs", "max live", "ms/tok"):
         t.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
     for run in runs:
         probe = run.probe
         scored = run.tokens + (probe.filler if probe else 0)
         t.add_row(run.policy, "full" if run.budget is None else str(run.budget), _fmt(run.ppl), _fmt(run.ratio, 3),
                   *[_fmt(s, 1) for s in run.segments], _fmt(probe.logprob) if probe else "-",
+                  " ".join(map(str, probe.ranks)) if probe else "-",
                   ("yes" if probe.recalled else "no") if probe else "-", str(run.deletes + 2 * run.repairs),
                   str(run.repairs), str(run.max_live), f"{1000 * run.seconds / max(scored, 1):.0f}")
     return t

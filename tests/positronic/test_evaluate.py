@@ -54,6 +54,7 @@ def test_probe_scores_the_answer_tokens_as_a_plain_forward_does(tiny):
     probe = report.reference.probe
     assert probe.filler == 70
     assert probe.logprob == pytest.approx(sum(float(lp[t]) for lp, t in answer), abs=1e-3)
+    assert probe.logprobs == pytest.approx([float(lp[t]) for lp, t in answer], abs=1e-4)
     assert probe.ranks == [int((lp > lp[t]).sum()) + 1 for lp, t in answer]
     assert probe.recalled == all(r == 1 for r in probe.ranks)
     bounded = report.runs[0].probe
