@@ -1,0 +1,545 @@
+"""The live terminal view of a run (rich): the context coloured by brightness, the counters,
+the brightness distribution, the last edits in words and a progress bar.
+
+    run_live(brain, lm, runner, show_prompt=True)   # what `run.py` calls on a terminal
+
+Threads: rich's `Live` redraws from its own thread (4 times a second) while the tick loop
+mutates the mirror in the main thread. The render thread therefore never reads the brain:
+`on_tick` copies what a frame needs into an immutable `Snapshot` of plain Python lists, at
+most once per refresh interval, and every frame is built from the latest snapshot alone.
+The render functions below are pure (snapshot in, renderable out), so tests draw frames
+without running a loop.
+
+Colours: brightness is mapped onto matplotlib's *viridis* ramp (dark purple → teal →
+yellow) in truecolor. Viridis is perceptually uniform and its lightness rises
+monotonically, so "dimmer" reads as "darker" on any terminal and for colour-blind viewers;
+rich falls back to the nearest 256-colour entries on terminals without truecolor. The
+scale runs from 0 to the brightness rule's start value (`steps.RULES[rule].start`: 255 for
+ttl, 10000 for vote), the most a token can have.
+
+Marks: sinks (the first `config.sinks` rows) sit on a grey background; protected rows (the
+first `config.protect` rows and the most recent `config.window` rows) are underlined;
+tokens a repair inserted in the last `REPAIR_HIGHLIGHT_TICKS` ticks sit on a magenta
+background; the newest token is shown in reverse video.
+"""
+
+from __future__ import annotations
+
+import time
+import unicodedata
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.segment import Segment
+from rich.style import Style
+from rich.table import Table
+from rich.text import Span, Text
+
+import steps
+
+from .runner import Runner, RunResult, summary
+
+if TYPE_CHECKING:  # imported for annotations only: the loop module pulls in torch
+    from .loop import Brain, TickRecord
+    from .models import LoadedModel
+
+REFRESH_PER_SECOND = 4
+REPAIR_HIGHLIGHT_TICKS = 12  # a repaired token stays highlighted this many ticks
+ACTION_LOG = 200  # action lines kept (the view shows the newest that fit)
+RATE_WINDOW = 32  # ticks in the tokens/s moving average
+BOTTOM_ROWS = 6  # inner height of the histogram / action panels
+HIST_WIDTH = 36  # outer width of the histogram panel
+
+# viridis sampled at 0, 1/8, ..., 1 (matplotlib's values); linear in between
+VIRIDIS = (
+    (68, 1, 84), (71, 45, 123), (59, 82, 139), (44, 114, 142), (33, 145, 140),
+    (40, 174, 128), (94, 201, 98), (173, 220, 48), (253, 231, 37),
+)
+LEVELS = 64  # brightness is quantised to this many colours, so styles can be cached
+SINK_BG = "#3a3a3a"
+REPAIR_BG = "#8b1a8b"
+HIDDEN_STYLE = Style(dim=True, italic=True)
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+# --- snapshot: the only thing the render thread reads -----------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one frame shows, copied out of the brain at a tick boundary."""
+
+    model: str
+    device: str
+    dtype: str
+    policy: str
+    rule: str
+    tick: int  # the brain's tick (continues across resumes)
+    done: int  # ticks run by this invocation
+    total: int  # ticks this invocation will run
+    texts: list[str]  # per live row, in cache order
+    brightness: list[float]
+    sources: list[str]
+    born: list[int]  # tick each live row entered the context
+    budget: int
+    sinks: int
+    protect: int
+    window: int
+    bright_max: float  # top of the colour scale (the rule's start value)
+    counts: dict[str, int]
+    cache_mb: float
+    tok_s: float
+    elapsed: float
+    actions: list[str]  # newest last
+    status: str = "running"  # running | finished | interrupted | policy stopped
+    resumed: bool = False
+
+
+def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
+                  elapsed: float = 0.0, actions: list[str] | None = None, status: str = "running",
+                  resumed: bool = False) -> Snapshot:
+    """Copy what a frame needs out of the brain (one pass over the live rows)."""
+    mirror, cfg = brain.state.mirror, brain.config
+    entries = mirror.ledger.entries
+    rows = [entries[i] for i in mirror.live.ledger_ids]
+    return Snapshot(
+        model=lm.name, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."), policy=cfg.policy,
+        rule=cfg.brightness, tick=brain.tick, done=done, total=total,
+        texts=[e.text for e in rows], brightness=[e.brightness for e in rows],
+        sources=[e.source for e in rows], born=[e.tick_born for e in rows],
+        budget=cfg.budget, sinks=cfg.sinks, protect=cfg.protect, window=cfg.window,
+        bright_max=float(steps.RULES[cfg.brightness].start), counts=dict(brain.counts),
+        cache_mb=brain.state.store.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
+        actions=list(actions or ()), status=status, resumed=resumed)
+
+
+# --- colours and styles -----------------------------------------------------------------
+
+
+def brightness_rgb(fraction: float) -> tuple[int, int, int]:
+    """The viridis colour of `fraction` (0 = dimmest, 1 = brightest; clamped)."""
+    x = min(max(fraction, 0.0), 1.0) * (len(VIRIDIS) - 1)
+    i = min(int(x), len(VIRIDIS) - 2)
+    t = x - i
+    a, b = VIRIDIS[i], VIRIDIS[i + 1]
+    return tuple(round(a[k] + (b[k] - a[k]) * t) for k in range(3))
+
+
+def level(brightness: float, bright_max: float) -> int:
+    """Quantised brightness 0..LEVELS-1."""
+    fraction = brightness / bright_max if bright_max > 0 else 0.0
+    return min(max(int(fraction * (LEVELS - 1) + 0.5), 0), LEVELS - 1)
+
+
+@lru_cache(maxsize=LEVELS * 16)
+def token_style(lvl: int, *, sink: bool = False, protected: bool = False, fresh: bool = False,
+                newest: bool = False) -> Style:
+    """The style of one token: colour by brightness level, plus its marks. Cached: a frame
+    asks for a few hundred styles but only a few dozen distinct ones exist."""
+    r, g, b = brightness_rgb(lvl / (LEVELS - 1))
+    bgcolor = REPAIR_BG if fresh else SINK_BG if sink else None
+    return Style(color=f"#{r:02x}{g:02x}{b:02x}", bgcolor=bgcolor, underline=protected or None,
+                 bold=fresh or sink or None, reverse=newest or None)
+
+
+def row_style(snapshot: Snapshot, row: int) -> Style:
+    """The style of live row `row` in `snapshot`."""
+    n = len(snapshot.texts)
+    return token_style(
+        level(snapshot.brightness[row], snapshot.bright_max),
+        sink=row < snapshot.sinks,
+        protected=row < snapshot.protect or row >= n - snapshot.window,
+        fresh=snapshot.sources[row] == "repair" and snapshot.tick - snapshot.born[row] < REPAIR_HIGHLIGHT_TICKS,
+        newest=row == n - 1)
+
+
+# --- the context ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16384)  # token texts repeat (a vocabulary's worth at most): draw each once
+def display_text(text: str) -> str:
+    """A token's text as the view shows it: a newline becomes '↵' plus a real line break,
+    tabs a space, other control characters '·' (they would move the cursor)."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("↵\n")
+        elif ch == "\t":
+            out.append(" ")
+        elif unicodedata.category(ch) in ("Cc", "Cf"):
+            out.append("·")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def layout_tokens(texts: list[str], width: int) -> list[list[tuple[int, str]]]:
+    """Lay the tokens out in lines of at most `width` cells: a token that does not fit on
+    the current line starts the next one (tokens are the words here); one wider than a line
+    is folded. Returns lines of (row, piece of its text)."""
+    width = max(width, 1)
+    lines: list[list[tuple[int, str]]] = [[]]
+    used = 0
+    for row, text in enumerate(texts):
+        for k, segment in enumerate(display_text(text).split("\n")):
+            if k:  # after a newline
+                lines.append([])
+                used = 0
+            w = cell_len(segment)
+            if not w:
+                continue
+            if used + w > width and w <= width and used:
+                lines.append([])
+                used = 0
+            while used + w > width:  # fold what still does not fit
+                head, segment = split_cells(segment, width - used)
+                if head:
+                    lines[-1].append((row, head))
+                lines.append([])
+                used, w = 0, cell_len(segment)
+            lines[-1].append((row, segment))
+            used += w
+    return lines
+
+
+def split_cells(text: str, cells: int) -> tuple[str, str]:
+    """`text` cut after at most `cells` cells (at least one character when cells > 0 and the
+    line is empty, so folding always progresses)."""
+    used = 0
+    for i, ch in enumerate(text):
+        used += cell_len(ch)
+        if used > cells:
+            return text[:i], text[i:]
+    return text, ""
+
+
+def render_context(snapshot: Snapshot, width: int, height: int) -> Text:
+    """The live context in `height` lines of `width` cells, following the end; when it does
+    not fit, the first line says how many earlier tokens are hidden."""
+    lines = layout_tokens(snapshot.texts, width)
+    hidden = 0
+    if len(lines) > height:
+        lines = lines[len(lines) - max(height - 1, 1):]
+        hidden = next((piece[0] for line in lines for piece in line), len(snapshot.texts))
+    # Built as one string plus spans (neighbours with the same style share one span):
+    # Text.append per token costs several times more, and the render thread holds the GIL
+    # the tick loop needs.
+    parts: list[str] = []
+    spans: list[Span] = []
+    offset = 0
+    if hidden:
+        parts.append(f"… {hidden} earlier token{'s' if hidden != 1 else ''} hidden\n")
+        offset = len(parts[0])
+        spans.append(Span(0, offset - 1, HIDDEN_STYLE))
+    for index, line in enumerate(lines):
+        if index:
+            parts.append("\n")
+            offset += 1
+        for row, piece in line:
+            style, end = row_style(snapshot, row), offset + len(piece)
+            if spans and spans[-1].style is style and spans[-1].end == offset:
+                spans[-1] = Span(spans[-1].start, end, style)
+            else:
+                spans.append(Span(offset, end, style))
+            parts.append(piece)
+            offset = end
+    return Text("".join(parts), spans=spans, no_wrap=True, overflow="crop", end="")
+
+
+def legend(snapshot: Snapshot) -> Text:
+    """What the marks mean, for the context panel's subtitle."""
+    text = Text()
+    for label, lvl in (("dim", 0), ("bright", LEVELS - 1)):
+        text.append(f"{label}", token_style(lvl))
+        text.append(" ")
+    text.append("sink", token_style(LEVELS - 1, sink=True))
+    text.append(" ")
+    text.append("protected", token_style(LEVELS - 1, protected=True))
+    text.append(" ")
+    text.append("repaired", token_style(LEVELS - 1, fresh=True))
+    text.append(f"  (viridis, 0..{snapshot.bright_max:g})")
+    return text
+
+
+# --- header, histogram, actions, progress -----------------------------------------------
+
+
+def render_header(snapshot: Snapshot) -> Text:
+    """Two lines: what is running, then the counters."""
+    s, c = snapshot, snapshot.counts
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("Positronic Brain", "bold")
+    text.append(f"  {s.model} on {s.device} ({s.dtype})  policy {s.policy}/{s.rule}")
+    status_style = {"running": "green", "finished": "bold green"}.get(s.status, "bold yellow")
+    text.append(f"  [{s.status}]", status_style)
+    if s.resumed:
+        text.append("  resumed", "cyan")
+    text.append("\n")
+    fields = [("tick", f"{s.done}/{s.total}")]
+    if s.tick != s.done:  # resumed: the brain's own tick count differs
+        fields.append(("brain tick", str(s.tick)))
+    fields += [
+        ("tok/s", f"{s.tok_s:.1f}"),
+        ("live", f"{len(s.texts)}/{s.budget}"),
+        ("culls", str(c.get("culls", 0))),
+        ("repairs", str(c.get("repairs", 0))),
+        ("rebuilds", str(c.get("rebuilds", 0))),
+        ("cache", f"{s.cache_mb:.1f} MiB"),
+    ]
+    for index, (label, value) in enumerate(fields):
+        text.append(("  " if index else "") + label + " ", "dim")
+        text.append(value, "bold")
+    return text
+
+
+def histogram_counts(brightness: list[float], bright_max: float, bins: int) -> list[int]:
+    """How many rows fall in each of `bins` equal bins over 0..bright_max."""
+    counts = [0] * bins
+    for b in brightness:
+        fraction = b / bright_max if bright_max > 0 else 0.0
+        counts[min(max(int(fraction * bins), 0), bins - 1)] += 1
+    return counts
+
+
+def render_histogram(snapshot: Snapshot, width: int, height: int) -> Text:
+    """A bar chart of the brightness distribution (`height - 1` rows of bars, each column
+    in its bin's colour) over a line with min / mean / max."""
+    bins, rows = max(width, 1), max(height - 1, 1)
+    counts = histogram_counts(snapshot.brightness, snapshot.bright_max, bins)
+    top = max(counts) or 1
+    eighths = [round(c / top * rows * 8) if c else 0 for c in counts]
+    eighths = [max(e, 1) if c else 0 for e, c in zip(eighths, counts)]  # a non-empty bin always shows
+    colours = [token_style(level((i + 0.5) / bins * snapshot.bright_max, snapshot.bright_max)) for i in range(bins)]
+    chars: list[str] = []
+    spans: list[Span] = []
+    for r in range(rows):
+        floor = (rows - 1 - r) * 8
+        for column in range(bins):
+            bar = BARS[min(max(eighths[column] - floor, 0), 8)]
+            if bar != " ":
+                spans.append(Span(len(chars), len(chars) + 1, colours[column]))
+            chars.append(bar)
+        chars.append("\n")
+    text = Text("".join(chars), spans=spans, no_wrap=True, overflow="crop", end="")
+    b = snapshot.brightness
+    if b:
+        text.append(f"min {min(b):.0f} mean {sum(b) / len(b):.0f} max {max(b):.0f}", "dim")
+    return text
+
+
+def render_actions(snapshot: Snapshot, height: int) -> Text:
+    """The newest action lines that fit in `height` lines, newest last."""
+    lines = snapshot.actions[-height:] if height > 0 else []
+    text = Text("\n".join(lines) if lines else "no edits yet", no_wrap=True, overflow="ellipsis", end="")
+    if not lines:
+        text.stylize("dim")
+    return text
+
+
+def render_progress(snapshot: Snapshot, width: int) -> Table:
+    """A progress bar for this invocation's ticks, with elapsed and estimated remaining time."""
+    s = snapshot
+    left = (s.total - s.done) / s.tok_s if s.tok_s > 0 else 0.0
+    label = f" {s.done}/{s.total}  {clock(s.elapsed)} elapsed" + (
+        f"  ~{clock(left)} left" if s.status == "running" and s.done < s.total else "")
+    grid = Table.grid(expand=True)
+    grid.add_column(ratio=1)
+    grid.add_column(no_wrap=True)
+    grid.add_row(ProgressBar(total=max(s.total, 1), completed=s.done, complete_style="#21918c",
+                                 finished_style="#5ec962"), label)
+    return grid
+
+
+def clock(seconds: float) -> str:
+    """h:mm:ss (or m:ss under an hour)."""
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+# --- describing actions in words --------------------------------------------------------
+
+
+def short(text: str, limit: int = 24) -> str:
+    """A token text for the action log: one line, trimmed, quoted."""
+    text = display_text(text).replace("\n", "").strip()
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return f"'{text}'"
+
+
+def describe_actions(tick: int, actions: list[dict], row_text, decode) -> list[str]:
+    """Each position-editing action in words; `row_text(row)` gives a live row's text before
+    the edits, `decode(ids)` the text of new tokens. Adds are left out: the generated
+    token shows at the end of the context anyway."""
+    lines = []
+    for action in actions:
+        kind = action.get("action")
+        if kind == "replace_pair":
+            p1, p2 = action["original_pos1"], action["original_pos2"]
+            old = row_text(p1) + row_text(p2)
+            lines.append(f"t{tick} replace {p1}–{p2} {short(old)} → {short(decode(action['new_token_ids']))}")
+        elif kind == "delete":
+            lines.append(f"t{tick} delete {action['position']} {short(row_text(action['position']))}")
+    return lines
+
+
+class ActionRecorder:
+    """An Observer (positronic.loop): writes each tick's edits in words into `lines`.
+
+    The texts must be read before Step 4 moves the rows, so `before_apply` reads them
+    (only the rows the actions touch) in the loop thread; the view copies `lines` into
+    its snapshots.
+    """
+
+    def __init__(self, lm: "LoadedModel", keep: int = ACTION_LOG):
+        self.lm = lm
+        self.lines: deque[str] = deque(maxlen=keep)
+
+    def before_apply(self, brain: "Brain", actions: list[dict]) -> None:
+        live, entries = brain.state.mirror.live.ledger_ids, brain.state.mirror.ledger.entries
+
+        def row_text(row: int) -> str:
+            return entries[live[row]].text if isinstance(row, int) and 0 <= row < len(live) else "?"
+
+        self.lines.extend(describe_actions(brain.tick, actions, row_text, self.lm.decode))
+
+    def after_apply(self, brain: "Brain", actions: list[dict], report) -> None:
+        if report.rebuilt:
+            self.lines.append(f"t{brain.tick} REBUILT the cache from the mirror: {report.error}")
+
+
+# --- the frame --------------------------------------------------------------------------
+
+
+def frame(snapshot: Snapshot, width: int = 120, height: int = 40) -> Group:
+    """The whole view for a terminal of `width` × `height`: header (2 lines), context
+    panel, histogram + action panels (dropped on short terminals), progress bar (1 line)."""
+    bottom = BOTTOM_ROWS if height >= 24 else 0
+    fixed = 2 + 2 + (bottom + 2 if bottom else 0) + 1
+    context_rows = max(height - fixed, 3)
+    parts = [
+        render_header(snapshot),
+        Panel(render_context(snapshot, width - 4, context_rows), title="context", title_align="left",
+              subtitle=legend(snapshot), subtitle_align="right", height=context_rows + 2),
+    ]
+    if bottom:
+        hist_width = min(HIST_WIDTH, width // 3)
+        grid = Table.grid(expand=True)
+        grid.add_column(width=hist_width)
+        grid.add_column(ratio=1)
+        grid.add_row(
+            Panel(render_histogram(snapshot, hist_width - 4, bottom), title="brightness", title_align="left",
+                  height=bottom + 2),
+            Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2))
+        parts.append(grid)
+    parts.append(render_progress(snapshot, width))
+    return Group(*parts)
+
+
+class LiveView:
+    """The renderable `Live` redraws: the frame of the latest snapshot at the console's size.
+
+    Redraws outnumber snapshots on slow models, so the rendered lines are cached per
+    (snapshot, size) and a redraw of an unchanged frame only re-emits them.
+    """
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot  # replaced (never mutated) by the loop thread
+        self.reserve = 0  # screen lines to leave free below the frame (for the summary)
+        self._key: tuple | None = None
+        self._held: Snapshot | None = None
+        self._lines: list[list[Segment]] = []
+
+    def size(self, width: int, height: int) -> tuple[int, int]:
+        """The frame's size on a console of `width` × `height`."""
+        # -1: the line the cursor rests on after the frame
+        return width, max(height - 1 - self.reserve, 8)
+
+    def changed(self, console: Console) -> bool:
+        """Whether a redraw now would draw something new (a new snapshot, or a resize)."""
+        width, height = console.size
+        return (id(self.snapshot), *self.size(width, height)) != self._key
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        snapshot = self.snapshot  # one read: the loop may swap it meanwhile
+        width, height = self.size(options.max_width, options.size.height)
+        key = (id(snapshot), width, height)
+        if key != self._key:
+            self._lines = console.render_lines(frame(snapshot, width, height), options.update(height=None), pad=True)
+            self._key, self._held = key, snapshot  # hold it so its id is not reused
+        for index, line in enumerate(self._lines):
+            if index:
+                yield Segment.line()
+            yield from line
+
+
+class FrameLive(Live):
+    """A Live that skips a timed redraw when its LiveView has nothing new to draw: on a slow
+    model most refreshes would rewrite the same frame, and writing it costs the tick loop
+    GIL time."""
+
+    def __init__(self, view: LiveView, **kwargs):
+        super().__init__(view, **kwargs)
+        self.view = view
+
+    def refresh(self) -> None:
+        if self.view.changed(self.console):
+            super().refresh()
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: bool,
+             console: Console | None = None, refresh_per_second: float = REFRESH_PER_SECOND) -> RunResult:
+    """Run `runner` under the live view, then print the summary below its last frame.
+
+    Ctrl-C ends the run cleanly (Runner saves the session); the final frame stays on
+    screen. `show_prompt` is False on a resumed run (the header says so). Returns the
+    RunResult.
+    """
+    console = console or Console()
+    recorder = ActionRecorder(lm)
+    brain.observers.append(recorder)
+    interval = 1.0 / refresh_per_second
+    stamps: deque[float] = deque(maxlen=RATE_WINDOW + 1)
+    last = [0.0]  # time of the last snapshot
+
+    def snap(done: int, elapsed: float, status: str = "running") -> Snapshot:
+        rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else (
+            done / elapsed if elapsed > 0 else 0.0)
+        return take_snapshot(brain, lm, done=done, total=runner.ticks, tok_s=rate, elapsed=elapsed,
+                             actions=list(recorder.lines)[-BOTTOM_ROWS * 4:], status=status,
+                             resumed=not show_prompt)
+
+    view = LiveView(snap(0, 0.0))
+
+    def on_tick(record: "TickRecord", result: RunResult) -> None:
+        now = time.perf_counter()
+        stamps.append(now)
+        # a snapshot costs a pass over the live rows: take one per refresh, not per tick
+        if now - last[0] >= interval or record.stopped or result.ticks == runner.ticks:
+            last[0] = now
+            view.snapshot = snap(result.ticks, result.seconds)
+
+    try:
+        with FrameLive(view, console=console, auto_refresh=True, refresh_per_second=refresh_per_second,
+                       vertical_overflow="crop") as live:
+            result = runner.run(on_tick)
+            closing = summary(brain, lm, result)
+            status = ("interrupted" if result.interrupted else "policy stopped" if result.stopped else "finished")
+            view.snapshot = snap(result.ticks, result.seconds, status)
+            view.reserve = closing.count("\n") + 1  # the last frame and the summary fit on one screen
+            live.refresh()
+    finally:
+        brain.observers.remove(recorder)
+    console.print(closing, markup=False, highlight=False)
+    return result

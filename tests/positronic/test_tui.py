@@ -1,0 +1,238 @@
+"""The live terminal view: frames rendered from crafted real states, and short real runs.
+
+States are real (random:tiny, a byte-level tokenizer: one character per token, BOS is
+'<s>'), brightness is set by hand, frames go through rich's recording console.
+"""
+
+import io
+import re
+import threading
+
+import pytest
+from rich.console import Console
+from rich.live import _RefreshThread
+
+from positronic import StateManager
+from positronic.loop import Brain, BrainConfig
+from positronic.runner import Runner
+from positronic.tui import (REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, VIRIDIS, ActionRecorder, frame, render_actions,
+                            render_context, render_header, render_histogram, run_live, take_snapshot)
+
+TEXT = "The old lighthouse keeper climbed the spiral stairs every night"  # 63 tokens + BOS
+
+
+def console(width=100, height=40) -> Console:
+    return Console(record=True, width=width, height=height, force_terminal=True, color_system="truecolor",
+                   file=io.StringIO())
+
+
+def crafted(lm, text=TEXT, **config) -> Brain:
+    """A real brain over `text` (no ticks run)."""
+    state = StateManager.from_tokens(lm, [lm.bos_id] + lm.encode(text))
+    return Brain(state, BrainConfig(**{"budget": 48, **config}))
+
+
+def styles_by_row(text, texts) -> dict:
+    """The style each row's first character is drawn with, in a context rendered on one
+    line (so row r starts at the summed length of the rows before it)."""
+    assert "\n" not in text.plain and text.plain == "".join(texts)
+    styles, offset = {}, 0
+    for row, t in enumerate(texts):
+        if t:
+            styles[row] = next(s.style for s in text.spans if s.start <= offset < s.end)
+        offset += len(t)
+    return styles
+
+
+def luminance(rgb) -> float:
+    r, g, b = rgb
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def plain(renderable, width=100, height=40) -> str:
+    c = console(width, height)
+    c.print(renderable)
+    return c.export_text()
+
+
+def test_colour_runs_from_the_dim_end_to_the_bright_end_monotonically(tiny):
+    brain = crafted(tiny)
+    n = len(brain.state)
+    brain.state.set_brightness([255 * i / (n - 1) for i in range(n)])  # row 0 dimmest, last brightest
+    snapshot = take_snapshot(brain, tiny)
+    styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
+    colours = [tuple(styles[row].color.triplet) for row in sorted(styles)]
+    assert colours[0] == VIRIDIS[0] and colours[-1] == VIRIDIS[-1]
+    lum = [luminance(c) for c in colours]
+    assert all(a <= b for a, b in zip(lum, lum[1:])), "brighter tokens never look darker"
+    assert lum[-1] - lum[0] > 150
+
+
+def test_colour_scale_is_the_rules_range(tiny):
+    """vote brightness runs to 10000: 50 is at the dim end there, 5000 half way, 10000 the bright end."""
+    brain = crafted(tiny, brightness="vote")
+    n = len(brain.state)
+    brain.state.set_brightness([50.0] * 20 + [5000.0] * (n - 21) + [10000.0])
+    snapshot = take_snapshot(brain, tiny)
+    styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
+    assert tuple(styles[10].color.triplet) == VIRIDIS[0]
+    assert luminance(VIRIDIS[3]) < luminance(styles[30].color.triplet) < luminance(VIRIDIS[5])
+    assert tuple(styles[n - 1].color.triplet) == VIRIDIS[-1]
+
+
+def test_sinks_and_protected_rows_are_marked(tiny):
+    brain = crafted(tiny, sinks=4, protect=6, window=8)
+    n = len(brain.state)
+    snapshot = take_snapshot(brain, tiny)
+    styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
+    for row, style in styles.items():
+        assert (str(style.bgcolor.name) if style.bgcolor else None) == (SINK_BG if row < 4 else None), row
+        assert bool(style.underline) == (row < 6 or row >= n - 8), row
+    assert styles[n - 1].reverse, "the newest token stands out"
+    assert not styles[n - 2].reverse
+
+
+def test_repaired_tokens_are_highlighted_for_a_few_ticks(tiny):
+    brain = crafted(tiny)
+    sm = brain.state
+    brain.tick = sm.tick = 5
+    sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11,
+               "new_token_ids": tiny.encode("Q")}])
+    assert sm.mirror.live_texts()[10] == "Q"
+
+    def background(tick):
+        brain.tick = tick
+        snapshot = take_snapshot(brain, tiny)
+        styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
+        return [row for row, style in styles.items() if style.bgcolor and style.bgcolor.name == REPAIR_BG]
+
+    assert background(5) == [10]
+    assert background(5 + REPAIR_HIGHLIGHT_TICKS - 1) == [10]
+    assert background(5 + REPAIR_HIGHLIGHT_TICKS) == []
+
+
+def test_a_long_context_follows_the_end_and_counts_what_is_hidden(tiny):
+    brain = crafted(tiny, text=TEXT * 3)
+    snapshot = take_snapshot(brain, tiny)
+    text = render_context(snapshot, 20, 5)
+    lines = text.plain.split("\n")
+    assert len(lines) == 5
+    hidden = int(re.fullmatch(r"… (\d+) earlier tokens hidden", lines[0]).group(1))
+    assert "".join(lines[1:]) == "".join(snapshot.texts[hidden:]), "exactly the tokens after the hidden ones"
+    assert lines[-1].endswith(snapshot.texts[-1]), "the newest token is on screen"
+    # a context that fits has no hidden line
+    assert "hidden" not in render_context(snapshot, 96, 30).plain
+
+
+def test_newlines_break_lines_and_stay_visible(tiny):
+    brain = crafted(tiny, text="first line\nsecond line" + " pad" * 10)
+    lines = render_context(take_snapshot(brain, tiny), 96, 30).plain.split("\n")
+    assert lines[0] == "<s>first line↵" and lines[1].startswith("second line")
+
+
+def test_header_names_the_model_and_the_counters(tiny):
+    brain = crafted(tiny)
+    brain.tick = 7
+    brain.counts.update(repairs=3, culls=2, rebuilds=1)
+    snapshot = take_snapshot(brain, tiny, done=7, total=20, tok_s=12.5)
+    out = plain(render_header(snapshot))
+    for field in ("random:tiny", "cpu", "tick 7/20", "tok/s 12.5", f"live {len(brain.state)}/48", "culls 2",
+                  "repairs 3", "rebuilds 1", f"cache {brain.state.store.memory_usage_mb():.1f} MiB"):
+        assert field in out, field
+    assert "brain tick" not in out
+    brain.tick = 107  # a resumed run: the brain's own tick differs from this run's count
+    assert "brain tick 107" in plain(render_header(take_snapshot(brain, tiny, done=7, total=20)))
+
+
+def test_edits_are_described_in_words_with_the_texts_before_the_edits(tiny):
+    brain = crafted(tiny)  # rows: '<s>', 'T', 'h', 'e', ' ', 'o', 'l', 'd', ' ', 'l', 'i', 'g', 'h', ...
+    recorder = ActionRecorder(tiny)
+    brain.observers.append(recorder)
+    brain.tick = brain.state.tick = 9
+    actions = [{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": tiny.encode("XY")},
+               {"action": "delete", "position": 9}, {"action": "add", "token_id": tiny.encode("!")[0]}]
+    for observer in brain.observers:  # what Brain.step does around Step 4
+        observer.before_apply(brain, actions)
+    report = brain.state.apply(actions)
+    for observer in brain.observers:
+        observer.after_apply(brain, actions, report)
+    assert list(recorder.lines) == ["t9 replace 5–6 'ol' → 'XY'", "t9 delete 9 'l'"]
+    out = plain(render_actions(take_snapshot(brain, tiny, actions=list(recorder.lines)), 6))
+    assert "replace 5–6 'ol' → 'XY'" in out and "delete 9 'l'" in out
+
+
+def test_histogram_puts_rows_in_their_bins(tiny):
+    brain = crafted(tiny)
+    n = len(brain.state)
+    brain.state.set_brightness([0.0] * (n - 10) + [255.0] * 10)  # most rows dark, ten bright
+    text = render_histogram(take_snapshot(brain, tiny), 10, 5)
+    bars = text.plain.split("\n")
+    assert bars[0][0] == "█" and bars[0][-1] == " ", "the dark bin is the tallest"
+    assert bars[3][-1] != " " and all(c == " " for c in bars[3][1:-1]), "only the two end bins are filled"
+    assert "min 0 mean" in bars[-1] and "max 255" in bars[-1]
+
+
+@pytest.mark.parametrize("width,height", [(100, 40), (120, 30), (80, 16)])
+def test_a_frame_fills_the_screen_exactly(tiny, width, height):
+    snapshot = take_snapshot(crafted(tiny, text=TEXT * 6), tiny, done=3, total=10)
+    c = console(width, height)
+    lines = c.render_lines(frame(snapshot, width, height), c.options)
+    assert len(lines) == height and all(sum(len(s.text) for s in line) == width for line in lines)
+
+
+def test_a_snapshot_does_not_change_with_the_brain(tiny):
+    """The render thread reads snapshots while the loop edits the mirror: they must be copies."""
+    brain = crafted(tiny)
+    snapshot = take_snapshot(brain, tiny)
+    texts, brightness, counts = list(snapshot.texts), list(snapshot.brightness), dict(snapshot.counts)
+    brain.state.set_brightness([1.0] * len(brain.state))
+    brain.state.apply([{"action": "delete", "position": 10}, {"action": "add", "token_id": 50}])
+    brain.counts["culls"] += 1
+    assert snapshot.texts == texts and snapshot.brightness == brightness and snapshot.counts == counts
+
+
+def live_stopped() -> bool:
+    """No rich refresh thread is left running (Live.stop signals it; it ends at once)."""
+    threads = [t for t in threading.enumerate() if isinstance(t, _RefreshThread)]
+    for thread in threads:
+        thread.join(timeout=2)
+    return not any(t.is_alive() for t in threads)
+
+
+def live_run(tiny, ticks, *observers, text=TEXT):
+    brain = Brain.start(tiny, [tiny.bos_id] + tiny.encode(text), BrainConfig(budget=48, seed=1))
+    brain.observers.extend(observers)
+    c = console(100, 30)
+    result = run_live(brain, tiny, Runner(brain, tiny.name, ticks), show_prompt=True, console=c)
+    return brain, result, c.export_text()
+
+
+def test_run_live_runs_shows_frames_and_ends_with_the_summary(tiny):
+    brain, result, out = live_run(tiny, 20)
+    assert result.ticks == 20 and not result.interrupted
+    assert "[finished]" in out and "tick 20/20" in out and "replace" in out  # 64 tokens > 48: repairs ran
+    assert out.rindex("--- summary ---") > out.rindex("[finished]"), "the summary follows the last frame"
+    assert "ticks 20 in" in out
+    assert brain.observers == [], "the action recorder is removed"
+    assert live_stopped(), "Live stopped"
+
+
+class CtrlC:
+    """An observer that presses Ctrl-C at a given tick (what the user does)."""
+
+    def __init__(self, tick):
+        self.tick = tick
+
+    def before_apply(self, brain, actions):
+        if brain.tick == self.tick:
+            raise KeyboardInterrupt
+
+    def after_apply(self, brain, actions, report):
+        pass
+
+
+def test_ctrl_c_ends_the_view_cleanly_with_the_summary(tiny):
+    brain, result, out = live_run(tiny, 50, CtrlC(6))
+    assert result.interrupted and result.ticks == 5
+    assert "[interrupted]" in out and "--- summary --- (interrupted)" in out
+    assert live_stopped()
