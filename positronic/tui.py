@@ -39,7 +39,6 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.segment import Segment
 from rich.style import Style
-from rich.table import Table
 from rich.text import Span, Text
 
 import steps
@@ -343,18 +342,16 @@ def render_actions(snapshot: Snapshot, height: int) -> Text:
     return text
 
 
-def render_progress(snapshot: Snapshot, width: int) -> Table:
+def render_progress(snapshot: Snapshot, width: int) -> "SideBySide":
     """A progress bar for this invocation's ticks, with elapsed and estimated remaining time."""
     s = snapshot
     left = (s.total - s.done) / s.tok_s if s.tok_s > 0 else 0.0
     label = f" {s.done}/{s.total}  {clock(s.elapsed)} elapsed" + (
         f"  ~{clock(left)} left" if s.status == "running" and s.done < s.total else "")
-    grid = Table.grid(expand=True)
-    grid.add_column(ratio=1)
-    grid.add_column(no_wrap=True)
-    grid.add_row(ProgressBar(total=max(s.total, 1), completed=s.done, complete_style="#21918c",
-                                 finished_style="#5ec962"), label)
-    return grid
+    bar_width = max(width - cell_len(label), 1)
+    bar = ProgressBar(total=max(s.total, 1), completed=s.done, width=bar_width, complete_style="#21918c",
+                      finished_style="#5ec962")
+    return SideBySide((bar, bar_width), (Text(label, no_wrap=True, overflow="crop", end=""), width - bar_width))
 
 
 def clock(seconds: float) -> str:
@@ -419,6 +416,22 @@ class ActionRecorder:
 # --- the frame --------------------------------------------------------------------------
 
 
+class SideBySide:
+    """Renderables in columns of fixed widths, lines zipped. A Table.grid does the same but
+    measures its cells first, which costs more than drawing them."""
+
+    def __init__(self, *columns: tuple[object, int]):
+        self.columns = columns  # (renderable, width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        blocks = [console.render_lines(r, options.update(width=w, height=None), pad=True) for r, w in self.columns]
+        height = max(len(block) for block in blocks)
+        for index in range(height):
+            for block, (_, w) in zip(blocks, self.columns):
+                yield from block[index] if index < len(block) else [Segment(" " * w)]
+            yield Segment.line()
+
+
 def frame(snapshot: Snapshot, width: int = 120, height: int = 40) -> Group:
     """The whole view for a terminal of `width` × `height`: header (2 lines), context
     panel, histogram + action panels (dropped on short terminals), progress bar (1 line)."""
@@ -432,14 +445,11 @@ def frame(snapshot: Snapshot, width: int = 120, height: int = 40) -> Group:
     ]
     if bottom:
         hist_width = min(HIST_WIDTH, width // 3)
-        grid = Table.grid(expand=True)
-        grid.add_column(width=hist_width)
-        grid.add_column(ratio=1)
-        grid.add_row(
-            Panel(render_histogram(snapshot, hist_width - 4, bottom), title="brightness", title_align="left",
-                  height=bottom + 2),
-            Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2))
-        parts.append(grid)
+        parts.append(SideBySide(
+            (Panel(render_histogram(snapshot, hist_width - 4, bottom), title="brightness", title_align="left",
+                   height=bottom + 2), hist_width),
+            (Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2),
+             width - hist_width)))
     parts.append(render_progress(snapshot, width))
     return Group(*parts)
 
