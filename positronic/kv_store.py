@@ -147,6 +147,7 @@ class PreallocatedStore(KVStore):
     def __init__(self, num_layers: int, capacity: int = 1024):
         self._num_layers, self.capacity = num_layers, capacity
         self.buffer: torch.Tensor | None = None
+        self.scratch: torch.Tensor | None = None  # like buffer: overlapping row moves go through it
         self.length = 0
         self.cache = Cache(layers=[_BufferLayer(self, index) for index in range(num_layers)])
 
@@ -171,12 +172,22 @@ class PreallocatedStore(KVStore):
         buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
         if self.buffer is not None:
             buffer[:, :, :, : self.length] = self.buffer[:, :, :, : self.length]
-        self.buffer = buffer
+        self.buffer, self.scratch = buffer, None
+
+    def _move_rows(self, start: int, end: int, to: int) -> None:
+        """Move rows [start, end) of every layer to start at row `to`. The two ranges overlap,
+        so the rows pass through `scratch`, which is kept: an edit then never allocates (on a
+        CPU a fresh temporary of this size costs 3× the copy itself in page faults)."""
+        if end <= start:
+            return
+        if self.scratch is None:
+            self.scratch = torch.empty_like(self.buffer)
+        rows = self.scratch[:, :, :, : end - start]
+        rows.copy_(self.buffer[:, :, :, start:end])
+        self.buffer[:, :, :, to : to + end - start].copy_(rows)
 
     def delete(self, row: int) -> None:
-        end = self.length
-        if row < end - 1:  # source and destination overlap: move through a temporary
-            self.buffer[:, :, :, row : end - 1] = self.buffer[:, :, :, row + 1 : end].clone()
+        self._move_rows(row + 1, self.length, row)
         self.length -= 1
 
     def insert(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -184,8 +195,7 @@ class PreallocatedStore(KVStore):
             self.check_block(keys, values)
         count, end = keys.shape[3], self.length
         self.reserve(end + count, keys[0])
-        if row < end:
-            self.buffer[:, :, :, row + count : end + count] = self.buffer[:, :, :, row:end].clone()
+        self._move_rows(row, end, row + count)
         self.buffer[:, :, :, row : row + count] = torch.stack((keys[:, 0], values[:, 0]))
         self.length += count
 
@@ -197,8 +207,9 @@ class PreallocatedStore(KVStore):
         self.length = 0
 
     def memory_usage_mb(self) -> float:
-        """What the buffer holds, spare capacity included."""
-        return 0.0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size() / 2**20
+        """What the buffer and its scratch twin hold, spare capacity included."""
+        held = [t for t in (self.buffer, self.scratch) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held) / 2**20
 
 
 class _BufferLayer(CacheLayerMixin):

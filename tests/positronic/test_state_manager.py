@@ -108,6 +108,28 @@ def test_store_refuses_a_block_of_the_wrong_shape(tiny, store):
     assert torch.equal(sm.store.layer(0)[0], keys) and len(sm.store) == 4
 
 
+def test_preallocated_store_edits_in_place_reports_memory_and_resets(tiny):
+    sm = StateManager.from_tokens(tiny, list(range(1, 41)), store="preallocated")
+    store = sm.store
+    row_bytes = 2 * tiny.num_layers * tiny.num_kv_heads * tiny.head_dim * 4  # K and V, float32
+    assert store.memory_usage_mb() == pytest.approx(store.capacity * row_bytes / 2**20)
+    sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11, "new_token_ids": [7]},
+              {"action": "delete", "position": 3}, {"action": "add", "token_id": 9}])
+    buffer, scratch = store.buffer, store.scratch
+    assert scratch is not None, "an overlapping row move keeps its scratch buffer"
+    assert store.memory_usage_mb() == pytest.approx(2 * store.capacity * row_bytes / 2**20)
+    for _ in range(5):  # steady state: edits and appends never reallocate
+        sm.apply([{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [8]},
+                  {"action": "add", "token_id": 11}])
+    assert store.buffer is buffer and store.scratch is scratch
+    sm.check(deep=True)
+    store.reset()
+    assert len(store) == 0 and store.buffer is buffer
+    sm.rebuild()  # the emptied buffer is filled again in place, and matches the mirror
+    assert store.buffer is buffer and len(store) == len(sm.mirror.live.ledger_ids)
+    sm.check(deep=True)
+
+
 # --- 3. rebuild -----------------------------------------------------------------------------
 
 
