@@ -137,17 +137,22 @@ class DynamicStore(KVStore):
 
 
 class PreallocatedStore(KVStore):
-    """Fast backend: one buffer for every layer, K and V, with a length counter.
+    """Fast backend: one buffer for every layer, K and V, with a start and a length.
 
-    buffer: [2 (keys, values), layers, kv_heads, capacity, head_dim]; rows [0, length) are
-    live. An edit is one in-place row move for all layers at once; appends write into spare
-    capacity, so steady-state decoding never reallocates. Capacity doubles when exceeded.
+    buffer: [2 (keys, values), layers, kv_heads, capacity, head_dim]; buffer rows
+    [start, start + length) are the live rows 0..length-1. An edit is one in-place row move
+    for all layers at once, and it moves whichever side of the edited row is shorter: the
+    rows before it (shifting `start`) or the rows after it. Maintenance mostly edits old rows
+    near the front, so this usually moves a few dozen rows rather than the whole context.
+    Appends write into spare capacity after the live rows; when that runs out the rows are
+    packed back to buffer row 0, and only a full buffer doubles its capacity.
     """
 
     def __init__(self, num_layers: int, capacity: int = 1024):
         self._num_layers, self.capacity = num_layers, capacity
         self.buffer: torch.Tensor | None = None
         self.scratch: torch.Tensor | None = None  # like buffer: overlapping row moves go through it
+        self.start = 0
         self.length = 0
         self.cache = Cache(layers=[_BufferLayer(self, index) for index in range(num_layers)])
 
@@ -158,53 +163,75 @@ class PreallocatedStore(KVStore):
     def __len__(self) -> int:
         return self.length
 
+    @property
+    def end(self) -> int:
+        """Buffer row just after the last live row: where the model writes new rows."""
+        return self.start + self.length
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buffer is None:
             raise IndexError("the store is empty")
-        return self.buffer[0, index, None, :, : self.length], self.buffer[1, index, None, :, : self.length]
+        live = self.buffer[:, index, None, :, self.start : self.end]
+        return live[0], live[1]
 
-    def reserve(self, rows: int, like: torch.Tensor) -> None:
-        """Make room for `rows` rows; `like` ([1, kv_heads, n, head_dim]) fixes dtype, device, shape."""
-        if self.buffer is not None and rows <= self.buffer.shape[3]:
+    def reserve(self, count: int, like: torch.Tensor) -> None:
+        """Make room for `count` rows after the live ones; `like` ([1, kv_heads, n, head_dim])
+        fixes dtype, device and shape. The model calls this from every layer's update, and
+        only the first call of a forward (layer 0, before any layer wrote) can move rows."""
+        if self.buffer is not None and self.end + count <= self.buffer.shape[3]:
             return
-        capacity = max(rows, self.capacity if self.buffer is None else 2 * self.buffer.shape[3])
+        if self.buffer is not None and self.length + count <= self.buffer.shape[3]:
+            self._move_rows(self.start, self.end, 0)  # pack down into the free front rows
+            self.start = 0
+            return
+        capacity = max(self.length + count, self.capacity if self.buffer is None else 2 * self.buffer.shape[3])
         shape = (2, self.num_layers, like.shape[1], capacity, like.shape[3])
         buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
         if self.buffer is not None:
-            buffer[:, :, :, : self.length] = self.buffer[:, :, :, : self.length]
-        self.buffer, self.scratch = buffer, None
+            buffer[:, :, :, : self.length] = self.buffer[:, :, :, self.start : self.end]
+        self.buffer, self.scratch, self.start = buffer, None, 0
 
-    def _move_rows(self, start: int, end: int, to: int) -> None:
-        """Move rows [start, end) of every layer to start at row `to`. The two ranges overlap,
-        so the rows pass through `scratch`, which is kept: an edit then never allocates (on a
-        CPU a fresh temporary of this size costs 3× the copy itself in page faults)."""
-        if end <= start:
+    def _move_rows(self, first: int, stop: int, to: int) -> None:
+        """Move buffer rows [first, stop) of every layer to start at buffer row `to`. The
+        ranges may overlap, so the rows pass through `scratch`, which is kept: an edit then
+        never allocates (on a CPU a fresh temporary costs 3x the copy itself in page faults)."""
+        if stop <= first or first == to:
             return
         if self.scratch is None:
             self.scratch = torch.empty_like(self.buffer)
-        rows = self.scratch[:, :, :, : end - start]
-        rows.copy_(self.buffer[:, :, :, start:end])
-        self.buffer[:, :, :, to : to + end - start].copy_(rows)
+        rows = self.scratch[:, :, :, : stop - first]
+        rows.copy_(self.buffer[:, :, :, first:stop])
+        self.buffer[:, :, :, to : to + stop - first].copy_(rows)
 
     def delete(self, row: int) -> None:
-        self._move_rows(row + 1, self.length, row)
+        at = self.start + row
+        if row < self.length - 1 - row:  # fewer rows before it: shift them right, start + 1
+            self._move_rows(self.start, at, self.start + 1)
+            self.start += 1
+        else:
+            self._move_rows(at + 1, self.end, at)
         self.length -= 1
 
     def insert(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.buffer is not None:
             self.check_block(keys, values)
-        count, end = keys.shape[3], self.length
-        self.reserve(end + count, keys[0])
-        self._move_rows(row, end, row + count)
-        self.buffer[:, :, :, row : row + count] = torch.stack((keys[:, 0], values[:, 0]))
+        count = keys.shape[3]
+        if self.buffer is not None and count <= self.start and row < self.length - row:
+            self._move_rows(self.start, self.start + row, self.start - count)  # rows before it go left
+            self.start -= count
+        else:
+            self.reserve(count, keys[0])
+            self._move_rows(self.start + row, self.end, self.start + row + count)
+        at = self.start + row
+        self.buffer[:, :, :, at : at + count] = torch.stack((keys[:, 0], values[:, 0]))
         self.length += count
 
     def rotate_keys(self, start: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        keys = self.buffer[0, :, :, start : self.length]  # [layers, kv_heads, rows, head_dim]
-        self.buffer[0, :, :, start : self.length] = rope.rotate(keys, cos, sin)
+        keys = self.buffer[0, :, :, self.start + start : self.end]  # [layers, kv_heads, rows, head_dim]
+        self.buffer[0, :, :, self.start + start : self.end] = rope.rotate(keys, cos, sin)
 
     def reset(self) -> None:
-        self.length = 0
+        self.start = self.length = 0
 
     def memory_usage_mb(self) -> float:
         """What the buffer and its scratch twin hold, spare capacity included."""
@@ -238,12 +265,13 @@ class _BufferLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        store, start, count = self.store, self.store.length, key_states.shape[-2]
-        store.reserve(start + count, key_states)
-        store.buffer[0, self.index, :, start : start + count] = key_states[0]
-        store.buffer[1, self.index, :, start : start + count] = value_states[0]
-        keys = store.buffer[0, self.index, None, :, : start + count]
-        values = store.buffer[1, self.index, None, :, : start + count]
+        store, count = self.store, key_states.shape[-2]
+        store.reserve(count, key_states)
+        end = store.end
+        store.buffer[0, self.index, :, end : end + count] = key_states[0]
+        store.buffer[1, self.index, :, end : end + count] = value_states[0]
+        keys = store.buffer[0, self.index, None, :, store.start : end + count]
+        values = store.buffer[1, self.index, None, :, store.start : end + count]
         if self.index == store.num_layers - 1:
             store.length += count
         return keys, values

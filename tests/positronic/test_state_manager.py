@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import mirror as mirror_pkg
 from positronic.actions import ActionError
 from positronic.forward import fresh_layer0_kv
+from positronic.kv_store import PreallocatedStore
 from positronic.state_manager import StateManager
 
 STORES = ["dynamic", "preallocated"]
@@ -128,6 +129,34 @@ def test_preallocated_store_edits_in_place_reports_memory_and_resets(tiny):
     sm.rebuild()  # the emptied buffer is filled again in place, and matches the mirror
     assert store.buffer is buffer and len(store) == len(sm.mirror.live.ledger_ids)
     sm.check(deep=True)
+
+
+def test_preallocated_store_moving_either_side_and_packing_down_matches_the_reference(tiny):
+    """Edits near the front move the rows before them (the start shifts), appends that reach
+    the end of a small buffer pack the rows down to row 0, and through all of it the store
+    holds exactly what the reference store holds."""
+    rng = random.Random(11)
+    ids = [rng.randrange(tiny.vocab_size) for _ in range(30)]
+    small = StateManager(tiny, PreallocatedStore(tiny.num_layers, capacity=48), mirror_pkg.Mirror(), store_kind="preallocated")
+    small.append(ids, source="prompt")
+    reference = StateManager.from_tokens(tiny, ids, store="dynamic")
+    starts, packs = set(), 0
+    for _ in range(60):
+        actions = random_actions(rng, len(reference), tiny.vocab_size, keep_first=1,
+                                 adds=(1, 3) if len(reference) < 40 else (0, 1))
+        start_before = small.store.start
+        for sm in (small, reference):
+            assert not sm.apply(actions).rebuilt
+        starts.add(small.store.start)
+        packs += small.store.start == 0 and start_before > 0 and len(small) > 20
+        assert small.live_token_ids() == reference.live_token_ids() and small.positions() == reference.positions()
+        for index in range(tiny.num_layers):
+            for ours, theirs in zip(small.store.layer(index), reference.store.layer(index)):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert max(starts) >= 3, "front edits should have moved the start"
+    assert packs >= 1, "appends at the end of the buffer should have packed the rows down"
+    assert small.store.buffer.shape[3] == 48, "packing down, not growing, while the rows fit"
+    small.check(deep=True)
 
 
 # --- 3. rebuild -----------------------------------------------------------------------------
