@@ -50,7 +50,7 @@ def run(
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
     window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
     brightness: str = typer.Option("ttl", help="Brightness rule: ttl | vote."),
-    repairer: str = typer.Option("self", help="self | mlm:PATH (a local masked LM)."),
+    repairer: str = typer.Option("self", help="self | mlm:PATH (a local masked LM) | none (cull only)."),
     repair_tokens: int = typer.Option(1, min=1, help="Tokens the self repairer proposes per pair."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
@@ -188,13 +188,14 @@ def eval_command(
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+    repairer: str = typer.Option("self", help="The brightness policy's repairer: self | mlm:PATH | none (cull only)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe."""
     from .evaluate import main as evaluate_main
 
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype)
+                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer)
 
 
 def main(argv: list[str] | None = None) -> None:

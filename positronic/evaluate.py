@@ -125,10 +125,12 @@ class StreamResult:
 
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last") -> BrainConfig:
+                score_layers="last", repairer: str = "self") -> BrainConfig:
     """The BrainConfig of one run; EvalError if the combination cannot run."""
+    if repairer != "self" and repairer != "none" and not repairer.startswith("mlm:"):
+        raise EvalError(f"unknown repairer {repairer!r}; use 'self', 'mlm:PATH' or 'none'")
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers)
+                         score_layers=score_layers, repairer=repairer)
     try:
         config.validate()
         cls = POLICIES[policy]
@@ -202,10 +204,11 @@ def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             progress=None, on_run=None, text_name: str = "") -> EvalReport:
+             repairer: str = "self", progress=None, on_run=None, text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
-    full-cache reference when it fits. `progress` is a rich Progress (or None); `on_run`
-    is called with each finished RunSummary."""
+    full-cache reference when it fits. `repairer` is the brightness policy's (`none`: cull
+    only). `progress` is a rich Progress (or None); `on_run` is called with each finished
+    RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:
         raise EvalError("give at least one policy and one budget")
@@ -217,7 +220,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     if segments < 1:
         raise EvalError(f"segments must be >= 1, got {segments}")
     configs = {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                   score_layers=score_layers) for b in budgets for p in policies}
+                                   score_layers=score_layers, repairer=repairer) for b in budgets for p in policies}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
         raise EvalError("the text has fewer than 2 tokens")
@@ -265,7 +268,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
             run.segment_ratios = [None if s is None else s / r for s, r in zip(run.segments, ref.segments)]
         ref.ratio, ref.segment_ratios = 1.0, [1.0] * len(bounds)
     settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=sinks,
-                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, probe=probe,
+                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, repairer=repairer, probe=probe,
                     probe_filler=filler if probe else None, probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
                     device=str(lm.device), threads=torch.get_num_threads())
@@ -407,7 +410,7 @@ def read_text(path: Path | None) -> tuple[str, str]:
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
-         dtype: str | None = None, smooth: int | None = None) -> EvalReport:
+         dtype: str | None = None, smooth: int | None = None, repairer: str = "self") -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -421,7 +424,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     for budget in budgets:
         for name in policies:
-            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity)
+            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
@@ -440,7 +443,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress:
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                          probe_filler=probe_filler, progress=progress, on_run=done, text_name=name)
+                          probe_filler=probe_filler, repairer=repairer, progress=progress, on_run=done,
+                          text_name=name)
     Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
     paths = write_outputs(report, out, smooth=smooth)
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -33,7 +33,7 @@ class BrainConfig:
     window: int = 32  # most recent rows never culled
     brightness: str = "ttl"  # rule: ttl | vote
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
-    repairer: str = "self"  # self | mlm:PATH
+    repairer: str = "self"  # self | mlm:PATH | none (cull only)
     repair_tokens: int = 1  # tokens the self repairer proposes per pair
     temperature: float = 0.7
     top_k: int = 50

@@ -5,6 +5,8 @@
   left of the pair (over the rows before it), plus one per extra proposed token.
 - `mlm:PATH`: a masked LM from a local directory fills one mask in place of the pair. Text
   crosses between the two vocabularies as whole spans, never token by token.
+- `none`: proposes nothing, so dim pairs are deleted when the budget needs it and left
+  alone otherwise: brightness culling without repair.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class SelfRepairer:
         return proposal
 
 
+class NoRepairer:
+    """Cull only: never proposes a replacement."""
+
+    def propose(self, context_ids: list[int], pair: tuple[int, int]) -> list[int]:
+        return []
+
+
 class MaskedLMRepairer:
     """Fill one mask between the pair's neighbours with a local masked LM."""
 
@@ -89,9 +98,11 @@ class MaskedLMRepairer:
 
 
 def make_repairer(spec: str, state, *, tokens: int = 1):
-    """`self` or `mlm:PATH`."""
+    """`self`, `mlm:PATH` or `none`."""
     if spec == "self":
         return SelfRepairer(state, tokens)
+    if spec == "none":
+        return NoRepairer()
     if spec.startswith("mlm:"):
         return MaskedLMRepairer(state.lm, spec[4:], max_tokens=max(tokens, 1))
-    raise RepairerError(f"unknown repairer {spec!r}; use 'self' or 'mlm:PATH'")
+    raise RepairerError(f"unknown repairer {spec!r}; use 'self', 'mlm:PATH' or 'none'")

@@ -82,6 +82,16 @@ def test_every_policy_runs_end_to_end_and_writes_csv_json_png(tiny, tmp_path):
     assert "streaming" in str(table(report).columns[0]._cells)
 
 
+def test_brightness_cull_only_evicts_by_deleting(tiny):
+    report = evaluate(tiny, TEXT, policies=["brightness"], budgets=[48], max_tokens=72, probe=False,
+                      repairer="none")
+    run = report.runs[0]
+    assert run.repairs == 0 and run.deletes > 0 and run.max_live <= 49
+    assert report.settings["repairer"] == "none"
+    with pytest.raises(EvalError, match="unknown repairer 'oracle'"):
+        evaluate(tiny, TEXT, policies=["brightness"], budgets=[48], repairer="oracle")
+
+
 def test_none_with_stop_scores_only_what_fit(tiny):
     report = evaluate(tiny, TEXT, policies=["none"], budgets=[48], max_tokens=100, at_capacity="stop", probe=False)
     run = report.runs[0]

@@ -140,6 +140,20 @@ def test_masked_lm_repairer_fills_the_slot_through_text(tmp_path, smol):
     assert smol.decode(proposal) == " lamp", "the text crosses vocabularies as a span, leading space kept"
 
 
+def test_cull_only_brain_deletes_dim_pairs_and_stays_within_budget(tiny):
+    brain = Brain.start(tiny, [1] + list(range(40, 70)), BrainConfig(budget=40, repairer="none"))
+    lengths, outcomes = [], set()
+    for _ in range(60):
+        record = brain.step()
+        lengths.append(record.live_length)
+        outcomes |= {outcome for _, outcome in record.outcomes}
+        assert all(a["action"] != "replace_pair" for a in record.actions), "cull only: nothing is replaced"
+    assert brain.counts["repairs"] == 0 and brain.counts["culls"] > 0
+    assert outcomes <= {"left", "deleted"} and "deleted" in outcomes
+    assert max(lengths[20:]) <= 41, "budget + cull rate"
+    brain.state.check(deep=True)
+
+
 def test_unknown_repairer_is_refused(tiny):
     sm = StateManager.from_tokens(tiny, [1, 2, 3])
     with pytest.raises(RepairerError, match="unknown repairer"):
