@@ -127,8 +127,6 @@ class StreamResult:
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
                 score_layers="last", repairer: str = "self") -> BrainConfig:
     """The BrainConfig of one run; EvalError if the combination cannot run."""
-    if repairer != "self" and repairer != "none" and not repairer.startswith("mlm:"):
-        raise EvalError(f"unknown repairer {repairer!r}; use 'self', 'mlm:PATH' or 'none'")
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
                          score_layers=score_layers, repairer=repairer)
     try:

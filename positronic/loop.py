@@ -17,6 +17,7 @@ import torch
 
 import steps
 
+from . import repairers
 from .policy import POLICIES, make_policy
 from .state_manager import StateManager
 
@@ -58,6 +59,7 @@ class BrainConfig:
             raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
         if self.brightness not in steps.RULES:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
+        repairers.check_spec(self.repairer)
         if self.repair_tokens < 1:
             raise ValueError(f"repair_tokens must be >= 1, got {self.repair_tokens}")
         if self.temperature < 0:

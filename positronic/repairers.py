@@ -63,8 +63,6 @@ class MaskedLMRepairer:
     def __init__(self, lm, path: str, *, window: int = 32, max_tokens: int = 3):
         from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-        if not Path(path).is_dir():
-            raise RepairerError(f"masked LM directory {path!r} does not exist (use mlm:PATH with a local model)")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.model = AutoModelForMaskedLM.from_pretrained(path, local_files_only=True).eval()
@@ -97,12 +95,24 @@ class MaskedLMRepairer:
         return []
 
 
+def check_spec(spec: str) -> None:
+    """RepairerError unless `spec` names a repairer: `self`, `none`, or `mlm:PATH` with PATH
+    an existing directory (whether it holds a masked LM is only known when it is loaded).
+    Cheap, so settings are checked before any model is loaded."""
+    if spec in ("self", "none"):
+        return
+    if not spec.startswith("mlm:"):
+        raise RepairerError(f"unknown repairer {spec!r}; use 'self', 'mlm:PATH' or 'none'")
+    path = spec.removeprefix("mlm:")
+    if not Path(path).is_dir():
+        raise RepairerError(f"masked LM directory {path!r} does not exist (use mlm:PATH with a local model)")
+
+
 def make_repairer(spec: str, state, *, tokens: int = 1):
     """`self`, `mlm:PATH` or `none`."""
+    check_spec(spec)
     if spec == "self":
         return SelfRepairer(state, tokens)
     if spec == "none":
         return NoRepairer()
-    if spec.startswith("mlm:"):
-        return MaskedLMRepairer(state.lm, spec[4:], max_tokens=max(tokens, 1))
-    raise RepairerError(f"unknown repairer {spec!r}; use 'self', 'mlm:PATH' or 'none'")
+    return MaskedLMRepairer(state.lm, spec.removeprefix("mlm:"), max_tokens=max(tokens, 1))

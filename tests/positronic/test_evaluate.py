@@ -131,6 +131,10 @@ def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys):
     (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
     (["--budget", "20"], "budget 20"),
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--repairer", "oracle"], "unknown repairer 'oracle'"),
+    # refused before anything runs (here the full-cache reference would run first)
+    (["--repairer", "mlm:/nonexistent", "--budget", "48", "--max-tokens", "50", "--no-probe"],
+     "masked LM directory '/nonexistent' does not exist"),
 ])
 def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys):
     assert run_cli("eval", "--model", "random:tiny", *args) == 2
