@@ -1,18 +1,21 @@
-"""Decode speed: Hugging Face `generate` against the brain's loop, per store backend.
+"""Decode speed: Hugging Face `generate` against the brain's loop.
 
-    python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32]
+    python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
 
 For each live length it prints ms per token and tokens/s for
-  (a) hf-generate   `model.generate` on the same model object, greedy, prefill excluded;
+  (a) hf-generate   `model.generate` as a user gets it: the model loaded the library's default
+                    way (SDPA attention), its default DynamicCache, greedy, prefill excluded;
   (b) loop, maintenance off — sample + apply([add]) per tick (one forward, no edits);
-  (c) loop, maintenance on — a full Brain tick at budget = context: brightness, one
-      dimmest pair repaired by the self repairer, Step 4;
-(b) and (c) on each store backend, with ratios against (a) from the same run, and peak
-memory (CUDA: max allocated; CPU: peak RSS). For (c) two shares of the tick:
-  apply     all of Step 4 `apply()`, including the model forwards it runs (the replacement's
-            K/V over its left context, and the new token);
-  step4     `apply()` minus those forwards: validation, row moves, re-rotation, the mirror —
-            the maintenance machinery itself, which DESIGN §4 wants under 5% of a tick.
+  (c) loop, maintenance on — a full Brain tick at budget = context: brightness, the dimmest
+      pair repaired by the self repairer, Step 4 — still one forward;
+with the ratio (a)/(x) (above 1: faster than generate). The three run in turn, `--repeats`
+rounds, and every figure is the median over rounds of each round's median tick, so slow
+drift of a noisy machine hits all three alike. For (c) two shares of the tick:
+  apply     all of Step 4 `apply()`, including its one model forward;
+  step4     `apply()` minus that forward: validation, the layout, row moves, re-rotation, the
+            mirror — the maintenance machinery itself, which should stay under 5% of a tick.
+and the memory of (c)'s SpliceCache (buffers with their slack, plus the shared scratch)
+against the bytes of the live K/V rows alone: there is no second full-size buffer.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import steps  # noqa: E402
 from positronic import StateManager, load_model  # noqa: E402
 from positronic import state_manager  # noqa: E402
-from positronic.kv_store import STORES  # noqa: E402
 from positronic.loop import Brain, BrainConfig  # noqa: E402
 
 
@@ -71,9 +73,9 @@ def hf_generate(lm, ids: list[int], ticks: int) -> float:
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
 
 
-def loop_plain(lm, ids: list[int], ticks: int, store: str) -> float:
+def loop_plain(lm, ids: list[int], ticks: int) -> float:
     """Seconds per tick of sample + apply([add]): the loop with maintenance off."""
-    sm = StateManager.from_tokens(lm, ids, store=store)
+    sm = StateManager.from_tokens(lm, ids, capacity=len(ids) + ticks + 64)
     times = []
     for _ in range(ticks):
         sync(lm)
@@ -111,10 +113,10 @@ class ForwardClock:
         state_manager.forward, state_manager.prefill = self.saved
 
 
-def loop_maintained(lm, ids: list[int], ticks: int, store: str) -> tuple[float, float, float]:
-    """Seconds per full Brain tick at budget = context, and the shares of it taken by
-    `apply()` and by `apply()` without its model forwards."""
-    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32), store=store)
+def loop_maintained(lm, ids: list[int], ticks: int) -> tuple[float, float, float, float, float]:
+    """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`
+    and by `apply()` without its model forward, and the cache's MiB against the live rows'."""
+    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32))
     times, apply_shares, step4_shares = [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
@@ -126,7 +128,10 @@ def loop_maintained(lm, ids: list[int], ticks: int, store: str) -> tuple[float, 
             times.append(time.perf_counter() - start)
             apply_shares.append(record.seconds["apply"] / times[-1])
             step4_shares.append((record.seconds["apply"] - clock.seconds) / times[-1])
-    return statistics.median(times), statistics.median(apply_shares), statistics.median(step4_shares)
+    cache = brain.state.cache
+    live = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    return (statistics.median(times), statistics.median(apply_shares), statistics.median(step4_shares),
+            cache.memory_bytes() / 2**20, live / 2**20)
 
 
 def main() -> None:
@@ -136,31 +141,37 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--ticks", type=int, default=32)
-    parser.add_argument("--stores", nargs="+", default=list(STORES))
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     import transformers
 
     device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
-    print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  torch {torch.__version__}  "
-          f"transformers {transformers.__version__}  ticks {args.ticks}  {time.strftime('%Y-%m-%d')}")
-    print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
-          f"{'peak MiB':>9}")
+    print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  "
+          f"attention {lm.model.config._attn_implementation}  torch {torch.__version__}  "
+          f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
+          f"{time.strftime('%Y-%m-%d')}")
+    print(f"{'context':>7} {'run':<28} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
+          f"{'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
     for context in args.contexts:
         if context > lm.max_positions:
             print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
             continue
         ids = context_ids(lm, context)
-        base = hf_generate(lm, ids, args.ticks)
-        rows = [("(a) hf-generate", base, ())]
-        for store in args.stores:
-            rows.append((f"(b) loop, maintenance off, {store}", loop_plain(lm, ids, args.ticks, store), ()))
-            seconds, *shares = loop_maintained(lm, ids, args.ticks, store)
-            rows.append((f"(c) loop, maintenance on, {store}", seconds, shares))
-        for name, seconds, shares in rows:
-            cells = " ".join(f"{share:>6.1%}" for share in shares) if shares else f"{'':>13}"
-            print(f"{context:>7} {name:<40} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {base / seconds:>5.2f}x "
-                  f"{cells} {peak_memory_mb(lm):>9.0f}", flush=True)
+        rounds = []
+        for _ in range(args.repeats):
+            base = hf_generate(lm, ids, args.ticks)
+            plain = loop_plain(lm, ids, args.ticks)
+            rounds.append((base, plain, *loop_maintained(lm, ids, args.ticks)))
+        median = [statistics.median(column) for column in zip(*rounds)]
+        ratio = [statistics.median(r[0] / r[k] for r in rounds) for k in (0, 1, 2)]
+        rows = [("(a) hf-generate (sdpa)", median[0], ratio[0], ""),
+                ("(b) loop, maintenance off", median[1], ratio[1], ""),
+                ("(c) loop, maintenance on", median[2], ratio[2],
+                 f"{median[3]:>6.1%} {median[4]:>6.1%} {median[5]:>10.1f} {median[6]:>12.1f}")]
+        for name, seconds, vs, cells in rows:
+            print(f"{context:>7} {name:<28} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
+                  f"{cells or f'{chr(32) * 37}':<37} {peak_memory_mb(lm):>9.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@ Pure Python; no torch. See README "State model".
 """
 
 from .ledger import CULLED, LIVE, REPLACED, SOURCES, STATES, Ledger, LedgerEntry
+from .layout import Insertion, Layout, plan_layout
 from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
 from .storage import MirrorFileError, from_bytes, load, save, to_bytes
 
 __all__ = [
     "CULLED", "LIVE", "REPLACED", "SOURCES", "STATES",
-    "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
-    "MirrorFileError", "from_bytes", "load", "save", "to_bytes",
+    "Insertion", "Layout", "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
+    "MirrorFileError", "from_bytes", "load", "plan_layout", "save", "to_bytes",
 ]

@@ -6,7 +6,8 @@ on the KV store. Nothing in this package imports torch.
 
 from __future__ import annotations
 
-from .ledger import CULLED, LIVE, REPLACED, Ledger
+from .layout import Layout
+from .ledger import CULLED, LIVE, REPLACED, SOURCES, Ledger
 from .live_map import LiveMap
 
 
@@ -55,6 +56,45 @@ class Mirror:
 
     def link_replacement(self, old_ledger_ids: list[int], new_ledger_ids: list[int]) -> None:
         self.ledger.link_replacement(old_ledger_ids, new_ledger_ids)
+
+    def splice(self, layout: Layout, texts: list[str], *, tick: int, brightness: float,
+               live_brightness: list[float] | None = None) -> list[int]:
+        """Apply a whole Layout (see layout.py): deleted rows' entries retire (or become
+        replaced by the tokens inserted in their place), the new tokens get ledger entries
+        starting at `brightness`, and the live map becomes the layout's rows and positions.
+        `live_brightness`: the tick's new brightness of every row before the edits. Returns
+        the new ledger ids. Everything that could refuse is checked before the first change.
+        """
+        live = self.live.ledger_ids
+        if layout.old_length != len(live):
+            raise ValueError(f"layout planned for {layout.old_length} rows, the live map has {len(live)}")
+        if live_brightness is not None and len(live_brightness) != len(live):
+            raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")
+        if len(texts) != len(layout.new_token_ids):
+            raise ValueError(f"{len(texts)} texts for {len(layout.new_token_ids)} new tokens")
+        for insertion, _ in layout.groups:
+            if insertion.source not in SOURCES:
+                raise ValueError(f"unknown token source {insertion.source!r}; expected one of {SOURCES}")
+            if not set(insertion.replaces) <= set(layout.deleted):
+                raise ValueError(f"rows {insertion.replaces} are replaced but not deleted")
+        if live_brightness is not None:
+            self.set_brightness(live_brightness)
+        for row in layout.deleted:
+            self.ledger.retire(live[row], tick)
+        new_ids = []
+        for insertion, part in layout.groups:
+            for token_id, text in zip(insertion.token_ids, texts[part]):
+                new_ids.append(self.ledger.add(token_id, text, insertion.source, tick, brightness))
+        for insertion, part in layout.groups:
+            if insertion.replaces:
+                self.ledger.link_replacement([live[row] for row in insertion.replaces], new_ids[part])
+        rows: list[int] = [0] * layout.length
+        for old, new, count in layout.kept:
+            rows[new : new + count] = live[old : old + count]
+        for row, ledger_id in zip(layout.new_rows, new_ids):
+            rows[row] = ledger_id
+        self.live = LiveMap(rows, list(layout.positions))
+        return new_ids
 
     # --- reads --------------------------------------------------------------------------
 

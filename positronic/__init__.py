@@ -7,10 +7,11 @@
 """
 
 from .actions import ActionError
+from .cache import SpliceCache, SpliceLayer
 from .models import LoadedModel, ModelError, ModelNotAvailable, load_model
 from .state_manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
 
 __all__ = [
     "ActionError", "ApplyReport", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
-    "StateInvariantError", "StateManager", "load_model",
+    "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model",
 ]

@@ -51,7 +51,7 @@ def run(
     window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
     brightness: str = typer.Option("ttl", help="Brightness rule: ttl | vote."),
     repairer: str = typer.Option("self", help="self | mlm:PATH (a local masked LM) | none (cull only)."),
-    repair_tokens: int = typer.Option(1, min=1, help="Tokens the self repairer proposes per pair."),
+    repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self: exactly 1)."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
@@ -61,7 +61,6 @@ def run(
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
-    store: str = typer.Option("dynamic", help="KV store backend."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
@@ -95,11 +94,11 @@ def run(
     config.validate()
     lm = load_model(model, device=device, dtype=dtype)
     if resume:
-        brain = sessions.resume(lm, session, store=store)
+        brain = sessions.resume(lm, session)
     else:
         text = DEFAULT_PROMPT if prompt is None else prompt
         prompt_ids = [lm.bos_id] + lm.encode(text)
-        brain = Brain.start(lm, prompt_ids, config, store=store)
+        brain = Brain.start(lm, prompt_ids, config)
     if capture is not None:
         from .fixtures import Capture
 

@@ -8,11 +8,14 @@
     report.runs[0].ppl, report.runs[0].ratio, report.runs[0].probe.recalled
 
 Teacher forcing through the real tick machinery: the text is tokenized (BOS first) and fed
-one token per tick into a StateManager. At each tick the NLL of the true next token is read
-from `sm.next_logits` (log-softmax) *before* it is added; then the policy plans with the
-scores of `sm.last_attention` (exactly as the Brain does), and its actions plus an `add` of
-the true token go through `sm.apply`. So every policy sees, edits and is scored on the same
-cache the generator would have; brightness may repair (its self repairer proposes tokens).
+one token per tick through a `Brain` (the same loop as a run), each tick's token forced
+instead of sampled (`Brain.step(force=token)`). At each tick the NLL of the true next token
+is read from the state's next-token logits (log-softmax) *before* it is added; then the tick
+runs as it would in a run: the policy plans from the newest token's attention, and its
+actions plus the `add` of the true token go through Step 4. So every policy sees, edits and
+is scored on the same cache the generator would have; brightness may repair (its self
+repairer proposes tokens). A tick that fails changes nothing, so it is run again with the
+same token (a second failure ends the evaluation).
 
 Reported per (policy, budget): perplexity exp(mean NLL) over all predicted tokens and over
 `segments` equal consecutive chunks, and the ratio to the full cache over the same tokens.
@@ -48,12 +51,9 @@ from pathlib import Path
 
 import torch
 
-import steps
-
 from .eviction import EvictionPolicy
-from .loop import BrainConfig
-from .policy import POLICIES, make_policy
-from .state_manager import StateManager
+from .loop import Brain, BrainConfig
+from .policy import POLICIES
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "texts" / "alice_ch1-2.txt"
 DEFAULT_POLICIES = ("brightness", "streaming", "scored", "h2o", "none")
@@ -139,24 +139,31 @@ def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, a
     return config
 
 
+def reference_config(length: int, *, sinks: int = 4, protect: int = 0, score_layers="last") -> BrainConfig:
+    """The full-cache reference for streams of up to `length` tokens: policy `none` with a
+    budget the stream never reaches (so it never stops and never evicts), and at least what
+    BrainConfig.validate asks of any budget (no recent window: nothing is culled anyway)."""
+    return BrainConfig(policy="none", budget=max(length + 1, max(sinks, protect) + 4), sinks=sinks, protect=protect,
+                       window=0, at_capacity="stop", score_layers=score_layers)
+
+
 @torch.inference_mode()
 def run_stream(lm, ids: list[int], config: BrainConfig, *, rank_from: int | None = None,
                on_token=None) -> StreamResult:
-    """Teacher-force `ids` (ids[0] is the start, usually BOS) through a cache kept by
-    `config.policy`. nll[i] is the NLL of ids[i + 1]. `on_token(i)` is called per step."""
+    """Teacher-force `ids` (ids[0] is the start, usually BOS) through a Brain kept by
+    `config.policy`: the same tick loop as a run, with each tick's token forced instead of
+    sampled. nll[i] is the NLL of ids[i + 1]. `on_token(i)` is called per step."""
     if len(ids) < 2:
         raise EvalError("the stream needs at least two tokens")
     start = time.perf_counter()
-    sm = StateManager.from_tokens(lm, ids[:1], brightness=steps.RULES[config.brightness].start)
-    policy = make_policy(config.policy, sm, config)
+    brain = Brain.start(lm, ids[:1], config)
     nll: list[float] = []
     ranks: list[int] = []
-    deletes = repairs = rebuilds = 0
-    max_live = len(sm)
+    max_live = len(brain.state)
     stopped_at = None
     for i in range(1, len(ids)):
         target = ids[i]
-        logprobs = torch.log_softmax(sm.next_logits.float(), dim=-1)
+        logprobs = torch.log_softmax(brain.state.next_logits.float(), dim=-1)
         nll.append(-float(logprobs[target]))
         if rank_from is not None and i >= rank_from:
             ranks.append(int((logprobs > logprobs[target]).sum()) + 1)
@@ -164,20 +171,18 @@ def run_stream(lm, ids: list[int], config: BrainConfig, *, rank_from: int | None
             on_token(i)
         if i == len(ids) - 1:
             break
-        sm.tick += 1
-        scores = steps.scores(sm.last_attention, config.score_layers)
-        plan = policy.plan(scores, {})
-        actions = steps.consolidate(target, plan.actions)
-        report = sm.apply(actions)
-        kinds = [a["action"] for a in actions]
-        deletes += kinds.count("delete")
-        repairs += kinds.count("replace_pair")
-        rebuilds += report.rebuilt
-        max_live = max(max_live, len(sm))
-        if plan.stop:
+        record = brain.step(force=target)
+        if record.rebuilt:  # a failed tick added nothing: feed the same token again
+            record = brain.step(force=target)
+            if record.rebuilt:
+                raise RuntimeError(f"tick {brain.tick} failed twice (stream index {i}): {record.error}")
+        max_live = max(max_live, record.live_length)
+        if record.stopped:
             stopped_at = i
             break
-    return StreamResult(nll, ranks, stopped_at, deletes, repairs, max_live, rebuilds, time.perf_counter() - start)
+    counts = brain.counts
+    return StreamResult(nll, ranks, stopped_at, counts["culls"], counts["repairs"], max_live,
+                        counts["rebuilds"], time.perf_counter() - start)
 
 
 def perplexity(nll: list[float]) -> float:
@@ -256,8 +261,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
 
     ref = None
     if reference and longest <= lm.max_positions:  # the full cache fits: nothing is ever evicted
-        ref = one("none", None, BrainConfig(policy="none", budget=longest + 1, sinks=sinks, protect=protect,
-                                            at_capacity="stop", score_layers=score_layers))
+        ref = one("none", None, reference_config(longest, sinks=sinks, protect=protect, score_layers=score_layers))
     runs = [one(p, b, configs[(p, b)]) for b in budgets for p in policies]
     if ref is not None:
         bounds = segment_bounds(len(ids) - 1, segments)

@@ -21,7 +21,9 @@ Rules shared by the three evicting policies (seed 003):
   ValueError.
 
 Per-row state (last access tick, accumulated attention) is keyed by ledger id, so it
-survives every splice. Every policy edits only through `delete` actions, applied by
+survives every splice. An evicted row's state is dropped at the next plan, once the row is
+gone: a tick that fails changes nothing, and its rows keep their state (the failed tick's
+own observation still counts). Every policy edits only through `delete` actions, applied by
 `StateManager.apply` like any other tick's edits.
 
 `scores` (one per live row) are the newest token's attention over every live row (mean over
@@ -62,11 +64,12 @@ class EvictionPolicy:
 
     name = "eviction"
 
-    def __init__(self, state, config):
-        self.state, self.config = state, config
+    def __init__(self, lm, config):
+        self.config = config
         self.budget = config.budget
         self.batch = batch_size(config.budget)
         self.clock = 0  # plan() calls so far (one per tick)
+        self.evicting: list[int] = []  # ledger ids of the rows the last plan evicted
         self.check(config)
 
     @classmethod
@@ -86,13 +89,19 @@ class EvictionPolicy:
             return 0
         return length + 1 - (self.budget - self.batch)
 
-    def plan(self, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
         clock = time.perf_counter()
         self.clock += 1
         length = len(scores)
-        if length != len(self.state):
-            raise ValueError(f"{length} scores for {len(self.state)} live rows")
-        ids = self.state.mirror.live.ledger_ids
+        if length != len(view):
+            raise ValueError(f"{length} scores for {len(view)} live rows")
+        ids = view.ledger_ids.tolist()
+        if self.evicting:
+            # Forget the rows the last plan evicted only now that they are gone: if that tick
+            # failed (Step 4 then changes nothing), they are still live and keep their state.
+            live = set(ids)
+            self.forget(ledger_id for ledger_id in self.evicting if ledger_id not in live)
+            self.evicting = []
         self.observe(ids, scores)
         count = self.due(length)
         actions, outcomes = [], []
@@ -103,7 +112,7 @@ class EvictionPolicy:
             outcomes = [((row,), "evicted") for row in rows]
             if len(rows) < count:
                 outcomes.append(((), f"only {len(rows)} of {count} rows evictable"))
-            self.forget(ids[row] for row in rows)
+            self.evicting = [ids[row] for row in rows]
         seconds["evict"] = time.perf_counter() - clock
         return _plan(actions, outcomes)
 
@@ -116,7 +125,7 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def forget(self, ledger_ids) -> None:
-        """Drop the state of rows that are being evicted."""
+        """Drop the state of rows that were evicted."""
 
 
 class StreamingPolicy(EvictionPolicy):
@@ -132,8 +141,8 @@ class _KeyedPolicy(EvictionPolicy):
     """A policy with one number per row, keyed by ledger id; evicts the lowest first,
     ties to the older (lower) row."""
 
-    def __init__(self, state, config):
-        super().__init__(state, config)
+    def __init__(self, lm, config):
+        super().__init__(lm, config)
         self.value: dict[int, float] = {}
 
     def select(self, ids, scores, candidates, count):
@@ -208,12 +217,12 @@ class NoEvictionPolicy:
 
     name = "none"
 
-    def __init__(self, state, config):
-        self.state, self.config = state, config
+    def __init__(self, lm, config):
+        self.config = config
         if config.at_capacity not in ("stop", "shift"):
             raise ValueError(f"at_capacity must be 'stop' or 'shift', got {config.at_capacity!r}")
 
-    def plan(self, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
         length, budget = len(scores), self.config.budget
         if self.config.at_capacity == "stop":
             if length + 1 >= budget:

@@ -12,9 +12,10 @@ from a copy of the mirror (`StateManager.from_mirror`), apply the actions to it 
 same fresh state and must match exactly.
 
     Capture(directory, lm, spec)   observer for `Brain.observers` (run flag --capture)
-    capture_tick(state, actions)   one tick applied through the API, recorded
+    capture_tick(state, actions, tick=, brightness=, fault=)   one tick applied through the API, recorded
     save_fixture / load_fixture    torch.save / torch.load(weights_only=True) + validation
-    replay(fixture, lm)            -> ReplayResult (checks: ids, positions, text, layer 0, greedy, rebuild)
+    replay(fixture, lm)            -> ReplayResult (checks: ids, positions, text, brightness, layer 0,
+                                      greedy, rebuild)
     print_replay(path)             what `positronic replay FILE` prints
 
 The file schema is documented in fixtures/README.md; `_parse` below is its executable form.
@@ -26,6 +27,7 @@ import copy
 import difflib
 import math
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -38,11 +40,13 @@ from mirror import Mirror, MirrorFileError
 from mirror.storage import from_columns, to_columns
 
 from .actions import ActionError, validate
-from .state_manager import ApplyReport, StateManager
+from .state_manager import FAULT_STAGES, ApplyReport, StateManager
 from .text import span_texts
 
 FORMAT = "positronic-tick-fixture"
-VERSION = 1
+VERSION = 2  # 2: atomic ticks (fault = a stage name), Step 2b brightness recorded and checked
+OLD_VERSIONS = {1: "written for the v1 runtime (faults by edit count, brightness set before Step 4); "
+                   "recapture it (bench/capture_fixtures.py, or run --capture)"}
 LAYER0_ROWS = 8  # at most this many layer-0 rows are stored: first, last, created rows
 GREEDY_TOKENS = 4  # greedy continuation recorded after the tick
 CAPTURE_LIMIT = 50  # files per run unless the spec lists the ticks
@@ -65,19 +69,11 @@ class _Invalid(Exception):
 # --- the data ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Fault:
-    """`StateManager.inject_fault(after_edits, mid_edit=mid_edit)` before the apply."""
-
-    after_edits: int
-    mid_edit: bool = False
-
-
 @dataclass
 class Expected:
     """What the fresh state looked like after the tick.
 
-    live_ids / positions / texts: one per live row. layer0_rows: int64 [r], row indices
+    live_ids / positions / texts / brightness: one per live row. layer0_rows: int64 [r], row indices
     (1 <= r <= LAYER0_ROWS). layer0_keys / layer0_values: float32 [kv_heads, r, head_dim].
     greedy: argmax tokens continuing from the state after the tick (no sampling, no penalty).
     """
@@ -85,6 +81,7 @@ class Expected:
     live_ids: list[int]
     positions: list[int]
     texts: list[str]
+    brightness: list[float]
     rebuilt: bool
     layer0_rows: torch.Tensor
     layer0_keys: torch.Tensor
@@ -95,7 +92,12 @@ class Expected:
 @dataclass
 class Fixture:
     """One captured tick. `mirror_columns` is the mirror before Step 4 as plain data
-    (mirror.storage.to_columns); `mirror()` builds a new Mirror from it on each call."""
+    (mirror.storage.to_columns); `mirror()` builds a new Mirror from it on each call.
+
+    The arguments of Step 4 besides the actions: `tick` (the ledger stamp), `brightness`
+    (Step 2b's brightness, one per live row before the tick, or None: unchanged) and
+    `new_brightness` (where new tokens' brightness starts). `fault`: None, or the stage
+    (state_manager.FAULT_STAGES) at which replay makes the tick fail, as it failed live."""
 
     model: str
     dtype: str
@@ -106,7 +108,8 @@ class Fixture:
     live_ids_before: list[int]
     positions_before: list[int]
     actions: list[dict]
-    fault: Fault | None
+    brightness: list[float] | None
+    fault: str | None
     new_brightness: float
     expected: Expected
     path: Path | None = None
@@ -123,12 +126,12 @@ class Fixture:
             "before": {"live_ids": list(self.live_ids_before), "positions": list(self.positions_before)},
             "mirror": copy.deepcopy(self.mirror_columns),
             "actions": copy.deepcopy(self.actions),
-            "fault": None if self.fault is None else {"after_edits": self.fault.after_edits,
-                                                      "mid_edit": self.fault.mid_edit},
+            "brightness": None if self.brightness is None else [float(b) for b in self.brightness],
+            "fault": self.fault,
             "new_brightness": float(self.new_brightness),
             "after": {
                 "live_ids": list(e.live_ids), "positions": list(e.positions), "texts": list(e.texts),
-                "rebuilt": bool(e.rebuilt), "greedy": list(e.greedy),
+                "brightness": [float(b) for b in e.brightness], "rebuilt": bool(e.rebuilt), "greedy": list(e.greedy),
                 "layer0": {"rows": e.layer0_rows.clone(), "keys": e.layer0_keys.clone(),
                            "values": e.layer0_values.clone()},
             },
@@ -138,15 +141,17 @@ class Fixture:
 # --- playing a tick on a fresh state (shared by capture and replay) --------------------------
 
 
-def _play(lm, columns: dict, actions: list[dict], *, tick: int, fault: Fault | None,
-          new_brightness: float, source: str = "fixture") -> tuple[StateManager, ApplyReport]:
+def _play(lm, columns: dict, actions: list[dict], *, tick: int, brightness: list[float] | None,
+          fault: str | None, new_brightness: float, source: str = "fixture") -> tuple[StateManager, ApplyReport]:
     """Build a fresh state from the mirror columns (cache recomputed from the live rows at
-    their recorded positions), then apply `actions` to it, with the fault injected if any."""
-    state = StateManager.from_mirror(lm, from_columns(copy.deepcopy(columns), source=f"{source}: mirror"))
-    state.tick, state.new_brightness = tick, new_brightness
+    their recorded positions), then apply `actions` to it as tick `tick` with the Step 2b
+    `brightness`, with the fault injected at its stage if any."""
+    state = StateManager.from_mirror(lm, from_columns(copy.deepcopy(columns), source=f"{source}: mirror"),
+                                     brightness=new_brightness)
     if fault is not None:
-        state.inject_fault(fault.after_edits, mid_edit=fault.mid_edit)
-    return state, state.apply(copy.deepcopy(actions))
+        state.inject_fault(fault)
+    brightness = None if brightness is None else list(brightness)
+    return state, state.apply(copy.deepcopy(actions), tick=tick, brightness=brightness)
 
 
 def _chosen_rows(state: StateManager, ledger_length_before: int) -> list[int]:
@@ -160,7 +165,8 @@ def _chosen_rows(state: StateManager, ledger_length_before: int) -> list[int]:
 
 def _layer0(state: StateManager, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's keys and values of `rows`: each float32 [kv_heads, len(rows), head_dim], on CPU."""
-    keys, values = state.store.layer(0)  # each [1, kv_heads, rows, head_dim]
+    layer = state.cache.layers[0]
+    keys, values = layer.keys, layer.values  # live views, each [1, kv_heads, rows, head_dim]: only read
     index = torch.tensor(rows, dtype=torch.long, device=keys.device)
 
     def pick(tensor: torch.Tensor) -> torch.Tensor:
@@ -180,18 +186,43 @@ def _greedy(state: StateManager, count: int) -> list[int]:
     for index in range(count):
         tokens.append(int(state.next_logits.argmax()))
         if index + 1 < count:
-            state.append(tokens[-1:], source="generated")
+            report = state.append(tokens[-1:], source="generated")
+            if report.rebuilt:  # nothing injects a fault here: a real failure, never a result to record
+                raise RuntimeError(f"greedy continuation failed: {report.error}")
     return tokens
 
 
-def _fault_of(report: ApplyReport) -> Fault | None:
-    """The fault that makes a fresh state end a tick like `report` did. After an apply that
-    failed, the mirror holds exactly the edits completed before the failure (report.edits),
-    so failing right after that many edits, or inside the first one when there were none,
-    leaves the same mirror to rebuild from."""
+_INJECTED = re.compile(r"^InjectedFault: fault injected (?:at stage '([a-z-]+)'|(half-way through the forward))")
+
+
+def _fault_of(report: ApplyReport) -> str | None:
+    """The fault stage that makes a fresh state end a tick like `report` did.
+
+    A tick is atomic: after any failure the mirror is the one from before the tick and the
+    cache is rebuilt from it, so every stage leaves the same state. The stage of an injected
+    fault is kept when the report names it; any other failure is replayed as a failure at
+    "commit", the last stage (the tick's whole work done, then discarded)."""
     if not report.rebuilt:
         return None
-    return Fault(report.edits, False) if report.edits else Fault(1, True)
+    match = _INJECTED.match(report.error or "")
+    if match:
+        stage = match.group(1) or "mid-forward"
+        if stage in FAULT_STAGES:
+            return stage
+    return "commit"
+
+
+def _stored_brightness(columns: dict, state: StateManager, report: ApplyReport) -> list[float] | None:
+    """The Step 2b brightness a live tick stored, recovered after it: the ledger keeps every
+    entry (culled and replaced ones too), so the entries of the rows live before the tick
+    hold it. None when it equals the brightness before (unchanged, or a failed tick, which
+    stores nothing)."""
+    if report.rebuilt:
+        return None
+    entries = state.mirror.ledger.entries
+    stored = [entries[i].brightness for i in columns["live"]["ledger_ids"]]
+    before = [columns["ledger"]["brightness"][i] for i in columns["live"]["ledger_ids"]]
+    return None if stored == before else stored
 
 
 # --- capture --------------------------------------------------------------------------------
@@ -199,38 +230,50 @@ def _fault_of(report: ApplyReport) -> Fault | None:
 
 @dataclass
 class Snapshot:
-    """A tick just before Step 4: what `finish` needs to record it."""
+    """A tick just before Step 4: what `finish` needs to record it. `brightness`: Step 2b's,
+    when the caller knows it (capture_tick); Capture recovers it after the apply."""
 
     tick: int
     columns: dict
     actions: list[dict]
     new_brightness: float
     label: str = ""
+    brightness: list[float] | None = None
 
 
-def snapshot(state: StateManager, actions: list[dict], label: str = "") -> Snapshot:
-    """Copy what a fixture needs from the live state before Step 4 runs."""
-    return Snapshot(state.tick, to_columns(state.mirror), copy.deepcopy(actions), float(state.new_brightness), label)
+def snapshot(state: StateManager, actions: list[dict], *, tick: int, label: str = "",
+             brightness: list[float] | None = None) -> Snapshot:
+    """Copy what a fixture needs from the live state before Step 4 runs as tick `tick`."""
+    brightness = None if brightness is None else [float(b) for b in brightness]
+    return Snapshot(tick, to_columns(state.mirror), copy.deepcopy(actions), float(state.new_brightness), label,
+                    brightness)
 
 
-def finish(snap: Snapshot, state: StateManager, report: ApplyReport, *, fault: Fault | None = None) -> Fixture:
+def finish(snap: Snapshot, state: StateManager, report: ApplyReport, *, fault: str | None = None) -> Fixture:
     """Record the tick `snap` describes, now that the live `state` applied it with `report`.
 
     The expected values come from a fresh state built from the snapshot's mirror (see the
-    module docstring). `fault`: the one injected into the live run, if known; otherwise it is
-    derived from the report. Raises CaptureMismatch if the fresh state's live ids differ from
-    the live run's.
+    module docstring). `fault`: the stage injected into the live run, if known; otherwise it
+    is derived from the report. Raises CaptureMismatch if the fresh state's live ids,
+    positions, brightness or rebuild differ from the live run's.
     """
     lm = state.lm
     fault = (fault or _fault_of(report)) if report.rebuilt else None  # a fault that never fired is no part of it
-    fresh, fresh_report = _play(lm, snap.columns, snap.actions, tick=snap.tick, fault=fault,
-                                new_brightness=snap.new_brightness, source=f"tick {snap.tick}")
-    if fresh.live_token_ids() != state.live_token_ids() or fresh_report.rebuilt != report.rebuilt:
+    fresh, fresh_report = _play(lm, snap.columns, snap.actions, tick=snap.tick, brightness=snap.brightness,
+                                fault=fault, new_brightness=snap.new_brightness, source=f"tick {snap.tick}")
+    differ = [name for name, a, b in [
+        ("live ids", fresh.live_token_ids(), state.live_token_ids()),
+        ("positions", fresh.positions(), state.positions()),
+        ("brightness", fresh.mirror.brightness(), state.mirror.brightness()),
+        ("rebuilt", fresh_report.rebuilt, report.rebuilt)] if a != b]
+    if differ:
         raise CaptureMismatch(f"tick {snap.tick}: a state rebuilt from the mirror ends the tick differently "
-                              f"from the live run (rebuilt {fresh_report.rebuilt} vs {report.rebuilt})")
+                              f"from the live run ({', '.join(differ)}; rebuilt {fresh_report.rebuilt} "
+                              f"vs {report.rebuilt})")
     rows = _chosen_rows(fresh, len(snap.columns["ledger"]["token_id"]))
     keys, values = _layer0(fresh, rows)
-    expected = Expected(fresh.live_token_ids(), fresh.positions(), fresh.mirror.live_texts(), fresh_report.rebuilt,
+    expected = Expected(fresh.live_token_ids(), fresh.positions(), fresh.mirror.live_texts(),
+                        fresh.mirror.brightness(), fresh_report.rebuilt,
                         torch.tensor(rows, dtype=torch.int64), keys, values, [])
     expected.greedy = _greedy(fresh, GREEDY_TOKENS)
     live = snap.columns["live"]
@@ -238,18 +281,24 @@ def finish(snap: Snapshot, state: StateManager, report: ApplyReport, *, fault: F
     return Fixture(model=lm.name, dtype=str(lm.dtype).removeprefix("torch."), device=torch.device(lm.device).type,
                    tick=snap.tick, label=snap.label, mirror_columns=snap.columns,
                    live_ids_before=[ledger_ids[i] for i in live["ledger_ids"]],
-                   positions_before=list(live["positions"]), actions=snap.actions, fault=fault,
-                   new_brightness=snap.new_brightness, expected=expected)
+                   positions_before=list(live["positions"]), actions=snap.actions, brightness=snap.brightness,
+                   fault=fault, new_brightness=snap.new_brightness, expected=expected)
 
 
-def capture_tick(state: StateManager, actions: list[dict], *, fault: Fault | None = None,
+def capture_tick(state: StateManager, actions: list[dict], *, tick: int | None = None,
+                 brightness: list[float] | None = None, fault: str | None = None,
                  label: str = "") -> tuple[Fixture, ApplyReport]:
-    """Apply `actions` to the live `state` (with `fault` injected, if given) and record the
-    tick as a fixture: the API counterpart of Capture, for crafted action lists."""
-    snap = snapshot(state, actions, label)
+    """Apply `actions` to the live `state` as tick `tick` (default: the state's last tick + 1)
+    with Step 2b's `brightness` (one per live row, or None) and `fault` injected at its stage
+    (state_manager.FAULT_STAGES), if given; record the tick as a fixture. The API
+    counterpart of Capture, for crafted action lists."""
+    if fault is not None and fault not in FAULT_STAGES:
+        raise ValueError(f"unknown fault stage {fault!r}; choose from {', '.join(FAULT_STAGES)}")
+    tick = state.last_tick + 1 if tick is None else tick
+    snap = snapshot(state, actions, tick=tick, label=label, brightness=brightness)
     if fault is not None:
-        state.inject_fault(fault.after_edits, mid_edit=fault.mid_edit)
-    report = state.apply(actions)
+        state.inject_fault(fault)
+    report = state.apply(actions, tick=tick, brightness=snap.brightness)
     return finish(snap, state, report, fault=fault), report
 
 
@@ -294,13 +343,15 @@ class Capture:
 
     def before_apply(self, brain, actions: list[dict]) -> None:
         wanted = self.wants(brain.tick, actions)
-        self._pending = snapshot(brain.state, actions, _run_label(brain.config)) if wanted else None
+        self._pending = snapshot(brain.state, actions, tick=brain.tick, label=_run_label(brain.config)) \
+            if wanted else None
 
     def after_apply(self, brain, actions: list[dict], report: ApplyReport) -> None:
         snap, self._pending = self._pending, None
         if snap is None:
             return
         path = self.directory / f"tick{snap.tick:06d}.pt"
+        snap.brightness = _stored_brightness(snap.columns, brain.state, report)  # observers do not see the plan
         save_fixture(finish(snap, brain.state, report), path)
         self.written.append(path)
         # Announce the first file and the last, not every one: these lines land in the middle
@@ -402,7 +453,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 # --- schema (fixtures/README.md) ------------------------------------------------------------
 
 _TOP = {"format", "version", "model", "dtype", "device", "tick", "label", "before", "mirror", "actions",
-        "fault", "new_brightness", "after"}
+        "brightness", "fault", "new_brightness", "after"}
 
 
 def _need(doc: dict, key: str, where: str, valid, kind: str):
@@ -440,8 +491,10 @@ def _parse(data) -> Fixture:
         raise _Invalid(f"not a tick fixture: holds {_show(data)}, expected a dict")
     if data.get("format") != FORMAT:
         raise _Invalid(f"not a tick fixture (format {data.get('format')!r}, expected {FORMAT!r})")
-    if data.get("version") != VERSION or not _is_int(data.get("version")):
-        raise _Invalid(f"fixture version {data.get('version')!r}, this build reads {VERSION}")
+    version = data.get("version")
+    if version != VERSION or not _is_int(version):
+        why = OLD_VERSIONS.get(version) if _is_int(version) else None
+        raise _Invalid(f"fixture version {version!r}, this build reads {VERSION}" + (f": {why}" if why else ""))
     if unknown := sorted(set(map(str, data)) - _TOP):
         raise _Invalid(f"unknown field(s) {', '.join(unknown)}")
     model = _need(data, "model", "", lambda v: type(v) is str and v != "", "a model name")
@@ -454,10 +507,11 @@ def _parse(data) -> Fixture:
     mirror = _parse_mirror(columns)
     ids_before, positions_before = _parse_before(_section(data, "before"), mirror)
     actions = _parse_actions(data, len(ids_before))
+    step_brightness = _parse_brightness(data, len(ids_before))
     fault = _parse_fault(data)
     expected = _parse_after(_section(data, "after"))
-    return Fixture(model, dtype, device, tick, label, columns, ids_before, positions_before, actions, fault,
-                   float(brightness), expected)
+    return Fixture(model, dtype, device, tick, label, columns, ids_before, positions_before, actions,
+                   step_brightness, fault, float(brightness), expected)
 
 
 def _parse_mirror(columns: dict) -> Mirror:
@@ -486,17 +540,20 @@ def _parse_actions(data: dict, live_length: int) -> list[dict]:
     return actions
 
 
-def _parse_fault(data: dict) -> Fault | None:
-    if "fault" not in data:
-        raise _Invalid("missing field fault")
-    fault = data["fault"]
-    if fault is None:
-        return None
-    valid = (type(fault) is dict and set(fault) == {"after_edits", "mid_edit"}
-             and _is_int(fault["after_edits"]) and fault["after_edits"] >= 1 and type(fault["mid_edit"]) is bool)
-    if not valid:
-        raise _Invalid(f"field fault must be None or {{'after_edits': int >= 1, 'mid_edit': bool}}, got {_show(fault)}")
-    return Fault(fault["after_edits"], fault["mid_edit"])
+def _float_list(value) -> bool:
+    return type(value) is list and all(type(v) is float and math.isfinite(v) for v in value)
+
+
+def _parse_brightness(data: dict, live_length: int) -> list[float] | None:
+    """Step 2b's brightness: None, or one finite float per live row before the tick."""
+    return _need(data, "brightness", "", lambda v: v is None or (_float_list(v) and len(v) == live_length),
+                 f"None or a list of {live_length} finite floats (one per live row before the tick)")
+
+
+def _parse_fault(data: dict) -> str | None:
+    stages = " | ".join(repr(stage) for stage in FAULT_STAGES)
+    return _need(data, "fault", "", lambda v: v is None or (type(v) is str and v in FAULT_STAGES),
+                 f"None or a fault stage ({stages})")
 
 
 def _parse_after(after: dict) -> Expected:
@@ -504,13 +561,15 @@ def _parse_after(after: dict) -> Expected:
     positions = _need(after, "positions", "after.", _int_list, "a list of int")
     texts = _need(after, "texts", "after.", lambda v: type(v) is list and all(type(s) is str for s in v),
                   "a list of str")
-    if not len(ids) == len(positions) == len(texts):
-        raise _Invalid(f"after: {len(ids)} live ids, {len(positions)} positions, {len(texts)} texts")
+    brightness = _need(after, "brightness", "after.", _float_list, "a list of finite floats")
+    if not len(ids) == len(positions) == len(texts) == len(brightness):
+        raise _Invalid(f"after: {len(ids)} live ids, {len(positions)} positions, {len(texts)} texts, "
+                       f"{len(brightness)} brightness values")
     rebuilt = _need(after, "rebuilt", "after.", lambda v: type(v) is bool, "a bool")
     greedy = _need(after, "greedy", "after.", lambda v: _int_list(v) and 1 <= len(v) <= 64, "a list of 1-64 int")
     rows, keys, values = _parse_layer0(_need(after, "layer0", "after.", lambda v: type(v) is dict, "a dict"),
                                        len(ids))
-    return Expected(ids, positions, texts, rebuilt, rows, keys, values, greedy)
+    return Expected(ids, positions, texts, brightness, rebuilt, rows, keys, values, greedy)
 
 
 def _parse_layer0(layer0: dict, live_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -575,19 +634,23 @@ def replay(fixture: Fixture, lm) -> ReplayResult:
     if lm.name != fixture.model:
         raise FixtureError(f"{where}: captured with model {fixture.model!r}, not {lm.name!r}")
     try:
-        state, report = _play(lm, fixture.mirror_columns, fixture.actions, tick=fixture.tick, fault=fixture.fault,
+        state, report = _play(lm, fixture.mirror_columns, fixture.actions, tick=fixture.tick,
+                              brightness=fixture.brightness, fault=fixture.fault,
                               new_brightness=fixture.new_brightness, source=str(where))
-    except (ActionError, MirrorFileError) as exc:
+    except (ActionError, MirrorFileError, ValueError) as exc:
         raise FixtureError(_one_line(f"{where}: does not fit model {lm.name!r}: {exc}")) from None
     e = fixture.expected
     rows_after, texts = list(state.mirror.live.ledger_ids), [entry.text for entry in state.mirror.ledger.entries]
     ids, positions, live_texts = state.live_token_ids(), state.positions(), state.mirror.live_texts()
+    brightness = state.mirror.brightness()
     layer0_check, error = _compare_layer0(state, e, tolerance(fixture.dtype))
     greedy = _greedy(state, len(e.greedy))
     checks = [
         _equal("live ids", ids, e.live_ids, f"{len(ids)} rows"),
         _equal("positions", positions, e.positions, f"{positions[0]}..{positions[-1]}" if positions else "none"),
         _equal("text", live_texts, e.texts, f"{len(''.join(live_texts))} characters"),
+        _equal("brightness", brightness, e.brightness,
+               f"{min(brightness):g}..{max(brightness):g}" if brightness else "none"),
         layer0_check,
         _equal("greedy", greedy, e.greedy, f"{greedy} {''.join(span_texts(lm.decode, greedy, ids[-1]))!r}"),
         _equal("rebuild", report.rebuilt, e.rebuilt, "rebuilt from the mirror" if report.rebuilt else "no rebuild"),
@@ -742,11 +805,12 @@ def _header(fixture: Fixture, result: ReplayResult, decode) -> list[str]:
                      + (f" - {fixture.label}" if fixture.label else "")),
              f"{len(result.rows_before)} live rows before, {len(result.rows_after)} after; actions:"]
     lines += [_escape("  " + describe_action(a, texts_before, decode)) for a in fixture.actions]
+    if fixture.brightness is not None:
+        lines.append(f"  Step 2b brightness stored for the {len(fixture.brightness)} rows")
     if fixture.fault is not None:
-        where = "inside" if fixture.fault.mid_edit else "after"
-        lines.append(_escape(f"  fault injected {where} edit {fixture.fault.after_edits} (in apply order): "
-                             f"{result.report.error or 'it did not fire'}; the edits after it were skipped "
-                             "and the cache was rebuilt from the mirror"))
+        error = result.report.error or "it did not fire"
+        lines.append(_escape(f"  fault injected at stage {fixture.fault!r}: {error}; the tick was not applied "
+                             "(the mirror is the one from before it) and the cache was rebuilt from the mirror"))
     return lines
 
 

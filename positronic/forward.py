@@ -1,77 +1,137 @@
-"""Every model forward the brain makes goes through `forward()`.
+"""Every model forward the brain makes goes through `forward()`; attention is SDPA.
 
-Two choices make a forward over an edited cache correct:
+Three choices make a forward over an edited cache correct:
 - explicit `position_ids`: rows carry recorded RoPE positions with gaps, so positions can
   never be inferred from the cache length;
-- an explicit physical causal mask when more than one query row is fed: query row r may
-  see every cached row plus new rows 0..r. Transformers would otherwise derive a mask from
-  the positions (and may read gapped positions as packed sequences).
+- a mask built from positions, not row numbers: a query at position p sees exactly the rows
+  whose position is <= p. Live positions increase with the row, so for a prefill this is the
+  causal mask, and for a tick's forward it gives each inserted token its own left context
+  (the rows to its right, old or new, are hidden) while the new last token sees everything;
+- the new rows' K/V are written by the model itself, through `Cache.update`: after the live
+  rows (append) or into the gaps a splice opened (`SpliceCache.fill`).
+
+The attention row that brightness and the eviction policies read is not taken from
+`output_attentions` (which forces eager attention in every layer): `AttentionRow` hooks the
+scored layers' attention modules and computes softmax(q·Kᵀ / √d) for the last fed token only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds eager attention memory
+from .cache import SpliceCache
+
+PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
 
 
 @dataclass
 class ForwardResult:
-    """logits: [vocab] for the last fed token. attention: [layers, heads, kv_rows] — the last
-    fed token's attention over every row of the cache (None unless asked for)."""
+    """predicted: [n] int64, the greedy next token after each fed token (argmax of its logits).
+    logits: [vocab] float32, the last fed token's next-token logits.
+    attention: [scored layers, heads, rows] float32, the last fed token's attention over every
+    cache row (None unless asked for)."""
 
+    predicted: torch.Tensor
     logits: torch.Tensor
     attention: torch.Tensor | None
 
 
-def causal_mask(past: int, new: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, new, past + new]: new row r sees rows 0 .. past + r."""
-    rows = torch.arange(new, device=device)[:, None] + past
-    cols = torch.arange(past + new, device=device)[None, :]
-    mask = torch.zeros(new, past + new, dtype=dtype, device=device)
-    mask.masked_fill_(cols > rows, torch.finfo(dtype).min)
-    return mask[None, None]
+def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, queries, keys]: 0 where key position <= query position, else -inf-ish."""
+    hidden = key_positions[None, :] > query_positions[:, None]
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, torch.finfo(dtype).min)[None, None]
+
+
+class AttentionRow:
+    """Records the last fed token's attention over every cache row on the chosen layers.
+
+    Forward hooks on those layers' attention modules recompute that one query (q_proj of its
+    hidden state, rotated at its position) and take softmax(q·Kᵀ · scaling) against the layer's
+    keys after the forward wrote them. The token must see every row (it is the newest), so no
+    mask applies. Hooks live only inside `record()`: the model is left as it was.
+    """
+
+    def __init__(self, model, layers: list[int]):
+        self.model, self.layers = model, list(layers)
+        self.rows: dict[int, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def record(self):
+        self.rows = {}
+        handles = [self.model.model.layers[index].self_attn.register_forward_hook(self._hook, with_kwargs=True)
+                   for index in self.layers]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def result(self) -> torch.Tensor:
+        """[layers, heads, rows] float32, in the order of `layers`."""
+        return torch.stack([self.rows[index] for index in self.layers])
+
+    @torch.no_grad()
+    def _hook(self, module, args, kwargs, output) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cos, sin = kwargs["position_embeddings"]
+        keys = kwargs["past_key_values"].layers[module.layer_idx].keys  # [1, kv_heads, rows, head_dim]
+        head_dim = module.head_dim
+        query = module.q_proj(hidden[:, -1:]).view(1, 1, -1, head_dim).transpose(1, 2)  # [1, heads, 1, d]
+        query, _ = apply_rotary_pos_emb(query, query, cos[:, -1:], sin[:, -1:])
+        kv_heads = keys.shape[1]
+        grouped = query[0, :, 0].reshape(kv_heads, -1, head_dim).float()  # [kv_heads, group, d]
+        scores = grouped @ keys[0].float().transpose(1, 2) * module.scaling  # [kv_heads, group, rows]
+        self.rows[module.layer_idx] = scores.reshape(-1, keys.shape[2]).softmax(dim=-1)
 
 
 @torch.no_grad()
-def forward(
-    lm, cache: Cache, token_ids: list[int], positions: list[int], *, attention: bool = False
-) -> ForwardResult:
-    """Feed `token_ids` at RoPE `positions` after the rows already in `cache` (which grows).
+def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
+            attention_layers: list[int] | None = None) -> ForwardResult:
+    """Feed `token_ids` at RoPE `positions` through the model over `cache`.
 
-    The model appends the new rows' K/V to `cache` itself through `Cache.update`.
+    key_positions: the position of every cache row once this forward has written its rows
+    (the live rows after an append, or the whole spliced layout). The new rows are appended,
+    or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
+    record the last token's attention row on these layers; it must be the newest row.
     """
     if len(token_ids) != len(positions) or not token_ids:
         raise ValueError("forward needs one position per token, and at least one token")
     device = lm.device
-    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    pos = torch.tensor([positions], dtype=torch.long, device=device)
-    past = cache.get_seq_length()
-    mask = causal_mask(past, len(token_ids), lm.dtype, device) if len(token_ids) > 1 else None
-    out = lm.model(
-        input_ids=ids,
-        position_ids=pos,
-        attention_mask=mask,
-        past_key_values=cache,
-        use_cache=True,
-        output_attentions=attention,
-        logits_to_keep=1,
-    )
-    rows = None
-    if attention:
-        rows = torch.stack([layer[0, :, -1, :] for layer in out.attentions]).float()
-    return ForwardResult(logits=out.logits[0, -1].float(), attention=rows)
+    query = torch.tensor(positions, dtype=torch.long, device=device)
+    keys = torch.tensor(key_positions, dtype=torch.long, device=device)
+    newest = positions[-1] == max(key_positions)
+    if attention_layers and not newest:
+        raise ValueError("the attention row is recorded for the newest row only")
+    mask = None if len(token_ids) == 1 and newest else visibility_mask(query, keys, lm.dtype)
+    recorder = AttentionRow(lm.model, attention_layers or [])
+    with recorder.record():
+        out = lm.model(input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+                       position_ids=query[None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                       logits_to_keep=0)
+    logits = out.logits[0]
+    return ForwardResult(predicted=logits.argmax(dim=-1).cpu(), logits=logits[-1].float(),
+                         attention=recorder.result() if attention_layers else None)
 
 
-def prefill(lm, cache: Cache, token_ids: list[int], positions: list[int]) -> ForwardResult:
-    """Feed a long span in chunks; the last token alone, so its attention row is cheap."""
-    for start in range(0, len(token_ids) - 1, PREFILL_CHUNK):
-        stop = min(start + PREFILL_CHUNK, len(token_ids) - 1)
-        forward(lm, cache, token_ids[start:stop], positions[start:stop])
-    return forward(lm, cache, token_ids[-1:], positions[-1:], attention=True)
+def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,
+            attention_layers: list[int] | None = None) -> ForwardResult:
+    """Append a long span in chunks (positions increasing). Returns every token's greedy
+    prediction, and the last token's logits and attention row."""
+    if cache.length:
+        raise ValueError("prefill starts from an empty cache")
+    predicted, result = [], None
+    for start in range(0, len(token_ids), PREFILL_CHUNK):
+        stop = min(start + PREFILL_CHUNK, len(token_ids))
+        last = stop == len(token_ids)
+        result = forward(lm, cache, token_ids[start:stop], positions[start:stop], positions[:stop],
+                         attention_layers=attention_layers if last else None)
+        predicted.append(result.predicted)
+    return ForwardResult(torch.cat(predicted), result.logits, result.attention)
 
 
 @torch.no_grad()
@@ -81,8 +141,6 @@ def fresh_layer0_kv(lm, token_ids: list[int], positions: list[int]) -> tuple[tor
     Returns keys, values: [1, kv_heads, rows, head_dim] in the model's dtype — what a fresh
     prefill of `token_ids` at `positions` would store in layer 0.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     model = lm.model.model
     ids = torch.tensor([token_ids], dtype=torch.long, device=lm.device)
     pos = torch.tensor([positions], dtype=torch.long, device=lm.device)

@@ -1,10 +1,12 @@
 """The tick loop: Steps 1–3 decide, Step 4 (StateManager.apply) acts.
 
-One tick: sample the next token from the last forward's logits (1); score every live row by
-the newest token's attention (2a) and update brightness (2b); if the context is at or over
-budget pick the dimmest adjacent pairs (3a–3b) and ask the repairer for replacements
-(3c–3d); consolidate everything into one action list with the add last (3e); apply it (4),
-which runs the one forward that leaves the next tick's logits and attention row.
+One tick: sample the next token from the last forward's logits (1), or take the token the
+caller forces (teacher forcing: `eval` runs through this same loop); score every live row by
+the newest token's attention (2a); the policy updates brightness (2b), picks what to cut when
+the context is at or over budget (3a–3b) and asks its repairer for replacements (3c–3d);
+everything becomes one action list with the add last (3e); `apply` (4) runs the one forward
+that leaves the next tick's logits and attention row. The policy sees a read-only view; the
+tick number and its brightness reach the StateManager as arguments of `apply`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from .policy import POLICIES, make_policy
 from .state_manager import StateManager
 
 
+def cache_capacity(prompt_length: int, budget: int) -> int:
+    """Rows to preallocate: the larger of prompt and budget, plus slack so that appends and
+    edits rarely have to pack the rows down (the cache grows by doubling if ever needed)."""
+    rows = max(prompt_length, budget)
+    return rows + rows // 4 + 64
+
+
 @dataclass
 class BrainConfig:
     """Every setting of a run; saved with a session, so resuming needs nothing else."""
@@ -35,7 +44,7 @@ class BrainConfig:
     brightness: str = "ttl"  # rule: ttl | vote
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
     repairer: str = "self"  # self | mlm:PATH | none (cull only)
-    repair_tokens: int = 1  # tokens the self repairer proposes per pair
+    repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
     temperature: float = 0.7
     top_k: int = 50
     top_p: float = 0.95
@@ -62,6 +71,9 @@ class BrainConfig:
         repairers.check_spec(self.repairer)
         if self.repair_tokens < 1:
             raise ValueError(f"repair_tokens must be >= 1, got {self.repair_tokens}")
+        if self.repairer == "self" and self.repair_tokens != 1:
+            raise ValueError(f"the self repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
+                             "(--repair-tokens applies to --repairer mlm:PATH)")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -107,7 +119,7 @@ class Brain:
                  generator_state: torch.Tensor | None = None):
         config.validate()
         self.state, self.config, self.tick = state, config, tick
-        self.policy = make_policy(config.policy, state, config)
+        self.policy = make_policy(config.policy, state.lm, config)
         self.observers: list[Observer] = []
         self.generator = torch.Generator().manual_seed(config.seed)
         if generator_state is not None:
@@ -116,14 +128,16 @@ class Brain:
         self.last_divergence: float | None = None
 
     @classmethod
-    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None, *, store: str = "dynamic") -> "Brain":
+    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None) -> "Brain":
         config = config or BrainConfig()
         config.validate()
-        state = StateManager.from_tokens(lm, prompt_ids, store=store, brightness=steps.RULES[config.brightness].start)
+        state = StateManager.from_tokens(lm, prompt_ids, brightness=steps.RULES[config.brightness].start,
+                                         capacity=cache_capacity(len(prompt_ids), config.budget),
+                                         score_layers=config.score_layers)
         return cls(state, config)
 
-    def step(self) -> TickRecord:
-        """Run one tick."""
+    def step(self, force: int | None = None) -> TickRecord:
+        """Run one tick. `force`: add this token instead of sampling one (teacher forcing)."""
         cfg, sm, seconds = self.config, self.state, {}
         clock = time.perf_counter()
 
@@ -134,24 +148,26 @@ class Brain:
             clock = now
 
         self.tick += 1
-        sm.tick = self.tick
-        live_ids = sm.live_token_ids()
+        view = sm.view()
         # Step 1
-        sampled = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                               repetition_penalty=cfg.repetition_penalty,
-                               recent_ids=live_ids[-cfg.penalty_window:] if cfg.penalty_window else (),
-                               generator=self.generator)
+        if force is None:
+            recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
+            token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                    repetition_penalty=cfg.repetition_penalty, recent_ids=recent,
+                                    generator=self.generator).token_id
+        else:
+            token_id = force
         lap("sample")
-        # Step 2a, then the policy (Steps 2b-3d)
-        scores = steps.scores(sm.last_attention, cfg.score_layers)
+        # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
+        scores = steps.scores(sm.last_attention, "all")
         lap("attention")
-        plan = self.policy.plan(scores, seconds)
+        plan = self.policy.plan(view, scores, seconds)
         clock = time.perf_counter()
         # Step 3e and Step 4
-        actions = steps.consolidate(sampled.token_id, plan.actions)
+        actions = steps.consolidate(token_id, plan.actions)
         for observer in self.observers:
             observer.before_apply(self, actions)
-        report = sm.apply(actions)
+        report = sm.apply(actions, tick=self.tick, brightness=plan.brightness)
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")
@@ -159,14 +175,17 @@ class Brain:
             sm.rebuild()
             self.counts["refreshes"] += 1
             lap("refresh")
-        kinds = [a["action"] for a in actions]
-        self.counts["repairs"] += kinds.count("replace_pair")
-        self.counts["culls"] += kinds.count("delete")
+        if not report.rebuilt:
+            kinds = [a["action"] for a in actions]
+            self.counts["repairs"] += kinds.count("replace_pair")
+            self.counts["culls"] += kinds.count("delete")
         self.counts["rebuilds"] += report.rebuilt
         live = sm.mirror
         new_brightness = live.brightness()
+        # a failed tick added nothing: no text to show for it
+        text = "" if report.rebuilt else live.ledger[live.live.ledger_ids[-1]].text
         return TickRecord(
-            tick=self.tick, token_id=sampled.token_id, text=live.ledger[live.live.ledger_ids[-1]].text,
+            tick=self.tick, token_id=token_id, text=text,
             actions=actions, outcomes=plan.outcomes, live_length=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,

@@ -1,7 +1,8 @@
 """Loading the causal LMs Positronic Brain runs on (DESIGN.md §7).
 
-`load_model(name)` returns a `LoadedModel`: an eval-mode Llama-family model with eager
-attention (we need attention weights), its tokenizer and the shape facts the cache code needs.
+`load_model(name)` returns a `LoadedModel`: an eval-mode Llama-family model with SDPA
+attention (the attention row the brain reads comes from a hook, see forward.py), its
+tokenizer and the shape facts the cache code needs.
 Names: "smollm2" (embedded GGUF, converted once to a safetensors cache), "tinyllama", a local
 directory or hub id, "random:tinyllama" / "random:tiny" (random weights, built-in tokenizer).
 Failures are `ModelError`s whose message is one line.
@@ -139,7 +140,7 @@ def _random_model(shape: str, dev: torch.device, dt: torch.dtype):
                          + ", ".join(f"random:{s}" for s in RANDOM_SHAPES))
     config = LlamaConfig(**RANDOM_SHAPES[shape], rope_theta=10000.0, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2, pad_token_id=None)
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
@@ -219,7 +220,7 @@ def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt:
             check_config(config)
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
             model = LlamaForCausalLM.from_pretrained(source, local_files_only=local_files_only,
-                                                     dtype=dt, attn_implementation="eager")
+                                                     dtype=dt, attn_implementation="sdpa")
             return model.to(dev), tokenizer
         except ModelError:
             raise

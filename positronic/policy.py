@@ -1,9 +1,11 @@
 """Maintenance policies: what to cut from the context this tick (DESIGN §2 Steps 2b–3d, §5).
 
-A policy sees each tick's attention scores (one per live row) and returns position-editing
-actions; Step 3e adds the generated token and Step 4 applies everything through the same
-StateManager operations, whatever the policy. Per-token state a policy keeps (brightness
-lives in the mirror; other policies key theirs by ledger id) survives every splice.
+A policy sees a read-only view of the context (`ContextView`) and this tick's attention
+scores (one per live row) and returns position-editing actions, plus the new brightness if
+it keeps one; Step 3e adds the generated token and Step 4 (`StateManager.apply`) applies
+everything, whatever the policy. A policy never touches the StateManager. Per-token state a
+policy keeps (brightness lives in the mirror; other policies key theirs by ledger id)
+survives every splice.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ class PolicyPlan:
     actions: list[dict] = field(default_factory=list)
     outcomes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     stop: bool = False  # the policy cannot continue (e.g. `none` at capacity, asked to stop)
+    brightness: list[float] | None = None  # Step 2b's new brightness, one per live row (None: unchanged)
 
 
 class Policy(Protocol):
-    def plan(self, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         """Decide this tick's edits; may record its sub-step timings in `seconds`."""
         ...
 
@@ -36,33 +39,33 @@ class Policy(Protocol):
 class BrightnessPolicy:
     """The halo rules: brightness from attention, then repair or cull the dimmest pairs."""
 
-    def __init__(self, state, config):
-        self.state, self.config = state, config
+    def __init__(self, lm, config):
+        self.config = config
         self.rule = steps.RULES[config.brightness]
-        state.new_brightness = self.rule.start
-        self.repairer = make_repairer(config.repairer, state, tokens=config.repair_tokens)
+        self.options = {"sinks": config.sinks} if self.rule.uses_sinks else {}
+        self.repairer = make_repairer(config.repairer, lm, tokens=config.repair_tokens)
 
-    def plan(self, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
-        cfg, sm = self.config, self.state
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
+        cfg = self.config
         clock = time.perf_counter()
-        brightness = self.rule.update(sm.mirror.brightness(), scores)
-        sm.set_brightness(brightness)
+        brightness = self.rule.update(view.brightness.tolist(), scores, **self.options)
         length = len(brightness)
         pairs = steps.select_pairs(brightness, steps.cull_count(length, cfg.budget), sinks=cfg.sinks,
                                    protect=cfg.protect, window=cfg.window)
         seconds["brightness"] = (now := time.perf_counter()) - clock
-        live_ids = sm.live_token_ids() if pairs else []
-        proposals = [self.repairer.propose(live_ids, pair) for pair in pairs]
+        proposals = [self.repairer.propose(view, pair) for pair in pairs]
         repairs = steps.plan_repairs(pairs, proposals, must_meet_budget=length > cfg.budget)
         seconds["repair"] = time.perf_counter() - now
-        return PolicyPlan(repairs.actions, [(pair, outcome) for pair, outcome in repairs.outcomes])
+        return PolicyPlan(repairs.actions, [(pair, outcome) for pair, outcome in repairs.outcomes],
+                          brightness=brightness)
 
 
 POLICIES = {"brightness": BrightnessPolicy, **EVICTION_POLICIES}  # streaming, scored, h2o, none
 
 
-def make_policy(name: str, state, config) -> Policy:
+def make_policy(name: str, lm, config) -> Policy:
+    """The policy `name` for a run of `lm` with `config`."""
     try:
-        return POLICIES[name](state, config)
+        return POLICIES[name](lm, config)
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

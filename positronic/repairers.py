@@ -1,8 +1,9 @@
 """Repairers (Steps 3c–3d): propose fewer, better tokens for a dim adjacent pair.
 
-- `self`: the model's own greedy prediction for the pair's slot given the left context. The
-  left context is already in the cache, so a proposal costs one forward of the token just
-  left of the pair (over the rows before it), plus one per extra proposed token.
+- `self`: the model's own greedy prediction for the pair's slot given the left context: the
+  token the model predicted after the row just left of the pair when that row was written
+  (`ContextView.predicted`, kept for every row by the forward that wrote it). A proposal
+  costs no forward at all, so the tick keeps its single forward.
 - `mlm:PATH`: a masked LM from a local directory fills one mask in place of the pair. Text
   crosses between the two vocabularies as whole spans, never token by token.
 - `none`: proposes nothing, so dim pairs are deleted when the budget needs it and left
@@ -15,45 +16,32 @@ from pathlib import Path
 
 import torch
 
-from .forward import forward
-
 
 class RepairerError(ValueError):
     """A repairer specification that cannot be used."""
 
 
 class SelfRepairer:
-    """Greedy proposals from the brain's own model; `tokens` = how many to propose per pair."""
+    """The model's greedy prediction for the pair's slot: one token per pair."""
 
-    def __init__(self, state, tokens: int = 1):
-        if tokens < 1:
-            raise RepairerError(f"the self repairer proposes at least 1 token, not {tokens}")
-        self.state, self.tokens = state, tokens
-        self.refused = {i for i in (state.lm.bos_id, state.lm.eos_id) if i is not None}
+    def __init__(self, lm, tokens: int = 1):
+        if tokens != 1:
+            raise RepairerError(f"the self repairer proposes exactly 1 token (the model's prediction for the slot), "
+                                f"not {tokens}; use --repairer mlm:PATH for longer proposals")
+        self.refused = {i for i in (lm.bos_id, lm.eos_id) if i is not None}
 
-    def propose(self, context_ids: list[int], pair: tuple[int, int]) -> list[int]:
+    def propose(self, view, pair: tuple[int, int]) -> list[int]:
         row = pair[0] - 1  # the token whose prediction fills the slot
         if row < 0:
             return []
-        sm = self.state
-        position = sm.mirror.live.positions[row]
-        cache = sm.store.left_context(row)
-        result = forward(sm.lm, cache, [context_ids[row]], [position])
-        proposal: list[int] = []
-        for k in range(self.tokens):
-            token_id = int(result.logits.argmax())
-            if token_id in self.refused:
-                break
-            proposal.append(token_id)
-            if k + 1 < self.tokens:
-                result = forward(sm.lm, cache, [token_id], [position + 1 + k])
-        return proposal
+        token_id = int(view.predicted[row])
+        return [] if token_id in self.refused else [token_id]
 
 
 class NoRepairer:
     """Cull only: never proposes a replacement."""
 
-    def propose(self, context_ids: list[int], pair: tuple[int, int]) -> list[int]:
+    def propose(self, view, pair: tuple[int, int]) -> list[int]:
         return []
 
 
@@ -73,8 +61,9 @@ class MaskedLMRepairer:
         self.lm, self.window, self.max_tokens = lm, window, max_tokens
 
     @torch.inference_mode()
-    def propose(self, context_ids: list[int], pair: tuple[int, int]) -> list[int]:
+    def propose(self, view, pair: tuple[int, int]) -> list[int]:
         p1, p2 = pair
+        context_ids = view.token_ids.tolist()
         decode = self.lm.decode
         left = decode(context_ids[max(0, p1 - self.window) : p1])
         original = decode(context_ids[max(0, p1 - self.window) : p2 + 1])[len(left):]
@@ -108,11 +97,11 @@ def check_spec(spec: str) -> None:
         raise RepairerError(f"masked LM directory {path!r} does not exist (use mlm:PATH with a local model)")
 
 
-def make_repairer(spec: str, state, *, tokens: int = 1):
-    """`self`, `mlm:PATH` or `none`."""
+def make_repairer(spec: str, lm, *, tokens: int = 1):
+    """`self`, `mlm:PATH` or `none`, for a run of `lm`."""
     check_spec(spec)
     if spec == "self":
-        return SelfRepairer(state, tokens)
+        return SelfRepairer(lm, tokens)
     if spec == "none":
         return NoRepairer()
-    return MaskedLMRepairer(state.lm, spec.removeprefix("mlm:"), max_tokens=max(tokens, 1))
+    return MaskedLMRepairer(lm, spec.removeprefix("mlm:"), max_tokens=max(tokens, 1))

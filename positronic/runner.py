@@ -83,14 +83,14 @@ def summary(brain: Brain, lm, result: RunResult) -> str:
     c, ledger = brain.counts, brain.state.mirror.ledger
     lines = [
         "--- summary ---" + (" (interrupted)" if result.interrupted else "") + (" (policy stopped)" if result.stopped else ""),
-        f"model {lm.name} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), store {type(brain.state.store).__name__}, "
+        f"model {lm.name} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), "
         f"policy {brain.config.policy}",
         f"ticks {result.ticks} in {result.seconds:.1f} s ({result.ticks / max(result.seconds, 1e-9):.2f} tok/s); "
         f"now at tick {brain.tick}",
         f"live {len(brain.state)} / budget {brain.config.budget}; ledger {len(ledger)} tokens "
         f"({ledger.count('culled')} culled, {ledger.count('replaced')} replaced)",
         f"repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  refreshes {c['refreshes']}",
-        f"cache {brain.state.store.memory_usage_mb():.1f} MiB  RSS {rss_mb():.0f} MiB"
+        f"cache {brain.state.cache.memory_usage_mb():.1f} MiB  RSS {rss_mb():.0f} MiB"
         + "".join(f"  (RSS after {k} ticks: {v:.0f} MiB)" for k, v in result.rss_mb.items()),
     ]
     if result.saved_to:

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 import mirror
+import steps
 
-from .loop import Brain, BrainConfig
+from .loop import Brain, BrainConfig, cache_capacity
 from .state_manager import StateManager
 
 MIRROR_FILE = "mirror.msgpack"
@@ -58,15 +59,15 @@ def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
     return saved, meta
 
 
-def resume(lm, directory: str | Path, *, store: str = "dynamic") -> Brain:
+def resume(lm, directory: str | Path) -> Brain:
     """Rebuild the cache from the saved mirror and return a Brain that continues the run."""
     saved, meta = load(directory)
     if meta["model"] != lm.name:
         raise SessionError(f"{directory}: saved with model {meta['model']!r}, not {lm.name!r}")
-    state = StateManager.from_mirror(lm, saved, store=store)
     config = BrainConfig(**meta["config"])
+    state = StateManager.from_mirror(lm, saved, capacity=cache_capacity(len(saved), config.budget),
+                                     score_layers=config.score_layers, brightness=steps.RULES[config.brightness].start)
     generator_state = torch.frombuffer(bytearray(meta["generator"]), dtype=torch.uint8)
     brain = Brain(state, config, tick=meta["tick"], generator_state=generator_state)
     brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})
-    state.tick = brain.tick
     return brain

@@ -1,30 +1,42 @@
-"""StateManager: the only code that changes the KV store or the mirror.
+"""StateManager: the only code that changes the KV cache or the mirror.
 
-Each coupled operation takes one set of arguments and applies the same splice to both
-blades: `delete(row)`, `insert(row, token_ids)`, `append(token_ids)`, and the rare
-re-rotation that makes room between RoPE positions. Nothing else can change one side
-without the other. `apply(actions)` is Step 4: validate the whole list, then apply it in
-place; if anything fails after the first edit, the cache is rebuilt from the mirror.
+Every change, from a whole tick to one deleted row, is one `Layout` (mirror/layout.py)
+applied to both blades from the same arguments:
 
-    mirror.live.positions[i]   RoPE position row i's key was rotated with
-    store.layer(l)             keys/values [1, kv_heads, rows, head_dim]
-    next_logits                [vocab] float32, from the last forward that ended at the last row
-    last_attention             [layers, heads, rows] float32, that forward's attention row
+    1. plan      the rows afterwards and their RoPE positions (pure; nothing touched yet)
+    2. splice    the cache moves its surviving rows into place, opening gaps for new tokens
+    3. rotate    keys whose position had to change are re-rotated (rare)
+    4. forward   ONE model forward writes every new token's K/V into its gap: an inserted
+                 token sees only the rows left of it (the mask follows positions), the newest
+                 token sees everything and leaves the next logits and the attention row
+    5. commit    the mirror takes the layout: ledger entries, live map, brightness
+
+If anything fails in 2–5 the mirror is still the one from before the tick, and the cache is
+rebuilt from it: a tick happens entirely or not at all. Nothing else gets write access:
+policies, repairers, the view and the tools read `view()` (fresh tensors) or read-only
+properties, and hand their decisions back as arguments of `apply()`.
+
+    cache.layers[l].keys / .values   [1, kv_heads, rows, head_dim] (SpliceCache)
+    mirror.live.positions[i]         RoPE position row i's key was rotated with
+    next_logits                      [vocab] float32, from the forward that wrote the last row
+    last_attention                   [scored layers, heads, rows] float32, that row's attention
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from mirror import Mirror
+from mirror import Insertion, Layout, Mirror, plan_layout
 
 from . import rope
 from .actions import validate
+from .cache import SpliceCache
 from .forward import fresh_layer0_kv, forward, prefill
-from .kv_store import KVStore, make_store, new_rows
 from .text import span_texts
 
 
@@ -36,10 +48,13 @@ class InjectedFault(RuntimeError):
     """Raised on purpose by `inject_fault`, to test recovery."""
 
 
+FAULT_STAGES = ("splice", "rotate", "forward", "mid-forward", "commit")
+
+
 @dataclass
 class ApplyReport:
-    """What one `apply` did. `rebuilt` is True when an edit failed and the cache was
-    recomputed from the mirror; `error` then says what failed."""
+    """What one `apply` did. `rebuilt` is True when a stage failed: the tick was not applied
+    and the cache was recomputed from the (unchanged) mirror; `error` says what failed."""
 
     tick: int
     applied: int = 0
@@ -50,249 +65,333 @@ class ApplyReport:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class ContextView:
+    """A read-only snapshot of the live context for policies and repairers (fresh tensors:
+    changing them changes nothing). All [rows], in cache order.
+
+    predicted: the model's greedy next token after each row, computed by the forward that
+    wrote the row (the predict service a repairer uses: what the model expects at a slot).
+    """
+
+    token_ids: torch.Tensor
+    ledger_ids: torch.Tensor
+    positions: torch.Tensor
+    brightness: torch.Tensor
+    predicted: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def resolve_layers(spec, num_layers: int) -> list[int]:
+    """Layer indices of a score-layer spec ("last", "all" or a list of ints)."""
+    from steps.attention import layer_indices
+
+    return layer_indices(spec, num_layers)
+
+
 class StateManager:
-    def __init__(self, lm, store: KVStore, mirror: Mirror, *, store_kind: str = "dynamic"):
+    def __init__(self, lm, mirror: Mirror | None = None, *, capacity: int = 0, score_layers="last",
+                 new_brightness: float = 255.0):
         self.lm = lm
-        self.store = store
-        self.store_kind = store_kind  # backend for scratch caches (divergence)
-        self.mirror = mirror
-        self.tick = 0  # stamped on ledger entries; the loop advances it
-        self.new_brightness = 255.0  # brightness a new token starts with (depends on the rule)
+        self._mirror = mirror if mirror is not None else Mirror()
+        self.attention_layers = resolve_layers(score_layers, lm.num_layers)
+        self._cache = SpliceCache(lm.model.config, max_cache_len=max(capacity, 2 * len(self._mirror) + 64))
+        self.new_brightness = float(new_brightness)  # where a new token's brightness starts (the rule's)
         self.next_logits: torch.Tensor | None = None
         self.last_attention: torch.Tensor | None = None
+        self._predicted: list[int] = []  # per live row, see ContextView.predicted
+        self.last_tick = 0
         self.rebuilds = 0
         self.rotated_rows = 0
         self._edits = 0
-        self._fault: tuple[int, bool] | None = None
+        self._fault: str | None = None
 
     # --- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_tokens(cls, lm, token_ids: list[int], *, store: str = "dynamic", source: str = "prompt",
-                    brightness: float = 255.0) -> "StateManager":
+    def from_tokens(cls, lm, token_ids: list[int], *, source: str = "prompt", brightness: float = 255.0,
+                    capacity: int = 0, score_layers="last") -> "StateManager":
         """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1."""
         if not token_ids:
             raise ValueError("a context needs at least one token")
-        manager = cls(lm, make_store(store, lm.num_layers), Mirror(), store_kind=store)
-        manager.new_brightness = brightness
-        manager.append(list(token_ids), source=source)
+        manager = cls(lm, capacity=max(capacity, len(token_ids) + 64), score_layers=score_layers,
+                      new_brightness=brightness)
+        report = manager._edit([], [Insertion(0, tuple(token_ids), source)], tick=0)
+        if report.rebuilt:
+            raise RuntimeError(f"prefill failed: {report.error}")
         return manager
 
     @classmethod
-    def from_mirror(cls, lm, mirror: Mirror, *, store: str = "dynamic") -> "StateManager":
+    def from_mirror(cls, lm, mirror: Mirror, *, capacity: int = 0, score_layers="last",
+                    brightness: float = 255.0) -> "StateManager":
         """Resume from a saved mirror: the cache is recomputed from its live rows."""
         mirror.check(lm.max_positions)
-        manager = cls(lm, make_store(store, lm.num_layers), mirror, store_kind=store)
+        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness)
         manager.rebuild(count=False)
         return manager
 
-    # --- reads --------------------------------------------------------------------------
+    # --- reads (copies or read-only views) ----------------------------------------------
 
     @property
-    def cache(self):
-        """The transformers Cache the model reads."""
-        return self.store.cache
+    def mirror(self) -> Mirror:
+        """The mirror, for reading (sessions save it, the live view draws it). Only
+        StateManager changes it; `tests/test_one_writer.py` holds every other module to that."""
+        return self._mirror
+
+    @property
+    def cache(self) -> SpliceCache:
+        """The cache, for reading (the model reads it inside StateManager's forwards)."""
+        return self._cache
 
     def __len__(self) -> int:
-        return len(self.mirror)
+        return len(self._mirror)
 
     @property
     def edits(self) -> int:
-        """Coupled edits made since this manager was created."""
+        """Coupled edits (applied layouts) since this manager was created."""
         return self._edits
 
     def live_token_ids(self) -> list[int]:
-        return self.mirror.live_token_ids()
+        return self._mirror.live_token_ids()
 
     def positions(self) -> list[int]:
-        return self.mirror.positions()
+        return self._mirror.positions()
 
-    def set_brightness(self, values: list[float]) -> None:
-        """Store Step 2b's brightness, one value per live row (metadata only; no cache change)."""
-        self.mirror.set_brightness(values)
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer `index`'s live keys and values, [1, kv_heads, rows, head_dim]."""
+        layer = self._cache.layers[index]
+        return layer.keys.clone(), layer.values.clone()
+
+    def view(self) -> ContextView:
+        mirror = self._mirror
+        return ContextView(
+            token_ids=torch.tensor(mirror.live_token_ids(), dtype=torch.long),
+            ledger_ids=torch.tensor(mirror.live.ledger_ids, dtype=torch.long),
+            positions=torch.tensor(mirror.live.positions, dtype=torch.long),
+            brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
+            predicted=torch.tensor(self._predicted, dtype=torch.long))
 
     # --- coupled operations -------------------------------------------------------------
 
-    def delete(self, row: int) -> int:
-        """Remove live row `row` from store and mirror; returns its ledger id."""
-        if not 0 <= row < len(self):
-            raise IndexError(f"row {row} out of range 0..{len(self) - 1}")
-        self.store.delete(row)
-        self._between_blades()
-        ledger_id = self.mirror.delete(row, self.tick)
-        self._edit_done(stale=True)
-        return ledger_id
+    def delete(self, row: int, *, tick: int | None = None) -> ApplyReport:
+        """Remove live row `row` from cache and mirror."""
+        self._check_row(row, len(self) - 1)
+        return self._edit([row], [], tick=tick)
 
-    def insert(self, row: int, token_ids: list[int], *, source: str = "inserted") -> list[int]:
-        """Insert tokens before live row `row`; their K/V come from a forward over rows
-        [0, row) only, at the RoPE positions they keep. Returns their ledger ids."""
-        if not 0 <= row <= len(self):
-            raise IndexError(f"insert row {row} out of range 0..{len(self)}")
-        positions = self._make_room(row, len(token_ids))
-        context = self.store.left_context(row)
-        forward(self.lm, context, token_ids, positions)
-        keys, values = new_rows(context, row)
-        texts = self._texts(row, token_ids)
-        self.store.insert(row, keys, values)
-        self._between_blades()
-        ledger_ids = self.mirror.insert(row, token_ids, texts, positions, source=source, tick=self.tick,
-                                        brightness=self.new_brightness)
-        self._edit_done(stale=True)
-        return ledger_ids
+    def insert(self, row: int, token_ids: list[int], *, source: str = "inserted",
+               tick: int | None = None) -> ApplyReport:
+        """Insert tokens before live row `row`; their K/V see only the rows before them."""
+        self._check_row(row, len(self))
+        return self._edit([], [Insertion(row, tuple(token_ids), source)], tick=tick)
 
-    def append(self, token_ids: list[int], *, source: str = "generated") -> list[int]:
-        """Append tokens after the last row: the one model forward of a tick. Leaves
-        `next_logits` and `last_attention` for the last appended token."""
-        row = len(self)
-        positions = self._make_room(row, len(token_ids))
-        texts = self._texts(row, token_ids)
-        result = prefill(self.lm, self.store.cache, token_ids, positions)
-        self._between_blades()
-        ledger_ids = self.mirror.insert(row, token_ids, texts, positions, source=source, tick=self.tick,
-                                        brightness=self.new_brightness)
-        self.next_logits, self.last_attention = result.logits, result.attention
-        self._edit_done(stale=False)
-        return ledger_ids
+    def append(self, token_ids: list[int], *, source: str = "generated", tick: int | None = None) -> ApplyReport:
+        """Append tokens after the last row; leaves `next_logits` and `last_attention`."""
+        return self._edit([], [Insertion(len(self), tuple(token_ids), source)], tick=tick)
 
-    def _reposition(self, new_positions: list[int]) -> None:
-        """Re-rotate keys whose position changes (one coupled edit). Rows whose position
-        stays put are not touched, so a key is rounded only when it really moves."""
-        old_positions = self.mirror.live.positions
-        start = next((i for i, (a, b) in enumerate(zip(old_positions, new_positions)) if a != b), None)
-        if start is None:
-            return
-        cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor(old_positions[start:]),
-                                 torch.tensor(new_positions[start:]))
-        self.store.rotate_keys(start, cos, sin)
-        self._between_blades()
-        self.mirror.live.set_positions(new_positions)
-        self.rotated_rows += len(new_positions) - start
-        self._edit_done(stale=True)
-
-    def _make_room(self, row: int, count: int) -> list[int]:
-        """RoPE positions for `count` new rows before `row`, strictly between their
-        neighbours. Without room, the rows from `row` on shift right; near the model's
-        limit everything is packed down to 0.. instead."""
-        positions, limit = self.mirror.live.positions, self.lm.max_positions
-        if len(positions) + count > limit:
-            raise ValueError(f"{len(positions) + count} rows do not fit the model's {limit} positions")
-        left = positions[row - 1] if row > 0 else -1
-        right = positions[row] if row < len(positions) else limit
-        if right - left - 1 < count:
-            shift = count - (right - left - 1)
-            if row < len(positions) and positions[-1] + shift < limit:
-                self._reposition(positions[:row] + [p + shift for p in positions[row:]])
-            else:
-                n = len(positions)
-                self._reposition(list(range(row)) + list(range(row + count, n + count)))
-                left = row - 1
-        return list(range(left + 1, left + 1 + count))
+    def _check_row(self, row: int, last: int) -> None:
+        if not 0 <= row <= last:
+            raise IndexError(f"row {row} out of range 0..{last}")
 
     # --- Step 4 -------------------------------------------------------------------------
 
-    def apply(self, actions: list[dict]) -> ApplyReport:
-        """Validate the whole list (raises ActionError, state untouched), then apply it.
+    def apply(self, actions: list[dict], *, tick: int | None = None,
+              brightness: list[float] | torch.Tensor | None = None) -> ApplyReport:
+        """Step 4: validate the whole list (ActionError, state untouched), then apply it as
+        one layout and one forward.
 
-        Position edits run in descending order of their highest row; a replace_pair deletes
-        pos2, then pos1, then inserts at pos1; adds run last. A failure after the first
-        edit rebuilds the cache from the mirror and is reported, not raised.
+        Positions in the actions are rows before the tick. A replace_pair's tokens take the
+        place of its first row; adds go last, in list order. `tick` stamps the ledger (default:
+        the last tick + 1); `brightness` (one per live row before the tick, Step 2b) is stored
+        with the tick. A failure after validation is reported (`rebuilt`), not raised.
         """
-        start, edits_before, rotated_before = time.perf_counter(), self._edits, self.rotated_rows
         plan = validate(actions, live_length=len(self), vocab_size=self.lm.vocab_size,
                         max_length=self.lm.max_positions)
-        report = ApplyReport(tick=self.tick)
+        if brightness is not None:
+            brightness = [float(b) for b in (brightness.tolist() if torch.is_tensor(brightness) else brightness)]
+            if len(brightness) != len(self):
+                raise ValueError(f"{len(brightness)} brightness values for {len(self)} live rows")
+            if not all(math.isfinite(b) for b in brightness):
+                raise ValueError("brightness values must be finite")
+        deleted, insertions = [], []
+        for action in plan.edits:
+            if action["action"] == "delete":
+                deleted.append(action["position"])
+            else:
+                pair = (action["original_pos1"], action["original_pos2"])
+                deleted += pair
+                insertions.append(Insertion(pair[0], tuple(action["new_token_ids"]), "repair", replaces=pair))
+        insertions += [Insertion(len(self), (action["token_id"],), "generated") for action in plan.adds]
+        report = self._edit(deleted, insertions, tick=tick, brightness=brightness)
+        report.applied = 0 if report.rebuilt else len(actions)
+        return report
+
+    def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
+              brightness: list[float] | None = None) -> ApplyReport:
+        start = time.perf_counter()
+        tick = self.last_tick + 1 if tick is None else tick
+        layout = plan_layout(self._mirror.live.positions, deleted, insertions, self.lm.max_positions)
+        texts = self._texts(layout)
+        report = ApplyReport(tick=tick)
         try:
-            for action in plan.edits:
-                if action["action"] == "delete":
-                    self.delete(action["position"])
-                else:
-                    pos1, pos2 = action["original_pos1"], action["original_pos2"]
-                    old = [self.delete(pos2), self.delete(pos1)][::-1]
-                    new = self.insert(pos1, action["new_token_ids"], source="repair")
-                    self.mirror.link_replacement(old, new)
-                report.applied += 1
-            for action in plan.adds:
-                self.append([action["token_id"]], source="generated")
-                report.applied += 1
+            self._write(layout)
+            self._fault_point("commit")
+            self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness)
+            self._edits += 1
+            report.edits = 1
+            report.rotated_rows = self._rotated(layout)
+            self.rotated_rows += report.rotated_rows
         except BaseException as exc:
             report.error = f"{type(exc).__name__}: {exc}"
             self.rebuild()
             report.rebuilt = True
             if not isinstance(exc, Exception):  # Ctrl-C: consistent again, now stop
                 raise
-        report.edits = self._edits - edits_before
-        report.rotated_rows = self.rotated_rows - rotated_before
+        self.last_tick = tick
         report.seconds = time.perf_counter() - start
         return report
 
+    def _write(self, layout: Layout) -> None:
+        """Stages 2–4 on the cache: splice, re-rotate, one forward."""
+        predicted_before = self._predicted
+        if layout.old_length:
+            self._cache.splice(list(layout.kept), layout.length)
+        self._fault_point("splice")
+        if layout.moved is not None:
+            first = layout.moved
+            cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor(layout.old_positions[first:]),
+                                     torch.tensor(layout.positions[first:]))
+            self._cache.rotate_keys(first, cos, sin)
+        self._fault_point("rotate")
+        predicted = [0] * layout.length
+        for old, new, count in layout.kept:
+            predicted[new : new + count] = predicted_before[old : old + count]
+        newest = bool(layout.new_rows) and layout.new_rows[-1] == layout.length - 1
+        if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
+            self.next_logits = self.last_attention = None
+        if layout.new_rows:
+            rows = list(layout.new_rows)
+            positions = [layout.positions[row] for row in rows]
+            if layout.old_length == 0:
+                result = prefill(self.lm, self._cache, list(layout.new_token_ids), positions,
+                                 attention_layers=self.attention_layers)
+            else:
+                gaps = torch.tensor(rows, dtype=torch.long, device=self.lm.device)
+                with self._cache.fill(gaps), self._fault_in_forward():
+                    result = forward(self.lm, self._cache, list(layout.new_token_ids), positions,
+                                     list(layout.positions), attention_layers=self.attention_layers if newest else None)
+            for row, token_id in zip(rows, result.predicted.tolist()):
+                predicted[row] = token_id
+            if newest:
+                self.next_logits, self.last_attention = result.logits, result.attention
+        self._fault_point("forward")
+        self._predicted = predicted
+
+    @staticmethod
+    def _rotated(layout: Layout) -> int:
+        if layout.moved is None:
+            return 0
+        return sum(a != b for a, b in zip(layout.old_positions[layout.moved:], layout.positions[layout.moved:]))
+
     def rebuild(self, *, count: bool = True) -> None:
         """Recompute the whole cache from the mirror: live tokens at their recorded positions."""
-        self.store.reset()
-        token_ids, positions = self.mirror.live_token_ids(), self.mirror.positions()
+        self._cache.reset()
+        token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
         self.next_logits = self.last_attention = None
+        self._predicted = []
         if token_ids:
-            result = prefill(self.lm, self.store.cache, token_ids, positions)
+            result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
             self.next_logits, self.last_attention = result.logits, result.attention
+            self._predicted = result.predicted.tolist()
         self.rebuilds += count
 
     def divergence(self) -> float:
         """KL(fresh ‖ spliced) in nats of the next-token distribution: what the splices cost.
 
         "fresh" is a cache computed from scratch from the same live tokens at the same
-        positions (in a scratch store); the live state is not touched. Costs one prefill.
+        positions (a scratch cache); the live state is not touched. Costs one prefill.
         """
         if self.next_logits is None:
-            raise ValueError("no next-token logits: the last operation was not an append")
-        scratch = make_store(self.store_kind, self.lm.num_layers)
-        fresh = prefill(self.lm, scratch.cache, self.live_token_ids(), self.positions()).logits
+            raise ValueError("no next-token logits: the last operation did not write the last row")
+        scratch = SpliceCache(self.lm.model.config, max_cache_len=len(self) + 1)
+        fresh = prefill(self.lm, scratch, self.live_token_ids(), self.positions()).logits
         log_fresh, log_spliced = fresh.log_softmax(-1), self.next_logits.log_softmax(-1)
         return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
 
     # --- invariants ---------------------------------------------------------------------
 
     def check(self, *, deep: bool = False) -> None:
-        """Raise unless store and mirror agree: mirror invariants, one row per live token in
+        """Raise unless cache and mirror agree: mirror invariants, one row per live token in
         every layer, right shapes. `deep` also compares layer 0 with a fresh computation of
         the live tokens at their recorded positions."""
-        self.mirror.check(self.lm.max_positions)
-        rows = len(self.mirror)
-        if len(self.store) != rows:
-            raise StateInvariantError(f"cache holds {len(self.store)} rows but the mirror {rows}")
+        self._mirror.check(self.lm.max_positions)
+        rows = len(self._mirror)
+        if self._cache.length != rows or len(self._predicted) != rows:
+            raise StateInvariantError(f"cache holds {self._cache.length} rows ({len(self._predicted)} predictions) "
+                                      f"but the mirror {rows}")
         shape = (1, self.lm.num_kv_heads, rows, self.lm.head_dim)
-        for index in range(self.store.num_layers):
-            keys, values = self.store.layer(index)
-            if tuple(keys.shape) != shape or tuple(values.shape) != shape:
-                raise StateInvariantError(
-                    f"layer {index} holds K {tuple(keys.shape)} / V {tuple(values.shape)}, expected {shape}")
+        for index, layer in enumerate(self._cache.layers):
+            if layer.length != rows or (rows and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):
+                raise StateInvariantError(f"layer {index} holds {layer.length} rows "
+                                          f"({None if layer.keys is None else tuple(layer.keys.shape)}), expected {shape}")
         if deep and rows:
-            keys, values = self.store.layer(0)
+            layer = self._cache.layers[0]
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, self.live_token_ids(), self.positions())
             tolerance = 1e-4 if self.lm.dtype == torch.float32 else 2e-2
-            error = max((keys - fresh_keys).abs().max().item(), (values - fresh_values).abs().max().item())
+            error = max((layer.keys - fresh_keys).abs().max().item(), (layer.values - fresh_values).abs().max().item())
             if error > tolerance:
                 raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {tolerance})")
 
     # --- fault injection (tests) --------------------------------------------------------
 
-    def inject_fault(self, after_edits: int, *, mid_edit: bool = False) -> None:
-        """Raise InjectedFault after the `after_edits`-th coupled edit from now, or, with
-        `mid_edit`, inside it: after the store was spliced and before the mirror was."""
-        self._fault = (self._edits + after_edits, mid_edit)
+    def inject_fault(self, stage: str) -> None:
+        """Make the next edit raise InjectedFault at `stage`: after the splice, after the
+        re-rotation, after the forward, half-way through the forward (in the middle layer,
+        after some layers wrote their rows), or just before the mirror commits."""
+        if stage not in FAULT_STAGES:
+            raise ValueError(f"unknown fault stage {stage!r}; choose from {', '.join(FAULT_STAGES)}")
+        self._fault = stage
 
-    def _between_blades(self) -> None:
-        if self._fault and self._fault[1] and self._edits + 1 == self._fault[0]:
+    def _fault_point(self, stage: str) -> None:
+        if self._fault == stage:
             self._fault = None
-            raise InjectedFault(f"fault injected inside edit {self._edits + 1}")
+            raise InjectedFault(f"fault injected at stage {stage!r}")
 
-    def _edit_done(self, *, stale: bool) -> None:
-        self._edits += 1
-        if stale:  # the last forward no longer describes the cache
-            self.next_logits = self.last_attention = None
-        if self._fault and not self._fault[1] and self._edits == self._fault[0]:
-            self._fault = None
-            raise InjectedFault(f"fault injected after edit {self._edits}")
+    def _fault_in_forward(self):
+        """A hook that raises in the middle layer when the 'mid-forward' fault is armed."""
+        if self._fault != "mid-forward":
+            return contextlib.nullcontext()
+        self._fault = None
+        middle = self.lm.model.model.layers[self.lm.num_layers // 2]
 
-    def _texts(self, row: int, token_ids: list[int]) -> list[str]:
-        live = self.mirror.live.ledger_ids
-        previous = self.mirror.ledger[live[row - 1]].token_id if row > 0 else None
-        return span_texts(self.lm.decode, token_ids, previous)
+        def explode(module, args):
+            raise InjectedFault("fault injected half-way through the forward")
+
+        @contextlib.contextmanager
+        def armed():
+            handle = middle.register_forward_pre_hook(explode)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+        return armed()
+
+    def _texts(self, layout: Layout) -> list[str]:
+        """Each new token's text, decoded as a span after the token left of its group."""
+        live = self._mirror.live.ledger_ids
+        token_at_new_row = dict(zip(layout.new_rows, layout.new_token_ids))
+
+        def token_at(row: int) -> int:
+            if row in token_at_new_row:
+                return token_at_new_row[row]
+            old = next(old + row - new for old, new, count in layout.kept if new <= row < new + count)
+            return self._mirror.ledger[live[old]].token_id
+
+        texts: list[str] = []
+        for insertion, part in layout.groups:
+            first = layout.new_rows[part][0]
+            previous = token_at(first - 1) if first > 0 else None
+            texts += span_texts(self.lm.decode, list(insertion.token_ids), previous)
+        return texts

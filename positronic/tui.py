@@ -115,7 +115,7 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
         sources=[e.source for e in rows], born=[e.tick_born for e in rows],
         budget=cfg.budget, sinks=cfg.sinks, protect=cfg.protect, window=cfg.window,
         bright_max=float(steps.RULES[cfg.brightness].start), counts=dict(brain.counts),
-        cache_mb=brain.state.store.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
+        cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
         actions=list(actions or ()), status=status, resumed=resumed)
 
 

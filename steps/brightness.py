@@ -58,16 +58,18 @@ def update_vote(
 @dataclass(frozen=True)
 class Rule:
     """A brightness rule the loop can pick by name: new rows start at `start`;
-    `update(brightness, scores, **options)` returns the new brightness list."""
+    `update(brightness, scores, **options)` returns the new brightness list. A rule that
+    `uses_sinks` takes the run's sink count as `sinks=`."""
 
     name: str
     start: float
     update: Callable[..., list[float]]
+    uses_sinks: bool = False
 
 
 RULES: dict[str, Rule] = {
     "ttl": Rule("ttl", TTL_START, update_ttl),
-    "vote": Rule("vote", VOTE_START, update_vote),
+    "vote": Rule("vote", VOTE_START, update_vote, uses_sinks=True),
 }
 
 

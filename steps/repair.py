@@ -12,9 +12,10 @@ REPLACED, DELETED, LEFT = "replaced", "deleted", "left"
 
 @runtime_checkable
 class Repairer(Protocol):
-    def propose(self, context_ids: list[int], pair: tuple[int, int]) -> list[int]:
-        """Replacement token ids for the rows `pair` of `context_ids` (the live token ids in
-        cache order); an empty list means no proposal."""
+    def propose(self, view, pair: tuple[int, int]) -> list[int]:
+        """Replacement token ids for the rows `pair` of the context `view` (a read-only
+        ContextView: token ids, positions, the model's predictions, … in cache order); an
+        empty list means no proposal."""
         ...
 
 

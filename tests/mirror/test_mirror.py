@@ -3,7 +3,7 @@
 import pytest
 
 import mirror
-from mirror import Mirror, MirrorFileError, MirrorInvariantError
+from mirror import Insertion, Mirror, MirrorFileError, MirrorInvariantError, plan_layout
 
 
 def built():
@@ -28,6 +28,60 @@ def test_splices_keep_ledger_and_live_map_in_step():
     assert m.brightness() == [1.0, 2.0, 3.0, 4.5, 5.0]
     assert [e.state for e in m.ledger.entries] == ["live", "culled", "replaced", "replaced", "live", "live", "live", "live"]
     assert m.ledger[2].replaced_by == [5, 6] and m.ledger[1].tick_died == 3
+
+
+def prompt_mirror():
+    """Six prompt tokens at positions 0..5."""
+    m = Mirror()
+    m.insert(0, [1, 10, 11, 12, 13, 14], ["<s>", "A", " big", " red", " dog", "."], list(range(6)),
+             source="prompt", tick=0, brightness=255.0)
+    return m
+
+
+# a tick: cull row 1, replace rows 3-4 by one token, add one token
+TICK = dict(deleted=[1, 3, 4], insertions=[Insertion(3, (99,), "repair", replaces=(3, 4)),
+                                           Insertion(6, (7,), "generated")])
+
+
+def test_a_layout_splice_edits_ledger_and_live_map_in_one_step():
+    m = prompt_mirror()
+    layout = plan_layout(m.positions(), TICK["deleted"], TICK["insertions"], limit=100)
+    new_ids = m.splice(layout, [" huge", " ran"], tick=4, brightness=200.0,
+                       live_brightness=[10.0, 11.0, 12.0, 13.0, 14.0, 15.0])
+    m.check(max_position=100)
+    assert new_ids == [6, 7]
+    assert m.live_token_ids() == [1, 11, 99, 14, 7]
+    assert m.live_texts() == ["<s>", " big", " huge", ".", " ran"]
+    assert m.live.ledger_ids == [0, 2, 6, 5, 7]
+    assert m.positions() == list(layout.positions) == [0, 2, 3, 5, 6], "survivors keep their positions"
+    assert m.brightness() == [10.0, 12.0, 200.0, 15.0, 200.0], "the tick's brightness, new tokens at the start"
+    assert [m.ledger[i].brightness for i in (1, 3, 4)] == [11.0, 13.0, 14.0], "the dead keep their last value"
+    states = [(e.state, e.tick_died, e.replaced_by) for e in m.ledger.entries]
+    assert states[1] == ("culled", 4, [])
+    assert states[3] == states[4] == ("replaced", 4, [6])
+    assert [(e.source, e.tick_born) for e in m.ledger.entries[6:]] == [("repair", 4), ("generated", 4)]
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda m, layout, texts: (m.splice(plan_layout([0, 1, 2], [], [], 100), [], tick=4, brightness=1.0)),
+     "layout planned for 3 rows, the live map has 6"),
+    (lambda m, layout, texts: m.splice(layout, texts[:1], tick=4, brightness=1.0), "1 texts for 2 new tokens"),
+    (lambda m, layout, texts: m.splice(layout, texts, tick=4, brightness=1.0, live_brightness=[1.0] * 5),
+     "5 brightness values for 6 live rows"),
+    (lambda m, layout, texts: m.splice(
+        plan_layout(m.positions(), [1], [Insertion(6, (7,), "dreamt")], 100), [" x"], tick=4, brightness=1.0),
+     "unknown token source 'dreamt'"),
+    (lambda m, layout, texts: m.splice(
+        plan_layout(m.positions(), [1], [Insertion(3, (9,), "repair", replaces=(3, 4))], 100), [" x"], tick=4,
+        brightness=1.0), r"rows \(3, 4\) are replaced but not deleted"),
+])
+def test_a_refused_layout_splice_changes_nothing(spoil, message):
+    m = prompt_mirror()
+    layout = plan_layout(m.positions(), TICK["deleted"], TICK["insertions"], limit=100)
+    before = mirror.to_bytes(m)
+    with pytest.raises(ValueError, match=message):
+        spoil(m, layout, [" huge", " ran"])
+    assert mirror.to_bytes(m) == before
 
 
 @pytest.mark.parametrize("corrupt, message", [

@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from positronic import evaluate as evaluate_module
 from positronic.cli import main
-from positronic.evaluate import (DEFAULT_TEXT, PROBE_ANSWER, EvalError, evaluate, moving_average, probe_stream,
-                                 segment_bounds, table, write_outputs)
+from positronic.evaluate import (DEFAULT_TEXT, PROBE_ANSWER, EvalError, evaluate, make_config, moving_average,
+                                 probe_stream, reference_config, run_stream, segment_bounds, table, write_outputs)
+from positronic.loop import Brain
 
 TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
         "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
@@ -41,6 +43,68 @@ def test_full_cache_perplexity_equals_the_plain_models(tiny):
         assert torch.allclose(torch.tensor(run.nll), expected, atol=1e-4, rtol=0), run.label
         assert run.ppl == pytest.approx(math.exp(expected.mean().item()), rel=1e-4)
     assert report.runs[0].ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_short_stream_still_has_its_full_cache_reference(tiny):
+    """The reference's budget is the stream's length + 1, which may be below what a culling
+    run needs; it never culls, so it must still run (and match the plain model)."""
+    report = evaluate(tiny, TEXT, policies=["streaming"], budgets=[48], max_tokens=10, probe=False)
+    ids = [tiny.bos_id] + tiny.encode(TEXT)[:10]
+    assert report.reference is not None and report.reference.tokens == 10
+    assert torch.allclose(torch.tensor(report.reference.nll), plain_nll(tiny, ids), atol=1e-4, rtol=0)
+    assert report.runs[0].ratio == pytest.approx(1.0, abs=1e-5), "10 tokens never fill a budget of 48"
+    config = reference_config(3, sinks=8, protect=20)
+    config.validate()
+    assert config.budget >= 4 and config.policy == "none" and config.at_capacity == "stop"
+
+
+def test_the_stream_is_teacher_forced_through_brain_step(tiny, monkeypatch):
+    """run_stream drives a Brain: every tick is one `step(force=the text's token)`."""
+    forced = []
+    original = Brain.step
+    monkeypatch.setattr(Brain, "step", lambda self, force=None: forced.append(force) or original(self, force))
+    ids = [tiny.bos_id] + tiny.encode(TEXT)[:60]
+    result = run_stream(tiny, ids, make_config("brightness", 48))
+    assert forced == ids[1:-1], "each token but the last is added by a forced tick, in order"
+    assert len(result.nll) == 60 and result.repairs > 0 and result.max_live <= 49
+
+
+def test_a_failed_tick_is_run_again_with_the_same_token(tiny, monkeypatch):
+    """A failed tick adds nothing; the stream must not lose its token, so the tick is repeated.
+    With nothing evicted the rebuilt cache equals the incremental one: every NLL stays."""
+    ids = [tiny.bos_id] + tiny.encode(TEXT)[:60]
+    config = reference_config(len(ids))
+    clean = run_stream(tiny, ids, config)
+    brains = []
+    start = Brain.start
+    monkeypatch.setattr(Brain, "start", lambda lm, *args, **kwargs: brains.append(start(lm, *args, **kwargs))
+                        or brains[-1])
+
+    def fault_at(index, stage="forward"):
+        def on_token(i):
+            if i == index:
+                brains[-1].state.inject_fault(stage)
+        return on_token
+
+    faulty = run_stream(tiny, ids, config, on_token=fault_at(20))
+    assert faulty.rebuilds == 1 and clean.rebuilds == 0
+    assert brains[-1].state.live_token_ids() == ids[:-1], "no token lost, none doubled"
+    assert torch.allclose(torch.tensor(faulty.nll), torch.tensor(clean.nll), atol=1e-4, rtol=0)
+
+    # a tick that fails again when repeated ends the evaluation
+    monkeypatch.setattr(Brain, "step", _fail_after_first(Brain.step))
+    with pytest.raises(RuntimeError, match="failed twice"):
+        run_stream(tiny, ids, config, on_token=fault_at(5))
+
+
+def _fail_after_first(step):
+    """Brain.step, but once a fault was injected every later tick fails as well."""
+    def wrapped(self, force=None):
+        record = step(self, force)
+        if record.rebuilt:
+            self.state.inject_fault("forward")
+        return record
+    return wrapped
 
 
 def test_probe_scores_the_answer_tokens_as_a_plain_forward_does(tiny):

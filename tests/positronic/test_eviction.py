@@ -1,13 +1,14 @@
 """llama.cpp-style eviction policies (positronic/eviction.py) on crafted states and in real runs."""
 
 import pytest
+import torch
 
 from positronic.eviction import (H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
                                  evictable_rows, recent_window)
 from positronic.loop import Brain, BrainConfig
 from positronic.policy import POLICIES, make_policy
 from positronic.runner import Runner
-from positronic.state_manager import StateManager
+from positronic.state_manager import ContextView, StateManager
 
 
 def state(lm, rows: int) -> StateManager:
@@ -52,12 +53,39 @@ def test_registered_and_window_batch_rules():
     assert evictable_rows(200, sinks=4, protect=10) == range(10, 150)
 
 
+def view_of(ledger_ids: list[int]) -> ContextView:
+    """A hand-made view: all a policy gets to see of the context."""
+    n = len(ledger_ids)
+    return ContextView(token_ids=torch.full((n,), 5), ledger_ids=torch.tensor(ledger_ids), positions=torch.arange(n),
+                       brightness=torch.full((n,), 255.0), predicted=torch.full((n,), 6))
+
+
+def test_policies_plan_from_the_view_alone(tiny):
+    """No StateManager anywhere: the policies read the view (keyed by its ledger ids) and the
+    scores, keep no brightness, and refuse scores that do not match the view."""
+    ids = [1000 + 3 * row for row in range(100)]
+    for name in ("streaming", "scored", "h2o", "none"):
+        policy = make_policy(name, tiny, config(name, 100, at_capacity="shift"))
+        assert not any(isinstance(value, StateManager) for value in vars(policy).values()), name
+        plan = policy.plan(view_of(ids), scores_with(100, low=[50, 60]), {})
+        assert plan.brightness is None and not plan.stop, name
+        assert len(deleted(plan)) == (48 if name == "none" else 7), name  # none: the older half after the sinks
+        if name != "none":  # none only counts the rows
+            with pytest.raises(ValueError, match="99 scores for 100 live rows"):
+                policy.plan(view_of(ids), scores_with(99), {})
+    scored = make_policy("scored", tiny, config("scored", 100))
+    assert deleted(scored.plan(view_of(ids), scores_with(100, low=[50, 60]), {})) == list(range(4, 11))
+    assert scored.last_access(ids[70]) == 1 and scored.last_access(70) is None, "keyed by the view's ledger ids"
+    h2o = make_policy("h2o", tiny, config("h2o", 100))
+    assert deleted(h2o.plan(view_of(ids), scores_with(100, low=[50, 60]), {})) == [4, 5, 6, 7, 8, 50, 60]
+
+
 def test_streaming_evicts_one_batch_of_the_oldest_middle_rows_only_when_full(tiny):
     sm = state(tiny, 100)
-    policy = make_policy("streaming", sm, config("streaming", 101))
-    assert deleted(policy.plan(scores_with(100), {})) == []  # the add fills row 101: still within budget
-    policy = make_policy("streaming", sm, config("streaming", 100))
-    plan = policy.plan(scores_with(100), {})
+    policy = make_policy("streaming", tiny, config("streaming", 101))
+    assert deleted(policy.plan(sm.view(), scores_with(100), {})) == []  # the add fills row 101: still within budget
+    policy = make_policy("streaming", tiny, config("streaming", 100))
+    plan = policy.plan(sm.view(), scores_with(100), {})
     # batch = 100 // 16 = 6: after the add the cache holds 100 - 6 rows, so 7 rows go
     assert deleted(plan) == list(range(4, 11))
     sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
@@ -68,21 +96,21 @@ def test_streaming_evicts_one_batch_of_the_oldest_middle_rows_only_when_full(tin
 def test_sinks_and_protected_prefix_are_never_evicted(tiny):
     sm = state(tiny, 100)
     for name in ("streaming", "scored", "h2o"):
-        policy = make_policy(name, sm, config(name, 100, sinks=4, protect=20))
-        rows = deleted(policy.plan(scores_with(100, low=range(0, 30)), {}))
+        policy = make_policy(name, tiny, config(name, 100, sinks=4, protect=20))
+        rows = deleted(policy.plan(sm.view(), scores_with(100, low=range(0, 30)), {}))
         assert len(rows) == 7 and min(rows) >= 20, (name, rows)
-        policy = make_policy(name, sm, config(name, 100, sinks=8))
-        rows = deleted(policy.plan(scores_with(100, low=range(0, 12), sinks=8), {}))
+        policy = make_policy(name, tiny, config(name, 100, sinks=8))
+        rows = deleted(policy.plan(sm.view(), scores_with(100, low=range(0, 12), sinks=8), {}))
         assert len(rows) == 7 and min(rows) >= 8, (name, rows)
-    shift = make_policy("none", sm, config("none", 100, at_capacity="shift", sinks=4, protect=10))
-    assert deleted(shift.plan(scores_with(100), {})) == list(range(10, 10 + 45))
+    shift = make_policy("none", tiny, config("none", 100, at_capacity="shift", sinks=4, protect=10))
+    assert deleted(shift.plan(sm.view(), scores_with(100), {})) == list(range(10, 10 + 45))
 
 
 def test_recent_window_is_a_quarter_of_the_length_once_that_exceeds_32(tiny):
     sm = state(tiny, 200)
-    policy = make_policy("h2o", sm, config("h2o", 160))
+    policy = make_policy("h2o", tiny, config("h2o", 160))
     # the newest 60 rows are the least attended: a 32-row window would let 28 of them go
-    rows = deleted(policy.plan(scores_with(200, low=range(140, 200)), {}))
+    rows = deleted(policy.plan(sm.view(), scores_with(200, low=range(140, 200)), {}))
     assert len(rows) == 200 + 1 - (160 - 10)
     assert max(rows) < 200 - 50, "rows in the last len/4 = 50 are protected"
     assert set(range(140, 150)) <= set(rows), "the least attended rows before the window go first"
@@ -90,16 +118,16 @@ def test_recent_window_is_a_quarter_of_the_length_once_that_exceeds_32(tiny):
 
 def test_scored_evicts_the_least_recently_accessed_rows(tiny):
     sm = state(tiny, 96)
-    policy = make_policy("scored", sm, config("scored", 100))
+    policy = make_policy("scored", tiny, config("scored", 100))
     never_again = [12, 30, 50]  # last accessed at tick 1 (the tick they were first seen)
     once_more = [55, 57, 60, 62]  # last accessed at tick 2
     for tick in range(1, 5):
         length = len(sm)
         low = [] if tick == 1 else never_again + (once_more if tick > 2 else [])
-        assert deleted(policy.plan(scores_with(length, low=low), {})) == []
+        assert deleted(policy.plan(sm.view(), scores_with(length, low=low), {})) == []
         add(sm)
     # tick 5, cache full (100 rows): rows 20 and 21 are unattended now but were accessed at tick 4
-    plan = policy.plan(scores_with(100, low=never_again + once_more + [20, 21]), {})
+    plan = policy.plan(sm.view(), scores_with(100, low=never_again + once_more + [20, 21]), {})
     assert deleted(plan) == sorted(never_again + once_more)
     ids = list(sm.mirror.live.ledger_ids)
     kept_id = ids[70]
@@ -107,43 +135,68 @@ def test_scored_evicts_the_least_recently_accessed_rows(tiny):
     sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
     assert sm.mirror.live.ledger_ids.index(kept_id) == 70 - 7, "the row moved down"
     assert policy.last_access(kept_id) == 5, "its access time follows it (keyed by ledger id)"
+    policy.plan(sm.view(), scores_with(len(sm)), {})
     assert policy.last_access(ids[12]) is None, "evicted rows are forgotten"
+    assert policy.last_access(kept_id) == 6
+
+
+@pytest.mark.parametrize("name", ["scored", "h2o"])
+def test_rows_of_a_failed_eviction_keep_their_state(tiny, name):
+    """Step 4 fails, the tick changes nothing: the rows the policy chose are still live, keep
+    what the policy knew of them, and are chosen again."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)),
+                        BrainConfig(policy=name, budget=48, sinks=4, seed=1, temperature=0))
+    while len(brain.state) < 48:
+        assert not any(a["action"] == "delete" for a in brain.step().actions)
+    policy = brain.policy
+    brain.state.inject_fault("forward")
+    record = brain.step()
+    assert record.rebuilt and len(brain.state) == 48
+    chosen = [brain.state.mirror.live.ledger_ids[a["position"]] for a in record.actions if a["action"] == "delete"]
+    assert len(chosen) == 48 + 1 - (48 - batch_size(48))
+    assert all(ledger_id in policy.value for ledger_id in chosen), "not forgotten"
+    record = brain.step()
+    assert not record.rebuilt
+    again = [brain.state.mirror.ledger.entries[i] for i in chosen]
+    assert all(entry.state == "culled" for entry in again), "the same rows go when the tick is run again"
+    brain.step()
+    assert not any(ledger_id in policy.value for ledger_id in chosen), "forgotten once they are gone"
 
 
 def test_scored_breaks_ties_by_age(tiny):
     sm = state(tiny, 100)
-    policy = make_policy("scored", sm, config("scored", 100))
-    assert deleted(policy.plan(scores_with(100), {})) == list(range(4, 11))
+    policy = make_policy("scored", tiny, config("scored", 100))
+    assert deleted(policy.plan(sm.view(), scores_with(100), {})) == list(range(4, 11))
 
 
 def test_h2o_keeps_heavy_hitters_and_accumulates_attention(tiny):
     sm = state(tiny, 99)
-    policy = make_policy("h2o", sm, config("h2o", 100))
+    policy = make_policy("h2o", tiny, config("h2o", 100))
     first = scores_with(99, high=[4, 5, 6, 7, 8, 9, 10], low=range(40, 47))
-    assert deleted(policy.plan(first, {})) == []
+    assert deleted(policy.plan(sm.view(), first, {})) == []
     heavy_id = sm.mirror.live.ledger_ids[5]
     add(sm)
     second = scores_with(100)
-    rows = deleted(policy.plan(second, {}))
+    rows = deleted(policy.plan(sm.view(), second, {}))
     assert rows == list(range(40, 47)), "the lightest rows go, not the oldest"
     assert policy.accumulated(heavy_id) == pytest.approx(first[5] + second[5])
-    streaming = make_policy("streaming", sm, config("streaming", 100))
-    assert deleted(streaming.plan(second, {})) == list(range(4, 11)), "streaming would have lost the heavy hitters"
+    streaming = make_policy("streaming", tiny, config("streaming", 100))
+    assert deleted(streaming.plan(sm.view(), second, {})) == list(range(4, 11)), "streaming would have lost the heavy hitters"
 
 
 def test_none_stops_when_the_add_fills_the_cache_or_shifts_out_the_older_half(tiny):
     sm = state(tiny, 98)
-    stop = make_policy("none", sm, config("none", 100, at_capacity="stop"))
+    stop = make_policy("none", tiny, config("none", 100, at_capacity="stop"))
     assert isinstance(stop, NoEvictionPolicy)
-    plan = stop.plan(scores_with(98), {})
+    plan = stop.plan(sm.view(), scores_with(98), {})
     assert not plan.stop and plan.actions == []
     add(sm)
-    plan = stop.plan(scores_with(99), {})
+    plan = stop.plan(sm.view(), scores_with(99), {})
     assert plan.stop and plan.actions == []
-    shift = make_policy("none", sm, config("none", 100, at_capacity="shift"))
-    assert deleted(shift.plan(scores_with(99), {})) == []
+    shift = make_policy("none", tiny, config("none", 100, at_capacity="shift"))
+    assert deleted(shift.plan(sm.view(), scores_with(99), {})) == []
     add(sm)
-    plan = shift.plan(scores_with(100), {})
+    plan = shift.plan(sm.view(), scores_with(100), {})
     assert deleted(plan) == list(range(4, 4 + 48)) and not plan.stop
     sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
     assert len(sm) == 100 - 48 + 1
@@ -154,7 +207,7 @@ def test_a_budget_without_room_to_evict_is_refused(tiny):
     sm = state(tiny, 20)
     for cls in (StreamingPolicy, ScoredPolicy, H2OPolicy):
         with pytest.raises(ValueError, match="evictable rows"):
-            cls(sm, config(cls.name, 140, protect=100))
+            cls(tiny, config(cls.name, 140, protect=100))
 
 
 @pytest.mark.parametrize("name,at_capacity", [("streaming", "stop"), ("scored", "stop"), ("h2o", "stop"),
@@ -168,6 +221,7 @@ def test_100_brain_ticks_stay_within_budget_and_consistent(tiny, name, at_capaci
         record = brain.step()
         brain.state.check()
         assert not record.rebuilt and not record.stopped
+        assert record.brightness_min == record.brightness_max == 255.0, "these policies keep no brightness"
         lengths.append(record.live_length)
         deletes += sum(a["action"] == "delete" for a in record.actions)
     assert max(lengths) == 48 and deletes > 0

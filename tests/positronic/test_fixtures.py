@@ -12,11 +12,11 @@ import torch
 
 from positronic.cli import main
 from positronic.fixtures import (
-    Capture, CaptureMismatch, Fault, FixtureError, capture_tick, finish, load_fixture, parse_spec, replay,
-    save_fixture, snapshot,
+    VERSION, Capture, CaptureMismatch, FixtureError, _fault_of, capture_tick, finish, load_fixture, parse_spec,
+    replay, save_fixture, snapshot,
 )
 from positronic.loop import Brain, BrainConfig
-from positronic.state_manager import StateManager
+from positronic.state_manager import FAULT_STAGES, ApplyReport, StateManager
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = sorted((ROOT / "fixtures").glob("*.pt"))
@@ -26,7 +26,8 @@ COMMITTED = sorted((ROOT / "fixtures").glob("*.pt"))
 def _one_torch_thread():
     """These tests run many small forwards; where cores are shared, two torch threads spin
     against each other (7x slower measured here). Results do not depend on it: the committed
-    fixtures were captured with two threads and replay exactly with one."""
+    fixtures are captured with one thread (bench/capture_fixtures.py) and replay within the
+    tolerances with two as well."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -61,29 +62,36 @@ def test_committed_fixtures_cover_the_required_ticks():
     assert any(row == 4 for row, _ in deletes), "a delete at the first row after the 4 sinks"
     assert any(row == length - 1 for row, length in deletes), "a delete at the last row"
     rebuilt = [f for f in fixtures if f.expected.rebuilt]
-    assert rebuilt and all(f.fault is not None for f in rebuilt)
-    assert any(f.fault.mid_edit for f in rebuilt) and any(not f.fault.mid_edit for f in rebuilt)
+    assert rebuilt and all(f.fault in FAULT_STAGES for f in rebuilt)
+    assert all(f.fault is None for f in fixtures if not f.expected.rebuilt)
+    stages = {f.fault for f in rebuilt}
+    assert "mid-forward" in stages and stages - {"mid-forward"}, "a failure half-way through the forward and another"
+    for f in rebuilt:  # a failed tick is all or nothing: the rows are the ones from before it
+        assert (f.expected.live_ids, f.expected.positions) == (f.live_ids_before, f.positions_before)
+    looped = [f for f in fixtures if f.label.startswith("live run")]
+    assert looped and all(f.brightness is not None for f in looped if not f.expected.rebuilt), \
+        "live ticks carry their Step 2b brightness"
     assert sum(p.stat().st_size for p in COMMITTED) < 5 * 2**20
 
 
 # --- a small fixture on the tiny random model -----------------------------------------------
 
 PROMPT = [1] + list(range(40, 70))  # BOS + 30 tokens of the byte vocabulary
+STEP_BRIGHTNESS = [float(10 * row) for row in range(len(PROMPT))]  # a Step 2b output for the tiny tick
 
 
 @pytest.fixture(scope="module")
 def tiny_fixture(tiny, tmp_path_factory) -> Path:
     """A crafted tick with history behind it: a 3-token replacement, a delete and an add,
     applied to a state that was already edited (so the live cache carries splice traces)."""
-    state = StateManager.from_tokens(tiny, PROMPT)
+    state = StateManager.from_tokens(tiny, PROMPT, brightness=200.0)
     state.apply([{"action": "replace_pair", "original_pos1": 8, "original_pos2": 9, "new_token_ids": [90]},
-                 {"action": "add", "token_id": 77}])
-    state.tick = 2
+                 {"action": "add", "token_id": 77}], tick=1)
     fixture, report = capture_tick(state, [
         {"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [80, 81, 82]},
         {"action": "delete", "position": 20},
         {"action": "add", "token_id": 99},
-    ], label="tiny test tick")
+    ], tick=2, brightness=STEP_BRIGHTNESS, label="tiny test tick")
     assert not report.rebuilt
     path = tmp_path_factory.mktemp("tiny") / "tiny.pt"
     save_fixture(fixture, path)
@@ -102,8 +110,13 @@ def rewrite(data: dict, path: Path) -> Path:
 def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture):
     fixture = load_fixture(tiny_fixture)
     assert fixture.tick == 2 and fixture.label == "tiny test tick" and fixture.fault is None
+    assert fixture.new_brightness == 200.0 and fixture.brightness == STEP_BRIGHTNESS
     assert len(fixture.live_ids_before) == len(PROMPT)  # 31 - 2 + 1 + 1
     assert fixture.expected.live_ids[5:8] == [80, 81, 82] and fixture.expected.live_ids[-1] == 99
+    # rows 0-4 keep their Step 2b brightness, the new tokens start at 200, row 20 is gone
+    brightness = fixture.expected.brightness
+    assert brightness[:5] == STEP_BRIGHTNESS[:5] and brightness[5:8] == [200.0] * 3 and brightness[-1] == 200.0
+    assert brightness[8:-1] == STEP_BRIGHTNESS[7:20] + STEP_BRIGHTNESS[21:]
     assert fixture.expected.layer0_rows.tolist() == [0, 5, 6, 7, 31]  # first, created (incl. the add), last
     assert fixture.expected.layer0_keys.shape == (tiny.num_kv_heads, 5, tiny.head_dim)
     assert len(fixture.expected.greedy) == 4
@@ -115,11 +128,15 @@ def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture
     (lambda d: d["after"]["live_ids"].__setitem__(-1, d["after"]["live_ids"][-1] + 1), "live ids"),
     (lambda d: d["after"]["positions"].__setitem__(-1, d["after"]["positions"][-1] + 1), "positions"),
     (lambda d: d["after"]["texts"].__setitem__(3, d["after"]["texts"][3] + "x"), "text"),
+    (lambda d: d["after"]["brightness"].__setitem__(2, d["after"]["brightness"][2] + 0.5), "brightness"),
+    (lambda d: d.__setitem__("brightness", None), "brightness"),  # the Step 2b input is part of the tick
+    (lambda d: d.__setitem__("new_brightness", 255.0), "brightness"),
     (lambda d: d["after"]["layer0"]["keys"][0, 1, 0].add_(1e-3), "layer-0 K/V"),
     (lambda d: d["after"]["layer0"]["values"][0, -1, 3].sub_(1e-3), "layer-0 K/V"),
     (lambda d: d["after"]["greedy"].__setitem__(2, (d["after"]["greedy"][2] + 1) % 256), "greedy"),
     (lambda d: d["after"].__setitem__("rebuilt", True), "rebuild"),
-], ids=["live-id", "position", "text", "layer0-key", "layer0-value", "greedy", "rebuilt-flag"])
+], ids=["live-id", "position", "text", "brightness-after", "brightness-input", "new-brightness", "layer0-key",
+        "layer0-value", "greedy", "rebuilt-flag"])
 def test_replay_detects_a_tampered_expectation(tiny, tiny_fixture, tmp_path, tamper, failing):
     data = raw(tiny_fixture)
     tamper(data)
@@ -139,6 +156,14 @@ def test_replay_of_changed_actions_fails(tiny, tiny_fixture, tmp_path):
     data["actions"][0]["new_token_ids"] = [80, 81, 83]
     result = replay(load_fixture(rewrite(data, tmp_path / "other.pt")), tiny)
     assert {"live ids", "layer-0 K/V"} <= set(result.failed())
+
+
+def test_replay_of_a_fixture_given_a_fault_it_did_not_have_fails(tiny, tiny_fixture, tmp_path):
+    data = raw(tiny_fixture)
+    data["fault"] = "commit"
+    result = replay(load_fixture(rewrite(data, tmp_path / "faulted.pt")), tiny)
+    assert result.report.rebuilt and result.report.error == "InjectedFault: fault injected at stage 'commit'"
+    assert {"live ids", "brightness", "rebuild"} <= set(result.failed())
 
 
 def test_replay_refuses_another_model(smol, tiny_fixture):
@@ -166,6 +191,8 @@ def test_capture_listed_ticks_writes_exactly_those_and_they_replay(tiny, tmp_pat
         fixture = load_fixture(path)
         assert fixture.actions == records[fixture.tick - 1].actions
         assert fixture.expected.live_ids[-1] == records[fixture.tick - 1].token_id
+        assert fixture.brightness is not None and len(fixture.brightness) == len(fixture.live_ids_before)
+        assert fixture.brightness != fixture.mirror().brightness()  # the ttl rule moved it this tick
         result = replay(fixture, tiny)
         assert result.passed, (path.name, [c for c in result.checks if not c.passed])
     assert any(a["action"] == "replace_pair" for a in load_fixture(capture.written[-1]).actions)
@@ -185,38 +212,97 @@ def test_capture_repairs_takes_the_first_repair_ticks_up_to_the_limit(tiny, tmp_
     assert "capture: done, 3 fixtures in" in log.getvalue() and "(the limit; later ticks" in log.getvalue()
 
 
-class FaultAt:
-    """Observer: make the given tick's apply fail after its first edit."""
+INJECTED = {stage: f"InjectedFault: fault injected at stage '{stage}'" for stage in FAULT_STAGES}
+INJECTED["mid-forward"] = "InjectedFault: fault injected half-way through the forward"
 
-    def __init__(self, tick: int):
-        self.tick = tick
+
+class FaultAt:
+    """Observer: make the given tick's apply fail at `stage`."""
+
+    def __init__(self, tick: int, stage: str):
+        self.tick, self.stage = tick, stage
 
     def before_apply(self, brain, actions):
         if brain.tick == self.tick:
-            brain.state.inject_fault(1)
+            brain.state.inject_fault(self.stage)
 
     def after_apply(self, brain, actions, report):
         pass
 
 
-def test_capture_of_a_tick_that_needed_a_rebuild_replays_the_rebuild(tiny, tmp_path):
-    capture = Capture(tmp_path / "cap", tiny, "15", log=io.StringIO())
-    records = run_loop(tiny, 15, FaultAt(15), capture)
-    assert records[-1].rebuilt
+class Before:
+    """Observer: the live rows and brightness just before each apply."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def before_apply(self, brain, actions):
+        self.seen[brain.tick] = (brain.state.live_token_ids(), brain.state.positions(), brain.state.mirror.brightness())
+
+    def after_apply(self, brain, actions, report):
+        pass
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_capture_of_a_tick_that_failed_replays_the_failure(tiny, tmp_path, stage):
+    capture, before = Capture(tmp_path / "cap", tiny, "15", log=io.StringIO()), Before()
+    records = run_loop(tiny, 15, before, FaultAt(15, stage), capture)
+    assert records[-1].rebuilt and any(a["action"] == "replace_pair" for a in records[-1].actions)
     fixture = load_fixture(capture.written[0])
-    assert fixture.expected.rebuilt and fixture.fault == Fault(1, False)
+    assert fixture.expected.rebuilt and fixture.fault == stage and fixture.brightness is None
+    # all or nothing: rows, positions and brightness are those from before the tick
+    ids, positions, brightness = before.seen[15]
+    assert (fixture.live_ids_before, fixture.positions_before) == (ids, positions)
+    assert (fixture.expected.live_ids, fixture.expected.positions, fixture.expected.brightness) == \
+        (ids, positions, brightness)
+    assert fixture.expected.layer0_rows.tolist() == [0, len(ids) - 1]  # the tick created no row
     result = replay(fixture, tiny)
-    assert result.passed and result.report.rebuilt
+    assert result.passed, [c for c in result.checks if not c.passed]
+    assert result.report.rebuilt and result.report.error == INJECTED[stage]
+
+
+def test_a_failure_that_was_not_injected_is_replayed_as_a_failure_at_commit():
+    assert _fault_of(ApplyReport(tick=3)) is None
+    assert _fault_of(ApplyReport(tick=3, rebuilt=True, error="RuntimeError: CUDA out of memory")) == "commit"
+    assert _fault_of(ApplyReport(tick=3, rebuilt=True, error="InjectedFault: fault injected at stage 'rotate'")) \
+        == "rotate"
+    assert _fault_of(ApplyReport(tick=3, rebuilt=True,
+                                 error="InjectedFault: fault injected half-way through the forward")) == "mid-forward"
+
+
+def test_capture_tick_with_a_fault_records_an_unchanged_state(tiny):
+    state = StateManager.from_tokens(tiny, PROMPT)
+    before = (state.live_token_ids(), state.positions())
+    actions = [{"action": "delete", "position": 7},
+               {"action": "replace_pair", "original_pos1": 10, "original_pos2": 11, "new_token_ids": [80, 81]},
+               {"action": "add", "token_id": 99}]
+    fixture, report = capture_tick(state, actions, tick=1, brightness=STEP_BRIGHTNESS, fault="mid-forward")
+    assert report.rebuilt and fixture.fault == "mid-forward" and fixture.brightness == STEP_BRIGHTNESS
+    assert (state.live_token_ids(), state.positions()) == before
+    assert (fixture.expected.live_ids, fixture.expected.positions) == before
+    assert fixture.expected.brightness == [255.0] * len(PROMPT)  # a failed tick stores no brightness either
+    assert replay(fixture, tiny).passed
+    with pytest.raises(ValueError, match="unknown fault stage 'after-edit-3'"):
+        capture_tick(state, actions, fault="after-edit-3")
 
 
 def test_capture_refuses_a_fresh_state_that_disagrees_with_the_live_run(tiny):
     live = StateManager.from_tokens(tiny, PROMPT)
     other = StateManager.from_tokens(tiny, PROMPT[:-1] + [5])
     actions = [{"action": "add", "token_id": 9}]
-    snap = snapshot(live, actions)
-    report = other.apply(actions)
-    with pytest.raises(CaptureMismatch, match="ends the tick differently"):
+    snap = snapshot(live, actions, tick=1)
+    report = other.apply(actions, tick=1)
+    with pytest.raises(CaptureMismatch, match=r"ends the tick differently from the live run \(live ids;"):
         finish(snap, other, report)
+
+
+def test_capture_refuses_a_tick_whose_brightness_it_did_not_see(tiny):
+    live = StateManager.from_tokens(tiny, PROMPT)
+    actions = [{"action": "add", "token_id": 9}]
+    snap = snapshot(live, actions, tick=1)  # no brightness given ...
+    report = live.apply(actions, tick=1, brightness=STEP_BRIGHTNESS)  # ... but the live tick stored one
+    with pytest.raises(CaptureMismatch, match=r"\(brightness; rebuilt False vs False\)"):
+        finish(snap, live, report)
 
 
 @pytest.mark.parametrize("spec", ["", "some", "0", "5,x", "-3"])
@@ -257,14 +343,29 @@ def _drop(path: list):
 BAD = {
     "not-a-dict": (lambda d: [1, 2, 3], "not a tick fixture: holds list"),
     "wrong-format": (_set(["format"], "something-else"), "not a tick fixture (format 'something-else'"),
-    "wrong-version": (_set(["version"], 2), "fixture version 2, this build reads 1"),
+    "wrong-version": (_set(["version"], 99), f"fixture version 99, this build reads {VERSION}"),
+    "version-as-bool": (_set(["version"], True), f"fixture version True, this build reads {VERSION}"),
+    # a v1 file (faults by edit count, no Step 2b brightness): refused by its version, with the reason
+    "old-version-1": (lambda d: _v1(d), f"fixture version 1, this build reads {VERSION}: written for the v1 runtime"),
     "unknown-field": (_set(["extra"], 1), "unknown field(s) extra"),
     "missing-actions": (_drop(["actions"]), "missing field actions"),
     "missing-greedy": (_drop(["after", "greedy"]), "missing field after.greedy"),
     "tick-as-str": (_set(["tick"], "5"), "field tick must be an int >= 0, got str '5'"),
     "rebuilt-as-int": (_set(["after", "rebuilt"], 1), "field after.rebuilt must be a bool"),
     "bad-action": (_set(["actions", 0, "new_token_ids"], []), "actions: action 0 (replace_pair): new_token_ids"),
-    "bad-fault": (_set(["fault"], {"after_edits": 0, "mid_edit": False}), "field fault must be None or"),
+    "old-fault-record": (_set(["fault"], {"after_edits": 4, "mid_edit": True}),
+                         "field fault must be None or a fault stage ('splice' | 'rotate' | 'forward' | "
+                         "'mid-forward' | 'commit'), got dict"),
+    "unknown-fault-stage": (_set(["fault"], "after-edit-3"), "field fault must be None or a fault stage"),
+    "missing-fault": (_drop(["fault"]), "missing field fault"),
+    "missing-brightness": (_drop(["brightness"]), "missing field brightness"),
+    "brightness-short": (lambda d: d["brightness"].pop() and d,
+                         "field brightness must be None or a list of 31 finite floats"),
+    "brightness-int": (_set(["brightness", 0], 0), "field brightness must be None or a list of 31 finite floats"),
+    "brightness-inf": (_set(["brightness", 0], float("inf")), "field brightness must be None or a list of 31"),
+    "after-brightness-missing": (_drop(["after", "brightness"]), "missing field after.brightness"),
+    "after-brightness-nan": (_set(["after", "brightness", 2], float("nan")),
+                             "field after.brightness must be a list of finite floats"),
     "keys-2d": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"][0])(d) or d,
                 "field after.layer0.keys must be a finite float32 tensor"),
     "keys-float64": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"].double())(d) or d,
@@ -274,11 +375,20 @@ BAD = {
     "rows-beyond": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 99])), "must be increasing rows"),
     "rows-int32": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 31], dtype=torch.int32)),
                    "field after.layer0.rows must be an int64 tensor"),
-    "lengths-differ": (lambda d: d["after"]["texts"].pop() and d, "after: 32 live ids, 32 positions, 31 texts"),
+    "lengths-differ": (lambda d: d["after"]["texts"].pop() and d,
+                       "after: 32 live ids, 32 positions, 31 texts, 32 brightness values"),
     "mirror-bad-column": (_set(["mirror", "ledger", "text", 0], 7), "mirror: ledger text[0] = 7, expected str"),
     "mirror-inconsistent": (_set(["mirror", "live", "positions", 3], 0), "inconsistent mirror: RoPE positions"),
     "before-mismatch": (lambda d: d["before"]["live_ids"].reverse() or d, "do not match the mirror's live rows"),
 }
+
+
+def _v1(data: dict) -> dict:
+    """The tiny fixture as the v1 format wrote it."""
+    data["version"] = 1
+    data["fault"] = {"after_edits": 1, "mid_edit": False}
+    del data["brightness"], data["after"]["brightness"]
+    return data
 
 
 def _apply(change, data):
@@ -326,7 +436,7 @@ def test_truncated_empty_garbage_and_missing_files_give_one_line(tiny_fixture, t
 def test_a_malicious_pickle_is_refused_and_runs_nothing(tmp_path, writer, reason):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
-    payload = {"format": "positronic-tick-fixture", "version": 1, "model": Payload(marker)}
+    payload = {"format": "positronic-tick-fixture", "version": VERSION, "model": Payload(marker)}
     if writer.startswith("pickle"):
         path.write_bytes(pickle.dumps(payload, protocol=int(writer[-1])))
     else:
@@ -349,11 +459,11 @@ def test_replay_command_prints_the_tick(capsys):
     fixture = load_fixture(path)
     assert "model smollm2 (float32)" in out and f"tick {fixture.tick}" in out
     assert "delete row 4 (" in out and "add token" in out
-    before = next(line for line in out.splitlines() if line.startswith("before: "))
-    after = next(line for line in out.splitlines() if line.startswith("after:  "))
+    before = out[out.index("\nbefore: "):out.index("\nafter:  ")]  # the texts may hold newlines
+    after = out[out.index("\nafter:  "):out.index("\nchecks:")]
     removed = fixture.mirror().live_texts()[4]
     assert f"[-{removed}-]" in before and "{+" in after and "[-" not in after  # changes marked without colour
-    assert out.count("PASS") == 7 and "FAIL" not in out
+    assert out.count("PASS") == 8 and "FAIL" not in out  # 7 checks, then the verdict
 
 
 def test_replay_command_on_a_bad_file_prints_one_error_line(tmp_path, capsys):
@@ -361,7 +471,7 @@ def test_replay_command_on_a_bad_file_prints_one_error_line(tmp_path, capsys):
     torch.save({"format": "positronic-tick-fixture", "version": 99}, path)
     assert run_cli("replay", str(path)) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {path}: fixture version 99, this build reads 1\n"
+    assert err == f"error: {path}: fixture version 99, this build reads {VERSION}\n"
 
 
 def test_replay_command_on_a_tampered_file_reports_fail(tiny_fixture, tmp_path, capsys):
@@ -376,7 +486,7 @@ def test_layer0_rows_keep_first_and_last_when_a_tick_creates_many(tiny):
     state = StateManager.from_tokens(tiny, PROMPT)
     actions = [{"action": "replace_pair", "original_pos1": p, "original_pos2": p + 1, "new_token_ids": [80, 81, 82]}
                for p in (6, 10, 14)] + [{"action": "add", "token_id": 99}]
-    fixture, _ = capture_tick(state, actions)
+    fixture, _ = capture_tick(state, actions, tick=1)
     rows = fixture.expected.layer0_rows.tolist()
     assert len(rows) == 8 and rows[0] == 0 and rows[-1] == len(state) - 1
     assert rows[1:7] == [6, 7, 8, 11, 12, 13]  # then the created rows, in order, as many as fit

@@ -2,16 +2,19 @@
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import mirror as mirror_pkg
+import steps
 from positronic import session as sessions
 from positronic.cli import main
 from positronic.loop import Brain, BrainConfig
-from positronic.repairers import MaskedLMRepairer, RepairerError, SelfRepairer, make_repairer
-from positronic.state_manager import StateManager
+from positronic.policy import make_policy
+from positronic.repairers import MaskedLMRepairer, NoRepairer, RepairerError, SelfRepairer, make_repairer
+from positronic.state_manager import ContextView, StateManager
 from test_state_manager import fresh_logits
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step"
@@ -93,8 +96,10 @@ def test_resume_refuses_a_session_of_another_model(tmp_path, smol, tiny):
     (["--model", "no-such-model"], "no-such-model"),
     (["--repairer", "mlm:/nonexistent"], "masked LM directory '/nonexistent' does not exist"),
     (["--repairer", "oracle"], "unknown repairer 'oracle'"),
+    (["--repair-tokens", "2"], "the self repairer proposes exactly 1 token per pair, not 2"),
     (["--dtype", "float7"], "float7"),
     (["--no-such-flag"], "no-such-flag"),
+    (["--store", "dynamic"], "store"),  # v1's KV store backends are gone, and so is the flag
 ])
 def test_bad_flags_give_one_line_and_exit_code_2(args, message, capsys):
     code = run_cli("--ticks", "3", "--no-tui", *args) if "--ticks" not in args else run_cli("--no-tui", *args)
@@ -107,16 +112,61 @@ def test_bad_flags_give_one_line_and_exit_code_2(args, message, capsys):
 # --- repairers ------------------------------------------------------------------------------
 
 
+def crafted_view(token_ids, predicted, brightness=None) -> ContextView:
+    """A ContextView built by hand (what a policy or repairer sees; no StateManager behind it)."""
+    n = len(token_ids)
+    return ContextView(token_ids=torch.tensor(token_ids), ledger_ids=torch.arange(n), positions=torch.arange(n),
+                       brightness=torch.tensor(brightness if brightness is not None else [255.0] * n),
+                       predicted=torch.tensor(predicted))
+
+
 def test_self_repairer_proposes_the_models_greedy_token_for_the_slot(smol):
     sm = StateManager.from_tokens(smol, [smol.bos_id] + smol.encode(PROMPT))
     sm.apply([{"action": "delete", "position": 3}])  # positions now have a gap
     sm.rebuild()  # drop the deleted token's trace from deeper layers, so a fresh forward is comparable
     live, positions = sm.live_token_ids(), sm.positions()
-    proposal = SelfRepairer(sm, tokens=2).propose(live, (8, 9))
-    # independently: plain forwards over the left context at the recorded positions
-    first = int(fresh_logits(smol, live[:8], positions[:8])[-1].argmax())
-    second = int(fresh_logits(smol, live[:8] + [first], positions[:8] + [positions[7] + 1])[-1].argmax())
-    assert proposal == [first, second]
+    view = sm.view()
+    repairer = SelfRepairer(smol)
+    for pair in [(8, 9), (12, 13)]:
+        p1 = pair[0]
+        # independently: a plain forward over the left context at the recorded positions
+        expected = int(fresh_logits(smol, live[:p1], positions[:p1])[-1].argmax())
+        assert expected not in (smol.bos_id, smol.eos_id)
+        assert repairer.propose(view, pair) == [expected] == [int(view.predicted[p1 - 1])]
+
+
+def test_self_repairer_reads_the_views_prediction_and_refuses_bos_and_eos():
+    """The proposal for pair (p1, p2) is view.predicted[p1 - 1], one token, no forward: the
+    repairer needs nothing of the model but its BOS and EOS ids."""
+    lm = SimpleNamespace(bos_id=1, eos_id=2)  # no model at all: a forward would fail
+    repairer = SelfRepairer(lm)
+    token_ids = [1, 10, 11, 12, 13, 14, 15, 16]
+    predicted = [100, 101, 102, 103, 104, 105, 106, 107]
+    view = crafted_view(token_ids, predicted)
+    assert repairer.propose(view, (5, 6)) == [104]
+    assert repairer.propose(view, (1, 2)) == [100]
+    assert repairer.propose(view, (3, 5)) == [102], "only the row left of the pair counts"
+    assert repairer.propose(view, (0, 1)) == [], "no row left of the pair: no prediction"
+    for refused in (1, 2):
+        predicted_here = list(predicted)
+        predicted_here[4] = refused
+        assert repairer.propose(crafted_view(token_ids, predicted_here), (5, 6)) == [], refused
+    assert SelfRepairer(SimpleNamespace(bos_id=1, eos_id=None)).propose(
+        crafted_view(token_ids, [2] * 8), (5, 6)) == [2], "without an EOS id only BOS is refused"
+
+
+def test_self_repairer_proposes_exactly_one_token(tiny):
+    for tokens in (0, 2, 3):
+        with pytest.raises(RepairerError, match="exactly 1 token"):
+            SelfRepairer(tiny, tokens=tokens)
+        with pytest.raises(RepairerError, match="exactly 1 token"):
+            make_repairer("self", tiny, tokens=tokens)
+    with pytest.raises(ValueError, match="self repairer proposes exactly 1 token per pair, not 2"):
+        BrainConfig(repair_tokens=2).validate()
+    with pytest.raises(ValueError, match="exactly 1 token"):
+        Brain.start(tiny, [1, 2, 3], BrainConfig(budget=48, repair_tokens=2))
+    BrainConfig(repairer="none", repair_tokens=2).validate()  # only the self repairer is limited
+    assert isinstance(make_repairer("none", tiny, tokens=2), NoRepairer)
 
 
 def test_masked_lm_repairer_fills_the_slot_through_text(tmp_path, smol):
@@ -133,10 +183,9 @@ def test_masked_lm_repairer_fills_the_slot_through_text(tmp_path, smol):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     sm = StateManager.from_tokens(smol, [smol.bos_id] + smol.encode(PROMPT))
-    repairer = make_repairer(f"mlm:{tmp_path}", sm)
+    repairer = make_repairer(f"mlm:{tmp_path}", smol)
     assert isinstance(repairer, MaskedLMRepairer)
-    live = sm.live_token_ids()
-    proposal = repairer.propose(live, (4, 5))
+    proposal = repairer.propose(sm.view(), (4, 5))
     assert smol.decode(proposal) == " lamp", "the text crosses vocabularies as a span, leading space kept"
 
 
@@ -155,17 +204,15 @@ def test_cull_only_brain_deletes_dim_pairs_and_stays_within_budget(tiny):
 
 
 def test_unknown_repairer_is_refused(tiny):
-    sm = StateManager.from_tokens(tiny, [1, 2, 3])
     with pytest.raises(RepairerError, match="unknown repairer"):
-        make_repairer("oracle", sm)
+        make_repairer("oracle", tiny)
 
 
 # --- fidelity -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store", ["dynamic", "preallocated"])
-def test_divergence_measures_what_splicing_costs(tiny, store):
-    sm = StateManager.from_tokens(tiny, [1] + list(range(40, 80)), store=store)
+def test_divergence_measures_what_splicing_costs(tiny):
+    sm = StateManager.from_tokens(tiny, [1] + list(range(40, 80)))
     assert sm.divergence() < 1e-9, "a freshly built cache equals itself"
     sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11, "new_token_ids": [300]},
               {"action": "add", "token_id": 5}])
@@ -186,3 +233,104 @@ def test_refresh_kl_rebuilds_only_above_the_threshold(tiny):
         lazy.step()
     assert eager.counts["refreshes"] == 2 and eager.last_divergence > 1e-12
     assert lazy.counts["refreshes"] == 0 and lazy.last_divergence is not None
+
+
+# --- the tick: forced tokens, failed ticks, the rule's settings ------------------------------
+
+
+def test_a_forced_step_adds_exactly_the_forced_token(tiny):
+    """brain.step(force=t) adds t and nothing else, draws nothing from the sampler, and still
+    runs the policy: at the budget the same tick repairs or culls."""
+    brain = Brain.start(tiny, [1] + list(range(40, 80)), BrainConfig(budget=40, seed=5))
+    sampler = brain.generator_state().clone()
+    forced = [tiny.eos_id, 300, 7, 300, 511, 3 + ord("x")]  # tokens a sampler would hardly pick
+    edited = 0
+    for token_id in forced:
+        before = brain.state.live_token_ids()
+        record = brain.step(force=token_id)
+        assert not record.rebuilt, record.error
+        assert record.token_id == token_id
+        assert [a for a in record.actions if a["action"] == "add"] == [{"action": "add", "token_id": token_id}]
+        assert record.actions[-1] == {"action": "add", "token_id": token_id}
+        live = brain.state.live_token_ids()
+        assert live[-1] == token_id
+        edits = [a for a in record.actions if a["action"] != "add"]
+        edited += bool(edits)
+        removed = sum(2 - len(a["new_token_ids"]) if a["action"] == "replace_pair" else 1 for a in edits)
+        assert len(live) == len(before) + 1 - removed
+        entry = brain.state.mirror.ledger[brain.state.mirror.live.ledger_ids[-1]]
+        assert (entry.token_id, entry.source, entry.tick_born) == (token_id, "generated", brain.tick)
+        assert record.text == tiny.decode([token_id])
+    assert edited == len(forced), "over budget, every tick edited as well as adding"
+    assert torch.equal(brain.generator_state(), sampler), "forcing draws nothing from the sampler"
+    brain.state.check(deep=True)
+
+
+def test_teacher_forcing_a_runs_own_tokens_reproduces_the_run(tiny):
+    """The forced path is the sampled path with the token given: forcing the tokens a run
+    sampled gives the same actions and the same mirror."""
+    config = dict(budget=40, seed=2, temperature=1.0)
+    free = Brain.start(tiny, [1] + list(range(40, 75)), BrainConfig(**config))
+    forced = Brain.start(tiny, [1] + list(range(40, 75)), BrainConfig(**config))
+    for _ in range(30):
+        a = free.step()
+        b = forced.step(force=a.token_id)
+        assert (b.token_id, b.actions, b.outcomes, b.text) == (a.token_id, a.actions, a.outcomes, a.text)
+    assert free.counts["repairs"] > 0
+    assert mirror_pkg.to_bytes(forced.state.mirror) == mirror_pkg.to_bytes(free.state.mirror)
+
+
+def test_a_failed_tick_changes_nothing_and_shows_no_text(tiny):
+    brain = Brain.start(tiny, [1] + list(range(40, 80)), BrainConfig(budget=40, seed=4))
+    for _ in range(3):
+        brain.step()
+    before = mirror_pkg.to_bytes(brain.state.mirror), dict(brain.counts)
+    brain.state.inject_fault("forward")
+    record = brain.step(force=300)
+    assert record.rebuilt and "InjectedFault" in record.error and record.text == ""
+    assert any(a["action"] == "replace_pair" for a in record.actions), "the tick would have repaired"
+    assert mirror_pkg.to_bytes(brain.state.mirror) == before[0], "not the add, the repair nor the brightness"
+    assert brain.counts == {**before[1], "rebuilds": before[1]["rebuilds"] + 1}
+    brain.state.check(deep=True)
+    record = brain.step(force=300)  # the next tick goes through
+    assert not record.rebuilt and record.text == tiny.decode([300])
+    assert brain.state.live_token_ids()[-1] == 300
+
+
+def test_the_vote_rule_gets_the_runs_sinks_through_the_policy(tiny):
+    """Step 2b with the vote rule: the threshold is the mean score of the non-sink rows, so the
+    policy must hand the rule the run's `sinks`. Rows 10 and 11 are above the non-sink mean
+    (1/32) but below the mean of all rows (1/20). Dyadic scores keep the arithmetic exact."""
+    n = 20
+    scores = [0.125] * 4 + [1 / 32] * 16
+    scores[10] = scores[11] = 1.5 / 32
+    scores[12] = scores[13] = 0.5 / 32
+    assert sum(scores) == 1.0
+    start = [5000.0] * n
+    view = crafted_view(list(range(10, 10 + n)), [50] * n, start)
+    plans = {}
+    for sinks in (0, 4):
+        config = BrainConfig(brightness="vote", sinks=sinks, budget=100)
+        plans[sinks] = make_policy("brightness", tiny, config).plan(view, scores, {})
+        assert plans[sinks].brightness == steps.update_vote(start, scores, sinks=sinks)
+    with_sinks, without = plans[4].brightness, plans[0].brightness
+    assert with_sinks[10:12] == [5001.0, 5001.0] and without[10:12] == [4999.0, 4999.0]
+    assert with_sinks[:4] == [5004.0] * 4 and without[:4] == [5002.0] * 4
+    assert with_sinks[4:10] == without[4:10] == [4999.0] * 6, "rows at the threshold lose 1 either way"
+
+
+def test_a_vote_run_with_sinks_differs_from_one_without(smol):
+    """End to end on the real model, whose first row soaks up attention: the same greedy run
+    with --sinks 4 and --sinks 0 stores the vote rule's result for its own sink count."""
+    prompt = [smol.bos_id] + smol.encode(PROMPT)
+    runs = {}
+    for sinks in (0, 4):
+        brain = Brain.start(smol, prompt, BrainConfig(brightness="vote", sinks=sinks, budget=200, temperature=0))
+        for _ in range(3):
+            previous = brain.state.mirror.brightness()
+            scores = steps.scores(brain.state.last_attention, "all")
+            brain.step()
+            assert brain.state.mirror.brightness() == steps.update_vote(previous, scores, sinks=sinks) + [10000.0]
+        runs[sinks] = brain
+    assert runs[0].state.live_token_ids() == runs[4].state.live_token_ids()
+    assert runs[0].state.mirror.brightness() != runs[4].state.mirror.brightness()

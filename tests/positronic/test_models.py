@@ -43,15 +43,42 @@ def test_random_tiny_facts(tiny):
     torch.testing.assert_close(tiny.inv_freq, expected_inv_freq(10000.0, 16), rtol=0, atol=0)
     assert not tiny.model.training
     assert not any(p.requires_grad for p in tiny.model.parameters())
-    assert tiny.model.config._attn_implementation == "eager"
+    assert tiny.model.config._attn_implementation == "sdpa"
     assert tiny.model.model.embed_tokens.weight.shape == (512, 64)
 
 
-def test_random_tiny_forward_gives_attention(tiny):
-    ids = torch.tensor([[tiny.bos_id, *tiny.encode("abc")]])
-    out = tiny.model(ids, output_attentions=True)
-    assert out.logits.shape == (1, 4, 512) and torch.isfinite(out.logits).all()
-    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 4, 4)
+def eager_forward(lm, ids: list[int]):
+    """A plain forward with eager attention and its attention weights (the model is switched
+    back to SDPA afterwards)."""
+    lm.model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            return lm.model(torch.tensor([ids]), output_attentions=True)
+    finally:
+        lm.model.config._attn_implementation = "sdpa"
+
+
+def test_random_tiny_runs_sdpa_and_its_attention_row_matches_eager(tiny):
+    """The model runs SDPA (no attention weights); what eager attention would return for the
+    newest token is computed on the side (positronic.forward), equal to eager's."""
+    from positronic.cache import SpliceCache
+    from positronic.forward import forward
+
+    ids = [tiny.bos_id, *tiny.encode("abcdef")]
+    with torch.inference_mode():
+        sdpa = tiny.model(torch.tensor([ids]))
+    assert sdpa.logits.shape == (1, 7, 512) and torch.isfinite(sdpa.logits).all()
+    eager = eager_forward(tiny, ids)
+    assert tiny.model.config._attn_implementation == "sdpa"
+    assert len(eager.attentions) == 2 and eager.attentions[0].shape == (1, 4, 7, 7)
+    torch.testing.assert_close(sdpa.logits, eager.logits, rtol=0, atol=1e-5)
+    result = forward(tiny, SpliceCache(tiny.model.config, 16), ids, list(range(7)), list(range(7)),
+                     attention_layers=[0, 1])
+    expected = torch.stack([layer[0, :, -1] for layer in eager.attentions])
+    assert result.attention.shape == (2, 4, 7)
+    torch.testing.assert_close(result.attention, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.logits, eager.logits[0, -1], rtol=0, atol=1e-5)
+    assert result.predicted.tolist() == eager.logits[0].argmax(-1).tolist()
 
 
 def test_random_weights_are_fixed_and_leave_the_rng_alone(tiny):
@@ -113,7 +140,7 @@ def test_smollm2_facts(smol):
     assert (smol.vocab_size, smol.max_positions, smol.bos_id) == (49152, 8192, 1)
     assert smol.eos_id == 2 and smol.dtype == torch.float32
     torch.testing.assert_close(smol.inv_freq, expected_inv_freq(100000.0, 64), rtol=0, atol=0)
-    assert smol.model.config._attn_implementation == "eager" and not smol.model.training
+    assert smol.model.config._attn_implementation == "sdpa" and not smol.model.training
 
 
 def test_smollm2_encode_adds_nothing_and_decode_round_trips(smol):
@@ -128,9 +155,13 @@ def test_smollm2_encode_adds_nothing_and_decode_round_trips(smol):
 
 def test_smollm2_forward(smol):
     ids = torch.tensor([[smol.bos_id, *smol.encode("The capital of France is")]])
-    out = smol.model(ids, output_attentions=True)
-    assert torch.isfinite(out.logits).all() and len(out.attentions) == 30
+    with torch.inference_mode():
+        out = smol.model(ids)
+    assert torch.isfinite(out.logits).all()
     assert smol.decode([int(out.logits[0, -1].argmax())]) == " Paris"
+    eager = eager_forward(smol, ids[0].tolist())
+    assert len(eager.attentions) == 30
+    torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=1e-4)
 
 
 def test_smollm2_gguf_is_found_without_importing_the_package():

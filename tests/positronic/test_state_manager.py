@@ -11,16 +11,7 @@ from hypothesis import strategies as st
 import mirror as mirror_pkg
 from positronic.actions import ActionError
 from positronic.forward import fresh_layer0_kv
-from positronic.kv_store import PreallocatedStore
-from positronic.state_manager import StateManager
-
-STORES = ["dynamic", "preallocated"]
-
-
-@pytest.fixture(params=STORES)
-def store(request):
-    """Every Step 4 test runs on each KV store backend."""
-    return request.param
+from positronic.state_manager import FAULT_STAGES, StateManager
 
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."
@@ -42,7 +33,7 @@ def fresh_logits(lm, token_ids, positions):
 
 
 def assert_layer0_exact(sm, atol):
-    keys, values = sm.store.layer(0)
+    keys, values = sm.layer_kv(0)
     fresh_keys, fresh_values = fresh_layer0_kv(sm.lm, sm.live_token_ids(), sm.positions())
     torch.testing.assert_close(keys, fresh_keys, rtol=0, atol=atol)
     torch.testing.assert_close(values, fresh_values, rtol=0, atol=atol)
@@ -50,16 +41,16 @@ def assert_layer0_exact(sm, atol):
 
 def snapshot(sm):
     """Everything Step 4 may change, copied."""
-    tensors = [tuple(t.clone() for t in sm.store.layer(i)) for i in range(sm.store.num_layers)]
+    tensors = [sm.layer_kv(i) for i in range(sm.lm.num_layers)]
     return sm.live_token_ids(), sm.positions(), tensors, mirror_pkg.to_bytes(sm.mirror)
 
 
 # --- 1. layer-0 exactness on SmolLM2 --------------------------------------------------------
 
 
-def test_layer0_matches_fresh_prefill_after_random_edits(smol, store):
+def test_layer0_matches_fresh_prefill_after_random_edits(smol):
     rng = random.Random(1)
-    sm = StateManager.from_tokens(smol, prompt_ids(smol), store=store)
+    sm = StateManager.from_tokens(smol, prompt_ids(smol))
     expected = sm.live_token_ids()
     edge_lists = [
         [{"action": "delete", "position": 0}],
@@ -84,9 +75,9 @@ def test_layer0_matches_fresh_prefill_after_random_edits(smol, store):
 # --- 2. incremental decode parity (seed 001) ------------------------------------------------
 
 
-def test_incremental_decode_matches_one_forward(smol, store):
+def test_incremental_decode_matches_one_forward(smol):
     token_ids = prompt_ids(smol)[:24]
-    sm = StateManager.from_tokens(smol, token_ids[:1], store=store)
+    sm = StateManager.from_tokens(smol, token_ids[:1])
     incremental = [sm.next_logits]
     for token_id in token_ids[1:]:
         sm.append([token_id])
@@ -97,74 +88,12 @@ def test_incremental_decode_matches_one_forward(smol, store):
     assert ratio <= 1e-5, f"max |dlogit| / max |logit| = {ratio:.2e}"
 
 
-def test_store_refuses_a_block_of_the_wrong_shape(tiny, store):
-    sm = StateManager.from_tokens(tiny, [1, 2, 3, 4], store=store)
-    keys, values = sm.store.layer(0)
-    good = torch.zeros(tiny.num_layers, 1, tiny.num_kv_heads, 2, tiny.head_dim)
-    bad_head_dim = torch.zeros(tiny.num_layers, 1, tiny.num_kv_heads, 2, tiny.head_dim + 1)
-    with pytest.raises(ValueError, match=r"keys have shape \[2, 1, 2, 2, 17\].*takes \[2, 1, 2, n, 16\]"):
-        sm.store.insert(1, bad_head_dim, good)
-    with pytest.raises(ValueError, match="2 new key rows but 3 value rows"):
-        sm.store.insert(1, good, torch.zeros(tiny.num_layers, 1, tiny.num_kv_heads, 3, tiny.head_dim))
-    assert torch.equal(sm.store.layer(0)[0], keys) and len(sm.store) == 4
-
-
-def test_preallocated_store_edits_in_place_reports_memory_and_resets(tiny):
-    sm = StateManager.from_tokens(tiny, list(range(1, 41)), store="preallocated")
-    store = sm.store
-    row_bytes = 2 * tiny.num_layers * tiny.num_kv_heads * tiny.head_dim * 4  # K and V, float32
-    assert store.memory_usage_mb() == pytest.approx(store.capacity * row_bytes / 2**20)
-    sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11, "new_token_ids": [7]},
-              {"action": "delete", "position": 3}, {"action": "add", "token_id": 9}])
-    buffer, scratch = store.buffer, store.scratch
-    assert scratch is not None, "an overlapping row move keeps its scratch buffer"
-    assert store.memory_usage_mb() == pytest.approx(2 * store.capacity * row_bytes / 2**20)
-    for _ in range(5):  # steady state: edits and appends never reallocate
-        sm.apply([{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [8]},
-                  {"action": "add", "token_id": 11}])
-    assert store.buffer is buffer and store.scratch is scratch
-    sm.check(deep=True)
-    store.reset()
-    assert len(store) == 0 and store.buffer is buffer
-    sm.rebuild()  # the emptied buffer is filled again in place, and matches the mirror
-    assert store.buffer is buffer and len(store) == len(sm.mirror.live.ledger_ids)
-    sm.check(deep=True)
-
-
-def test_preallocated_store_moving_either_side_and_packing_down_matches_the_reference(tiny):
-    """Edits near the front move the rows before them (the start shifts), appends that reach
-    the end of a small buffer pack the rows down to row 0, and through all of it the store
-    holds exactly what the reference store holds."""
-    rng = random.Random(11)
-    ids = [rng.randrange(tiny.vocab_size) for _ in range(30)]
-    small = StateManager(tiny, PreallocatedStore(tiny.num_layers, capacity=48), mirror_pkg.Mirror(), store_kind="preallocated")
-    small.append(ids, source="prompt")
-    reference = StateManager.from_tokens(tiny, ids, store="dynamic")
-    starts, packs = set(), 0
-    for _ in range(60):
-        actions = random_actions(rng, len(reference), tiny.vocab_size, keep_first=1,
-                                 adds=(1, 3) if len(reference) < 40 else (0, 1))
-        start_before = small.store.start
-        for sm in (small, reference):
-            assert not sm.apply(actions).rebuilt
-        starts.add(small.store.start)
-        packs += small.store.start == 0 and start_before > 0 and len(small) > 20
-        assert small.live_token_ids() == reference.live_token_ids() and small.positions() == reference.positions()
-        for index in range(tiny.num_layers):
-            for ours, theirs in zip(small.store.layer(index), reference.store.layer(index)):
-                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
-    assert max(starts) >= 3, "front edits should have moved the start"
-    assert packs >= 1, "appends at the end of the buffer should have packed the rows down"
-    assert small.store.buffer.shape[3] == 48, "packing down, not growing, while the rows fit"
-    small.check(deep=True)
-
-
 # --- 3. rebuild -----------------------------------------------------------------------------
 
 
-def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol, store):
+def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol):
     rng = random.Random(3)
-    sm = StateManager.from_tokens(smol, prompt_ids(smol), store=store)
+    sm = StateManager.from_tokens(smol, prompt_ids(smol))
     for _ in range(5):
         sm.apply(random_actions(rng, len(sm), smol.vocab_size, adds=(1, 1)))
     assert sm.positions() != list(range(len(sm))), "edits should leave gaps in the positions"
@@ -184,10 +113,10 @@ def test_rebuild_equals_fresh_prefill_at_recorded_positions(smol, store):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), start=st.integers(1, 12), rounds=st.integers(1, 8))
-def test_random_action_lists_match_a_list_model(tiny, store, seed, start, rounds):
+def test_random_action_lists_match_a_list_model(tiny, seed, start, rounds):
     rng = random.Random(seed)
     expected = [rng.randrange(tiny.vocab_size) for _ in range(start)]
-    sm = StateManager.from_tokens(tiny, expected, store=store)
+    sm = StateManager.from_tokens(tiny, expected)
     for _ in range(rounds):
         actions = random_actions(rng, len(sm), tiny.vocab_size, max_new=4)
         report = sm.apply(actions)
@@ -235,8 +164,8 @@ BAD_LISTS = [
 
 
 @pytest.mark.parametrize("actions, message", BAD_LISTS, ids=[m for _, m in BAD_LISTS])
-def test_bad_action_list_is_refused_and_changes_nothing(tiny, store, actions, message):
-    sm = StateManager.from_tokens(tiny, list(range(1, 11)), store=store)
+def test_bad_action_list_is_refused_and_changes_nothing(tiny, actions, message):
+    sm = StateManager.from_tokens(tiny, list(range(1, 11)))
     sm.apply([{"action": "delete", "position": 2}, {"action": "add", "token_id": 77}])  # some history
     before = snapshot(sm)
     with pytest.raises(ActionError, match=message):
@@ -256,50 +185,46 @@ TICK = [
 ]
 
 
-# The coupled edits TICK makes, in order: the 3-for-2 replacement at 20 needs room, so the
-# rows from 20 on are re-rotated (an edit that changes no ids) before the insert.
-TICK_EDITS = [("delete", 21), ("delete", 20), ("rotate",), ("insert", 20, [11, 12, 13]), ("delete", 9),
-              ("delete", 5), ("delete", 4), ("insert", 4, [14]), ("insert", None, [15])]
-
-
-def ids_after_edits(ids, count):
-    ids = list(ids)
-    for edit in TICK_EDITS[:count]:
-        if edit[0] == "delete":
-            del ids[edit[1]]
-        elif edit[0] == "insert":
-            row = len(ids) if edit[1] is None else edit[1]
-            ids[row:row] = edit[2]
-    return ids
-
-
-@pytest.mark.parametrize("mid_edit", [False, True], ids=["between-edits", "between-blades"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 8, 9])
-def test_fault_mid_tick_rebuilds_a_consistent_state(tiny, store, k, mid_edit):
-    rng = random.Random(k)
-    sm = StateManager.from_tokens(tiny, [rng.randrange(512) for _ in range(30)], store=store)
-    before = sm.live_token_ids()
-    assert ids_after_edits(before, len(TICK_EDITS)) == apply_to_list(before, TICK)
-    sm.inject_fault(k, mid_edit=mid_edit)
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_a_fault_at_any_stage_leaves_the_state_of_before_the_tick(tiny, stage):
+    """A tick is all or nothing: whatever stage fails (after the rows moved, after the keys
+    were re-rotated, half-way through the forward with some layers written, after the forward,
+    just before the mirror commits), the mirror is the one from before the tick and every
+    layer of the cache equals a fresh computation from it."""
+    rng = random.Random(5)
+    sm = StateManager.from_tokens(tiny, [rng.randrange(512) for _ in range(30)])
+    sm.apply([{"action": "delete", "position": 7}, {"action": "add", "token_id": 3}])  # some history
+    before = snapshot(sm)
+    sm.inject_fault(stage)
     report = sm.apply(TICK)
-    assert report.rebuilt and "InjectedFault" in report.error
+    assert report.rebuilt and "InjectedFault" in report.error and report.applied == 0
     sm.check(deep=True)
-    # the mirror holds exactly the edits that completed; a half-done edit counts for nothing
-    assert sm.live_token_ids() == ids_after_edits(before, k - 1 if mid_edit else k)
-    # every layer equals a cache computed from scratch from the mirror
-    fresh = StateManager.from_mirror(tiny, mirror_pkg.from_bytes(mirror_pkg.to_bytes(sm.mirror))[0], store=store)
+    after = snapshot(sm)
+    assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
+    fresh = StateManager.from_mirror(tiny, mirror_pkg.from_bytes(mirror_pkg.to_bytes(sm.mirror))[0])
     for i in range(tiny.num_layers):
-        for a, b in zip(sm.store.layer(i), fresh.store.layer(i)):
+        for a, b in zip(sm.layer_kv(i), fresh.layer_kv(i)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert sm.next_logits is not None and sm.rebuilds == 1
+    torch.testing.assert_close(sm.next_logits, fresh.next_logits, rtol=0, atol=1e-5)
+    assert sm.rebuilds == 1
+    # and the same tick goes through afterwards
+    report = sm.apply(TICK)
+    assert not report.rebuilt and sm.live_token_ids() == apply_to_list(before[0], TICK)
+    sm.check(deep=True)
+
+
+def test_unknown_fault_stage_is_refused(tiny):
+    sm = StateManager.from_tokens(tiny, [1, 2, 3])
+    with pytest.raises(ValueError, match="unknown fault stage 'later'"):
+        sm.inject_fault("later")
 
 
 # --- 7. drift under long runs in float16 ----------------------------------------------------
 
 
-def test_keys_stay_close_to_fresh_values_through_2000_edits(tiny_half, store):
+def test_keys_stay_close_to_fresh_values_through_2000_ticks(tiny_half):
     lm, rng = tiny_half, random.Random(7)
-    sm = StateManager.from_tokens(lm, [rng.randrange(lm.vocab_size) for _ in range(40)], store=store)
+    sm = StateManager.from_tokens(lm, [rng.randrange(lm.vocab_size) for _ in range(40)])
     edits_seen = {}  # ledger id -> coupled edits made while it was live
     while sm.edits < 2000:
         length = len(sm)
@@ -310,13 +235,81 @@ def test_keys_stay_close_to_fresh_values_through_2000_edits(tiny_half, store):
         for ledger_id in before:
             edits_seen[ledger_id] = edits_seen.get(ledger_id, 0) + report.edits
     assert sm.rotated_rows > 200, "the run must exercise re-rotation"
-    keys, _ = sm.store.layer(0)
+    keys, _ = sm.layer_kv(0)
     fresh, _ = fresh_layer0_kv(lm, sm.live_token_ids(), sm.positions())
     error = (keys.float() - fresh.float()).abs().amax(dim=(0, 1, 3))  # per row
     scale = fresh.float().abs().max()
     lived = torch.tensor([edits_seen.get(i, 0) for i in sm.mirror.live.ledger_ids])
-    assert lived.max() >= 2000, "the sink rows lived through the whole run"
+    assert lived.max() == sm.edits - 1, "the sink rows lived through every edit after the prefill"
     tolerance = 4e-3 * scale
     assert error.max() <= tolerance, f"worst key error {error.max():.2e} > {tolerance:.2e}"
     old, young = error[lived >= 1000], error[lived < 100]
     assert old.max() <= tolerance and young.max() <= tolerance
+
+
+# --- 8. one forward per tick ----------------------------------------------------------------
+
+
+def oracle_row(lm, sm, row):
+    """K/V of live row `row` in every layer, and its next-token logits, computed the plain way:
+    one forward of that token alone over a DynamicCache (torch.cat) holding rows [0, row) as
+    the spliced cache has them — its own left context, nothing to its right."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for index in range(lm.num_layers):
+        keys, values = sm.layer_kv(index)
+        cache.update(keys[:, :, :row], values[:, :, :row], index)
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([[sm.live_token_ids()[row]]]),
+                       position_ids=torch.tensor([[sm.positions()[row]]]), past_key_values=cache, use_cache=True)
+    return [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers], out.logits[0, -1].float()
+
+
+def test_one_forward_tick_equals_one_forward_per_new_row(smol):
+    """Two replacements and a new token share one forward; each new row's K/V in every layer
+    equal a separate forward of that token over exactly the rows left of it, and the new
+    token's logits equal its own forward's."""
+    sm = StateManager.from_tokens(smol, prompt_ids(smol))
+    n = len(sm)
+    report = sm.apply([{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [1234]},
+                       {"action": "replace_pair", "original_pos1": 12, "original_pos2": 13, "new_token_ids": [77, 78]},
+                       {"action": "delete", "position": n - 3},
+                       {"action": "add", "token_id": 42}], tick=1)
+    assert not report.rebuilt and report.edits == 1
+    new_rows = [5, 11, 12, len(sm) - 1]
+    assert [sm.live_token_ids()[r] for r in new_rows] == [1234, 77, 78, 42]
+    for row in new_rows:
+        expected, logits = oracle_row(smol, sm, row)
+        for index, (keys, values) in enumerate(expected):
+            got_k, got_v = sm.layer_kv(index)
+            torch.testing.assert_close(got_k[:, :, row : row + 1], keys, rtol=0, atol=2e-5)
+            torch.testing.assert_close(got_v[:, :, row : row + 1], values, rtol=0, atol=2e-5)
+    torch.testing.assert_close(sm.next_logits, logits, rtol=0, atol=1e-4)
+    assert sm.view().predicted[-1] == int(logits.argmax())
+
+
+def test_the_attention_row_equals_eager_attention_on_the_scored_layers(smol):
+    """The SDPA-side hook gives the newest token's attention exactly as eager attention's
+    `output_attentions` would, on the layers asked for and no others."""
+    layers = [0, 7, smol.num_layers - 1]
+    sm = StateManager.from_tokens(smol, prompt_ids(smol), score_layers=layers)
+    sm.apply([{"action": "replace_pair", "original_pos1": 8, "original_pos2": 9, "new_token_ids": [500]},
+              {"action": "add", "token_id": 42}], tick=1)
+    assert sm.last_attention.shape == (len(layers), smol.num_heads, len(sm))
+    sm_ids, positions = sm.live_token_ids(), sm.positions()
+    model, n = smol.model, len(sm_ids)
+    causal = torch.full((n, n), torch.finfo(smol.dtype).min).triu(1)[None, None]
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([sm_ids]), position_ids=torch.tensor([positions]),
+                        attention_mask=causal, output_attentions=True, use_cache=False)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    # a fresh prefill differs from the spliced cache in deeper layers, so compare with the
+    # rebuilt state, whose K/V are that prefill's
+    sm.rebuild()
+    eager = torch.stack([out.attentions[i][0, :, -1] for i in layers]).float()
+    torch.testing.assert_close(sm.last_attention, eager, rtol=0, atol=1e-5)
+    assert torch.allclose(sm.last_attention.sum(-1), torch.ones(len(layers), smol.num_heads))

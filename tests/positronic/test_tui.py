@@ -32,6 +32,13 @@ def crafted(lm, text=TEXT, **config) -> Brain:
     return Brain(state, BrainConfig(**{"budget": 48, **config}))
 
 
+def set_brightness(brain: Brain, values: list[float]) -> None:
+    """Store brightness the only way there is: as Step 4's argument, here with no edits."""
+    report = brain.state.apply([], tick=brain.tick, brightness=values)
+    assert not report.rebuilt, report.error
+    assert brain.state.mirror.brightness() == values
+
+
 def styles_by_row(text, texts) -> dict:
     """The style each row's first character is drawn with, in a context rendered on one
     line (so row r starts at the summed length of the rows before it)."""
@@ -58,7 +65,7 @@ def plain(renderable, width=100, height=40) -> str:
 def test_colour_runs_from_the_dim_end_to_the_bright_end_monotonically(tiny):
     brain = crafted(tiny)
     n = len(brain.state)
-    brain.state.set_brightness([255 * i / (n - 1) for i in range(n)])  # row 0 dimmest, last brightest
+    set_brightness(brain, [255 * i / (n - 1) for i in range(n)])  # row 0 dimmest, last brightest
     snapshot = take_snapshot(brain, tiny)
     styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
     colours = [tuple(styles[row].color.triplet) for row in sorted(styles)]
@@ -72,7 +79,7 @@ def test_colour_scale_is_the_rules_range(tiny):
     """vote brightness runs to 10000: 50 is at the dim end there, 5000 half way, 10000 the bright end."""
     brain = crafted(tiny, brightness="vote")
     n = len(brain.state)
-    brain.state.set_brightness([50.0] * 20 + [5000.0] * (n - 21) + [10000.0])
+    set_brightness(brain, [50.0] * 20 + [5000.0] * (n - 21) + [10000.0])
     snapshot = take_snapshot(brain, tiny)
     styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
     assert tuple(styles[10].color.triplet) == VIRIDIS[0]
@@ -95,9 +102,9 @@ def test_sinks_and_protected_rows_are_marked(tiny):
 def test_repaired_tokens_are_highlighted_for_a_few_ticks(tiny):
     brain = crafted(tiny)
     sm = brain.state
-    brain.tick = sm.tick = 5
+    brain.tick = 5
     sm.apply([{"action": "replace_pair", "original_pos1": 10, "original_pos2": 11,
-               "new_token_ids": tiny.encode("Q")}])
+               "new_token_ids": tiny.encode("Q")}], tick=5)
     assert sm.mirror.live_texts()[10] == "Q"
 
     def background(tick):
@@ -137,7 +144,7 @@ def test_header_names_the_model_and_the_counters(tiny):
     snapshot = take_snapshot(brain, tiny, done=7, total=20, tok_s=12.5)
     out = plain(render_header(snapshot))
     for field in ("random:tiny", "cpu", "tick 7/20", "tok/s 12.5", f"live {len(brain.state)}/48", "culls 2",
-                  "repairs 3", "rebuilds 1", f"cache {brain.state.store.memory_usage_mb():.1f} MiB"):
+                  "repairs 3", "rebuilds 1", f"cache {brain.state.cache.memory_usage_mb():.1f} MiB"):
         assert field in out, field
     assert "brain tick" not in out
     brain.tick = 107  # a resumed run: the brain's own tick differs from this run's count
@@ -148,12 +155,12 @@ def test_edits_are_described_in_words_with_the_texts_before_the_edits(tiny):
     brain = crafted(tiny)  # rows: '<s>', 'T', 'h', 'e', ' ', 'o', 'l', 'd', ' ', 'l', 'i', 'g', 'h', ...
     recorder = ActionRecorder(tiny)
     brain.observers.append(recorder)
-    brain.tick = brain.state.tick = 9
+    brain.tick = 9
     actions = [{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": tiny.encode("XY")},
                {"action": "delete", "position": 9}, {"action": "add", "token_id": tiny.encode("!")[0]}]
     for observer in brain.observers:  # what Brain.step does around Step 4
         observer.before_apply(brain, actions)
-    report = brain.state.apply(actions)
+    report = brain.state.apply(actions, tick=brain.tick)
     for observer in brain.observers:
         observer.after_apply(brain, actions, report)
     assert list(recorder.lines) == ["t9 replace 5–6 'ol' → 'XY'", "t9 delete 9 'l'"]
@@ -164,7 +171,7 @@ def test_edits_are_described_in_words_with_the_texts_before_the_edits(tiny):
 def test_histogram_puts_rows_in_their_bins(tiny):
     brain = crafted(tiny)
     n = len(brain.state)
-    brain.state.set_brightness([0.0] * (n - 10) + [255.0] * 10)  # most rows dark, ten bright
+    set_brightness(brain, [0.0] * (n - 10) + [255.0] * 10)  # most rows dark, ten bright
     text = render_histogram(take_snapshot(brain, tiny), 10, 5)
     bars = text.plain.split("\n")
     assert bars[0][0] == "█" and bars[0][-1] == " ", "the dark bin is the tallest"
@@ -185,7 +192,7 @@ def test_a_snapshot_does_not_change_with_the_brain(tiny):
     brain = crafted(tiny)
     snapshot = take_snapshot(brain, tiny)
     texts, brightness, counts = list(snapshot.texts), list(snapshot.brightness), dict(snapshot.counts)
-    brain.state.set_brightness([1.0] * len(brain.state))
+    set_brightness(brain, [1.0] * len(brain.state))
     brain.state.apply([{"action": "delete", "position": 10}, {"action": "add", "token_id": 50}])
     brain.counts["culls"] += 1
     assert snapshot.texts == texts and snapshot.brightness == brightness and snapshot.counts == counts
@@ -236,3 +243,35 @@ def test_ctrl_c_ends_the_view_cleanly_with_the_summary(tiny):
     assert result.interrupted and result.ticks == 5
     assert "[interrupted]" in out and "--- summary --- (interrupted)" in out
     assert live_stopped()
+
+
+class Fault:
+    """An observer that makes Step 4 fail at a given tick (the state manager then rebuilds)."""
+
+    def __init__(self, tick):
+        self.tick = tick
+
+    def before_apply(self, brain, actions):
+        if brain.tick == self.tick:
+            brain.state.inject_fault("forward")
+
+    def after_apply(self, brain, actions, report):
+        pass
+
+
+def test_a_failed_tick_is_logged_and_the_run_goes_on(tiny):
+    brain, result, out = live_run(tiny, 6, Fault(4))
+    assert result.ticks == 6 and not result.interrupted
+    assert brain.counts["rebuilds"] == 1 and "rebuilds 1" in out
+    born = [entry.tick_born for entry in brain.state.mirror.ledger.entries]
+    assert 4 not in born and {3, 5, 6} <= set(born), "tick 4 added nothing, the others did"
+    assert live_stopped()
+    # the edits panel's log: what the tick tried, then that it failed
+    brain = crafted(tiny)
+    recorder = ActionRecorder(tiny)
+    brain.observers.extend([recorder, Fault(1)])
+    record = brain.step()
+    assert record.rebuilt and record.text == ""
+    assert len(recorder.lines) >= 2 and recorder.lines[0].startswith("t1 replace ")
+    assert recorder.lines[-1].startswith("t1 REBUILT the cache from the mirror: InjectedFault")
+    assert "REBUILT" in plain(render_actions(take_snapshot(brain, tiny, actions=list(recorder.lines)), 6))

@@ -73,3 +73,14 @@ def test_rules_registry():
     assert RULES["ttl"].start == TTL_START and RULES["ttl"].update is update_ttl
     assert RULES["vote"].start == VOTE_START and RULES["vote"].update is update_vote
     assert RULES["ttl"].update([RULES["ttl"].start], [0.0]) == [253.0]
+
+
+def test_only_the_vote_rule_takes_the_runs_sinks():
+    """`uses_sinks` tells the policy which rules get `sinks=`: vote's threshold depends on it,
+    ttl has no such option (passing it would be an error, not silently ignored)."""
+    assert RULES["vote"].uses_sinks and not RULES["ttl"].uses_sinks
+    vote = RULES["vote"].update
+    assert vote([100.0] * 8, SCORES, sinks=4) != vote([100.0] * 8, SCORES, sinks=0)
+    assert vote([100.0] * 8, SCORES) == vote([100.0] * 8, SCORES, sinks=4), "the default is 4 sinks"
+    with pytest.raises(TypeError):
+        RULES["ttl"].update([100.0], [0.5], sinks=4)

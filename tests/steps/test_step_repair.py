@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 
 from steps.consolidate import consolidate
@@ -7,14 +9,17 @@ PAIRS = [(4, 5), (8, 9), (12, 13)]
 
 
 class Echo:
-    def propose(self, context_ids, pair):
-        return [context_ids[pair[0]]]
+    """Proposes the pair's first token again, read from the context view it is given."""
+
+    def propose(self, view, pair):
+        return [view.token_ids[pair[0]]]
 
 
 def test_repairer_protocol_is_structural():
     assert isinstance(Echo(), Repairer)
     assert not isinstance(object(), Repairer)
-    assert Echo().propose([10, 11, 12], (1, 2)) == [11]
+    view = SimpleNamespace(token_ids=[10, 11, 12], predicted=[20, 21, 22])  # the fields a repairer may read
+    assert Echo().propose(view, (1, 2)) == [11]
 
 
 def test_plan_when_budget_must_be_met():

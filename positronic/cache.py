@@ -1,0 +1,294 @@
+"""SpliceCache: a transformers `Cache` whose rows can be deleted, inserted and re-rotated.
+
+A `SpliceCache` is a list of `SpliceLayer`s, one per model layer, in the shape of
+transformers 5.x `cache_utils`. Each layer owns a preallocated K/V buffer and a window
+`[start, start + length)` of live rows in it:
+
+    key_buffer, value_buffer: [batch=1, kv_heads, capacity, head_dim]
+    keys, values (live views): [1, kv_heads, length, head_dim]
+
+For the model it behaves like a `DynamicCache`: `update()` appends the new rows after the
+live ones (written with `index_copy_`) and returns the live views, so a user's own
+`model.generate(ids, past_key_values=SpliceCache(model.config, max_cache_len=N))` works.
+
+For the brain it also offers row edits, all in place:
+- `splice(kept, length)`: the new row layout after a tick's deletions and insertions, given
+  as the runs of surviving rows (old row → new row). The longest run stays where it is and
+  the others move, so an edit near either end moves only the rows on that side.
+- `fill(rows)`: the next forward writes its K/V into these (already live) rows instead of
+  appending — how inserted tokens land in the gaps a splice opened.
+- `rotate_keys(first, cos, sin)`: re-rotate the keys of rows first.. to new RoPE positions.
+- `memory_bytes()`, `reset()`, `crop()`.
+
+Only `StateManager` edits a SpliceCache inside the brain; the model only appends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import rope
+
+DEFAULT_CAPACITY = 256
+
+
+class SpliceLayer(CacheLayerMixin):
+    """One layer's K/V rows in a preallocated buffer, with room on both sides of the live rows."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        # CacheLayerMixin.__init__ would assign `keys`/`values`, which are views here.
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+        self.start = 0
+        self.length = 0
+        self.is_initialized = False
+        self._write_rows: torch.Tensor | None = None  # live rows the next update() fills
+        self.scratch = _Scratch()  # SpliceCache gives all its layers one shared scratch
+
+    # --- what the model sees ---------------------------------------------------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Live keys [1, kv_heads, length, head_dim] (a view of the buffer)."""
+        return None if self.key_buffer is None else self.key_buffer[:, :, self.start : self.start + self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Live values [1, kv_heads, length, head_dim] (a view of the buffer)."""
+        return None if self.value_buffer is None else self.value_buffer[:, :, self.start : self.start + self.length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_buffer = self._empty(key_states, self.capacity)
+        self.value_buffer = self._empty(value_states, self.capacity)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new rows [1, kv_heads, n, head_dim]: into the rows `fill()` named, or after
+        the live rows. Returns the live keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_rows(key_states, value_states)
+        count = key_states.shape[-2]
+        if self._write_rows is not None:
+            if len(self._write_rows) != count:
+                raise ValueError(f"the forward brought {count} rows for {len(self._write_rows)} open slots")
+            where = self._write_rows + self.start
+        else:
+            self.reserve(self.length + count)
+            where = torch.arange(self.start + self.length, self.start + self.length + count, device=self.device)
+            self.length += count
+        self.key_buffer.index_copy_(2, where, key_states)
+        self.value_buffer.index_copy_(2, where, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # grows when full
+
+    def reset(self) -> None:
+        """Drop every row; the buffer is kept for reuse."""
+        self.start = self.length = 0
+        self._write_rows = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of rows to remove from the end")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
+
+    # --- row edits -------------------------------------------------------------------------
+
+    def reserve(self, length: int) -> None:
+        """Make sure rows [start, start + length) fit: pack the live rows down to buffer row 0
+        when the end is reached, and double the buffer only when that is not enough."""
+        if self.start + length <= self.capacity:
+            return
+        if length <= self.capacity:
+            self._move(self.start, 0, self.length)
+            self.start = 0
+            return
+        self._grow(length, [(0, 0, self.length)], self.length)
+
+    def splice(self, kept: list[tuple[int, int, int]], length: int) -> None:
+        """Rearrange the live rows: each run (old_row, new_row, count) of surviving rows moves
+        to its new row; rows not covered are the gaps a following `fill` forward writes.
+        Runs are in order and do not overlap, before or after."""
+        if length > self.capacity:
+            self._grow(length, kept, length)
+            return
+        new_start = self._anchor(kept, length)
+        moves = [(self.start + old, new_start + new, count) for old, new, count in kept
+                 if self.start + old != new_start + new]
+        # Runs keep their order, so moving the left-going runs from the left and the
+        # right-going ones from the right never overwrites a run not yet moved.
+        for src, dst, count in [m for m in moves if m[1] < m[0]]:
+            self._move(src, dst, count)
+        for src, dst, count in reversed([m for m in moves if m[1] > m[0]]):
+            self._move(src, dst, count)
+        self.start, self.length = new_start, length
+
+    def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Re-rotate the keys of live rows first .. first + len(cos) by cos/sin [rows, head_dim]
+        (float32 arithmetic, see rope.rotate)."""
+        rows = self.key_buffer[:, :, self.start + first : self.start + first + len(cos)]
+        rows.copy_(rope.rotate(rows, cos, sin))
+
+    def memory_bytes(self) -> int:
+        """Bytes the K/V buffers hold, spare capacity included (not the shared scratch)."""
+        held = [t for t in (self.key_buffer, self.value_buffer) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _anchor(self, kept: list[tuple[int, int, int]], length: int) -> int:
+        """Buffer row of new row 0: the longest run that can stay in place, else row 0."""
+        for old, new, _ in sorted(kept, key=lambda run: -run[2]):
+            start = self.start + old - new
+            if start >= 0 and start + length <= self.capacity:
+                return start
+        if self.start + length <= self.capacity:
+            return self.start
+        return 0
+
+    def _move(self, src: int, dst: int, count: int) -> None:
+        """Move buffer rows [src, src + count) to [dst, dst + count) in both buffers."""
+        if count <= 0 or src == dst:
+            return
+        for buffer in (self.key_buffer, self.value_buffer):
+            rows = buffer[:, :, src : src + count]
+            if abs(dst - src) < count:  # overlapping: go through a temporary
+                rows = self.scratch.hold(rows)
+            buffer[:, :, dst : dst + count].copy_(rows)
+
+    def _grow(self, length: int, kept: list[tuple[int, int, int]], new_length: int) -> None:
+        capacity = max(length, 2 * self.capacity)
+        keys, values = self._empty(self.key_buffer, capacity), self._empty(self.value_buffer, capacity)
+        for old, new, count in kept:
+            keys[:, :, new : new + count] = self.key_buffer[:, :, self.start + old : self.start + old + count]
+            values[:, :, new : new + count] = self.value_buffer[:, :, self.start + old : self.start + old + count]
+        self.key_buffer, self.value_buffer, self.capacity = keys, values, capacity
+        self.start, self.length = 0, new_length
+
+    @staticmethod
+    def _empty(like: torch.Tensor, capacity: int) -> torch.Tensor:
+        return torch.empty((1, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype, device=like.device)
+
+    def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        want = (1, self.key_buffer.shape[1], self.key_buffer.shape[3])
+        for name, rows in (("keys", key_states), ("values", value_states)):
+            if rows.dim() != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != want:
+                raise ValueError(f"new {name} have shape {list(rows.shape)}; this cache takes "
+                                 f"[1, {want[1]}, n, {want[2]}]")
+            if rows.dtype != self.dtype or rows.device != self.device:
+                raise ValueError(f"new {name} are {rows.dtype} on {rows.device}; the cache holds "
+                                 f"{self.dtype} on {self.device}")
+        if key_states.shape[2] != value_states.shape[2]:
+            raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
+
+
+class _Scratch:
+    """One temporary buffer shared by every layer's overlapping row moves: moves run one
+    layer at a time, so it never needs more than one run of one layer's rows."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def hold(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of `rows` [1, kv_heads, n, head_dim] in the scratch buffer."""
+        b = self.buffer
+        if b is None or b.shape[2] < rows.shape[2] or b.shape[1] != rows.shape[1] or b.shape[3] != rows.shape[3] \
+                or b.dtype != rows.dtype or b.device != rows.device:
+            self.buffer = b = torch.empty((1, rows.shape[1], max(rows.shape[2], 64), rows.shape[3]),
+                                          dtype=rows.dtype, device=rows.device)
+        held = b[:, :, : rows.shape[2]]
+        held.copy_(rows)
+        return held
+
+    def memory_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+
+class SpliceCache(Cache):
+    """A transformers Cache of `SpliceLayer`s: what the model reads and writes, and what
+    StateManager splices.
+
+        cache = SpliceCache(model.config, max_cache_len=1024)   # capacity; grows if exceeded
+        model.generate(ids, past_key_values=cache, max_new_tokens=32)
+    """
+
+    def __init__(self, config=None, max_cache_len: int = DEFAULT_CAPACITY, *, num_layers: int | None = None):
+        if num_layers is None:
+            if config is None:
+                raise ValueError("SpliceCache needs a model config or num_layers")
+            num_layers = config.num_hidden_layers
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        super().__init__(layers=[SpliceLayer(max_cache_len) for _ in range(num_layers)])
+        self.scratch = _Scratch()
+        for layer in self.layers:
+            layer.scratch = self.scratch
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Live rows (the same in every layer)."""
+        return self.layers[0].length
+
+    def splice(self, kept: list[tuple[int, int, int]], length: int) -> None:
+        """Every layer: runs (old_row, new_row, count) of surviving rows move to their new rows;
+        the cache then holds `length` rows, the uncovered ones being gaps for `fill`."""
+        if not self.layers[0].is_initialized:
+            raise ValueError("the cache is empty: nothing to splice")
+        for layer in self.layers:
+            layer.splice(kept, length)
+
+    @contextlib.contextmanager
+    def fill(self, rows: torch.Tensor):
+        """Within this block, a forward writes its new K/V into live `rows` (int64 [n],
+        ascending) of every layer instead of appending."""
+        for layer in self.layers:
+            layer._write_rows = rows
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer._write_rows = None
+
+    def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Every layer: re-rotate the keys of rows first .. first + len(cos)."""
+        for layer in self.layers:
+            layer.rotate_keys(first, cos, sin)
+
+    def memory_bytes(self) -> int:
+        """K/V buffers of every layer plus the shared scratch buffer."""
+        return sum(layer.memory_bytes() for layer in self.layers) + self.scratch.memory_bytes()
+
+    def memory_usage_mb(self) -> float:
+        return self.memory_bytes() / 2**20
