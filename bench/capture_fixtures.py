@@ -42,7 +42,7 @@ from positronic.cli import DEFAULT_PROMPT  # noqa: E402
 from positronic.fixtures import Capture, capture_tick, load_fixture, replay, save_fixture  # noqa: E402
 from positronic.loop import Brain, BrainConfig  # noqa: E402
 
-CONFIG = dict(budget=40, window=8, seed=1, temperature=0.7)  # the self repairer proposes 1 token per pair
+CONFIG = dict(budget=40, window=8, seed=1, temperature=0.7, repair_batch=1)  # the self repairer proposes 1 token per pair
 # The default prompt and more: 53 tokens with BOS, over the budget of 40, so ticks 1-13 each
 # cut two pairs (a 1-token repair shrinks the context by one, the add grows it by one).
 PROMPT = DEFAULT_PROMPT + (" made the finest clocks in the land. Every morning he wound each one by hand and "

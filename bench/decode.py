@@ -113,10 +113,10 @@ class ForwardClock:
         state_manager.forward, state_manager.prefill = self.saved
 
 
-def loop_maintained(lm, ids: list[int], ticks: int) -> tuple[float, float, float, float, float]:
+def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1) -> tuple[float, float, float, float, float]:
     """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`
     and by `apply()` without its model forward, and the cache's MiB against the live rows'."""
-    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32))
+    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch))
     times, apply_shares, step4_shares = [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
@@ -130,7 +130,9 @@ def loop_maintained(lm, ids: list[int], ticks: int) -> tuple[float, float, float
             step4_shares.append((record.seconds["apply"] - clock.seconds) / times[-1])
     cache = brain.state.cache
     live = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
-    return (statistics.median(times), statistics.median(apply_shares), statistics.median(step4_shares),
+    # a batch works on one tick in `batch`: what it costs is the mean tick, not the median
+    average = statistics.median if batch == 1 else statistics.fmean
+    return (average(times), average(apply_shares), average(step4_shares),
             cache.memory_bytes() / 2**20, live / 2**20)
 
 
@@ -142,6 +144,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--ticks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8],
+                        help="repair batches to run (c) with; --ticks should be a multiple of each")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     import transformers
@@ -162,13 +166,18 @@ def main() -> None:
         for _ in range(args.repeats):
             base = hf_generate(lm, ids, args.ticks)
             plain = loop_plain(lm, ids, args.ticks)
-            rounds.append((base, plain, *loop_maintained(lm, ids, args.ticks)))
-        median = [statistics.median(column) for column in zip(*rounds)]
-        ratio = [statistics.median(r[0] / r[k] for r in rounds) for k in (0, 1, 2)]
-        rows = [("(a) hf-generate (sdpa)", median[0], ratio[0], ""),
-                ("(b) loop, maintenance off", median[1], ratio[1], ""),
-                ("(c) loop, maintenance on", median[2], ratio[2],
-                 f"{median[3]:>6.1%} {median[4]:>6.1%} {median[5]:>10.1f} {median[6]:>12.1f}")]
+            maintained = [loop_maintained(lm, ids, args.ticks, batch) for batch in args.batches]
+            rounds.append((base, plain, *maintained))
+        rows = []
+        for k, name in enumerate(["(a) hf-generate (sdpa)", "(b) loop, maintenance off"]
+                                 + [f"(c) maintenance on, batch {b}" for b in args.batches]):
+            seconds = statistics.median(r[k] if k < 2 else r[k][0] for r in rounds)
+            ratio = statistics.median(r[0] / (r[k] if k < 2 else r[k][0]) for r in rounds)
+            cells = ""
+            if k >= 2:
+                apply, step4, cache_mb, live_mb = (statistics.median(r[k][j] for r in rounds) for j in (1, 2, 3, 4))
+                cells = f"{apply:>6.1%} {step4:>6.1%} {cache_mb:>10.1f} {live_mb:>12.1f}"
+            rows.append((name, seconds, ratio, cells))
         for name, seconds, vs, cells in rows:
             print(f"{context:>7} {name:<28} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
                   f"{cells or f'{chr(32) * 37}':<37} {peak_memory_mb(lm):>9.0f}", flush=True)

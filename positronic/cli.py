@@ -57,6 +57,7 @@ def run(
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
     repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    repair_batch: int = typer.Option(8, min=1, help="Brightness policy: pairs repaired at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
@@ -88,7 +89,7 @@ def run(
     policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
                                                kv_protected_tokens)
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
-                         repairer=repairer, repair_tokens=repair_tokens, temperature=temperature, top_k=top_k,
+                         repairer=repairer, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
                          refresh_kl=refresh_kl)
     config.validate()

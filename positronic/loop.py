@@ -45,6 +45,11 @@ class BrainConfig:
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
     repairer: str = "self"  # self | mlm:PATH | none (cull only)
     repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
+    # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
+    # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
+    # grows slowly after that, so repairing 8 pairs every 8th tick costs far less than one pair
+    # every tick (bench/RESULTS.md); the live length then moves between budget - 8 and budget.
+    repair_batch: int = 8
     temperature: float = 0.7
     top_k: int = 50
     top_p: float = 0.95
@@ -71,6 +76,8 @@ class BrainConfig:
         repairers.check_spec(self.repairer)
         if self.repair_tokens < 1:
             raise ValueError(f"repair_tokens must be >= 1, got {self.repair_tokens}")
+        if self.repair_batch < 1:
+            raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
         if self.repairer == "self" and self.repair_tokens != 1:
             raise ValueError(f"the self repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
                              "(--repair-tokens applies to --repairer mlm:PATH)")

@@ -50,7 +50,10 @@ class BrightnessPolicy:
         clock = time.perf_counter()
         brightness = self.rule.update(view.brightness.tolist(), scores, **self.options)
         length = len(brightness)
-        pairs = steps.select_pairs(brightness, steps.cull_count(length, cfg.budget), sinks=cfg.sinks,
+        count = steps.cull_count(length, cfg.budget)
+        if count:  # a batch: the extra pairs buy ticks with no edit (see BrainConfig.repair_batch)
+            count += cfg.repair_batch - 1
+        pairs = steps.select_pairs(brightness, count, sinks=cfg.sinks,
                                    protect=cfg.protect, window=cfg.window)
         seconds["brightness"] = (now := time.perf_counter()) - clock
         proposals = [self.repairer.propose(view, pair) for pair in pairs]

@@ -173,7 +173,7 @@ def test_replay_refuses_another_model(smol, tiny_fixture):
 
 # --- capture in a real loop -----------------------------------------------------------------
 
-LOOP = dict(budget=40, window=8, seed=0)
+LOOP = dict(budget=40, window=8, seed=0, repair_batch=1)  # a pair every tick at the budget
 
 
 def run_loop(tiny, ticks: int, *observers) -> list:

@@ -241,7 +241,7 @@ def test_refresh_kl_rebuilds_only_above_the_threshold(tiny):
 def test_a_forced_step_adds_exactly_the_forced_token(tiny):
     """brain.step(force=t) adds t and nothing else, draws nothing from the sampler, and still
     runs the policy: at the budget the same tick repairs or culls."""
-    brain = Brain.start(tiny, [1] + list(range(40, 80)), BrainConfig(budget=40, seed=5))
+    brain = Brain.start(tiny, [1] + list(range(40, 80)), BrainConfig(budget=40, seed=5, repair_batch=1))
     sampler = brain.generator_state().clone()
     forced = [tiny.eos_id, 300, 7, 300, 511, 3 + ord("x")]  # tokens a sampler would hardly pick
     edited = 0
@@ -334,3 +334,23 @@ def test_a_vote_run_with_sinks_differs_from_one_without(smol):
         runs[sinks] = brain
     assert runs[0].state.live_token_ids() == runs[4].state.live_token_ids()
     assert runs[0].state.mirror.brightness() != runs[4].state.mirror.brightness()
+
+
+def test_a_repair_batch_edits_one_tick_in_batch_and_keeps_live_between_budget_minus_batch_and_budget(tiny):
+    """repair_batch=B: when the budget is reached the brightness policy takes B pairs at once
+    (with the self repairer each shrinks the context by one), then the next B-1 ticks only
+    add; the live length never leaves [budget - B, budget]."""
+    budget, batch = 60, 6
+    brain = Brain.start(tiny, [1] + list(range(40, 40 + budget - 1)), BrainConfig(budget=budget, repair_batch=batch,
+                                                                                  temperature=0))
+    edit_ticks, lengths = [], []
+    for _ in range(4 * batch):
+        record = brain.step()
+        assert not record.rebuilt, record.error
+        pairs = [a for a in record.actions if a["action"] == "replace_pair"]
+        if pairs:
+            edit_ticks.append(record.tick)
+            assert len(pairs) == batch
+        lengths.append(record.live_length)
+    assert edit_ticks == [1, 1 + batch, 1 + 2 * batch, 1 + 3 * batch]
+    assert min(lengths) == budget - batch + 1 and max(lengths) == budget

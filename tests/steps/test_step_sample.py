@@ -161,3 +161,14 @@ def test_sample_is_frozen():
     assert isinstance(s, Sample)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.token_id = 0
+
+
+def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would():
+    from steps.sample import _largest
+
+    generator = torch.Generator().manual_seed(3)
+    for count in (1, 20, 50, 999, 1000):
+        probs = torch.randint(0, 40, (1000,), generator=generator).float()  # many ties, also at the cut
+        values, ids = _largest(probs, count)
+        full_values, full_ids = torch.sort(probs, descending=True, stable=True)
+        assert torch.equal(values, full_values[:count]) and torch.equal(ids, full_ids[:count])
