@@ -68,7 +68,7 @@ class FaultOnFirstRepair:
     def __init__(self, stage: str):
         self.stage, self.tick = stage, None
 
-    def before_apply(self, brain, actions: list[dict]) -> None:
+    def before_apply(self, brain, actions: list[dict], brightness=None) -> None:
         if self.tick is None and any(a["action"] == "replace_pair" for a in actions):
             self.tick = brain.tick
             brain.state.inject_fault(self.stage)

@@ -1,7 +1,7 @@
 """The mirror: ledger + live map, the metadata blade of the knife.
 
-Only StateManager calls the splice methods here, each time together with the same splice
-on the KV store. Nothing in this package imports torch.
+Only StateManager calls `splice` and `set_brightness`, each time with the same Layout it
+gives the cache. Nothing in this package imports torch.
 """
 
 from __future__ import annotations
@@ -23,39 +23,7 @@ class Mirror:
     def __len__(self) -> int:
         return len(self.live)
 
-    # --- splices (each mirrors one tensor splice) ---------------------------------------
-
-    def delete(self, index: int, tick: int) -> int:
-        """Remove live row `index`; its ledger entry becomes culled. Returns its ledger id."""
-        ledger_id = self.live.ledger_ids[index] if 0 <= index < len(self.live) else None
-        if ledger_id is None:
-            raise IndexError(f"row {index} out of range 0..{len(self.live) - 1}")
-        self.ledger.retire(ledger_id, tick)
-        self.live.delete(index)
-        return ledger_id
-
-    def insert(
-        self,
-        index: int,
-        token_ids: list[int],
-        texts: list[str],
-        positions: list[int],
-        *,
-        source: str,
-        tick: int,
-        brightness: float,
-    ) -> list[int]:
-        """Insert new tokens before live row `index`; returns their ledger ids."""
-        if not (len(token_ids) == len(texts) == len(positions)):
-            raise ValueError("insert needs one text and one position per token")
-        if not 0 <= index <= len(self.live):
-            raise IndexError(f"insert row {index} out of range 0..{len(self.live)}")
-        new_ids = [self.ledger.add(t, s, source, tick, brightness) for t, s in zip(token_ids, texts)]
-        self.live.insert(index, new_ids, positions)
-        return new_ids
-
-    def link_replacement(self, old_ledger_ids: list[int], new_ledger_ids: list[int]) -> None:
-        self.ledger.link_replacement(old_ledger_ids, new_ledger_ids)
+    # --- the one splice (the same Layout the cache gets) ---------------------------------
 
     def splice(self, layout: Layout, texts: list[str], *, tick: int, brightness: float,
                live_brightness: list[float] | None = None) -> list[int]:

@@ -212,26 +212,13 @@ def _fault_of(report: ApplyReport) -> str | None:
     return "commit"
 
 
-def _stored_brightness(columns: dict, state: StateManager, report: ApplyReport) -> list[float] | None:
-    """The Step 2b brightness a live tick stored, recovered after it: the ledger keeps every
-    entry (culled and replaced ones too), so the entries of the rows live before the tick
-    hold it. None when it equals the brightness before (unchanged, or a failed tick, which
-    stores nothing)."""
-    if report.rebuilt:
-        return None
-    entries = state.mirror.ledger.entries
-    stored = [entries[i].brightness for i in columns["live"]["ledger_ids"]]
-    before = [columns["ledger"]["brightness"][i] for i in columns["live"]["ledger_ids"]]
-    return None if stored == before else stored
-
-
 # --- capture --------------------------------------------------------------------------------
 
 
 @dataclass
 class Snapshot:
     """A tick just before Step 4: what `finish` needs to record it. `brightness`: Step 2b's,
-    when the caller knows it (capture_tick); Capture recovers it after the apply."""
+    when the caller knows it (capture_tick, and Capture, which observers receive it in)."""
 
     tick: int
     columns: dict
@@ -341,17 +328,16 @@ class Capture:
             return tick in self.ticks
         return self.kind == "all" or any(a["action"] in ("replace_pair", "delete") for a in actions)
 
-    def before_apply(self, brain, actions: list[dict]) -> None:
+    def before_apply(self, brain, actions: list[dict], brightness=None) -> None:
         wanted = self.wants(brain.tick, actions)
-        self._pending = snapshot(brain.state, actions, tick=brain.tick, label=_run_label(brain.config)) \
-            if wanted else None
+        self._pending = snapshot(brain.state, actions, tick=brain.tick, label=_run_label(brain.config),
+                                 brightness=brightness) if wanted else None
 
     def after_apply(self, brain, actions: list[dict], report: ApplyReport) -> None:
         snap, self._pending = self._pending, None
         if snap is None:
             return
         path = self.directory / f"tick{snap.tick:06d}.pt"
-        snap.brightness = _stored_brightness(snap.columns, brain.state, report)  # observers do not see the plan
         save_fixture(finish(snap, brain.state, report), path)
         self.written.append(path)
         # Announce the first file and the last, not every one: these lines land in the middle

@@ -112,9 +112,10 @@ class TickRecord:
 
 
 class Observer(Protocol):
-    """Sees every action list just before and just after Step 4 (fixture capture uses it)."""
+    """Sees every action list just before and just after Step 4 (fixture capture uses it),
+    and the Step 2b brightness that goes with it (None: unchanged)."""
 
-    def before_apply(self, brain: "Brain", actions: list[dict]) -> None: ...
+    def before_apply(self, brain: "Brain", actions: list[dict], brightness=None) -> None: ...
 
     def after_apply(self, brain: "Brain", actions: list[dict], report) -> None: ...
 
@@ -173,7 +174,7 @@ class Brain:
         # Step 3e and Step 4
         actions = steps.consolidate(token_id, plan.actions)
         for observer in self.observers:
-            observer.before_apply(self, actions)
+            observer.before_apply(self, actions, brightness=plan.brightness)
         report = sm.apply(actions, tick=self.tick, brightness=plan.brightness)
         for observer in self.observers:
             observer.after_apply(self, actions, report)

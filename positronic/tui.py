@@ -400,7 +400,7 @@ class ActionRecorder:
         self.lm = lm
         self.lines: deque[str] = deque(maxlen=keep)
 
-    def before_apply(self, brain: "Brain", actions: list[dict]) -> None:
+    def before_apply(self, brain: "Brain", actions: list[dict], brightness=None) -> None:
         live, entries = brain.state.mirror.live.ledger_ids, brain.state.mirror.ledger.entries
 
         def row_text(row: int) -> str:

@@ -6,16 +6,17 @@ import mirror
 from mirror import Insertion, Mirror, MirrorFileError, MirrorInvariantError, plan_layout
 
 
+def splice(m, deleted, insertions, texts, tick, brightness=255.0):
+    return m.splice(plan_layout(m.positions(), deleted, insertions, limit=10), texts, tick=tick, brightness=brightness)
+
+
 def built():
     """A mirror with history: prompt, a cull, a replacement, a generated token."""
     m = Mirror()
-    m.insert(0, [1, 10, 11, 12, 13], ["<s>", "A", " big", " red", " dog"], [0, 1, 2, 3, 4],
-             source="prompt", tick=0, brightness=255.0)
-    m.delete(1, tick=3)
-    old = [m.delete(2, tick=4), m.delete(1, tick=4)]
-    new = m.insert(1, [99, 98], [" huge", "!"], [1, 2], source="repair", tick=4, brightness=255.0)
-    m.link_replacement(old[::-1], new)
-    m.insert(len(m), [7], [" ran"], [9], source="generated", tick=5, brightness=200.5)
+    splice(m, [], [Insertion(0, (1, 10, 11, 12, 13), "prompt")], ["<s>", "A", " big", " red", " dog"], tick=0)
+    splice(m, [1], [], [], tick=3)
+    splice(m, [1, 2], [Insertion(1, (99, 98), "repair", replaces=(1, 2))], [" huge", "!"], tick=4)
+    splice(m, [], [Insertion(4, (7,), "generated")], [" ran"], tick=5, brightness=200.5)
     m.set_brightness([1.0, 2.0, 3.0, 4.5, 5.0])
     return m
 
@@ -24,7 +25,7 @@ def test_splices_keep_ledger_and_live_map_in_step():
     m = built()
     m.check(max_position=10)
     assert m.live_token_ids() == [1, 99, 98, 13, 7]
-    assert m.positions() == [0, 1, 2, 4, 9]
+    assert m.positions() == [0, 1, 2, 4, 5]
     assert m.brightness() == [1.0, 2.0, 3.0, 4.5, 5.0]
     assert [e.state for e in m.ledger.entries] == ["live", "culled", "replaced", "replaced", "live", "live", "live", "live"]
     assert m.ledger[2].replaced_by == [5, 6] and m.ledger[1].tick_died == 3
@@ -33,8 +34,7 @@ def test_splices_keep_ledger_and_live_map_in_step():
 def prompt_mirror():
     """Six prompt tokens at positions 0..5."""
     m = Mirror()
-    m.insert(0, [1, 10, 11, 12, 13, 14], ["<s>", "A", " big", " red", " dog", "."], list(range(6)),
-             source="prompt", tick=0, brightness=255.0)
+    splice(m, [], [Insertion(0, (1, 10, 11, 12, 13, 14), "prompt")], ["<s>", "A", " big", " red", " dog", "."], tick=0)
     return m
 
 

@@ -222,7 +222,7 @@ class FaultAt:
     def __init__(self, tick: int, stage: str):
         self.tick, self.stage = tick, stage
 
-    def before_apply(self, brain, actions):
+    def before_apply(self, brain, actions, brightness=None):
         if brain.tick == self.tick:
             brain.state.inject_fault(self.stage)
 
@@ -236,7 +236,7 @@ class Before:
     def __init__(self):
         self.seen = {}
 
-    def before_apply(self, brain, actions):
+    def before_apply(self, brain, actions, brightness=None):
         self.seen[brain.tick] = (brain.state.live_token_ids(), brain.state.positions(), brain.state.mirror.brightness())
 
     def after_apply(self, brain, actions, report):
@@ -249,7 +249,8 @@ def test_capture_of_a_tick_that_failed_replays_the_failure(tiny, tmp_path, stage
     records = run_loop(tiny, 15, before, FaultAt(15, stage), capture)
     assert records[-1].rebuilt and any(a["action"] == "replace_pair" for a in records[-1].actions)
     fixture = load_fixture(capture.written[0])
-    assert fixture.expected.rebuilt and fixture.fault == stage and fixture.brightness is None
+    assert fixture.expected.rebuilt and fixture.fault == stage
+    assert fixture.brightness is not None, "the tick's Step 2b input is recorded even though the tick failed"
     # all or nothing: rows, positions and brightness are those from before the tick
     ids, positions, brightness = before.seen[15]
     assert (fixture.live_ids_before, fixture.positions_before) == (ids, positions)

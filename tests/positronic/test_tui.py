@@ -230,7 +230,7 @@ class CtrlC:
     def __init__(self, tick):
         self.tick = tick
 
-    def before_apply(self, brain, actions):
+    def before_apply(self, brain, actions, brightness=None):
         if brain.tick == self.tick:
             raise KeyboardInterrupt
 
@@ -251,7 +251,7 @@ class Fault:
     def __init__(self, tick):
         self.tick = tick
 
-    def before_apply(self, brain, actions):
+    def before_apply(self, brain, actions, brightness=None):
         if brain.tick == self.tick:
             brain.state.inject_fault("forward")
 
