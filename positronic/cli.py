@@ -189,13 +189,15 @@ def eval_command(
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
     repairer: str = typer.Option("self", help="The brightness policy's repairer: self | mlm:PATH | none (cull only)."),
+    repair_batch: int = typer.Option(8, min=1, help="The brightness policy's pairs repaired at once at the budget (1 = one per tick)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe."""
     from .evaluate import main as evaluate_main
 
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer)
+                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
+                  repair_batch=repair_batch)
 
 
 def main(argv: list[str] | None = None) -> None:

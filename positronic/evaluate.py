@@ -125,10 +125,10 @@ class StreamResult:
 
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last", repairer: str = "self") -> BrainConfig:
+                score_layers="last", repairer: str = "self", repair_batch: int = 8) -> BrainConfig:
     """The BrainConfig of one run; EvalError if the combination cannot run."""
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers, repairer=repairer)
+                         score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
     try:
         config.validate()
         cls = POLICIES[policy]
@@ -207,7 +207,8 @@ def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             repairer: str = "self", progress=None, on_run=None, text_name: str = "") -> EvalReport:
+             repairer: str = "self", repair_batch: int = 8, progress=None, on_run=None,
+             text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer` is the brightness policy's (`none`: cull
     only). `progress` is a rich Progress (or None); `on_run` is called with each finished
@@ -223,7 +224,8 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     if segments < 1:
         raise EvalError(f"segments must be >= 1, got {segments}")
     configs = {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                   score_layers=score_layers, repairer=repairer) for b in budgets for p in policies}
+                                   score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
+               for b in budgets for p in policies}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
         raise EvalError("the text has fewer than 2 tokens")
@@ -270,7 +272,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
             run.segment_ratios = [None if s is None else s / r for s, r in zip(run.segments, ref.segments)]
         ref.ratio, ref.segment_ratios = 1.0, [1.0] * len(bounds)
     settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=sinks,
-                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, repairer=repairer, probe=probe,
+                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, repairer=repairer, repair_batch=repair_batch, probe=probe,
                     probe_filler=filler if probe else None, probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
                     device=str(lm.device), threads=torch.get_num_threads())
@@ -412,7 +414,8 @@ def read_text(path: Path | None) -> tuple[str, str]:
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
-         dtype: str | None = None, smooth: int | None = None, repairer: str = "self") -> EvalReport:
+         dtype: str | None = None, smooth: int | None = None, repairer: str = "self",
+         repair_batch: int = 8) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -426,7 +429,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     for budget in budgets:
         for name in policies:
-            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer)
+            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
+                        repair_batch=repair_batch)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
@@ -445,7 +449,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress:
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                          probe_filler=probe_filler, repairer=repairer, progress=progress, on_run=done,
+                          probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
+                          progress=progress, on_run=done,
                           text_name=name)
     Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
     paths = write_outputs(report, out, smooth=smooth)
