@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import time
 
+from .policy_plan import PolicyPlan
+
 RECENT_MIN = 32  # the recent window is max(RECENT_MIN, length // 4) rows
 
 
@@ -53,9 +55,7 @@ def evictable_rows(length: int, *, sinks: int, protect: int) -> range:
     return range(start, max(start, length - recent_window(length)))
 
 
-def _plan(actions=(), outcomes=(), stop=False):
-    from .policy import PolicyPlan  # here, not at the top: policy.py registers this module's policies
-
+def _plan(actions=(), outcomes=(), stop=False) -> PolicyPlan:
     return PolicyPlan(list(actions), list(outcomes), stop)
 
 
@@ -89,7 +89,7 @@ class EvictionPolicy:
             return 0
         return length + 1 - (self.budget - self.batch)
 
-    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         clock = time.perf_counter()
         self.clock += 1
         length = len(scores)
@@ -222,7 +222,7 @@ class NoEvictionPolicy:
         if config.at_capacity not in ("stop", "shift"):
             raise ValueError(f"at_capacity must be 'stop' or 'shift', got {config.at_capacity!r}")
 
-    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> "PolicyPlan":  # noqa: F821
+    def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         length, budget = len(scores), self.config.budget
         if self.config.at_capacity == "stop":
             if length + 1 >= budget:

@@ -11,23 +11,13 @@ survives every splice.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import steps
 
 from .eviction import EVICTION_POLICIES
+from .policy_plan import PolicyPlan
 from .repairers import make_repairer
-
-
-@dataclass
-class PolicyPlan:
-    """Actions for Step 3e and, per selected pair or row, what becomes of it, in words."""
-
-    actions: list[dict] = field(default_factory=list)
-    outcomes: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
-    stop: bool = False  # the policy cannot continue (e.g. `none` at capacity, asked to stop)
-    brightness: list[float] | None = None  # Step 2b's new brightness, one per live row (None: unchanged)
 
 
 class Policy(Protocol):
