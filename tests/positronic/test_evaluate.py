@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from positronic import evaluate as evaluate_module
 from positronic.cli import main
 from positronic.evaluate import (DEFAULT_TEXT, PROBE_ANSWER, EvalError, evaluate, make_config, moving_average,
                                  probe_stream, reference_config, run_stream, segment_bounds, table, write_outputs)

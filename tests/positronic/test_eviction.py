@@ -204,7 +204,6 @@ def test_none_stops_when_the_add_fills_the_cache_or_shifts_out_the_older_half(ti
 
 
 def test_a_budget_without_room_to_evict_is_refused(tiny):
-    sm = state(tiny, 20)
     for cls in (StreamingPolicy, ScoredPolicy, H2OPolicy):
         with pytest.raises(ValueError, match="evictable rows"):
             cls(tiny, config(cls.name, 140, protect=100))

@@ -313,3 +313,16 @@ def test_the_attention_row_equals_eager_attention_on_the_scored_layers(smol):
     eager = torch.stack([out.attentions[i][0, :, -1] for i in layers]).float()
     torch.testing.assert_close(sm.last_attention, eager, rtol=0, atol=1e-5)
     assert torch.allclose(sm.last_attention.sum(-1), torch.ones(len(layers), smol.num_heads))
+
+
+@pytest.mark.parametrize("brightness, message", [([1.0, 2.0], "2 brightness values for 10 live rows"),
+                                                 ([1.0] * 9 + [float("nan")], "must be finite"),
+                                                 ([1.0] * 9 + [float("inf")], "must be finite")])
+def test_bad_brightness_is_refused_and_changes_nothing(tiny, brightness, message):
+    sm = StateManager.from_tokens(tiny, list(range(1, 11)))
+    before = snapshot(sm)
+    with pytest.raises(ValueError, match=message):
+        sm.apply([{"action": "add", "token_id": 5}], tick=1, brightness=brightness)
+    after = snapshot(sm)
+    assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
+    assert all(torch.equal(a, b) for la, lb in zip(after[2], before[2]) for a, b in zip(la, lb))
