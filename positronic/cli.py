@@ -107,11 +107,13 @@ def run(
     runner = Runner(brain, lm.name, ticks, events=events, append_events=resume, session=session,
                     save_every=save_every)
     if no_tui or not sys.stdout.isatty():
-        run_plain(brain, lm, runner, show_prompt=not resume)
+        result = run_plain(brain, lm, runner, show_prompt=not resume)
     else:
         from .tui import run_live
 
-        run_live(brain, lm, runner, show_prompt=not resume)
+        result = run_live(brain, lm, runner, show_prompt=not resume)
+    if result.interrupted:  # the summary says so; the exit code tells scripts
+        raise typer.Exit(130)
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,
@@ -134,7 +136,7 @@ def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | 
     return policy, sinks, protect
 
 
-def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> None:
+def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResult:
     """Stream the generated text to stdout, a progress line to stderr every tenth of the run,
     then the summary."""
     out, err = sys.stdout, sys.stderr
@@ -150,6 +152,7 @@ def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> None:
 
     result = runner.run(on_tick)
     out.write("\n" + summary(brain, lm, result) + "\n")
+    return result
 
 
 def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: int) -> str:
@@ -203,10 +206,15 @@ def eval_command(
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for anything the user can fix."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # click turned a Ctrl-C (e.g. while the model loads) into a return code
+            print("interrupted", file=sys.stderr)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except (typer.Exit, click.exceptions.Exit) as exc:
         sys.exit(exc.exit_code)
-    except (typer.Abort, click.exceptions.Abort):
+    except (typer.Abort, click.exceptions.Abort, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)  # e.g. Ctrl-C while the model loads: no traceback
         sys.exit(130)
     except (_TyperError, click.ClickException) as exc:
         print(f"error: {' '.join(exc.format_message().split())}", file=sys.stderr)

@@ -156,26 +156,34 @@ class Brain:
             clock = now
 
         self.tick += 1
-        view = sm.view()
-        # Step 1
-        if force is None:
-            recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
-            token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                    repetition_penalty=cfg.repetition_penalty, recent_ids=recent,
-                                    generator=self.generator).token_id
-        else:
-            token_id = force
-        lap("sample")
-        # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
-        scores = steps.scores(sm.last_attention, "all")
-        lap("attention")
-        plan = self.policy.plan(view, scores, seconds)
-        clock = time.perf_counter()
-        # Step 3e and Step 4
-        actions = steps.consolidate(token_id, plan.actions)
-        for observer in self.observers:
-            observer.before_apply(self, actions, brightness=plan.brightness)
-        report = sm.apply(actions, tick=self.tick, brightness=plan.brightness)
+        sampler = self.generator.get_state()
+        try:
+            view = sm.view()
+            # Step 1
+            if force is None:
+                recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
+                token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                                        top_p=cfg.top_p, repetition_penalty=cfg.repetition_penalty,
+                                        recent_ids=recent, generator=self.generator).token_id
+            else:
+                token_id = force
+            lap("sample")
+            # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
+            scores = steps.scores(sm.last_attention, "all")
+            lap("attention")
+            plan = self.policy.plan(view, scores, seconds)
+            clock = time.perf_counter()
+            # Step 3e and Step 4
+            actions = steps.consolidate(token_id, plan.actions)
+            for observer in self.observers:
+                observer.before_apply(self, actions, brightness=plan.brightness)
+            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness)
+        except BaseException:
+            # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
+            # count and the sampler go back to where they were and a saved session resumes exactly
+            self.tick -= 1
+            self.generator.set_state(sampler)
+            raise
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")

@@ -354,3 +354,44 @@ def test_a_repair_batch_edits_one_tick_in_batch_and_keeps_live_between_budget_mi
         lengths.append(record.live_length)
     assert edit_ticks == [1, 1 + batch, 1 + 2 * batch, 1 + 3 * batch]
     assert min(lengths) == budget - batch + 1 and max(lengths) == budget
+
+
+def test_ctrl_c_in_the_middle_of_a_tick_leaves_no_half_tick(tiny):
+    """A KeyboardInterrupt half-way through the tick's forward: the state is the one from
+    before the tick (rebuilt, consistent), the tick count and the sampler are unchanged, and
+    the next tick goes through as tick N+1."""
+    brain = Brain.start(tiny, [1] + list(range(40, 80)), BrainConfig(budget=40, repair_batch=1, seed=2))
+    for _ in range(3):
+        brain.step()
+    ids, sampler = brain.state.live_token_ids(), brain.generator_state().clone()
+    layer, fired = tiny.model.model.layers[1], []
+
+    def interrupt(module, args):  # once: the rebuild that follows must go through
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    handle = layer.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            brain.step()
+    finally:
+        handle.remove()
+    assert brain.tick == 3 and brain.state.live_token_ids() == ids
+    assert torch.equal(brain.generator_state(), sampler), "the interrupted tick's draw is given back"
+    brain.state.check(deep=True)
+    record = brain.step()
+    assert record.tick == 4 and not record.rebuilt and brain.state.live_token_ids()[-1] == record.token_id
+
+
+def test_ctrl_c_while_starting_exits_130_with_one_line(monkeypatch, capsys):
+    from positronic import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", "random:tiny", "--no-tui", "--ticks", "2"])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
