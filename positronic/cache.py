@@ -253,10 +253,6 @@ class SpliceCache(Cache):
             layer.scratch = self.scratch
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
     def length(self) -> int:
         """Live rows (the same in every layer)."""
         return self.layers[0].length

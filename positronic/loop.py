@@ -21,14 +21,12 @@ import steps
 
 from . import repairers
 from .policy import POLICIES, make_policy
-from .state_manager import StateManager
+from .state_manager import StateManager, default_capacity
 
 
-def cache_capacity(prompt_length: int, budget: int) -> int:
-    """Rows to preallocate: the larger of prompt and budget, plus slack so that appends and
-    edits rarely have to pack the rows down (the cache grows by doubling if ever needed)."""
-    rows = max(prompt_length, budget)
-    return rows + rows // 4 + 64
+def cache_capacity(context_length: int, budget: int) -> int:
+    """Rows to preallocate for a run: room for the larger of context and budget."""
+    return default_capacity(max(context_length, budget))
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mirror import Insertion, Layout, Mirror, plan_layout
+from steps.attention import layer_indices
 
 from . import rope
 from .actions import validate
@@ -84,11 +85,10 @@ class ContextView:
         return len(self.token_ids)
 
 
-def resolve_layers(spec, num_layers: int) -> list[int]:
-    """Layer indices of a score-layer spec ("last", "all" or a list of ints)."""
-    from steps.attention import layer_indices
-
-    return layer_indices(spec, num_layers)
+def default_capacity(rows: int) -> int:
+    """Rows to preallocate for a context of `rows`: a quarter more plus 64, so that appends and
+    edits rarely have to pack the rows down (the cache grows by doubling if ever needed)."""
+    return rows + rows // 4 + 64
 
 
 class StateManager:
@@ -96,8 +96,8 @@ class StateManager:
                  new_brightness: float = 255.0):
         self.lm = lm
         self._mirror = mirror if mirror is not None else Mirror()
-        self.attention_layers = resolve_layers(score_layers, lm.num_layers)
-        self._cache = SpliceCache(lm.model.config, max_cache_len=max(capacity, 2 * len(self._mirror) + 64))
+        self.attention_layers = layer_indices(score_layers, lm.num_layers)  # "last", "all" or ints
+        self._cache = SpliceCache(lm.model.config, max_cache_len=capacity or default_capacity(len(self._mirror)))
         self.new_brightness = float(new_brightness)  # where a new token's brightness starts (the rule's)
         self.next_logits: torch.Tensor | None = None
         self.last_attention: torch.Tensor | None = None
@@ -116,7 +116,7 @@ class StateManager:
         """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1."""
         if not token_ids:
             raise ValueError("a context needs at least one token")
-        manager = cls(lm, capacity=max(capacity, len(token_ids) + 64), score_layers=score_layers,
+        manager = cls(lm, capacity=capacity or default_capacity(len(token_ids)), score_layers=score_layers,
                       new_brightness=brightness)
         report = manager._edit([], [Insertion(0, tuple(token_ids), source)], tick=0)
         if report.rebuilt:
