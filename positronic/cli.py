@@ -181,7 +181,7 @@ def eval_command(
     budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
     policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: all five)."),
     max_tokens: int = typer.Option(1024, help="Text tokens to score."),
-    out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot."),
+    out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot (with --generate: generation.csv/.json, texts/, side_by_side.md)."),
     segments: int = typer.Option(8, help="Perplexity segments reported per run."),
     sinks: int = typer.Option(4, min=0, max=256, help="Attention-sink rows never evicted."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows."),
@@ -193,8 +193,22 @@ def eval_command(
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
     repairer: str = typer.Option("self", help="The brightness policy's repairer: self | mlm:PATH | none (cull only)."),
     repair_batch: int = typer.Option(8, min=1, help="The brightness policy's pairs repaired at once at the budget (1 = one per tick)."),
+    generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --smooth are ignored)."),
+    prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
+    seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
 ) -> None:
-    """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe."""
+    """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
+    with --generate N, the quality of N freely generated tokens instead."""
+    if generate is not None:
+        from .generation_eval import main as generation_main
+
+        report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
+                                 prompt_tokens=prompt_tokens, seed=seed, out=out, sinks=sinks, protect=protect,
+                                 at_capacity=at_capacity, device=device, dtype=dtype, repairer=repairer,
+                                 repair_batch=repair_batch)
+        if any(run.error for run in report.runs + ([report.reference] if report.reference else [])):
+            raise typer.Exit(1)  # a run ended on a tick that failed twice: its files are written, but say so
+        return
     from .evaluate import main as evaluate_main
 
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
