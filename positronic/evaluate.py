@@ -51,7 +51,6 @@ from pathlib import Path
 
 import torch
 
-from .eviction import EvictionPolicy
 from .loop import Brain, BrainConfig
 from .policy import POLICIES
 
@@ -131,9 +130,7 @@ def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, a
                          score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
     try:
         config.validate()
-        cls = POLICIES[policy]
-        if isinstance(cls, type) and issubclass(cls, EvictionPolicy):
-            cls.check(config)
+        POLICIES[policy].check(config)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     return config

@@ -31,18 +31,49 @@ PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask
 @dataclass
 class ForwardResult:
     """predicted: [n] int64, the greedy next token after each fed token (argmax of its logits).
-    logits: [vocab] float32, the last fed token's next-token logits.
-    attention: [scored layers, heads, rows] float32, the last fed token's attention over every
-    cache row (None unless asked for)."""
+    logits: [vocab] float32, the newest fed token's next-token logits.
+    attention: [scored layers, heads, rows] float32, the newest token's attention over every
+    cache row (None unless asked for).
+    probe_logprobs: [probes] float32, log P(probe target | the probe's context), see `Probes`."""
 
     predicted: torch.Tensor
     logits: torch.Tensor
     attention: torch.Tensor | None
+    probe_logprobs: torch.Tensor | None = None
 
 
-def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [1, 1, queries, keys]: 0 where key position <= query position, else -inf-ish."""
+@dataclass(frozen=True)
+class Probes:
+    """Scratch queries that ride along in a forward: what would the model predict after
+    token t placed at position p, given only the rows left of p? Each probe is fed after the
+    real tokens, writes its K/V into a scratch row past the live rows (which the caller then
+    discards), sees only the rows whose position is below its own (and itself), and is seen
+    by nobody. token_ids, positions, targets: [probes] each; the forward returns
+    log P(target | context, token)."""
+
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    targets: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, *,
+                    probes: int = 0) -> torch.Tensor:
+    """Additive mask [1, 1, queries, keys]: 0 where key position <= query position, else -inf-ish.
+
+    probes: the last `probes` queries are probes and the last `probes` keys their scratch rows
+    (in the same order): no query sees a scratch row but its own probe, and a probe sees
+    only the rows strictly left of its position (the row it stands in for is hidden)."""
     hidden = key_positions[None, :] > query_positions[:, None]
+    if probes:
+        queries, keys = hidden.shape
+        hidden[:, keys - probes:] = True
+        probe_hidden = key_positions[None, :] >= query_positions[queries - probes:, None]
+        hidden[queries - probes:] |= probe_hidden
+        own = torch.arange(probes, device=hidden.device)
+        hidden[queries - probes + own, keys - probes + own] = False
     mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
     return mask.masked_fill_(hidden, torch.finfo(dtype).min)[None, None]
 
@@ -56,8 +87,9 @@ class AttentionRow:
     mask applies. Hooks live only inside `record()`: the model is left as it was.
     """
 
-    def __init__(self, model, layers: list[int]):
+    def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None):
         self.model, self.layers = model, list(layers)
+        self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.rows: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
@@ -79,10 +111,10 @@ class AttentionRow:
     def _hook(self, module, args, kwargs, output) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
-        keys = kwargs["past_key_values"].layers[module.layer_idx].keys  # [1, kv_heads, rows, head_dim]
-        head_dim = module.head_dim
-        query = module.q_proj(hidden[:, -1:]).view(1, 1, -1, head_dim).transpose(1, 2)  # [1, heads, 1, d]
-        query, _ = apply_rotary_pos_emb(query, query, cos[:, -1:], sin[:, -1:])
+        keys = kwargs["past_key_values"].layers[module.layer_idx].keys[:, :, : self.keys]  # [1, kv_heads, rows, d]
+        head_dim, at = module.head_dim, slice(self.query, self.query + 1 if self.query != -1 else None)
+        query = module.q_proj(hidden[:, at]).view(1, 1, -1, head_dim).transpose(1, 2)  # [1, heads, 1, d]
+        query, _ = apply_rotary_pos_emb(query, query, cos[:, at], sin[:, at])
         kv_heads = keys.shape[1]
         grouped = query[0, :, 0].reshape(kv_heads, -1, head_dim).float()  # [kv_heads, group, d]
         scores = grouped @ keys[0].float().transpose(1, 2) * module.scaling  # [kv_heads, group, rows]
@@ -91,31 +123,42 @@ class AttentionRow:
 
 @torch.no_grad()
 def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-            attention_layers: list[int] | None = None) -> ForwardResult:
+            attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
     """Feed `token_ids` at RoPE `positions` through the model over `cache`.
 
     key_positions: the position of every cache row once this forward has written its rows
     (the live rows after an append, or the whole spliced layout). The new rows are appended,
     or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
-    record the last token's attention row on these layers; it must be the newest row.
+    record the newest token's attention row on these layers; it must be the newest row.
+    `probes` are fed after `token_ids`; their scratch rows come after the live rows (the
+    caller opens them with `fill` and drops them afterwards), their positions after
+    `key_positions`.
     """
     if len(token_ids) != len(positions) or not token_ids:
         raise ValueError("forward needs one position per token, and at least one token")
+    probes = probes or Probes((), (), ())
     device = lm.device
-    query = torch.tensor(positions, dtype=torch.long, device=device)
-    keys = torch.tensor(key_positions, dtype=torch.long, device=device)
+    query = torch.tensor(list(positions) + list(probes.positions), dtype=torch.long, device=device)
+    keys = torch.tensor(list(key_positions) + list(probes.positions), dtype=torch.long, device=device)
     newest = positions[-1] == max(key_positions)
     if attention_layers and not newest:
         raise ValueError("the attention row is recorded for the newest row only")
-    mask = None if len(token_ids) == 1 and newest else visibility_mask(query, keys, lm.dtype)
-    recorder = AttentionRow(lm.model, attention_layers or [])
+    mask = (None if len(token_ids) == 1 and newest and not probes
+            else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
+    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions))
     with recorder.record():
-        out = lm.model(input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+        out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
                        position_ids=query[None], attention_mask=mask, past_key_values=cache, use_cache=True,
                        logits_to_keep=0)
     logits = out.logits[0]
-    return ForwardResult(predicted=logits.argmax(dim=-1).cpu(), logits=logits[-1].float(),
-                         attention=recorder.result() if attention_layers else None)
+    probe_logprobs = None
+    if probes:
+        targets = torch.tensor(probes.targets, dtype=torch.long, device=device)
+        scored = logits[len(token_ids):].float().log_softmax(dim=-1)
+        probe_logprobs = scored.gather(1, targets[:, None])[:, 0].cpu()
+    return ForwardResult(predicted=logits[: len(token_ids)].argmax(dim=-1).cpu(),
+                         logits=logits[len(token_ids) - 1].float(),
+                         attention=recorder.result() if attention_layers else None, probe_logprobs=probe_logprobs)
 
 
 def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,

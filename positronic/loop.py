@@ -24,6 +24,9 @@ from .policy import POLICIES, make_policy
 from .state_manager import StateManager, default_capacity
 
 
+MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
+
+
 def cache_capacity(context_length: int, budget: int) -> int:
     """Rows to preallocate for a run: room for the larger of context and budget."""
     return default_capacity(max(context_length, budget))
@@ -41,7 +44,7 @@ class BrainConfig:
     window: int = 32  # most recent rows never culled
     brightness: str = "ttl"  # rule: ttl | vote
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
-    repairer: str = "self"  # self | mlm:PATH | none (cull only)
+    repairer: str = "self"  # bridge | self | mlm:PATH | none (cull only)
     repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
     # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
     # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
@@ -72,13 +75,14 @@ class BrainConfig:
         if self.brightness not in steps.RULES:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
         repairers.check_spec(self.repairer)
-        if self.repair_tokens < 1:
-            raise ValueError(f"repair_tokens must be >= 1, got {self.repair_tokens}")
+        if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
+            raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
         if self.repair_batch < 1:
             raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
-        if self.repairer == "self" and self.repair_tokens != 1:
-            raise ValueError(f"the self repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
+        if self.repairer in ("self", "bridge") and self.repair_tokens != 1:
+            raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
                              "(--repair-tokens applies to --repairer mlm:PATH)")
+        POLICIES[self.policy].check(self)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -135,12 +139,30 @@ class Brain:
 
     @classmethod
     def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None) -> "Brain":
+        """Prefill the prompt and return the brain, ready for its first tick.
+
+        A prompt longer than the budget is brought within it before the first tick (a bulk
+        prune, as SmartKV does after prefill): every prompt token but the last is prefilled,
+        the policy prunes that context down to `budget - 1` rows from the attention of its
+        newest row, and the last prompt token is added in the same edit, so its logits
+        start the run from the pruned context. The tick count stays 0.
+        """
         config = config or BrainConfig()
         config.validate()
-        state = StateManager.from_tokens(lm, prompt_ids, brightness=steps.RULES[config.brightness].start,
+        start = steps.RULES[config.brightness].start
+        long = len(prompt_ids) > config.budget
+        state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,
                                          capacity=cache_capacity(len(prompt_ids), config.budget),
                                          score_layers=config.score_layers)
-        return cls(state, config)
+        brain = cls(state, config)
+        if long:
+            view = state.view()
+            plan = brain.policy.prune(view, steps.scores(state.last_attention, "all"), config.budget - 1)
+            actions = steps.consolidate(prompt_ids[-1], plan.actions)
+            report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
+            if report.rebuilt:
+                raise RuntimeError(f"pruning the prompt to the budget failed: {report.error}")
+        return brain
 
     def step(self, force: int | None = None) -> TickRecord:
         """Run one tick. `force`: add this token instead of sampling one (teacher forcing)."""
@@ -175,13 +197,14 @@ class Brain:
             actions = steps.consolidate(token_id, plan.actions)
             for observer in self.observers:
                 observer.before_apply(self, actions, brightness=plan.brightness)
-            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness)
+            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes)
         except BaseException:
             # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
             # count and the sampler go back to where they were and a saved session resumes exactly
             self.tick -= 1
             self.generator.set_state(sampler)
             raise
+        self.policy.receive(report.probe_logprobs)
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")

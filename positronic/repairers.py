@@ -1,5 +1,12 @@
 """Repairers (Steps 3c–3d): propose fewer, better tokens for a dim adjacent pair.
 
+- `bridge`: compresses. Candidates for a pair (a, b) are the pair's own tokens and the
+  model's greedy prediction for the slot; each is scored by how well it bridges to the text
+  on the right: log P(r | left context, candidate), r the token right of the pair. The
+  scores come from probes (forward.Probes) that ride along in a tick's single forward: when
+  the policy repairs a batch, the repairer asks for probes of the pairs next in line, and
+  repairs them with the best candidate at the next batch (a pair it has no scores for is
+  culled). No forward of its own.
 - `self`: the model's own greedy prediction for the pair's slot given the left context: the
   token the model predicted after the row just left of the pair when that row was written
   (`ContextView.predicted`, kept for every row by the forward that wrote it). A proposal
@@ -15,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from .forward import Probes
 
 
 class RepairerError(ValueError):
@@ -36,6 +45,65 @@ class SelfRepairer:
             return []
         token_id = int(view.predicted[row])
         return [] if token_id in self.refused else [token_id]
+
+
+class BridgeRepairer:
+    """Keep the candidate that best bridges the pair's left context to its right neighbour.
+
+    Candidates of a pair (p1, p2): token[p1], token[p2] and the model's greedy prediction
+    after row p1 - 1 (BOS/EOS never). `request(view, pairs)` returns the probes to score
+    them; `receive(logprobs)` takes their log-probabilities; `propose(view, pair)` returns
+    the best candidate of a scored pair, or nothing. Scores are keyed by the ledger ids of
+    the pair and its right neighbour, so they follow the rows through splices and are
+    dropped if any of the three is gone.
+    """
+
+    def __init__(self, lm, tokens: int = 1):
+        if tokens != 1:
+            raise RepairerError(f"the bridge repairer proposes exactly 1 token per pair, not {tokens}")
+        self.refused = {i for i in (lm.bos_id, lm.eos_id) if i is not None}
+        self.scores: dict[tuple[int, int, int], dict[int, float]] = {}
+        self._asked: list[tuple[tuple[int, int, int], int]] = []  # (key, candidate) per probe
+
+    def _key(self, view, pair: tuple[int, ...]) -> tuple[int, int, int] | None:
+        p1, p2 = pair[0], pair[-1]
+        if p2 + 1 >= len(view) or p1 < 1:
+            return None
+        ids = view.ledger_ids
+        return int(ids[p1]), int(ids[p2]), int(ids[p2 + 1])
+
+    def request(self, view, pairs) -> Probes | None:
+        tokens, positions, targets, asked = [], [], [], []
+        for pair in pairs:
+            key = self._key(view, pair)
+            if key is None:
+                continue
+            p1, p2 = pair[0], pair[-1]
+            candidates = dict.fromkeys(int(t) for t in (view.token_ids[p1], view.token_ids[p2], view.predicted[p1 - 1]))
+            for candidate in candidates:
+                if candidate in self.refused:
+                    continue
+                tokens.append(candidate)
+                positions.append(int(view.positions[p1]))
+                targets.append(int(view.token_ids[p2 + 1]))
+                asked.append((key, candidate))
+        self._asked = asked
+        return Probes(tuple(tokens), tuple(positions), tuple(targets)) if tokens else None
+
+    def receive(self, logprobs: list[float] | None) -> None:
+        """The probes' log-probabilities (None: the tick failed, nothing was scored)."""
+        if logprobs is None:
+            return
+        scores: dict[tuple[int, int, int], dict[int, float]] = {}
+        for (key, candidate), logprob in zip(self._asked, logprobs):
+            scores.setdefault(key, {})[candidate] = logprob
+        self.scores, self._asked = scores, []
+
+    def propose(self, view, pair: tuple[int, int]) -> list[int]:
+        scored = self.scores.get(self._key(view, pair))
+        if not scored:
+            return []
+        return [max(scored, key=scored.get)]
 
 
 class NoRepairer:
@@ -88,20 +156,22 @@ def check_spec(spec: str) -> None:
     """RepairerError unless `spec` names a repairer: `self`, `none`, or `mlm:PATH` with PATH
     an existing directory (whether it holds a masked LM is only known when it is loaded).
     Cheap, so settings are checked before any model is loaded."""
-    if spec in ("self", "none"):
+    if spec in ("self", "bridge", "none"):
         return
     if not spec.startswith("mlm:"):
-        raise RepairerError(f"unknown repairer {spec!r}; use 'self', 'mlm:PATH' or 'none'")
+        raise RepairerError(f"unknown repairer {spec!r}; use 'bridge', 'self', 'mlm:PATH' or 'none'")
     path = spec.removeprefix("mlm:")
     if not Path(path).is_dir():
         raise RepairerError(f"masked LM directory {path!r} does not exist (use mlm:PATH with a local model)")
 
 
 def make_repairer(spec: str, lm, *, tokens: int = 1):
-    """`self`, `mlm:PATH` or `none`, for a run of `lm`."""
+    """`bridge`, `self`, `mlm:PATH` or `none`, for a run of `lm`."""
     check_spec(spec)
     if spec == "self":
         return SelfRepairer(lm, tokens)
+    if spec == "bridge":
+        return BridgeRepairer(lm, tokens)
     if spec == "none":
         return NoRepairer()
     return MaskedLMRepairer(lm, spec.removeprefix("mlm:"), max_tokens=max(tokens, 1))

@@ -37,7 +37,7 @@ from steps.attention import layer_indices
 from . import rope
 from .actions import validate
 from .cache import SpliceCache
-from .forward import fresh_layer0_kv, forward, prefill
+from .forward import Probes, fresh_layer0_kv, forward, prefill
 from .text import span_texts
 
 
@@ -64,6 +64,7 @@ class ApplyReport:
     rebuilt: bool = False
     error: str | None = None
     seconds: float = 0.0
+    probe_logprobs: list[float] | None = None  # one per probe asked for (see forward.Probes)
 
 
 @dataclass(frozen=True)
@@ -197,14 +198,19 @@ class StateManager:
     # --- Step 4 -------------------------------------------------------------------------
 
     def apply(self, actions: list[dict], *, tick: int | None = None,
-              brightness: list[float] | torch.Tensor | None = None) -> ApplyReport:
+              brightness: list[float] | torch.Tensor | None = None, add_source: str = "generated",
+              probes: Probes | None = None) -> ApplyReport:
         """Step 4: validate the whole list (ActionError, state untouched), then apply it as
         one layout and one forward.
 
         Positions in the actions are rows before the tick. A replace_pair's tokens take the
         place of its first row; adds go last, in list order. `tick` stamps the ledger (default:
         the last tick + 1); `brightness` (one per live row before the tick, Step 2b) is stored
-        with the tick. A failure after validation is reported (`rebuilt`), not raised.
+        with the tick; `add_source` is the ledger source of the added tokens ("prompt" when a
+        long prompt's last token comes in with its bulk prune). A failure after validation is
+        reported (`rebuilt`), not raised. `probes` ride along in the tick's forward (the list
+        must add a token) and their log-probabilities come back in the report; their scratch
+        rows are dropped, so they change nothing.
         """
         plan = validate(actions, live_length=len(self), vocab_size=self.lm.vocab_size,
                         max_length=self.lm.max_positions)
@@ -222,20 +228,25 @@ class StateManager:
                 pair = (action["original_pos1"], action["original_pos2"])
                 deleted += pair
                 insertions.append(Insertion(pair[0], tuple(action["new_token_ids"]), "repair", replaces=pair))
-        insertions += [Insertion(len(self), (action["token_id"],), "generated") for action in plan.adds]
-        report = self._edit(deleted, insertions, tick=tick, brightness=brightness)
+        insertions += [Insertion(len(self), (action["token_id"],), add_source) for action in plan.adds]
+        if probes:
+            if not plan.adds:
+                raise ValueError("probes ride along in a forward: the action list must add a token")
+            if max(probes.positions) >= max(self._mirror.live.positions, default=0) + 1 + len(plan.adds):
+                raise ValueError("a probe's position must lie within the context")
+        report = self._edit(deleted, insertions, tick=tick, brightness=brightness, probes=probes)
         report.applied = 0 if report.rebuilt else len(actions)
         return report
 
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
-              brightness: list[float] | None = None) -> ApplyReport:
+              brightness: list[float] | None = None, probes: Probes | None = None) -> ApplyReport:
         start = time.perf_counter()
         tick = self.last_tick + 1 if tick is None else tick
         layout = plan_layout(self._mirror.live.positions, deleted, insertions, self.lm.max_positions)
         texts = self._texts(layout)
         report = ApplyReport(tick=tick)
         try:
-            self._write(layout)
+            report.probe_logprobs = self._write(layout, probes)
             self._fault_point("commit")
             self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness)
             self._edits += 1
@@ -252,11 +263,13 @@ class StateManager:
         report.seconds = time.perf_counter() - start
         return report
 
-    def _write(self, layout: Layout) -> None:
-        """Stages 2–4 on the cache: splice, re-rotate, one forward."""
+    def _write(self, layout: Layout, probes: Probes | None = None) -> list[float] | None:
+        """Stages 2–4 on the cache: splice, re-rotate, one forward (with the probes' scratch
+        rows after the live rows, dropped again). Returns the probes' log-probabilities."""
         predicted_before = self._predicted
+        scratch = len(probes) if probes and layout.old_length and layout.new_rows else 0
         if layout.old_length:
-            self._cache.splice(list(layout.kept), layout.length)
+            self._cache.splice(list(layout.kept), layout.length + scratch)
         self._fault_point("splice")
         if layout.moved is not None:
             first = layout.moved
@@ -270,6 +283,7 @@ class StateManager:
         newest = bool(layout.new_rows) and layout.new_rows[-1] == layout.length - 1
         if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
             self.next_logits = self.last_attention = None
+        probe_logprobs = None
         if layout.new_rows:
             rows = list(layout.new_rows)
             positions = [layout.positions[row] for row in rows]
@@ -277,16 +291,23 @@ class StateManager:
                 result = prefill(self.lm, self._cache, list(layout.new_token_ids), positions,
                                  attention_layers=self.attention_layers)
             else:
-                gaps = torch.tensor(rows, dtype=torch.long, device=self.lm.device)
+                gaps = torch.tensor(rows + list(range(layout.length, layout.length + scratch)), dtype=torch.long,
+                                    device=self.lm.device)
                 with self._cache.fill(gaps), self._fault_in_forward():
                     result = forward(self.lm, self._cache, list(layout.new_token_ids), positions,
-                                     list(layout.positions), attention_layers=self.attention_layers if newest else None)
+                                     list(layout.positions), attention_layers=self.attention_layers if newest else None,
+                                     probes=probes if scratch else None)
+                if scratch:
+                    for layer in self._cache.layers:
+                        layer.crop(-scratch)
+                    probe_logprobs = result.probe_logprobs.tolist()
             for row, token_id in zip(rows, result.predicted.tolist()):
                 predicted[row] = token_id
             if newest:
                 self.next_logits, self.last_attention = result.logits, result.attention
         self._fault_point("forward")
         self._predicted = predicted
+        return probe_logprobs
 
     @staticmethod
     def _rotated(layout: Layout) -> int:

@@ -198,7 +198,7 @@ def test_cull_only_brain_deletes_dim_pairs_and_stays_within_budget(tiny):
         outcomes |= {outcome for _, outcome in record.outcomes}
         assert all(a["action"] != "replace_pair" for a in record.actions), "cull only: nothing is replaced"
     assert brain.counts["repairs"] == 0 and brain.counts["culls"] > 0
-    assert outcomes <= {"left", "deleted"} and "deleted" in outcomes
+    assert outcomes == {"culled"}
     assert max(lengths[20:]) <= 41, "budget + cull rate"
     brain.state.check(deep=True)
 
@@ -337,23 +337,23 @@ def test_a_vote_run_with_sinks_differs_from_one_without(smol):
 
 
 def test_a_repair_batch_edits_one_tick_in_batch_and_keeps_live_between_budget_minus_batch_and_budget(tiny):
-    """repair_batch=B: when the budget is reached the brightness policy takes B pairs at once
-    (with the self repairer each shrinks the context by one), then the next B-1 ticks only
-    add; the live length never leaves [budget - B, budget]."""
+    """repair_batch=B: when the budget is reached the brightness policy frees rows down to
+    budget - B after the tick's add (with the self repairer each pair frees one: B + 1 pairs),
+    then the next B ticks only add; the live length never leaves [budget - B, budget]."""
     budget, batch = 60, 6
     brain = Brain.start(tiny, [1] + list(range(40, 40 + budget - 1)), BrainConfig(budget=budget, repair_batch=batch,
                                                                                   temperature=0))
     edit_ticks, lengths = [], []
-    for _ in range(4 * batch):
+    for _ in range(4 * (batch + 1)):
         record = brain.step()
         assert not record.rebuilt, record.error
         pairs = [a for a in record.actions if a["action"] == "replace_pair"]
         if pairs:
             edit_ticks.append(record.tick)
-            assert len(pairs) == batch
+            assert len(pairs) == batch + 1
         lengths.append(record.live_length)
-    assert edit_ticks == [1, 1 + batch, 1 + 2 * batch, 1 + 3 * batch]
-    assert min(lengths) == budget - batch + 1 and max(lengths) == budget
+    assert edit_ticks == [1, 2 + batch, 3 + 2 * batch, 4 + 3 * batch]
+    assert min(lengths) == budget - batch and max(lengths) == budget
 
 
 def test_ctrl_c_in_the_middle_of_a_tick_leaves_no_half_tick(tiny):

@@ -7,10 +7,11 @@ import torch
 from action_lists import apply_to_list, random_actions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
 
 import mirror as mirror_pkg
 from positronic.actions import ActionError
-from positronic.forward import fresh_layer0_kv
+from positronic.forward import Probes, fresh_layer0_kv
 from positronic.state_manager import FAULT_STAGES, StateManager
 
 
@@ -326,3 +327,37 @@ def test_bad_brightness_is_refused_and_changes_nothing(tiny, brightness, message
     after = snapshot(sm)
     assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
     assert all(torch.equal(a, b) for la, lb in zip(after[2], before[2]) for a, b in zip(la, lb))
+
+
+def test_probes_score_a_token_in_its_left_context_and_change_nothing(tiny):
+    """A probe (token x at position p, target t) returns log P(t | the live rows left of p, x):
+    what a plain forward of x over those rows' K/V gives (a DynamicCache holding them); the
+    tick itself (cache, mirror, next logits) is the same as without probes."""
+    ids = [1] + list(range(40, 70))
+    probed, plain = StateManager.from_tokens(tiny, ids), StateManager.from_tokens(tiny, ids)
+    edits = [{"action": "replace_pair", "original_pos1": 7, "original_pos2": 8, "new_token_ids": [300]},
+             {"action": "delete", "position": 12}, {"action": "add", "token_id": 42}]
+    probes = Probes(token_ids=(77, 78, 77), positions=(10, 10, 20), targets=(99, 99, 5))
+    report = probed.apply(edits, probes=probes)
+    plain.apply(edits)
+    assert not report.rebuilt and len(report.probe_logprobs) == 3
+    positions = probed.positions()
+    for token, position, target, got in zip(probes.token_ids, probes.positions, probes.targets, report.probe_logprobs):
+        left = torch.tensor([i for i, p in enumerate(positions) if p < position])
+        cache = DynamicCache()
+        for index in range(tiny.num_layers):
+            keys, values = probed.layer_kv(index)
+            cache.update(keys[:, :, left], values[:, :, left], index)
+        with torch.inference_mode():
+            logits = tiny.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+                                past_key_values=cache, use_cache=True).logits[0, -1].float()
+        assert got == pytest.approx(float(logits.log_softmax(-1)[target]), abs=1e-4)
+    assert report.probe_logprobs[0] != pytest.approx(report.probe_logprobs[1]), "each probe is its own query"
+    for index in range(tiny.num_layers):
+        for a, b in zip(probed.layer_kv(index), plain.layer_kv(index)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(probed.next_logits, plain.next_logits, rtol=0, atol=1e-4)
+    assert probed.live_token_ids() == plain.live_token_ids() and probed.cache.length == len(probed)
+    probed.check(deep=True)
+    with pytest.raises(ValueError, match="must add a token"):
+        probed.apply([{"action": "delete", "position": 3}], probes=probes)

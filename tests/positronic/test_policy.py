@@ -1,12 +1,11 @@
-"""llama.cpp-style eviction policies (positronic/eviction.py) on crafted states and in real runs."""
+"""The policy framework (positronic/policy.py, positronic/scorers.py) on crafted states and in real runs."""
 
 import pytest
 import torch
 
-from positronic.eviction import (H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
-                                 evictable_rows, recent_window)
 from positronic.loop import Brain, BrainConfig
-from positronic.policy import POLICIES, make_policy
+from positronic.policy import (POLICIES, H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
+                               make_policy, recent_window)
 from positronic.runner import Runner
 from positronic.state_manager import ContextView, StateManager
 
@@ -24,7 +23,7 @@ def config(policy: str, budget: int, **kw) -> BrainConfig:
 
 def deleted(plan) -> list[int]:
     assert all(a["action"] == "delete" for a in plan.actions)
-    return [a["position"] for a in plan.actions]
+    return sorted(a["position"] for a in plan.actions)
 
 
 def add(sm, token_id: int = 42) -> None:
@@ -49,8 +48,6 @@ def test_registered_and_window_batch_rules():
     assert {"brightness", "streaming", "scored", "h2o", "none"} <= set(POLICIES)
     assert [recent_window(n) for n in (10, 128, 200, 512)] == [32, 32, 50, 128]
     assert [batch_size(b) for b in (10, 48, 128, 512)] == [1, 3, 8, 32]
-    assert evictable_rows(100, sinks=4, protect=0) == range(4, 68)
-    assert evictable_rows(200, sinks=4, protect=10) == range(10, 150)
 
 
 def view_of(ledger_ids: list[int]) -> ContextView:
@@ -154,13 +151,13 @@ def test_rows_of_a_failed_eviction_keep_their_state(tiny, name):
     assert record.rebuilt and len(brain.state) == 48
     chosen = [brain.state.mirror.live.ledger_ids[a["position"]] for a in record.actions if a["action"] == "delete"]
     assert len(chosen) == 48 + 1 - (48 - batch_size(48))
-    assert all(ledger_id in policy.value for ledger_id in chosen), "not forgotten"
+    assert all(ledger_id in policy.scorer.value for ledger_id in chosen), "not forgotten"
     record = brain.step()
     assert not record.rebuilt
     again = [brain.state.mirror.ledger.entries[i] for i in chosen]
     assert all(entry.state == "culled" for entry in again), "the same rows go when the tick is run again"
     brain.step()
-    assert not any(ledger_id in policy.value for ledger_id in chosen), "forgotten once they are gone"
+    assert not any(ledger_id in policy.scorer.value for ledger_id in chosen), "forgotten once they are gone"
 
 
 def test_scored_breaks_ties_by_age(tiny):
@@ -238,3 +235,78 @@ def test_none_stop_ends_the_run_with_the_cache_full(tiny):
     assert result.stopped and result.ticks == 48 - 21
     assert records[-1].stopped and len(brain.state) == 48
     assert all([a["action"] for a in r.actions] == ["add"] for r in records), "no deletes, only the adds"
+
+
+@pytest.mark.parametrize("name", ["brightness", "streaming", "scored", "h2o", "none"])
+def test_a_prompt_longer_than_the_budget_is_pruned_before_the_first_tick(tiny, name):
+    prompt = [tiny.bos_id] + [(7 * i) % 500 + 5 for i in range(99)]
+    brain = Brain.start(tiny, prompt, BrainConfig(policy=name, budget=48, at_capacity="shift", seed=1))
+    sm = brain.state
+    assert brain.tick == 0 and len(sm) <= 48
+    assert sm.live_token_ids()[:4] == prompt[:4], "the sinks stay"
+    last = sm.mirror.ledger[sm.mirror.live.ledger_ids[-1]]
+    assert (last.token_id, last.source, sm.positions()[-1]) == (prompt[-1], "prompt", 99), "the prompt's last token, in place"
+    assert len(sm.mirror.ledger) == 100, "every prompt token is in the ledger, the pruned ones culled"
+    assert sm.next_logits is not None
+    sm.check(deep=True)
+    for _ in range(5):
+        assert brain.step().live_length <= 48
+
+
+class FixedLengthRepairer:
+    """Proposes `tokens` copies of the pair's first token: a repairer that frees nothing (2 tokens)
+    or grows the context (3)."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def propose(self, view, pair):
+        return [int(view.token_ids[pair[0]])] * self.tokens
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_live_never_exceeds_the_budget_whatever_the_repairer_proposes(tiny, tokens):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, window=8, seed=1))
+    brain.policy.repairer = FixedLengthRepairer(tokens)
+    for _ in range(60):
+        record = brain.step()
+        assert record.live_length <= 48
+        if tokens > 1:
+            assert all(a["action"] != "replace_pair" for a in record.actions), "a repair that frees nothing is a cull"
+    assert brain.counts["repairs" if tokens == 1 else "culls"] > 0
+    brain.state.check(deep=True)
+
+
+def test_units_that_cannot_free_enough_are_made_up_by_single_rows(tiny):
+    """Brightness takes pairs; when the free rows left are fragmented it deletes single rows."""
+    policy = make_policy("brightness", tiny, config("brightness", 20, window=4, repair_batch=8, repairer="none"))
+    ids = list(range(100, 120))
+    values = [255.0] * 20
+    for row in (5, 6, 8, 9, 11, 12, 14, 15):  # four dim pairs in rows 4..15 leave single rows between them
+        values[row] = 0.0
+    actions, outcomes, gone = policy.free(view_of(ids), values, 9)
+    assert sorted(gone) == [4, 5, 6, 8, 9, 11, 12, 14, 15], "four pairs, then the oldest single row"
+    assert outcomes[-1] == ((4,), "culled") and len(actions) == 9
+
+
+def test_bridge_repairs_with_the_best_scored_candidate_of_pairs_it_probed(tiny):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)),
+                        BrainConfig(budget=48, window=8, repairer="bridge", seed=1, temperature=0))
+    repairer = brain.policy.repairer
+    checked = 0
+    for _ in range(80):
+        view, scores = brain.state.view(), dict(repairer.scores)
+        record = brain.step()
+        assert record.live_length <= 48 and not record.rebuilt
+        for action in record.actions:
+            if action["action"] != "replace_pair":
+                continue
+            p1, p2 = action["original_pos1"], action["original_pos2"]
+            key = tuple(int(view.ledger_ids[row]) for row in (p1, p2, p2 + 1))
+            candidates = scores[key]  # only probed pairs are repaired
+            # the pair's own tokens, plus the model's prediction for the slot when it was probed
+            assert {int(view.token_ids[p1]), int(view.token_ids[p2])} <= set(candidates) and len(candidates) <= 3
+            assert action["new_token_ids"] == [max(candidates, key=candidates.get)]
+            checked += 1
+    assert checked > 5 and brain.counts["culls"] > 0, "unprobed pairs (the first batch) are culled"
+    brain.state.check(deep=True)

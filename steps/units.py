@@ -1,7 +1,13 @@
-"""Step 3b: choose the dimmest adjacent pairs of rows to repair or cull."""
+"""Step 3b: the one selector. Which rows a policy may touch, and its dimmest units.
+
+A unit is `size` adjacent rows edited together: a row (1), a pair (2, what the repairers
+replace), a chunk (n). Every policy selects through `select_units`, with the one
+protected-rows rule of `selectable_rows`.
+"""
 from __future__ import annotations
 
 import heapq
+from typing import Sequence
 
 
 def selectable_rows(length: int, *, sinks: int = 4, protect: int = 0, window: int = 0) -> range:
@@ -20,31 +26,36 @@ def protected_rows(length: int, *, sinks: int = 4, protect: int = 0, window: int
     return frozenset(range(length)) - frozenset(free)
 
 
-def select_pairs(
-    brightness: list[float],
+def select_units(
+    values: Sequence[float],
     count: int,
     *,
+    size: int = 2,
     sinks: int = 4,
     protect: int = 0,
     window: int = 0,
-) -> list[tuple[int, int]]:
-    """Up to `count` non-overlapping adjacent pairs (p, p+1), none touching a protected row.
+) -> list[tuple[int, ...]]:
+    """Up to `count` non-overlapping units of `size` adjacent rows, none touching a protected row.
 
-    brightness: one value per live row. A pair's score is max(b[p], b[p+1]) (a pair is only
-    as dim as its brighter row); pairs are taken greedily, lowest score first, ties to
-    the lower position. Returned sorted by position. O(n + count·log n) per call.
+    values: one per live row, lower = less worth keeping. A unit's value is the max of its
+    rows' (a unit is only as dim as its brightest row); units are taken greedily, lowest
+    value first, ties to the lower row. Returned in that order (the caller may stop early,
+    e.g. once enough rows are freed). O(n·size + count·log n) per call.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be an int >= 0, got {count!r}")
-    free = selectable_rows(len(brightness), sinks=sinks, protect=protect, window=window)
-    heap = [(max(brightness[p], brightness[p + 1]), p) for p in range(free.start, free.stop - 1)]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
+    free = selectable_rows(len(values), sinks=sinks, protect=protect, window=window)
+    heap = [(max(values[p : p + size]), p) for p in range(free.start, free.stop - size + 1)]
     heapq.heapify(heap)
     taken: set[int] = set()
-    chosen: list[tuple[int, int]] = []
+    chosen: list[tuple[int, ...]] = []
     while heap and len(chosen) < count:
         _, p = heapq.heappop(heap)
-        if p in taken or p + 1 in taken:
+        unit = tuple(range(p, p + size))
+        if taken.intersection(unit):
             continue
-        taken.update((p, p + 1))
-        chosen.append((p, p + 1))
-    return sorted(chosen)
+        taken.update(unit)
+        chosen.append(unit)
+    return chosen

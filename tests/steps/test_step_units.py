@@ -5,7 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steps.pairs import protected_rows, select_pairs, selectable_rows
+from steps.units import protected_rows, select_units, selectable_rows
+
+
+def select_pairs(values, count, **kwargs):
+    """Pairs in row order (select_units hands them back lowest value first)."""
+    return sorted(select_units(values, count, size=2, **kwargs))
 
 
 def test_dimmest_pairs_lowest_first_and_sinks_skipped():
@@ -33,9 +38,9 @@ def test_pairs_do_not_overlap():
     assert select_pairs(b, 2) == [(4, 5), (6, 7)]
 
 
-def test_result_sorted_by_position_not_by_score():
+def test_units_come_lowest_value_first():
     b = [9, 9, 9, 9, 2, 2, 1, 1]
-    assert select_pairs(b, 2) == [(4, 5), (6, 7)]
+    assert select_units(b, 2) == [(6, 7), (4, 5)]
 
 
 def test_protect_prefix_and_window():
@@ -79,24 +84,25 @@ def test_invalid_count_raises(count):
         select_pairs([1.0] * 10, count)
 
 
-def reference(b, count, sinks, protect, window):
-    """Independent greedy: repeatedly scan for the lowest (score, position) free pair."""
+def reference(b, count, sinks, protect, window, size):
+    """Independent greedy: repeatedly scan for the lowest (value, row) free unit."""
     n = len(b)
     guarded = set(range(min(n, max(sinks, protect)))) | set(range(max(0, n - window), n))
     used, out = set(), []
     while len(out) < count:
         best = None
-        for p in range(n - 1):
-            if {p, p + 1} & (guarded | used):
+        for p in range(n - size + 1):
+            rows = set(range(p, p + size))
+            if rows & (guarded | used):
                 continue
-            key = (max(b[p], b[p + 1]), p)
+            key = (max(b[p : p + size]), p)
             if best is None or key < best:
                 best = key
         if best is None:
             break
-        used |= {best[1], best[1] + 1}
-        out.append((best[1], best[1] + 1))
-    return sorted(out)
+        used |= set(range(best[1], best[1] + size))
+        out.append(tuple(range(best[1], best[1] + size)))
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -106,17 +112,30 @@ def reference(b, count, sinks, protect, window):
     sinks=st.integers(0, 6),
     protect=st.integers(0, 12),
     window=st.integers(0, 12),
+    size=st.integers(1, 4),
 )
-def test_property_matches_greedy_and_respects_protection(b, count, sinks, protect, window):
-    got = select_pairs(b, count, sinks=sinks, protect=protect, window=window)
+def test_property_matches_greedy_and_respects_protection(b, count, sinks, protect, window, size):
+    got = select_units(b, count, size=size, sinks=sinks, protect=protect, window=window)
     guarded = protected_rows(len(b), sinks=sinks, protect=protect, window=window)
-    rows = [r for pair in got for r in pair]
+    rows = [r for unit in got for r in unit]
     assert len(got) <= count
-    assert all(q == p + 1 for p, q in got)
-    assert len(rows) == len(set(rows)), "pairs overlap"
+    assert all(list(unit) == list(range(unit[0], unit[0] + size)) for unit in got)
+    assert len(rows) == len(set(rows)), "units overlap"
     assert not set(rows) & guarded, "touched a protected row"
-    assert got == sorted(got)
-    assert got == reference(b, count, sinks, protect, window)
+    assert got == reference(b, count, sinks, protect, window, size)
+
+
+def test_rows_and_chunks():
+    b = [0, 0, 0, 0, 5, 1, 7, 3, 3, 9, 9]
+    assert select_units(b, 3, size=1) == [(5,), (7,), (8,)]  # lowest value first
+    assert select_units(b, 1, size=3) == [(4, 5, 6)]  # chunk values 7, 7, 7, 9, 9: ties to the lower row
+    assert select_units(b, 5, size=4) == [(4, 5, 6, 7)]  # every other chunk overlaps it
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_invalid_size_raises(size):
+    with pytest.raises(ValueError, match="size"):
+        select_units([1.0] * 10, 1, size=size)
 
 
 def test_ten_thousand_rows_is_fast():
@@ -124,5 +143,5 @@ def test_ten_thousand_rows_is_fast():
     b = [rng.uniform(0, 255) for _ in range(10_000)]
     t0 = time.perf_counter()
     for _ in range(10):
-        select_pairs(b, 2, sinks=4, protect=100, window=32)
+        select_units(b, 2, sinks=4, protect=100, window=32)
     assert (time.perf_counter() - t0) / 10 < 0.05
