@@ -4,8 +4,8 @@
 
 Deterministic (fixed prompt, seed and greedy choices), so the files can be regenerated; a
 rerun on the same torch/transformers build gives fixtures that replay the same. One live run
-(brightness policy, budget 40, the self repairer: one token per pair) from a 53-token prompt,
-so that its first ticks are over budget and cut two pairs each, provides:
+(brightness policy, budget 40, the self repairer: one token per pair, two pairs every other
+tick) from a 53-token prompt, pruned to the budget before the first tick, provides:
 
     loop_two_repairs.pt       captured by Capture: the first tick with two repairs from tick
                               8 on (edits behind it, so the live cache carries splice traces),
@@ -42,9 +42,10 @@ from positronic.cli import DEFAULT_PROMPT  # noqa: E402
 from positronic.fixtures import Capture, capture_tick, load_fixture, replay, save_fixture  # noqa: E402
 from positronic.loop import Brain, BrainConfig  # noqa: E402
 
-CONFIG = dict(budget=40, window=8, seed=1, temperature=0.7, repair_batch=1)  # the self repairer proposes 1 token per pair
-# The default prompt and more: 53 tokens with BOS, over the budget of 40, so ticks 1-13 each
-# cut two pairs (a 1-token repair shrinks the context by one, the add grows it by one).
+# the self repairer proposes 1 token per pair; repair_batch 2: every other tick repairs two pairs
+CONFIG = dict(budget=40, window=8, seed=1, temperature=0.7, repairer="self", repair_batch=2)
+# The default prompt and more: 53 tokens with BOS, over the budget of 40, so the start prunes
+# it to the budget and from tick 1 on every other tick repairs two pairs.
 PROMPT = DEFAULT_PROMPT + (" made the finest clocks in the land. Every morning he wound each one by hand and "
                            "listened to the ticking that filled his small shop, and every evening he")
 FIRST_LOOP_TICK = 8  # the loop fixture is taken from this tick on

@@ -29,7 +29,9 @@ class Mirror:
                live_brightness: list[float] | None = None) -> list[int]:
         """Apply a whole Layout (see layout.py): deleted rows' entries retire (or become
         replaced by the tokens inserted in their place), the new tokens get ledger entries
-        starting at `brightness`, and the live map becomes the layout's rows and positions.
+        starting at `brightness` (a replacement starts at the brightest of the rows it
+        replaces: it stands for what was there, not for news), and the live map becomes the
+        layout's rows and positions.
         `live_brightness`: the tick's new brightness of every row before the edits. Returns
         the new ledger ids. Everything that could refuse is checked before the first change.
         """
@@ -51,8 +53,9 @@ class Mirror:
             self.ledger.retire(live[row], tick)
         new_ids = []
         for insertion, part in layout.groups:
+            start = max((self.ledger[live[row]].brightness for row in insertion.replaces), default=brightness)
             for token_id, text in zip(insertion.token_ids, texts[part]):
-                new_ids.append(self.ledger.add(token_id, text, insertion.source, tick, brightness))
+                new_ids.append(self.ledger.add(token_id, text, insertion.source, tick, start))
         for insertion, part in layout.groups:
             if insertion.replaces:
                 self.ledger.link_replacement([live[row] for row in insertion.replaces], new_ids[part])

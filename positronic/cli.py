@@ -27,6 +27,7 @@ from .loop import Brain, BrainConfig, TickRecord
 from .runner import Runner, RunResult, summary
 from .models import ModelError, load_model
 
+DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -49,15 +50,18 @@ def run(
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
     window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
-    brightness: str = typer.Option("ttl", help="Brightness rule: ttl | vote."),
-    repairer: str = typer.Option("self", help="self | mlm:PATH (a local masked LM) | none (cull only)."),
+    brightness: str = typer.Option(DEFAULTS.brightness, help="Brightness rule: ttl | vote."),
+    ttl_decay: float = typer.Option(DEFAULTS.ttl_decay, min=0.0, help="ttl rule: brightness lost per tick."),
+    ttl_gain: float = typer.Option(DEFAULTS.ttl_gain, min=0.0, help="ttl rule: brightness gained per unit of attention (what counts is gain/decay)."),
+    unit: int = typer.Option(DEFAULTS.unit, min=0, help="Brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)."),
+    repairer: str = typer.Option(DEFAULTS.repairer, help="none (cull only) | bridge (keep the pair's best token when it beats culling) | self (the model's guess) | mlm:PATH."),
     repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self: exactly 1)."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
     repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
     seed: int = typer.Option(0, help="Sampling seed."),
-    repair_batch: int = typer.Option(8, min=1, help="Brightness policy: pairs repaired at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
+    repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="Brightness policy: rows freed at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
@@ -89,7 +93,7 @@ def run(
     policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
                                                kv_protected_tokens)
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
-                         repairer=repairer, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
+                         ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
                          refresh_kl=refresh_kl)
     config.validate()
@@ -191,8 +195,8 @@ def eval_command(
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
-    repairer: str = typer.Option("self", help="The brightness policy's repairer: self | mlm:PATH | none (cull only)."),
-    repair_batch: int = typer.Option(8, min=1, help="The brightness policy's pairs repaired at once at the budget (1 = one per tick)."),
+    repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
+    repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
     generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --smooth are ignored)."),
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),

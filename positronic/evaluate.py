@@ -124,10 +124,11 @@ class StreamResult:
 
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last", repairer: str = "self", repair_batch: int = 8) -> BrainConfig:
-    """The BrainConfig of one run; EvalError if the combination cannot run."""
+                score_layers="last", repairer: str | None = None, repair_batch: int | None = None) -> BrainConfig:
+    """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run."""
+    chosen = {"repairer": repairer, "repair_batch": repair_batch}
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
+                         score_layers=score_layers, **{k: v for k, v in chosen.items() if v is not None})
     try:
         config.validate()
         POLICIES[policy].check(config)
@@ -204,7 +205,7 @@ def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             repairer: str = "self", repair_batch: int = 8, progress=None, on_run=None,
+             repairer: str | None = None, repair_batch: int | None = None, progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer` is the brightness policy's (`none`: cull
@@ -411,8 +412,8 @@ def read_text(path: Path | None) -> tuple[str, str]:
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
-         dtype: str | None = None, smooth: int | None = None, repairer: str = "self",
-         repair_batch: int = 8) -> EvalReport:
+         dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
+         repair_batch: int | None = None) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

@@ -194,7 +194,7 @@ def prompt_of(lm, text: str, prompt_tokens: int) -> list[int]:
 
 
 def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sinks: int = 4, protect: int = 0,
-                   at_capacity: str = "shift", repairer: str = "self", repair_batch: int = 8,
+                   at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
                    score_layers="last") -> dict[tuple[str, int], BrainConfig]:
     """EvalError for anything that cannot run (before a model is loaded or a file written);
     returns the BrainConfig of every (policy, budget), seed not yet set."""
@@ -220,7 +220,7 @@ def score_run(lm, prompt_ids: list[int], run: GenerationRun) -> GenerationRun:
 
 def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, generate: int,
                         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, sinks: int = 4, protect: int = 0,
-                        at_capacity: str = "shift", repairer: str = "self", repair_batch: int = 8,
+                        at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
                         score_layers="last", reference: bool = True, progress=None, on_run=None,
                         text_name: str = "") -> GenerationReport:
     """Generate `generate` tokens per (policy, budget) from BOS + the first `prompt_tokens`
@@ -387,7 +387,7 @@ def write_generation_outputs(report: GenerationReport, out: Path) -> dict[str, P
 def main(*, generate: int, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, out: Path = Path("eval_results"),
          sinks: int = 4, protect: int = 0, at_capacity: str = "shift", device: str | None = None,
-         dtype: str | None = None, repairer: str = "self", repair_batch: int = 8) -> GenerationReport:
+         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None) -> GenerationReport:
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
     print the table, write the files. Returns the GenerationReport."""
     from rich.console import Console

@@ -11,6 +11,7 @@ tick number and its brightness reach the StateManager as arguments of `apply`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -43,9 +44,18 @@ class BrainConfig:
     protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
     window: int = 32  # most recent rows never culled
     brightness: str = "ttl"  # rule: ttl | vote
+    # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
+    # at 500 a row holds its brightness while it gets about its fair share of attention
+    # (1/live at a budget of 256 rows) and fades otherwise. DESIGN's reference constants
+    # (2, 10) make attention almost irrelevant; 500 measured best (bench/RESULTS.md).
+    ttl_decay: float = 2.0
+    ttl_gain: float = 1000.0
+    unit: int = 0  # brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
-    repairer: str = "self"  # bridge | self | mlm:PATH | none (cull only)
+    # none (cull only) measured best; every repairer tried costs perplexity (bench/RESULTS.md)
+    repairer: str = "none"  # none | bridge | self | mlm:PATH
     repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
+    bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
     # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
     # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
     # grows slowly after that, so repairing 8 pairs every 8th tick costs far less than one pair
@@ -59,6 +69,11 @@ class BrainConfig:
     seed: int = 0
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+
+    @property
+    def unit_rows(self) -> int:
+        """Rows per unit: `unit`, or with 0 a pair when a repairer is set, else one row."""
+        return self.unit or (1 if self.repairer == "none" else 2)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -75,6 +90,14 @@ class BrainConfig:
         if self.brightness not in steps.RULES:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
         repairers.check_spec(self.repairer)
+        if self.unit < 0:
+            raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
+        if self.repairer != "none" and self.unit not in (0, 2):
+            raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
+                             "(use --repairer none with other units)")
+        for name in ("ttl_decay", "ttl_gain"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
             raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
         if self.repair_batch < 1:

@@ -9,8 +9,9 @@ proposes fewer tokens for a unit instead of deleting it. Everything else is shar
   and the most recent `window(length)` rows are never touched;
 - the one selector (`steps.select_units`): the lowest-valued units first;
 - the hard budget: nothing happens below the budget; when the live length has reached it
-  (this tick's token needs a row), units are taken until the live length after the tick's
-  add is at most `budget - batch`. A repair frees len(unit) - len(proposal) rows and is only
+  (this tick's token needs a row), units are taken until `batch` rows are freed, so the
+  live length after the tick's add is at most `budget - batch + 1` and the next `batch - 1`
+  ticks only add. A repair frees len(unit) - len(proposal) rows and is only
   taken if that is at least one; otherwise the unit is deleted. If units alone cannot free
   enough (the free rows are fragmented), single rows make up the rest. So after every tick
   live <= budget, whatever the repairer proposes, as long as the validated configuration
@@ -91,8 +92,9 @@ class Policy:
 
     @classmethod
     def batch(cls, config) -> int:
-        """Rows below the budget the live length drops to when the policy acts."""
-        return batch_size(config.budget)
+        """Rows freed at once when the cache is full (llama.cpp's batch + the row this tick's
+        token needs: the live length drops to `budget - batch_size` after the add)."""
+        return batch_size(config.budget) + 1
 
     # --- shared -----------------------------------------------------------------------------
 
@@ -101,7 +103,7 @@ class Policy:
         """ValueError unless a full cache leaves at least one batch (+1) rows to take."""
         free = steps.selectable_rows(config.budget, sinks=config.sinks, protect=config.protect,
                                      window=cls.window(config, config.budget))
-        need = cls.batch(config) + 1
+        need = cls.batch(config)
         if len(free) < need:
             raise ValueError(
                 f"policy {cls.name}: budget {config.budget} leaves {len(free)} evictable rows after the protected "
@@ -109,9 +111,10 @@ class Policy:
                 f"({cls.window(config, config.budget)}); it needs at least {need}")
 
     def due(self, length: int) -> int:
-        """Rows to free this tick, given the live length before this tick's add."""
+        """Rows to free this tick, given the live length before this tick's add: none below
+        the budget, `batch` at it (more above it, e.g. after a smaller budget was set)."""
         budget = self.config.budget
-        return 0 if length < budget else length + 1 - (budget - self.batch(self.config))
+        return 0 if length < budget else length - budget + self.batch(self.config)
 
     def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         """This tick's edits; sub-step timings go into `seconds`."""
@@ -204,19 +207,20 @@ class Policy:
 
 
 class BrightnessPolicy(Policy):
-    """The halo rules: brightness from attention, then repair or cull the dimmest pairs.
-    Window: `config.window`; batch: `config.repair_batch` rows."""
+    """The halo rules: brightness from attention, then cull (or repair) the dimmest units.
+    Unit: `config.unit_rows` (a repairer needs pairs); window: `config.window`; batch:
+    `config.repair_batch` rows."""
 
     name = "brightness"
-    unit = 2
     removed = "culled"
 
     def __init__(self, lm, config):
+        self.unit = config.unit_rows
         super().__init__(lm, config)
-        self.repairer = make_repairer(config.repairer, lm, tokens=config.repair_tokens)
+        self.repairer = make_repairer(config.repairer, lm, tokens=config.repair_tokens, margin=config.bridge_margin)
 
     def make_scorer(self, config):
-        return BrightnessScorer(config.brightness, sinks=config.sinks)
+        return BrightnessScorer(config)
 
     @classmethod
     def window(cls, config, length):
@@ -224,10 +228,11 @@ class BrightnessPolicy(Policy):
 
     @classmethod
     def batch(cls, config):
-        """`config.repair_batch` rows, fewer when a small budget leaves fewer free rows."""
+        """`config.repair_batch` rows (1: one row a tick at the budget), fewer when a small
+        budget leaves fewer free rows."""
         free = steps.selectable_rows(config.budget, sinks=config.sinks, protect=config.protect,
                                      window=config.window)
-        return max(1, min(config.repair_batch, len(free) - 1))
+        return max(1, min(config.repair_batch, len(free)))
 
 
 class StreamingPolicy(Policy):

@@ -51,16 +51,22 @@ class BridgeRepairer:
     """Keep the candidate that best bridges the pair's left context to its right neighbour.
 
     Candidates of a pair (p1, p2): token[p1], token[p2] and the model's greedy prediction
-    after row p1 - 1 (BOS/EOS never). `request(view, pairs)` returns the probes to score
-    them; `receive(logprobs)` takes their log-probabilities; `propose(view, pair)` returns
-    the best candidate of a scored pair, or nothing. Scores are keyed by the ledger ids of
-    the pair and its right neighbour, so they follow the rows through splices and are
+    after row p1 - 1 (BOS/EOS never), each scored log P(r | left, candidate); and culling
+    the pair, scored log P(r | left): the row left of the pair probed in its own place. A
+    candidate must beat culling by `margin` nats to be proposed (a repair frees one row
+    where a cull frees two, so it has to earn its place). `request(view, pairs)` returns the
+    probes; `receive(logprobs)` takes their log-probabilities; `propose(view, pair)` returns
+    the best candidate of a scored pair, or nothing (cull). Scores are keyed by the ledger
+    ids of the pair and its right neighbour, so they follow the rows through splices and are
     dropped if any of the three is gone.
     """
 
-    def __init__(self, lm, tokens: int = 1):
+    CULL = -1  # the candidate "no token": the pair is culled
+
+    def __init__(self, lm, tokens: int = 1, *, margin: float = 0.0):
         if tokens != 1:
             raise RepairerError(f"the bridge repairer proposes exactly 1 token per pair, not {tokens}")
+        self.margin = margin
         self.refused = {i for i in (lm.bos_id, lm.eos_id) if i is not None}
         self.scores: dict[tuple[int, int, int], dict[int, float]] = {}
         self._asked: list[tuple[tuple[int, int, int], int]] = []  # (key, candidate) per probe
@@ -80,13 +86,18 @@ class BridgeRepairer:
                 continue
             p1, p2 = pair[0], pair[-1]
             candidates = dict.fromkeys(int(t) for t in (view.token_ids[p1], view.token_ids[p2], view.predicted[p1 - 1]))
+            target = int(view.token_ids[p2 + 1])
             for candidate in candidates:
                 if candidate in self.refused:
                     continue
                 tokens.append(candidate)
                 positions.append(int(view.positions[p1]))
-                targets.append(int(view.token_ids[p2 + 1]))
+                targets.append(target)
                 asked.append((key, candidate))
+            tokens.append(int(view.token_ids[p1 - 1]))  # the cull: what the left row predicts without the pair
+            positions.append(int(view.positions[p1 - 1]))
+            targets.append(target)
+            asked.append((key, self.CULL))
         self._asked = asked
         return Probes(tuple(tokens), tuple(positions), tuple(targets)) if tokens else None
 
@@ -101,9 +112,12 @@ class BridgeRepairer:
 
     def propose(self, view, pair: tuple[int, int]) -> list[int]:
         scored = self.scores.get(self._key(view, pair))
-        if not scored:
+        if not scored or self.CULL not in scored:
             return []
-        return [max(scored, key=scored.get)]
+        best = max((c for c in scored if c != self.CULL), key=scored.get, default=None)
+        if best is None or scored[best] < scored[self.CULL] + self.margin:
+            return []
+        return [best]
 
 
 class NoRepairer:
@@ -165,13 +179,13 @@ def check_spec(spec: str) -> None:
         raise RepairerError(f"masked LM directory {path!r} does not exist (use mlm:PATH with a local model)")
 
 
-def make_repairer(spec: str, lm, *, tokens: int = 1):
+def make_repairer(spec: str, lm, *, tokens: int = 1, margin: float = 0.0):
     """`bridge`, `self`, `mlm:PATH` or `none`, for a run of `lm`."""
     check_spec(spec)
     if spec == "self":
         return SelfRepairer(lm, tokens)
     if spec == "bridge":
-        return BridgeRepairer(lm, tokens)
+        return BridgeRepairer(lm, tokens, margin=margin)
     if spec == "none":
         return NoRepairer()
     return MaskedLMRepairer(lm, spec.removeprefix("mlm:"), max_tokens=max(tokens, 1))

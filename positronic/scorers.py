@@ -34,9 +34,9 @@ class BrightnessScorer(Scorer):
 
     keeps_brightness = True
 
-    def __init__(self, rule: str, *, sinks: int):
-        self.rule = steps.RULES[rule]
-        self.options = {"sinks": sinks} if self.rule.uses_sinks else {}
+    def __init__(self, config):
+        self.rule = steps.RULES[config.brightness]
+        self.options = {option: getattr(config, setting) for option, setting in self.rule.settings}
 
     def values(self, view, scores):
         return self.rule.update(view.brightness.tolist(), scores, **self.options)

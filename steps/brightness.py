@@ -58,18 +58,18 @@ def update_vote(
 @dataclass(frozen=True)
 class Rule:
     """A brightness rule the loop can pick by name: new rows start at `start`;
-    `update(brightness, scores, **options)` returns the new brightness list. A rule that
-    `uses_sinks` takes the run's sink count as `sinks=`."""
+    `update(brightness, scores, **options)` returns the new brightness list. `settings` maps
+    each option the rule takes to the run setting (BrainConfig field) that supplies it."""
 
     name: str
     start: float
     update: Callable[..., list[float]]
-    uses_sinks: bool = False
+    settings: tuple[tuple[str, str], ...] = ()
 
 
 RULES: dict[str, Rule] = {
-    "ttl": Rule("ttl", TTL_START, update_ttl),
-    "vote": Rule("vote", VOTE_START, update_vote, uses_sinks=True),
+    "ttl": Rule("ttl", TTL_START, update_ttl, settings=(("decay", "ttl_decay"), ("gain", "ttl_gain"))),
+    "vote": Rule("vote", VOTE_START, update_vote, settings=(("sinks", "sinks"),)),
 }
 
 

@@ -54,7 +54,7 @@ def test_a_layout_splice_edits_ledger_and_live_map_in_one_step():
     assert m.live_texts() == ["<s>", " big", " huge", ".", " ran"]
     assert m.live.ledger_ids == [0, 2, 6, 5, 7]
     assert m.positions() == list(layout.positions) == [0, 2, 3, 5, 6], "survivors keep their positions"
-    assert m.brightness() == [10.0, 12.0, 200.0, 15.0, 200.0], "the tick's brightness, new tokens at the start"
+    assert m.brightness() == [10.0, 12.0, 14.0, 15.0, 200.0], "the tick's brightness; a replacement starts at the brightest row it replaces (13, 14), a new token at the start"
     assert [m.ledger[i].brightness for i in (1, 3, 4)] == [11.0, 13.0, 14.0], "the dead keep their last value"
     states = [(e.state, e.tick_died, e.replaced_by) for e in m.ledger.entries]
     assert states[1] == ("culled", 4, [])

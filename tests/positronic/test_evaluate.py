@@ -63,7 +63,7 @@ def test_the_stream_is_teacher_forced_through_brain_step(tiny, monkeypatch):
     original = Brain.step
     monkeypatch.setattr(Brain, "step", lambda self, force=None: forced.append(force) or original(self, force))
     ids = [tiny.bos_id] + tiny.encode(TEXT)[:60]
-    result = run_stream(tiny, ids, make_config("brightness", 48))
+    result = run_stream(tiny, ids, make_config("brightness", 48, repairer="self"))
     assert forced == ids[1:-1], "each token but the last is added by a forced tick, in order"
     assert len(result.nll) == 60 and result.repairs > 0 and result.max_live <= 49
 

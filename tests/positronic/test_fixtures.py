@@ -113,9 +113,11 @@ def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture
     assert fixture.new_brightness == 200.0 and fixture.brightness == STEP_BRIGHTNESS
     assert len(fixture.live_ids_before) == len(PROMPT)  # 31 - 2 + 1 + 1
     assert fixture.expected.live_ids[5:8] == [80, 81, 82] and fixture.expected.live_ids[-1] == 99
-    # rows 0-4 keep their Step 2b brightness, the new tokens start at 200, row 20 is gone
+    # rows 0-4 keep their Step 2b brightness, the repair's tokens start at the brighter of the
+    # pair they replace (rows 5-6), the add at 200, row 20 is gone
     brightness = fixture.expected.brightness
-    assert brightness[:5] == STEP_BRIGHTNESS[:5] and brightness[5:8] == [200.0] * 3 and brightness[-1] == 200.0
+    assert brightness[:5] == STEP_BRIGHTNESS[:5] and brightness[5:8] == [max(STEP_BRIGHTNESS[5:7])] * 3
+    assert brightness[-1] == 200.0
     assert brightness[8:-1] == STEP_BRIGHTNESS[7:20] + STEP_BRIGHTNESS[21:]
     assert fixture.expected.layer0_rows.tolist() == [0, 5, 6, 7, 31]  # first, created (incl. the add), last
     assert fixture.expected.layer0_keys.shape == (tiny.num_kv_heads, 5, tiny.head_dim)
@@ -173,7 +175,8 @@ def test_replay_refuses_another_model(smol, tiny_fixture):
 
 # --- capture in a real loop -----------------------------------------------------------------
 
-LOOP = dict(budget=40, window=8, seed=0, repair_batch=1)  # a pair every tick at the budget
+# a pair every tick at the budget; DESIGN's ttl constants, so that brightness moves in a tiny model
+LOOP = dict(budget=40, window=8, seed=0, repair_batch=1, repairer="self", ttl_gain=10.0)
 
 
 def run_loop(tiny, ticks: int, *observers) -> list:

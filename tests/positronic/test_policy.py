@@ -266,7 +266,7 @@ class FixedLengthRepairer:
 
 @pytest.mark.parametrize("tokens", [1, 2, 3])
 def test_live_never_exceeds_the_budget_whatever_the_repairer_proposes(tiny, tokens):
-    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, window=8, seed=1))
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, window=8, seed=1, unit=2))
     brain.policy.repairer = FixedLengthRepairer(tokens)
     for _ in range(60):
         record = brain.step()
@@ -289,24 +289,29 @@ def test_units_that_cannot_free_enough_are_made_up_by_single_rows(tiny):
     assert outcomes[-1] == ((4,), "culled") and len(actions) == 9
 
 
-def test_bridge_repairs_with_the_best_scored_candidate_of_pairs_it_probed(tiny):
+def test_bridge_repairs_a_probed_pair_only_when_its_best_candidate_beats_culling(tiny):
     brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)),
                         BrainConfig(budget=48, window=8, repairer="bridge", seed=1, temperature=0))
     repairer = brain.policy.repairer
-    checked = 0
+    repaired = culled = 0
     for _ in range(80):
         view, scores = brain.state.view(), dict(repairer.scores)
         record = brain.step()
         assert record.live_length <= 48 and not record.rebuilt
-        for action in record.actions:
-            if action["action"] != "replace_pair":
+        for unit, outcome in record.outcomes:
+            key = tuple(int(view.ledger_ids[row]) for row in (unit[0], unit[-1], unit[-1] + 1)) if unit else None
+            if key not in scores:
+                assert outcome != "replaced", "only probed pairs are repaired"
                 continue
-            p1, p2 = action["original_pos1"], action["original_pos2"]
-            key = tuple(int(view.ledger_ids[row]) for row in (p1, p2, p2 + 1))
-            candidates = scores[key]  # only probed pairs are repaired
+            cull = scores[key].pop(repairer.CULL)
             # the pair's own tokens, plus the model's prediction for the slot when it was probed
-            assert {int(view.token_ids[p1]), int(view.token_ids[p2])} <= set(candidates) and len(candidates) <= 3
-            assert action["new_token_ids"] == [max(candidates, key=candidates.get)]
-            checked += 1
-    assert checked > 5 and brain.counts["culls"] > 0, "unprobed pairs (the first batch) are culled"
+            assert {int(view.token_ids[unit[0]]), int(view.token_ids[unit[1]])} <= set(scores[key])
+            best = max(scores[key], key=scores[key].get)
+            if outcome == "replaced":
+                action = next(a for a in record.actions if a.get("original_pos1") == unit[0])
+                assert action["new_token_ids"] == [best] and scores[key][best] >= cull
+                repaired += 1
+            elif scores[key][best] < cull:
+                culled += 1
+    assert repaired > 0 and culled > 0, (repaired, culled)
     brain.state.check(deep=True)

@@ -29,7 +29,7 @@ def console(width=100, height=40) -> Console:
 def crafted(lm, text=TEXT, **config) -> Brain:
     """A real brain over `text` (no ticks run)."""
     state = StateManager.from_tokens(lm, [lm.bos_id] + lm.encode(text))
-    return Brain(state, BrainConfig(**{"budget": 48, **config}))
+    return Brain(state, BrainConfig(**{"budget": 48, "repairer": "self", **config}))
 
 
 def set_brightness(brain: Brain, values: list[float]) -> None:

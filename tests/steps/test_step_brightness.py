@@ -76,9 +76,10 @@ def test_rules_registry():
 
 
 def test_only_the_vote_rule_takes_the_runs_sinks():
-    """`uses_sinks` tells the policy which rules get `sinks=`: vote's threshold depends on it,
-    ttl has no such option (passing it would be an error, not silently ignored)."""
-    assert RULES["vote"].uses_sinks and not RULES["ttl"].uses_sinks
+    """`settings` tells the policy which run settings a rule takes: vote's threshold depends on
+    the sinks, ttl has no such option (passing it would be an error, not silently ignored)."""
+    assert dict(RULES["vote"].settings) == {"sinks": "sinks"}
+    assert dict(RULES["ttl"].settings) == {"decay": "ttl_decay", "gain": "ttl_gain"}
     vote = RULES["vote"].update
     assert vote([100.0] * 8, SCORES, sinks=4) != vote([100.0] * 8, SCORES, sinks=0)
     assert vote([100.0] * 8, SCORES) == vote([100.0] * 8, SCORES, sinks=4), "the default is 4 sinks"
