@@ -1,14 +1,17 @@
 """Decode speed: Hugging Face `generate` against the brain's loop.
 
     python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
+                           [--batches 8] [--repairers none bridge self]
 
 For each live length it prints ms per token and tokens/s for
   (a) hf-generate   `model.generate` as a user gets it: the model loaded the library's default
                     way (SDPA attention), its default DynamicCache, greedy, prefill excluded;
   (b) loop, maintenance off — sample + apply([add]) per tick (one forward, no edits);
   (c) loop, maintenance on — a full Brain tick at budget = context: brightness, the dimmest
-      pair repaired by the self repairer, Step 4 — still one forward;
-with the ratio (a)/(x) (above 1: faster than generate). The three run in turn, `--repeats`
+      rows culled (`none`, the default) or pairs repaired by a repairer (the bridge's probes
+      ride along in the same forward), Step 4 — still one forward; per --batches x --repairers;
+with the ratio (a)/(x) (above 1: faster than generate), and for each repairer its "repair"
+share: 1 - tick(none) / tick(repairer), what repairing costs over culling the same batch. The three run in turn, `--repeats`
 rounds, and every figure is the median over rounds of each round's median tick, so slow
 drift of a noisy machine hits all three alike. For (c) two shares of the tick:
   apply     all of Step 4 `apply()`, including its one model forward;
@@ -113,10 +116,12 @@ class ForwardClock:
         state_manager.forward, state_manager.prefill = self.saved
 
 
-def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1) -> tuple[float, float, float, float, float]:
+def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1,
+                    repairer: str = "none") -> tuple[float, float, float, float, float]:
     """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`
     and by `apply()` without its model forward, and the cache's MiB against the live rows'."""
-    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch))
+    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch,
+                                             repairer=repairer))
     times, apply_shares, step4_shares = [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
@@ -144,8 +149,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--ticks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8],
-                        help="repair batches to run (c) with; --ticks should be a multiple of each")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8],
+                        help="rows freed at once to run (c) with; --ticks should be a multiple of each")
+    parser.add_argument("--repairers", nargs="+", default=["none", "bridge", "self"],
+                        help="repairers to run (c) with (none = cull only, the default policy)")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     import transformers
@@ -155,8 +162,9 @@ def main() -> None:
           f"attention {lm.model.config._attn_implementation}  torch {torch.__version__}  "
           f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"{'context':>7} {'run':<28} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
-          f"{'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
+    print(f"{'context':>7} {'run':<36} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
+          f"{'repair':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
+    variants = [(b, r) for b in args.batches for r in args.repairers]
     for context in args.contexts:
         if context > lm.max_positions:
             print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
@@ -166,21 +174,25 @@ def main() -> None:
         for _ in range(args.repeats):
             base = hf_generate(lm, ids, args.ticks)
             plain = loop_plain(lm, ids, args.ticks)
-            maintained = [loop_maintained(lm, ids, args.ticks, batch) for batch in args.batches]
+            maintained = [loop_maintained(lm, ids, args.ticks, batch, repairer) for batch, repairer in variants]
             rounds.append((base, plain, *maintained))
         rows = []
         for k, name in enumerate(["(a) hf-generate (sdpa)", "(b) loop, maintenance off"]
-                                 + [f"(c) maintenance on, batch {b}" for b in args.batches]):
+                                 + [f"(c) maintenance on, batch {b}, {r}" for b, r in variants]):
             seconds = statistics.median(r[k] if k < 2 else r[k][0] for r in rounds)
             ratio = statistics.median(r[0] / (r[k] if k < 2 else r[k][0]) for r in rounds)
             cells = ""
             if k >= 2:
                 apply, step4, cache_mb, live_mb = (statistics.median(r[k][j] for r in rounds) for j in (1, 2, 3, 4))
-                cells = f"{apply:>6.1%} {step4:>6.1%} {cache_mb:>10.1f} {live_mb:>12.1f}"
+                batch, repairer = variants[k - 2]
+                cull = variants.index((batch, "none")) + 2 if (batch, "none") in variants else None
+                repair = (f"{statistics.median(1 - r[cull][0] / r[k][0] for r in rounds):>6.1%}"
+                          if cull is not None and repairer != "none" else f"{'':>6}")
+                cells = f"{apply:>6.1%} {step4:>6.1%} {repair} {cache_mb:>10.1f} {live_mb:>12.1f}"
             rows.append((name, seconds, ratio, cells))
         for name, seconds, vs, cells in rows:
-            print(f"{context:>7} {name:<28} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
-                  f"{cells or f'{chr(32) * 37}':<37} {peak_memory_mb(lm):>9.0f}", flush=True)
+            print(f"{context:>7} {name:<36} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
+                  f"{cells or f'{chr(32) * 44}':<44} {peak_memory_mb(lm):>9.0f}", flush=True)
 
 
 if __name__ == "__main__":

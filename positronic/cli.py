@@ -42,11 +42,11 @@ class UserError(Exception):
 def run(
     ctx: typer.Context,
     model: str = typer.Option("smollm2", help="smollm2 (embedded) | tinyllama | a local dir or hub id | random:tinyllama | random:tiny"),
-    ticks: int = typer.Option(200, min=1, help="Ticks (generated tokens) to run."),
+    ticks: int = typer.Option(300, min=1, help="Ticks (generated tokens) to run."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none."),
-    budget: int = typer.Option(500, help="Target live context length."),
+    budget: int = typer.Option(128, help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
     window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
@@ -55,7 +55,8 @@ def run(
     ttl_gain: float = typer.Option(DEFAULTS.ttl_gain, min=0.0, help="ttl rule: brightness gained per unit of attention (what counts is gain/decay)."),
     unit: int = typer.Option(DEFAULTS.unit, min=0, help="Brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)."),
     repairer: str = typer.Option(DEFAULTS.repairer, help="none (cull only) | bridge (keep the pair's best token when it beats culling) | self (the model's guess) | mlm:PATH."),
-    repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self: exactly 1)."),
+    repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self, bridge: exactly 1)."),
+    bridge_margin: float = typer.Option(DEFAULTS.bridge_margin, help="Bridge repairer: nats by which keeping a token must beat culling the pair."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
@@ -93,7 +94,7 @@ def run(
     policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
                                                kv_protected_tokens)
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
-                         ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
+                         ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, bridge_margin=bridge_margin, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
                          refresh_kl=refresh_kl)
     config.validate()

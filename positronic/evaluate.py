@@ -13,8 +13,8 @@ instead of sampled (`Brain.step(force=token)`). At each tick the NLL of the true
 is read from the state's next-token logits (log-softmax) *before* it is added; then the tick
 runs as it would in a run: the policy plans from the newest token's attention, and its
 actions plus the `add` of the true token go through Step 4. So every policy sees, edits and
-is scored on the same cache the generator would have; brightness may repair (its self
-repairer proposes tokens). A tick that fails changes nothing, so it is run again with the
+is scored on the same cache the generator would have; brightness repairs when a repairer is
+set (`--repairer bridge|self`; the default culls). A tick that fails changes nothing, so it is run again with the
 same token (a second failure ends the evaluation).
 
 Reported per (policy, budget): perplexity exp(mean NLL) over all predicted tokens and over
@@ -208,8 +208,8 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
              repairer: str | None = None, repair_batch: int | None = None, progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
-    full-cache reference when it fits. `repairer` is the brightness policy's (`none`: cull
-    only). `progress` is a rich Progress (or None); `on_run` is called with each finished
+    full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
+    (None: the library default). `progress` is a rich Progress (or None); `on_run` is called with each finished
     RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:

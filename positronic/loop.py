@@ -95,7 +95,7 @@ class BrainConfig:
         if self.repairer != "none" and self.unit not in (0, 2):
             raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
                              "(use --repairer none with other units)")
-        for name in ("ttl_decay", "ttl_gain"):
+        for name in ("ttl_decay", "ttl_gain", "bridge_margin"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:

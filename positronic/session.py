@@ -42,6 +42,11 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
     return path
 
 
+# Settings added after sessions were first saved, with the values those runs used: a session
+# saved before them resumes exactly as it would have gone on, not with today's defaults.
+BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0}
+
+
 def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
     """The saved mirror and its metadata, validated."""
     path = Path(directory) / MIRROR_FILE
@@ -52,6 +57,7 @@ def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
     config = meta.get("config")
     if not isinstance(config, dict) or set(config) - known:
         raise SessionError(f"{path}: settings missing or unknown: {sorted(set(config or {}) - known)}")
+    meta["config"] = {**BEFORE_NEW_SETTINGS, **config}
     if type(meta.get("tick")) is not int or not isinstance(meta.get("model"), str):
         raise SessionError(f"{path}: tick or model missing")
     if not isinstance(meta.get("generator"), bytes):

@@ -400,3 +400,13 @@ def test_ctrl_c_while_starting_exits_130_with_one_line(monkeypatch, capsys):
         cli.main(["--model", "random:tiny", "--no-tui", "--ticks", "2"])
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_a_run_with_no_flags_shows_maintenance_at_work(capsys):
+    """`make run` / `python run.py` with nothing else: the defaults reach the budget and edit."""
+    assert run_cli("--no-tui") == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("--- summary ---"):]
+    culls = int(re.search(r"culls (\d+)", summary).group(1))
+    live, budget = map(int, re.search(r"live (\d+) / budget (\d+)", summary).groups())
+    assert culls > 0 and budget == 128 and live <= budget

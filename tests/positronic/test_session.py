@@ -1,0 +1,28 @@
+"""Sessions (positronic/session.py): what a saved run comes back as."""
+
+import mirror
+from positronic import session as sessions
+from positronic.loop import Brain, BrainConfig
+
+
+def test_a_session_saved_before_the_new_settings_resumes_with_the_values_it_ran_with(tiny, tmp_path):
+    """A session from before ttl_decay/ttl_gain/unit/bridge_margin existed has no such keys; it
+    resumes with the values it ran with (DESIGN's ttl constants, pairs), not today's defaults:
+    it goes on exactly as the same session saved with every key."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)),
+                        BrainConfig(budget=48, repairer="self", ttl_gain=10.0, unit=2, seed=3))
+    for _ in range(20):
+        brain.step()
+    sessions.save(tmp_path / "now", brain, tiny.name)
+    path = sessions.save(tmp_path / "before", brain, tiny.name)
+    saved, meta = mirror.load(path)
+    for key in sessions.BEFORE_NEW_SETTINGS:
+        del meta["config"][key]
+    mirror.save(path, saved, meta)
+    now, before = sessions.resume(tiny, tmp_path / "now"), sessions.resume(tiny, tmp_path / "before")
+    assert (before.config.ttl_gain, before.config.unit, before.config.ttl_decay) == (10.0, 2, 2.0)
+    assert before.config.ttl_gain != BrainConfig().ttl_gain, "not today's default"
+    for _ in range(20):
+        a, b = now.step(), before.step()
+        assert (a.token_id, a.actions) == (b.token_id, b.actions)
+    assert now.counts["repairs"] > 0
