@@ -200,6 +200,7 @@ class Brain:
 
         self.tick += 1
         sampler = self.generator.get_state()
+        planning = False
         try:
             view = sm.view()
             # Step 1
@@ -214,6 +215,7 @@ class Brain:
             # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
             scores = steps.scores(sm.last_attention, "all")
             lap("attention")
+            planning = True
             plan = self.policy.plan(view, scores, seconds)
             clock = time.perf_counter()
             # Step 3e and Step 4
@@ -223,10 +225,15 @@ class Brain:
             report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes)
         except BaseException:
             # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
-            # count and the sampler go back to where they were and a saved session resumes exactly
+            # count, the sampler and the policy's per-row state go back to where they were and a
+            # saved session resumes exactly
             self.tick -= 1
             self.generator.set_state(sampler)
+            if planning:
+                self.policy.undo()
             raise
+        if report.rebuilt:  # the tick failed and changed nothing: nor does the policy keep it
+            self.policy.undo()
         self.policy.receive(report.probe_logprobs)
         for observer in self.observers:
             observer.after_apply(self, actions, report)

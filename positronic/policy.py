@@ -127,6 +127,7 @@ class Policy:
 
     def _plan(self, view, scores, seconds, need, *, repair: bool = True) -> PolicyPlan:
         clock = time.perf_counter()
+        self.scorer.snapshot()
         if len(scores) != len(view):
             raise ValueError(f"{len(scores)} scores for {len(view)} live rows")
         values = self.scorer.values(view, scores)
@@ -152,6 +153,11 @@ class Policy:
                                                      window=self.window(cfg, len(values)))
                  if rest[unit[0]] != math.inf]
         return request(view, units)
+
+    def undo(self) -> None:
+        """The tick of the last plan did not happen (failed, interrupted): the scorer forgets
+        what that plan observed."""
+        self.scorer.undo()
 
     def receive(self, probe_logprobs: list[float] | None) -> None:
         """The log-probabilities of the probes this policy's last plan asked for."""
@@ -293,6 +299,9 @@ class NoEvictionPolicy:
 
     def receive(self, probe_logprobs) -> None:
         """`none` never asks for probes."""
+
+    def undo(self) -> None:
+        """`none` keeps no per-row state."""
 
     def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         length, budget = len(scores), self.config.budget

@@ -28,6 +28,13 @@ class Scorer:
     def removing(self, ledger_ids: list[int]) -> None:
         """The plan of this tick takes these rows out (if the tick goes through)."""
 
+    def snapshot(self) -> None:
+        """A tick's plan starts: remember the state, for `undo`."""
+
+    def undo(self) -> None:
+        """The tick since the last `snapshot` did not happen (it failed or was interrupted):
+        forget what it observed, so that running it again does not count it twice."""
+
 
 class BrightnessScorer(Scorer):
     """Brightness from attention with a rule of `steps.RULES`; new rows start at the rule's start."""
@@ -52,12 +59,13 @@ class RecencyScorer(Scorer):
 class KeyedScorer(Scorer):
     """A number per row, keyed by ledger id. Rows a plan removes are forgotten at the next
     call, once they are really gone: a tick that failed changed nothing, and its rows keep
-    what the scorer knew (the failed tick's own observation still counts)."""
+    what the scorer knew before it (`undo` takes back the failed tick's observation)."""
 
     def __init__(self):
         self.value: dict[int, float] = {}
         self.clock = 0  # calls so far (one per tick)
         self._removing: list[int] = []
+        self._before: tuple[dict[int, float], int, list[int]] | None = None
 
     def values(self, view, scores):
         ids = view.ledger_ids.tolist()
@@ -78,6 +86,14 @@ class KeyedScorer(Scorer):
 
     def removing(self, ledger_ids):
         self._removing = list(ledger_ids)
+
+    def snapshot(self):
+        self._before = (dict(self.value), self.clock, list(self._removing))  # O(rows), small next to a forward
+
+    def undo(self):
+        if self._before is not None:
+            self.value, self.clock, self._removing = self._before
+            self._before = None
 
     def observe(self, ids: list[int], scores: list[float]) -> None:
         raise NotImplementedError

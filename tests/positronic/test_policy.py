@@ -315,3 +315,37 @@ def test_bridge_repairs_a_probed_pair_only_when_its_best_candidate_beats_culling
                 culled += 1
     assert repaired > 0 and culled > 0, (repaired, culled)
     brain.state.check(deep=True)
+
+
+@pytest.mark.parametrize("name", ["scored", "h2o"])
+def test_a_failed_tick_counts_nothing_in_the_policys_state(tiny, name):
+    """A tick that fails did not happen: the policy's per-row state is what it was before it
+    (h2o does not accumulate the failed tick's scores and then the retry's on top), and the
+    retried tick counts once."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)),
+                        BrainConfig(policy=name, budget=48, sinks=4, seed=1, temperature=0))
+    brain.step()
+    while len(brain.state) < 48:  # the next tick is at the budget: it evicts
+        brain.step()
+    scorer = brain.policy.scorer
+    before, clock = dict(scorer.value), scorer.clock
+    brain.state.inject_fault("forward")
+    record = brain.step()
+    assert record.rebuilt and any(a["action"] == "delete" for a in record.actions)
+    assert scorer.value == before and scorer.clock == clock
+    assert not brain.step().rebuilt and scorer.clock == clock + 1
+
+
+def test_an_interrupted_plan_is_taken_back(tiny, monkeypatch):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), BrainConfig(policy="h2o", budget=48, seed=1))
+    for _ in range(5):
+        brain.step()
+    before = dict(brain.policy.scorer.value)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(brain.state, "apply", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        brain.step()
+    assert brain.policy.scorer.value == before and brain.tick == 5
