@@ -10,6 +10,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -98,6 +99,17 @@ def run(
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
                          refresh_kl=refresh_kl)
     config.validate()
+    # outputs are checked before the model loads, not found unwritable after the work
+    if events is not None:
+        writable_directory(events.parent, "--events")
+    if session is not None:
+        writable_directory(session, "--session")
+        saved = session / sessions.MIRROR_FILE
+        if saved.exists() and not resume:
+            raise UserError(f"--session {session} already holds a saved run; continue it with --resume, "
+                            "or choose another directory")
+        if resume:
+            refuse_changed_settings(ctx, config, sessions.load(session)[1]["config"])
     lm = load_model(model, device=device, dtype=dtype)
     if resume:
         brain = sessions.resume(lm, session)
@@ -119,6 +131,35 @@ def run(
         result = run_live(brain, lm, runner, show_prompt=not resume)
     if result.interrupted:  # the summary says so; the exit code tells scripts
         raise typer.Exit(130)
+
+
+FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}
+
+
+def refuse_changed_settings(ctx: typer.Context, config: BrainConfig, saved: dict) -> None:
+    """UserError if a flag given on the command line with --resume differs from the saved
+    run's setting: a resumed run keeps its settings, and silently ignoring the flag would hide
+    that."""
+    # by name: typer may bring its own copy of click, with its own ParameterSource enum
+    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+    given |= {FLAG_ALIASES[name] for name in given if name in FLAG_ALIASES}
+    changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (saved: {saved[name]})"
+               for name in sorted(given) if name in saved and getattr(config, name) != saved[name]]
+    if changed:
+        raise UserError("a resumed run keeps the settings it was saved with; these flags differ: "
+                        + ", ".join(changed) + " (start a new --session to change them)")
+
+
+def writable_directory(path: Path, flag: str) -> None:
+    """UserError unless `path` is, or can be created as, a writable directory. Creates nothing:
+    a run that stops on a bad flag leaves no trace."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"cannot use {flag} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot use {flag} {path}: {existing} is not writable")
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,
@@ -204,6 +245,7 @@ def eval_command(
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
     with --generate N, the quality of N freely generated tokens instead."""
+    writable_directory(out, "--out")
     if generate is not None:
         from .generation_eval import main as generation_main
 

@@ -114,6 +114,14 @@ class BrainConfig:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
+def check_budget(lm, config: BrainConfig) -> None:
+    """ValueError for settings that cannot run on `lm`, before anything is allocated (a budget
+    beyond the model's positions would only fail hundreds of ticks in)."""
+    config.validate()
+    if config.budget > lm.max_positions:
+        raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+
+
 @dataclass
 class TickRecord:
     """What one tick did, for the event log, the progress line and the terminal view."""
@@ -150,7 +158,7 @@ class Brain:
 
     def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
                  generator_state: torch.Tensor | None = None):
-        config.validate()
+        check_budget(state.lm, config)
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
         self.observers: list[Observer] = []
@@ -171,7 +179,7 @@ class Brain:
         start the run from the pruned context. The tick count stays 0.
         """
         config = config or BrainConfig()
-        config.validate()
+        check_budget(lm, config)
         start = steps.RULES[config.brightness].start
         long = len(prompt_ids) > config.budget
         state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,

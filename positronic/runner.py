@@ -40,6 +40,24 @@ class RunResult:
     rss_mb: dict[int, float] = field(default_factory=dict)  # ticks run -> RSS
 
 
+def trim_events(path: Path, tick: int) -> None:
+    """Drop the records after `tick` (a resumed run goes on from its checkpoint: the ticks the
+    stopped run made after it will be made again) and a torn last line; atomic rewrite."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off when the run was killed
+        if isinstance(record, dict) and isinstance(record.get("tick"), int) and record["tick"] <= tick:
+            kept.append(line)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(partial, path)
+
+
 class Runner:
     def __init__(self, brain: Brain, model_name: str, ticks: int, *, events: Path | None = None,
                  append_events: bool = False, session: Path | None = None, save_every: int = 100):
@@ -50,6 +68,8 @@ class Runner:
     def run(self, on_tick: Callable[[TickRecord, RunResult], None]) -> RunResult:
         """Run the ticks; Ctrl-C ends the run cleanly (the session is saved either way)."""
         result, brain = RunResult(), self.brain
+        if self.events and self.append_events:
+            trim_events(self.events, brain.tick)
         # line-buffered, so `tail -f` shows every tick as it happens
         log = open(self.events, "a" if self.append_events else "w", encoding="utf-8", buffering=1) if self.events else None
         start = time.perf_counter()

@@ -39,6 +39,8 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
     }
     path = directory / MIRROR_FILE
     mirror.save(path, brain.state.mirror, meta)
+    for stale in directory.glob(MIRROR_FILE + ".*.tmp"):  # left by a save that was killed
+        stale.unlink(missing_ok=True)
     return path
 
 

@@ -203,3 +203,11 @@ def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys)
     assert run_cli("eval", "--model", "random:tiny", *args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_an_unusable_out_is_refused_before_the_model_loads(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert run_cli("eval", "--model", "no-such-model", "--out", str(blocker / "results")) == 2
+    err = capsys.readouterr().err
+    assert "cannot use --out" in err and "no-such-model" not in err

@@ -410,3 +410,53 @@ def test_a_run_with_no_flags_shows_maintenance_at_work(capsys):
     culls = int(re.search(r"culls (\d+)", summary).group(1))
     live, budget = map(int, re.search(r"live (\d+) / budget (\d+)", summary).groups())
     assert culls > 0 and budget == 128 and live <= budget
+
+
+@pytest.mark.parametrize("flag", ["--events", "--session"])
+def test_an_unusable_output_is_refused_before_the_model_loads(tmp_path, capsys, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    target = blocker / ("events.jsonl" if flag == "--events" else "session")
+    assert run_cli("--model", "no-such-model", "--no-tui", flag, str(target)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot use {flag}" in err and "no-such-model" not in err, "refused before loading the model"
+
+
+def test_a_budget_beyond_the_models_positions_is_refused_at_start(capsys):
+    assert run_cli("--model", "random:tiny", "--budget", "100000", "--no-tui") == 2
+    assert "budget 100000 is above random:tiny's 512 positions" in capsys.readouterr().err
+
+
+def test_starting_over_a_saved_session_without_resume_is_refused(tmp_path, capsys):
+    common = ["--model", "random:tiny", "--budget", "64", "--ticks", "3", "--no-tui", "--session", str(tmp_path)]
+    assert run_cli(*common) == 0
+    saved = (tmp_path / "mirror.msgpack").read_bytes()
+    assert run_cli(*common) == 2
+    assert "already holds a saved run; continue it with --resume" in capsys.readouterr().err
+    assert (tmp_path / "mirror.msgpack").read_bytes() == saved, "the saved run is untouched"
+    assert run_cli(*common[:-2], "--session", str(tmp_path), "--resume") == 0
+
+
+def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path):
+    """A run killed after its last checkpoint left records the resumed run makes again: they
+    (and a torn last line) are dropped, so every tick appears exactly once."""
+    events = tmp_path / "events.jsonl"
+    common = ["--model", "random:tiny", "--budget", "64", "--no-tui", "--session", str(tmp_path / "s"),
+              "--events", str(events)]
+    assert run_cli(*common, "--ticks", "20") == 0
+    with events.open("a") as log:  # what a killed run had written past the checkpoint (tick 20)
+        for tick in (21, 22):
+            log.write(json.dumps({"tick": tick, "token_id": 5}) + "\n")
+        log.write('{"tick": 23, "tok')
+    assert run_cli(*common, "--ticks", "5", "--resume") == 0
+    ticks = [json.loads(line)["tick"] for line in events.read_text().splitlines()]
+    assert ticks == list(range(1, 26))
+
+
+def test_resume_refuses_flags_that_would_change_the_saved_settings(tmp_path, capsys):
+    common = ["--model", "random:tiny", "--no-tui", "--session", str(tmp_path), "--ticks", "3"]
+    assert run_cli(*common, "--budget", "64", "--policy", "h2o") == 0
+    assert run_cli(*common, "--resume", "--budget", "80", "--kv-eviction", "1") == 2
+    err = capsys.readouterr().err
+    assert "--budget 80 (saved: 64)" in err and "--policy streaming (saved: h2o)" in err
+    assert run_cli(*common, "--resume", "--budget", "64") == 0, "the same value is fine"

@@ -26,3 +26,14 @@ def test_a_session_saved_before_the_new_settings_resumes_with_the_values_it_ran_
         a, b = now.step(), before.step()
         assert (a.token_id, a.actions) == (b.token_id, b.actions)
     assert now.counts["repairs"] > 0
+
+
+def test_a_save_clears_what_a_killed_save_left(tiny, tmp_path):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 20)), BrainConfig(budget=48))
+    stale = tmp_path / "mirror.msgpack.k3j9x.tmp"  # the temporary file of a save that was killed
+    stale.write_bytes(b"half a session")
+    other = tmp_path / "notes.tmp"
+    other.write_text("not ours")
+    sessions.save(tmp_path, brain, tiny.name)
+    assert not stale.exists() and other.exists()
+    assert sessions.resume(tiny, tmp_path).tick == 0
