@@ -49,18 +49,42 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
 BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0}
 
 
+def checked_config(path: Path, config) -> dict:
+    """The saved settings, complete and of the right types, or SessionError naming what is not
+    (a missing budget must not silently become the default, a string must not reach the loop)."""
+    fields = {f.name: f for f in dataclasses.fields(BrainConfig)}
+    if not isinstance(config, dict):
+        raise SessionError(f"{path}: settings missing")
+    if unknown := sorted(set(config) - set(fields)):
+        raise SessionError(f"{path}: unknown settings: {unknown}")
+    config = {**BEFORE_NEW_SETTINGS, **config}
+    if missing := sorted(set(fields) - set(config)):
+        raise SessionError(f"{path}: settings missing: {missing}")
+    for name, value in config.items():
+        default = fields[name].default
+        if name == "score_layers":
+            ok = value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
+        elif type(default) is float:
+            ok = type(value) in (int, float)
+        else:
+            ok = type(value) is type(default)
+        if not ok:
+            raise SessionError(f"{path}: setting {name} has the wrong type: {value!r}")
+    try:
+        BrainConfig(**config).validate()
+    except ValueError as exc:
+        raise SessionError(f"{path}: {exc}") from None
+    return config
+
+
 def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
     """The saved mirror and its metadata, validated."""
     path = Path(directory) / MIRROR_FILE
     if not path.is_file():
         raise SessionError(f"{directory}: no saved session ({MIRROR_FILE} missing)")
     saved, meta = mirror.load(path)
-    known = {f.name for f in dataclasses.fields(BrainConfig)}
-    config = meta.get("config")
-    if not isinstance(config, dict) or set(config) - known:
-        raise SessionError(f"{path}: settings missing or unknown: {sorted(set(config or {}) - known)}")
-    meta["config"] = {**BEFORE_NEW_SETTINGS, **config}
-    if type(meta.get("tick")) is not int or not isinstance(meta.get("model"), str):
+    meta["config"] = checked_config(path, meta.get("config"))
+    if type(meta.get("tick")) is not int or meta["tick"] < 0 or not isinstance(meta.get("model"), str):
         raise SessionError(f"{path}: tick or model missing")
     if not isinstance(meta.get("generator"), bytes):
         raise SessionError(f"{path}: sampler state missing")

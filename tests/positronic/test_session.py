@@ -1,5 +1,9 @@
 """Sessions (positronic/session.py): what a saved run comes back as."""
 
+import re
+
+import pytest
+
 import mirror
 from positronic import session as sessions
 from positronic.loop import Brain, BrainConfig
@@ -37,3 +41,35 @@ def test_a_save_clears_what_a_killed_save_left(tiny, tmp_path):
     sessions.save(tmp_path, brain, tiny.name)
     assert not stale.exists() and other.exists()
     assert sessions.resume(tiny, tmp_path).tick == 0
+
+
+def saved_session(tiny, tmp_path):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 20)), BrainConfig(budget=48))
+    path = sessions.save(tmp_path, brain, tiny.name)
+    return path, *mirror.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("budget"), "settings missing: ['budget']"),
+    (lambda c: c.update(budget="64"), "setting budget has the wrong type: '64'"),
+    (lambda c: c.update(temperature=None), "setting temperature has the wrong type"),
+    (lambda c: c.update(policy="lru"), "unknown policy 'lru'"),
+    (lambda c: c.update(score_layers=[1.5]), "setting score_layers has the wrong type"),
+    (lambda c: c.update(colour="blue"), "unknown settings: ['colour']"),
+])
+def test_a_session_with_bad_settings_is_refused_with_one_clear_error(tiny, tmp_path, edit, message):
+    path, saved, meta = saved_session(tiny, tmp_path)
+    edit(meta["config"])
+    mirror.save(path, saved, meta)
+    before = path.read_bytes()
+    with pytest.raises(sessions.SessionError, match=re.escape(message)):
+        sessions.resume(tiny, tmp_path)
+    assert path.read_bytes() == before, "a failed resume changes nothing"
+
+
+def test_a_negative_tick_is_refused(tiny, tmp_path):
+    path, saved, meta = saved_session(tiny, tmp_path)
+    meta["tick"] = -3
+    mirror.save(path, saved, meta)
+    with pytest.raises(sessions.SessionError, match="tick or model missing"):
+        sessions.resume(tiny, tmp_path)
