@@ -6,6 +6,8 @@ gives the cache. Nothing in this package imports torch.
 
 from __future__ import annotations
 
+import math
+
 from .layout import Layout
 from .ledger import CULLED, LIVE, REPLACED, SOURCES, Ledger
 from .live_map import LiveMap
@@ -99,8 +101,8 @@ class Mirror:
 
         Checked: one position per row; positions strictly increasing, >= 0 and below
         `max_position`; every live row names a distinct, existing, live ledger entry and
-        every live ledger entry is in the live map; dead entries carry their tick of death
-        and replaced entries name existing replacements.
+        every live ledger entry is in the live map; brightness is finite; dead entries carry
+        their tick of death and replaced entries name existing replacements.
         """
         live, entries = self.live, self.ledger.entries
         if len(live.ledger_ids) != len(live.positions):
@@ -123,6 +125,8 @@ class Mirror:
                 raise MirrorInvariantError(f"row {row} holds ledger id {ledger_id}, which is {entries[ledger_id].state}")
         live_count = 0
         for ledger_id, entry in enumerate(entries):
+            if not math.isfinite(entry.brightness):  # NaN would never be culled, inf never kept
+                raise MirrorInvariantError(f"ledger id {ledger_id} has brightness {entry.brightness}")
             if entry.state == LIVE:
                 live_count += 1
             elif entry.state in (CULLED, REPLACED):

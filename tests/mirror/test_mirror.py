@@ -94,6 +94,8 @@ def test_a_refused_layout_splice_changes_nothing(spoil, message):
     (lambda m: setattr(m.ledger[1], "tick_died", None), "no tick of death"),
     (lambda m: setattr(m.ledger[2], "replaced_by", []), "names no valid replacement"),
     (lambda m: m.live.positions.pop(), "5 live rows but 4 positions"),
+    (lambda m: setattr(m.ledger[0], "brightness", float("nan")), "ledger id 0 has brightness nan"),
+    (lambda m: setattr(m.ledger[3], "brightness", float("inf")), "ledger id 3 has brightness inf"),
 ])
 def test_check_finds_each_kind_of_inconsistency(corrupt, message):
     m = built()
