@@ -280,7 +280,8 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
 # --- output ---------------------------------------------------------------------------------
 
 
-def _fmt(value, digits=2) -> str:
+def fmt_number(value, digits=2) -> str:
+    """`value` with `digits` decimals; "-" for a missing or NaN value (a table cell)."""
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
@@ -298,8 +299,8 @@ def table(report: EvalReport):
     for run in runs:
         probe = run.probe
         scored = run.tokens + (probe.filler if probe else 0)
-        t.add_row(run.policy, "full" if run.budget is None else str(run.budget), _fmt(run.ppl), _fmt(run.ratio, 3),
-                  *[_fmt(s, 1) for s in run.segments], _fmt(probe.logprob) if probe else "-",
+        t.add_row(run.policy, "full" if run.budget is None else str(run.budget), fmt_number(run.ppl), fmt_number(run.ratio, 3),
+                  *[fmt_number(s, 1) for s in run.segments], fmt_number(probe.logprob) if probe else "-",
                   " ".join(map(str, probe.ranks)) if probe else "-",
                   ("yes" if probe.recalled else "no") if probe else "-", str(run.deletes + 2 * run.repairs),
                   str(run.repairs), str(run.max_live), f"{1000 * run.seconds / max(scored, 1):.0f}")
@@ -325,9 +326,9 @@ def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -
         for run in runs:
             probe = run.probe
             writer.writerow([run.policy, "full" if run.budget is None else run.budget, run.tokens, f"{run.ppl:.4f}",
-                             _fmt(run.ratio, 4), *[_fmt(s, 4) for s in run.segments],
-                             *[_fmt(s, 4) for s in (run.segment_ratios or [None] * nseg)],
-                             _fmt(probe.logprob, 4) if probe else "", " ".join(map(str, probe.ranks)) if probe else "",
+                             fmt_number(run.ratio, 4), *[fmt_number(s, 4) for s in run.segments],
+                             *[fmt_number(s, 4) for s in (run.segment_ratios or [None] * nseg)],
+                             fmt_number(probe.logprob, 4) if probe else "", " ".join(map(str, probe.ranks)) if probe else "",
                              probe.recalled if probe else "", probe.filler if probe else "",
                              run.deletes + 2 * run.repairs, run.deletes, run.repairs, run.max_live,
                              "" if run.stopped_at is None else run.stopped_at, run.rebuilds, f"{run.seconds:.1f}"])
@@ -409,6 +410,15 @@ def read_text(path: Path | None) -> tuple[str, str]:
     return text, path.name
 
 
+def progress_bars(console):
+    """One bar per run on `console` (stderr). Without a terminal the bars cannot redraw and are
+    off: the caller prints one line per finished run instead."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
+
+
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
@@ -416,7 +426,6 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          repair_batch: int | None = None) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from .models import load_model
 
@@ -436,15 +445,13 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
-    columns = (TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn())
 
     def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run
         if not err.is_terminal:
             print(f"{run.label}: ppl {run.ppl:.3f} over {run.tokens} tokens in {run.seconds:.0f} s",
                   file=sys.stderr, flush=True)
 
-    with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress:
+    with progress_bars(err) as progress:
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from .evaluate import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, make_config, read_text,
-                       reference_config)
+from .evaluate import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, fmt_number, make_config, perplexity,
+                       progress_bars, read_text, reference_config)
 from .loop import Brain, BrainConfig
 
 DEFAULT_PROMPT_TOKENS = 128
@@ -177,11 +177,6 @@ def distinct_n(ids, n: int) -> float | None:
     return len(set(grams)) / len(grams) if grams else None
 
 
-def perplexity(nll: list[float]) -> float:
-    """exp(mean NLL); NaN for no tokens."""
-    return math.exp(sum(nll) / len(nll)) if nll else float("nan")
-
-
 # --- the evaluation -------------------------------------------------------------------------
 
 
@@ -279,10 +274,6 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
 # --- output ---------------------------------------------------------------------------------
 
 
-def _fmt(value, digits=2) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
 def _all_runs(report: GenerationReport) -> list[GenerationRun]:
     return ([report.reference] if report.reference else []) + report.runs
 
@@ -304,8 +295,8 @@ def table(report: GenerationReport):
     for name in ("run", "tokens", "rescored ppl", "×full", "distinct-4", "tok/s"):
         t.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
     for run in _all_runs(report):
-        t.add_row(run.label, _tokens_cell(run), _fmt(run.ppl), _fmt(run.ratio, 3), _fmt(run.distinct4, 3),
-                  _fmt(run.tokens_per_second, 1))
+        t.add_row(run.label, _tokens_cell(run), fmt_number(run.ppl), fmt_number(run.ratio, 3), fmt_number(run.distinct4, 3),
+                  fmt_number(run.tokens_per_second, 1))
     if report.note:
         t.caption = report.note
     return t
@@ -317,8 +308,8 @@ CSV_COLUMNS = ("run", "policy", "budget", "tokens", "requested", "stopped", "err
 
 def _csv_row(run: GenerationRun) -> list:
     return [run.label, run.policy, "full" if run.budget is None else run.budget, run.tokens, run.requested,
-            run.stopped, run.error or "", _fmt(run.ppl, 4), _fmt(run.ratio, 4), _fmt(run.distinct4, 4),
-            _fmt(run.distinct4_words, 4), f"{run.seconds:.2f}", _fmt(run.tokens_per_second, 2), run.max_live,
+            run.stopped, run.error or "", fmt_number(run.ppl, 4), fmt_number(run.ratio, 4), fmt_number(run.distinct4, 4),
+            fmt_number(run.distinct4_words, 4), f"{run.seconds:.2f}", fmt_number(run.tokens_per_second, 2), run.max_live,
             run.deletes, run.repairs, run.rebuilds]
 
 
@@ -346,8 +337,8 @@ def side_by_side(report: GenerationReport) -> str:
         lines += [f"Note: {report.note}", ""]
     lines += ["## Prompt", "", _fenced(report.prompt_text), ""]
     for run in _all_runs(report):
-        facts = (f"{_tokens_cell(run)} tokens, rescored ppl {_fmt(run.ppl)}, ×full {_fmt(run.ratio, 3)}, "
-                 f"distinct-4 {_fmt(run.distinct4, 3)}, max live {run.max_live}")
+        facts = (f"{_tokens_cell(run)} tokens, rescored ppl {fmt_number(run.ppl)}, ×full {fmt_number(run.ratio, 3)}, "
+                 f"distinct-4 {fmt_number(run.distinct4, 3)}, max live {run.max_live}")
         lines += [f"## {run.label}" + (" (full cache)" if run.budget is None else ""), "", facts + ".", ""]
         if run.error:
             lines += [f"Error: {run.error}", ""]
@@ -391,7 +382,6 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
     print the table, write the files. Returns the GenerationReport."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from .models import load_model
 
@@ -402,17 +392,15 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
-    columns = (TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn())
 
     def done(run: GenerationRun) -> None:  # without a terminal the bars do not redraw: one line per run
         if run.error:
             print(f"error: {run.label}: {run.error}", file=sys.stderr, flush=True)
         if not err.is_terminal:
-            print(f"{run.label}: {_tokens_cell(run)} tokens in {run.seconds:.0f} s, rescored ppl {_fmt(run.ppl, 3)}, "
-                  f"distinct-4 {_fmt(run.distinct4, 3)}", file=sys.stderr, flush=True)
+            print(f"{run.label}: {_tokens_cell(run)} tokens in {run.seconds:.0f} s, rescored ppl {fmt_number(run.ppl, 3)}, "
+                  f"distinct-4 {fmt_number(run.distinct4, 3)}", file=sys.stderr, flush=True)
 
-    with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress:
+    with progress_bars(err) as progress:
         report = evaluate_generation(lm, body, policies=policies, budgets=budgets, generate=generate,
                                      prompt_tokens=prompt_tokens, seed=seed, sinks=sinks, protect=protect,
                                      at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,

@@ -32,7 +32,6 @@ scores, and returns a `PolicyPlan`; Step 3e adds the generated token and Step 4
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -140,19 +139,19 @@ class Policy:
         return PolicyPlan(actions, outcomes, brightness=values if self.scorer.keeps_brightness else None,
                           probes=probes)
 
+    def select(self, values: list[float], count: int, size: int, *, exclude=()) -> list[tuple[int, ...]]:
+        """The lowest `count` units of `size` rows under this policy's protected-rows rule."""
+        cfg = self.config
+        return steps.select_units(values, count, size=size, sinks=cfg.sinks, protect=cfg.protect,
+                                  window=self.window(cfg, len(values)), exclude=exclude)
+
     def next_probes(self, view, values: list[float], gone: list[int], count: int) -> Probes | None:
         """Probes for the units next in line (the lowest once this tick's are gone), for a
         repairer that scores its candidates in the forward before it uses them."""
         request = getattr(self.repairer, "request", None)
         if request is None:
             return None
-        taken = set(gone)
-        rest = [math.inf if row in taken else value for row, value in enumerate(values)]
-        cfg = self.config
-        units = [unit for unit in steps.select_units(rest, count, size=self.unit, sinks=cfg.sinks, protect=cfg.protect,
-                                                     window=self.window(cfg, len(values)))
-                 if rest[unit[0]] != math.inf]
-        return request(view, units)
+        return request(view, self.select(values, count, self.unit, exclude=gone))
 
     def undo(self) -> None:
         """The tick of the last plan did not happen (failed, interrupted): the scorer forgets
@@ -172,11 +171,9 @@ class Policy:
         Returns the actions, the outcomes and the rows taken out."""
         if need <= 0:
             return [], [], []
-        cfg = self.config
-        protect = {"sinks": cfg.sinks, "protect": cfg.protect, "window": self.window(cfg, len(values))}
         chosen: list[tuple[tuple[int, ...], list[int]]] = []  # (unit, proposal); [] = delete
         freed = 0
-        for unit in steps.select_units(values, need, size=self.unit, **protect):
+        for unit in self.select(values, need, self.unit):
             if freed >= need:
                 break
             proposal = self.repairer.propose(view, unit) if repair and self.repairer else []
@@ -192,9 +189,7 @@ class Policy:
                 freed += len(proposal)
         gone = [row for unit, _ in chosen for row in unit]
         if freed < need:
-            taken = set(gone)
-            rest = [math.inf if row in taken else value for row, value in enumerate(values)]
-            rows = [unit for unit in steps.select_units(rest, need - freed, size=1, **protect) if rest[unit[0]] != math.inf]
+            rows = self.select(values, need - freed, 1, exclude=gone)
             chosen += [(unit, []) for unit in rows]
             gone += [row for (row,) in rows]
             freed += len(rows)

@@ -7,7 +7,7 @@ protected-rows rule of `selectable_rows`.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 def selectable_rows(length: int, *, sinks: int = 4, protect: int = 0, window: int = 0) -> range:
@@ -34,8 +34,10 @@ def select_units(
     sinks: int = 4,
     protect: int = 0,
     window: int = 0,
+    exclude: Iterable[int] = (),
 ) -> list[tuple[int, ...]]:
-    """Up to `count` non-overlapping units of `size` adjacent rows, none touching a protected row.
+    """Up to `count` non-overlapping units of `size` adjacent rows, none touching a protected row
+    or a row in `exclude` (rows already taken by an earlier selection).
 
     values: one per live row, lower = less worth keeping. A unit's value is the max of its
     rows' (a unit is only as dim as its brightest row); units are taken greedily, lowest
@@ -49,7 +51,7 @@ def select_units(
     free = selectable_rows(len(values), sinks=sinks, protect=protect, window=window)
     heap = [(max(values[p : p + size]), p) for p in range(free.start, free.stop - size + 1)]
     heapq.heapify(heap)
-    taken: set[int] = set()
+    taken: set[int] = set(exclude)
     chosen: list[tuple[int, ...]] = []
     while heap and len(chosen) < count:
         _, p = heapq.heappop(heap)

@@ -8,23 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from positronic.cli import main
 from positronic.evaluate import (DEFAULT_TEXT, PROBE_ANSWER, EvalError, evaluate, make_config, moving_average,
                                  probe_stream, reference_config, run_stream, segment_bounds, table, write_outputs)
 from positronic.loop import Brain
-
-TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
-        "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
-        "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
-
-
-def run_cli(*args) -> int:
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
-
+from cli_helpers import TEXT, run_cli
 
 def plain_nll(lm, ids: list[int]) -> torch.Tensor:
     """Per-token NLL of ids[1:] from one plain forward over the whole sequence."""

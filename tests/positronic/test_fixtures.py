@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from positronic.cli import main
 from positronic.fixtures import (
     VERSION, Capture, CaptureMismatch, FixtureError, _fault_of, capture_tick, finish, load_fixture, parse_spec,
     replay, save_fixture, snapshot,
 )
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import FAULT_STAGES, ApplyReport, StateManager
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = sorted((ROOT / "fixtures").glob("*.pt"))
@@ -32,14 +32,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-def run_cli(*args) -> int:
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
 
 
 # --- the committed fixtures -----------------------------------------------------------------

@@ -7,25 +7,12 @@ import math
 import pytest
 import torch
 
-from positronic.cli import main
 from positronic.evaluate import EvalError, make_config
 from positronic.generation_eval import (CSV_COLUMNS, distinct_n, evaluate_generation, generate_run, prompt_of,
                                         rescore, table, write_generation_outputs)
 from positronic.generation_eval import main as generation_main
 from positronic.loop import Brain
-
-TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
-        "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
-        "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
-
-
-def run_cli(*args) -> int:
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
-
+from cli_helpers import TEXT, run_cli
 
 def stepwise_nll(lm, ids: list[int], first: int) -> list[float]:
     """NLL of ids[first:], feeding one token at a time into a DynamicCache (independent of

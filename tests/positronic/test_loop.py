@@ -16,17 +16,9 @@ from positronic.policy import make_policy
 from positronic.repairers import MaskedLMRepairer, NoRepairer, RepairerError, SelfRepairer, make_repairer
 from positronic.state_manager import ContextView, StateManager
 from test_state_manager import fresh_logits
+from cli_helpers import run_cli
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step"
-
-
-def run_cli(*args) -> int:
-    """The exit code `positronic ARGS` would have."""
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        return exc.code or 0
-    return 0
 
 
 def test_300_ticks_at_budget_128_stay_consistent_and_bounded(smol):

@@ -132,6 +132,12 @@ def test_rows_and_chunks():
     assert select_units(b, 5, size=4) == [(4, 5, 6, 7)]  # every other chunk overlaps it
 
 
+def test_excluded_rows_are_never_taken():
+    b = [0, 0, 0, 0, 5, 1, 7, 3, 3, 9, 9]
+    assert select_units(b, 3, size=1, exclude=[5, 8]) == [(7,), (4,), (6,)]
+    assert select_units(b, 2, size=2, exclude=[7]) == [(4, 5), (8, 9)]
+
+
 @pytest.mark.parametrize("size", [0, -1, 1.5, True])
 def test_invalid_size_raises(size):
     with pytest.raises(ValueError, match="size"):
