@@ -349,3 +349,14 @@ def test_an_interrupted_plan_is_taken_back(tiny, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         brain.step()
     assert brain.policy.scorer.value == before and brain.tick == 5
+
+
+def test_repairs_become_culls_when_the_units_run_out(tiny):
+    """Six free pairs, nine rows to free: six one-token repairs free only six, so the latest
+    repairs are turned into culls until nine are freed."""
+    policy = make_policy("brightness", tiny, config("brightness", 20, window=4, repair_batch=8, unit=2))
+    policy.repairer = FixedLengthRepairer(1)
+    actions, outcomes, gone = policy.free(view_of(list(range(100, 120))), [0.0] * 20, 9)
+    freed = sum(2 - len(a["new_token_ids"]) if a["action"] == "replace_pair" else 1 for a in actions)
+    assert freed >= 9 and sorted(gone) == list(range(4, 16))
+    assert [outcome for _, outcome in outcomes] == ["replaced"] * 3 + ["culled"] * 3, "the latest repairs go first"
