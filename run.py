@@ -1,6 +1,11 @@
 """Entry point: `python run.py --model tinyllama --ticks 10000` (see `python run.py --help`)."""
 
-from positronic.cli import main
+import sys
 
 if __name__ == "__main__":
+    try:  # importing torch takes seconds: a Ctrl-C then is a clean stop too, not a traceback
+        from positronic.cli import main
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     main()

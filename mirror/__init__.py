@@ -7,10 +7,10 @@ from .ledger import CULLED, LIVE, REPLACED, SOURCES, STATES, Ledger, LedgerEntry
 from .layout import Insertion, Layout, plan_layout
 from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
-from .storage import MirrorFileError, from_bytes, load, save, to_bytes
+from .storage import MirrorFileError, from_bytes, load, save, stale_temporaries, to_bytes, write_atomic
 
 __all__ = [
     "CULLED", "LIVE", "REPLACED", "SOURCES", "STATES",
     "Insertion", "Layout", "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
-    "MirrorFileError", "from_bytes", "load", "plan_layout", "save", "to_bytes",
+    "MirrorFileError", "from_bytes", "load", "plan_layout", "save", "stale_temporaries", "to_bytes", "write_atomic",
 ]

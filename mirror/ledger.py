@@ -59,6 +59,10 @@ class Ledger:
         self.entries.append(LedgerEntry(token_id, text, source, tick, brightness))
         return len(self.entries) - 1
 
+    def truncate(self, length: int) -> None:
+        """Forget the entries added after the ledger had `length` (the undo of a failed edit's adds)."""
+        del self.entries[length:]
+
     def retire(self, ledger_id: int, tick: int) -> None:
         """Mark a live token as culled (it left the context without a replacement)."""
         entry = self.entries[ledger_id]

@@ -35,7 +35,8 @@ class Mirror:
         replaces: it stands for what was there, not for news), and the live map becomes the
         layout's rows and positions.
         `live_brightness`: the tick's new brightness of every row before the edits. Returns
-        the new ledger ids. Everything that could refuse is checked before the first change.
+        the new ledger ids. Everything that could refuse is checked before the first change,
+        and a failure after it (or an interrupt) undoes what was changed: all or nothing.
         """
         live = self.live.ledger_ids
         if layout.old_length != len(live):
@@ -49,6 +50,22 @@ class Mirror:
                 raise ValueError(f"unknown token source {insertion.source!r}; expected one of {SOURCES}")
             if not set(insertion.replaces) <= set(layout.deleted):
                 raise ValueError(f"rows {insertion.replaces} are replaced but not deleted")
+        # the undo log: everything below changes only the live rows' entries and appends
+        ledger_length = len(self.ledger)
+        entries = self.ledger.entries
+        before = [(e.brightness, e.state, e.tick_died, e.replaced_by) for e in (entries[i] for i in live)]
+        try:
+            return self._splice(layout, texts, tick, brightness, live_brightness)
+        except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
+            self.ledger.truncate(ledger_length)
+            for ledger_id, (value, state, died, replaced_by) in zip(live, before):
+                entry = entries[ledger_id]
+                entry.brightness, entry.state, entry.tick_died, entry.replaced_by = value, state, died, replaced_by
+            raise
+
+    def _splice(self, layout: Layout, texts: list[str], tick: int, brightness: float,
+                live_brightness: list[float] | None) -> list[int]:
+        live = self.live.ledger_ids
         if live_brightness is not None:
             self.set_brightness(live_brightness)
         for row in layout.deleted:

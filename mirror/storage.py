@@ -1,12 +1,19 @@
 """Save and load a mirror (plus a small metadata dict) as msgpack.
 
-The file is columnar: one list per ledger field, so 100k tokens stay compact. Writes are
-atomic (temporary file, then rename) and loads validate everything before building a
-Mirror, so a truncated or corrupt file raises MirrorFileError and yields nothing.
+The file is columnar: one list per ledger field, so 100k tokens stay compact. Version 2
+wraps the content in an envelope with its sha256, so an edit or a flipped bit anywhere (a
+token id, a text, the settings) is refused instead of resumed. Writes are atomic (temporary
+file, then rename) and loads validate everything before building a Mirror, so a truncated or
+corrupt file raises MirrorFileError and yields nothing.
+
+    envelope: {"format": FORMAT, "version": 2, "sha256": hex of body, "body": bytes}
+    body:     {"ledger": {column: [...]}, "live": {"ledger_ids": [...], "positions": [...]}, "meta": {...}}
+    version 1 (read only): {"format", "version": 1, "ledger", "live", "meta"}, no checksum
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +25,8 @@ from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
 
 FORMAT = "positronic-mirror"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 
 # column name -> (type check, description used in errors)
 _COLUMNS = {
@@ -49,28 +57,34 @@ def to_columns(mirror: Mirror) -> dict:
 
 
 def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
-    columns = to_columns(mirror)
-    return msgpack.packb(
-        {
-            "format": FORMAT,
-            "version": VERSION,
-            "ledger": columns["ledger"],
-            "live": columns["live"],
-            "meta": meta or {},
-        },
-        use_bin_type=True,
-    )
+    body = msgpack.packb({**to_columns(mirror), "meta": meta or {}}, use_bin_type=True)
+    return msgpack.packb({"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(),
+                          "body": body}, use_bin_type=True)
+
+
+def _unpack(data: bytes, source: str, what: str):
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MirrorFileError(f"{source}: not a readable {what} ({type(exc).__name__}: {exc})") from None
 
 
 def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise MirrorFileError(f"{source}: not a readable mirror file ({type(exc).__name__}: {exc})") from None
+    doc = _unpack(data, source, "mirror file")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise MirrorFileError(f"{source}: not a positronic mirror file")
-    if doc.get("version") != VERSION:
-        raise MirrorFileError(f"{source}: mirror file version {doc.get('version')!r}, this build reads {VERSION}")
+    if doc.get("version") not in READABLE:
+        raise MirrorFileError(f"{source}: mirror file version {doc.get('version')!r}, this build reads "
+                              f"{', '.join(map(str, READABLE))}")
+    if doc["version"] >= 2:
+        body = doc.get("body")
+        if not isinstance(body, bytes) or not isinstance(doc.get("sha256"), str):
+            raise MirrorFileError(f"{source}: mirror file without its content or checksum")
+        if hashlib.sha256(body).hexdigest() != doc["sha256"]:
+            raise MirrorFileError(f"{source}: checksum mismatch: the file was changed or damaged after it was saved")
+        doc = _unpack(body, source, "mirror body")
+        if not isinstance(doc, dict):
+            raise MirrorFileError(f"{source}: the mirror body is not a map")
     ledger, live, meta = doc.get("ledger"), doc.get("live"), doc.get("meta")
     if not isinstance(ledger, dict) or not isinstance(live, dict) or not isinstance(meta, dict):
         raise MirrorFileError(f"{source}: missing ledger, live map or meta section")
@@ -112,10 +126,12 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
     return mirror
 
 
-def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> None:
-    """Write atomically: a reader sees the old file or the new one, never half of one."""
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` so that a reader sees the old file or the new one, never half of one, and
+    the new one is on disk when this returns (temporary file beside it, fsync, rename). A
+    write that fails or is killed leaves at most a `NAME.*.tmp` file, which `stale_temporaries`
+    finds."""
     path = Path(path)
-    data = to_bytes(mirror, meta)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -126,6 +142,17 @@ def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Temporary files `write_atomic(path, …)` left behind when it was killed."""
+    path = Path(path)
+    return sorted(path.parent.glob(path.name + ".*.tmp"))
+
+
+def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> None:
+    """Write atomically (see write_atomic)."""
+    write_atomic(path, to_bytes(mirror, meta))
 
 
 def load(path: str | os.PathLike) -> tuple[Mirror, dict]:

@@ -98,6 +98,8 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
             pos1, pos2 = row("original_pos1"), row("original_pos2")
             if pos1 >= pos2:
                 fail(f"original_pos1={pos1} must be below original_pos2={pos2}")
+            if pos2 != pos1 + 1:  # rows between would be neither kept in place nor replaced
+                fail(f"original_pos1={pos1} and original_pos2={pos2} are not adjacent rows (a pair is pos1, pos1 + 1)")
             seen[pos1] = seen[pos2] = index
             new_ids = action["new_token_ids"]
             if not isinstance(new_ids, list) or not new_ids:

@@ -11,6 +11,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,7 @@ except ImportError:  # pragma: no cover - older typer
 from . import session as sessions
 from .loop import Brain, BrainConfig, TickRecord
 from .runner import Runner, RunResult, summary
+from .state_manager import StateBrokenError
 from .models import ModelError, load_model
 
 DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
@@ -129,8 +131,8 @@ def run(
         from .tui import run_live
 
         result = run_live(brain, lm, runner, show_prompt=not resume)
-    if result.interrupted:  # the summary says so; the exit code tells scripts
-        raise typer.Exit(130)
+    if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
+        raise typer.Exit(128 + int(result.signal or signal.SIGINT))
 
 
 FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}
@@ -283,3 +285,6 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, ModelError, sessions.SessionError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except StateBrokenError as exc:  # not the user's doing, and nothing was saved
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

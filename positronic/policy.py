@@ -158,6 +158,24 @@ class Policy:
         what that plan observed."""
         self.scorer.undo()
 
+    def state(self) -> dict:
+        """What the policy carries from tick to tick besides the mirror (a keyed scorer's
+        values, a repairer's scores), as plain data for a session checkpoint."""
+        state = {"scorer": self.scorer.state()}
+        if hasattr(self.repairer, "state"):
+            state["repairer"] = self.repairer.state()
+        return state
+
+    def load_state(self, state: dict) -> None:
+        """Take a `state()` back; ValueError if it is malformed or does not fit this policy."""
+        expected = {"scorer"} | ({"repairer"} if hasattr(self.repairer, "state") else set())
+        if not isinstance(state, dict) or set(state) != expected:
+            raise ValueError(f"policy {self.name}: saved state has parts "
+                             f"{sorted(state) if isinstance(state, dict) else state!r}, expected {sorted(expected)}")
+        self.scorer.load_state(state["scorer"])
+        if "repairer" in state:
+            self.repairer.load_state(state["repairer"])
+
     def receive(self, probe_logprobs: list[float] | None) -> None:
         """The log-probabilities of the probes this policy's last plan asked for."""
         receive = getattr(self.repairer, "receive", None)
@@ -297,6 +315,13 @@ class NoEvictionPolicy:
 
     def undo(self) -> None:
         """`none` keeps no per-row state."""
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        if state != {}:
+            raise ValueError("policy none keeps no state")
 
     def plan(self, view, scores: list[float], seconds: dict[str, float]) -> PolicyPlan:
         length, budget = len(scores), self.config.budget

@@ -110,6 +110,22 @@ class BridgeRepairer:
             scores.setdefault(key, {})[candidate] = logprob
         self.scores, self._asked = scores, []
 
+    def state(self) -> dict:
+        """The scores of the last probes (they drive the next batch's choices), as plain data."""
+        return {"scores": [[*key, candidate, logprob] for key, scored in self.scores.items()
+                           for candidate, logprob in scored.items()]}
+
+    def load_state(self, state: dict) -> None:
+        rows = state.get("scores") if isinstance(state, dict) and set(state) == {"scores"} else None
+        if not isinstance(rows, list) or not all(
+                isinstance(r, list) and len(r) == 5 and all(type(v) is int for v in r[:4]) and type(r[4]) in (int, float)
+                for r in rows):
+            raise ValueError("bridge repairer: malformed saved state")
+        scores: dict[tuple[int, int, int], dict[int, float]] = {}
+        for a, b, c, candidate, logprob in rows:
+            scores.setdefault((a, b, c), {})[candidate] = logprob
+        self.scores, self._asked = scores, []
+
     def propose(self, view, pair: tuple[int, int]) -> list[int]:
         scored = self.scores.get(self._key(view, pair))
         if not scored or self.CULL not in scored:

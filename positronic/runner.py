@@ -2,16 +2,24 @@
 
 Both views (plain progress and the live terminal view) drive a run through `Runner.run`,
 passing a callback that sees every TickRecord; the bookkeeping lives only here.
+
+Ctrl-C (SIGINT) and SIGTERM are requests to stop: the tick under way finishes, its event is
+written, the session is saved, and the run ends. An interrupt never lands inside a tick, so
+the saved state, the event log and the summary always agree on the last tick.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import mirror
 
 from . import session as sessions
 from .loop import Brain, TickRecord
@@ -35,6 +43,7 @@ class RunResult:
     ticks: int = 0  # ticks run by this invocation
     seconds: float = 0.0
     interrupted: bool = False
+    signal: int | None = None  # the signal that ended the run (SIGINT, SIGTERM), if one did
     stopped: bool = False  # the policy ended the run
     saved_to: Path | None = None
     rss_mb: dict[int, float] = field(default_factory=dict)  # ticks run -> RSS
@@ -53,9 +62,31 @@ def trim_events(path: Path, tick: int) -> None:
             continue  # a line cut off when the run was killed
         if isinstance(record, dict) and isinstance(record.get("tick"), int) and record["tick"] <= tick:
             kept.append(line)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(partial, path)
+    mirror.write_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
+
+
+class StopRequests:
+    """While active (in the main thread), SIGINT and SIGTERM only set `signal`; the run looks
+    at it between ticks. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._request)
+        return self
+
+    def _request(self, number, frame) -> None:
+        self.signal = number
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
 
 
 class Runner:
@@ -66,7 +97,12 @@ class Runner:
         self.session, self.save_every = session, save_every
 
     def run(self, on_tick: Callable[[TickRecord, RunResult], None]) -> RunResult:
-        """Run the ticks; Ctrl-C ends the run cleanly (the session is saved either way)."""
+        """Run the ticks; Ctrl-C or SIGTERM end the run cleanly after the tick under way (the
+        session is saved either way, unless the state is broken: that is never saved)."""
+        with StopRequests() as stops:
+            return self._run(on_tick, stops)
+
+    def _run(self, on_tick, stops: StopRequests) -> RunResult:
         result, brain = RunResult(), self.brain
         if self.events and self.append_events:
             trim_events(self.events, brain.tick)
@@ -75,6 +111,8 @@ class Runner:
         start = time.perf_counter()
         try:
             for done in range(1, self.ticks + 1):
+                if stops.signal is not None:
+                    break
                 record = brain.step()
                 result.ticks, result.seconds = done, time.perf_counter() - start
                 if log:
@@ -87,14 +125,16 @@ class Runner:
                 if record.stopped:
                     result.stopped = True
                     break
-        except KeyboardInterrupt:
-            result.interrupted = True
+        except KeyboardInterrupt:  # outside the main thread signals cannot be deferred
+            result.interrupted, result.signal = True, signal.SIGINT
         finally:
             result.seconds = time.perf_counter() - start
             if log:
                 log.close()
-            if self.session:
+            if self.session and not brain.state.broken:
                 result.saved_to = sessions.save(self.session, brain, self.model_name)
+        if stops.signal is not None:
+            result.interrupted, result.signal = True, stops.signal
         return result
 
 

@@ -35,6 +35,15 @@ class Scorer:
         """The tick since the last `snapshot` did not happen (it failed or was interrupted):
         forget what it observed, so that running it again does not count it twice."""
 
+    def state(self) -> dict:
+        """The per-row state as plain data (msgpack-able), for a session checkpoint."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Take a `state()` back; ValueError naming what is malformed (nothing changes then)."""
+        if state != {}:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state) if isinstance(state, dict) else state!r}")
+
 
 class BrightnessScorer(Scorer):
     """Brightness from attention with a rule of `steps.RULES`; new rows start at the rule's start."""
@@ -97,6 +106,22 @@ class KeyedScorer(Scorer):
 
     def observe(self, ids: list[int], scores: list[float]) -> None:
         raise NotImplementedError
+
+    def state(self):
+        return {"ids": list(self.value), "values": list(self.value.values()), "clock": self.clock,
+                "removing": list(self._removing)}
+
+    def load_state(self, state):
+        def ints(v):
+            return isinstance(v, list) and all(type(i) is int for i in v)
+
+        if not (isinstance(state, dict) and set(state) == {"ids", "values", "clock", "removing"}
+                and ints(state["ids"]) and ints(state["removing"]) and type(state["clock"]) is int
+                and isinstance(state["values"], list) and len(state["values"]) == len(state["ids"])
+                and all(type(v) in (int, float) for v in state["values"])):
+            raise ValueError(f"{type(self).__name__}: malformed saved state")
+        self.value = dict(zip(state["ids"], state["values"]))
+        self.clock, self._removing, self._before = state["clock"], list(state["removing"]), None
 
 
 class LastAccessScorer(KeyedScorer):

@@ -11,8 +11,10 @@ applied to both blades from the same arguments:
                  token sees everything and leaves the next logits and the attention row
     5. commit    the mirror takes the layout: ledger entries, live map, brightness
 
-If anything fails in 2–5 the mirror is still the one from before the tick, and the cache is
-rebuilt from it: a tick happens entirely or not at all. Nothing else gets write access:
+If anything fails in 2–5 the mirror is still the one from before the tick (the mirror undoes
+its own half-done splice), and the cache is rebuilt from it: a tick happens entirely or not at
+all. If the rebuild fails too, the state is marked broken (`broken` says why): every edit and
+every save refuses until a `rebuild()` succeeds. Nothing else gets write access:
 policies, repairers, the view and the tools read `view()` (fresh tensors) or read-only
 properties, and hand their decisions back as arguments of `apply()`.
 
@@ -43,6 +45,11 @@ from .text import span_texts
 
 class StateInvariantError(AssertionError):
     """The cache and the mirror disagree."""
+
+
+class StateBrokenError(RuntimeError):
+    """The cache could not be rebuilt from the mirror after a failed edit: the state cannot be
+    used (or saved) until `rebuild()` succeeds."""
 
 
 class InjectedFault(RuntimeError):
@@ -108,6 +115,7 @@ class StateManager:
         self.rotated_rows = 0
         self._edits = 0
         self._fault: str | None = None
+        self._broken: str | None = None  # why the cache no longer matches the mirror
 
     # --- construction -------------------------------------------------------------------
 
@@ -133,6 +141,70 @@ class StateManager:
         manager.rebuild(count=False)
         return manager
 
+    @classmethod
+    def from_saved(cls, lm, mirror: Mirror, tensors: dict[str, torch.Tensor], *, capacity: int = 0,
+                   score_layers="last", brightness: float = 255.0) -> "StateManager":
+        """Resume from a saved mirror and the cache it described (`tensors()` of the state that
+        was saved): the rows are loaded, not recomputed, so the run goes on exactly as it would
+        have. Raises ValueError naming what does not fit (a shape, a dtype, a token outside the
+        vocabulary) before anything is allocated, and StateInvariantError if layer 0 does not
+        match a fresh computation of the mirror's tokens at their positions."""
+        mirror.check(lm.max_positions)
+        if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
+            raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
+        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness)
+        rows = len(mirror)
+        expected = {
+            "keys": ((lm.num_layers, lm.num_kv_heads, rows, lm.head_dim), lm.dtype),
+            "values": ((lm.num_layers, lm.num_kv_heads, rows, lm.head_dim), lm.dtype),
+            "predicted": ((rows,), torch.int64),
+            "next_logits": ((lm.vocab_size,), torch.float32),
+            "last_attention": ((len(manager.attention_layers), lm.num_heads, rows), torch.float32),
+        }
+        if unknown := sorted(set(tensors) - set(expected)):
+            raise ValueError(f"unknown saved tensors: {unknown}")
+        for name, (shape, dtype) in expected.items():
+            tensor = tensors.get(name)
+            if tensor is None and name in ("next_logits", "last_attention"):
+                continue  # the last edit did not write the newest row
+            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+                raise ValueError(f"saved tensor {name!r} is {found}, expected {shape} {dtype} for {rows} live rows")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"saved tensor {name!r} holds non-finite values")
+        predicted = tensors["predicted"]
+        if rows and not bool(((predicted >= 0) & (predicted < lm.vocab_size)).all()):
+            raise ValueError("saved predictions lie outside the vocabulary")
+        device = lm.device
+        for index in range(lm.num_layers):
+            manager._cache.update(tensors["keys"][index : index + 1].to(device),
+                                  tensors["values"][index : index + 1].to(device), index)
+        manager._predicted = predicted.tolist()
+        if "next_logits" in tensors:
+            manager.next_logits = tensors["next_logits"].to(device)
+        if "last_attention" in tensors:
+            manager.last_attention = tensors["last_attention"].to(device)
+        manager.check(deep=True)
+        return manager
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What `from_saved` needs besides the mirror, as CPU copies:
+        keys, values [layers, kv_heads, rows, head_dim] (model dtype); predicted [rows] int64;
+        next_logits [vocab] and last_attention [scored layers, heads, rows] float32 when the
+        last edit left them."""
+        self._refuse_if_broken("save")
+        saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
+        if len(self):
+            saved["keys"] = torch.cat([layer.keys for layer in self._cache.layers]).cpu().contiguous()
+            saved["values"] = torch.cat([layer.values for layer in self._cache.layers]).cpu().contiguous()
+        else:
+            empty = torch.empty(self.lm.num_layers, self.lm.num_kv_heads, 0, self.lm.head_dim, dtype=self.lm.dtype)
+            saved["keys"], saved["values"] = empty, empty.clone()
+        for name in ("next_logits", "last_attention"):
+            if getattr(self, name) is not None:
+                saved[name] = getattr(self, name).detach().float().cpu().contiguous()
+        return saved
+
     # --- reads (copies or read-only views) ----------------------------------------------
 
     @property
@@ -148,6 +220,15 @@ class StateManager:
 
     def __len__(self) -> int:
         return len(self._mirror)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the state is unusable (a rebuild failed), or None."""
+        return self._broken
+
+    def _refuse_if_broken(self, what: str) -> None:
+        if self._broken:
+            raise StateBrokenError(f"cannot {what}: {self._broken}")
 
     @property
     def edits(self) -> int:
@@ -240,6 +321,7 @@ class StateManager:
 
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
               brightness: list[float] | None = None, probes: Probes | None = None) -> ApplyReport:
+        self._refuse_if_broken("edit")
         start = time.perf_counter()
         tick = self.last_tick + 1 if tick is None else tick
         layout = plan_layout(self._mirror.live.positions, deleted, insertions, self.lm.max_positions)
@@ -255,7 +337,11 @@ class StateManager:
             self.rotated_rows += report.rotated_rows
         except BaseException as exc:
             report.error = f"{type(exc).__name__}: {exc}"
-            self.rebuild()
+            try:
+                self.rebuild()
+            except BaseException as again:
+                raise StateBrokenError(f"tick {tick} failed ({report.error}) and so did the rebuild from the mirror "
+                                       f"({type(again).__name__}: {again}); the state is unusable and is not saved") from exc
             report.rebuilt = True
             if not isinstance(exc, Exception):  # Ctrl-C: consistent again, now stop
                 raise
@@ -316,15 +402,22 @@ class StateManager:
         return sum(a != b for a, b in zip(layout.old_positions[layout.moved:], layout.positions[layout.moved:]))
 
     def rebuild(self, *, count: bool = True) -> None:
-        """Recompute the whole cache from the mirror: live tokens at their recorded positions."""
+        """Recompute the whole cache from the mirror: live tokens at their recorded positions.
+        If that fails (or is interrupted) the state is marked broken until a rebuild succeeds."""
         self._cache.reset()
         token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
         self.next_logits = self.last_attention = None
         self._predicted = []
-        if token_ids:
-            result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
-            self.next_logits, self.last_attention = result.logits, result.attention
-            self._predicted = result.predicted.tolist()
+        self._broken = "the cache is being rebuilt"
+        try:
+            if token_ids:
+                result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
+                self.next_logits, self.last_attention = result.logits, result.attention
+                self._predicted = result.predicted.tolist()
+        except BaseException as exc:
+            self._broken = f"rebuilding the cache from the mirror failed ({type(exc).__name__}: {exc})"
+            raise
+        self._broken = None
         self.rebuilds += count
 
     def divergence(self) -> float:
@@ -346,6 +439,8 @@ class StateManager:
         """Raise unless cache and mirror agree: mirror invariants, one row per live token in
         every layer, right shapes. `deep` also compares layer 0 with a fresh computation of
         the live tokens at their recorded positions."""
+        if self._broken:
+            raise StateInvariantError(self._broken)
         self._mirror.check(self.lm.max_positions)
         rows = len(self._mirror)
         if self._cache.length != rows or len(self._predicted) != rows:

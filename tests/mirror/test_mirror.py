@@ -1,5 +1,7 @@
 """The mirror on its own: splices, invariants, and msgpack files that round-trip or refuse."""
 
+import hashlib
+
 import pytest
 
 import mirror
@@ -126,15 +128,32 @@ def test_save_replaces_atomically_and_a_failed_save_keeps_the_old_file(tmp_path,
     assert path.read_bytes() == good and list(tmp_path.iterdir()) == [path]
 
 
+def resealed(edit):
+    """Damage inside the body, with the checksum recomputed (as a careful forger would), so
+    the checks behind the checksum are reached."""
+    def damage(data: bytes) -> bytes:
+        doc = mirror.storage.msgpack.unpackb(data)
+        doc["body"] = edit(doc["body"])
+        doc["sha256"] = hashlib.sha256(doc["body"]).hexdigest()
+        return mirror.storage.msgpack.packb(doc, use_bin_type=True)
+    return damage
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda b: b[: len(b) // 2], "not a readable mirror file"),
     (lambda b: b"", "not a readable mirror file"),
     (lambda b: b"\xc1" + b[1:], "not a readable mirror file"),
     (lambda b: mirror.storage.msgpack.packb({"format": "something else"}), "not a positronic mirror file"),
     (lambda b: mirror.storage.msgpack.packb([1, 2, 3]), "not a positronic mirror file"),
-    (lambda b: b.replace(b"\xa7version\x01", b"\xa7version\x07"), "version 7"),
-    (lambda b: b.replace(b"\xa5 huge", b"\xa5 HUGE").replace(b"\xa5state", b"\xa5stat_"), "column 'state' missing"),
-    (lambda b: b.replace(b"\xa6prompt", b"\xa6pr0mpt"), r"ledger source\[0\] = 'pr0mpt'"),
+    (lambda b: b.replace(b"\xa7version\x02", b"\xa7version\x07"), "version 7"),
+    # any change of the content: a text, a token id, one flipped bit of the meta
+    (lambda b: b.replace(b"\xa5 huge", b"\xa5 HUGE"), "checksum mismatch"),
+    (lambda b: b.replace(b"\xa6prompt", b"\xa6pr0mpt"), "checksum mismatch"),
+    (lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:], "checksum mismatch|not a readable"),
+    (resealed(lambda b: b.replace(b"\xa5 huge", b"\xa5 HUGE").replace(b"\xa5state", b"\xa5stat_")),
+     "column 'state' missing"),
+    (resealed(lambda b: b.replace(b"\xa6prompt", b"\xa6pr0mpt")), r"ledger source\[0\] = 'pr0mpt'"),
+    (resealed(lambda b: b"\x93\x01\x02\x03"), "the mirror body is not a map"),
 ])
 def test_damaged_file_gives_one_clear_error_and_nothing_else(tmp_path, damage, message):
     path = tmp_path / "mirror.msgpack"
@@ -143,6 +162,16 @@ def test_damaged_file_gives_one_clear_error_and_nothing_else(tmp_path, damage, m
     with pytest.raises(MirrorFileError, match=message) as info:
         mirror.load(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_version_1_files_without_a_checksum_are_still_read(tmp_path):
+    m = built()
+    columns = mirror.storage.to_columns(m)
+    path = tmp_path / "old.msgpack"
+    path.write_bytes(mirror.storage.msgpack.packb({"format": "positronic-mirror", "version": 1, **columns,
+                                                   "meta": {"tick": 3}}, use_bin_type=True))
+    loaded, meta = mirror.load(path)
+    assert meta == {"tick": 3} and loaded.ledger.entries == m.ledger.entries
 
 
 def test_file_that_parses_but_is_inconsistent_is_refused(tmp_path):
@@ -157,3 +186,32 @@ def test_file_that_parses_but_is_inconsistent_is_refused(tmp_path):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(MirrorFileError, match="cannot read"):
         mirror.load(tmp_path / "nope.msgpack")
+
+
+def _fail_on_call(number: int, original):
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            raise RuntimeError("disk on fire")
+        return original(*args, **kwargs)
+    return failing
+
+
+@pytest.mark.parametrize("target, name, call", [
+    (mirror.ledger.Ledger, "add", 2),               # one replacement token recorded, the second not
+    (mirror.ledger.Ledger, "link_replacement", 1),  # rows retired and tokens added, not linked
+    (mirror.ledger.Ledger, "retire", 2),            # one row retired, the next not
+    (mirror.mirror, "LiveMap", 1),                  # the ledger done, the live map not
+])
+def test_a_failure_inside_a_splice_leaves_the_mirror_as_it_was(monkeypatch, target, name, call):
+    m = built()
+    before = mirror.storage.to_columns(m)
+    monkeypatch.setattr(target, name, _fail_on_call(call, getattr(target, name)))
+    layout = plan_layout(m.positions(), [1, 2], [Insertion(1, (50, 51), "repair", replaces=(1, 2)),
+                                                  Insertion(5, (52,), "generated")], limit=10)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        m.splice(layout, ["a", "b", "c"], tick=6, brightness=255.0, live_brightness=[9.0] * 5)
+    assert mirror.storage.to_columns(m) == before
+    m.check(max_position=10)

@@ -1,8 +1,14 @@
 """Sessions (positronic/session.py): what a saved run comes back as."""
 
+import hashlib
+import hashlib
 import re
 
 import pytest
+import safetensors.torch
+import torch
+import safetensors.torch
+import torch
 
 import mirror
 from positronic import session as sessions
@@ -67,9 +73,188 @@ def test_a_session_with_bad_settings_is_refused_with_one_clear_error(tiny, tmp_p
     assert path.read_bytes() == before, "a failed resume changes nothing"
 
 
-def test_a_negative_tick_is_refused(tiny, tmp_path):
-    path, saved, meta = saved_session(tiny, tmp_path)
-    meta["tick"] = -3
-    mirror.save(path, saved, meta)
-    with pytest.raises(sessions.SessionError, match="tick or model missing"):
+def resealed_meta(edit):
+    def corrupt(directory, tiny):
+        path = directory / "mirror.msgpack"
+        saved, meta = mirror.load(path)
+        edit(meta)
+        mirror.save(path, saved, meta)  # a valid checksum: the checks behind it must refuse
+    return corrupt
+
+
+def resealed_mirror(edit):
+    def corrupt(directory, tiny):
+        path = directory / "mirror.msgpack"
+        saved, meta = mirror.load(path)
+        edit(saved, tiny)
+        mirror.write_atomic(path, mirror.to_bytes(saved, meta))
+    return corrupt
+
+
+def raw(edit):
+    def corrupt(directory, tiny):
+        path = directory / "mirror.msgpack"
+        path.write_bytes(edit(path.read_bytes()))
+    return corrupt
+
+
+def cache_file(directory):
+    (path,) = directory.glob("kv-*.safetensors")
+    return path
+
+
+def forged_cache(edit):
+    """Tensors changed and saved with a matching sha256 in the (resealed) mirror file."""
+    def corrupt(directory, tiny):
+        tensors = safetensors.torch.load_file(cache_file(directory))
+        edit(tensors)
+        data = safetensors.torch.save(tensors)
+        digest = hashlib.sha256(data).hexdigest()
+        cache_file(directory).unlink()
+        name = f"kv-{digest[:16]}.safetensors"
+        (directory / name).write_bytes(data)
+        resealed_meta(lambda meta: meta.update(cache={"file": name, "sha256": digest}))(directory, tiny)
+    return corrupt
+
+
+def swap_rows(saved, tiny):
+    ids = saved.live.ledger_ids
+    ids[5], ids[6] = ids[6], ids[5]
+
+
+def set_token(token_id):
+    def edit(saved, tiny):
+        saved.ledger.entries[saved.live.ledger_ids[3]].token_id = token_id(tiny)
+    return edit
+
+
+def edit_live_text(data: bytes) -> bytes:
+    """One live token's text changed in the file as it is, checksum untouched."""
+    saved, _ = mirror.from_bytes(data)
+    text = next(t for t in saved.live_texts()[4:] if t.isascii() and len(t) >= 1).encode()
+    body = mirror.storage.msgpack.unpackb(data)["body"]
+    at = data.index(body) + body.rindex(b"\xa1" + text if len(text) == 1 else text)  # its last copy in the text column
+    at += len(text) == 1
+    return data[:at] + (b"X" if text[:1] != b"X" else b"Y") + data[at + 1:]  # same length: only the checksum can tell
+
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    # settings are covered above; the rest of the metadata
+    "negative tick": (resealed_meta(lambda m: m.update(tick=-3)), "tick -3 is not a count"),
+    "huge tick": (resealed_meta(lambda m: m.update(tick=2**60)), "is not a count"),
+    "tick as text": (resealed_meta(lambda m: m.update(tick="7")), "tick '7' is not a count"),
+    "model missing": (resealed_meta(lambda m: m.pop("model")), "model missing"),
+    "short sampler state": (resealed_meta(lambda m: m.update(generator=b"x" * 10)), "sampler state missing or of the wrong size"),
+    "bad sampler state": (resealed_meta(lambda m: m.update(generator=b"\xff" * len(m["generator"]))), "sampler state invalid"),
+    "negative count": (resealed_meta(lambda m: m["counts"].update(culls=-1)), "counts must map names to counts >= 0"),
+    "policy state": (resealed_meta(lambda m: m.update(policy={"scorer": {"ids": [1]}})), "malformed saved state"),
+    "cache path": (resealed_meta(lambda m: m["cache"].update(file="../../etc/passwd")), "cache reference malformed"),
+    # the mirror, behind a valid checksum
+    "swapped ledger ids": (resealed_mirror(swap_rows), "layer 0 differs from a fresh prefill"),
+    "token outside the vocabulary": (resealed_mirror(set_token(lambda lm: lm.vocab_size + 5)), "outside random:tiny's vocabulary"),
+    "token replaced": (resealed_mirror(set_token(lambda lm: 7)), "layer 0 differs"),
+    "position beyond the model": (resealed_mirror(lambda s, lm: s.live.positions.__setitem__(-1, 10**6)), "beyond the model's limit 512"),
+    "NaN brightness": (resealed_mirror(lambda s, lm: setattr(s.ledger.entries[2], "brightness", float("nan"))), "brightness nan"),
+    # any edit without resealing
+    "edited live text": (raw(edit_live_text), "checksum mismatch"),
+    "truncated": (raw(lambda b: b[: len(b) // 2]), "not a readable mirror file"),
+    # the cache file
+    "cache damaged": (lambda d, lm: flip_last_byte(cache_file(d)), "checksum mismatch: the saved cache"),
+    "cache missing": (lambda d, lm: cache_file(d).unlink(), "cannot read the saved cache"),
+    "cache of another shape": (forged_cache(lambda t: t.update(keys=t["keys"][:, :, :-1].contiguous())), "saved tensor 'keys' is"),
+    "cache of another dtype": (forged_cache(lambda t: t.update(values=t["values"].double())), "saved tensor 'values' is"),
+    "cache with NaN": (forged_cache(lambda t: t["values"].view(-1).__setitem__(0, float("nan"))), "non-finite"),
+    "cache with a layer-0 edit": (forged_cache(lambda t: t["keys"][0].add_(0.5)), "layer 0 differs"),
+    "cache with an extra tensor": (forged_cache(lambda t: t.update(payload=torch.zeros(3))), "unknown saved tensors"),
+    "cache too large": (forged_cache(lambda t: t.update(payload=torch.zeros(2**19))), "more than the"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_every_corruption_gives_one_clear_error_and_leaves_the_session_as_it_is(tiny, tmp_path, name):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, policy="h2o"))
+    for _ in range(25):
+        brain.step()
+    sessions.save(tmp_path, brain, tiny.name)
+    corrupt, message = CORRUPTIONS[name]
+    corrupt(tmp_path, tiny)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(sessions.SessionError, match=message) as info:
         sessions.resume(tiny, tmp_path)
+    assert "\n" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files, "a failed resume changes nothing"
+
+
+STREAM_CONFIGS = {
+    "brightness": BrainConfig(budget=48, seed=1),
+    "h2o": BrainConfig(budget=48, policy="h2o", seed=2),
+    "scored": BrainConfig(budget=48, policy="scored", seed=3),
+    "bridge": BrainConfig(budget=48, repairer="bridge", seed=4),
+}
+
+
+def stream(brain, ticks):
+    return [(r.token_id, r.actions) for r in (brain.step() for _ in range(ticks))]
+
+
+@pytest.mark.parametrize("name", STREAM_CONFIGS)
+def test_saving_does_not_change_the_run_and_a_resume_at_any_tick_goes_on_exactly(tiny, tmp_path, name):
+    """The same tokens and edits with and without checkpoints, and after stopping at a tick off
+    any save schedule and resuming from the files alone (the policy's own state included)."""
+    prompt, config = [tiny.bos_id] + list(range(10, 40)), STREAM_CONFIGS[name]
+    straight = stream(Brain.start(tiny, prompt, config), 60)
+    saving, brain = [], Brain.start(tiny, prompt, config)
+    for tick in range(60):
+        saving += stream(brain, 1)
+        if tick % 7 == 3:
+            sessions.save(tmp_path / "every7", brain, tiny.name)
+    assert saving == straight
+    assert any(a["action"] != "add" for _, actions in straight for a in actions), "the run must edit"
+    brain = Brain.start(tiny, prompt, config)
+    first = stream(brain, 37)
+    sessions.save(tmp_path / "stop37", brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path / "stop37")
+    assert resumed.tick == 37
+    assert first + stream(resumed, 23) == straight
+
+
+def test_a_session_saved_without_a_cache_file_is_rebuilt_from_its_mirror(tiny, tmp_path):
+    """Sessions from before the cache file were saved right after a rebuild: they resume by
+    rebuilding, and a checksum-less version 1 mirror file is still read."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    stream(brain, 30)
+    brain.state.rebuild(count=False)  # what the old save did
+    path = sessions.save(tmp_path, brain, tiny.name)
+    saved, meta = mirror.load(path)
+    del meta["cache"], meta["policy"]
+    columns = mirror.storage.to_columns(saved)
+    path.write_bytes(mirror.storage.msgpack.packb({"format": "positronic-mirror", "version": 1, **columns,
+                                                   "meta": meta}, use_bin_type=True))
+    for old in tmp_path.glob("kv-*"):
+        old.unlink()
+    assert stream(sessions.resume(tiny, tmp_path), 20) == stream(brain, 20)
+
+
+def test_a_save_killed_between_its_two_files_leaves_the_previous_checkpoint_whole(tiny, tmp_path, monkeypatch):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    stream(brain, 20)
+    sessions.save(tmp_path, brain, tiny.name)
+    after = stream(brain, 10)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the mirror file is never written: the new cache file is
+    monkeypatch.setattr(sessions.mirror, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sessions.save(tmp_path, brain, tiny.name)
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob("kv-*.safetensors"))) == 2
+    resumed = sessions.resume(tiny, tmp_path)
+    assert resumed.tick == 20 and stream(resumed, 10) == after
+    sessions.save(tmp_path, resumed, tiny.name)
+    assert len(list(tmp_path.glob("kv-*.safetensors"))) == 1, "the next save cleans up"

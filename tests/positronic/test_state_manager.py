@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import mirror as mirror_pkg
 from positronic.actions import ActionError
 from positronic.forward import Probes, fresh_layer0_kv
-from positronic.state_manager import FAULT_STAGES, StateManager
+from positronic.state_manager import FAULT_STAGES, StateBrokenError, StateManager
 
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."
@@ -149,6 +149,10 @@ BAD_LISTS = [
      "original_pos1=5 must be below original_pos2=4"),
     ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 4, "new_token_ids": [5]}],
      "original_pos1=4 must be below original_pos2=4"),
+    # the issue-14 case: rows 5 and 6 lie inside the "pair" and delete(5) would touch one of them
+    ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 7, "new_token_ids": [300 % 512]},
+      {"action": "delete", "position": 5}],
+     r"action 0 \(replace_pair\): original_pos1=4 and original_pos2=7 are not adjacent rows"),
     ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": []}],
      "new_token_ids must be a non-empty list"),
     ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": 7}],
@@ -211,6 +215,51 @@ def test_a_fault_at_any_stage_leaves_the_state_of_before_the_tick(tiny, stage):
     # and the same tick goes through afterwards
     report = sm.apply(TICK)
     assert not report.rebuilt and sm.live_token_ids() == apply_to_list(before[0], TICK)
+    sm.check(deep=True)
+
+
+@pytest.mark.parametrize("target, name", [(mirror_pkg.ledger.Ledger, "add"), (mirror_pkg.mirror, "LiveMap")])
+def test_a_fault_inside_the_mirror_commit_is_undone_on_both_sides(tiny, monkeypatch, target, name):
+    """The mirror side is transactional too: a failure after some ledger entries were written
+    leaves ledger and live map as they were, and the cache is rebuilt to match."""
+    rng = random.Random(6)
+    sm = StateManager.from_tokens(tiny, [rng.randrange(512) for _ in range(30)])
+    before = snapshot(sm)
+    columns = mirror_pkg.storage.to_columns(sm.mirror)
+    original, calls = getattr(target, name), []
+
+    def fails_late(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 or name == "LiveMap":  # the ledger half written
+            raise OSError("no space left")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(target, name, fails_late)
+    report = sm.apply(TICK)
+    monkeypatch.undo()
+    assert report.rebuilt and "no space left" in report.error
+    assert mirror_pkg.storage.to_columns(sm.mirror) == columns
+    sm.check(deep=True)
+    assert snapshot(sm)[0] == before[0]
+    assert not sm.apply(TICK).rebuilt
+
+
+def test_a_state_that_cannot_be_rebuilt_refuses_every_edit_and_save_until_a_rebuild_succeeds(tiny, monkeypatch):
+    sm = StateManager.from_tokens(tiny, list(range(10, 40)))
+    monkeypatch.setattr("positronic.state_manager.prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    sm.inject_fault("forward")
+    with pytest.raises(StateBrokenError, match="tick 1 failed .*InjectedFault.* and so did the rebuild .*out of memory"):
+        sm.apply([{"action": "add", "token_id": 5}], tick=1)
+    assert "out of memory" in sm.broken
+    with pytest.raises(StateBrokenError, match="cannot edit"):
+        sm.apply([{"action": "add", "token_id": 5}], tick=2)  # not a 1-row cache under a 30-row mirror
+    with pytest.raises(StateBrokenError, match="cannot save"):
+        sm.tensors()
+    with pytest.raises(AssertionError, match="rebuilding the cache from the mirror failed"):
+        sm.check()
+    monkeypatch.undo()
+    sm.rebuild()
+    assert sm.broken is None
+    assert not sm.apply([{"action": "add", "token_id": 5}], tick=2).rebuilt
     sm.check(deep=True)
 
 
