@@ -74,6 +74,7 @@ def run(
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started)."),
     no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
     kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
     kv_sink_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --sinks (0-256)."),
@@ -89,6 +90,8 @@ def run(
         raise UserError("give --prompt or --prompt-file, not both")
     if resume and session is None:
         raise UserError("--resume needs --session DIR")
+    if overwrite and (session is None or resume):
+        raise UserError("--overwrite needs --session DIR and starts a new run: it cannot go with --resume")
     if prompt_file is not None:
         try:
             prompt = prompt_file.read_text(encoding="utf-8")
@@ -107,9 +110,9 @@ def run(
     if session is not None:
         writable_directory(session, "--session")
         saved = session / sessions.MIRROR_FILE
-        if saved.exists() and not resume:
+        if saved.exists() and not (resume or overwrite):
             raise UserError(f"--session {session} already holds a saved run; continue it with --resume, "
-                            "or choose another directory")
+                            "replace it with --overwrite, or choose another directory")
         if resume:
             refuse_changed_settings(ctx, config, sessions.load(session)[1]["config"])
     lm = load_model(model, device=device, dtype=dtype)
@@ -119,6 +122,8 @@ def run(
         text = DEFAULT_PROMPT if prompt is None else prompt
         prompt_ids = [lm.bos_id] + lm.encode(text)
         brain = Brain.start(lm, prompt_ids, config)
+        if overwrite:  # at once, so that a resume after a crash cannot continue the old run
+            sessions.save(session, brain, lm.name)
     if capture is not None:
         from .fixtures import Capture
 

@@ -424,9 +424,15 @@ def test_starting_over_a_saved_session_without_resume_is_refused(tmp_path, capsy
     assert run_cli(*common) == 0
     saved = (tmp_path / "mirror.msgpack").read_bytes()
     assert run_cli(*common) == 2
-    assert "already holds a saved run; continue it with --resume" in capsys.readouterr().err
+    assert "already holds a saved run; continue it with --resume, replace it with --overwrite" in capsys.readouterr().err
     assert (tmp_path / "mirror.msgpack").read_bytes() == saved, "the saved run is untouched"
     assert run_cli(*common[:-2], "--session", str(tmp_path), "--resume") == 0
+    assert mirror_pkg.load(tmp_path / "mirror.msgpack")[1]["tick"] == 6
+    assert run_cli(*common, "--overwrite", "--resume") == 2
+    assert "cannot go with --resume" in capsys.readouterr().err
+    assert run_cli(*common, "--overwrite", "--seed", "9") == 0
+    meta = mirror_pkg.load(tmp_path / "mirror.msgpack")[1]
+    assert meta["tick"] == 3 and meta["config"]["seed"] == 9, "a new run replaced the old one"
 
 
 def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path):
