@@ -67,6 +67,8 @@ class BrainConfig:
     repetition_penalty: float = 1.1
     penalty_window: int = 64  # recent tokens the repetition penalty looks at
     seed: int = 0
+    # evicted chunks come back when the newest token's query matches them (positronic/recall.py)
+    recall: bool = False
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
 
