@@ -6,7 +6,8 @@ new tokens take, and the RoPE position of every row afterwards. Both blades are 
 from the same Layout: the mirror's live map takes its lists, the cache moves its rows by its
 runs and re-rotates the keys whose position changed.
 
-Positions: a new token takes the position right after its left neighbour's. Surviving rows
+Positions: a new token takes the position right after its left neighbour's, or the one the
+insertion names (a resurrected token goes back to the position it held). Surviving rows
 keep their positions unless that leaves no room, in which case they shift right by just
 enough (and everything after them with them); if that would reach the model's limit, every
 row is packed down to 0, 1, 2, …  Shifted keys are re-rotated, so a key is rounded only when
@@ -21,12 +22,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Insertion:
     """New tokens in the place of old row `at` (which is usually deleted: a replacement), or
-    before it; `at` = the old length appends. `replaces`: old rows these tokens stand for."""
+    before it; `at` = the old length appends. `replaces`: old rows these tokens stand for.
+    `positions`: the tokens' RoPE positions, if they must have these (each above the row
+    before); `restores`: the ledger ids these tokens are (culled tokens coming back)."""
 
     at: int
     token_ids: tuple[int, ...]
     source: str
     replaces: tuple[int, ...] = ()
+    positions: tuple[int, ...] | None = None
+    restores: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ def plan_layout(positions: list[int], deleted: set[int] | list[int], insertions:
             raise ValueError(f"insertion at row {insertion.at} out of range 0..{old_length}")
         if not insertion.token_ids:
             raise ValueError("an insertion needs at least one token")
+        if insertion.positions is not None and len(insertion.positions) != len(insertion.token_ids):
+            raise ValueError("an insertion with positions needs one per token")
         by_row.setdefault(insertion.at, []).append(insertion)
 
     new_positions: list[int] = []
@@ -83,8 +90,13 @@ def plan_layout(positions: list[int], deleted: set[int] | list[int], insertions:
     def place_new(insertion: Insertion) -> None:
         nonlocal previous
         first = len(new_rows)
-        for token_id in insertion.token_ids:
-            previous += 1
+        for index, token_id in enumerate(insertion.token_ids):
+            if insertion.positions is None:
+                previous += 1
+            elif insertion.positions[index] > previous:
+                previous = insertion.positions[index]
+            else:
+                raise ValueError(f"position {insertion.positions[index]} is not free: the row before is at {previous}")
             new_rows.append(len(new_positions))
             new_ids.append(token_id)
             new_positions.append(previous)

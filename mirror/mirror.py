@@ -50,17 +50,25 @@ class Mirror:
                 raise ValueError(f"unknown token source {insertion.source!r}; expected one of {SOURCES}")
             if not set(insertion.replaces) <= set(layout.deleted):
                 raise ValueError(f"rows {insertion.replaces} are replaced but not deleted")
+            for ledger_id, token_id in zip(insertion.restores, insertion.token_ids):
+                if not 0 <= ledger_id < len(self.ledger) or self.ledger[ledger_id].token_id != token_id:
+                    raise ValueError(f"ledger id {ledger_id} does not hold token {token_id}")
+            if insertion.restores and len(insertion.restores) != len(insertion.token_ids):
+                raise ValueError("a restoring insertion names one ledger id per token")
         # the undo log: everything below changes only the live rows' entries and appends
         ledger_length = len(self.ledger)
         entries = self.ledger.entries
-        before = [(e.brightness, e.state, e.tick_died, e.replaced_by) for e in (entries[i] for i in live)]
+        touched = list(live) + [i for insertion, _ in layout.groups for i in insertion.restores]
+        before = [(e.brightness, e.state, e.tick_died, e.replaced_by, e.position, e.resurrections)
+                  for e in (entries[i] for i in touched)]
         try:
             return self._splice(layout, texts, tick, brightness, live_brightness)
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
             self.ledger.truncate(ledger_length)
-            for ledger_id, (value, state, died, replaced_by) in zip(live, before):
+            for ledger_id, fields in zip(touched, before):
                 entry = entries[ledger_id]
-                entry.brightness, entry.state, entry.tick_died, entry.replaced_by = value, state, died, replaced_by
+                (entry.brightness, entry.state, entry.tick_died, entry.replaced_by, entry.position,
+                 entry.resurrections) = fields
             raise
 
     def _splice(self, layout: Layout, texts: list[str], tick: int, brightness: float,
@@ -68,13 +76,16 @@ class Mirror:
         live = self.live.ledger_ids
         if live_brightness is not None:
             self.set_brightness(live_brightness)
+        positions = self.live.positions
         for row in layout.deleted:
-            self.ledger.retire(live[row], tick)
+            self.ledger.retire(live[row], tick, positions[row])
         new_ids = []
         for insertion, part in layout.groups:
             start = max((self.ledger[live[row]].brightness for row in insertion.replaces), default=brightness)
-            for token_id, text in zip(insertion.token_ids, texts[part]):
-                new_ids.append(self.ledger.add(token_id, text, insertion.source, tick, start))
+            for ledger_id in insertion.restores:
+                self.ledger.resurrect(ledger_id, brightness)
+            new_ids += insertion.restores or [self.ledger.add(token_id, text, insertion.source, tick, start)
+                                              for token_id, text in zip(insertion.token_ids, texts[part])]
         for insertion, part in layout.groups:
             if insertion.replaces:
                 self.ledger.link_replacement([live[row] for row in insertion.replaces], new_ids[part])
@@ -102,6 +113,13 @@ class Mirror:
     def brightness(self) -> list[float]:
         entries = self.ledger.entries
         return [entries[i].brightness for i in self.live.ledger_ids]
+
+    def set_pinned(self, rows: list[int], pinned: bool) -> None:
+        """Pin (or unpin) live rows: a pinned row is never evicted or repaired."""
+        if bad := [row for row in rows if not 0 <= row < len(self.live)]:
+            raise ValueError(f"rows {bad} out of range 0..{len(self.live) - 1}")
+        for row in rows:
+            self.ledger.entries[self.live.ledger_ids[row]].pinned = pinned
 
     def set_brightness(self, values: list[float]) -> None:
         """Store one brightness per live row (Step 2b's output)."""
@@ -157,3 +175,6 @@ class Mirror:
                 raise MirrorInvariantError(f"ledger id {ledger_id} has unknown state {entry.state!r}")
         if live_count != len(live):
             raise MirrorInvariantError(f"ledger has {live_count} live tokens but the live map has {len(live)} rows")
+        for ledger_id in live.ledger_ids:
+            if entries[ledger_id].position is not None:
+                raise MirrorInvariantError(f"ledger id {ledger_id} is live but carries the position of a dead token")

@@ -38,7 +38,12 @@ _COLUMNS = {
     "state": (lambda v: v in STATES, f"one of {STATES}"),
     "tick_died": (lambda v: v is None or type(v) is int, "int or None"),
     "replaced_by": (lambda v: type(v) is list and all(type(i) is int for i in v), "list of int"),
+    "position": (lambda v: v is None or (type(v) is int and v >= 0), "int >= 0 or None"),
+    "resurrections": (lambda v: type(v) is int and v >= 0, "int >= 0"),
+    "pinned": (lambda v: type(v) is bool, "bool"),
 }
+# columns added after files were first written, with the value older files mean
+_LATER_COLUMNS = {"position": None, "resurrections": 0, "pinned": False}
 
 
 class MirrorFileError(ValueError):
@@ -100,6 +105,8 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
     values = []
     for name, (valid, kind) in _COLUMNS.items():
         column = ledger.get(name)
+        if column is None and name in _LATER_COLUMNS and isinstance(ledger.get("token_id"), list):
+            column = [_LATER_COLUMNS[name]] * len(ledger["token_id"])
         if not isinstance(column, list):
             raise MirrorFileError(f"{source}: ledger column {name!r} missing")
         bad = next((i for i, v in enumerate(column) if not valid(v)), None)
@@ -115,8 +122,8 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
     if len(ids) != len(positions):
         raise MirrorFileError(f"{source}: live map has {len(ids)} rows but {len(positions)} positions")
     entries = [
-        LedgerEntry(t, s, src, born, float(b), state, died, list(rb))
-        for t, s, src, born, b, state, died, rb in zip(*values)
+        LedgerEntry(t, s, src, born, float(b), state, died, list(rb), position, back, pinned)
+        for t, s, src, born, b, state, died, rb, position, back, pinned in zip(*values)
     ]
     mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)))
     try:

@@ -4,6 +4,7 @@ Actions are plain dicts (DESIGN §3):
     {'action': 'add',          'token_id': int}
     {'action': 'replace_pair', 'original_pos1': int, 'original_pos2': int, 'new_token_ids': [int, ...]}
     {'action': 'delete',       'position': int}
+    {'action': 'restore',      'ledger_ids': [int, ...]}   culled tokens back at their old positions
 Positions are live rows before the tick's edits. A whole list is validated before anything
 is touched; then position edits run in strictly descending order of their highest row (so
 no edit moves a row a later edit refers to) and adds run last, in list order.
@@ -17,6 +18,7 @@ SCHEMA = {
     "add": ("token_id",),
     "replace_pair": ("original_pos1", "original_pos2", "new_token_ids"),
     "delete": ("position",),
+    "restore": ("ledger_ids",),
 }
 
 
@@ -26,11 +28,14 @@ class ActionError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated action list: `edits` in the order to apply them, then `adds`."""
+    """A validated action list: `edits` in the order to apply them, then `adds`; `restored`:
+    the ledger ids the restore actions bring back (their checks against the ledger are the
+    StateManager's: this module does not see it)."""
 
     edits: list[dict]
     adds: list[dict]
     final_length: int
+    restored: tuple[int, ...] = ()
 
 
 def _is_int(value) -> bool:
@@ -54,6 +59,7 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
     if not isinstance(actions, list):
         raise ActionError(f"action list must be a list, got {type(actions).__name__}")
     seen: dict[int, int] = {}  # row -> index of the action that edits it
+    restored: dict[int, int] = {}  # ledger id -> index of the action that restores it
     final_length = live_length
     for index, action in enumerate(actions):
         name = action.get("action") if isinstance(action, dict) else None
@@ -91,6 +97,15 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
         if name == "add":
             token("token_id", action["token_id"])
             final_length += 1
+        elif name == "restore":
+            ids = action["ledger_ids"]
+            if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                fail(f"ledger_ids must be a non-empty list of ledger ids (ints >= 0), got {ids!r}")
+            for ledger_id in ids:
+                if ledger_id in restored:
+                    fail(f"ledger id {ledger_id} is already restored by action {restored[ledger_id]}")
+                restored[ledger_id] = index
+            final_length += len(ids)
         elif name == "delete":
             seen[row("position")] = index
             final_length -= 1
@@ -111,6 +126,7 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
         raise ActionError(f"the action list would leave the context empty ({live_length} rows before)")
     if final_length > max_length:
         raise ActionError(f"the action list would grow the context to {final_length} rows, beyond the model's {max_length}")
-    edits = sorted((a for a in actions if a["action"] != "add"), key=lambda a: max(rows_of(a)), reverse=True)
+    edits = sorted((a for a in actions if a["action"] in ("delete", "replace_pair")), key=lambda a: max(rows_of(a)),
+                   reverse=True)
     adds = [a for a in actions if a["action"] == "add"]
-    return Plan(edits=edits, adds=adds, final_length=final_length)
+    return Plan(edits=edits, adds=adds, final_length=final_length, restored=tuple(restored))

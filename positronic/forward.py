@@ -34,12 +34,19 @@ class ForwardResult:
     logits: [vocab] float32, the newest fed token's next-token logits.
     attention: [scored layers, heads, rows] float32, the newest token's attention over every
     cache row (None unless asked for).
+    query: [scored layers, heads, head_dim] float32, that token's query, rotated at its
+    position and multiplied by the attention scaling: query · key is the logit a key rotated
+    at its own position would get (recall scores evicted keys with it).
+    log_norm: [scored layers, heads] float32, log Σ exp(logits) over the cache rows: the
+    would-be attention of another key is exp(query · key - log_norm).
     probe_logprobs: [probes] float32, log P(probe target | the probe's context), see `Probes`."""
 
     predicted: torch.Tensor
     logits: torch.Tensor
     attention: torch.Tensor | None
     probe_logprobs: torch.Tensor | None = None
+    query: torch.Tensor | None = None
+    log_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,10 +98,12 @@ class AttentionRow:
         self.model, self.layers = model, list(layers)
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.rows: dict[int, torch.Tensor] = {}
+        self.queries: dict[int, torch.Tensor] = {}
+        self.log_norms: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def record(self):
-        self.rows = {}
+        self.rows, self.queries, self.log_norms = {}, {}, {}
         handles = [self.model.model.layers[index].self_attn.register_forward_hook(self._hook, with_kwargs=True)
                    for index in self.layers]
         try:
@@ -107,6 +116,11 @@ class AttentionRow:
         """[layers, heads, rows] float32, in the order of `layers`."""
         return torch.stack([self.rows[index] for index in self.layers])
 
+    def scaled_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scaled query [layers, heads, head_dim] and log-normaliser [layers, heads]."""
+        return (torch.stack([self.queries[index] for index in self.layers]),
+                torch.stack([self.log_norms[index] for index in self.layers]))
+
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -117,8 +131,10 @@ class AttentionRow:
         query, _ = apply_rotary_pos_emb(query, query, cos[:, at], sin[:, at])
         kv_heads = keys.shape[1]
         grouped = query[0, :, 0].reshape(kv_heads, -1, head_dim).float()  # [kv_heads, group, d]
-        scores = grouped @ keys[0].float().transpose(1, 2) * module.scaling  # [kv_heads, group, rows]
-        self.rows[module.layer_idx] = scores.reshape(-1, keys.shape[2]).softmax(dim=-1)
+        scores = (grouped @ keys[0].float().transpose(1, 2) * module.scaling).reshape(-1, keys.shape[2])  # [heads, rows]
+        self.rows[module.layer_idx] = scores.softmax(dim=-1)
+        self.queries[module.layer_idx] = (grouped * module.scaling).reshape(-1, head_dim)
+        self.log_norms[module.layer_idx] = scores.logsumexp(dim=-1)
 
 
 @torch.no_grad()
@@ -156,9 +172,11 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
         targets = torch.tensor(probes.targets, dtype=torch.long, device=device)
         scored = logits[len(token_ids):].float().log_softmax(dim=-1)
         probe_logprobs = scored.gather(1, targets[:, None])[:, 0].cpu()
+    query, log_norm = recorder.scaled_query() if attention_layers else (None, None)
     return ForwardResult(predicted=logits[: len(token_ids)].argmax(dim=-1).cpu(),
                          logits=logits[len(token_ids) - 1].float(),
-                         attention=recorder.result() if attention_layers else None, probe_logprobs=probe_logprobs)
+                         attention=recorder.result() if attention_layers else None, probe_logprobs=probe_logprobs,
+                         query=query, log_norm=log_norm)
 
 
 def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,
@@ -174,7 +192,8 @@ def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
         result = forward(lm, cache, token_ids[start:stop], positions[start:stop], positions[:stop],
                          attention_layers=attention_layers if last else None)
         predicted.append(result.predicted)
-    return ForwardResult(torch.cat(predicted), result.logits, result.attention)
+    return ForwardResult(torch.cat(predicted), result.logits, result.attention, query=result.query,
+                         log_norm=result.log_norm)
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import steps
 
 from .forward import Probes
+from .recall import Recall
 from .repairers import make_repairer
 from .scorers import AccumulatedScorer, BrightnessScorer, LastAccessScorer, RecencyScorer, Scorer
 
@@ -60,6 +61,11 @@ def recent_window(length: int) -> int:
     return max(RECENT_MIN, length // 4)
 
 
+def pinned_rows(view) -> list[int]:
+    """Rows the user pinned: never evicted or repaired."""
+    return [] if view.pinned is None else view.pinned.nonzero().flatten().tolist()
+
+
 def batch_size(budget: int) -> int:
     """Rows below the budget that one llama.cpp eviction batch brings the cache down to
     (llama.cpp frees 32+ cells when `prepare()` fails; budget // 16 is 32 at a budget of 512)."""
@@ -78,6 +84,7 @@ class Policy:
         self.check(config)
         self.scorer: Scorer = self.make_scorer(config)
         self.repairer = None
+        self.recall = Recall() if getattr(config, "recall", False) else None
 
     # --- per policy -------------------------------------------------------------------------
 
@@ -131,11 +138,22 @@ class Policy:
             raise ValueError(f"{len(scores)} scores for {len(view)} live rows")
         values = self.scorer.values(view, scores)
         seconds["score"] = (now := time.perf_counter()) - clock
-        count = need(len(values))
+        back = self.recall.choose(view) if self.recall is not None and repair else []
+        seconds["recall"] = (clock := time.perf_counter()) - now
+        count = need(len(values) + len(back))
         actions, outcomes, gone = self.free(view, values, count, repair=repair)
+        if back and count:  # rows that could not be freed are not brought back (the budget is hard)
+            freed = sum(1 for a in actions if a["action"] == "delete") + sum(2 - len(a["new_token_ids"])
+                                                                            for a in actions if a["action"] == "replace_pair")
+            back = back[: max(0, freed - need(len(values)))]
+        if back:
+            actions.append({"action": "restore", "ledger_ids": back})
+            outcomes.append(((), f"recalled {len(back)}"))
+        if self.recall is not None:
+            self.recall.plan(view, gone, back)
         self.scorer.removing([int(view.ledger_ids[row]) for row in gone])
         probes = self.next_probes(view, values, gone, count) if count and repair else None
-        seconds["select"] = time.perf_counter() - now
+        seconds["select"] = time.perf_counter() - clock
         return PolicyPlan(actions, outcomes, brightness=values if self.scorer.keeps_brightness else None,
                           probes=probes)
 
@@ -151,33 +169,43 @@ class Policy:
         request = getattr(self.repairer, "request", None)
         if request is None:
             return None
-        return request(view, self.select(values, count, self.unit, exclude=gone))
+        return request(view, self.select(values, count, self.unit, exclude=gone + pinned_rows(view)))
 
     def undo(self) -> None:
-        """The tick of the last plan did not happen (failed, interrupted): the scorer forgets
-        what that plan observed."""
+        """The tick of the last plan did not happen (failed, interrupted): the scorer and
+        recall forget what that plan observed."""
         self.scorer.undo()
+        if self.recall is not None:
+            self.recall.discard()
+
+    def _parts(self) -> dict:
+        """The parts that carry state from tick to tick."""
+        parts = {"scorer": self.scorer}
+        if hasattr(self.repairer, "state"):
+            parts["repairer"] = self.repairer
+        if self.recall is not None:
+            parts["recall"] = self.recall
+        return parts
 
     def state(self) -> dict:
         """What the policy carries from tick to tick besides the mirror (a keyed scorer's
-        values, a repairer's scores), as plain data for a session checkpoint."""
-        state = {"scorer": self.scorer.state()}
-        if hasattr(self.repairer, "state"):
-            state["repairer"] = self.repairer.state()
-        return state
+        values, a repairer's scores, recall's evicted keys), as plain data for a session."""
+        return {name: part.state() for name, part in self._parts().items()}
 
     def load_state(self, state: dict) -> None:
         """Take a `state()` back; ValueError if it is malformed or does not fit this policy."""
-        expected = {"scorer"} | ({"repairer"} if hasattr(self.repairer, "state") else set())
-        if not isinstance(state, dict) or set(state) != expected:
+        parts = self._parts()
+        if not isinstance(state, dict) or set(state) != set(parts):
             raise ValueError(f"policy {self.name}: saved state has parts "
-                             f"{sorted(state) if isinstance(state, dict) else state!r}, expected {sorted(expected)}")
-        self.scorer.load_state(state["scorer"])
-        if "repairer" in state:
-            self.repairer.load_state(state["repairer"])
+                             f"{sorted(state) if isinstance(state, dict) else state!r}, expected {sorted(parts)}")
+        for name, part in parts.items():
+            part.load_state(state[name])
 
     def receive(self, probe_logprobs: list[float] | None) -> None:
-        """The log-probabilities of the probes this policy's last plan asked for."""
+        """The tick of the last plan went through (after `undo` if it failed): the
+        log-probabilities of the probes it asked for; recall takes in its evictions."""
+        if self.recall is not None:
+            self.recall.commit()
         receive = getattr(self.repairer, "receive", None)
         if receive is not None:
             receive(probe_logprobs)
@@ -191,7 +219,8 @@ class Policy:
             return [], [], []
         chosen: list[tuple[tuple[int, ...], list[int]]] = []  # (unit, proposal); [] = delete
         freed = 0
-        for unit in self.select(values, need, self.unit):
+        pinned = pinned_rows(view)
+        for unit in self.select(values, need, self.unit, exclude=pinned):
             if freed >= need:
                 break
             proposal = self.repairer.propose(view, unit) if repair and self.repairer else []
@@ -207,7 +236,7 @@ class Policy:
                 freed += len(proposal)
         gone = [row for unit, _ in chosen for row in unit]
         if freed < need:
-            rows = self.select(values, need - freed, 1, exclude=gone)
+            rows = self.select(values, need - freed, 1, exclude=gone + pinned)
             chosen += [(unit, []) for unit in rows]
             gone += [row for (row,) in rows]
             freed += len(rows)
@@ -296,7 +325,8 @@ class NoEvictionPolicy:
       the Runner (or the evaluator) ends the run after that tick, with the cache exactly full.
     - `shift`: llama.cpp's context shift. When the live length has reached the budget, discard
       the older half of the rows after the protected prefix (`max(sinks, protect)` rows, like
-      llama.cpp's n_keep), in one batch of deletes. The rows keep their RoPE positions.
+      llama.cpp's n_keep) and the pinned rows, in one batch of deletes. The rows keep their
+      RoPE positions.
     """
 
     name = "none"
@@ -335,9 +365,9 @@ class NoEvictionPolicy:
 
     def prune(self, view, scores: list[float], target: int) -> PolicyPlan:
         """Shift out the oldest rows after the protected prefix, down to `target` rows."""
-        length = len(scores)
+        length, pinned = len(scores), set(pinned_rows(view))
         keep = self._keep(length)
-        rows = range(keep, min(length, keep + max(0, length - target)))
+        rows = [row for row in range(keep, length) if row not in pinned][: max(0, length - target)]
         return PolicyPlan([{"action": "delete", "position": row} for row in rows],
                           [((row,), "shifted out") for row in rows])
 

@@ -22,10 +22,13 @@ properties, and hand their decisions back as arguments of `apply()`.
     mirror.live.positions[i]         RoPE position row i's key was rotated with
     next_logits                      [vocab] float32, from the forward that wrote the last row
     last_attention                   [scored layers, heads, rows] float32, that row's attention
+    last_query, last_log_norm        [scored layers, heads, head_dim], [scored layers, heads]: its
+                                     scaled query and log-normaliser (forward.ForwardResult)
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import time
@@ -37,7 +40,7 @@ from mirror import Insertion, Layout, Mirror, plan_layout
 from steps.attention import layer_indices
 
 from . import rope
-from .actions import validate
+from .actions import ActionError, validate
 from .cache import SpliceCache
 from .forward import Probes, fresh_layer0_kv, forward, prefill
 from .text import span_texts
@@ -88,9 +91,18 @@ class ContextView:
     positions: torch.Tensor
     brightness: torch.Tensor
     predicted: torch.Tensor
+    pinned: torch.Tensor | None = None  # bool [rows]
+    # with view(keys=True): keys [scored layers, kv_heads, rows, head_dim] float32 (rotated at
+    # their positions), and the newest row's query / log-normaliser (see forward.ForwardResult)
+    keys: torch.Tensor | None = None
+    query: torch.Tensor | None = None
+    log_norm: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
 
 
 def default_capacity(rows: int) -> int:
@@ -109,6 +121,8 @@ class StateManager:
         self.new_brightness = float(new_brightness)  # where a new token's brightness starts (the rule's)
         self.next_logits: torch.Tensor | None = None
         self.last_attention: torch.Tensor | None = None
+        self.last_query: torch.Tensor | None = None
+        self.last_log_norm: torch.Tensor | None = None
         self._predicted: list[int] = []  # per live row, see ContextView.predicted
         self.last_tick = 0
         self.rebuilds = 0
@@ -160,12 +174,14 @@ class StateManager:
             "predicted": ((rows,), torch.int64),
             "next_logits": ((lm.vocab_size,), torch.float32),
             "last_attention": ((len(manager.attention_layers), lm.num_heads, rows), torch.float32),
+            "last_query": ((len(manager.attention_layers), lm.num_heads, lm.head_dim), torch.float32),
+            "last_log_norm": ((len(manager.attention_layers), lm.num_heads), torch.float32),
         }
         if unknown := sorted(set(tensors) - set(expected)):
             raise ValueError(f"unknown saved tensors: {unknown}")
         for name, (shape, dtype) in expected.items():
             tensor = tensors.get(name)
-            if tensor is None and name in ("next_logits", "last_attention"):
+            if tensor is None and name in NEWEST:
                 continue  # the last edit did not write the newest row
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
@@ -180,18 +196,17 @@ class StateManager:
             manager._cache.update(tensors["keys"][index : index + 1].to(device),
                                   tensors["values"][index : index + 1].to(device), index)
         manager._predicted = predicted.tolist()
-        if "next_logits" in tensors:
-            manager.next_logits = tensors["next_logits"].to(device)
-        if "last_attention" in tensors:
-            manager.last_attention = tensors["last_attention"].to(device)
+        for name in NEWEST:
+            if name in tensors:
+                setattr(manager, name, tensors[name].to(device))
         manager.check(deep=True)
         return manager
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What `from_saved` needs besides the mirror, as CPU copies:
         keys, values [layers, kv_heads, rows, head_dim] (model dtype); predicted [rows] int64;
-        next_logits [vocab] and last_attention [scored layers, heads, rows] float32 when the
-        last edit left them."""
+        next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
+        last_log_norm float32 when the last edit left them."""
         self._refuse_if_broken("save")
         saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
         if len(self):
@@ -200,7 +215,7 @@ class StateManager:
         else:
             empty = torch.empty(self.lm.num_layers, self.lm.num_kv_heads, 0, self.lm.head_dim, dtype=self.lm.dtype)
             saved["keys"], saved["values"] = empty, empty.clone()
-        for name in ("next_logits", "last_attention"):
+        for name in NEWEST:
             if getattr(self, name) is not None:
                 saved[name] = getattr(self, name).detach().float().cpu().contiguous()
         return saved
@@ -246,14 +261,24 @@ class StateManager:
         layer = self._cache.layers[index]
         return layer.keys.clone(), layer.values.clone()
 
-    def view(self) -> ContextView:
+    def view(self, *, keys: bool = False) -> ContextView:
+        """A read-only snapshot; `keys`: with the scored layers' keys and the newest query."""
         mirror = self._mirror
+        entries = mirror.ledger.entries
+        scored = None
+        if keys and len(self):
+            scored = torch.stack([self._cache.layers[i].keys[0] for i in self.attention_layers]).float().cpu()
+
+        def copy(tensor):
+            return None if tensor is None or not keys else tensor.detach().clone().cpu()
         return ContextView(
             token_ids=torch.tensor(mirror.live_token_ids(), dtype=torch.long),
             ledger_ids=torch.tensor(mirror.live.ledger_ids, dtype=torch.long),
             positions=torch.tensor(mirror.live.positions, dtype=torch.long),
             brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
-            predicted=torch.tensor(self._predicted, dtype=torch.long))
+            predicted=torch.tensor(self._predicted, dtype=torch.long),
+            pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
+            keys=scored, query=copy(self.last_query), log_norm=copy(self.last_log_norm))
 
     # --- coupled operations -------------------------------------------------------------
 
@@ -271,6 +296,20 @@ class StateManager:
     def append(self, token_ids: list[int], *, source: str = "generated", tick: int | None = None) -> ApplyReport:
         """Append tokens after the last row; leaves `next_logits` and `last_attention`."""
         return self._edit([], [Insertion(len(self), tuple(token_ids), source)], tick=tick)
+
+    def pin(self, rows: list[int]) -> None:
+        """Pin live rows: no policy evicts or repairs them (they stay pinned until `unpin`)."""
+        self._mirror.set_pinned(self._rows(rows), True)
+
+    def unpin(self, rows: list[int]) -> None:
+        self._mirror.set_pinned(self._rows(rows), False)
+
+    @staticmethod
+    def _rows(rows) -> list[int]:
+        rows = list(rows)
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+            raise ValueError(f"rows must be ints, got {rows!r}")
+        return rows
 
     def _check_row(self, row: int, last: int) -> None:
         if not 0 <= row <= last:
@@ -309,6 +348,8 @@ class StateManager:
                 pair = (action["original_pos1"], action["original_pos2"])
                 deleted += pair
                 insertions.append(Insertion(pair[0], tuple(action["new_token_ids"]), "repair", replaces=pair))
+        if plan.restored:
+            insertions += self._restorations(plan.restored, set(deleted))
         insertions += [Insertion(len(self), (action["token_id"],), add_source) for action in plan.adds]
         if probes:
             if not plan.adds:
@@ -318,6 +359,28 @@ class StateManager:
         report = self._edit(deleted, insertions, tick=tick, brightness=brightness, probes=probes)
         report.applied = 0 if report.rebuilt else len(actions)
         return report
+
+    def _restorations(self, ledger_ids: tuple[int, ...], deleted: set[int]) -> list[Insertion]:
+        """Insertions that bring culled ledger entries back at the positions they held, one per
+        gap between surviving rows. ActionError for an id that is not a culled token with a
+        recorded position, or whose position a surviving row holds now."""
+        ledger, live = self._mirror.ledger, self._mirror.live
+        entries = []
+        for ledger_id in ledger_ids:
+            entry = ledger[ledger_id] if ledger_id < len(ledger) else None
+            if entry is None or entry.state != "culled" or entry.position is None:
+                state = "no ledger entry" if entry is None else f"{entry.state}{'' if entry.position is not None else ', no position'}"
+                raise ActionError(f"restore: ledger id {ledger_id} cannot come back ({state})")
+            entries.append((entry.position, ledger_id, entry))
+        taken = {p for row, p in enumerate(live.positions) if row not in deleted}
+        groups: dict[int, list] = {}
+        for position, ledger_id, entry in sorted(entries):
+            if position in taken:
+                raise ActionError(f"restore: ledger id {ledger_id}'s position {position} is held by a live row")
+            groups.setdefault(bisect.bisect_left(live.positions, position), []).append((position, ledger_id, entry))
+        return [Insertion(row, tuple(e.token_id for _, _, e in group), group[0][2].source,
+                          positions=tuple(p for p, _, _ in group), restores=tuple(i for _, i, _ in group))
+                for row, group in sorted(groups.items())]
 
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
               brightness: list[float] | None = None, probes: Probes | None = None) -> ApplyReport:
@@ -368,7 +431,7 @@ class StateManager:
             predicted[new : new + count] = predicted_before[old : old + count]
         newest = bool(layout.new_rows) and layout.new_rows[-1] == layout.length - 1
         if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
-            self.next_logits = self.last_attention = None
+            self._take_newest(None)
         probe_logprobs = None
         if layout.new_rows:
             rows = list(layout.new_rows)
@@ -390,10 +453,17 @@ class StateManager:
             for row, token_id in zip(rows, result.predicted.tolist()):
                 predicted[row] = token_id
             if newest:
-                self.next_logits, self.last_attention = result.logits, result.attention
+                self._take_newest(result)
         self._fault_point("forward")
         self._predicted = predicted
         return probe_logprobs
+
+    def _take_newest(self, result) -> None:
+        """What the forward that wrote the newest row leaves (None: forget it, it is history)."""
+        self.next_logits = None if result is None else result.logits
+        self.last_attention = None if result is None else result.attention
+        self.last_query = None if result is None else result.query
+        self.last_log_norm = None if result is None else result.log_norm
 
     @staticmethod
     def _rotated(layout: Layout) -> int:
@@ -406,13 +476,13 @@ class StateManager:
         If that fails (or is interrupted) the state is marked broken until a rebuild succeeds."""
         self._cache.reset()
         token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
-        self.next_logits = self.last_attention = None
+        self._take_newest(None)
         self._predicted = []
         self._broken = "the cache is being rebuilt"
         try:
             if token_ids:
                 result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
-                self.next_logits, self.last_attention = result.logits, result.attention
+                self._take_newest(result)
                 self._predicted = result.predicted.tolist()
         except BaseException as exc:
             self._broken = f"rebuilding the cache from the mirror failed ({type(exc).__name__}: {exc})"
@@ -507,6 +577,9 @@ class StateManager:
 
         texts: list[str] = []
         for insertion, part in layout.groups:
+            if insertion.restores:  # back with the text it had
+                texts += [self._mirror.ledger[i].text for i in insertion.restores]
+                continue
             first = layout.new_rows[part][0]
             previous = token_at(first - 1) if first > 0 else None
             texts += span_texts(self.lm.decode, list(insertion.token_ids), previous)

@@ -23,3 +23,21 @@ def span_texts(decode: Callable[[list[int]], str], token_ids: list[int], previou
         stable = before.rstrip("\ufffd")  # an unfinished character may still change
         texts.append(after[len(stable):] if after.startswith(stable) else after)
     return texts
+
+
+def rows_matching(texts: list[str], needle: str) -> list[int]:
+    """Rows whose text overlaps an occurrence of `needle` in the concatenation of `texts`
+    (one text per row); every occurrence, in row order."""
+    if not needle:
+        return []
+    ends, total = [], 0
+    for text in texts:
+        total += len(text)
+        ends.append(total)
+    whole, rows, start = "".join(texts), set(), 0
+    while (found := whole.find(needle, start)) >= 0:
+        first = next(row for row, end in enumerate(ends) if end > found)
+        last = next(row for row, end in enumerate(ends) if end >= found + len(needle))
+        rows.update(range(first, last + 1))
+        start = found + 1
+    return sorted(rows)

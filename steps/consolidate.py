@@ -7,7 +7,7 @@ def consolidate(add_token_id: int | None, repair_actions: list[dict]) -> list[di
     order; Step 4 sorts them), then the `add` of the generated token if there is one.
 
     Raises ValueError if two actions touch the same row, naming both, or if an action is not a
-    `replace_pair` / `delete`. Full type and range checks are Step 4's job; this step only
+    `replace_pair` / `delete` / `restore`. Full type and range checks are Step 4's job; this step only
     guarantees the actions are independent of each other.
     """
     owner: dict[int, dict] = {}
@@ -35,12 +35,12 @@ def _rows(action: dict) -> range:
             p1, p2 = _pos(action["original_pos1"]), _pos(action["original_pos2"])
             if p1 >= p2:
                 raise ValueError(f"original_pos1 must be < original_pos2 in {action!r}")
-            # Rows strictly between a non-adjacent pair shift when it is replaced, so they
-            # count as touched too: another action naming them would hit a moved row.
             return range(p1, p2 + 1)
+        if kind == "restore":
+            return range(0)  # inserts between rows, touches none
     except (KeyError, TypeError) as exc:
         raise ValueError(f"malformed action {action!r}: {exc!r}") from None
-    raise ValueError(f"consolidate takes only replace_pair and delete actions, got {action!r}")
+    raise ValueError(f"consolidate takes only replace_pair, delete and restore actions, got {action!r}")
 
 
 def _pos(value) -> int:

@@ -13,7 +13,7 @@ MUTATORS = {
     # SpliceCache / SpliceLayer
     "splice", "fill", "rotate_keys", "reserve", "crop", "update", "reset", "index_copy_",
     # Mirror / Ledger / LiveMap
-    "set_brightness", "retire", "link_replacement", "add",
+    "set_brightness", "set_pinned", "retire", "resurrect", "truncate", "link_replacement", "add",
 }
 PRIVATE = {"_mirror", "_cache", "_predicted", "_write_rows"}
 OWNERS = {"positronic/state_manager.py", "positronic/cache.py"}
