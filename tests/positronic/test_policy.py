@@ -360,3 +360,30 @@ def test_repairs_become_culls_when_the_units_run_out(tiny):
     freed = sum(2 - len(a["new_token_ids"]) if a["action"] == "replace_pair" else 1 for a in actions)
     assert freed >= 9 and sorted(gone) == list(range(4, 16))
     assert [outcome for _, outcome in outcomes] == ["replaced"] * 3 + ["culled"] * 3, "the latest repairs go first"
+
+
+@pytest.mark.parametrize("policy", ["brightness", "streaming", "scored", "h2o", "none"])
+def test_pinned_prompt_text_is_never_evicted(tiny, policy):
+    prompt = [tiny.bos_id] + tiny.encode("filler text and more filler text, the code is 4817, then filler" * 2)
+    cfg = config(policy, 64, at_capacity="shift")
+    brain = Brain.start(tiny, prompt, cfg, pins=["4817"])
+    ledger = brain.state.mirror.ledger
+    pinned = [i for i, e in enumerate(ledger.entries) if e.pinned]
+    assert len(pinned) == 8 and "".join(ledger[i].text for i in pinned) == "48174817"
+    for _ in range(150):
+        brain.step()
+        assert all(ledger[i].state == "live" for i in pinned)
+    assert ledger.count("culled") > 40, "the policy evicted plenty around the pinned rows"
+    brain.state.unpin([row for row, i in enumerate(brain.state.mirror.live.ledger_ids) if i in pinned])
+    for _ in range(150):
+        brain.step()
+    if policy == "streaming":  # the oldest middle rows go first: unpinned, they go
+        assert all(ledger[i].state == "culled" for i in pinned)
+
+
+def test_pins_that_do_not_occur_or_leave_no_room_are_refused(tiny):
+    prompt = [tiny.bos_id] + tiny.encode("abc " * 30)
+    with pytest.raises(ValueError, match="--pin 'xyz' does not occur in the prompt"):
+        Brain.start(tiny, prompt, config("brightness", 64), pins=["xyz"])
+    with pytest.raises(ValueError, match="120 pinned rows leave the brightness policy no room to evict at budget 64"):
+        Brain.start(tiny, prompt, config("brightness", 64), pins=["abc "])
