@@ -13,7 +13,8 @@ same fresh state and must match exactly.
 
     Capture(directory, lm, spec)   observer for `Brain.observers` (run flag --capture)
     capture_tick(state, actions, tick=, brightness=, fault=)   one tick applied through the API, recorded
-    save_fixture / load_fixture    torch.save / torch.load(weights_only=True) + validation
+    save_fixture / load_fixture    torch.save / torch.load(weights_only=True) + validation: bounded
+                                   sizes and tensors, content checksum (`checksum`), then the schema
     replay(fixture, lm)            -> ReplayResult (checks: ids, positions, text, brightness, layer 0,
                                       greedy, rebuild)
     print_replay(path)             what `positronic replay FILE` prints
@@ -25,12 +26,16 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 import math
 import os
 import re
+import reprlib
+import struct
 import sys
 import tempfile
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,14 +49,21 @@ from .state_manager import FAULT_STAGES, ApplyReport, StateManager
 from .text import span_texts
 
 FORMAT = "positronic-tick-fixture"
-VERSION = 2  # 2: atomic ticks (fault = a stage name), Step 2b brightness recorded and checked
-OLD_VERSIONS = {1: "written for the v1 runtime (faults by edit count, brightness set before Step 4); "
-                   "recapture it (bench/capture_fixtures.py, or run --capture)"}
+VERSION = 3  # 3: content checksum (sha256); 2: atomic ticks, Step 2b brightness recorded and checked
+_RECAPTURE = "recapture it (bench/capture_fixtures.py, or run --capture)"
+OLD_VERSIONS = {1: "written for the v1 runtime (faults by edit count, brightness set before Step 4); " + _RECAPTURE,
+                2: "written without a content checksum; " + _RECAPTURE}
 LAYER0_ROWS = 8  # at most this many layer-0 rows are stored: first, last, created rows
 GREEDY_TOKENS = 4  # greedy continuation recorded after the tick
 CAPTURE_LIMIT = 50  # files per run unless the spec lists the ticks
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _HUGE = 2**62  # stands in for vocab size / context limit when checking actions without a model
+# Bounds checked before anything is allocated from a file's say-so (the committed files are ~16 KB):
+MAX_FILE_BYTES = 64 * 2**20  # the file, and the uncompressed members of its zip archive together
+MAX_DEPTH = 8  # nesting of dicts and lists (the schema nests 4 deep: mirror.ledger.replaced_by[i])
+MAX_KV_HEADS, MAX_HEAD_DIM = 256, 1024  # layer-0 K/V are [kv_heads, <= LAYER0_ROWS, head_dim]
+MAX_TENSOR_ELEMENTS = MAX_KV_HEADS * LAYER0_ROWS * MAX_HEAD_DIM
+TENSOR_DTYPES = (torch.int64, torch.float32)  # the only dtypes the schema stores
 
 
 class FixtureError(ValueError):
@@ -118,9 +130,10 @@ class Fixture:
         return from_columns(copy.deepcopy(self.mirror_columns), source=f"{self.path or 'fixture'}: mirror")
 
     def to_dict(self) -> dict:
-        """The file's content: plain dicts, lists, str/int/float/bool/None and tensors only."""
+        """The file's content: plain dicts, lists, str/int/float/bool/None and tensors only,
+        "sha256" last: the `checksum` of all the rest."""
         e = self.expected
-        return {
+        content = {
             "format": FORMAT, "version": VERSION, "model": self.model, "dtype": self.dtype,
             "device": self.device, "tick": self.tick, "label": self.label,
             "before": {"live_ids": list(self.live_ids_before), "positions": list(self.positions_before)},
@@ -132,10 +145,12 @@ class Fixture:
             "after": {
                 "live_ids": list(e.live_ids), "positions": list(e.positions), "texts": list(e.texts),
                 "brightness": [float(b) for b in e.brightness], "rebuilt": bool(e.rebuilt), "greedy": list(e.greedy),
-                "layer0": {"rows": e.layer0_rows.clone(), "keys": e.layer0_keys.clone(),
-                           "values": e.layer0_values.clone()},
+                "layer0": {name: tensor.clone(memory_format=torch.contiguous_format) for name, tensor in
+                           (("rows", e.layer0_rows), ("keys", e.layer0_keys), ("values", e.layer0_values))},
             },
         }
+        content["sha256"] = checksum(content)
+        return content
 
 
 # --- playing a tick on a fresh state (shared by capture and replay) --------------------------
@@ -383,8 +398,10 @@ def save_fixture(fixture: Fixture, path: Path) -> None:
 
 def load_fixture(path: Path) -> Fixture:
     """Read a fixture with `torch.load(weights_only=True)` (nothing but plain data and tensors
-    is unpickled, so no code in the file can run), then validate every field. Raises
-    FixtureError with one line naming the file and the first problem."""
+    is unpickled, so no code in the file can run) after bounding the file's size, then check,
+    before anything else touches the content, that it is a tree of plain values and compact
+    tensors of bounded size (`_check_content`); then the format, the version, the checksum and
+    every field. Raises FixtureError with one line naming the file and the first problem."""
     path = Path(path)
     try:
         fixture = _parse(_read(path))
@@ -400,8 +417,10 @@ def _read(path: Path):
     """The unpickled content, or _Invalid saying why there is none."""
     try:
         with open(path, "rb") as f, warnings.catch_warnings():
-            if not f.read(2).startswith((b"PK", b"\x80")):  # torch.save's zip, or a (legacy) pickle
+            head = f.read(2)
+            if not head.startswith((b"PK", b"\x80")):  # torch.save's zip, or a (legacy) pickle
                 raise _Invalid("not a .pt file (neither a torch zip archive nor a pickle)")
+            _check_size(f, zipped=head == b"PK")
             f.seek(0)
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error says enough
             return torch.load(f, map_location="cpu", weights_only=True)
@@ -412,23 +431,41 @@ def _read(path: Path):
     except Exception as exc:  # torch raises many unrelated types for damaged or hostile files
         message = str(exc)
         if "Weights only load failed" in message:  # the safe unpickler met a global or an opcode it refuses
-            reason = _refusal(message)
-            raise _Invalid(f"refused: holds something other than plain data and tensors ({reason})") from None
-        first = next((line for line in message.splitlines() if line.strip()), "")
-        raise _Invalid(f"not a readable .pt file ({type(exc).__name__}: {first})") from None
+            raise _Invalid(f"refused: holds something other than plain data and tensors ({_refusal(message)})") \
+                from None
+        raise _Invalid(f"not a readable .pt file ({type(exc).__name__}: {_refusal(message)})") from None
+
+
+def _check_size(f, *, zipped: bool) -> None:
+    """Refuse a file, or a zip archive whose members unpack, beyond MAX_FILE_BYTES: torch.load
+    allocates every stored tensor whole, and reads deflated members too (a small zip can
+    unpack to gigabytes)."""
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_FILE_BYTES:
+        raise _Invalid(f"a file of {size} bytes, more than the {MAX_FILE_BYTES} a fixture may have")
+    if zipped:
+        f.seek(0)
+        with zipfile.ZipFile(f) as archive:  # reads the directory only, leaves `f` open; BadZipFile if damaged
+            unpacked = sum(member.file_size for member in archive.infolist())
+        if unpacked > MAX_FILE_BYTES:
+            raise _Invalid(f"its zip archive unpacks to {unpacked} bytes, more than the {MAX_FILE_BYTES} "
+                           "a fixture may have")
+
+
+# Sentences of torch's refusals that give advice (load it with weights_only=False, allow-list
+# the global) rather than the reason: never shown, a hostile file must not be waved through.
+_ADVICE = ("weights only load failed", "pytorch 2.6", "re-run", "two options", "alternatively", "please",
+           "trust", "check the documentation", "file an issue", "safe_globals")
 
 
 def _refusal(message: str) -> str:
-    """The reason inside torch's long weights_only error, without its boilerplate."""
-    for line in message.splitlines():
-        line = line.strip()
-        if "WeightsUnpickler error:" in line:
-            line = line.split("WeightsUnpickler error:", 1)[1].strip()
-        elif line.startswith(("Weights only load failed", "Check the documentation", "Please file an issue")):
-            continue
-        if line:
-            return line
-    return "unsupported content"
+    """The reason inside a torch error, on one line, without torch's advice around it."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", message)  # terminal colour codes
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    sentences = (part.strip() for part in re.split(r"(?<=[.!?])\s+|\n", text))
+    kept = [part for part in sentences if part and not any(word in part.lower() for word in _ADVICE)]
+    return " ".join(kept).rstrip(".") or "unsupported content"
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -438,8 +475,9 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 # --- schema (fixtures/README.md) ------------------------------------------------------------
 
-_TOP = {"format", "version", "model", "dtype", "device", "tick", "label", "before", "mirror", "actions",
+_TOP = {"format", "version", "sha256", "model", "dtype", "device", "tick", "label", "before", "mirror", "actions",
         "brightness", "fault", "new_brightness", "after"}
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def _need(doc: dict, key: str, where: str, valid, kind: str):
@@ -455,7 +493,7 @@ def _need(doc: dict, key: str, where: str, valid, kind: str):
 def _show(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    text = repr(value)
+    text = reprlib.repr(value)  # never the whole of a long list or a huge int
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
@@ -467,25 +505,132 @@ def _int_list(value) -> bool:
     return type(value) is list and all(type(v) is int for v in value)
 
 
+def _id_list(value) -> bool:
+    """Token ids: ints >= 0 (the vocabulary's size is checked at replay)."""
+    return _int_list(value) and all(v >= 0 for v in value)
+
+
+def _position_list(value) -> bool:
+    """RoPE positions: strictly increasing ints >= 0 (the model's limit is checked at replay)."""
+    return _int_list(value) and all(a < b for a, b in zip([-1] + value, value))  # the first >= 0
+
+
 def _section(doc: dict, key: str) -> dict:
     return _need(doc, key, "", lambda v: type(v) is dict, "a dict")
+
+
+def _check_content(data) -> None:
+    """Before anything else reads the unpickled content: it must be a tree (no container held
+    twice, so no cycle) of dicts with str keys, lists, str / int64 / float / bool / None and
+    tensors (`_check_tensor`), at most MAX_DEPTH deep. Names the first offender's path."""
+    seen: set[int] = set()
+    storages: set[int] = set()
+    stack = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _Invalid(f"field {where}: nested deeper than {MAX_DEPTH} levels")
+        if id(value) in seen:
+            raise _Invalid(f"field {where or '(top)'}: the same {type(value).__name__} appears twice "
+                           "(shared or cyclic)")
+        seen.add(id(value))
+        if type(value) is dict and (bad := next((k for k in value if type(k) is not str), None)) is not None:
+            raise _Invalid(f"field {where or '(top)'} has a key {_show(bad)}, expected str")
+        for key, item in value.items() if type(value) is dict else enumerate(value):
+            path = f"{where}[{key}]" if type(key) is int else f"{where}.{key}" if where else key
+            kind = type(item)
+            if kind in (dict, list):
+                stack.append((item, path, depth + 1))
+            elif kind is torch.Tensor:
+                _check_tensor(item, path, storages)
+            elif kind not in _PLAIN:
+                raise _Invalid(f"field {path} holds {kind.__name__}: a fixture holds only dicts, lists, str, int, "
+                               "float, bool, None and tensors")
+            elif kind is int and not -2**63 <= item < 2**63:
+                raise _Invalid(f"field {path} holds an int beyond 64 bits")
+
+
+def _check_tensor(tensor: torch.Tensor, where: str, storages: set[int]) -> None:
+    """A plain CPU tensor of a schema dtype, at most MAX_TENSOR_ELEMENTS elements, that owns
+    exactly its storage: contiguous, at offset 0, storage size = its element count (so no
+    stride-0 or overlapping view that a copy would blow up, no slice of a larger buffer) and
+    no storage shared with another tensor. Only metadata is read: nothing is allocated."""
+    if tensor.dtype not in TENSOR_DTYPES:
+        raise _Invalid(f"field {where} must be an int64 or float32 tensor, got {_show(tensor)}")
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise _Invalid(f"field {where} is a {tensor.layout} tensor on {tensor.device}: only dense CPU tensors")
+    count = math.prod(tensor.shape)
+    if tensor.dim() > 3 or count > MAX_TENSOR_ELEMENTS:
+        raise _Invalid(f"field {where} is a tensor of shape {list(tensor.shape)} ({count} elements): at most 3 "
+                       f"dimensions and {MAX_TENSOR_ELEMENTS} elements")
+    storage = tensor.untyped_storage()
+    if not tensor.is_contiguous() or tensor.storage_offset() != 0 or storage.nbytes() != count * tensor.element_size():
+        raise _Invalid(f"field {where} is a view (shape {list(tensor.shape)}, strides {list(tensor.stride())}, "
+                       f"offset {tensor.storage_offset()}, storage of {storage.nbytes()} bytes): only compact "
+                       "tensors that own their storage")
+    if count and storage.data_ptr() in storages:
+        raise _Invalid(f"field {where} shares its storage with another tensor")
+    storages.add(storage.data_ptr())
+
+
+def checksum(content: dict) -> str:
+    """sha256 of a fixture's content without its "sha256" field, over a canonical serialization
+    (`_feed`): the same data gives the same digest whatever pickle's byte layout. It detects a
+    file edited or damaged after it was saved; it is no signature (anyone can recompute it)."""
+    digest = hashlib.sha256()
+    _feed(digest, {key: value for key, value in content.items() if key != "sha256"})
+    return digest.hexdigest()
+
+
+def _feed(digest, value) -> None:
+    """One value into the digest: a type tag, then a length-prefixed or fixed-size body; dicts
+    by sorted key; tensors as dtype, shape and their bytes in C order."""
+    kind = type(value)
+    if value is None or kind is bool:
+        digest.update({None: b"N", True: b"T", False: b"F"}[value])
+    elif kind is int:
+        digest.update(b"i%d;" % value)
+    elif kind is float:
+        digest.update(b"f" + struct.pack("<d", value))
+    elif kind is str:
+        data = value.encode("utf-8", "surrogatepass")
+        digest.update(b"s%d:" % len(data) + data)
+    elif kind is list:
+        digest.update(b"l%d:" % len(value))
+        for item in value:
+            _feed(digest, item)
+    elif kind is dict:
+        digest.update(b"d%d:" % len(value))
+        for key in sorted(value):
+            _feed(digest, key)
+            _feed(digest, value[key])
+    elif kind is torch.Tensor:
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest.update(f"t{str(value.dtype).removeprefix('torch.')}{list(value.shape)}:".encode() + data)
+    else:
+        raise TypeError(f"a fixture cannot hold {kind.__name__}")
 
 
 def _parse(data) -> Fixture:
     """Validate the unpickled content and build the Fixture; _Invalid names the first problem."""
     if type(data) is not dict:
         raise _Invalid(f"not a tick fixture: holds {_show(data)}, expected a dict")
+    _check_content(data)
     if data.get("format") != FORMAT:
-        raise _Invalid(f"not a tick fixture (format {data.get('format')!r}, expected {FORMAT!r})")
+        raise _Invalid(f"not a tick fixture (format {reprlib.repr(data.get('format'))}, expected {FORMAT!r})")
     version = data.get("version")
-    if version != VERSION or not _is_int(version):
+    if not _is_int(version) or version != VERSION:
         why = OLD_VERSIONS.get(version) if _is_int(version) else None
-        raise _Invalid(f"fixture version {version!r}, this build reads {VERSION}" + (f": {why}" if why else ""))
-    if unknown := sorted(set(map(str, data)) - _TOP):
+        raise _Invalid(f"fixture version {reprlib.repr(version)}, this build reads {VERSION}"
+                       + (f": {why}" if why else ""))
+    recorded = _need(data, "sha256", "", lambda v: type(v) is str, "a str")
+    if recorded != checksum(data):
+        raise _Invalid("checksum mismatch: the content was changed or damaged after it was saved")
+    if unknown := sorted(set(data) - _TOP):
         raise _Invalid(f"unknown field(s) {', '.join(unknown)}")
     model = _need(data, "model", "", lambda v: type(v) is str and v != "", "a model name")
-    dtype = _need(data, "dtype", "", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}")
-    device = _need(data, "device", "", lambda v: v in ("cpu", "cuda"), "cpu or cuda")
+    dtype = _need(data, "dtype", "", lambda v: type(v) is str and v in DTYPES, f"one of {', '.join(DTYPES)}")
+    device = _need(data, "device", "", lambda v: type(v) is str and v in ("cpu", "cuda"), "cpu or cuda")
     tick = _need(data, "tick", "", lambda v: _is_int(v) and v >= 0, "an int >= 0")
     label = _need(data, "label", "", lambda v: type(v) is str, "a str")
     brightness = _need(data, "new_brightness", "", lambda v: type(v) in (int, float) and math.isfinite(v), "a number")
@@ -509,7 +654,7 @@ def _parse_mirror(columns: dict) -> Mirror:
 
 
 def _parse_before(before: dict, mirror: Mirror) -> tuple[list[int], list[int]]:
-    ids = _need(before, "live_ids", "before.", _int_list, "a list of int")
+    ids = _need(before, "live_ids", "before.", _id_list, "a list of token ids (int >= 0)")
     positions = _need(before, "positions", "before.", _int_list, "a list of int")
     if ids != mirror.live_token_ids() or positions != mirror.positions():
         raise _Invalid("before.live_ids / before.positions do not match the mirror's live rows")
@@ -543,8 +688,9 @@ def _parse_fault(data: dict) -> str | None:
 
 
 def _parse_after(after: dict) -> Expected:
-    ids = _need(after, "live_ids", "after.", lambda v: _int_list(v) and v != [], "a non-empty list of int")
-    positions = _need(after, "positions", "after.", _int_list, "a list of int")
+    ids = _need(after, "live_ids", "after.", lambda v: _id_list(v) and v != [],
+                "a non-empty list of token ids (int >= 0)")
+    positions = _need(after, "positions", "after.", _position_list, "a list of increasing positions (int >= 0)")
     texts = _need(after, "texts", "after.", lambda v: type(v) is list and all(type(s) is str for s in v),
                   "a list of str")
     brightness = _need(after, "brightness", "after.", _float_list, "a list of finite floats")
@@ -552,23 +698,27 @@ def _parse_after(after: dict) -> Expected:
         raise _Invalid(f"after: {len(ids)} live ids, {len(positions)} positions, {len(texts)} texts, "
                        f"{len(brightness)} brightness values")
     rebuilt = _need(after, "rebuilt", "after.", lambda v: type(v) is bool, "a bool")
-    greedy = _need(after, "greedy", "after.", lambda v: _int_list(v) and 1 <= len(v) <= 64, "a list of 1-64 int")
+    greedy = _need(after, "greedy", "after.", lambda v: _id_list(v) and 1 <= len(v) <= 64,
+                   "a list of 1-64 token ids (int >= 0)")
     rows, keys, values = _parse_layer0(_need(after, "layer0", "after.", lambda v: type(v) is dict, "a dict"),
                                        len(ids))
     return Expected(ids, positions, texts, brightness, rebuilt, rows, keys, values, greedy)
 
 
 def _parse_layer0(layer0: dict, live_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """rows int64 [r] strictly increasing in 0..live_length-1; keys/values float32 [h, r, d]."""
+    """rows int64 [r] strictly increasing in 0..live_length-1; keys/values float32 [h, r, d] with
+    1 <= h <= MAX_KV_HEADS, 1 <= d <= MAX_HEAD_DIM (the model's sizes are checked at replay)."""
     is_tensor = lambda v: type(v) is torch.Tensor  # noqa: E731 - one line
     rows = _need(layer0, "rows", "after.layer0.", lambda v: is_tensor(v) and v.dtype == torch.int64 and v.dim() == 1
                  and 1 <= len(v) <= LAYER0_ROWS, f"an int64 tensor [r], 1 <= r <= {LAYER0_ROWS}")
     listed = rows.tolist()
     if listed != sorted(set(listed)) or listed[0] < 0 or listed[-1] >= live_length:
         raise _Invalid(f"after.layer0.rows {listed} must be increasing rows of 0..{live_length - 1}")
-    kind = f"a finite float32 tensor [kv_heads, {len(listed)}, head_dim]"
+    kind = (f"a finite float32 tensor [kv_heads, {len(listed)}, head_dim], 1 <= kv_heads <= {MAX_KV_HEADS}, "
+            f"1 <= head_dim <= {MAX_HEAD_DIM}")
     valid = lambda v: (is_tensor(v) and v.dtype == torch.float32 and v.dim() == 3  # noqa: E731
-                       and v.shape[1] == len(listed) and v.numel() > 0 and bool(torch.isfinite(v).all()))
+                       and v.shape[1] == len(listed) and 1 <= v.shape[0] <= MAX_KV_HEADS
+                       and 1 <= v.shape[2] <= MAX_HEAD_DIM and bool(torch.isfinite(v).all()))
     keys = _need(layer0, "keys", "after.layer0.", valid, kind)
     values = _need(layer0, "values", "after.layer0.", valid, kind)
     if keys.shape != values.shape:
@@ -619,6 +769,8 @@ def replay(fixture: Fixture, lm) -> ReplayResult:
     where = fixture.path or "fixture"
     if lm.name != fixture.model:
         raise FixtureError(f"{where}: captured with model {fixture.model!r}, not {lm.name!r}")
+    if problem := _misfit(fixture, lm):
+        raise FixtureError(_one_line(f"{where}: does not fit model {lm.name!r}: {problem}"))
     try:
         state, report = _play(lm, fixture.mirror_columns, fixture.actions, tick=fixture.tick,
                               brightness=fixture.brightness, fault=fixture.fault,
@@ -645,6 +797,35 @@ def replay(fixture: Fixture, lm) -> ReplayResult:
                         rows_after, texts)
 
 
+def _misfit(fixture: Fixture, lm) -> str | None:
+    """What in the fixture `lm` cannot take, found before any state is built (load_fixture
+    checked everything that needs no model): a token id outside its vocabulary, a RoPE
+    position at or beyond its limit, an action list it refuses, layer-0 K/V of other sizes."""
+    e = fixture.expected
+    for name, ids in (("before.live_ids", fixture.live_ids_before), ("after.live_ids", e.live_ids),
+                      ("after.greedy", e.greedy)):
+        if bad := _first_outside(ids, lm.vocab_size):
+            return f"{name}[{bad[0]}] = {bad[1]} is outside the vocabulary 0..{lm.vocab_size - 1}"
+    for name, positions in (("before.positions", fixture.positions_before), ("after.positions", e.positions)):
+        if bad := _first_outside(positions, lm.max_positions):
+            return f"{name}[{bad[0]}] = RoPE position {bad[1]}, outside the model's 0..{lm.max_positions - 1}"
+    try:
+        validate(fixture.actions, live_length=len(fixture.live_ids_before), vocab_size=lm.vocab_size,
+                 max_length=lm.max_positions)
+    except ActionError as exc:
+        return f"actions: {exc}"
+    heads, _, head_dim = e.layer0_keys.shape
+    if (heads, head_dim) != (lm.num_kv_heads, lm.head_dim):
+        return (f"after.layer0 holds {heads} kv heads of size {head_dim}, the model has {lm.num_kv_heads} "
+                f"of size {lm.head_dim}")
+    return None
+
+
+def _first_outside(values: list[int], limit: int) -> tuple[int, int] | None:
+    """(index, value) of the first value outside 0..limit-1, or None."""
+    return next(((index, v) for index, v in enumerate(values) if not 0 <= v < limit), None)
+
+
 def _equal(name: str, got, want, detail: str) -> Check:
     if got == want:
         return Check(name, True, detail)
@@ -659,9 +840,7 @@ def _compare_layer0(state: StateManager, e: Expected, limit: float) -> tuple[Che
     rows = e.layer0_rows.tolist()
     if rows[-1] >= len(state):
         return Check("layer-0 K/V", False, f"row {rows[-1]} does not exist ({len(state)} rows)"), math.inf
-    keys, values = _layer0(state, rows)
-    if keys.shape != e.layer0_keys.shape:
-        return Check("layer-0 K/V", False, f"shape {list(keys.shape)}, expected {list(e.layer0_keys.shape)}"), math.inf
+    keys, values = _layer0(state, rows)  # [kv_heads, rows, head_dim]: the sizes _misfit checked
     error = max((keys - e.layer0_keys).abs().max().item(), (values - e.layer0_values).abs().max().item())
     detail = f"rows {rows}, max |diff| {error:.1e} (limit {limit:.0e})"
     return Check("layer-0 K/V", error <= limit, detail), error

@@ -1,18 +1,23 @@
 """Tick fixtures: the committed ones replay exactly on SmolLM2; capture in a real loop;
-tampered fixtures fail their check; bad or hostile files give one line and run nothing;
-`positronic replay FILE` prints the tick and exits 0 / 1 / 2."""
+edited fixtures fail their checksum, and re-signed ones their replay check; bad, oversized or
+hostile files give one line, allocate nothing and run nothing; a fixture the model cannot take
+is refused before a state is built; `positronic replay FILE` prints the tick and exits 0 / 1 / 2."""
 
 import io
+import math
 import os
 import pickle
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+import positronic.fixtures as fixtures_module
 from positronic.fixtures import (
-    VERSION, Capture, CaptureMismatch, FixtureError, _fault_of, capture_tick, finish, load_fixture, parse_spec,
-    replay, save_fixture, snapshot,
+    MAX_HEAD_DIM, MAX_KV_HEADS, MAX_TENSOR_ELEMENTS, VERSION, Capture, CaptureMismatch, FixtureError, _fault_of,
+    capture_tick, checksum, finish, load_fixture, parse_spec, replay, save_fixture, snapshot,
 )
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import FAULT_STAGES, ApplyReport, StateManager
@@ -94,7 +99,12 @@ def raw(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def rewrite(data: dict, path: Path) -> Path:
+def rewrite(data, path: Path, *, sign: bool = True) -> Path:
+    """Save edited fixture content; `sign`: with its checksum recomputed, as someone who edits a
+    file on purpose can do, so that the checks behind the checksum are the ones tested. (Not
+    for content whose checksum would itself blow up: a huge view, a cycle.)"""
+    if sign and type(data) is dict:
+        data["sha256"] = checksum(data)
     torch.save(data, path)
     return path
 
@@ -118,7 +128,7 @@ def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture
     assert result.passed, [c for c in result.checks if not c.passed]
 
 
-@pytest.mark.parametrize("tamper, failing", [
+TAMPERED = [
     (lambda d: d["after"]["live_ids"].__setitem__(-1, d["after"]["live_ids"][-1] + 1), "live ids"),
     (lambda d: d["after"]["positions"].__setitem__(-1, d["after"]["positions"][-1] + 1), "positions"),
     (lambda d: d["after"]["texts"].__setitem__(3, d["after"]["texts"][3] + "x"), "text"),
@@ -129,14 +139,57 @@ def test_a_crafted_tick_replays_and_records_what_the_tick_did(tiny, tiny_fixture
     (lambda d: d["after"]["layer0"]["values"][0, -1, 3].sub_(1e-3), "layer-0 K/V"),
     (lambda d: d["after"]["greedy"].__setitem__(2, (d["after"]["greedy"][2] + 1) % 256), "greedy"),
     (lambda d: d["after"].__setitem__("rebuilt", True), "rebuild"),
-], ids=["live-id", "position", "text", "brightness-after", "brightness-input", "new-brightness", "layer0-key",
-        "layer0-value", "greedy", "rebuilt-flag"])
+]
+TAMPERED_IDS = ["live-id", "position", "text", "brightness-after", "brightness-input", "new-brightness",
+                "layer0-key", "layer0-value", "greedy", "rebuilt-flag"]
+
+
+@pytest.mark.parametrize("tamper, failing", TAMPERED, ids=TAMPERED_IDS)
 def test_replay_detects_a_tampered_expectation(tiny, tiny_fixture, tmp_path, tamper, failing):
+    """Edited and re-signed (the checksum is no signature): the replay's check still catches it."""
     data = raw(tiny_fixture)
     tamper(data)
     result = replay(load_fixture(rewrite(data, tmp_path / "tampered.pt")), tiny)
     assert not result.passed
     assert result.failed() == [failing]
+
+
+EDITS = [tamper for tamper, _ in TAMPERED] + [
+    lambda d: d["mirror"]["ledger"]["token_id"].__setitem__(3, d["mirror"]["ledger"]["token_id"][3] + 1),
+    lambda d: d["actions"][0]["new_token_ids"].__setitem__(0, 81),
+    lambda d: d["mirror"]["ledger"]["brightness"].__setitem__(0, 1.0),
+    lambda d: d.__setitem__("tick", 3),
+    lambda d: d.__setitem__("label", "another label"),
+    lambda d: d.__setitem__("sha256", "0" * 64),
+]
+EDIT_IDS = TAMPERED_IDS + ["mirror-token-id", "action-token-id", "mirror-brightness", "tick", "label", "sha256"]
+
+
+@pytest.mark.parametrize("edit", EDITS, ids=EDIT_IDS)
+def test_a_fixture_edited_after_it_was_saved_fails_its_checksum(tiny_fixture, tmp_path, edit, capsys):
+    data = raw(tiny_fixture)
+    edit(data)
+    path = rewrite(data, tmp_path / "edited.pt", sign=False)
+    with pytest.raises(FixtureError) as caught:
+        load_fixture(path)
+    assert str(caught.value) == f"{path}: checksum mismatch: the content was changed or damaged after it was saved"
+    assert run_cli("replay", str(path)) == 2
+    assert capsys.readouterr().err == f"error: {caught.value}\n"
+
+
+def test_the_checksum_covers_the_content_not_the_pickle(tiny_fixture, tmp_path):
+    data = raw(tiny_fixture)
+    assert data["sha256"] == checksum(data) and len(data["sha256"]) == 64
+    shuffled = dict(reversed(list(data.items())))  # another key order pickles to other bytes
+    shuffled["after"]["layer0"]["keys"] = shuffled["after"]["layer0"]["keys"].clone()  # another storage
+    assert checksum(shuffled) == data["sha256"]
+    assert load_fixture(rewrite(shuffled, tmp_path / "shuffled.pt", sign=False)).tick == 2
+    # equal values of another type or dtype are other content
+    for change in (lambda d: d.__setitem__("new_brightness", 200), lambda d: d["after"].__setitem__("rebuilt", 0),
+                   lambda d: d["after"]["layer0"].__setitem__("rows", d["after"]["layer0"]["rows"].int())):
+        other = raw(tiny_fixture)
+        change(other)
+        assert checksum(other) != data["sha256"]
 
 
 def test_layer0_tolerance_is_1e_4(tiny, tiny_fixture, tmp_path):
@@ -362,7 +415,7 @@ BAD = {
     "after-brightness-missing": (_drop(["after", "brightness"]), "missing field after.brightness"),
     "after-brightness-nan": (_set(["after", "brightness", 2], float("nan")),
                              "field after.brightness must be a list of finite floats"),
-    "keys-2d": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"][0])(d) or d,
+    "keys-2d": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"][0].clone())(d) or d,
                 "field after.layer0.keys must be a finite float32 tensor"),
     "keys-float64": (lambda d: _set(["after", "layer0", "keys"], d["after"]["layer0"]["keys"].double())(d) or d,
                      "got tensor float64"),
@@ -370,13 +423,90 @@ BAD = {
                  "field after.layer0.keys must be a finite float32 tensor"),
     "rows-beyond": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 99])), "must be increasing rows"),
     "rows-int32": (_set(["after", "layer0", "rows"], torch.tensor([0, 5, 6, 7, 31], dtype=torch.int32)),
-                   "field after.layer0.rows must be an int64 tensor"),
+                   "field after.layer0.rows must be an int64 or float32 tensor, got tensor int32 [5]"),
     "lengths-differ": (lambda d: d["after"]["texts"].pop() and d,
                        "after: 32 live ids, 32 positions, 31 texts, 32 brightness values"),
     "mirror-bad-column": (_set(["mirror", "ledger", "text", 0], 7), "mirror: ledger text[0] = 7, expected str"),
     "mirror-inconsistent": (_set(["mirror", "live", "positions", 3], 0), "inconsistent mirror: RoPE positions"),
     "before-mismatch": (lambda d: d["before"]["live_ids"].reverse() or d, "do not match the mirror's live rows"),
+    "old-version-2": (_set(["version"], 2),
+                      f"fixture version 2, this build reads {VERSION}: written without a content checksum"),
+    "sha256-as-int": (_set(["sha256"], 7), "field sha256 must be a str, got int 7"),
+    "missing-sha256": (_drop(["sha256"]), "missing field sha256"),
+    # what needs no model is checked at load: ids >= 0, positions >= 0 and increasing
+    "negative-live-id": (lambda d: _live_id(d, 3, -5), "field before.live_ids must be a list of token ids (int >= 0)"),
+    "negative-position": (lambda d: _position(d, 0, -1), "inconsistent mirror: RoPE positions"),
+    "after-negative-id": (_set(["after", "live_ids", 2], -1), "field after.live_ids must be a non-empty list of token"),
+    "after-positions-decreasing": (lambda d: d["after"]["positions"].reverse() or d,
+                                   "field after.positions must be a list of increasing positions (int >= 0)"),
+    "after-negative-position": (_set(["after", "positions", 0], -1), "field after.positions must be a list of"),
+    "negative-greedy": (_set(["after", "greedy", 0], -3), "field after.greedy must be a list of 1-64 token ids"),
+    # only a tree of dicts (str keys), lists, plain values and tensors, never deeper than the schema needs
+    "tuple": (_set(["after", "texts"], ("a",)), "field after.texts holds tuple: a fixture holds only dicts, lists"),
+    "bytes": (_set(["label"], b"tick"), "field label holds bytes"),
+    "set": (_set(["actions", 0, "new_token_ids"], {80, 81}), "field actions[0].new_token_ids holds set"),
+    "int-key": (_set(["after", 5], 1), "field after has a key int 5, expected str"),
+    "huge-int": (_set(["mirror", "ledger", "tick_born", 4], 2**70), "field mirror.ledger.tick_born[4] holds an int "
+                                                                     "beyond 64 bits"),
+    "too-deep": (_set(["label"], [[[[[[[[["x"]]]]]]]]]),
+                 "field label[0][0][0][0][0][0][0][0]: nested deeper than 8 levels"),
+    "shared-list": (lambda d: _set(["before", "positions"], d["mirror"]["live"]["positions"])(d) or d,
+                    "the same list appears twice (shared or cyclic)"),
+    "cyclic-list": (lambda d: d["actions"].append(d["actions"]) or d,
+                    "field actions[3]: the same list appears twice (shared or cyclic)"),
+    # tensors: compact, owning exactly their storage, of a schema dtype and bounded size, read
+    # from metadata only (a copy of a view could take gigabytes)
+    "keys-stride-0": (lambda d: _keys(d, lambda k: torch.zeros(1).expand(k.shape)),
+                      "field after.layer0.keys is a view (shape [2, 5, 16], strides [0, 0, 0], offset 0, storage of "
+                      "4 bytes): only compact tensors that own their storage"),
+    "keys-transposed": (lambda d: _keys(d, lambda k: k.transpose(1, 2).contiguous().transpose(1, 2)),
+                        "field after.layer0.keys is a view (shape [2, 5, 16], strides [80, 1, 5]"),
+    "keys-overlapping": (lambda d: _keys(d, lambda k: torch.zeros(40).as_strided(k.shape, (10, 1, 1))),
+                         "field after.layer0.keys is a view (shape [2, 5, 16], strides [10, 1, 1]"),
+    "keys-at-offset": (lambda d: _keys(d, lambda k: torch.cat([k.flatten(), k.flatten()])[k.numel():].view(k.shape)),
+                       "field after.layer0.keys is a view (shape [2, 5, 16], strides [80, 16, 1], offset 160, "
+                       "storage of 1280 bytes)"),
+    "keys-in-larger-storage": (lambda d: _keys(d, lambda k: torch.cat([k.flatten(), k.flatten()])[:k.numel()]
+                                               .view(k.shape)), "offset 0, storage of 1280 bytes)"),
+    "keys-share-storage": (lambda d: _keys(d, lambda k: d["after"]["layer0"]["values"].view(k.shape)),
+                           "shares its storage with another tensor"),
+    "keys-sparse": (lambda d: _keys(d, lambda k: k.to_sparse()), "field after.layer0.keys is a torch.sparse_coo "
+                                                                 "tensor on cpu: only dense CPU tensors"),
+    "keys-parameter": (lambda d: _keys(d, torch.nn.Parameter), "field after.layer0.keys holds Parameter"),
+    "keys-4d": (lambda d: _keys(d, lambda k: k[None]), "field after.layer0.keys is a tensor of shape [1, 2, 5, 16]"),
+    "keys-int32": (lambda d: _keys(d, lambda k: k.int()), "field after.layer0.keys must be an int64 or float32 "
+                                                          "tensor, got tensor int32 [2, 5, 16]"),
+    "tensor-elsewhere": (_set(["after", "greedy"], torch.tensor([1, 2])), "field after.greedy must be a list of 1-64"),
+    "too-many-kv-heads": (lambda d: _keys_and_values(d, torch.zeros(MAX_KV_HEADS + 1, 5, 1)),
+                          f"1 <= kv_heads <= {MAX_KV_HEADS}, 1 <= head_dim <= {MAX_HEAD_DIM}, got tensor float32 "
+                          f"[{MAX_KV_HEADS + 1}, 5, 1]"),
+    "head-dim-too-large": (lambda d: _keys_and_values(d, torch.zeros(1, 5, MAX_HEAD_DIM + 1)),
+                           f"got tensor float32 [1, 5, {MAX_HEAD_DIM + 1}]"),
 }
+
+
+def _live_id(data: dict, row: int, token_id: int) -> dict:
+    """Live row `row` holds `token_id`, in the mirror and in before.live_ids alike."""
+    data["mirror"]["ledger"]["token_id"][data["mirror"]["live"]["ledger_ids"][row]] = token_id
+    data["before"]["live_ids"][row] = token_id
+    return data
+
+
+def _position(data: dict, row: int, position: int) -> dict:
+    """Live row `row` sits at RoPE `position`, in the mirror and in before.positions alike."""
+    data["mirror"]["live"]["positions"][row] = data["before"]["positions"][row] = position
+    return data
+
+
+def _keys(data: dict, make) -> dict:
+    layer0 = data["after"]["layer0"]
+    layer0["keys"] = make(layer0["keys"])
+    return data
+
+
+def _keys_and_values(data: dict, tensor: torch.Tensor) -> dict:
+    data["after"]["layer0"].update(keys=tensor, values=tensor.clone())
+    return data
 
 
 def _v1(data: dict) -> dict:
@@ -392,10 +522,15 @@ def _apply(change, data):
     return data if result is None else result
 
 
+# content the checksum cannot even take (refused before it is computed), or a bad checksum field
+UNSIGNED = {"sha256-as-int", "missing-sha256", "cyclic-list", "tuple", "bytes", "set", "int-key", "keys-sparse",
+            "keys-parameter"}
+
+
 @pytest.mark.parametrize("name", list(BAD))
 def test_a_bad_fixture_gives_one_clear_line(tiny_fixture, tmp_path, name):
     change, message = BAD[name]
-    path = rewrite(_apply(change, raw(tiny_fixture)), tmp_path / f"{name}.pt")
+    path = rewrite(_apply(change, raw(tiny_fixture)), tmp_path / f"{name}.pt", sign=name not in UNSIGNED)
     with pytest.raises(FixtureError) as caught:
         load_fixture(path)
     text = str(caught.value)
@@ -440,9 +575,136 @@ def test_a_malicious_pickle_is_refused_and_runs_nothing(tmp_path, writer, reason
     with pytest.raises(FixtureError, match=r"refused: holds something other than plain data and tensors") as caught:
         load_fixture(path)
     assert "\n" not in str(caught.value) and reason in str(caught.value)
+    assert not any(advice in str(caught.value) for advice in TORCH_ADVICE)
     assert not marker.exists()
     assert run_cli("replay", str(path)) == 2
     assert not marker.exists()
+
+
+# torch's advice around a refusal: how to load the file anyway. A hostile file must not be
+# waved through, so none of it is shown, only the reason.
+TORCH_ADVICE = ["weights_only` set to `False`", "Re-running", "safe_globals", "trust", "documentation", "file an issue",
+                "PyTorch 2.6", "\x1b["]
+
+
+class Plain:
+    """A harmless custom class: still not plain data."""
+
+    def __init__(self):
+        self.value = 1
+
+
+def _legacy_tar(path: Path) -> None:
+    """An archive in torch's legacy .tar format, its first member named so the file starts like a pickle."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        member = tarfile.TarInfo("\x80storages")
+        member.size = 4
+        tar.addfile(member, io.BytesIO(b"data"))
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda p: torch.save({"model": Plain()}, p), f"refused: holds something other than plain data and tensors "
+                                                  f"(Unsupported global: GLOBAL {Plain.__module__}.Plain was not "
+                                                  "an allowed global by default)"),
+    (lambda p: torch.save({"model": Plain}, p), f"GLOBAL {Plain.__module__}.Plain was not an allowed global"),
+    (lambda p: torch.save({"model": os.path.join}, p), "(Unsupported global: GLOBAL posixpath.join was not an allowed"),
+    (lambda p: torch.save({"model": print}, p), "(Unsupported global: GLOBAL print was not an allowed global"),
+    (_legacy_tar, "not a readable .pt file (RuntimeError: Cannot use ``weights_only=True`` with files saved in the "
+                  "legacy .tar format)"),
+], ids=["custom-object", "class", "function", "builtin", "legacy-tar"])
+def test_a_refusal_names_the_reason_without_torchs_advice(tmp_path, capsys, write, message):
+    path = tmp_path / "hostile.pt"
+    write(path)
+    with pytest.raises(FixtureError) as caught:
+        load_fixture(path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}: ") and message in text
+    assert not any(advice in text for advice in TORCH_ADVICE), text
+    assert run_cli("replay", str(path)) == 2
+    assert capsys.readouterr().err == f"error: {text}\n"
+
+
+@pytest.mark.parametrize("where", [("after", "layer0", "keys"), ("after", "layer0", "values"), ("brightness",)])
+def test_a_huge_view_of_a_small_storage_is_refused_before_anything_allocates(tiny_fixture, tmp_path, capsys, where):
+    """torch.save keeps the 4-byte storage of a stride-0 view, so the file stays small; any copy,
+    comparison or isfinite of it would allocate its full size (4 TB here, so a regression fails
+    at once instead of filling the memory)."""
+    data = raw(tiny_fixture)
+    heads, rows, _ = data["after"]["layer0"]["keys"].shape
+    shape = (heads, rows, 10**12) if where[0] == "after" else (10**9,)
+    _set(list(where), torch.zeros(1).expand(shape))(data)
+    path = rewrite(data, tmp_path / "view.pt", sign=False)  # a checksum would read all of it
+    assert path.stat().st_size < tiny_fixture.stat().st_size + 2000
+    with pytest.raises(FixtureError) as caught:
+        load_fixture(path)
+    count = math.prod(shape)
+    assert str(caught.value) == (f"{path}: field {'.'.join(where)} is a tensor of shape {list(shape)} ({count} "
+                                 f"elements): at most 3 dimensions and {MAX_TENSOR_ELEMENTS} elements")
+    assert run_cli("replay", str(path)) == 2
+    assert capsys.readouterr().err == f"error: {caught.value}\n"
+
+
+def test_a_file_or_archive_beyond_the_size_limit_is_refused_unread(tiny_fixture, tmp_path, monkeypatch):
+    size = tiny_fixture.stat().st_size
+    monkeypatch.setattr(fixtures_module, "MAX_FILE_BYTES", size - 1)
+    with pytest.raises(FixtureError, match=f"a file of {size} bytes, more than the {size - 1} a fixture may have"):
+        load_fixture(tiny_fixture)
+    # torch.load reads deflated members too: a small archive may unpack to gigabytes
+    limit = 2**20
+    monkeypatch.setattr(fixtures_module, "MAX_FILE_BYTES", limit)
+    with zipfile.ZipFile(tiny_fixture) as source:
+        members = {info.filename: source.read(info) for info in source.infolist()}
+    deflated, bomb = tmp_path / "deflated.pt", tmp_path / "bomb.pt"
+    for path, extra in ((deflated, {}), (bomb, {"tiny/data/junk": bytes(2 * limit)})):
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            for name, content in {**members, **extra}.items():
+                archive.writestr(name, content)
+    assert load_fixture(deflated).tick == 2  # deflating alone is fine
+    assert bomb.stat().st_size < limit // 4
+    unpacked = sum(map(len, members.values())) + 2 * limit
+    with pytest.raises(FixtureError) as caught:
+        load_fixture(bomb)
+    assert str(caught.value) == f"{bomb}: its zip archive unpacks to {unpacked} bytes, more than the {limit} a " \
+                                "fixture may have"
+
+
+MISFITS = {
+    "live-id": (lambda d, lm: _live_id(d, 3, lm.vocab_size),
+                "before.live_ids[3] = 512 is outside the vocabulary 0..511"),
+    "position": (lambda d, lm: _position(d, 30, lm.max_positions),
+                 "before.positions[30] = RoPE position 512, outside the model's 0..511"),
+    "after-id": (lambda d, lm: _set(["after", "live_ids", 0], lm.vocab_size + 7)(d),
+                 "after.live_ids[0] = 519 is outside the vocabulary 0..511"),
+    "after-position": (lambda d, lm: _set(["after", "positions", -1], 10**6)(d),
+                       "after.positions[31] = RoPE position 1000000, outside the model's 0..511"),
+    "greedy": (lambda d, lm: _set(["after", "greedy", 1], lm.vocab_size)(d),
+               "after.greedy[1] = 512 is outside the vocabulary 0..511"),
+    "action-token": (lambda d, lm: _set(["actions", 2, "token_id"], lm.vocab_size)(d),
+                     "actions: action 2 (add): token_id=512 is outside the vocabulary 0..511"),
+    "kv-heads": (lambda d, lm: _keys_and_values(d, torch.zeros(lm.num_kv_heads + 1, 5, lm.head_dim)),
+                 "after.layer0 holds 3 kv heads of size 16, the model has 2 of size 16"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISFITS))
+def test_a_fixture_the_model_cannot_take_is_refused_before_a_state_is_built(tiny, tiny_fixture, tmp_path,
+                                                                            monkeypatch, capsys, name):
+    """Only the model knows its vocabulary, its RoPE limit and its sizes: replay checks them
+    first, so the file gives one line instead of an IndexError deep in the forward."""
+    change, problem = MISFITS[name]
+    data = raw(tiny_fixture)
+    change(data, tiny)
+    path = rewrite(data, tmp_path / f"{name}.pt")
+    fixture = load_fixture(path)  # nothing here needs the model
+    built = []
+    monkeypatch.setattr(StateManager, "from_mirror", lambda *args, **kwargs: built.append(1))
+    with pytest.raises(FixtureError) as caught:
+        replay(fixture, tiny)
+    assert str(caught.value) == f"{path}: does not fit model 'random:tiny': {problem}"
+    assert not built
+    monkeypatch.undo()
+    assert run_cli("replay", str(path)) == 2
+    assert capsys.readouterr().err == f"error: {caught.value}\n"
 
 
 # --- the replay command ---------------------------------------------------------------------
