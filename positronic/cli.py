@@ -240,13 +240,15 @@ def eval_command(
     protect: int = typer.Option(0, min=0, help="Protected prefix rows."),
     at_capacity: str = typer.Option("shift", help="Policy none when full: shift | stop."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
-    probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe (default: max budget + 128)."),
+    probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe, from the whole --text (default: max budget + 128, cut to the text; a text shorter than an explicit N is refused, and so is a probe longer than the model's positions)."),
+    probe_at: float = typer.Option(0.0, help="Where the probe's fact goes: the fraction 0..1 of the filler before it (0: first, 1: right before the question); never inside the sink/protected rows (shifted past them)."),
+    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none with recall on (rows POLICY+recall)."),
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
     repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
-    generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --smooth are ignored)."),
+    generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
 ) -> None:
@@ -254,6 +256,8 @@ def eval_command(
     with --generate N, the quality of N freely generated tokens instead."""
     writable_directory(out, "--out")
     if generate is not None:
+        if recall:
+            raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
         from .generation_eval import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
@@ -268,7 +272,7 @@ def eval_command(
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
-                  repair_batch=repair_batch)
+                  repair_batch=repair_batch, probe_at=probe_at, recall=recall)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,19 +20,30 @@ same token (a second failure ends the evaluation).
 Reported per (policy, budget): perplexity exp(mean NLL) over all predicted tokens and over
 `segments` equal consecutive chunks, and the ratio to the full cache over the same tokens.
 The full-cache reference is policy `none` with a budget above the stream length (so nothing
-is ever evicted); it is run automatically whenever the stream fits the model's positions.
+is ever evicted); it is run automatically whenever the stream fits the model's positions
+(when only the probe fits, it runs the probe alone: its perplexity cells stay empty).
 `none` below that budget follows `at_capacity`: `shift` (default here; llama.cpp's context
 shift) or `stop` (the run ends when the cache is full; later tokens are not scored and the
 coverage column says how many were).
 
-Retrieval probe: a fact stated right after BOS ("The secret code is 4817. ..."), then
-`probe_filler` tokens of the text (default: the largest budget + 128, so every bounded cache
-has had to evict by then), then the question "... Answer: The secret code is " (its trailing
-space is one token, as in the fact); the answer "4817" (one token per digit in SmolLM2 and
-Llama tokenizers) is teacher-forced and its log-probability (sum over its tokens) and the
-rank of each answer token under the next-token distribution are recorded. `recalled` = every answer token ranked
-first (greedy decoding would reproduce the code). The fact sits outside the sinks (rows 1..)
-and is not protected, so it survives only if the policy keeps it.
+Retrieval probe: BOS, the first k of `probe_filler` text tokens, a fact ("The secret code is
+4817. ..."), the rest of the filler, then the question "... Answer: The secret code is " (its
+trailing space is one token, as in the fact); the answer "4817" (one token per digit in
+SmolLM2 and Llama tokenizers) is teacher-forced. k = round(probe_at * filler): `probe_at` 0
+(default) puts the fact first, 1 right before the question. The fact never lands in the rows
+no policy evicts (the first max(sinks, protect) rows, BOS included): it is shifted to start
+right after them (k raised to max(sinks, protect) - 1), so it survives only if the policy
+keeps it; a filler too short for that is refused. The filler is taken from the whole text
+(not only the first `max_tokens`); a text shorter than an explicit `probe_filler` is refused
+(the default, the largest budget + 128 so that every bounded cache has had to evict, is cut
+to the text), and so is a probe stream longer than the model's positions.
+Recorded per run: the answer's NLL in nats (sum over its tokens), the full cache's answer NLL
+and the difference `delta` ("Δ nats vs full"; the issue's target: within 1 nat over the
+4-digit answer), the rank of each answer token under the next-token distribution, and
+`recalled` = every answer token ranked first (greedy decoding would reproduce the code).
+
+`recall=True` (`eval --recall`) runs every bounded policy (all but `none`) a second time
+with BrainConfig.recall on, labelled e.g. "brightness+recall", next to the run without.
 
 Outputs (`write_outputs`): results.csv (one row per run), results.json (settings, every run
 with its per-token NLL), nll_by_position.png (moving-average NLL over position, one subplot
@@ -70,12 +81,22 @@ class EvalError(ValueError):
 class ProbeResult:
     logprob: float  # sum of the answer tokens' log-probabilities (natural log)
     ranks: list[int]  # rank of each answer token (1 = most likely)
-    filler: int  # tokens between the fact and the question
+    filler: int  # filler tokens in the stream (before and after the fact)
     logprobs: list[float] = field(default_factory=list)  # per answer token
     recalled: bool = False  # every answer token ranked first
+    fact_at: int = 1  # stream index of the fact's first token (its row until something is evicted)
+    nll: float = 0.0  # the answer's NLL in nats: -logprob
+    full_nll: float | None = None  # the full cache's answer NLL on the same stream
+    delta: float | None = None  # nll - full_nll ("Δ nats vs full")
 
     def __post_init__(self):
         self.recalled = bool(self.ranks) and all(r == 1 for r in self.ranks)
+        self.nll = -self.logprob
+
+    def compare(self, full: ProbeResult | None) -> None:
+        """Record the full cache's answer NLL and the difference to it."""
+        if full is not None:
+            self.full_nll, self.delta = full.nll, self.nll - full.nll
 
 
 @dataclass
@@ -95,10 +116,16 @@ class RunSummary:
     rebuilds: int = 0
     seconds: float = 0.0
     nll: list[float] = field(default_factory=list)  # per scored token, in stream order
+    recall: bool = False  # run with BrainConfig.recall on
+
+    @property
+    def name(self) -> str:
+        """The policy, with "+recall" when recall was on."""
+        return self.policy + ("+recall" if self.recall else "")
 
     @property
     def label(self) -> str:
-        return f"{self.policy}@{'full' if self.budget is None else self.budget}"
+        return f"{self.name}@{'full' if self.budget is None else self.budget}"
 
 
 @dataclass
@@ -124,11 +151,13 @@ class StreamResult:
 
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last", repairer: str | None = None, repair_batch: int | None = None) -> BrainConfig:
+                score_layers="last", repairer: str | None = None, repair_batch: int | None = None,
+                recall: bool = False) -> BrainConfig:
     """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run."""
     chosen = {"repairer": repairer, "repair_batch": repair_batch}
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers, **{k: v for k, v in chosen.items() if v is not None})
+                         score_layers=score_layers, recall=recall,
+                         **{k: v for k, v in chosen.items() if v is not None})
     try:
         config.validate()
         POLICIES[policy].check(config)
@@ -193,24 +222,65 @@ def segment_bounds(count: int, segments: int) -> list[tuple[int, int]]:
     return [(count * k // segments, count * (k + 1) // segments) for k in range(segments)]
 
 
-def probe_stream(lm, text_ids: list[int], filler: int) -> tuple[list[int], int]:
-    """BOS + fact + `filler` text tokens + question + answer; returns (ids, answer start).
-    The answer's tokens are those the tokenizer gives the question and answer together."""
+@dataclass
+class ProbeStream:
+    ids: list[int]  # BOS, filler[:k], fact, filler[k:], question, answer
+    fact_at: int  # stream index of the fact's first token
+    fact_end: int  # one past its last
+    answer_at: int  # stream index of the first answer token
+    filler: int
+
+
+def probe_stream(lm, text_ids: list[int], filler: int, at: float = 0.0, keep: int = 1) -> ProbeStream:
+    """BOS + the first k of `filler` text tokens + fact + the rest + question + answer, with
+    k = round(at * filler) raised so that the fact starts at stream index `keep` or later
+    (keep = max(sinks, protect): rows no policy evicts). The answer's tokens are those the
+    tokenizer gives the question and answer together. EvalError, before anything runs, for a
+    filler that is negative, longer than the text or too short to clear `keep`, and for a
+    stream longer than the model's positions."""
+    if not 0.0 <= at <= 1.0:
+        raise EvalError(f"--probe-at must be a fraction in 0..1, got {at}")
+    if filler < 0:
+        raise EvalError(f"--probe-filler must be >= 0, got {filler}")
+    if filler > len(text_ids):
+        raise EvalError(f"--probe-filler {filler} is longer than the text ({len(text_ids)} tokens): "
+                        "give a longer --text or a smaller --probe-filler")
+    before = max(round(at * filler), keep - 1)
+    if before > filler:
+        raise EvalError(f"the probe's fact would land in the first {keep} rows, which are never evicted "
+                        f"(sinks/protect): --probe-filler must be at least {keep - 1}, got {filler}")
+    fact = lm.encode(PROBE_FACT)
     question, joint = lm.encode(PROBE_QUESTION), lm.encode(PROBE_QUESTION + PROBE_ANSWER)
     answer = joint[len(question):] if joint[:len(question)] == question else lm.encode(PROBE_ANSWER)
-    head = [lm.bos_id] + lm.encode(PROBE_FACT) + text_ids[:filler] + question
-    return head + answer, len(head)
+    fixed = 1 + len(fact) + len(question) + len(answer)
+    if fixed + filler > lm.max_positions:
+        raise EvalError(f"the probe stream ({fixed + filler} tokens: {filler} of filler + {fixed} of BOS, fact, "
+                        f"question and answer) is above {lm.name}'s {lm.max_positions} positions: "
+                        f"--probe-filler can be at most {lm.max_positions - fixed}")
+    head = [lm.bos_id] + text_ids[:before] + fact + text_ids[before:filler] + question
+    return ProbeStream(head + answer, 1 + before, 1 + before + len(fact), len(head), filler)
+
+
+def run_probe(lm, probe: ProbeStream, config: BrainConfig, *, on_token=None) -> tuple[ProbeResult | None, StreamResult]:
+    """Teacher-force the probe stream through `config`: its ProbeResult (None when the run
+    stopped before the answer, `none` with at_capacity stop) and the StreamResult."""
+    result = run_stream(lm, probe.ids, config, rank_from=probe.answer_at, on_token=on_token)
+    if result.stopped_at is not None:
+        return None, result
+    answer = result.nll[probe.answer_at - 1:]
+    return ProbeResult(-sum(answer), result.ranks, probe.filler, [-x for x in answer], fact_at=probe.fact_at), result
 
 
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             repairer: str | None = None, repair_batch: int | None = None, progress=None, on_run=None,
-             text_name: str = "") -> EvalReport:
+             repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
+             recall: bool = False, progress=None, on_run=None, text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
-    (None: the library default). `progress` is a rich Progress (or None); `on_run` is called with each finished
-    RunSummary."""
+    (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
+    filler before it). `recall`: every policy but `none` also runs with recall on.
+    `progress` is a rich Progress (or None); `on_run` is called with each finished RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:
         raise EvalError("give at least one policy and one budget")
@@ -221,36 +291,38 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if segments < 1:
         raise EvalError(f"segments must be >= 1, got {segments}")
-    configs = {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                   score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
-               for b in budgets for p in policies}
+    variants = [(p, r) for p in policies for r in ((False, True) if recall and p != "none" else (False,))]
+    configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
+                                      score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
+                                      recall=r)
+               for b in budgets for p, r in variants}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
         raise EvalError("the text has fewer than 2 tokens")
     ids = [lm.bos_id] + text_ids[:max_tokens]
-    filler = min(probe_filler if probe_filler is not None else max(budgets) + 128, len(text_ids))
-    if probe and filler < 0:
-        raise EvalError(f"probe filler must be >= 0, got {probe_filler}")
-    p_ids, answer_at = probe_stream(lm, text_ids, filler) if probe else ([], 0)
-    longest = max(len(ids), len(p_ids))
     if max(budgets) > lm.max_positions:
         raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
+    filler = probe_filler if probe_filler is not None else min(max(budgets) + 128, len(text_ids))
+    pstream = probe_stream(lm, text_ids, filler, probe_at, keep=max(sinks, protect, 1)) if probe else None
+    p_ids = pstream.ids if probe else []
+    longest = max(len(ids), len(p_ids))
 
-    def one(policy: str, budget: int | None, config: BrainConfig) -> RunSummary:
-        label = f"{policy}@{'full' if budget is None else budget}"
-        task = progress.add_task(label, total=len(ids) - 1 + (len(p_ids) - 1 if probe else 0)) if progress else None
+    def one(policy: str, budget: int | None, config: BrainConfig, *, scored: bool = True) -> RunSummary:
+        label = f"{policy}{'+recall' if config.recall else ''}@{'full' if budget is None else budget}"
+        total = (len(ids) - 1 if scored else 0) + (len(p_ids) - 1 if probe else 0)
+        task = progress.add_task(label, total=total) if progress else None
         tick = (lambda i: progress.advance(task)) if progress else None
-        main = run_stream(lm, ids, config, on_token=tick)
-        bounds = segment_bounds(len(ids) - 1, segments)
-        seg = [perplexity(main.nll[a:b]) if b <= len(main.nll) else None for a, b in bounds]
-        summary = RunSummary(policy, budget, len(main.nll), perplexity(main.nll), seg, deletes=main.deletes,
-                             repairs=main.repairs, max_live=main.max_live, stopped_at=main.stopped_at,
-                             rebuilds=main.rebuilds, seconds=main.seconds, nll=main.nll)
+        if scored:
+            main = run_stream(lm, ids, config, on_token=tick)
+            bounds = segment_bounds(len(ids) - 1, segments)
+            seg = [perplexity(main.nll[a:b]) if b <= len(main.nll) else None for a, b in bounds]
+            summary = RunSummary(policy, budget, len(main.nll), perplexity(main.nll), seg, deletes=main.deletes,
+                                 repairs=main.repairs, max_live=main.max_live, stopped_at=main.stopped_at,
+                                 rebuilds=main.rebuilds, seconds=main.seconds, nll=main.nll, recall=config.recall)
+        else:  # the text does not fit the model's positions: the full cache only answers the probe
+            summary = RunSummary(policy, budget, 0, float("nan"), [None] * len(segment_bounds(len(ids) - 1, segments)))
         if probe:
-            result = run_stream(lm, p_ids, config, rank_from=answer_at, on_token=tick)
-            if result.stopped_at is None:
-                answer = result.nll[answer_at - 1:]
-                summary.probe = ProbeResult(-sum(answer), result.ranks, filler, [-x for x in answer])
+            summary.probe, result = run_probe(lm, pstream, config, on_token=tick)
             summary.seconds += result.seconds
             summary.rebuilds += result.rebuilds
         if progress:
@@ -260,18 +332,26 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
         return summary
 
     ref = None
-    if reference and longest <= lm.max_positions:  # the full cache fits: nothing is ever evicted
-        ref = one("none", None, reference_config(longest, sinks=sinks, protect=protect, score_layers=score_layers))
-    runs = [one(p, b, configs[(p, b)]) for b in budgets for p in policies]
-    if ref is not None:
+    if reference and (longest <= lm.max_positions or probe):  # the full cache fits: nothing is ever evicted
+        fits = len(ids) <= lm.max_positions
+        ref = one("none", None, reference_config(longest if fits else len(p_ids), sinks=sinks, protect=protect,
+                                                 score_layers=score_layers), scored=fits)
+    runs = [one(p, b, configs[(p, r, b)]) for b in budgets for p, r in variants]
+    if ref is not None and ref.nll:
         bounds = segment_bounds(len(ids) - 1, segments)
         for run in runs:
             run.ratio = run.ppl / perplexity(ref.nll[:run.tokens])
             run.segment_ratios = [None if s is None else s / r for s, r in zip(run.segments, ref.segments)]
         ref.ratio, ref.segment_ratios = 1.0, [1.0] * len(bounds)
+    full = ref.probe if ref is not None else None
+    for run in ([ref] if ref is not None else []) + runs:
+        if run.probe is not None:
+            run.probe.compare(full)
     settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=sinks,
                     protect=protect, at_capacity=at_capacity, score_layers=score_layers, repairer=repairer, repair_batch=repair_batch, probe=probe,
-                    probe_filler=filler if probe else None, probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
+                    probe_filler=filler if probe else None, probe_at=probe_at if probe else None,
+                    probe_fact_at=pstream.fact_at if probe else None, recall=recall,
+                    probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
                     device=str(lm.device), threads=torch.get_num_threads())
     return EvalReport(lm.name, text_name, len(ids), settings, runs, ref)
@@ -292,19 +372,25 @@ def table(report: EvalReport):
     runs = ([report.reference] if report.reference else []) + report.runs
     nseg = len(runs[0].segments) if runs else 0
     t = Table(title=f"{report.model} · {report.text or 'text'} · {report.stream_tokens - 1} tokens "
-                    f"(perplexity; ×full = ratio to the full cache)")
-    for name in ("policy", "budget", "ppl", "×full", *[f"s{k + 1}" for k in range(nseg)], "probe logp",
-                 "probe ranks", "recalled", "evicted", "repairs", "max live", "ms/tok"):
+                    f"(perplexity; ×full = ratio to the full cache; probe: answer NLL in nats, Δ = minus the full cache's)")
+    for name in ("policy", "budget", "ppl", "×full", *[f"s{k + 1}" for k in range(nseg)], "answer NLL",
+                 "Δ nats vs full", "ranks", "recalled", "evicted", "repairs", "max live", "ms/tok"):
         t.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
     for run in runs:
         probe = run.probe
         scored = run.tokens + (probe.filler if probe else 0)
-        t.add_row(run.policy, "full" if run.budget is None else str(run.budget), fmt_number(run.ppl), fmt_number(run.ratio, 3),
-                  *[fmt_number(s, 1) for s in run.segments], fmt_number(probe.logprob) if probe else "-",
-                  " ".join(map(str, probe.ranks)) if probe else "-",
-                  ("yes" if probe.recalled else "no") if probe else "-", str(run.deletes + 2 * run.repairs),
+        t.add_row(run.name, "full" if run.budget is None else str(run.budget), fmt_number(run.ppl), fmt_number(run.ratio, 3),
+                  *[fmt_number(s, 1) for s in run.segments], *probe_cells(probe), str(run.deletes + 2 * run.repairs),
                   str(run.repairs), str(run.max_live), f"{1000 * run.seconds / max(scored, 1):.0f}")
     return t
+
+
+def probe_cells(probe: ProbeResult | None) -> list[str]:
+    """answer NLL, Δ nats vs full, ranks, recalled: the probe's table cells ("-" without one)."""
+    if probe is None:
+        return ["-"] * 4
+    delta = "-" if probe.delta is None else f"{probe.delta:+.2f}"
+    return [fmt_number(probe.nll), delta, " ".join(map(str, probe.ranks)), "yes" if probe.recalled else "no"]
 
 
 def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -> dict[str, Path]:
@@ -319,17 +405,19 @@ def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -
     nseg = len(runs[0].segments)
     with open(paths["csv"], "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["policy", "budget", "tokens", "ppl", "ratio_to_full", *[f"seg{k + 1}_ppl" for k in range(nseg)],
-                         *[f"seg{k + 1}_ratio" for k in range(nseg)], "probe_logprob", "probe_ranks", "probe_recalled",
-                         "probe_filler", "evicted_rows", "deletes", "repairs", "max_live", "stopped_at", "rebuilds",
-                         "seconds"])
+        writer.writerow(["policy", "budget", "recall", "tokens", "ppl", "ratio_to_full",
+                         *[f"seg{k + 1}_ppl" for k in range(nseg)], *[f"seg{k + 1}_ratio" for k in range(nseg)],
+                         "probe_nll", "probe_full_nll", "probe_delta_nats", "probe_logprob", "probe_ranks",
+                         "probe_recalled", "probe_filler", "probe_fact_at", "evicted_rows", "deletes", "repairs",
+                         "max_live", "stopped_at", "rebuilds", "seconds"])
         for run in runs:
             probe = run.probe
-            writer.writerow([run.policy, "full" if run.budget is None else run.budget, run.tokens, f"{run.ppl:.4f}",
-                             fmt_number(run.ratio, 4), *[fmt_number(s, 4) for s in run.segments],
-                             *[fmt_number(s, 4) for s in (run.segment_ratios or [None] * nseg)],
-                             fmt_number(probe.logprob, 4) if probe else "", " ".join(map(str, probe.ranks)) if probe else "",
-                             probe.recalled if probe else "", probe.filler if probe else "",
+            cells = ([fmt_number(probe.nll, 4), fmt_number(probe.full_nll, 4), fmt_number(probe.delta, 4),
+                      fmt_number(probe.logprob, 4), " ".join(map(str, probe.ranks)), probe.recalled, probe.filler,
+                      probe.fact_at] if probe else [""] * 8)
+            writer.writerow([run.name, "full" if run.budget is None else run.budget, run.recall, run.tokens,
+                             fmt_number(run.ppl, 4), fmt_number(run.ratio, 4), *[fmt_number(s, 4) for s in run.segments],
+                             *[fmt_number(s, 4) for s in (run.segment_ratios or [None] * nseg)], *cells,
                              run.deletes + 2 * run.repairs, run.deletes, run.repairs, run.max_live,
                              "" if run.stopped_at is None else run.stopped_at, run.rebuilds, f"{run.seconds:.1f}"])
     data = {"model": report.model, "text": report.text, "stream_tokens": report.stream_tokens,
@@ -344,7 +432,7 @@ def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -
 def _run_json(run: RunSummary) -> dict:
     data = asdict(run)
     data["nll"] = [round(x, 4) for x in run.nll]
-    data["label"] = run.label
+    data["label"], data["name"] = run.label, run.name
     return data
 
 
@@ -375,13 +463,13 @@ def plot(report: EvalReport, path: Path, *, smooth: int | None = None) -> None:
     colors = {"brightness": "tab:orange", "streaming": "tab:blue", "scored": "tab:green", "h2o": "tab:red",
               "none": "tab:purple"}
     for ax, budget in zip(axes[:, 0], budgets):
-        if report.reference:
+        if report.reference and report.reference.nll:
             ax.plot(*moving_average(report.reference.nll, window), color="black", linestyle="--", linewidth=1.2,
                     label=f"full cache (ppl {report.reference.ppl:.2f})")
         for run in report.runs:
             if run.budget == budget and run.nll:
                 ax.plot(*moving_average(run.nll, window), color=colors.get(run.policy), linewidth=1.1,
-                        label=f"{run.policy} (ppl {run.ppl:.2f})")
+                        linestyle="-." if run.recall else "-", label=f"{run.name} (ppl {run.ppl:.2f})")
         ax.axvline(budget, color="grey", linestyle=":", linewidth=1)
         ax.set_title(f"budget {budget}", fontsize=10)
         ax.set_ylabel(f"NLL (mean of {window})")
@@ -423,7 +511,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
-         repair_batch: int | None = None) -> EvalReport:
+         repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
 
@@ -436,26 +524,32 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     for budget in budgets:
         for name in policies:
-            make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
-                        repair_batch=repair_batch)
+            for on in {False, recall and name != "none"}:
+                make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
+                            repair_batch=repair_batch, recall=on)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
         raise EvalError(f"--smooth must be >= 1, got {smooth}")
+    if probe and not 0.0 <= probe_at <= 1.0:
+        raise EvalError(f"--probe-at must be a fraction in 0..1, got {probe_at}")
+    if probe and probe_filler is not None and probe_filler < 0:
+        raise EvalError(f"--probe-filler must be >= 0, got {probe_filler}")
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
 
     def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run
         if not err.is_terminal:
-            print(f"{run.label}: ppl {run.ppl:.3f} over {run.tokens} tokens in {run.seconds:.0f} s",
+            answer = f", answer NLL {run.probe.nll:.2f}" if run.probe else ""
+            print(f"{run.label}: ppl {run.ppl:.3f} over {run.tokens} tokens{answer} in {run.seconds:.0f} s",
                   file=sys.stderr, flush=True)
 
     with progress_bars(err) as progress:
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
-                          progress=progress, on_run=done,
+                          probe_at=probe_at, recall=recall, progress=progress, on_run=done,
                           text_name=name)
     Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
     paths = write_outputs(report, out, smooth=smooth)

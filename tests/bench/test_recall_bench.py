@@ -1,0 +1,28 @@
+"""bench/recall.py stays runnable: a tiny probe prints a row per policy, Δ = answer NLL - the full cache's."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_recall_bench_prints_every_policy_against_the_full_cache(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The keeper of the lighthouse wrote in his log every evening. " * 8)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "recall.py"), str(text), "--model", "random:tiny",
+                          "--budget", "48", "--filler", "20", "--at", "0.5"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "fact at stream index 11" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("full", "streaming", "scored", "h2o", "brightness",
+                                                    "brightness+recall")}
+    assert list(rows) == ["full", "streaming", "scored", "h2o", "brightness", "brightness+recall"]
+    full = float(rows["full"][1])
+    for name, row in rows.items():
+        nll, delta = float(row[1]), float(row[2])
+        assert abs(delta - (nll - full)) <= 0.011, row
+        assert len(row) == 3 + 4 + 2 and row[-2] in ("yes", "no"), row  # 4 ranks, recalled, ms/tok
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "recall.py"), "--model", "random:tiny",
+                              "--budget", "48", "--filler", "600"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "512 positions" in refused.stderr
