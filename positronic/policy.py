@@ -338,7 +338,9 @@ class NoEvictionPolicy:
 
     @classmethod
     def check(cls, config) -> None:
-        """Nothing to check: `none` never needs free rows."""
+        """`none` never needs free rows; it never evicts, so there is nothing to recall."""
+        if getattr(config, "recall", False):
+            raise ValueError("recall brings evicted rows back: policy none evicts nothing (choose another policy)")
 
     def receive(self, probe_logprobs) -> None:
         """`none` never asks for probes."""

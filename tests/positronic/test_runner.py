@@ -88,7 +88,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
     subprocess.run(cli("--ticks", str(ticks), "--events", str(straight), *common), check=True,
                    capture_output=True, timeout=300)
     session, events = tmp_path / "s", tmp_path / "events.jsonl"
-    rng, stops, deadline = random.Random(14), [], time.monotonic() + 240
+    rng, stops = random.Random(14), []
     while True:
         saved = session / "mirror.msgpack"
         done = mirror.load(saved)[1]["tick"] if saved.exists() else 0
@@ -97,7 +97,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
         args = cli("--ticks", str(ticks - done), "--session", str(session), "--events", str(events), *common)
         process = subprocess.Popen(args + (["--resume"] if saved.exists() else []),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if len(stops) < 8 and time.monotonic() < deadline:
+        if len(stops) < 8:  # then it runs to the end
             time.sleep(rng.uniform(0.5, 6.0))
             number = rng.choice([signal.SIGINT, signal.SIGKILL])
             process.send_signal(number)
