@@ -11,6 +11,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ except ImportError:  # pragma: no cover - older typer
     _TyperError = click.ClickException
 
 from . import session as sessions
+from .chat import LineReader
 from .loop import Brain, BrainConfig, TickRecord
 from .runner import Runner, RunResult, summary
 from .state_manager import StateBrokenError
@@ -48,6 +50,8 @@ def run(
     ticks: int = typer.Option(300, min=1, help="Ticks (generated tokens) to run."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
+    recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/recall.py)."),
     policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none."),
     budget: int = typer.Option(128, help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
@@ -76,6 +80,7 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started)."),
     no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
+    read_input: Optional[bool] = typer.Option(None, "--input/--no-input", help="Read lines typed while the agent runs as user turns: on the live view's input line when stdin is a terminal, else line by line from stdin (default: on, except --no-tui with stdin a terminal)."),
     kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
     kv_sink_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --sinks (0-256)."),
     kv_protected_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --protect (>= 0)."),
@@ -90,6 +95,8 @@ def run(
         raise UserError("give --prompt or --prompt-file, not both")
     if resume and session is None:
         raise UserError("--resume needs --session DIR")
+    if resume and pin:
+        raise UserError("--pin marks prompt text at the start of a run; a resumed run keeps the pins it has")
     if overwrite and (session is None or resume):
         raise UserError("--overwrite needs --session DIR and starts a new run: it cannot go with --resume")
     if prompt_file is not None:
@@ -102,7 +109,7 @@ def run(
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
                          ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, bridge_margin=bridge_margin, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
-                         refresh_kl=refresh_kl)
+                         refresh_kl=refresh_kl, recall=recall)
     config.validate()
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
@@ -115,13 +122,18 @@ def run(
                             "replace it with --overwrite, or choose another directory")
         if resume:
             refuse_changed_settings(ctx, config, sessions.load(session)[1]["config"])
+    live = not (no_tui or not sys.stdout.isatty())
+    typing, fd = input_source(read_input, live)
+    inputs = queue.SimpleQueue() if typing else None
+    if typing == "lines":  # read from now on (while the model loads too); stopped when the command ends
+        ctx.call_on_close(LineReader(fd, inputs).start().close)
     lm = load_model(model, device=device, dtype=dtype)
     if resume:
         brain = sessions.resume(lm, session)
     else:
         text = DEFAULT_PROMPT if prompt is None else prompt
         prompt_ids = [lm.bos_id] + lm.encode(text)
-        brain = Brain.start(lm, prompt_ids, config)
+        brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
         if overwrite:  # at once, so that a resume after a crash cannot continue the old run
             sessions.save(session, brain, lm.name)
     if capture is not None:
@@ -129,15 +141,34 @@ def run(
 
         brain.observers.append(Capture(capture, lm, capture_ticks))
     runner = Runner(brain, lm.name, ticks, events=events, append_events=resume, session=session,
-                    save_every=save_every)
-    if no_tui or not sys.stdout.isatty():
+                    save_every=save_every, inputs=inputs)
+    if not live:
         result = run_plain(brain, lm, runner, show_prompt=not resume)
     else:
         from .tui import run_live
 
-        result = run_live(brain, lm, runner, show_prompt=not resume)
+        result = run_live(brain, lm, runner, show_prompt=not resume, keys=fd if typing == "keys" else None)
     if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
         raise typer.Exit(128 + int(result.signal or signal.SIGINT))
+
+
+def input_source(read_input: bool | None, live: bool) -> tuple[str | None, int | None]:
+    """How typed input reaches the run, and stdin's file descriptor: "keys" (the live view's
+    input line: stdin is a terminal), "lines" (stdin read line by line: a pipe or a file; a
+    terminal only with --input under --no-tui, where a background run reading it would be
+    stopped), or None (--no-input, or no usable stdin)."""
+    if read_input is False or os.name != "posix":
+        return None, None
+    try:
+        fd = sys.stdin.fileno()
+        terminal = os.isatty(fd)
+    except (AttributeError, OSError, ValueError):  # no stdin, or one without a descriptor (pytest's)
+        return None, None
+    if terminal and live:
+        return "keys", fd
+    if terminal and not read_input:
+        return None, None
+    return "lines", fd
 
 
 FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}

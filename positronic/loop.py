@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -20,9 +22,10 @@ import torch
 
 import steps
 
-from . import repairers
+from . import chat, repairers
 from .policy import POLICIES, make_policy
 from .state_manager import StateManager, default_capacity
+from .text import rows_matching, span_texts
 
 
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
@@ -71,6 +74,18 @@ class BrainConfig:
     recall: bool = False
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+
+    @property
+    def recorded_layers(self):
+        """Layers whose attention row (and query) each forward records: the scored ones, or
+        every layer with recall, whose signal comes from the few heads that look things up,
+        wherever they are (the last layer alone does not find an evicted fact)."""
+        return "all" if self.recall else self.score_layers
+
+    @property
+    def scored_layers(self):
+        """`score_layers`, as an index into the recorded layers."""
+        return self.score_layers if self.recall else "all"
 
     @property
     def unit_rows(self) -> int:
@@ -124,6 +139,24 @@ def check_budget(lm, config: BrainConfig) -> None:
         raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
 
 
+def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[int]:
+    """Prompt rows covered by an occurrence of one of the `pins` texts (see Brain.start)."""
+    texts = span_texts(lm.decode, prompt_ids)
+    rows: set[int] = set()
+    for needle in pins:
+        found = rows_matching(texts, needle)
+        if not found:
+            raise ValueError(f"--pin {needle!r} does not occur in the prompt")
+        rows.update(found)
+    policy = POLICIES[config.policy]
+    if rows and policy.name != "none":
+        room = config.budget - max(config.sinks, config.protect) - policy.window(config, config.budget) - policy.batch(config)
+        if len(rows) > room:
+            raise ValueError(f"{len(rows)} pinned rows leave the {config.policy} policy no room to evict at budget "
+                             f"{config.budget} (at most {max(room, 0)})")
+    return sorted(rows)
+
+
 @dataclass
 class TickRecord:
     """What one tick did, for the event log, the progress line and the terminal view."""
@@ -140,6 +173,7 @@ class TickRecord:
     rebuilt: bool = False
     error: str | None = None
     stopped: bool = False  # the policy could not go on; the run ends after this tick
+    source: str = "generated"  # the added token's ledger source: "user" when it was typed input
     seconds: dict[str, float] = field(default_factory=dict)  # per step
 
     def to_json(self) -> dict:
@@ -159,7 +193,7 @@ class Brain:
     """A StateManager plus the policy that drives it, tick after tick."""
 
     def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
-                 generator_state: torch.Tensor | None = None):
+                 generator_state: torch.Tensor | None = None, pending_input: Sequence[int] = ()):
         check_budget(state.lm, config)
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
@@ -169,10 +203,27 @@ class Brain:
             self.generator.set_state(generator_state)
         self.counts = {"repairs": 0, "culls": 0, "rebuilds": 0, "refreshes": 0}
         self.last_divergence: float | None = None
+        self._pending: deque[int] = deque(pending_input)  # user-turn tokens still to add
+
+    @property
+    def pending_input(self) -> tuple[int, ...]:
+        """The token ids of typed input not added yet, in order (saved with a session)."""
+        return tuple(self._pending)
+
+    def say(self, text: str) -> list[int]:
+        """Queue `text` as a user turn (positronic/chat.py): the following ticks that force
+        nothing add its tokens one per tick instead of sampling (ledger source "user"), then
+        generation goes on. Returns the queued ids ([] for a blank line); TurnRefused for a line
+        too long for the budget."""
+        ids = chat.user_turn(self.state.lm, text, limit=chat.turn_limit(self.config))
+        self._pending.extend(ids)
+        return ids
 
     @classmethod
-    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None) -> "Brain":
-        """Prefill the prompt and return the brain, ready for its first tick.
+    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None, *, pins=()) -> "Brain":
+        """Prefill the prompt and return the brain, ready for its first tick. `pins`: texts
+        whose every occurrence in the prompt is pinned (never evicted or repaired); ValueError
+        if one does not occur, or if the pins leave the policy no room under the budget.
 
         A prompt longer than the budget is brought within it before the first tick (a bulk
         prune, as SmartKV does after prefill): every prompt token but the last is prefilled,
@@ -182,23 +233,30 @@ class Brain:
         """
         config = config or BrainConfig()
         check_budget(lm, config)
+        pinned = pinned_rows(lm, prompt_ids, pins, config)
         start = steps.RULES[config.brightness].start
         long = len(prompt_ids) > config.budget
         state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,
                                          capacity=cache_capacity(len(prompt_ids), config.budget),
-                                         score_layers=config.score_layers)
+                                         score_layers=config.recorded_layers)
         brain = cls(state, config)
+        state.pin([row for row in pinned if row < len(state)])
         if long:
-            view = state.view()
-            plan = brain.policy.prune(view, steps.scores(state.last_attention, "all"), config.budget - 1)
+            view = state.view(keys=config.recall)
+            plan = brain.policy.prune(view, steps.scores(state.last_attention, config.scored_layers), config.budget - 1)
             actions = steps.consolidate(prompt_ids[-1], plan.actions)
             report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
             if report.rebuilt:
                 raise RuntimeError(f"pruning the prompt to the budget failed: {report.error}")
+            brain.policy.receive(None)  # the pruned prompt rows become recallable
+            if len(prompt_ids) - 1 in pinned:
+                state.pin([len(state) - 1])
         return brain
 
     def step(self, force: int | None = None) -> TickRecord:
-        """Run one tick. `force`: add this token instead of sampling one (teacher forcing)."""
+        """Run one tick. `force`: add this token instead of sampling one (teacher forcing);
+        without it, a queued user-turn token is added if there is one (`say`), else one is
+        sampled. Only sampling advances the sampler."""
         cfg, sm, seconds = self.config, self.state, {}
         clock = time.perf_counter()
 
@@ -212,9 +270,12 @@ class Brain:
         sampler = self.generator.get_state()
         planning = False
         try:
-            view = sm.view()
+            view = sm.view(keys=cfg.recall)
             # Step 1
-            if force is None:
+            source = "user" if force is None and self._pending else "generated"
+            if source == "user":
+                token_id = self._pending[0]
+            elif force is None:
                 recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
                 token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                         top_p=cfg.top_p, repetition_penalty=cfg.repetition_penalty,
@@ -223,7 +284,7 @@ class Brain:
                 token_id = force
             lap("sample")
             # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
-            scores = steps.scores(sm.last_attention, "all")
+            scores = steps.scores(sm.last_attention, cfg.scored_layers)
             lap("attention")
             planning = True
             plan = self.policy.plan(view, scores, seconds)
@@ -232,7 +293,8 @@ class Brain:
             actions = steps.consolidate(token_id, plan.actions)
             for observer in self.observers:
                 observer.before_apply(self, actions, brightness=plan.brightness)
-            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes)
+            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
+                              add_source=source)
         except BaseException:
             # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
             # count, the sampler and the policy's per-row state go back to where they were and a
@@ -242,6 +304,8 @@ class Brain:
             if planning:
                 self.policy.undo()
             raise
+        if source == "user" and not report.rebuilt:
+            self._pending.popleft()
         if report.rebuilt:  # the tick failed and changed nothing: nor does the policy keep it
             self.policy.undo()
         self.policy.receive(report.probe_logprobs)
@@ -266,7 +330,7 @@ class Brain:
             actions=actions, outcomes=plan.outcomes, live_length=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
-            seconds=seconds)
+            source=source, seconds=seconds)
 
     KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Callable
 import mirror
 
 from . import session as sessions
+from .chat import TurnRefused
 from .loop import Brain, TickRecord
 
 RSS_SAMPLES = (1000, 10000)  # ticks at which resident memory is recorded
@@ -90,11 +93,30 @@ class StopRequests:
 
 
 class Runner:
+    """`inputs`: lines typed while the run goes on (put there by another thread: stdin, the
+    live view's input line); they are taken between ticks, in the run's thread, and queued as
+    user turns (Brain.say). A line refused (too long) is passed to `on_refused` as a message."""
+
     def __init__(self, brain: Brain, model_name: str, ticks: int, *, events: Path | None = None,
-                 append_events: bool = False, session: Path | None = None, save_every: int = 100):
+                 append_events: bool = False, session: Path | None = None, save_every: int = 100,
+                 inputs: queue.SimpleQueue | None = None, on_refused: Callable[[str], None] | None = None):
         self.brain, self.model_name, self.ticks = brain, model_name, ticks
         self.events, self.append_events = events, append_events
         self.session, self.save_every = session, save_every
+        self.inputs = inputs
+        self.on_refused = on_refused or (lambda message: print(message, file=sys.stderr, flush=True))
+
+    def take_input(self) -> None:
+        """Queue every line typed since the last call as a user turn (never waits)."""
+        while self.inputs is not None:
+            try:
+                line = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.brain.say(line)
+            except TurnRefused as exc:
+                self.on_refused(str(exc))
 
     def run(self, on_tick: Callable[[TickRecord, RunResult], None]) -> RunResult:
         """Run the ticks; Ctrl-C or SIGTERM end the run cleanly after the tick under way (the
@@ -113,6 +135,7 @@ class Runner:
             for done in range(1, self.ticks + 1):
                 if stops.signal is not None:
                     break
+                self.take_input()
                 record = brain.step()
                 result.ticks, result.seconds = done, time.perf_counter() - start
                 if log:
@@ -132,6 +155,7 @@ class Runner:
             if log:
                 log.close()
             if self.session and not brain.state.broken:
+                self.take_input()  # a line typed during the last tick is saved, fed on resume
                 result.saved_to = sessions.save(self.session, brain, self.model_name)
         if stops.signal is not None:
             result.interrupted, result.signal = True, stops.signal

@@ -66,6 +66,7 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
         "counts": dict(brain.counts),
         "policy": brain.policy.state(),
         "cache": {"file": cache_name, "sha256": digest},
+        "pending_input": list(brain.pending_input),  # typed input not fed yet
     }
     path = directory / MIRROR_FILE
     mirror.save(path, brain.state.mirror, meta)
@@ -184,7 +185,7 @@ def resume(lm, directory: str | Path) -> Brain:
     config = BrainConfig(**meta["config"])
     if config.budget > lm.max_positions:
         raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
-    options = dict(capacity=cache_capacity(len(saved), config.budget), score_layers=config.score_layers,
+    options = dict(capacity=cache_capacity(len(saved), config.budget), score_layers=config.recorded_layers,
                    brightness=steps.RULES[config.brightness].start)
     try:
         if meta.get("cache") is None:
@@ -201,7 +202,10 @@ def resume(lm, directory: str | Path) -> Brain:
         generator.set_state(torch.frombuffer(bytearray(meta["generator"]), dtype=torch.uint8))
     except RuntimeError as exc:
         raise SessionError(f"{path}: sampler state invalid ({exc})") from None
-    brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state())
+    pending = meta.get("pending_input", [])  # sessions from before typed input: none
+    if not (isinstance(pending, list) and all(type(t) is int and 0 <= t < lm.vocab_size for t in pending)):
+        raise SessionError(f"{path}: pending input must be a list of token ids inside {lm.name}'s vocabulary")
+    brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending)
     if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
         try:
             brain.policy.load_state(meta["policy"])

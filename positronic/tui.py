@@ -20,11 +20,25 @@ ttl, 10000 for vote), the most a token can have.
 Marks: sinks (the first `config.sinks` rows) sit on a grey background; protected rows (the
 first `config.protect` rows and the most recent `config.window` rows) are underlined;
 tokens a repair inserted in the last `REPAIR_HIGHLIGHT_TICKS` ticks sit on a magenta
-background; the newest token is shown in reverse video.
+background; tokens the user typed (ledger source "user") on a blue one; the newest token is
+shown in reverse video.
+
+Input: when stdin is a terminal, the last line is an input line ("> " and what is being
+typed). A `KeyReader` thread reads keys in cbreak mode (no echo, no line editing by the
+terminal; ISIG stays on, so Ctrl-C is still SIGINT and ends the run cleanly) and edits the
+line with the pure `edit_line`; Enter puts the line into the Runner's input queue, which the
+loop thread drains between ticks (Brain.say): neither the key thread nor the render thread
+touches the brain. The terminal's settings come back on every way out.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import os
+import queue
+import select
+import threading
 import time
 import unicodedata
 from collections import deque
@@ -64,6 +78,8 @@ VIRIDIS = (
 LEVELS = 64  # brightness is quantised to this many colours, so styles can be cached
 SINK_BG = "#3a3a3a"
 REPAIR_BG = "#8b1a8b"
+USER_BG = "#1f4e8c"
+NOTE_SECONDS = 10.0  # a refused line's message stays on the input line this long
 HIDDEN_STYLE = Style(dim=True, italic=True)
 BARS = " ▁▂▃▄▅▆▇█"
 
@@ -99,11 +115,13 @@ class Snapshot:
     actions: list[str]  # newest last
     status: str = "running"  # running | finished | interrupted | policy stopped
     resumed: bool = False
+    pending_input: int = 0  # typed tokens queued and not added yet
+    input_note: str = ""  # why the last line was refused, while it is recent
 
 
 def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
                   elapsed: float = 0.0, actions: list[str] | None = None, status: str = "running",
-                  resumed: bool = False) -> Snapshot:
+                  resumed: bool = False, input_note: str = "") -> Snapshot:
     """Copy what a frame needs out of the brain (one pass over the live rows)."""
     mirror, cfg = brain.state.mirror, brain.config
     entries = mirror.ledger.entries
@@ -116,7 +134,8 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
         budget=cfg.budget, sinks=cfg.sinks, protect=cfg.protect, window=cfg.window,
         bright_max=float(steps.RULES[cfg.brightness].start), counts=dict(brain.counts),
         cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
-        actions=list(actions or ()), status=status, resumed=resumed)
+        actions=list(actions or ()), status=status, resumed=resumed,
+        pending_input=len(brain.pending_input), input_note=input_note)
 
 
 # --- colours and styles -----------------------------------------------------------------
@@ -139,11 +158,11 @@ def level(brightness: float, bright_max: float) -> int:
 
 @lru_cache(maxsize=LEVELS * 16)
 def token_style(lvl: int, *, sink: bool = False, protected: bool = False, fresh: bool = False,
-                newest: bool = False) -> Style:
+                newest: bool = False, user: bool = False) -> Style:
     """The style of one token: colour by brightness level, plus its marks. Cached: a frame
     asks for a few hundred styles but only a few dozen distinct ones exist."""
     r, g, b = brightness_rgb(lvl / (LEVELS - 1))
-    bgcolor = REPAIR_BG if fresh else SINK_BG if sink else None
+    bgcolor = REPAIR_BG if fresh else USER_BG if user else SINK_BG if sink else None
     return Style(color=f"#{r:02x}{g:02x}{b:02x}", bgcolor=bgcolor, underline=protected or None,
                  bold=fresh or sink or None, reverse=newest or None)
 
@@ -156,7 +175,7 @@ def row_style(snapshot: Snapshot, row: int) -> Style:
         sink=row < snapshot.sinks,
         protected=row < snapshot.protect or row >= n - snapshot.window,
         fresh=snapshot.sources[row] == "repair" and snapshot.tick - snapshot.born[row] < REPAIR_HIGHLIGHT_TICKS,
-        newest=row == n - 1)
+        newest=row == n - 1, user=snapshot.sources[row] == "user")
 
 
 # --- the context ------------------------------------------------------------------------
@@ -263,6 +282,8 @@ def legend(snapshot: Snapshot) -> Text:
     text.append("protected", token_style(LEVELS - 1, protected=True))
     text.append(" ")
     text.append("repaired", token_style(LEVELS - 1, fresh=True))
+    text.append(" ")
+    text.append("user", token_style(LEVELS - 1, user=True))
     text.append(f"  (viridis, 0..{snapshot.bright_max:g})")
     return text
 
@@ -413,6 +434,151 @@ class ActionRecorder:
             self.lines.append(f"t{brain.tick} REBUILT the cache from the mirror: {report.error}")
 
 
+# --- the input line ---------------------------------------------------------------------
+
+ESC = "\x1b"
+ENTER = ("\r", "\n")
+BACKSPACE = ("\x7f", "\x08")
+CLEAR_LINE = "\x15"  # Ctrl-U
+INPUT_HINT = "type a line, Enter adds it as a user turn, Esc clears"
+
+
+def split_keys(text: str) -> list[str]:
+    """The keys in what one read from the terminal gave: characters, with an escape sequence
+    (an arrow key's "\x1b[A", "\x1bOP", Alt+x) kept whole as one key; a lone Esc is a key."""
+    keys, i = [], 0
+    while i < len(text):
+        if text[i] != ESC or i + 1 == len(text):
+            keys.append(text[i])
+            i += 1
+            continue
+        j = i + 2
+        if text[i + 1] == "[":  # CSI: parameters, then one final byte in @..~
+            while j < len(text) and not "@" <= text[j] <= "~":
+                j += 1
+            j += 1
+        elif text[i + 1] == "O":  # SS3: one more character
+            j += 1
+        keys.append(text[i:j])
+        i = j
+    return keys
+
+
+def edit_line(buffer: str, key: str) -> tuple[str, str | None]:
+    """The input line after `key`, and the line submitted by it (None unless Enter on a line
+    that is not blank): printable characters are added, Backspace removes the last one, Esc
+    and Ctrl-U clear the line, a tab is a space; other keys (arrows, control keys) do nothing."""
+    if key in ENTER:
+        return "", buffer if buffer.strip() else None
+    if key in BACKSPACE:
+        return buffer[:-1], None
+    if key in (ESC, CLEAR_LINE):
+        return "", None
+    if key == "\t":
+        return buffer + " ", None
+    if len(key) == 1 and not unicodedata.category(key).startswith("C"):
+        return buffer + key, None
+    return buffer, None
+
+
+def render_input(snapshot: Snapshot, prompt: str, width: int) -> Text:
+    """One line: "> " and the end of what is being typed, a cursor, and on the right what is
+    still being fed (or why the last line was refused, or a hint while the line is empty)."""
+    if snapshot.input_note:
+        status, style = snapshot.input_note, "bold red"
+    elif snapshot.pending_input:
+        n = snapshot.pending_input
+        status, style = f"feeding {n} typed token{'s' if n != 1 else ''}", "bold"
+    else:
+        status, style = ("" if prompt else INPUT_HINT), "dim"
+    typed = display_text(prompt).replace("\n", "")
+    room = max(width - 3, 1)  # less "> " and the cursor
+    # the status takes what the typed text leaves, and half the line when that is long
+    status_room = room - 2 - min(cell_len(typed), room - room // 2)
+    if cell_len(status) > status_room:
+        status = split_cells(status, status_room - 1)[0] + "…" if status_room >= 4 else ""
+    if status:
+        room -= cell_len(status) + 2
+    typed = tail_cells(typed, room)  # the end of a long line: where the cursor is
+    text = Text(no_wrap=True, overflow="crop", end="")
+    text.append("> ", "bold")
+    text.append(typed)
+    text.append(" ", Style(reverse=True))
+    if status:
+        text.append(" " * (width - cell_len(text.plain) - cell_len(status)))
+        text.append(status, style)
+    return text
+
+
+def tail_cells(text: str, cells: int) -> str:
+    """The longest end of `text` that takes at most `cells` cells."""
+    used, i = 0, len(text)
+    while i > 0 and used + cell_len(text[i - 1]) <= cells:
+        i -= 1
+        used += cell_len(text[i])
+    return text[i:]
+
+
+class KeyReader:
+    """Keys from the terminal `fd`, read in cbreak mode by a daemon thread and passed one by
+    one to `on_key` (in that thread). A context manager: entering saves the terminal's
+    settings and switches to cbreak (no echo, no line buffering; ISIG stays, so Ctrl-C still
+    sends SIGINT); leaving stops the thread and puts the settings back, however it is left.
+    A terminal whose settings cannot be read gives no keys (`active` False), not an error."""
+
+    POLL_S = 0.05
+
+    def __init__(self, fd: int, on_key):
+        self.fd, self.on_key = fd, on_key
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="positronic-keys", daemon=True)
+        self._saved = None
+        self.active = False
+
+    def __enter__(self) -> "KeyReader":
+        import termios
+        import tty
+
+        try:
+            self._saved = termios.tcgetattr(self.fd)
+        except (termios.error, OSError, ValueError):
+            return self
+        try:
+            tty.setcbreak(self.fd, termios.TCSANOW)
+            self._thread.start()
+        except BaseException:
+            termios.tcsetattr(self.fd, termios.TCSANOW, self._saved)
+            raise
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import termios
+
+        if not self.active:
+            return
+        self._stop.set()
+        try:
+            self._thread.join(timeout=1.0)
+        finally:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+            self.active = False
+
+    def _read(self) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self.fd], [], [], self.POLL_S)
+                data = os.read(self.fd, 1024) if ready else None
+            except (OSError, ValueError):
+                return
+            if data == b"":  # the terminal went away
+                return
+            if data:
+                for key in split_keys(decoder.decode(data)):
+                    self.on_key(key)
+
+
 # --- the frame --------------------------------------------------------------------------
 
 
@@ -432,11 +598,12 @@ class SideBySide:
             yield Segment.line()
 
 
-def frame(snapshot: Snapshot, width: int = 120, height: int = 40) -> Group:
+def frame(snapshot: Snapshot, width: int = 120, height: int = 40, prompt: str | None = None) -> Group:
     """The whole view for a terminal of `width` × `height`: header (2 lines), context
-    panel, histogram + action panels (dropped on short terminals), progress bar (1 line)."""
+    panel, histogram + action panels (dropped on short terminals), progress bar (1 line),
+    and with a `prompt` (what is being typed) the input line (1 line)."""
     bottom = BOTTOM_ROWS if height >= 24 else 0
-    fixed = 2 + 2 + (bottom + 2 if bottom else 0) + 1
+    fixed = 2 + 2 + (bottom + 2 if bottom else 0) + 1 + (prompt is not None)
     context_rows = max(height - fixed, 3)
     parts = [
         render_header(snapshot),
@@ -451,6 +618,8 @@ def frame(snapshot: Snapshot, width: int = 120, height: int = 40) -> Group:
             (Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2),
              width - hist_width)))
     parts.append(render_progress(snapshot, width))
+    if prompt is not None:
+        parts.append(render_input(snapshot, prompt, width))
     return Group(*parts)
 
 
@@ -463,6 +632,7 @@ class LiveView:
 
     def __init__(self, snapshot: Snapshot):
         self.snapshot = snapshot  # replaced (never mutated) by the loop thread
+        self.prompt: str | None = None  # the input line (None: none shown), replaced by the key thread
         self.reserve = 0  # screen lines to leave free below the frame (for the summary)
         self._key: tuple | None = None
         self._held: Snapshot | None = None
@@ -476,14 +646,15 @@ class LiveView:
     def changed(self, console: Console) -> bool:
         """Whether a redraw now would draw something new (a new snapshot, or a resize)."""
         width, height = console.size
-        return (id(self.snapshot), *self.size(width, height)) != self._key
+        return (id(self.snapshot), self.prompt, *self.size(width, height)) != self._key
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        snapshot = self.snapshot  # one read: the loop may swap it meanwhile
+        snapshot, prompt = self.snapshot, self.prompt  # one read: the other threads may swap them meanwhile
         width, height = self.size(options.max_width, options.size.height)
-        key = (id(snapshot), width, height)
+        key = (id(snapshot), prompt, width, height)
         if key != self._key:
-            self._lines = console.render_lines(frame(snapshot, width, height), options.update(height=None), pad=True)
+            self._lines = console.render_lines(frame(snapshot, width, height, prompt), options.update(height=None),
+                                               pad=True)
             self._key, self._held = key, snapshot  # hold it so its id is not reused
         for index, line in enumerate(self._lines):
             if index:
@@ -509,12 +680,15 @@ class FrameLive(Live):
 
 
 def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: bool,
-             console: Console | None = None, refresh_per_second: float = REFRESH_PER_SECOND) -> RunResult:
+             console: Console | None = None, refresh_per_second: float = REFRESH_PER_SECOND,
+             keys: int | None = None) -> RunResult:
     """Run `runner` under the live view, then print the summary below its last frame.
 
     Ctrl-C ends the run cleanly (Runner saves the session); the final frame stays on
-    screen. `show_prompt` is False on a resumed run (the header says so). Returns the
-    RunResult.
+    screen. `show_prompt` is False on a resumed run (the header says so). `keys`: a terminal
+    to read typed lines from (the input line; they go into `runner.inputs`). A refused line
+    is said on the input line and in the edits panel (not on stderr, under the view).
+    Returns the RunResult.
     """
     console = console or Console()
     recorder = ActionRecorder(lm)
@@ -522,15 +696,25 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
     interval = 1.0 / refresh_per_second
     stamps: deque[float] = deque(maxlen=RATE_WINDOW + 1)
     last = [0.0]  # time of the last snapshot
+    note = ["", 0.0]  # the last refusal and when it came (the loop thread writes it)
 
     def snap(done: int, elapsed: float, status: str = "running") -> Snapshot:
         rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else (
             done / elapsed if elapsed > 0 else 0.0)
         return take_snapshot(brain, lm, done=done, total=runner.ticks, tok_s=rate, elapsed=elapsed,
                              actions=list(recorder.lines)[-BOTTOM_ROWS * 4:], status=status,
-                             resumed=not show_prompt)
+                             resumed=not show_prompt,
+                             input_note=note[0] if time.perf_counter() - note[1] < NOTE_SECONDS else "")
+
+    def refused(message: str) -> None:
+        note[:] = message, time.perf_counter()
+        recorder.lines.append(f"t{brain.tick} {message}")
+        last[0] = 0.0  # the next tick shows it
 
     view = LiveView(snap(0, 0.0))
+    runner.on_refused = refused
+    if keys is not None and runner.inputs is None:
+        runner.inputs = queue.SimpleQueue()
 
     def on_tick(record: "TickRecord", result: RunResult) -> None:
         now = time.perf_counter()
@@ -540,10 +724,24 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
             last[0] = now
             view.snapshot = snap(result.ticks, result.seconds)
 
+    def on_key(live: Live):
+        def edit(key: str) -> None:  # in the key thread: the line, and the queue the loop drains
+            view.prompt, line = edit_line(view.prompt or "", key)
+            if line is not None:
+                runner.inputs.put(line)
+            live.refresh()
+        return edit
+
     try:
         with FrameLive(view, console=console, auto_refresh=True, refresh_per_second=refresh_per_second,
                        vertical_overflow="crop") as live:
-            result = runner.run(on_tick)
+            reader = contextlib.nullcontext() if keys is None else KeyReader(keys, on_key(live))
+            try:
+                with reader:
+                    view.prompt = "" if getattr(reader, "active", False) else None
+                    result = runner.run(on_tick)
+            finally:
+                view.prompt = None  # the run is over: no more input
             closing = summary(brain, lm, result)
             status = ("interrupted" if result.interrupted else "policy stopped" if result.stopped else "finished")
             view.snapshot = snap(result.ticks, result.seconds, status)

@@ -458,3 +458,117 @@ def test_resume_refuses_flags_that_would_change_the_saved_settings(tmp_path, cap
     err = capsys.readouterr().err
     assert "--budget 80 (saved: 64)" in err and "--policy streaming (saved: h2o)" in err
     assert run_cli(*common, "--resume", "--budget", "64") == 0, "the same value is fine"
+
+
+# --- input while it runs: typed lines become user turns, one token per tick ----------------
+
+
+def ledger_runs(brain) -> list[tuple[str, list[int]]]:
+    """The ledger as runs of (source, token ids) in the order the tokens came."""
+    runs = []
+    for entry in brain.state.mirror.ledger.entries:
+        if runs and runs[-1][0] == entry.source:
+            runs[-1][1].append(entry.token_id)
+        else:
+            runs.append((entry.source, [entry.token_id]))
+    return runs
+
+
+def test_a_typed_line_is_read_as_a_user_turn_and_the_agent_answers_it(smol):
+    """The real model: the turn's tokens enter the ledger with source "user", in order, one per
+    tick and without a draw from the sampler; then the model generates again."""
+    brain = Brain.start(smol, [smol.bos_id] + smol.encode(PROMPT), BrainConfig(budget=128, seed=1))
+    for _ in range(5):
+        brain.step()
+    turn = brain.say("What is the capital of France?")
+    assert turn == smol.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert brain.pending_input == tuple(turn)
+    sampler = brain.generator_state().clone()
+    records = [brain.step() for _ in range(len(turn))]
+    assert [(r.source, r.token_id) for r in records] == [("user", t) for t in turn]
+    assert torch.equal(brain.generator_state(), sampler), "fed tokens draw nothing from the sampler"
+    assert brain.pending_input == ()
+    answer = [brain.step() for _ in range(12)]
+    assert all(r.source == "generated" for r in answer)
+    assert [s for s, _ in ledger_runs(brain)] == ["prompt", "generated", "user", "generated"]
+    assert ledger_runs(brain)[2][1] == turn
+    assert answer[0].to_json()["source"] == "generated" and records[0].to_json()["source"] == "user"
+    assert smol.decode([r.token_id for r in answer]).strip(), "the agent goes on: it answers"
+    brain.state.check(deep=True)
+
+
+def test_the_budget_holds_while_input_is_fed(tiny):
+    config = BrainConfig(budget=48, window=8, seed=3, repair_batch=1)
+    brain = Brain.start(tiny, [1] + list(range(40, 70)), config)
+    said = []
+    for tick in range(200):
+        if tick % 40 == 0:  # a turn takes at most 32 ticks: the agent writes between turns
+            said.append(brain.say(f"line {tick} " + "x" * (tick % 7)))
+        record = brain.step()
+        assert record.live_length <= 48 and len(brain.state) <= 48
+        assert not record.rebuilt, record.error
+    brain.state.check(deep=True)
+    typed = [ids for source, ids in ledger_runs(brain) if source == "user"]
+    assert typed == said, "every turn whole, in order, between generated text"
+    assert brain.counts["culls"] > 0, "the policy culled while the input came in"
+
+
+def test_a_forced_tick_leaves_typed_input_queued_and_a_failed_or_interrupted_tick_keeps_its_token(tiny):
+    brain = Brain.start(tiny, [1] + list(range(40, 60)), BrainConfig(budget=48, window=8, seed=2))
+    turn = brain.say("hi")
+    record = brain.step(force=300)  # teacher forcing wins: the typed input waits
+    assert (record.token_id, record.source) == (300, "generated") and brain.pending_input == tuple(turn)
+    brain.state.inject_fault("forward")
+    record = brain.step()
+    assert record.rebuilt and brain.pending_input == tuple(turn), "a tick that failed added nothing"
+
+    class CtrlC:
+        def before_apply(self, brain, actions, brightness=None):
+            raise KeyboardInterrupt
+
+        def after_apply(self, brain, actions, report):
+            pass
+
+    brain.observers.append(CtrlC())
+    with pytest.raises(KeyboardInterrupt):
+        brain.step()
+    brain.observers.clear()
+    assert brain.pending_input == tuple(turn), "nor did an interrupted one"
+    assert [brain.step().token_id for _ in turn] == turn
+
+
+def test_a_line_too_long_for_the_budget_is_refused_and_nothing_is_queued(tiny):
+    from positronic.chat import TurnRefused
+
+    brain = Brain.start(tiny, [1] + list(range(40, 60)), BrainConfig(budget=48, window=8))
+    assert brain.say("   ") == [] and brain.pending_input == ()
+    with pytest.raises(TurnRefused, match="more than the 36 a turn may take"):  # 48 - 4 sinks - 8 window
+        brain.say("y" * 19)  # 18 frame characters + 19
+    assert brain.pending_input == ()
+    assert len(brain.say("y" * 18)) == 36
+
+
+def test_lines_on_stdin_of_a_no_tui_run_reach_the_ledger(tiny, tmp_path):
+    """`python run.py --model random:tiny --no-tui --ticks 60` with input on a pipe: each line
+    is fed as a user turn (a blank one is ignored, one too long refused on stderr) and the
+    run goes on; --no-input reads nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def run(directory, *flags, stdin=b"hello\n\n" + b"z" * 200 + b"\nbye"):  # 24 + 22 typed tokens
+        args = [sys.executable, "run.py", "--model", "random:tiny", "--no-tui", "--ticks", "60", "--session",
+                str(tmp_path / directory), *flags]
+        done = subprocess.run(args, cwd=root, input=stdin, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()
+        return ledger_runs(sessions.resume(tiny, tmp_path / directory)), done.stderr.decode()
+
+    runs, err = run("piped")
+    assert [(s, tiny.decode(ids)) for s, ids in runs if s == "user"] == [
+        ("user", "\nUser: hello\nAssistant:\nUser: bye\nAssistant:")], "both lines, in order, whole"
+    assert runs[-1][0] == "generated", "the agent generates after the input"
+    assert "input refused: the line is 218 tokens as a user turn, more than the 92" in err
+    runs, err = run("ignored", "--no-input")
+    assert {s for s, _ in runs} == {"prompt", "generated"} and "refused" not in err

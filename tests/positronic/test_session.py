@@ -155,6 +155,11 @@ CORRUPTIONS = {
     "negative count": (resealed_meta(lambda m: m["counts"].update(culls=-1)), "counts must map names to counts >= 0"),
     "policy state": (resealed_meta(lambda m: m.update(policy={"scorer": {"ids": [1]}})), "malformed saved state"),
     "cache path": (resealed_meta(lambda m: m["cache"].update(file="../../etc/passwd")), "cache reference malformed"),
+    "pending input outside the vocabulary": (resealed_meta(lambda m: m.update(pending_input=[5, 512])),
+                                             "pending input must be a list of token ids inside random:tiny's vocabulary"),
+    "pending input negative": (resealed_meta(lambda m: m.update(pending_input=[-1])), "pending input must be a list"),
+    "pending input as text": (resealed_meta(lambda m: m.update(pending_input="hello")), "pending input must be a list"),
+    "pending input of floats": (resealed_meta(lambda m: m.update(pending_input=[5.0])), "pending input must be a list"),
     # the mirror, behind a valid checksum
     "swapped ledger ids": (resealed_mirror(swap_rows), "layer 0 differs from a fresh prefill"),
     "token outside the vocabulary": (resealed_mirror(set_token(lambda lm: lm.vocab_size + 5)), "outside random:tiny's vocabulary"),
@@ -258,3 +263,36 @@ def test_a_save_killed_between_its_two_files_leaves_the_previous_checkpoint_whol
     assert resumed.tick == 20 and stream(resumed, 10) == after
     sessions.save(tmp_path, resumed, tiny.name)
     assert len(list(tmp_path.glob("kv-*.safetensors"))) == 1, "the next save cleans up"
+
+
+def test_a_session_saved_in_the_middle_of_a_typed_turn_resumes_with_the_rest_of_it(tiny, tmp_path):
+    """The queue of typed tokens is part of the run's state: saved, resumed, and the resumed
+    run goes on exactly as the uninterrupted one (the turn's rest, then the same generation)."""
+    prompt, config = [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, window=8, seed=6)
+    brain = Brain.start(tiny, prompt, config)
+    straight = stream(brain, 5)
+    turn = brain.say("how are you?")
+    straight += stream(brain, 60)
+    brain = Brain.start(tiny, prompt, config)
+    split = stream(brain, 5)
+    assert brain.say("how are you?") == turn
+    split += stream(brain, 10)
+    assert brain.pending_input == tuple(turn[10:]), "saved with 10 of the turn's tokens fed"
+    sessions.save(tmp_path, brain, tiny.name)
+    assert mirror.load(tmp_path / "mirror.msgpack")[1]["pending_input"] == list(turn[10:])
+    resumed = sessions.resume(tiny, tmp_path)
+    assert resumed.pending_input == tuple(turn[10:])
+    assert split + stream(resumed, 50) == straight
+    assert [t for t, _ in straight[5:5 + len(turn)]] == turn
+    sources = [e.source for e in resumed.state.mirror.ledger.entries]
+    assert sources.count("user") == len(turn) and sources[-1] == "generated"
+
+
+def test_a_session_from_before_typed_input_resumes_with_none_pending(tiny, tmp_path):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, window=8))
+    brain.say("queued")
+    path = sessions.save(tmp_path, brain, tiny.name)
+    saved, meta = mirror.load(path)
+    del meta["pending_input"]
+    mirror.save(path, saved, meta)
+    assert sessions.resume(tiny, tmp_path).pending_input == ()

@@ -15,8 +15,9 @@ from rich.live import _RefreshThread
 from positronic import StateManager
 from positronic.loop import Brain, BrainConfig
 from positronic.runner import Runner
-from positronic.tui import (REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, VIRIDIS, ActionRecorder, frame, render_actions,
-                            render_context, render_header, render_histogram, run_live, take_snapshot)
+from positronic.tui import (INPUT_HINT, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, USER_BG, VIRIDIS, ActionRecorder,
+                            KeyReader, edit_line, frame, legend, render_actions, render_context, render_header,
+                            render_histogram, render_input, run_live, split_keys, take_snapshot)
 
 TEXT = "The old lighthouse keeper climbed the spiral stairs every night"  # 63 tokens + BOS
 
@@ -275,3 +276,231 @@ def test_a_failed_tick_is_logged_and_the_run_goes_on(tiny):
     assert len(recorder.lines) >= 2 and recorder.lines[0].startswith("t1 replace ")
     assert recorder.lines[-1].startswith("t1 REBUILT the cache from the mirror: InjectedFault")
     assert "REBUILT" in plain(render_actions(take_snapshot(brain, tiny, actions=list(recorder.lines)), 6))
+
+
+# --- the input line ---------------------------------------------------------------------
+
+
+def typed(keys, buffer=""):
+    """The line after `keys`, and the lines they submitted."""
+    submitted = []
+    for key in keys:
+        buffer, line = edit_line(buffer, key)
+        if line is not None:
+            submitted.append(line)
+    return buffer, submitted
+
+
+def test_line_editing_is_a_pure_function_of_the_line_and_the_key():
+    assert edit_line("ab", "c") == ("abc", None)
+    assert edit_line("abc", "\x7f") == ("ab", None) and edit_line("abc", "\x08") == ("ab", None)
+    assert edit_line("", "\x7f") == ("", None)
+    assert edit_line("hello", "\r") == ("", "hello") and edit_line("hello", "\n") == ("", "hello")
+    assert edit_line("   ", "\r") == ("", None), "a blank line is not submitted"
+    assert edit_line("hello", "\x1b") == ("", None), "Esc clears"
+    assert edit_line("hello", "\x15") == ("", None), "so does Ctrl-U"
+    assert edit_line("a", "\t") == ("a ", None)
+    for key in ("\x1b[A", "\x1b[1;5C", "\x1bOP", "\x01", "\x04", "\x00"):  # arrows, F1, control keys
+        assert edit_line("abc", key) == ("abc", None), repr(key)
+    assert edit_line("caf", "é") == ("café", None) and edit_line("", "語") == ("語", None)
+    assert typed("hi yoo\x7fu\rsecond\x1bthird\r") == ("", ["hi you", "third"])
+    assert typed("partial") == ("partial", [])
+
+
+def test_keys_split_with_escape_sequences_whole():
+    assert split_keys("ab\r") == ["a", "b", "\r"]
+    assert split_keys("\x1b") == ["\x1b"], "a lone Esc is the Esc key"
+    assert split_keys("x\x1b[Ay\x1b[1;5Dz\x1bOPw") == ["x", "\x1b[A", "y", "\x1b[1;5D", "z", "\x1bOP", "w"]
+    assert split_keys("\x1bx") == ["\x1bx"], "Alt+x is one key (ignored by the line)"
+    assert typed(split_keys("ab\x1b[Dc\r")) == ("", ["abc"])
+
+
+def with_user_turn(lm, line="hello"):
+    brain = crafted(lm, text=TEXT, window=8)
+    turn = brain.say(line)
+    for _ in turn:
+        brain.step()
+    return brain, turn
+
+
+def test_typed_tokens_are_marked_in_the_context_and_the_legend_says_so(tiny):
+    brain, turn = with_user_turn(tiny)
+    snapshot = take_snapshot(brain, tiny)
+    n = len(snapshot.texts)
+    text = render_context(snapshot, 400, 30)
+    user_rows = [row for row, source in enumerate(snapshot.sources) if source == "user"]
+    assert len(user_rows) == len(turn) and user_rows == list(range(n - len(turn), n))
+    backgrounds = {span.style.bgcolor.name for span in text.spans if span.style.bgcolor}
+    assert USER_BG in backgrounds
+    user_chars = "".join(text.plain[span.start:span.end] for span in text.spans
+                         if span.style.bgcolor and span.style.bgcolor.name == USER_BG)
+    assert user_chars.replace("↵", "") == "".join(snapshot.texts[r] for r in user_rows).replace("\n", ""), \
+        "every typed token, and only those, on the user background"
+    assert "user" in legend(snapshot).plain
+    assert any(s.style.bgcolor and s.style.bgcolor.name == USER_BG for s in legend(snapshot).spans)
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (120, 40)])
+def test_a_frame_with_the_input_line_fills_the_screen_and_ends_with_it(tiny, width, height):
+    brain, _ = with_user_turn(tiny)
+    brain.say("more")
+    snapshot = take_snapshot(brain, tiny, done=30, total=100)
+    c = console(width, height)
+    lines = c.render_lines(frame(snapshot, width, height, prompt="what is the time"), c.options)
+    assert len(lines) == height and all(sum(len(s.text) for s in line) == width for line in lines)
+    last = "".join(s.text for s in lines[-1])
+    assert last.startswith("> what is the time ") and last.rstrip().endswith("feeding 22 typed tokens")
+    above = "".join(s.text for s in lines[-2])
+    assert "30/100" in above, "the progress bar stays just above"
+    without = c.render_lines(frame(snapshot, width, height), c.options)
+    assert len(without) == height and not "".join(s.text for s in without[-1]).startswith(">")
+
+
+def test_the_input_line_shows_the_end_of_a_long_line_a_hint_and_why_a_line_was_refused(tiny):
+    snapshot = take_snapshot(crafted(tiny), tiny)
+    assert plain(render_input(snapshot, "", 80), 80).rstrip() == "> " + " " * (80 - 3 - len(INPUT_HINT)) + " " + INPUT_HINT
+    out = plain(render_input(snapshot, "x" * 100 + "END", 80), 80).rstrip("\n")
+    assert out.startswith("> x") and out.rstrip().endswith("END") and len(out) == 80
+    refused = take_snapshot(crafted(tiny), tiny, input_note="input refused: the line is 300 tokens as a user turn")
+    out = plain(render_input(refused, "abc", 80), 80).rstrip("\n")
+    assert out.startswith("> abc") and "input refused: the line is 300 tokens" in out and len(out) <= 80
+    out = plain(render_input(refused, "y" * 200, 40), 40).rstrip("\n")
+    assert out.startswith("> y") and "input re" in out and out.endswith("…") and len(out) == 40
+
+
+@pytest.mark.xfail(reason="work in progress (input line): the final frame of this run still shows tick 0, "
+                          "so the refusal note is not in the exported view", strict=False)
+def test_lines_typed_into_a_live_run_are_fed_and_a_refused_one_is_said_in_the_view(tiny, capsys):
+    import queue
+
+    # no culls in 30 ticks: the refusal is the edits panel's only line
+    brain = Brain.start(tiny, [tiny.bos_id] + tiny.encode(TEXT), BrainConfig(budget=128, window=8, seed=1))
+    inputs = queue.SimpleQueue()
+    for line in ("hello", "z" * 100):
+        inputs.put(line)
+    c = console(100, 30)
+    result = run_live(brain, tiny, Runner(brain, tiny.name, 30, inputs=inputs), show_prompt=True, console=c)
+    out = c.export_text()
+    assert result.ticks == 30
+    sources = [e.source for e in brain.state.mirror.ledger.entries]
+    typed_ids = [e.token_id for e in brain.state.mirror.ledger.entries if e.source == "user"]
+    assert tiny.decode(typed_ids) == "\nUser: hello\nAssistant:" and sources[-1] == "generated"
+    assert "t0 input refused: the line is 118 tokens" in out, "in the edits panel"
+    assert "refused" not in capsys.readouterr().err, "nothing written under the view"
+    assert live_stopped()
+
+
+def pty_available():
+    try:
+        import pty  # noqa: F401
+        import termios  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not pty_available(), reason="needs a POSIX terminal")
+def test_the_key_reader_reads_keys_in_cbreak_mode_and_puts_the_terminal_back_however_it_ends():
+    import os
+    import pty
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    try:
+        before = termios.tcgetattr(slave)
+        keys = []
+        with KeyReader(slave, keys.append):
+            during = termios.tcgetattr(slave)
+            assert not during[3] & termios.ICANON and not during[3] & termios.ECHO, "cbreak: no echo, no line buffer"
+            assert during[3] & termios.ISIG, "Ctrl-C still sends SIGINT"
+            os.write(master, "hé\x1b[A\x7f\r".encode())
+            deadline = time.monotonic() + 10
+            while len(keys) < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert keys == ["h", "é", "\x1b[A", "\x7f", "\n"], "Enter's CR arrives as LF (ICRNL stays)"
+        assert termios.tcgetattr(slave) == before
+        with pytest.raises(KeyboardInterrupt):
+            with KeyReader(slave, keys.append):
+                raise KeyboardInterrupt
+        assert termios.tcgetattr(slave) == before, "restored on Ctrl-C and on errors too"
+    finally:
+        os.close(master)
+        os.close(slave)
+    read, write = os.pipe()
+    with KeyReader(read, keys.append) as reader:  # not a terminal: no keys, no error
+        assert not reader.active
+    os.close(read)
+    os.close(write)
+
+
+@pytest.mark.skipif(not pty_available(), reason="needs a POSIX terminal")
+def test_typing_into_the_live_view_of_a_real_run_and_ctrl_c_on_its_terminal(tiny, tmp_path):
+    """run.py on a terminal of its own: a line typed and sent with Enter is fed as a user turn,
+    Ctrl-C typed on the terminal still stops the run cleanly (exit 130, session saved), and the
+    terminal's settings are as they were before the run."""
+    import fcntl
+    import json
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+    from pathlib import Path
+
+    from positronic import session as sessions
+
+    root = Path(__file__).resolve().parents[2]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    before = termios.tcgetattr(slave)
+    events = tmp_path / "events.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "run.py", "--model", "random:tiny", "--ticks", "100000", "--session", str(tmp_path / "s"),
+         "--save-every", "100000", "--events", str(events)], cwd=root, stdin=slave, stdout=slave, stderr=slave,
+        start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # its controlling terminal
+        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    output = bytearray()
+
+    def drain():  # a terminal nobody reads would block the view
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            output.extend(data)
+
+    threading.Thread(target=drain, daemon=True).start()
+
+    def wait_for(condition, seconds=120):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline and process.poll() is None, bytes(output)[-2000:].decode(errors="replace")
+            time.sleep(0.05)
+
+    def typed_ticks():
+        lines = events.read_text().splitlines() if events.exists() else []
+        return sum(json.loads(line).get("source") == "user" for line in lines[:-1])  # the last may be half written
+
+    try:
+        wait_for(lambda: b"Positronic Brain" in output and b"> " in output)
+        os.write(master, b"hi yoo\x7fu\r")
+        wait_for(lambda: typed_ticks() >= 24)  # "\nUser: hi you\nAssistant:"
+        os.write(master, b"\x03")  # Ctrl-C, as typed: the terminal sends SIGINT
+        assert process.wait(timeout=120) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        after = termios.tcgetattr(slave)
+        os.close(master)
+        os.close(slave)
+    assert after == before, "the terminal is put back"
+    assert b"--- summary --- (interrupted)" in output
+    brain = sessions.resume(tiny, tmp_path / "s")
+    typed_ids = [e.token_id for e in brain.state.mirror.ledger.entries if e.source == "user"]
+    assert tiny.decode(typed_ids) == "\nUser: hi you\nAssistant:"
