@@ -1,7 +1,7 @@
 """Decode speed: Hugging Face `generate` against the brain's loop.
 
     python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
-                           [--batches 8] [--repairers none bridge self]
+                           [--batches 8] [--repairers none bridge self] [--recall ROWS ...]
 
 For each live length it prints ms per token and tokens/s for
   (a) hf-generate   `model.generate` as a user gets it: the model loaded the library's default
@@ -11,7 +11,11 @@ For each live length it prints ms per token and tokens/s for
       rows culled (`none`, the default) or pairs repaired by a repairer (the bridge's probes
       ride along in the same forward), Step 4 — still one forward; per --batches x --repairers;
 with the ratio (a)/(x) (above 1: faster than generate), and for each repairer its "repair"
-share: 1 - tick(none) / tick(repairer), what repairing costs over culling the same batch. The three run in turn, `--repeats`
+share: 1 - tick(none) / tick(repairer), what repairing costs over culling the same batch;
+  (d) with --recall ROWS: (c) culling with recall on and ROWS evicted rows in its index; "extra"
+      is 1 - tick(c) / tick(d), everything recall adds (its own steps, every layer's query and
+      log-normaliser in the forward, restores), "recall" the share of its own steps (scoring
+      the index, copying evicted rows' K/V). The runs go in turn, `--repeats`
 rounds, and every figure is the median over rounds of each round's median tick, so slow
 drift of a noisy machine hits all three alike. For (c) two shares of the tick:
   apply     all of Step 4 `apply()`, including its one model forward;
@@ -116,13 +120,18 @@ class ForwardClock:
         state_manager.forward, state_manager.prefill = self.saved
 
 
-def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1,
-                    repairer: str = "none") -> tuple[float, float, float, float, float]:
-    """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`
-    and by `apply()` without its model forward, and the cache's MiB against the live rows'."""
-    brain = Brain.start(lm, ids, BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch,
-                                             repairer=repairer))
-    times, apply_shares, step4_shares = [], [], []
+def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: str = "none",
+                    recall_rows: int = 0) -> tuple[float, float, float, float, float, float]:
+    """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`,
+    by `apply()` without its model forward and by recall's own steps, and the cache's MiB
+    against the live rows'. `recall_rows`: with recall on, its index holding that many
+    evicted rows (a longer prompt, pruned to the budget at the start, fills it)."""
+    budget = len(ids)
+    if recall_rows:
+        ids = ids + context_ids(lm, recall_rows + 1)[1:]
+    brain = Brain.start(lm, ids, BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch,
+                                             repairer=repairer, recall=bool(recall_rows)))
+    times, apply_shares, step4_shares, recall_shares = [], [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
             sync(lm)
@@ -133,12 +142,13 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1,
             times.append(time.perf_counter() - start)
             apply_shares.append(record.seconds["apply"] / times[-1])
             step4_shares.append((record.seconds["apply"] - clock.seconds) / times[-1])
+            recall_shares.append(record.seconds.get("recall", 0.0) / times[-1])
     cache = brain.state.cache
     live = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
     # a batch works on one tick in `batch`: what it costs is the mean tick, not the median
     average = statistics.median if batch == 1 else statistics.fmean
     return (average(times), average(apply_shares), average(step4_shares),
-            cache.memory_bytes() / 2**20, live / 2**20)
+            cache.memory_bytes() / 2**20, live / 2**20, average(recall_shares))
 
 
 def main() -> None:
@@ -153,6 +163,9 @@ def main() -> None:
                         help="rows freed at once to run (c) with; --ticks should be a multiple of each")
     parser.add_argument("--repairers", nargs="+", default=["none", "bridge", "self"],
                         help="repairers to run (c) with (none = cull only, the default policy)")
+    parser.add_argument("--recall", type=int, nargs="*", default=[], metavar="ROWS",
+                        help="also run (d): (c) with culling and recall on, its index holding ROWS evicted rows "
+                             "(each given size; cut to the model's positions)")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     import transformers
@@ -163,36 +176,42 @@ def main() -> None:
           f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
           f"{time.strftime('%Y-%m-%d')}")
     print(f"{'context':>7} {'run':<36} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
-          f"{'repair':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
-    variants = [(b, r) for b in args.batches for r in args.repairers]
+          f"{'extra':>6} {'recall':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
+    variants = [(b, r, 0) for b in args.batches for r in args.repairers]
+    variants += [(b, "none", n) for b in args.batches for n in args.recall]
     for context in args.contexts:
         if context > lm.max_positions:
             print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
             continue
         ids = context_ids(lm, context)
+        room = lm.max_positions - context - args.ticks - 1  # recall's evicted rows held positions too
         rounds = []
         for _ in range(args.repeats):
             base = hf_generate(lm, ids, args.ticks)
             plain = loop_plain(lm, ids, args.ticks)
-            maintained = [loop_maintained(lm, ids, args.ticks, batch, repairer) for batch, repairer in variants]
+            maintained = [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
+                          for batch, repairer, rows in variants]
             rounds.append((base, plain, *maintained))
         rows = []
-        for k, name in enumerate(["(a) hf-generate (sdpa)", "(b) loop, maintenance off"]
-                                 + [f"(c) maintenance on, batch {b}, {r}" for b, r in variants]):
+        names = [f"(c) maintenance on, batch {b}, {r}" if not n else f"(d) (c) + recall, {min(n, room)} in index"
+                 for b, r, n in variants]
+        for k, name in enumerate(["(a) hf-generate (sdpa)", "(b) loop, maintenance off"] + names):
             seconds = statistics.median(r[k] if k < 2 else r[k][0] for r in rounds)
             ratio = statistics.median(r[0] / (r[k] if k < 2 else r[k][0]) for r in rounds)
             cells = ""
             if k >= 2:
-                apply, step4, cache_mb, live_mb = (statistics.median(r[k][j] for r in rounds) for j in (1, 2, 3, 4))
-                batch, repairer = variants[k - 2]
-                cull = variants.index((batch, "none")) + 2 if (batch, "none") in variants else None
-                repair = (f"{statistics.median(1 - r[cull][0] / r[k][0] for r in rounds):>6.1%}"
-                          if cull is not None and repairer != "none" else f"{'':>6}")
-                cells = f"{apply:>6.1%} {step4:>6.1%} {repair} {cache_mb:>10.1f} {live_mb:>12.1f}"
+                apply, step4, cache_mb, live_mb, recall = (statistics.median(r[k][j] for r in rounds)
+                                                           for j in (1, 2, 3, 4, 5))
+                batch, repairer, recalled = variants[k - 2]
+                cull = variants.index((batch, "none", 0)) + 2 if (batch, "none", 0) in variants else None
+                # the extra: repairing over culling, or (d) recall (its steps and every layer's query) over (c)
+                extra = (f"{statistics.median(1 - r[cull][0] / r[k][0] for r in rounds):>6.1%}"
+                         if cull is not None and (repairer != "none" or recalled) else f"{'':>6}")
+                cells = f"{apply:>6.1%} {step4:>6.1%} {extra} {recall if recalled else 0:>6.1%} {cache_mb:>10.1f} {live_mb:>12.1f}"
             rows.append((name, seconds, ratio, cells))
         for name, seconds, vs, cells in rows:
             print(f"{context:>7} {name:<36} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
-                  f"{cells or f'{chr(32) * 44}':<44} {peak_memory_mb(lm):>9.0f}", flush=True)
+                  f"{cells or f'{chr(32) * 51}':<51} {peak_memory_mb(lm):>9.0f}", flush=True)
 
 
 if __name__ == "__main__":

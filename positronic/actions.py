@@ -5,6 +5,10 @@ Actions are plain dicts (DESIGN §3):
     {'action': 'replace_pair', 'original_pos1': int, 'original_pos2': int, 'new_token_ids': [int, ...]}
     {'action': 'delete',       'position': int}
     {'action': 'restore',      'ledger_ids': [int, ...]}   culled tokens back at their old positions
+       optional with the rows' K/V as they were when culled (all three or none; without them
+       Step 4 recomputes the K/V in the tick's forward, seeing only today's left context):
+       'keys', 'values': tensors [layers, kv_heads, len(ledger_ids), head_dim]
+       'predicted':     [int, ...] the greedy next token each row's forward gave (ContextView.predicted)
 Positions are live rows before the tick's edits. A whole list is validated before anything
 is touched; then position edits run in strictly descending order of their highest row (so
 no edit moves a row a later edit refers to) and adds run last, in list order.
@@ -12,7 +16,9 @@ no edit moves a row a later edit refers to) and adds run last, in list order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 SCHEMA = {
     "add": ("token_id",),
@@ -20,6 +26,7 @@ SCHEMA = {
     "delete": ("position",),
     "restore": ("ledger_ids",),
 }
+OPTIONAL = {"restore": ("keys", "values", "predicted")}  # all of them or none
 
 
 class ActionError(ValueError):
@@ -36,10 +43,19 @@ class Plan:
     adds: list[dict]
     final_length: int
     restored: tuple[int, ...] = ()
+    stored: dict = field(default_factory=dict)  # ledger id -> (keys [layers, kv_heads, head_dim], values, predicted)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def loggable(action: dict) -> dict:
+    """The action as plain data for an event log: a restore's K/V are summarised by their
+    shape (`"stored": [layers, kv_heads, rows, head_dim]`), everything else is as given."""
+    if action.get("action") != "restore" or "keys" not in action:
+        return dict(action)
+    return {"action": "restore", "ledger_ids": list(action["ledger_ids"]), "stored": list(action["keys"].shape)}
 
 
 def rows_of(action: dict) -> tuple[int, ...]:
@@ -60,6 +76,7 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
         raise ActionError(f"action list must be a list, got {type(actions).__name__}")
     seen: dict[int, int] = {}  # row -> index of the action that edits it
     restored: dict[int, int] = {}  # ledger id -> index of the action that restores it
+    stored: dict[int, tuple] = {}
     final_length = live_length
     for index, action in enumerate(actions):
         name = action.get("action") if isinstance(action, dict) else None
@@ -72,7 +89,7 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
             fail(f"must be a dict, got {type(action).__name__}")
         if name not in SCHEMA:
             fail(f"unknown action {name!r}; expected one of {', '.join(SCHEMA)}")
-        expected = set(SCHEMA[name]) | {"action"}
+        expected = set(SCHEMA[name]) | set(OPTIONAL.get(name, ())) | {"action"}
         if unknown := sorted(set(map(str, action)) - expected):
             fail(f"unknown key(s) {', '.join(unknown)}")
         if missing := [key for key in SCHEMA[name] if key not in action]:
@@ -106,6 +123,11 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
                     fail(f"ledger id {ledger_id} is already restored by action {restored[ledger_id]}")
                 restored[ledger_id] = index
             final_length += len(ids)
+            given = [key for key in OPTIONAL["restore"] if key in action]
+            if given:
+                if len(given) != len(OPTIONAL["restore"]):
+                    fail(f"keys, values and predicted come together (got only {', '.join(given)})")
+                stored.update(_stored_rows(action, ids, vocab_size, fail))
         elif name == "delete":
             seen[row("position")] = index
             final_length -= 1
@@ -129,4 +151,21 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
     edits = sorted((a for a in actions if a["action"] in ("delete", "replace_pair")), key=lambda a: max(rows_of(a)),
                    reverse=True)
     adds = [a for a in actions if a["action"] == "add"]
-    return Plan(edits=edits, adds=adds, final_length=final_length, restored=tuple(restored))
+    return Plan(edits=edits, adds=adds, final_length=final_length, restored=tuple(restored), stored=stored)
+
+
+def _stored_rows(action: dict, ids: list[int], vocab_size: int, fail) -> dict[int, tuple]:
+    """A restore's own K/V, checked for form (their fit to the model is Step 4's check)."""
+    keys, values, predicted = action["keys"], action["values"], action["predicted"]
+    for key, tensor in (("keys", keys), ("values", values)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 or tensor.shape[2] != len(ids):
+            fail(f"{key} must be a tensor [layers, kv_heads, {len(ids)}, head_dim], got "
+                 f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            fail(f"{key} must be finite floating-point values")
+    if keys.shape != values.shape:
+        fail(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+    if not isinstance(predicted, list) or len(predicted) != len(ids) \
+            or not all(_is_int(t) and 0 <= t < vocab_size for t in predicted):
+        fail(f"predicted must be {len(ids)} token ids in the vocabulary, got {predicted!r}")
+    return {ledger_id: (keys[:, :, i], values[:, :, i], predicted[i]) for i, ledger_id in enumerate(ids)}

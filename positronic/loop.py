@@ -15,7 +15,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -23,6 +23,7 @@ import torch
 import steps
 
 from . import chat, repairers
+from .actions import loggable
 from .policy import POLICIES, make_policy
 from .state_manager import StateManager, default_capacity
 from .text import rows_matching, span_texts
@@ -177,7 +178,8 @@ class TickRecord:
     seconds: dict[str, float] = field(default_factory=dict)  # per step
 
     def to_json(self) -> dict:
-        return asdict(self)
+        record = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy a restore's K/V
+        return {**record, "actions": [loggable(action) for action in self.actions]}
 
 
 class Observer(Protocol):
@@ -306,6 +308,8 @@ class Brain:
             raise
         if source == "user" and not report.rebuilt:
             self._pending.popleft()
+            if self.policy.recall is not None:  # recall looks at what was typed first
+                self.policy.recall.wake()
         if report.rebuilt:  # the tick failed and changed nothing: nor does the policy keep it
             self.policy.undo()
         self.policy.receive(report.probe_logprobs)

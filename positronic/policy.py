@@ -147,10 +147,12 @@ class Policy:
                                                                             for a in actions if a["action"] == "replace_pair")
             back = back[: max(0, freed - need(len(values)))]
         if back:
-            actions.append({"action": "restore", "ledger_ids": back})
+            actions.append({"action": "restore", "ledger_ids": back, **self.recall.payload(back)})
             outcomes.append(((), f"recalled {len(back)}"))
         if self.recall is not None:
+            now = time.perf_counter()
             self.recall.plan(view, gone, back)
+            seconds["recall"] += time.perf_counter() - now
         self.scorer.removing([int(view.ledger_ids[row]) for row in gone])
         probes = self.next_probes(view, values, gone, count) if count and repair else None
         seconds["select"] = time.perf_counter() - clock

@@ -1,25 +1,30 @@
-"""Recall: evicted rows come back when the context asks for them.
+"""Recall: evicted rows come back when the context asks for them, exactly as they were.
 
 No bounded cache of the field keeps a token once it is evicted. Here the ledger keeps every
 token and the RoPE position it held, and live positions keep the gaps evicted rows left, so
-an evicted row can be put back exactly where it was (StateManager's `restore` action; its
-K/V are recomputed in the tick's one forward, seeing the rows left of it).
+an evicted row can be put back exactly where it was (StateManager's `restore` action).
 
-Which rows: when a row is evicted, its keys on the scored layers are kept here, as they were
-in the cache (rotated at the position it held, which is where it would come back). Each tick
-the newest token's query scores them like live rows: the would-be attention of an evicted row
-is exp(q·k − log Σ_live exp(q·k')), averaged over the scored layers and heads like the live
-rows' scores (steps.scores). If the best evicted row would get at least `threshold` times a
-live row's fair share (1 / live rows), it comes back with the evicted rows around it (up to
-`span` rows, nearest positions first; the text around a match is what makes it useful), and
-the policy frees as many more rows in the same tick. A row that came back cannot come back
-again for `cooldown` ticks after it is evicted again, so nothing flickers in and out.
+What comes back: when a row is evicted, its K/V in every layer are kept here as they were in
+the cache (keys rotated at the position it held, which is where it comes back), with the
+token the model predicted after it. A restore hands them to Step 4, which copies them into
+the gap after checking layer 0 against the token at its position. Recomputing them instead
+(seeing only today's compressed left context) costs the retrieval probe 2.64 nats over the
+full cache; the stored K/V cost 0.55 (bench/RESULTS.md, "Recall").
 
-Memory: `capacity` evicted rows at most (oldest dropped first), each
-layers × kv_heads × head_dim float32 (SmolLM2, last layer: 768 bytes).
-Cost: one [rows × heads × head_dim] product per tick (see bench/decode.py).
+When: every `every` ticks, and at once on the tick after a typed token came in (`wake`), the
+newest token's query scores the kept keys like live rows: an evicted row's would-be attention
+is exp(q·k − log Σ_live exp(q·k')), averaged over layers and heads like the live rows' scores
+(steps.scores). If the best row would get at least `threshold` times a live row's fair share
+(1 / live rows), it comes back with the evicted rows around it (up to `span` rows, nearest
+positions first: the text around a match is what makes it useful), and the policy frees as
+many more rows in the same tick. A row that came back cannot come back again for `cooldown`
+ticks after it is evicted again, so nothing flickers in and out.
 
-    keys   [capacity, scored layers, kv_heads, head_dim] float32
+Memory: `capacity` evicted rows at most (oldest dropped first), each 2 × layers × kv_heads ×
+head_dim in the cache's dtype (SmolLM2 float32: 46 KB). Cost: scoring reads every kept key
+(one [rows × head_dim] × [head_dim × group] product per layer and kv head), hence `every`.
+
+    keys, values  [layers, kv_heads, rows, head_dim]  (the cache's dtype, on the CPU)
 """
 
 from __future__ import annotations
@@ -28,39 +33,45 @@ import torch
 
 DEFAULT_THRESHOLD = 8.0  # × a live row's fair share of attention
 DEFAULT_SPAN = 16  # rows restored around the best match
-DEFAULT_CAPACITY = 16384  # evicted rows kept recallable
+DEFAULT_CAPACITY = 4096  # evicted rows kept recallable
 DEFAULT_COOLDOWN = 64  # ticks before a restored row may come back again
+DEFAULT_EVERY = 1  # ticks between looks (and at once after typed input): the query that finds a fact comes at one token
 
 
 class Recall:
     def __init__(self, *, threshold: float = DEFAULT_THRESHOLD, span: int = DEFAULT_SPAN,
-                 capacity: int = DEFAULT_CAPACITY, cooldown: int = DEFAULT_COOLDOWN):
-        self.threshold, self.span, self.capacity, self.cooldown = threshold, span, capacity, cooldown
+                 capacity: int = DEFAULT_CAPACITY, cooldown: int = DEFAULT_COOLDOWN, every: int = DEFAULT_EVERY):
+        self.threshold, self.span, self.capacity, self.cooldown, self.every = threshold, span, capacity, cooldown, every
         self.ids: list[int] = []  # ledger id per kept row, in order of eviction
         self.positions: list[int] = []
-        self.keys: torch.Tensor | None = None  # [rows, layers, kv_heads, head_dim]
+        self.predicted: list[int] = []  # the model's next token after each kept row (ContextView.predicted)
+        self.keys: torch.Tensor | None = None  # [layers, kv_heads, rows, head_dim]
+        self.values: torch.Tensor | None = None
         self.back_at: dict[int, int] = {}  # ledger id -> clock of its last restore
         self.clock = 0  # plans so far
         self.restored = 0  # rows brought back so far
-        self._pending: tuple[list[int], list[int], torch.Tensor | None, list[int]] | None = None
-        self._clock_before: int | None = None
+        self.awake = False  # look on the next plan whatever the clock says (typed input came in)
+        self._pending: tuple | None = None
+        self._before: tuple[int, bool] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def wake(self) -> None:
+        """Typed input came in: look at the next tick's query, off the `every` schedule."""
+        self.awake = True
 
     # --- one tick ---------------------------------------------------------------------------
 
     def choose(self, view) -> list[int]:
         """Ledger ids to bring back this tick (nearest to the best match first), or []."""
-        self._clock_before = self.clock
+        self._before = (self.clock, self.awake)
         self.clock += 1
-        if not self.ids or view.query is None or view.log_norm is None:
+        due = self.awake or self.clock % self.every == 0
+        self.awake = False
+        if not due or not self.ids or view.query is None or view.log_norm is None:
             return []
-        layers, heads, head_dim = view.query.shape
-        kv_heads = self.keys.shape[2]
-        query = view.query.reshape(layers, kv_heads, heads // kv_heads, head_dim)
-        logits = torch.einsum("nlkd,lkgd->nlkg", self.keys, query)  # [rows, layers, kv_heads, group]
-        share = (logits - view.log_norm.reshape(layers, kv_heads, -1)).exp().mean(dim=(1, 2, 3))  # [rows]
+        share = self.shares(view.query, view.log_norm)
         best = int(share.argmax())
         if float(share[best]) * len(view) < self.threshold:
             return []
@@ -71,69 +82,120 @@ class Recall:
                       and self.clock - self.back_at.get(i, -self.cooldown) >= self.cooldown)
         return [i for _, _, i in near[: self.span]]
 
+    def shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
+        """[rows] float32: each kept row's would-be attention, averaged over layers and heads.
+        query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
+        layers, kv_heads, _, head_dim = self.keys.shape
+        if query.shape[0] != layers:
+            raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers "
+                             "(record every layer: StateManager(score_layers='all'))")
+        group = query.shape[1] // kv_heads
+        query = query.reshape(layers, kv_heads, group, head_dim).to(self.keys.dtype)
+        logits = self.keys @ query.transpose(-1, -2)  # [layers, kv_heads, rows, group]
+        logits = logits.float() - log_norm.reshape(layers, kv_heads, 1, group)
+        return logits.exp().mean(dim=(0, 1, 3))
+
+    def payload(self, ids: list[int]) -> dict:
+        """The restore action's own K/V for `ids` (see positronic.actions)."""
+        where = {i: k for k, i in enumerate(self.ids)}
+        index = torch.tensor([where[i] for i in ids], dtype=torch.long)
+        return {"keys": self.keys.index_select(2, index), "values": self.values.index_select(2, index),
+                "predicted": [self.predicted[where[i]] for i in ids]}
+
     def plan(self, view, evicted_rows: list[int], restored: list[int]) -> None:
         """What this tick's plan does (rows taken out, ids brought back); it takes effect at
-        `commit`, once the tick went through, and is dropped by `discard`."""
-        keys = view.keys[:, :, evicted_rows].permute(2, 0, 1, 3).contiguous() if evicted_rows and view.keys is not None else None
-        ids = [int(view.ledger_ids[r]) for r in evicted_rows] if keys is not None else []
-        self._pending = (ids, [int(view.positions[r]) for r in evicted_rows] if keys is not None else [], keys, list(restored))
+        `commit`, once the tick went through, and is dropped by `discard`. The evicted rows'
+        K/V are copied now, while the view's state is the cache's."""
+        rows = evicted_rows if evicted_rows and view.rows is not None else []
+        keys, values = view.rows(rows) if rows else (None, None)
+        self._pending = ([int(view.ledger_ids[r]) for r in rows], [int(view.positions[r]) for r in rows],
+                         [int(view.predicted[r]) for r in rows], keys, values, list(restored))
 
     def commit(self) -> None:
         if self._pending is None:
             return
-        ids, positions, keys, restored = self._pending
-        self._pending = self._clock_before = None
+        ids, positions, predicted, keys, values, restored = self._pending
+        self._pending = self._before = None
         if restored:
             back = set(restored)
-            keep = [k for k, i in enumerate(self.ids) if i not in back]
-            self.ids = [self.ids[k] for k in keep]
-            self.positions = [self.positions[k] for k in keep]
-            self.keys = self.keys[keep]
+            self._keep([k for k, i in enumerate(self.ids) if i not in back])
             self.back_at.update((i, self.clock) for i in restored)
             self.restored += len(restored)
         if ids:
             self.ids += ids
             self.positions += positions
-            self.keys = keys if self.keys is None or not len(self.keys) else torch.cat([self.keys, keys])
+            self.predicted += predicted
+            empty = self.keys is None
+            self.keys = keys if empty else torch.cat([self.keys, keys], dim=2)
+            self.values = values if empty else torch.cat([self.values, values], dim=2)
         if len(self.ids) > self.capacity:  # the oldest evictions go first
-            drop = len(self.ids) - self.capacity
-            self.ids, self.positions, self.keys = self.ids[drop:], self.positions[drop:], self.keys[drop:]
+            self._keep(range(len(self.ids) - self.capacity, len(self.ids)))
         if len(self.back_at) > 2 * self.capacity:
             self.back_at = {i: t for i, t in self.back_at.items() if self.clock - t < self.cooldown}
 
+    def _keep(self, kept) -> None:
+        kept = list(kept)
+        self.ids = [self.ids[k] for k in kept]
+        self.positions = [self.positions[k] for k in kept]
+        self.predicted = [self.predicted[k] for k in kept]
+        index = torch.tensor(kept, dtype=torch.long)
+        self.keys, self.values = self.keys.index_select(2, index), self.values.index_select(2, index)
+
     def discard(self) -> None:
         """The tick did not happen: forget its plan (and its clock tick)."""
-        if self._clock_before is not None:
-            self.clock = self._clock_before
-        self._pending = self._clock_before = None
+        if self._before is not None:
+            self.clock, self.awake = self._before
+        self._pending = self._before = None
 
     # --- sessions ---------------------------------------------------------------------------
 
+    VERSION_1 = {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}  # keys only
+    DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
     def state(self) -> dict:
-        keys = self.keys if self.keys is not None else torch.empty(0)
-        return {"ids": list(self.ids), "positions": list(self.positions), "shape": list(keys.shape),
-                "keys": keys.numpy().tobytes(), "back_at": [[i, t] for i, t in self.back_at.items()],
-                "clock": self.clock, "restored": self.restored}
+        """Plain data for a session: the kept rows, their K/V as raw bytes, the clocks."""
+        def raw(tensor):
+            return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        return {"ids": list(self.ids), "positions": list(self.positions), "predicted": list(self.predicted),
+                "shape": [] if self.keys is None else list(self.keys.shape),
+                "dtype": "float32" if self.keys is None else str(self.keys.dtype).removeprefix("torch."),
+                "keys": raw(self.keys), "values": raw(self.values),
+                "back_at": [[i, t] for i, t in self.back_at.items()],
+                "clock": self.clock, "restored": self.restored, "awake": self.awake}
 
     def load_state(self, state: dict) -> None:
+        """Take a `state()` back; ValueError if anything is malformed (nothing changes then)."""
         def ints(value):
             return isinstance(value, list) and all(type(v) is int for v in value)
 
-        ok = (isinstance(state, dict) and set(state) == {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}
-              and ints(state["ids"]) and ints(state["positions"]) and len(state["ids"]) == len(state["positions"])
-              and len(state["ids"]) <= self.capacity and ints(state["shape"]) and isinstance(state["keys"], bytes)
+        fields = {"ids", "positions", "predicted", "shape", "dtype", "keys", "values", "back_at", "clock",
+                  "restored", "awake"}
+        if isinstance(state, dict) and set(state) == self.VERSION_1 and type(state.get("clock")) is int \
+                and type(state.get("restored")) is int:
+            # a session from before rows came back with their own K/V: it kept keys only, so
+            # what it evicted cannot come back exactly; the index starts empty from here
+            state = {**self.__class__().state(), "clock": state["clock"], "restored": state["restored"]}
+        ok = (isinstance(state, dict) and set(state) == fields
+              and ints(state["ids"]) and ints(state["positions"]) and ints(state["predicted"])
+              and len(state["ids"]) == len(state["positions"]) == len(state["predicted"])
+              and len(state["ids"]) <= self.capacity and ints(state["shape"]) and state["dtype"] in self.DTYPES
+              and isinstance(state["keys"], bytes) and isinstance(state["values"], bytes)
               and isinstance(state["back_at"], list) and all(ints(p) and len(p) == 2 for p in state["back_at"])
-              and type(state["clock"]) is int and type(state["restored"]) is int)
-        if ok and state["ids"]:
-            shape = state["shape"]
-            ok = len(shape) == 4 and shape[0] == len(state["ids"]) and all(s > 0 for s in shape) \
-                and len(state["keys"]) == 4 * shape[0] * shape[1] * shape[2] * shape[3]
+              and type(state["clock"]) is int and type(state["restored"]) is int and type(state["awake"]) is bool)
+        keys = values = None
+        if ok and (state["shape"] or state["keys"]):
+            shape, dtype = state["shape"], self.DTYPES[state["dtype"]]
+            size = torch.finfo(dtype).bits // 8
+            ok = (len(shape) == 4 and shape[2] == len(state["ids"]) and all(n > 0 for n in shape[:2] + shape[3:])
+                  and len(state["keys"]) == len(state["values"]) == size * shape[0] * shape[1] * shape[2] * shape[3])
+            if ok:
+                keys, values = (torch.frombuffer(bytearray(state[k]), dtype=torch.uint8).view(dtype).reshape(shape)
+                                for k in ("keys", "values"))
+                ok = bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
         if not ok:
             raise ValueError("recall: malformed saved state")
-        keys = (torch.frombuffer(bytearray(state["keys"]), dtype=torch.float32).reshape(state["shape"])
-                if state["ids"] else None)
-        if keys is not None and not bool(torch.isfinite(keys).all()):
-            raise ValueError("recall: saved keys are not finite")
-        self.ids, self.positions, self.keys = list(state["ids"]), list(state["positions"]), keys
+        self.ids, self.positions, self.predicted = list(state["ids"]), list(state["positions"]), list(state["predicted"])
+        self.keys, self.values = keys, values
         self.back_at = {i: t for i, t in state["back_at"]}
-        self.clock, self.restored, self._pending = state["clock"], state["restored"], None
+        self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]
+        self._pending = self._before = None

@@ -92,14 +92,33 @@ class ContextView:
     brightness: torch.Tensor
     predicted: torch.Tensor
     pinned: torch.Tensor | None = None  # bool [rows]
-    # with view(keys=True): keys [scored layers, kv_heads, rows, head_dim] float32 (rotated at
-    # their positions), and the newest row's query / log-normaliser (see forward.ForwardResult)
-    keys: torch.Tensor | None = None
+    # with view(keys=True): the newest row's query / log-normaliser (see forward.ForwardResult),
+    # and `rows`, which copies live rows' K/V out while the state is as this view saw it
     query: torch.Tensor | None = None
     log_norm: torch.Tensor | None = None
+    rows: "RowReader | None" = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+class RowReader:
+    """Copies of live rows' K/V in every layer, for the view it came with: reading after the
+    state changed (an edit, a rebuild) raises, so a view never mixes two states."""
+
+    def __init__(self, manager: "StateManager"):
+        self._manager, self._version = manager, manager._version
+
+    def __call__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values: [layers, kv_heads, len(rows), head_dim] on the CPU, in the cache's dtype
+        (keys rotated at the rows' positions)."""
+        if self._manager._version != self._version:
+            raise ValueError("this view is stale: the state changed after it was taken")
+        layers = self._manager._cache.layers
+        index = torch.tensor(rows, dtype=torch.long, device=self._manager.lm.device)
+        keys = torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu()
+        values = torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu()
+        return keys, values
 
 
 NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
@@ -128,6 +147,7 @@ class StateManager:
         self.rebuilds = 0
         self.rotated_rows = 0
         self._edits = 0
+        self._version = 0  # any change to the cache (edit, rebuild) moves it on: stale views refuse
         self._fault: str | None = None
         self._broken: str | None = None  # why the cache no longer matches the mirror
 
@@ -262,12 +282,9 @@ class StateManager:
         return layer.keys.clone(), layer.values.clone()
 
     def view(self, *, keys: bool = False) -> ContextView:
-        """A read-only snapshot; `keys`: with the scored layers' keys and the newest query."""
+        """A read-only snapshot; `keys`: with the newest query and a reader of rows' K/V."""
         mirror = self._mirror
         entries = mirror.ledger.entries
-        scored = None
-        if keys and len(self):
-            scored = torch.stack([self._cache.layers[i].keys[0] for i in self.attention_layers]).float().cpu()
 
         def copy(tensor):
             return None if tensor is None or not keys else tensor.detach().clone().cpu()
@@ -278,7 +295,8 @@ class StateManager:
             brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
             predicted=torch.tensor(self._predicted, dtype=torch.long),
             pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
-            keys=scored, query=copy(self.last_query), log_norm=copy(self.last_log_norm))
+            query=copy(self.last_query), log_norm=copy(self.last_log_norm),
+            rows=RowReader(self) if keys else None)
 
     # --- coupled operations -------------------------------------------------------------
 
@@ -350,13 +368,14 @@ class StateManager:
                 insertions.append(Insertion(pair[0], tuple(action["new_token_ids"]), "repair", replaces=pair))
         if plan.restored:
             insertions += self._restorations(plan.restored, set(deleted))
+        stored = self._stored_rows(plan.stored)
         insertions += [Insertion(len(self), (action["token_id"],), add_source) for action in plan.adds]
         if probes:
             if not plan.adds:
                 raise ValueError("probes ride along in a forward: the action list must add a token")
             if max(probes.positions) >= max(self._mirror.live.positions, default=0) + 1 + len(plan.adds):
                 raise ValueError("a probe's position must lie within the context")
-        report = self._edit(deleted, insertions, tick=tick, brightness=brightness, probes=probes)
+        report = self._edit(deleted, insertions, tick=tick, brightness=brightness, probes=probes, stored=stored)
         report.applied = 0 if report.rebuilt else len(actions)
         return report
 
@@ -382,16 +401,45 @@ class StateManager:
                           positions=tuple(p for p, _, _ in group), restores=tuple(i for _, i, _ in group))
                 for row, group in sorted(groups.items())]
 
+    def _stored_rows(self, stored: dict) -> dict:
+        """Restored rows' own K/V checked against the model: the shape of a cache row, and
+        layer 0 equal to a fresh computation of the token at its position (layer 0 depends on
+        nothing else), so K/V recorded for another token or position are refused."""
+        if not stored:
+            return {}
+        ledger = self._mirror.ledger
+        ids = list(stored)
+        shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
+        for ledger_id in ids:
+            keys, values, _ = stored[ledger_id]
+            if tuple(keys.shape) != shape:
+                raise ActionError(f"restore: ledger id {ledger_id}'s K/V are {tuple(keys.shape)} per row, "
+                                  f"the model's cache rows are {shape} (layers, kv_heads, head_dim)")
+        keys = torch.stack([stored[i][0] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
+        values = torch.stack([stored[i][1] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
+        fresh_keys, fresh_values = fresh_layer0_kv(self.lm, [ledger[i].token_id for i in ids],
+                                                   [ledger[i].position for i in ids])
+        error = max((keys[0] - fresh_keys[0]).abs().max().item(), (values[0] - fresh_values[0]).abs().max().item())
+        if error > self._layer0_tolerance():
+            raise ActionError(f"restore: the given K/V differ from the tokens' own at their positions in layer 0 "
+                              f"by {error:.2e}: they were recorded for other tokens or positions")
+        return {i: (keys[:, :, k], values[:, :, k], stored[i][2]) for k, i in enumerate(ids)}
+
+    def _layer0_tolerance(self) -> float:
+        return 1e-4 if self.lm.dtype == torch.float32 else 2e-2
+
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
-              brightness: list[float] | None = None, probes: Probes | None = None) -> ApplyReport:
+              brightness: list[float] | None = None, probes: Probes | None = None,
+              stored: dict | None = None) -> ApplyReport:
         self._refuse_if_broken("edit")
+        self._version += 1
         start = time.perf_counter()
         tick = self.last_tick + 1 if tick is None else tick
         layout = plan_layout(self._mirror.live.positions, deleted, insertions, self.lm.max_positions)
         texts = self._texts(layout)
         report = ApplyReport(tick=tick)
         try:
-            report.probe_logprobs = self._write(layout, probes)
+            report.probe_logprobs = self._write(layout, probes, stored or {})
             self._fault_point("commit")
             self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness)
             self._edits += 1
@@ -412,8 +460,9 @@ class StateManager:
         report.seconds = time.perf_counter() - start
         return report
 
-    def _write(self, layout: Layout, probes: Probes | None = None) -> list[float] | None:
-        """Stages 2–4 on the cache: splice, re-rotate, one forward (with the probes' scratch
+    def _write(self, layout: Layout, probes: Probes | None, stored: dict) -> list[float] | None:
+        """Stages 2–4 on the cache: splice, re-rotate, restored rows' own K/V (`stored`, by
+        ledger id) copied in, one forward for the other new rows (with the probes' scratch
         rows after the live rows, dropped again). Returns the probes' log-probabilities."""
         predicted_before = self._predicted
         scratch = len(probes) if probes and layout.old_length and layout.new_rows else 0
@@ -429,21 +478,28 @@ class StateManager:
         predicted = [0] * layout.length
         for old, new, count in layout.kept:
             predicted[new : new + count] = predicted_before[old : old + count]
-        newest = bool(layout.new_rows) and layout.new_rows[-1] == layout.length - 1
+        known = {row: stored[ledger_id] for insertion, part in layout.groups
+                 for row, ledger_id in zip(layout.new_rows[part], insertion.restores) if ledger_id in stored}
+        if known:
+            self._copy_rows(known)
+            for row, (_, _, token_id) in known.items():
+                predicted[row] = token_id
+        fed = [(row, token_id) for row, token_id in zip(layout.new_rows, layout.new_token_ids) if row not in known]
+        newest = bool(fed) and fed[-1][0] == layout.length - 1
         if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
             self._take_newest(None)
         probe_logprobs = None
-        if layout.new_rows:
-            rows = list(layout.new_rows)
+        if fed:
+            rows = [row for row, _ in fed]
+            token_ids = [token_id for _, token_id in fed]
             positions = [layout.positions[row] for row in rows]
             if layout.old_length == 0:
-                result = prefill(self.lm, self._cache, list(layout.new_token_ids), positions,
-                                 attention_layers=self.attention_layers)
+                result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
             else:
                 gaps = torch.tensor(rows + list(range(layout.length, layout.length + scratch)), dtype=torch.long,
                                     device=self.lm.device)
                 with self._cache.fill(gaps), self._fault_in_forward():
-                    result = forward(self.lm, self._cache, list(layout.new_token_ids), positions,
+                    result = forward(self.lm, self._cache, token_ids, positions,
                                      list(layout.positions), attention_layers=self.attention_layers if newest else None,
                                      probes=probes if scratch else None)
                 if scratch:
@@ -457,6 +513,17 @@ class StateManager:
         self._fault_point("forward")
         self._predicted = predicted
         return probe_logprobs
+
+    def _copy_rows(self, known: dict) -> None:
+        """Write given K/V into live rows: known = {row: (keys, values, _)}, each
+        [layers, kv_heads, head_dim] in the cache's dtype and device."""
+        rows = sorted(known)
+        index = torch.tensor(rows, dtype=torch.long, device=self.lm.device)
+        keys = torch.stack([known[row][0] for row in rows], dim=2)  # [layers, kv_heads, n, head_dim]
+        values = torch.stack([known[row][1] for row in rows], dim=2)
+        for layer, layer_keys, layer_values in zip(self._cache.layers, keys, values):
+            layer.keys[0].index_copy_(1, index, layer_keys)
+            layer.values[0].index_copy_(1, index, layer_values)
 
     def _take_newest(self, result) -> None:
         """What the forward that wrote the newest row leaves (None: forget it, it is history)."""
@@ -474,6 +541,7 @@ class StateManager:
     def rebuild(self, *, count: bool = True) -> None:
         """Recompute the whole cache from the mirror: live tokens at their recorded positions.
         If that fails (or is interrupted) the state is marked broken until a rebuild succeeds."""
+        self._version += 1
         self._cache.reset()
         token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
         self._take_newest(None)
@@ -524,7 +592,7 @@ class StateManager:
         if deep and rows:
             layer = self._cache.layers[0]
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, self.live_token_ids(), self.positions())
-            tolerance = 1e-4 if self.lm.dtype == torch.float32 else 2e-2
+            tolerance = self._layer0_tolerance()
             error = max((layer.keys - fresh_keys).abs().max().item(), (layer.values - fresh_values).abs().max().item())
             if error > tolerance:
                 raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {tolerance})")

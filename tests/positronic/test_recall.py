@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from positronic.actions import ActionError
+from positronic.actions import ActionError, loggable
 from positronic.forward import fresh_layer0_kv
 from positronic.loop import Brain, BrainConfig
 from positronic.recall import Recall
@@ -17,7 +17,7 @@ from positronic.state_manager import StateManager
 
 def culled(tiny, rows, length=40, seed=3):
     rng = random.Random(seed)
-    sm = StateManager.from_tokens(tiny, [rng.randrange(3, 512) for _ in range(length)])
+    sm = StateManager.from_tokens(tiny, [rng.randrange(3, 512) for _ in range(length)], score_layers="all")
     before = list(zip(sm.live_token_ids(), sm.positions()))
     sm.apply([{"action": "delete", "position": r} for r in rows] + [{"action": "add", "token_id": 7}], tick=1)
     return sm, before
@@ -67,7 +67,8 @@ def test_a_position_a_live_row_moved_into_cannot_be_restored(tiny):
 def test_recall_brings_back_the_evicted_rows_the_query_matches_and_nothing_else(tiny):
     sm, _ = culled(tiny, [])
     view = sm.view(keys=True)
-    recall = Recall(threshold=8.0, span=5, cooldown=5)
+    before_keys = torch.stack([layer.keys[0] for layer in sm.cache.layers])
+    recall = Recall(threshold=8.0, span=5, cooldown=5, every=1)
     recall.choose(view)
     evicted = [10, 11, 12, 13, 14, 30]
     recall.plan(view, evicted, [])
@@ -75,7 +76,8 @@ def test_recall_brings_back_the_evicted_rows_the_query_matches_and_nothing_else(
     recall.commit()
     assert recall.ids == [int(view.ledger_ids[r]) for r in evicted]
     # a query that matches row 12's key on every head (and a live context that does not)
-    key = view.keys[:, :, 12]  # [layers, kv_heads, d]
+    key = recall.keys[:, :, 2].float()  # row 12's keys as it was evicted: [layers, kv_heads, d]
+    torch.testing.assert_close(key, before_keys[:, :, 12], rtol=0, atol=0)
     group = view.query.shape[1] // key.shape[1]
     query = key.repeat_interleave(group, dim=1) * 4.0
     later = dataclasses.replace(sm.view(keys=True), query=query, log_norm=torch.zeros_like(view.log_norm))
@@ -109,6 +111,108 @@ def test_recall_keeps_the_budget_and_its_state_resumes_exactly(tiny, tmp_path):
     resumed = sessions.resume(tiny, tmp_path)
     resumed.policy.recall.threshold = 1.0
     assert resumed.policy.recall.ids == brain.policy.recall.ids
-    a = [(r.token_id, r.actions) for r in (brain.step() for _ in range(40))]
-    b = [(r.token_id, r.actions) for r in (resumed.step() for _ in range(40))]
-    assert a == b
+    a = [brain.step() for _ in range(40)]
+    b = [resumed.step() for _ in range(40)]
+    assert [(r.token_id, [loggable(x) for x in r.actions]) for r in a] == \
+        [(r.token_id, [loggable(x) for x in r.actions]) for r in b]
+    restores = [(x, y) for r, s in zip(a, b) for x, y in zip(r.actions, s.actions) if x["action"] == "restore"]
+    assert restores and all(torch.equal(x["keys"], y["keys"]) and torch.equal(x["values"], y["values"])
+                            for x, y in restores), "the resumed index hands back the same K/V"
+
+
+def kv_rows(sm, rows):
+    """Every layer's K/V of live rows: [layers, kv_heads, len(rows), head_dim] each."""
+    return (torch.stack([layer.keys[0, :, rows] for layer in sm.cache.layers]),
+            torch.stack([layer.values[0, :, rows] for layer in sm.cache.layers]))
+
+
+def test_a_restore_with_stored_kv_puts_back_exactly_the_rows_that_were_evicted(tiny):
+    sm, _ = culled(tiny, [])
+    view = sm.view(keys=True)
+    keys, values = view.rows([5, 6, 20])
+    torch.testing.assert_close((keys, values), kv_rows(sm, [5, 6, 20]), rtol=0, atol=0)
+    predicted = [int(view.predicted[r]) for r in (5, 6, 20)]
+    sm.apply([{"action": "delete", "position": r} for r in (5, 6, 20)] + [{"action": "add", "token_id": 7}], tick=1)
+    with pytest.raises(ValueError, match="stale"):
+        view.rows([1])
+    # the rows come back in another order than they left; the K/V follow their ledger ids
+    order = [2, 0, 1]
+    sm.apply([{"action": "restore", "ledger_ids": [[5, 6, 20][k] for k in order], "keys": keys[:, :, order],
+               "values": values[:, :, order], "predicted": [predicted[k] for k in order]},
+              {"action": "add", "token_id": 9}], tick=2)
+    rows = [sm.mirror.live.ledger_ids.index(i) for i in (5, 6, 20)]
+    assert rows == [5, 6, 20]
+    torch.testing.assert_close(kv_rows(sm, rows), (keys, values), rtol=0, atol=0)
+    assert [int(sm.view().predicted[r]) for r in rows] == predicted
+    sm.check(deep=True)
+    # deeper layers are the evicted rows' own, not a recomputation with today's left context
+    # (rows 2 and 3 stay out: a recomputed row 5 would see another left context than it had)
+    recomputed, _ = culled(tiny, [2, 3, 5, 6, 20])
+    recomputed.apply([{"action": "restore", "ledger_ids": [5, 6, 20]}, {"action": "add", "token_id": 9}], tick=2)
+    again = kv_rows(recomputed, [recomputed.mirror.live.ledger_ids.index(i) for i in (5, 6, 20)])
+    torch.testing.assert_close(again[0][0], keys[0], rtol=0, atol=1e-5)  # layer 0: token and position only
+    assert (again[0][-1] - keys[-1]).abs().max() > 1e-3, "the last layer's recomputed keys see today's context"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda k, v, p: (k[:, :, [1, 0]], v[:, :, [1, 0]], p), "differ from the tokens' own at their positions in layer 0"),
+    (lambda k, v, p: (k[:1], v[:1], p), r"K/V are \(1, "),
+    (lambda k, v, p: (k, v[:, :, :1], p), "values must be a tensor"),
+    (lambda k, v, p: (k * float("nan"), v, p), "keys must be finite"),
+    (lambda k, v, p: (k, v, p[:1]), "predicted must be 2 token ids"),
+    (lambda k, v, p: (k, v, None), "predicted must be"),
+])
+def test_a_restore_with_bad_kv_is_refused_and_changes_nothing(tiny, change, message):
+    sm, _ = culled(tiny, [])
+    view = sm.view(keys=True)
+    keys, values = view.rows([5, 9])
+    predicted = [int(view.predicted[r]) for r in (5, 9)]
+    sm.apply([{"action": "delete", "position": r} for r in (5, 9)] + [{"action": "add", "token_id": 7}], tick=1)
+    state = (sm.live_token_ids(), sm.positions(), [dataclasses.astuple(e) for e in sm.mirror.ledger.entries],
+             kv_rows(sm, list(range(len(sm)))))
+    k, v, p = change(keys, values, predicted)
+    action = {"action": "restore", "ledger_ids": [5, 9], "keys": k, "values": v, "predicted": p}
+    with pytest.raises(ActionError, match=message):
+        sm.apply([action, {"action": "add", "token_id": 4}])
+    after = (sm.live_token_ids(), sm.positions(), [dataclasses.astuple(e) for e in sm.mirror.ledger.entries],
+             kv_rows(sm, list(range(len(sm)))))
+    assert state[:3] == after[:3] and all(torch.equal(x, y) for x, y in zip(state[3], after[3]))
+    with pytest.raises(ActionError, match="keys, values and predicted come together"):
+        sm.apply([{"action": "restore", "ledger_ids": [5, 9], "keys": keys}, {"action": "add", "token_id": 4}])
+
+
+def test_recall_looks_every_few_ticks_and_at_once_after_typed_input(tiny):
+    sm, _ = culled(tiny, [])
+    view = sm.view(keys=True)
+    recall = Recall(threshold=8.0, span=3, every=4)
+    recall.choose(view)
+    recall.plan(view, [12], [])
+    sm.apply([{"action": "delete", "position": 12}, {"action": "add", "token_id": 8}])
+    recall.commit()
+    query = recall.keys[:, :, 0].float().repeat_interleave(view.query.shape[1] // recall.keys.shape[1], dim=1) * 4
+    matching = dataclasses.replace(sm.view(keys=True), query=query, log_norm=torch.zeros_like(view.log_norm))
+    looks = [bool(recall.choose(matching)) for _ in range(8)]  # plans 2..9 (the first was plan 1)
+    assert looks == [False, False, True, False, False, False, True, False], "a look at plans 4 and 8"
+    recall.wake()
+    assert recall.choose(matching) == [int(view.ledger_ids[12])], "typed input: the next plan looks off schedule"
+    assert recall.choose(matching) == [], "and then the schedule again"
+
+
+def test_restores_go_into_the_event_log_as_ids_and_the_shape_of_their_kv(tiny):
+    import json
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48, recall=True, seed=4))
+    brain.policy.recall.threshold, brain.policy.recall.every = 1.0, 1
+    records = [brain.step() for _ in range(40)]
+    logged = [a for r in records for a in json.loads(json.dumps(r.to_json()))["actions"] if a["action"] == "restore"]
+    assert logged and all(a["stored"] == [tiny.num_layers, tiny.num_kv_heads, len(a["ledger_ids"]), tiny.head_dim]
+                          for a in logged)
+
+
+def test_a_session_saved_before_recall_kept_values_resumes_with_an_empty_index():
+    old = {"ids": [4, 5], "positions": [4, 5], "shape": [2, 1, 1, 2], "keys": bytes(32), "back_at": [[3, 1]],
+           "clock": 17, "restored": 6}
+    recall = Recall()
+    recall.load_state(old)
+    assert (len(recall), recall.clock, recall.restored, recall.keys) == (0, 17, 6, None)
+    with pytest.raises(ValueError, match="malformed"):
+        recall.load_state({**old, "extra": 1})
