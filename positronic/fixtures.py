@@ -560,8 +560,8 @@ def _check_tensor(tensor: torch.Tensor, where: str, storages: set[int]) -> None:
     if tensor.layout != torch.strided or tensor.device.type != "cpu":
         raise _Invalid(f"field {where} is a {tensor.layout} tensor on {tensor.device}: only dense CPU tensors")
     count = math.prod(tensor.shape)
-    if tensor.dim() > 3 or count > MAX_TENSOR_ELEMENTS:
-        raise _Invalid(f"field {where} is a tensor of shape {list(tensor.shape)} ({count} elements): at most 3 "
+    if tensor.dim() > 4 or count > MAX_TENSOR_ELEMENTS:  # 4: a restore's K/V [layers, kv_heads, rows, head_dim]
+        raise _Invalid(f"field {where} is a tensor of shape {list(tensor.shape)} ({count} elements): at most 4 "
                        f"dimensions and {MAX_TENSOR_ELEMENTS} elements")
     storage = tensor.untyped_storage()
     if not tensor.is_contiguous() or tensor.storage_offset() != 0 or storage.nbytes() != count * tensor.element_size():

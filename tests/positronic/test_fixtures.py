@@ -639,7 +639,7 @@ def test_a_huge_view_of_a_small_storage_is_refused_before_anything_allocates(tin
         load_fixture(path)
     count = math.prod(shape)
     assert str(caught.value) == (f"{path}: field {'.'.join(where)} is a tensor of shape {list(shape)} ({count} "
-                                 f"elements): at most 3 dimensions and {MAX_TENSOR_ELEMENTS} elements")
+                                 f"elements): at most 4 dimensions and {MAX_TENSOR_ELEMENTS} elements")
     assert run_cli("replay", str(path)) == 2
     assert capsys.readouterr().err == f"error: {caught.value}\n"
 

@@ -216,3 +216,18 @@ def test_a_session_saved_before_recall_kept_values_resumes_with_an_empty_index()
     assert (len(recall), recall.clock, recall.restored, recall.keys) == (0, 17, 6, None)
     with pytest.raises(ValueError, match="malformed"):
         recall.load_state({**old, "extra": 1})
+
+
+def test_a_tick_that_restores_rows_with_their_kv_is_captured_and_replays(tiny, tmp_path):
+    from positronic.fixtures import capture_tick, load_fixture, replay, save_fixture
+    sm, _ = culled(tiny, [])
+    view = sm.view(keys=True)
+    keys, values = view.rows([5, 6])
+    predicted = [int(view.predicted[r]) for r in (5, 6)]
+    sm.apply([{"action": "delete", "position": 5}, {"action": "delete", "position": 6}, {"action": "add", "token_id": 7}])
+    fixture, report = capture_tick(sm, [{"action": "restore", "ledger_ids": [5, 6], "keys": keys, "values": values,
+                                         "predicted": predicted}, {"action": "add", "token_id": 9}])
+    save_fixture(fixture, tmp_path / "restore.pt")
+    result = replay(load_fixture(tmp_path / "restore.pt"), tiny)
+    assert not report.rebuilt and all(check.passed for check in result.checks), result.checks
+    assert result.greedy == fixture.expected.greedy
