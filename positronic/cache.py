@@ -20,6 +20,11 @@ For the brain it also offers row edits, all in place:
 - `rotate_keys(first, cos, sin)`: re-rotate the keys of rows first.. to new RoPE positions.
 - `memory_bytes()`, `reset()`, `crop()`.
 
+`SpliceCache(..., kv_format="int4" | "fp4")` stores rows in 4 bits instead
+(`PackedSpliceLayer`, codecs in kv_formats.py): the same edits move codes and scales
+together, and the model reads rows decoded. `kv_format="float"` (the default) is the
+SpliceLayer above, unchanged.
+
 Only `StateManager` edits a SpliceCache inside the brain; the model only appends.
 """
 
@@ -30,7 +35,7 @@ import contextlib
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import rope
+from . import kv_formats, rope
 
 DEFAULT_CAPACITY = 256
 
@@ -232,25 +237,190 @@ class _Scratch:
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
 
 
+class PackedSpliceLayer(CacheLayerMixin):
+    """One layer's K/V rows in a 4-bit format: codes and one float16 scale per (kv head, row).
+
+    Two SpliceLayers hold them, taking every row edit with the same arguments, so their
+    windows are identical and row i of one is row i of the other: everything SpliceLayer
+    does to rows (the longest run stays put, packing down, growth, the shared scratch)
+    applies unchanged to codes and scales alike.
+
+        codes:  int32   [1, kv_heads, capacity, head_dim // 8]   (two buffers: keys, values)
+        scales: float16 [1, kv_heads, capacity, 1]
+
+    New rows are encoded as they are written; reads (`keys`, `values`, what `update` returns
+    to the model's attention) decode the live rows into the model's dtype, fresh each time:
+    no float copy is kept, which is the point. So the model attends over decoded rows, the
+    newest one included, and a fresh computation quantized the same way gives the same rows.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, codec: "kv_formats.PackedFormat", capacity: int = DEFAULT_CAPACITY):
+        self.codec = codec
+        self.codes = SpliceLayer(capacity)
+        self.scales = SpliceLayer(capacity)
+        self.dtype: torch.dtype | None = None  # what the model writes and reads back
+        self.device: torch.device | None = None
+        self.kv_heads = self.head_dim = 0
+
+    # --- what the model sees ---------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.codes.is_initialized
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    @property
+    def start(self) -> int:
+        return self.codes.start
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.capacity
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Live keys decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
+        return None if not self.is_initialized else self.codec.decode(self.codes.keys, self.scales.keys[..., 0], self.dtype)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Live values decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
+        return None if not self.is_initialized else self.codec.decode(self.codes.values, self.scales.values[..., 0], self.dtype)
+
+    @property
+    def _write_rows(self) -> torch.Tensor | None:  # set by SpliceCache.fill, as on a SpliceLayer
+        return self.codes._write_rows
+
+    @_write_rows.setter
+    def _write_rows(self, rows: torch.Tensor | None) -> None:
+        self.codes._write_rows = self.scales._write_rows = rows
+
+    def share_scratch(self, codes: "_Scratch", scales: "_Scratch") -> None:
+        """One scratch for every layer's codes and one for their scales (each keeps one dtype)."""
+        self.codes.scratch, self.scales.scratch = codes, scales
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
+        if key_states.shape[-1] % kv_formats.CODES_PER_WORD:
+            raise ValueError(f"the {self.codec.name} format packs {kv_formats.CODES_PER_WORD} values per int32: "
+                             f"head_dim {key_states.shape[-1]} is not a multiple of {kv_formats.CODES_PER_WORD}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.kv_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Encode new rows [1, kv_heads, n, head_dim] and store them where a SpliceLayer would
+        (the rows `fill()` named, or after the live rows). Returns the live keys and values,
+        decoded."""
+        if self.dtype is None:
+            self.lazy_initialization(key_states, value_states)
+        self._check_rows(key_states, value_states)
+        key_codes, key_scales = self.codec.encode(key_states)
+        value_codes, value_scales = self.codec.encode(value_states)
+        self.codes.update(key_codes, value_codes)  # checks the fill count first: a refusal changes nothing
+        self.scales.update(key_scales.unsqueeze(-1), value_scales.unsqueeze(-1))
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # grows when full
+
+    def reset(self) -> None:
+        """Drop every row; the buffers are kept for reuse."""
+        self.codes.reset()
+        self.scales.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.codes.crop(tokens_to_remove)
+        self.scales.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
+
+    # --- row edits -------------------------------------------------------------------------
+
+    def splice(self, kept: list[tuple[int, int, int]], length: int) -> None:
+        """As SpliceLayer.splice: moving a row moves its codes and its scale."""
+        self.codes.splice(kept, length)
+        self.scales.splice(kept, length)
+
+    def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Re-rotate the keys of live rows first .. first + len(cos): decode, rotate in float32
+        (rope.rotate), encode again. The new codes carry a fresh rounding error on top of the
+        old one (docs/kv_formats.md bounds it)."""
+        rows = slice(first, first + len(cos))
+        codes, scales = self.codes.keys[:, :, rows], self.scales.keys[:, :, rows]
+        rotated = rope.rotate(self.codec.decode(codes, scales[..., 0]), cos, sin)
+        new_codes, new_scales = self.codec.encode(rotated)
+        codes.copy_(new_codes)  # views of the buffers: written in place
+        scales.copy_(new_scales.unsqueeze(-1))
+
+    def memory_bytes(self) -> int:
+        """Bytes the code and scale buffers hold, spare capacity included (not the scratch)."""
+        return self.codes.memory_bytes() + self.scales.memory_bytes()
+
+    def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        want = (1, self.kv_heads, self.head_dim)
+        for name, rows in (("keys", key_states), ("values", value_states)):
+            if rows.dim() != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != want:
+                raise ValueError(f"new {name} have shape {list(rows.shape)}; this cache takes "
+                                 f"[1, {want[1]}, n, {want[2]}]")
+            if rows.dtype != self.dtype or rows.device != self.device:
+                raise ValueError(f"new {name} are {rows.dtype} on {rows.device}; the cache holds "
+                                 f"{self.dtype} on {self.device}")
+        if key_states.shape[2] != value_states.shape[2]:
+            raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
+
+
+
 class SpliceCache(Cache):
     """A transformers Cache of `SpliceLayer`s: what the model reads and writes, and what
     StateManager splices.
 
         cache = SpliceCache(model.config, max_cache_len=1024)   # capacity; grows if exceeded
         model.generate(ids, past_key_values=cache, max_new_tokens=32)
+
+    kv_format: "float" (rows in the model's dtype: SpliceLayers), "int4" or "fp4" (4-bit
+    codes and a float16 scale per row: PackedSpliceLayers, see kv_formats.py).
     """
 
-    def __init__(self, config=None, max_cache_len: int = DEFAULT_CAPACITY, *, num_layers: int | None = None):
+    def __init__(self, config=None, max_cache_len: int = DEFAULT_CAPACITY, *, num_layers: int | None = None,
+                 kv_format: str = "float"):
         if num_layers is None:
             if config is None:
                 raise ValueError("SpliceCache needs a model config or num_layers")
             num_layers = config.num_hidden_layers
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        super().__init__(layers=[SpliceLayer(max_cache_len) for _ in range(num_layers)])
+        codec = kv_formats.packed(kv_format)
+        self.kv_format = kv_format
+        if codec is None:
+            super().__init__(layers=[SpliceLayer(max_cache_len) for _ in range(num_layers)])
+        else:
+            super().__init__(layers=[PackedSpliceLayer(codec, max_cache_len) for _ in range(num_layers)])
         self.scratch = _Scratch()
+        self.scale_scratch = _Scratch() if codec else None  # scales move through their own (float16)
         for layer in self.layers:
-            layer.scratch = self.scratch
+            if codec is None:
+                layer.scratch = self.scratch
+            else:
+                layer.share_scratch(self.scratch, self.scale_scratch)
 
     @property
     def length(self) -> int:
@@ -283,8 +453,9 @@ class SpliceCache(Cache):
             layer.rotate_keys(first, cos, sin)
 
     def memory_bytes(self) -> int:
-        """K/V buffers of every layer plus the shared scratch buffer."""
-        return sum(layer.memory_bytes() for layer in self.layers) + self.scratch.memory_bytes()
+        """K/V buffers of every layer (4-bit: codes and scales) plus the shared scratch buffers."""
+        scratch = self.scratch.memory_bytes() + (self.scale_scratch.memory_bytes() if self.scale_scratch else 0)
+        return sum(layer.memory_bytes() for layer in self.layers) + scratch
 
     def memory_usage_mb(self) -> float:
         return self.memory_bytes() / 2**20

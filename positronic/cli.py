@@ -87,6 +87,7 @@ def run(
     at_capacity: str = typer.Option("stop", help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
     capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
     capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
@@ -109,7 +110,7 @@ def run(
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
                          ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, bridge_margin=bridge_margin, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
                          top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
-                         refresh_kl=refresh_kl, recall=recall)
+                         refresh_kl=refresh_kl, recall=recall, kv_format=kv_format)
     config.validate()
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
@@ -282,6 +283,7 @@ def eval_command(
     generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
     with --generate N, the quality of N freely generated tokens instead."""
@@ -294,7 +296,7 @@ def eval_command(
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
                                  prompt_tokens=prompt_tokens, seed=seed, out=out, sinks=sinks, protect=protect,
                                  at_capacity=at_capacity, device=device, dtype=dtype, repairer=repairer,
-                                 repair_batch=repair_batch)
+                                 repair_batch=repair_batch, kv_format=kv_format)
         if any(run.error for run in report.runs + ([report.reference] if report.reference else [])):
             raise typer.Exit(1)  # a run ended on a tick that failed twice: its files are written, but say so
         return
@@ -303,7 +305,7 @@ def eval_command(
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
-                  repair_batch=repair_batch, probe_at=probe_at, recall=recall)
+                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format)
 
 
 def main(argv: list[str] | None = None) -> None:

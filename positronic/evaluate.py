@@ -42,6 +42,10 @@ and the difference `delta` ("Δ nats vs full"; the issue's target: within 1 nat 
 4-digit answer), the rank of each answer token under the next-token distribution, and
 `recalled` = every answer token ranked first (greedy decoding would reproduce the code).
 
+`kv_format` (`eval --kv-format int4|fp4`) stores every run's cache rows, the full cache's
+included, in that 4-bit format (positronic/kv_formats.py); the table's title and the settings
+give the format and its cache bytes per token. Compare two evals to see what the format costs.
+
 `recall=True` (`eval --recall`) runs every bounded policy (all but `none`) a second time
 with BrainConfig.recall on, labelled e.g. "brightness+recall", next to the run without.
 
@@ -62,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from . import kv_formats
 from .loop import Brain, BrainConfig
 from .policy import POLICIES
 
@@ -152,11 +157,11 @@ class StreamResult:
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
                 score_layers="last", repairer: str | None = None, repair_batch: int | None = None,
-                recall: bool = False) -> BrainConfig:
+                recall: bool = False, kv_format: str = "float") -> BrainConfig:
     """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run."""
     chosen = {"repairer": repairer, "repair_batch": repair_batch}
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers, recall=recall,
+                         score_layers=score_layers, recall=recall, kv_format=kv_format,
                          **{k: v for k, v in chosen.items() if v is not None})
     try:
         config.validate()
@@ -166,12 +171,13 @@ def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, a
     return config
 
 
-def reference_config(length: int, *, sinks: int = 4, protect: int = 0, score_layers="last") -> BrainConfig:
+def reference_config(length: int, *, sinks: int = 4, protect: int = 0, score_layers="last",
+                     kv_format: str = "float") -> BrainConfig:
     """The full-cache reference for streams of up to `length` tokens: policy `none` with a
     budget the stream never reaches (so it never stops and never evicts), and at least what
     BrainConfig.validate asks of any budget (no recent window: nothing is culled anyway)."""
     return BrainConfig(policy="none", budget=max(length + 1, max(sinks, protect) + 4), sinks=sinks, protect=protect,
-                       window=0, at_capacity="stop", score_layers=score_layers)
+                       window=0, at_capacity="stop", score_layers=score_layers, kv_format=kv_format)
 
 
 @torch.inference_mode()
@@ -275,11 +281,13 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
              repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
-             recall: bool = False, progress=None, on_run=None, text_name: str = "") -> EvalReport:
+             recall: bool = False, kv_format: str = "float", progress=None, on_run=None,
+             text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
     filler before it). `recall`: every policy but `none` also runs with recall on.
+    `kv_format`: how every run, the reference included, stores its cache rows.
     `progress` is a rich Progress (or None); `on_run` is called with each finished RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:
@@ -294,7 +302,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     variants = [(p, r) for p in policies for r in ((False, True) if recall and p != "none" else (False,))]
     configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                       score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
-                                      recall=r)
+                                      recall=r, kv_format=kv_format)
                for b in budgets for p, r in variants}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
@@ -335,7 +343,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     if reference and (longest <= lm.max_positions or probe):  # the full cache fits: nothing is ever evicted
         fits = len(ids) <= lm.max_positions
         ref = one("none", None, reference_config(longest if fits else len(p_ids), sinks=sinks, protect=protect,
-                                                 score_layers=score_layers), scored=fits)
+                                                 score_layers=score_layers, kv_format=kv_format), scored=fits)
     runs = [one(p, b, configs[(p, r, b)]) for b in budgets for p, r in variants]
     if ref is not None and ref.nll:
         bounds = segment_bounds(len(ids) - 1, segments)
@@ -352,7 +360,11 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
                     probe_filler=filler if probe else None, probe_at=probe_at if probe else None,
                     probe_fact_at=pstream.fact_at if probe else None, recall=recall,
                     probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
-                    probe_answer=PROBE_ANSWER, torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
+                    probe_answer=PROBE_ANSWER, kv_format=kv_format,
+                    kv_bytes_per_token=kv_formats.bytes_per_token(kv_format, layers=lm.num_layers,
+                                                                  kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                                                                  dtype=lm.dtype),
+                    torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
                     device=str(lm.device), threads=torch.get_num_threads())
     return EvalReport(lm.name, text_name, len(ids), settings, runs, ref)
 
@@ -371,7 +383,9 @@ def table(report: EvalReport):
 
     runs = ([report.reference] if report.reference else []) + report.runs
     nseg = len(runs[0].segments) if runs else 0
-    t = Table(title=f"{report.model} · {report.text or 'text'} · {report.stream_tokens - 1} tokens "
+    kv = report.settings.get("kv_format", "float")
+    t = Table(title=f"{report.model} · {report.text or 'text'} · {report.stream_tokens - 1} tokens · kv {kv} "
+                    f"({report.settings.get('kv_bytes_per_token', '?')} B/token) "
                     f"(perplexity; ×full = ratio to the full cache; probe: answer NLL in nats, Δ = minus the full cache's)")
     for name in ("policy", "budget", "ppl", "×full", *[f"s{k + 1}" for k in range(nseg)], "answer NLL",
                  "Δ nats vs full", "ranks", "recalled", "evicted", "repairs", "max live", "ms/tok"):
@@ -511,7 +525,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
-         repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False) -> EvalReport:
+         repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
+         kv_format: str = "float") -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
 
@@ -526,7 +541,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         for name in policies:
             for on in {False, recall and name != "none"}:
                 make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
-                            repair_batch=repair_batch, recall=on)
+                            repair_batch=repair_batch, recall=on, kv_format=kv_format)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
@@ -549,7 +564,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
-                          probe_at=probe_at, recall=recall, progress=progress, on_run=done,
+                          probe_at=probe_at, recall=recall, kv_format=kv_format, progress=progress, on_run=done,
                           text_name=name)
     Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
     paths = write_outputs(report, out, smooth=smooth)

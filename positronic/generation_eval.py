@@ -190,7 +190,7 @@ def prompt_of(lm, text: str, prompt_tokens: int) -> list[int]:
 
 def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sinks: int = 4, protect: int = 0,
                    at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
-                   score_layers="last") -> dict[tuple[str, int], BrainConfig]:
+                   score_layers="last", kv_format: str = "float") -> dict[tuple[str, int], BrainConfig]:
     """EvalError for anything that cannot run (before a model is loaded or a file written);
     returns the BrainConfig of every (policy, budget), seed not yet set."""
     if not policies or not budgets:
@@ -200,7 +200,8 @@ def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sink
     if prompt_tokens < 1:
         raise EvalError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     return {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                score_layers=score_layers, repairer=repairer, repair_batch=repair_batch)
+                                score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
+                                kv_format=kv_format)
             for b in budgets for p in policies}
 
 
@@ -217,7 +218,7 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
                         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, sinks: int = 4, protect: int = 0,
                         at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
                         score_layers="last", reference: bool = True, progress=None, on_run=None,
-                        text_name: str = "") -> GenerationReport:
+                        text_name: str = "", kv_format: str = "float") -> GenerationReport:
     """Generate `generate` tokens per (policy, budget) from BOS + the first `prompt_tokens`
     tokens of `text`, all with sampler seed `seed`, plus the full-cache reference when
     prompt + generate fits the model's positions; re-score every run. Returns a
@@ -226,7 +227,7 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     configs = check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks,
                              protect=protect, at_capacity=at_capacity, repairer=repairer,
-                             repair_batch=repair_batch, score_layers=score_layers)
+                             repair_batch=repair_batch, score_layers=score_layers, kv_format=kv_format)
     if max(budgets) > lm.max_positions:
         raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
     if prompt_tokens + 1 > lm.max_positions:
@@ -254,7 +255,8 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
         note = (f"no full-cache reference: prompt + generated = {length} tokens is above {lm.name}'s "
                 f"{lm.max_positions} positions (re-scored perplexities are still computed, beyond them)")
     else:
-        ref = one(reference_config(length, sinks=sinks, protect=protect, score_layers=score_layers), full=True)
+        ref = one(reference_config(length, sinks=sinks, protect=protect, score_layers=score_layers,
+                                   kv_format=kv_format), full=True)
     runs = [one(configs[(p, b)]) for b in budgets for p in policies]
     if ref is not None:
         ref.ratio = 1.0
@@ -265,7 +267,8 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     repetition_penalty=sampling.repetition_penalty, penalty_window=sampling.penalty_window,
                     sinks=sinks, protect=protect, at_capacity=at_capacity, score_layers=score_layers,
-                    repairer=repairer, repair_batch=repair_batch, rescore="full history, plain forward, float32 log_softmax",
+                    repairer=repairer, repair_batch=repair_batch, kv_format=kv_format,
+                    rescore="full history, plain forward, float32 log_softmax",
                     torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
                     threads=torch.get_num_threads())
     return GenerationReport(lm.name, text_name, prompt_ids, lm.decode(prompt_ids[1:]), settings, runs, ref, note)
@@ -378,7 +381,8 @@ def write_generation_outputs(report: GenerationReport, out: Path) -> dict[str, P
 def main(*, generate: int, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, out: Path = Path("eval_results"),
          sinks: int = 4, protect: int = 0, at_capacity: str = "shift", device: str | None = None,
-         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None) -> GenerationReport:
+         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None,
+         kv_format: str = "float") -> GenerationReport:
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
     print the table, write the files. Returns the GenerationReport."""
     from rich.console import Console
@@ -388,7 +392,7 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
     policies = list(policies or DEFAULT_POLICIES)
     budgets = list(budgets or DEFAULT_BUDGETS)
     check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks, protect=protect,
-                   at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch)
+                   at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch, kv_format=kv_format)
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
@@ -404,7 +408,7 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
         report = evaluate_generation(lm, body, policies=policies, budgets=budgets, generate=generate,
                                      prompt_tokens=prompt_tokens, seed=seed, sinks=sinks, protect=protect,
                                      at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
-                                     progress=progress, on_run=done, text_name=name)
+                                     progress=progress, on_run=done, text_name=name, kv_format=kv_format)
     if report.note:
         print(f"note: {report.note}", file=sys.stderr)
     Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))

@@ -22,7 +22,7 @@ import torch
 
 import steps
 
-from . import chat, repairers
+from . import chat, kv_formats, repairers
 from .actions import loggable
 from .policy import POLICIES, make_policy
 from .state_manager import StateManager, default_capacity
@@ -75,6 +75,7 @@ class BrainConfig:
     recall: bool = False
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 (positronic/kv_formats.py)
 
     @property
     def recorded_layers(self):
@@ -108,6 +109,7 @@ class BrainConfig:
         if self.brightness not in steps.RULES:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
         repairers.check_spec(self.repairer)
+        kv_formats.check_format(self.kv_format)
         if self.unit < 0:
             raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
         if self.repairer != "none" and self.unit not in (0, 2):
@@ -197,6 +199,8 @@ class Brain:
     def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
                  generator_state: torch.Tensor | None = None, pending_input: Sequence[int] = ()):
         check_budget(state.lm, config)
+        if state.kv_format != config.kv_format:
+            raise ValueError(f"the state stores its cache as {state.kv_format}, the settings say {config.kv_format}")
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
         self.observers: list[Observer] = []
@@ -240,7 +244,7 @@ class Brain:
         long = len(prompt_ids) > config.budget
         state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,
                                          capacity=cache_capacity(len(prompt_ids), config.budget),
-                                         score_layers=config.recorded_layers)
+                                         score_layers=config.recorded_layers, kv_format=config.kv_format)
         brain = cls(state, config)
         state.pin([row for row in pinned if row < len(state)])
         if long:

@@ -174,7 +174,8 @@ def summary(brain: Brain, lm, result: RunResult) -> str:
         f"live {len(brain.state)} / budget {brain.config.budget}; ledger {len(ledger)} tokens "
         f"({ledger.count('culled')} culled, {ledger.count('replaced')} replaced)",
         f"repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  refreshes {c['refreshes']}",
-        f"cache {brain.state.cache.memory_usage_mb():.1f} MiB  RSS {rss_mb():.0f} MiB"
+        f"cache {brain.state.cache.memory_usage_mb():.1f} MiB ({brain.state.kv_format}, "
+        f"{brain.state.bytes_per_token()} B/token)  RSS {rss_mb():.0f} MiB"
         + "".join(f"  (RSS after {k} ticks: {v:.0f} MiB)" for k, v in result.rss_mb.items()),
     ]
     if result.saved_to:

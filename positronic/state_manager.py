@@ -18,7 +18,8 @@ every save refuses until a `rebuild()` succeeds. Nothing else gets write access:
 policies, repairers, the view and the tools read `view()` (fresh tensors) or read-only
 properties, and hand their decisions back as arguments of `apply()`.
 
-    cache.layers[l].keys / .values   [1, kv_heads, rows, head_dim] (SpliceCache)
+    cache.layers[l].keys / .values   [1, kv_heads, rows, head_dim] (SpliceCache; with a 4-bit
+                                     kv_format, decoded copies of the stored rows)
     mirror.live.positions[i]         RoPE position row i's key was rotated with
     next_logits                      [vocab] float32, from the forward that wrote the last row
     last_attention                   [scored layers, heads, rows] float32, that row's attention
@@ -39,7 +40,7 @@ import torch
 from mirror import Insertion, Layout, Mirror, plan_layout
 from steps.attention import layer_indices
 
-from . import rope
+from . import kv_formats, rope
 from .actions import ActionError, validate
 from .cache import SpliceCache
 from .forward import Probes, fresh_layer0_kv, forward, prefill
@@ -124,6 +125,14 @@ class RowReader:
 NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
 
 
+# How far a 4-bit row may lie from a fresh computation, in rounding bounds of its format
+# (kv_formats.PackedFormat.error_bound): 1 for a row written once; a re-rotation turns that
+# error by the rotation (at most sqrt(2) times larger per element, against a scale that is at
+# least 1/sqrt(2) of the old one) and rounds again, so at most 2 + 1 = 3 after one
+# re-rotation. Re-rotations are rare (docs/kv_formats.md); `check(tolerance=...)` overrides.
+REQUANTIZED_BOUNDS = 3.0
+
+
 def default_capacity(rows: int) -> int:
     """Rows to preallocate for a context of `rows`: a quarter more plus 64, so that appends and
     edits rarely have to pack the rows down (the cache grows by doubling if ever needed)."""
@@ -132,11 +141,13 @@ def default_capacity(rows: int) -> int:
 
 class StateManager:
     def __init__(self, lm, mirror: Mirror | None = None, *, capacity: int = 0, score_layers="last",
-                 new_brightness: float = 255.0):
+                 new_brightness: float = 255.0, kv_format: str = "float"):
         self.lm = lm
         self._mirror = mirror if mirror is not None else Mirror()
         self.attention_layers = layer_indices(score_layers, lm.num_layers)  # "last", "all" or ints
-        self._cache = SpliceCache(lm.model.config, max_cache_len=capacity or default_capacity(len(self._mirror)))
+        self.kv_format = kv_formats.check_format(kv_format)  # how the cache stores rows: float | int4 | fp4
+        self._cache = SpliceCache(lm.model.config, max_cache_len=capacity or default_capacity(len(self._mirror)),
+                                  kv_format=kv_format)
         self.new_brightness = float(new_brightness)  # where a new token's brightness starts (the rule's)
         self.next_logits: torch.Tensor | None = None
         self.last_attention: torch.Tensor | None = None
@@ -155,12 +166,12 @@ class StateManager:
 
     @classmethod
     def from_tokens(cls, lm, token_ids: list[int], *, source: str = "prompt", brightness: float = 255.0,
-                    capacity: int = 0, score_layers="last") -> "StateManager":
+                    capacity: int = 0, score_layers="last", kv_format: str = "float") -> "StateManager":
         """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1."""
         if not token_ids:
             raise ValueError("a context needs at least one token")
         manager = cls(lm, capacity=capacity or default_capacity(len(token_ids)), score_layers=score_layers,
-                      new_brightness=brightness)
+                      new_brightness=brightness, kv_format=kv_format)
         report = manager._edit([], [Insertion(0, tuple(token_ids), source)], tick=0)
         if report.rebuilt:
             raise RuntimeError(f"prefill failed: {report.error}")
@@ -168,25 +179,29 @@ class StateManager:
 
     @classmethod
     def from_mirror(cls, lm, mirror: Mirror, *, capacity: int = 0, score_layers="last",
-                    brightness: float = 255.0) -> "StateManager":
+                    brightness: float = 255.0, kv_format: str = "float") -> "StateManager":
         """Resume from a saved mirror: the cache is recomputed from its live rows."""
         mirror.check(lm.max_positions)
-        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness)
+        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
+                      kv_format=kv_format)
         manager.rebuild(count=False)
         return manager
 
     @classmethod
     def from_saved(cls, lm, mirror: Mirror, tensors: dict[str, torch.Tensor], *, capacity: int = 0,
-                   score_layers="last", brightness: float = 255.0) -> "StateManager":
+                   score_layers="last", brightness: float = 255.0, kv_format: str = "float") -> "StateManager":
         """Resume from a saved mirror and the cache it described (`tensors()` of the state that
         was saved): the rows are loaded, not recomputed, so the run goes on exactly as it would
         have. Raises ValueError naming what does not fit (a shape, a dtype, a token outside the
         vocabulary) before anything is allocated, and StateInvariantError if layer 0 does not
-        match a fresh computation of the mirror's tokens at their positions."""
+        match a fresh computation of the mirror's tokens at their positions. A 4-bit cache saves
+        its rows decoded (`tensors`) and encodes them again here: in float32 that gives back
+        the same codes and scales (kv_formats.PackedFormat.decode)."""
         mirror.check(lm.max_positions)
         if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
             raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
-        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness)
+        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
+                      kv_format=kv_format)
         rows = len(mirror)
         expected = {
             "keys": ((lm.num_layers, lm.num_kv_heads, rows, lm.head_dim), lm.dtype),
@@ -224,7 +239,8 @@ class StateManager:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What `from_saved` needs besides the mirror, as CPU copies:
-        keys, values [layers, kv_heads, rows, head_dim] (model dtype); predicted [rows] int64;
+        keys, values [layers, kv_heads, rows, head_dim] (model dtype; a 4-bit cache's rows
+        decoded); predicted [rows] int64;
         next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
         last_log_norm float32 when the last edit left them."""
         self._refuse_if_broken("save")
@@ -277,9 +293,20 @@ class StateManager:
         return self._mirror.positions()
 
     def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of layer `index`'s live keys and values, [1, kv_heads, rows, head_dim]."""
+        """Copies of layer `index`'s live keys and values, [1, kv_heads, rows, head_dim]
+        (decoded, with a 4-bit kv_format)."""
         layer = self._cache.layers[index]
         return layer.keys.clone(), layer.values.clone()
+
+    def memory_bytes(self) -> int:
+        """Bytes the cache holds: K/V buffers (4-bit: codes and scales), spare rows and scratch."""
+        return self._cache.memory_bytes()
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one live token takes in this state's kv_format (every layer's K and V)."""
+        lm = self.lm
+        return kv_formats.bytes_per_token(self.kv_format, layers=lm.num_layers, kv_heads=lm.num_kv_heads,
+                                          head_dim=lm.head_dim, dtype=lm.dtype)
 
     def view(self, *, keys: bool = False) -> ContextView:
         """A read-only snapshot; `keys`: with the newest query and a reader of rows' K/V."""
@@ -419,14 +446,39 @@ class StateManager:
         values = torch.stack([stored[i][1] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
         fresh_keys, fresh_values = fresh_layer0_kv(self.lm, [ledger[i].token_id for i in ids],
                                                    [ledger[i].position for i in ids])
-        error = max((keys[0] - fresh_keys[0]).abs().max().item(), (values[0] - fresh_values[0]).abs().max().item())
-        if error > self._layer0_tolerance():
+        found = [self._layer0_excess(keys[0], fresh_keys[0]), self._layer0_excess(values[0], fresh_values[0])]
+        if worst := max((f for f in found if f is not None), default=None):
             raise ActionError(f"restore: the given K/V differ from the tokens' own at their positions in layer 0 "
-                              f"by {error:.2e}: they were recorded for other tokens or positions")
+                              f"by {worst[0]:.2e}: they were recorded for other tokens or positions")
         return {i: (keys[:, :, k], values[:, :, k], stored[i][2]) for k, i in enumerate(ids)}
 
     def _layer0_tolerance(self) -> float:
+        """What float arithmetic alone may change in a layer-0 row (a batched forward against
+        a fresh one)."""
         return 1e-4 if self.lm.dtype == torch.float32 else 2e-2
+
+    def layer0_tolerance(self, rows: torch.Tensor) -> torch.Tensor | float:
+        """How far cache rows [..., head_dim] (as read: decoded) may lie from a fresh
+        computation of layer 0, per element: the float tolerance, plus with a 4-bit kv_format
+        REQUANTIZED_BOUNDS times the format's rounding bound for each row ([..., 1])."""
+        codec = kv_formats.packed(self.kv_format)
+        if codec is None:
+            return self._layer0_tolerance()
+        return self._layer0_tolerance() + REQUANTIZED_BOUNDS * codec.error_bound(rows)
+
+    def _layer0_excess(self, cached: torch.Tensor, fresh: torch.Tensor,
+                       tolerance: float | None = None) -> tuple[float, float] | None:
+        """(error, tolerance) at the element of `cached` that lies farthest beyond its
+        tolerance from `fresh` (both [..., rows, head_dim]), or None when all are within.
+        `tolerance`: one number for every element instead of `layer0_tolerance`."""
+        if not cached.numel():
+            return None
+        allowed = self.layer0_tolerance(cached) if tolerance is None else tolerance
+        error = (cached.float() - fresh.float()).abs()
+        allowed = torch.as_tensor(allowed, dtype=torch.float32, device=error.device).expand_as(error)
+        worst = int((error - allowed).argmax())
+        error, allowed = error.flatten()[worst].item(), allowed.flatten()[worst].item()
+        return (error, allowed) if error > allowed else None
 
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
               brightness: list[float] | None = None, probes: Probes | None = None,
@@ -516,14 +568,15 @@ class StateManager:
 
     def _copy_rows(self, known: dict) -> None:
         """Write given K/V into live rows: known = {row: (keys, values, _)}, each
-        [layers, kv_heads, head_dim] in the cache's dtype and device."""
+        [layers, kv_heads, head_dim] in the cache's dtype and device. Through the cache's own
+        write path (`fill` + `update`), so a 4-bit cache encodes them."""
         rows = sorted(known)
         index = torch.tensor(rows, dtype=torch.long, device=self.lm.device)
         keys = torch.stack([known[row][0] for row in rows], dim=2)  # [layers, kv_heads, n, head_dim]
         values = torch.stack([known[row][1] for row in rows], dim=2)
-        for layer, layer_keys, layer_values in zip(self._cache.layers, keys, values):
-            layer.keys[0].index_copy_(1, index, layer_keys)
-            layer.values[0].index_copy_(1, index, layer_values)
+        with self._cache.fill(index):
+            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+                self._cache.update(layer_keys[None], layer_values[None], layer)
 
     def _take_newest(self, result) -> None:
         """What the forward that wrote the newest row leaves (None: forget it, it is history)."""
@@ -566,17 +619,18 @@ class StateManager:
         """
         if self.next_logits is None:
             raise ValueError("no next-token logits: the last operation did not write the last row")
-        scratch = SpliceCache(self.lm.model.config, max_cache_len=len(self) + 1)
+        scratch = SpliceCache(self.lm.model.config, max_cache_len=len(self) + 1, kv_format=self.kv_format)
         fresh = prefill(self.lm, scratch, self.live_token_ids(), self.positions()).logits
         log_fresh, log_spliced = fresh.log_softmax(-1), self.next_logits.log_softmax(-1)
         return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
 
     # --- invariants ---------------------------------------------------------------------
 
-    def check(self, *, deep: bool = False) -> None:
+    def check(self, *, deep: bool = False, tolerance: float | None = None) -> None:
         """Raise unless cache and mirror agree: mirror invariants, one row per live token in
         every layer, right shapes. `deep` also compares layer 0 with a fresh computation of
-        the live tokens at their recorded positions."""
+        the live tokens at their recorded positions, element by element within `tolerance`
+        (default: `layer0_tolerance`, which a 4-bit kv_format widens by its rounding bound)."""
         if self._broken:
             raise StateInvariantError(self._broken)
         self._mirror.check(self.lm.max_positions)
@@ -592,10 +646,11 @@ class StateManager:
         if deep and rows:
             layer = self._cache.layers[0]
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, self.live_token_ids(), self.positions())
-            tolerance = self._layer0_tolerance()
-            error = max((layer.keys - fresh_keys).abs().max().item(), (layer.values - fresh_values).abs().max().item())
-            if error > tolerance:
-                raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {tolerance})")
+            found = [self._layer0_excess(cached, fresh, tolerance)
+                     for cached, fresh in ((layer.keys, fresh_keys), (layer.values, fresh_values))]
+            if worst := max((f for f in found if f is not None), default=None):
+                error, allowed = worst
+                raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {allowed:.2g})")
 
     # --- fault injection (tests) --------------------------------------------------------
 

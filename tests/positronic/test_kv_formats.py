@@ -1,0 +1,420 @@
+"""4-bit KV storage (issue 16): the INT4 and FP4 codecs, the packed cache layer, and the
+brain running on them.
+
+Reference for every packed-cache edit: the float cache doing the same edits, its rows
+quantized independently (row by row, so moving a row must move exactly its codes and scale).
+"""
+
+import math
+import random
+
+import pytest
+import torch
+from cli_helpers import TEXT, run_cli
+
+from positronic import SpliceCache, StateManager, rope
+from positronic import session as sessions
+from positronic.evaluate import evaluate
+from positronic.forward import fresh_layer0_kv
+from positronic.kv_formats import FP4, PACKED, Int4, bytes_per_token, pack, unpack
+from positronic.loop import Brain, BrainConfig
+from positronic.state_manager import REQUANTIZED_BOUNDS, StateInvariantError
+
+FORMATS = sorted(PACKED)
+KV_HEADS, HEAD_DIM = 2, 16
+EPS = 1e-6  # float32 arithmetic in x / scale
+
+
+def random_rows(count, *, heads=KV_HEADS, dim=HEAD_DIM, seed=0):
+    """[1, heads, count, dim] float32 rows with magnitudes spread over four decades."""
+    g = torch.Generator().manual_seed(seed)
+    magnitude = 10 ** torch.empty(1, heads, count, 1).uniform_(-2, 2, generator=g)
+    return torch.randn(1, heads, count, dim, generator=g) * magnitude
+
+
+# --- 1. the codecs --------------------------------------------------------------------------
+
+
+def test_pack_puts_code_j_in_bits_4j_and_unpack_inverts_it():
+    nibbles = torch.randint(0, 16, (3, 5, 64), dtype=torch.int32)
+    codes = pack(nibbles)
+    assert codes.shape == (3, 5, 8) and codes.dtype == torch.int32
+    assert torch.equal(unpack(codes), nibbles)
+    one = torch.zeros(8, dtype=torch.int32)
+    one[7] = 15  # the top nibble lands in the sign bit
+    assert pack(one).item() == -(1 << 28) and pack(torch.arange(8, dtype=torch.int32)).item() == 0x76543210
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_encode_shapes_dtypes_and_head_dim_check(name):
+    codec = PACKED[name]
+    codes, scales = codec.encode(random_rows(7))
+    assert codes.shape == (1, KV_HEADS, 7, HEAD_DIM // 8) and codes.dtype == torch.int32
+    assert scales.shape == (1, KV_HEADS, 7) and scales.dtype == torch.float16
+    assert codec.decode(codes, scales).shape == (1, KV_HEADS, 7, HEAD_DIM)
+    with pytest.raises(ValueError, match="head_dim 12 is not a multiple of 8"):
+        codec.encode(torch.zeros(1, 1, 1, 12))
+
+
+def test_int4_round_trip_error_is_at_most_half_a_scale():
+    codec = Int4()
+    x = random_rows(500)
+    codes, scales = codec.encode(x)
+    s = scales.float().unsqueeze(-1)
+    error = (codec.decode(codes, scales) - x).abs()
+    assert bool((error <= s / 2 * (1 + EPS)).all()), float((error / s).max())
+    assert float((error / s).max()) > 0.45, "the bound is tight"
+    assert torch.equal(scales, (x.abs().amax(-1) / 7).half()), "scale = max|row| / 7, in float16"
+    levels = codec.levels[unpack(codes)]
+    assert levels.min() >= -7 and levels.max() <= 7, "symmetric: -8 is never used"
+
+
+def test_fp4_gives_the_nearest_representable_value():
+    codec = FP4()
+    x = random_rows(500)
+    codes, scales = codec.encode(x)
+    decoded = codec.decode(codes, scales)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6])
+    s = scales.float().unsqueeze(-1)
+    nearest = (x.unsqueeze(-1) - grid * s.unsqueeze(-1)).abs().min(dim=-1).values
+    error = (decoded - x).abs()
+    assert bool((error <= nearest + EPS * s).all())
+    assert bool((error <= s * (1 + EPS)).all()), "at most one scale: half the widest gap (4 .. 6)"
+    assert torch.equal(scales, (x.abs().amax(-1) / 6).half())
+    assert set(codec.levels[unpack(codes)].unique().tolist()) <= set(grid.tolist())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_values_on_the_grid_round_trip_exactly_and_codes_are_canonical(name):
+    codec = PACKED[name]
+    g = torch.Generator().manual_seed(1)
+    count = 300
+    grid = codec.levels[codec.levels.abs() <= codec.top]  # int4: -7 .. 7 (the scale never lets -8 in)
+    levels = grid[torch.randint(0, len(grid), (count, 32), generator=g)]
+    levels[:, 0] = codec.top * torch.where(torch.rand(count, generator=g) < 0.5, -1.0, 1.0)  # the row's max
+    scales = (10 ** torch.empty(count).uniform_(-3, 3, generator=g)).half()
+    x = levels * scales.float().unsqueeze(-1)
+    codes, got_scales = codec.encode(x)
+    assert torch.equal(got_scales, scales)
+    assert torch.equal(codec.decode(codes, got_scales), x), "exact"
+    again = codec.encode(codec.decode(codes, got_scales))
+    assert torch.equal(again[0], codes) and torch.equal(again[1], scales), "one code per value (no -0)"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_row_of_zeros_stays_zeros(name):
+    codec = PACKED[name]
+    codes, scales = codec.encode(torch.zeros(2, 16))
+    assert torch.equal(codec.decode(codes, scales), torch.zeros(2, 16)) and bool((scales == 0).all())
+
+
+def test_bytes_per_token():
+    smollm2 = dict(layers=30, kv_heads=3, head_dim=64)
+    assert bytes_per_token("float", dtype=torch.float32, **smollm2) == 46080
+    assert bytes_per_token("float", dtype=torch.float16, **smollm2) == 23040
+    assert bytes_per_token("int4", dtype=torch.float32, **smollm2) == bytes_per_token("fp4", dtype=torch.float16,
+                                                                                     **smollm2) == 6120
+    with pytest.raises(ValueError, match="unknown kv format 'int8'; choose from float, int4, fp4"):
+        bytes_per_token("int8", dtype=torch.float32, **smollm2)
+
+
+# --- 2. the packed cache against the float cache, quantized independently --------------------
+
+
+def quantized(codec, rows):
+    return codec.decode(*codec.encode(rows))
+
+
+def random_kept(rng, length):
+    """Random deletions and insertions over `length` rows, as runs (old, new, count)."""
+    kept, new_row, run = [], 0, None
+    for old_row in range(length):
+        new_row += rng.choice([0, 0, 0, 1, 2])
+        if rng.random() < 0.15:
+            run = None
+            continue
+        if run and run[0] + run[2] == old_row and run[1] + run[2] == new_row:
+            run[2] += 1
+        else:
+            run = [old_row, new_row, 1]
+            kept.append(run)
+        new_row += 1
+    return [tuple(r) for r in kept], new_row + rng.choice([0, 1, 3])
+
+
+def assert_aligned(packed, reference, codec):
+    for got, want in zip(packed.layers, reference.layers):
+        assert got.length == want.length
+        assert torch.equal(got.keys, quantized(codec, want.keys))
+        assert torch.equal(got.values, quantized(codec, want.values))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("seed", range(4))
+def test_splice_fill_append_and_growth_move_codes_and_scales_together(name, seed):
+    """Random splices, gaps filled by a fill forward, appends past the end (packing down) and
+    past the capacity (growth): every live row stays the quantized float row."""
+    codec, rng = PACKED[name], random.Random(seed)
+    packed = SpliceCache(num_layers=2, max_cache_len=40, kv_format=name)
+    reference = SpliceCache(num_layers=2, max_cache_len=40)
+    serial = iter(range(10**6))
+
+    def write(count, fill=None):
+        for layer in range(2):
+            keys, values = random_rows(count, seed=next(serial)), random_rows(count, seed=next(serial))
+            for cache in (packed, reference):
+                if fill is None:
+                    cache.update(keys, values, layer)
+                else:
+                    with cache.fill(fill):
+                        cache.update(keys, values, layer)
+
+    write(24)
+    for _ in range(30):
+        before = reference.length
+        kept, length = random_kept(rng, before)
+        packed.splice(kept, length)
+        reference.splice(kept, length)
+        covered = {new + k for _, new, count in kept for k in range(count)}
+        gaps = torch.tensor([row for row in range(length) if row not in covered], dtype=torch.long)
+        if len(gaps):
+            write(len(gaps), fill=gaps)
+        write(rng.choice([1, 2, 5]))
+        assert_aligned(packed, reference, codec)
+        if reference.length > 70:
+            packed.splice([(0, 0, 30)], 30)
+            reference.splice([(0, 0, 30)], 30)
+    assert packed.layers[0].capacity > 40, "it grew"
+    assert packed.layers[0].codes.start == packed.layers[0].scales.start
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_memory_is_exact_and_steady_state_edits_never_allocate(name):
+    cache = SpliceCache(num_layers=2, max_cache_len=160, kv_format=name)
+    for layer in range(2):
+        cache.update(random_rows(100), random_rows(100), layer)
+    buffers = [(layer.codes.key_buffer, layer.scales.value_buffer) for layer in cache.layers]
+    for _ in range(50):  # a tick: replace a pair near the front by one token, append one
+        cache.splice([(0, 0, 10), (12, 11, 88)], 99)
+        with cache.fill(torch.tensor([10])):
+            for layer in range(2):
+                cache.update(random_rows(1), random_rows(1), layer)
+        for layer in range(2):
+            cache.update(random_rows(1), random_rows(1), layer)
+        assert cache.length == 100
+    assert all(layer.codes.key_buffer is k and layer.scales.value_buffer is s
+               for layer, (k, s) in zip(cache.layers, buffers))
+    row = KV_HEADS * (HEAD_DIM // 8 * 4 + 2)  # one (layer, K or V) row: codes + a float16 scale per head
+    scratch = cache.scratch.memory_bytes() + cache.scale_scratch.memory_bytes()
+    assert cache.memory_bytes() == 2 * 2 * 160 * row + scratch
+    cache.reset()
+    assert cache.length == 0 and cache.layers[0].codes.key_buffer is buffers[0][0]
+
+
+@pytest.mark.parametrize("shape", [dict(layers=30, kv_heads=3, head_dim=64),   # SmolLM2-135M
+                                   dict(layers=22, kv_heads=4, head_dim=64)])  # TinyLlama-1.1B
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_4bit_cache_takes_at_most_0_3_of_float16(shape, name):
+    """Counted from the buffers themselves: codes + scales against float16 rows, same capacity."""
+    rows = 64
+    sizes = {}
+    for fmt, dtype in (("float", torch.float16), (name, torch.float16)):
+        cache = SpliceCache(num_layers=shape["layers"], max_cache_len=rows, kv_format=fmt)
+        for layer in range(shape["layers"]):
+            keys = random_rows(rows, heads=shape["kv_heads"], dim=shape["head_dim"]).to(dtype)
+            cache.update(keys, keys.clone(), layer)
+        sizes[fmt] = sum(layer.memory_bytes() for layer in cache.layers)
+    ratio = sizes[name] / sizes["float"]
+    assert ratio == (64 // 2 + 2) / (64 * 2) == 0.265625 and ratio <= 0.3
+    assert sizes[name] == rows * bytes_per_token(name, dtype=torch.float16, **shape)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_re_rotation_error_bound(name):
+    """decode -> rotate -> encode: per element at most sqrt(2)·h·s_old (the old rounding error,
+    turned) + h·s_new (the new rounding), h = the format's half step; against the new scale
+    alone at most REQUANTIZED_BOUNDS (3) rounding bounds. Re-rotating only the rows asked."""
+    codec = PACKED[name]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    keys = random_rows(64)
+    cache = SpliceCache(num_layers=1, max_cache_len=80, kv_format=name)
+    cache.update(keys, keys.clone(), 0)
+    before = cache.layers[0].keys
+    old_scales = cache.layers[0].scales.keys[..., 0].float().unsqueeze(-1)
+    cos, sin = rope.rotation(inv_freq, torch.arange(10, 64), torch.arange(10, 64) + 37)
+    cache.rotate_keys(10, cos, sin)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys[:, :, :10], before[:, :, :10]) and torch.equal(layer.values, quantized(codec, keys))
+    exact = rope.rotate(keys[:, :, 10:], cos, sin)
+    new_scales = layer.scales.keys[:, :, 10:].float()
+    error = (layer.keys[:, :, 10:] - exact).abs()
+    bound = codec.half_step * (math.sqrt(2) * old_scales[:, :, 10:] + new_scales)
+    assert bool((error <= bound * (1 + 1e-3) + 1e-6).all())
+    in_rounding_bounds = error / codec.error_bound(layer.keys[:, :, 10:])
+    assert float(in_rounding_bounds.max()) <= REQUANTIZED_BOUNDS
+    assert torch.equal(layer.keys[:, :, 10:], quantized(codec, rope.rotate(before[:, :, 10:], cos, sin)))
+
+
+# --- 3. the StateManager and the brain on packed rows ----------------------------------------
+
+
+def edits(rng, length, vocab):
+    """A random action list that never needs a re-rotation: deletes and pairs replaced by one
+    token (each frees one row), then three adds."""
+    rows = sorted(rng.sample(range(1, length - 1), 3))
+    actions, taken = [], set()
+    for row in rows:
+        if row in taken or row + 1 in taken:
+            continue
+        if rng.random() < 0.5 and row + 1 < length - 1 and row + 1 not in rows:
+            actions.append({"action": "replace_pair", "original_pos1": row, "original_pos2": row + 1,
+                            "new_token_ids": [rng.randrange(vocab)]})
+            taken |= {row, row + 1}
+        else:
+            actions.append({"action": "delete", "position": row})
+            taken.add(row)
+    return actions + [{"action": "add", "token_id": rng.randrange(vocab)} for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_edits_keep_layer0_equal_to_the_float_states_rows_quantized(tiny, name):
+    """The same action lists on a float and a packed state: layer 0 depends only on token and
+    position, so the packed state's layer 0 must be the float state's, quantized row by row,
+    exactly, and its rows must follow the mirror (check(deep=True))."""
+    codec, rng = PACKED[name], random.Random(5)
+    tokens = [rng.randrange(tiny.vocab_size) for _ in range(40)]
+    packed = StateManager.from_tokens(tiny, tokens, kv_format=name)
+    reference = StateManager.from_tokens(tiny, tokens)
+    for tick in range(1, 16):
+        actions = edits(rng, len(reference), tiny.vocab_size)
+        for sm in (packed, reference):
+            report = sm.apply(actions, tick=tick)
+            assert not report.rebuilt and report.rotated_rows == 0, report.error
+        assert packed.live_token_ids() == reference.live_token_ids() and packed.positions() == reference.positions()
+        got, want = packed.layer_kv(0), reference.layer_kv(0)
+        assert torch.equal(got[0], quantized(codec, want[0])) and torch.equal(got[1], quantized(codec, want[1]))
+        packed.check(deep=True)
+    assert packed.positions() != list(range(len(packed))), "the edits left gaps"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_check_tolerance_follows_the_format(tiny, name):
+    """The default tolerance of a packed state is its rounding bound (per row); the float
+    tolerance is too tight for it, and rows that do not follow the mirror still fail."""
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format=name)
+    sm.check(deep=True)
+    with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
+        sm.check(deep=True, tolerance=1e-4)
+    keys = sm.layer_kv(0)[0]
+    fresh = fresh_layer0_kv(tiny, sm.live_token_ids(), sm.positions())[0]
+    ratio = ((keys - fresh).abs() / PACKED[name].error_bound(keys)).max()
+    assert 0.3 < float(ratio) <= 1.0 + 1e-3, "one rounding: within one bound (float noise aside)"
+    layer = sm.cache.layers[0]
+    for store in (layer.codes, layer.scales):  # swap rows 5 and 6 behind the mirror's back
+        store.key_buffer[:, :, [layer.start + 5, layer.start + 6]] = store.key_buffer[:, :, [layer.start + 6, layer.start + 5]]
+    with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
+        sm.check(deep=True)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_insertion_without_room_re_rotates_within_the_stated_bound(tiny, name):
+    tokens = list(range(3, 43))
+    sm = StateManager.from_tokens(tiny, tokens, kv_format=name)
+    reference = StateManager.from_tokens(tiny, tokens)
+    for state in (sm, reference):  # positions 0..39 leave no room before row 10: rows 10.. move
+        report = state.insert(10, [7, 8, 9])
+        assert not report.rebuilt and report.rotated_rows == 30
+    sm.check(deep=True)
+    keys, exact = sm.layer_kv(0)[0], reference.layer_kv(0)[0]
+    codec = PACKED[name]
+    ratio = ((keys - exact).abs() / codec.error_bound(keys)).max()
+    assert float(ratio) <= REQUANTIZED_BOUNDS
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_restore_with_stored_kv_puts_the_same_codes_back(tiny, name):
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format=name)
+    layer = sm.cache.layers[1]
+    codes = layer.codes.keys[:, :, [5, 6]].clone(), layer.scales.values[:, :, [5, 6]].clone()
+    view = sm.view(keys=True)
+    keys, values = view.rows([5, 6])
+    ids = [int(view.ledger_ids[r]) for r in (5, 6)]
+    sm.apply([{"action": "delete", "position": 5}, {"action": "delete", "position": 6},
+              {"action": "add", "token_id": 7}], tick=1)
+    report = sm.apply([{"action": "restore", "ledger_ids": ids, "keys": keys, "values": values,
+                        "predicted": [int(view.predicted[5]), int(view.predicted[6])]},
+                       {"action": "add", "token_id": 9}], tick=2)
+    assert not report.rebuilt, report.error
+    layer = sm.cache.layers[1]
+    assert torch.equal(layer.codes.keys[:, :, [5, 6]], codes[0]) and torch.equal(layer.scales.values[:, :, [5, 6]], codes[1])
+    sm.check(deep=True)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_brain_on_4bit_rows_stays_within_budget(tiny, name):
+    config = BrainConfig(budget=40, kv_format=name, seed=1)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), config)
+    for _ in range(60):
+        record = brain.step()
+        assert not record.rebuilt, record.error
+        assert record.live_length <= config.budget
+    assert brain.counts["culls"] > 0
+    brain.state.check(deep=True)
+    assert brain.state.cache.kv_format == name
+    layers = brain.state.cache.layers
+    row = tiny.num_kv_heads * (tiny.head_dim // 8 * 4 + 2)
+    cache = brain.state.cache
+    assert brain.state.memory_bytes() == sum(2 * l.capacity * row for l in layers) + \
+        cache.scratch.memory_bytes() + cache.scale_scratch.memory_bytes()
+    assert brain.state.bytes_per_token() == 2 * tiny.num_layers * row
+
+
+def test_a_state_and_settings_that_disagree_on_the_format_are_refused(tiny):
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format="int4")
+    with pytest.raises(ValueError, match="stores its cache as int4, the settings say float"):
+        Brain(sm, BrainConfig(budget=48))
+    with pytest.raises(ValueError, match="unknown kv format 'nf4'"):
+        BrainConfig(kv_format="nf4").validate()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_session_resumes_with_the_same_codes(tiny, tmp_path, name):
+    """A session saves the rows decoded; in float32 they encode back to the same codes and
+    scales, so the resumed run goes on exactly."""
+    config = BrainConfig(budget=40, kv_format=name, seed=2)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), config)
+    for _ in range(30):
+        brain.step()
+    sessions.save(tmp_path, brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path)
+    assert resumed.config.kv_format == name and resumed.state.kv_format == name
+    for a, b in zip(brain.state.cache.layers, resumed.state.cache.layers):
+        assert torch.equal(a.codes.keys, b.codes.keys) and torch.equal(a.scales.values, b.scales.values)
+    assert [brain.step().token_id for _ in range(15)] == [resumed.step().token_id for _ in range(15)]
+
+
+# --- 4. the command line and the evaluation ----------------------------------------------------
+
+
+def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys):
+    code = run_cli("--model", "random:tiny", "--ticks", "12", "--budget", "40", "--no-tui", "--no-input",
+                   "--kv-format", "fp4")
+    out = capsys.readouterr().out
+    assert code == 0
+    row = tiny.num_kv_heads * (tiny.head_dim // 8 * 4 + 2)
+    assert f"(fp4, {2 * tiny.num_layers * row} B/token)" in out
+
+
+def test_an_unknown_format_gives_one_line_and_exit_code_2(capsys):
+    assert run_cli("--model", "random:tiny", "--ticks", "2", "--no-tui", "--kv-format", "int8") == 2
+    assert capsys.readouterr().err.strip() == "error: unknown kv format 'int8'; choose from float, int4, fp4"
+
+
+def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny):
+    report = evaluate(tiny, TEXT, policies=["streaming"], budgets=[40], max_tokens=70, probe=False, kv_format="int4")
+    assert report.settings["kv_format"] == "int4"
+    assert report.settings["kv_bytes_per_token"] == bytes_per_token("int4", layers=tiny.num_layers,
+                                                                    kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                                                                    dtype=tiny.dtype)
+    assert all(math.isfinite(run.ppl) for run in report.runs + [report.reference])
+    assert report.runs[0].deletes > 0
