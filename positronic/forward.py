@@ -88,22 +88,25 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, 
 class AttentionRow:
     """Records the last fed token's attention over every cache row on the chosen layers.
 
-    Forward hooks on those layers' attention modules recompute that one query (q_proj of its
-    hidden state, rotated at its position) and take softmax(q·Kᵀ · scaling) against the layer's
-    keys after the forward wrote them. The token must see every row (it is the newest), so no
-    mask applies. Hooks live only inside `record()`: the model is left as it was.
+    Forward hooks on those layers' attention modules keep that token's hidden state (the
+    attention's input); after the forward, `finish` recomputes its query in every layer
+    (q_proj, rotated at its position: all layers share the position, so one rotation) and
+    takes softmax(q·Kᵀ · scaling) against each layer's keys, all layers in one batched
+    product. The token must see every row (it is the newest), so no mask applies. Hooks live
+    only inside `record()`: the model is left as it was. Doing the work in the hooks, one layer
+    at a time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
     """
 
     def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None):
         self.model, self.layers = model, list(layers)
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
-        self.rows: dict[int, torch.Tensor] = {}
-        self.queries: dict[int, torch.Tensor] = {}
-        self.log_norms: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> [1, hidden_size], the attention's input
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at the token's position
+        self.rows = self.queries = self.log_norms = None
 
     @contextlib.contextmanager
-    def record(self):
-        self.rows, self.queries, self.log_norms = {}, {}, {}
+    def record(self, cache=None):
+        self.hidden, self.rotation = {}, None
         handles = [self.model.model.layers[index].self_attn.register_forward_hook(self._hook, with_kwargs=True)
                    for index in self.layers]
         try:
@@ -111,30 +114,43 @@ class AttentionRow:
         finally:
             for handle in handles:
                 handle.remove()
-
-    def result(self) -> torch.Tensor:
-        """[layers, heads, rows] float32, in the order of `layers`."""
-        return torch.stack([self.rows[index] for index in self.layers])
-
-    def scaled_query(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scaled query [layers, heads, head_dim] and log-normaliser [layers, heads]."""
-        return (torch.stack([self.queries[index] for index in self.layers]),
-                torch.stack([self.log_norms[index] for index in self.layers]))
+        if self.layers and cache is not None:
+            self.finish(cache)
 
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cos, sin = kwargs["position_embeddings"]
-        keys = kwargs["past_key_values"].layers[module.layer_idx].keys[:, :, : self.keys]  # [1, kv_heads, rows, d]
-        head_dim, at = module.head_dim, slice(self.query, self.query + 1 if self.query != -1 else None)
-        query = module.q_proj(hidden[:, at]).view(1, 1, -1, head_dim).transpose(1, 2)  # [1, heads, 1, d]
-        query, _ = apply_rotary_pos_emb(query, query, cos[:, at], sin[:, at])
-        kv_heads = keys.shape[1]
-        grouped = query[0, :, 0].reshape(kv_heads, -1, head_dim).float()  # [kv_heads, group, d]
-        scores = (grouped @ keys[0].float().transpose(1, 2) * module.scaling).reshape(-1, keys.shape[2])  # [heads, rows]
-        self.rows[module.layer_idx] = scores.softmax(dim=-1)
-        self.queries[module.layer_idx] = (grouped * module.scaling).reshape(-1, head_dim)
-        self.log_norms[module.layer_idx] = scores.logsumexp(dim=-1)
+        at = slice(self.query, self.query + 1 if self.query != -1 else None)
+        self.hidden[module.layer_idx] = hidden[0, at]
+        if self.rotation is None:
+            cos, sin = kwargs["position_embeddings"]
+            self.rotation = (cos[0, at], sin[0, at])  # [1, head_dim] each
+
+    @torch.no_grad()
+    def finish(self, cache) -> None:
+        """rows [layers, heads, rows], queries [layers, heads, head_dim] (scaled),
+        log_norms [layers, heads], all float32, in the order of `layers`."""
+        attention = [self.model.model.layers[index].self_attn for index in self.layers]
+        head_dim, scaling = attention[0].head_dim, attention[0].scaling
+        query = torch.stack([module.q_proj(self.hidden[index]) for module, index in zip(attention, self.layers)])
+        query = query.view(len(self.layers), -1, head_dim)  # [layers, heads, d]
+        cos, sin = self.rotation
+        query, _ = apply_rotary_pos_emb(query, query, cos, sin, unsqueeze_dim=0)
+        keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
+        layers, kv_heads, rows, _ = keys.shape
+        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * scaling  # [L, kv, group, d]
+        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows]
+        self.rows = scores.softmax(dim=-1)
+        self.queries = grouped.reshape(layers, -1, head_dim)
+        self.log_norms = scores.logsumexp(dim=-1)
+
+    def result(self) -> torch.Tensor:
+        """[layers, heads, rows] float32, in the order of `layers`."""
+        return self.rows
+
+    def scaled_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scaled query [layers, heads, head_dim] and log-normaliser [layers, heads]."""
+        return self.queries, self.log_norms
 
 
 @torch.no_grad()
@@ -162,7 +178,7 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     mask = (None if len(token_ids) == 1 and newest and not probes
             else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
     recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions))
-    with recorder.record():
+    with recorder.record(cache):
         out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
                        position_ids=query[None], attention_mask=mask, past_key_values=cache, use_cache=True,
                        logits_to_keep=0)
