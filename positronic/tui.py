@@ -20,8 +20,9 @@ ttl, 10000 for vote), the most a token can have.
 Marks: sinks (the first `config.sinks` rows) sit on a grey background; protected rows (the
 first `config.protect` rows and the most recent `config.window` rows) are underlined;
 tokens a repair inserted in the last `REPAIR_HIGHLIGHT_TICKS` ticks sit on a magenta
-background; tokens the user typed (ledger source "user") on a blue one; the newest token is
-shown in reverse video.
+background; tokens the user typed (ledger source "user") on a blue one; tokens recall brought
+back (a ledger entry with resurrections) on a green one; pinned tokens are in italics; the
+newest token is shown in reverse video.
 
 Input: when stdin is a terminal, the last line is an input line ("> " and what is being
 typed). A `KeyReader` thread reads keys in cbreak mode (no echo, no line editing by the
@@ -42,7 +43,7 @@ import threading
 import time
 import unicodedata
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,7 @@ LEVELS = 64  # brightness is quantised to this many colours, so styles can be ca
 SINK_BG = "#3a3a3a"
 REPAIR_BG = "#8b1a8b"
 USER_BG = "#1f4e8c"
+RECALL_BG = "#1e6b3a"  # green: brought back by recall
 NOTE_SECONDS = 10.0  # a refused line's message stays on the input line this long
 HIDDEN_STYLE = Style(dim=True, italic=True)
 BARS = " ▁▂▃▄▅▆▇█"
@@ -117,6 +119,8 @@ class Snapshot:
     resumed: bool = False
     pending_input: int = 0  # typed tokens queued and not added yet
     input_note: str = ""  # why the last line was refused, while it is recent
+    recalled: list[bool] = field(default_factory=list)  # per live row: recall brought it back
+    pinned: list[bool] = field(default_factory=list)  # per live row: pinned (never evicted)
 
 
 def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
@@ -135,7 +139,8 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
         bright_max=float(steps.RULES[cfg.brightness].start), counts=dict(brain.counts),
         cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
         actions=list(actions or ()), status=status, resumed=resumed,
-        pending_input=len(brain.pending_input), input_note=input_note)
+        pending_input=len(brain.pending_input), input_note=input_note,
+        recalled=[e.resurrections > 0 for e in rows], pinned=[e.pinned for e in rows])
 
 
 # --- colours and styles -----------------------------------------------------------------
@@ -158,13 +163,13 @@ def level(brightness: float, bright_max: float) -> int:
 
 @lru_cache(maxsize=LEVELS * 16)
 def token_style(lvl: int, *, sink: bool = False, protected: bool = False, fresh: bool = False,
-                newest: bool = False, user: bool = False) -> Style:
+                newest: bool = False, user: bool = False, recalled: bool = False, pinned: bool = False) -> Style:
     """The style of one token: colour by brightness level, plus its marks. Cached: a frame
     asks for a few hundred styles but only a few dozen distinct ones exist."""
     r, g, b = brightness_rgb(lvl / (LEVELS - 1))
-    bgcolor = REPAIR_BG if fresh else USER_BG if user else SINK_BG if sink else None
+    bgcolor = REPAIR_BG if fresh else RECALL_BG if recalled else USER_BG if user else SINK_BG if sink else None
     return Style(color=f"#{r:02x}{g:02x}{b:02x}", bgcolor=bgcolor, underline=protected or None,
-                 bold=fresh or sink or None, reverse=newest or None)
+                 bold=fresh or sink or recalled or None, italic=pinned or None, reverse=newest or None)
 
 
 def row_style(snapshot: Snapshot, row: int) -> Style:
@@ -175,7 +180,8 @@ def row_style(snapshot: Snapshot, row: int) -> Style:
         sink=row < snapshot.sinks,
         protected=row < snapshot.protect or row >= n - snapshot.window,
         fresh=snapshot.sources[row] == "repair" and snapshot.tick - snapshot.born[row] < REPAIR_HIGHLIGHT_TICKS,
-        newest=row == n - 1, user=snapshot.sources[row] == "user")
+        newest=row == n - 1, user=snapshot.sources[row] == "user",
+        recalled=bool(snapshot.recalled) and snapshot.recalled[row], pinned=bool(snapshot.pinned) and snapshot.pinned[row])
 
 
 # --- the context ------------------------------------------------------------------------
@@ -284,6 +290,10 @@ def legend(snapshot: Snapshot) -> Text:
     text.append("repaired", token_style(LEVELS - 1, fresh=True))
     text.append(" ")
     text.append("user", token_style(LEVELS - 1, user=True))
+    text.append(" ")
+    text.append("recalled", token_style(LEVELS - 1, recalled=True))
+    text.append(" ")
+    text.append("pinned", token_style(LEVELS - 1, pinned=True))
     text.append(f"  (viridis, 0..{snapshot.bright_max:g})")
     return text
 
@@ -393,10 +403,11 @@ def short(text: str, limit: int = 24) -> str:
     return f"'{text}'"
 
 
-def describe_actions(tick: int, actions: list[dict], row_text, decode) -> list[str]:
+def describe_actions(tick: int, actions: list[dict], row_text, decode, ledger_text=lambda i: "?") -> list[str]:
     """Each position-editing action in words; `row_text(row)` gives a live row's text before
-    the edits, `decode(ids)` the text of new tokens. Adds are left out: the generated
-    token shows at the end of the context anyway."""
+    the edits, `decode(ids)` the text of new tokens, `ledger_text(id)` a ledger entry's (what
+    a restore brings back). Adds are left out: the generated token shows at the end of the
+    context anyway."""
     lines = []
     for action in actions:
         kind = action.get("action")
@@ -406,6 +417,10 @@ def describe_actions(tick: int, actions: list[dict], row_text, decode) -> list[s
             lines.append(f"t{tick} replace {p1}–{p2} {short(old)} → {short(decode(action['new_token_ids']))}")
         elif kind == "delete":
             lines.append(f"t{tick} delete {action['position']} {short(row_text(action['position']))}")
+        elif kind == "restore":
+            ids = action["ledger_ids"]
+            text = "".join(ledger_text(i) for i in sorted(ids))
+            lines.append(f"t{tick} recall {len(ids)} row{'s' * (len(ids) != 1)} {short(text)}")
     return lines
 
 
@@ -427,7 +442,10 @@ class ActionRecorder:
         def row_text(row: int) -> str:
             return entries[live[row]].text if isinstance(row, int) and 0 <= row < len(live) else "?"
 
-        self.lines.extend(describe_actions(brain.tick, actions, row_text, self.lm.decode))
+        def ledger_text(ledger_id: int) -> str:
+            return entries[ledger_id].text if isinstance(ledger_id, int) and 0 <= ledger_id < len(entries) else "?"
+
+        self.lines.extend(describe_actions(brain.tick, actions, row_text, self.lm.decode, ledger_text))
 
     def after_apply(self, brain: "Brain", actions: list[dict], report) -> None:
         if report.rebuilt:

@@ -15,7 +15,7 @@ from rich.live import _RefreshThread
 from positronic import StateManager
 from positronic.loop import Brain, BrainConfig
 from positronic.runner import Runner
-from positronic.tui import (INPUT_HINT, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, USER_BG, VIRIDIS, ActionRecorder,
+from positronic.tui import (INPUT_HINT, RECALL_BG, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, USER_BG, VIRIDIS, ActionRecorder,
                             KeyReader, edit_line, frame, legend, render_actions, render_context, render_header,
                             render_histogram, render_input, run_live, split_keys, take_snapshot)
 
@@ -504,3 +504,30 @@ def test_typing_into_the_live_view_of_a_real_run_and_ctrl_c_on_its_terminal(tiny
     brain = sessions.resume(tiny, tmp_path / "s")
     typed_ids = [e.token_id for e in brain.state.mirror.ledger.entries if e.source == "user"]
     assert tiny.decode(typed_ids) == "\nUser: hi you\nAssistant:"
+
+
+def test_rows_recall_brought_back_are_green_pinned_rows_italic_and_the_restore_is_said_in_words(tiny):
+    """A real recall run: the restored rows are drawn on the recall background, the edits
+    panel names the restore with the text that came back, the legend explains both marks."""
+    brain = Brain.start(tiny, [tiny.bos_id] + tiny.encode(TEXT), BrainConfig(budget=40, window=8, seed=1, recall=True),
+                        pins=["lighthouse"])
+    brain.policy.recall.threshold = 1.0  # a random model attends about evenly: make recall fire
+    recorder = ActionRecorder(tiny)
+    brain.observers.append(recorder)
+    for _ in range(40):
+        brain.step()
+    snapshot = take_snapshot(brain, tiny, actions=list(recorder.lines))
+    entries = brain.state.mirror.ledger.entries
+    live = [entries[i] for i in brain.state.mirror.live.ledger_ids]
+    back = [row for row, e in enumerate(live) if e.resurrections]
+    assert back, "recall brought rows back in 40 ticks"
+    assert snapshot.recalled == [e.resurrections > 0 for e in live] and sum(snapshot.pinned) == len("lighthouse")
+    context = render_context(snapshot, 10_000, 1)
+    styles = styles_by_row(context, snapshot.texts)
+    assert {styles[row].bgcolor.name for row in back if row in styles and row != len(live) - 1} == {RECALL_BG}
+    pinned = [row for row, p in enumerate(snapshot.pinned) if p]
+    assert all(styles[row].italic for row in pinned if row in styles)
+    assert not any(styles[row].italic for row in styles if row not in pinned)
+    said = [line for line in recorder.lines if " recall " in line]
+    assert said and all(re.match(r"t\d+ recall \d+ rows? ", line) for line in said)
+    assert "recalled" in legend(snapshot).plain and "pinned" in legend(snapshot).plain
