@@ -121,6 +121,7 @@ class Snapshot:
     input_note: str = ""  # why the last line was refused, while it is recent
     recalled: list[bool] = field(default_factory=list)  # per live row: recall brought it back
     pinned: list[bool] = field(default_factory=list)  # per live row: pinned (never evicted)
+    restored: int | None = None  # rows recall brought back so far (None: recall is off)
 
 
 def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
@@ -140,7 +141,8 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
         cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
         actions=list(actions or ()), status=status, resumed=resumed,
         pending_input=len(brain.pending_input), input_note=input_note,
-        recalled=[e.resurrections > 0 for e in rows], pinned=[e.pinned for e in rows])
+        recalled=[e.resurrections > 0 for e in rows], pinned=[e.pinned for e in rows],
+        restored=None if brain.policy.recall is None else brain.policy.recall.restored)
 
 
 # --- colours and styles -----------------------------------------------------------------
@@ -301,17 +303,18 @@ def legend(snapshot: Snapshot) -> Text:
 # --- header, histogram, actions, progress -----------------------------------------------
 
 
-def render_header(snapshot: Snapshot) -> Text:
-    """Two lines: what is running, then the counters."""
+def render_header(snapshot: Snapshot, width: int | None = None) -> Text:
+    """Two lines: what is running, then the counters; on a narrow terminal (`width`) each
+    line takes its compact form, so nothing is cut on 80 columns."""
     s, c = snapshot, snapshot.counts
-    text = Text(no_wrap=True, overflow="ellipsis")
-    text.append("Positronic Brain", "bold")
-    text.append(f"  {s.model} on {s.device} ({s.dtype})  policy {s.policy}/{s.rule}")
     status_style = {"running": "green", "finished": "bold green"}.get(s.status, "bold yellow")
-    text.append(f"  [{s.status}]", status_style)
+    full = [("Positronic Brain", "bold"), (f"  {s.model} on {s.device} ({s.dtype})  policy {s.policy}/{s.rule}", ""),
+            (f"  [{s.status}]", status_style)]
+    compact = [("Positronic", "bold"), (f"  {s.model} {s.device}/{s.dtype}  {s.policy}/{s.rule}", ""),
+               (f"  [{s.status}]", status_style)]
     if s.resumed:
-        text.append("  resumed", "cyan")
-    text.append("\n")
+        full.append(("  resumed", "cyan"))
+        compact.append(("  resumed", "cyan"))
     fields = [("tick", f"{s.done}/{s.total}")]
     if s.tick != s.done:  # resumed: the brain's own tick count differs
         fields.append(("brain tick", str(s.tick)))
@@ -320,13 +323,30 @@ def render_header(snapshot: Snapshot) -> Text:
         ("live", f"{len(s.texts)}/{s.budget}"),
         ("culls", str(c.get("culls", 0))),
         ("repairs", str(c.get("repairs", 0))),
-        ("rebuilds", str(c.get("rebuilds", 0))),
-        ("cache", f"{s.cache_mb:.1f} MiB"),
     ]
-    for index, (label, value) in enumerate(fields):
-        text.append(("  " if index else "") + label + " ", "dim")
-        text.append(value, "bold")
+    if s.restored is not None:
+        fields.append(("recalled", str(s.restored)))
+    fields += [("rebuilds", str(c.get("rebuilds", 0))), ("cache", f"{s.cache_mb:.1f} MiB")]
+    def counters(names) -> list[tuple[str, str]]:
+        parts = []
+        for index, (label, value) in enumerate(fields):
+            parts += [(("  " if index else "") + names.get(label, label) + " ", "dim"), (value, "bold")]
+        return parts
+
+    def fitting(*forms):
+        return next((form for form in forms if width is None or sum(len(t) for t, _ in form) <= width), forms[-1])
+
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for part, style in fitting(full, compact):
+        text.append(part, style)
+    text.append("\n")
+    for part, style in fitting(counters({}), counters(SHORT_LABELS)):
+        text.append(part, style)
     return text
+
+
+SHORT_LABELS = {"tok/s": "t/s", "culls": "cull", "repairs": "rep", "recalled": "rec", "rebuilds": "rbd",
+                "cache": "kv", "brain tick": "brain"}
 
 
 def histogram_counts(brightness: list[float], bright_max: float, bins: int) -> list[int]:
@@ -339,9 +359,13 @@ def histogram_counts(brightness: list[float], bright_max: float, bins: int) -> l
 
 
 def render_histogram(snapshot: Snapshot, width: int, height: int) -> Text:
-    """A bar chart of the brightness distribution (`height - 1` rows of bars, each column
-    in its bin's colour) over a line with min / mean / max."""
-    bins, rows = max(width, 1), max(height - 1, 1)
+    """A bar chart of the brightness distribution (`height - 2` rows of bars, each column
+    in its bin's colour) over an axis line (0 … the scale's top) and a line with min / mean /
+    max. A policy that does not score brightness (every row at the top) says so instead."""
+    if snapshot.policy != "brightness":
+        return Text(f"not scored: policy {snapshot.policy}\nranks rows by its own\nscore (docs/policies.md)",
+                    "dim", no_wrap=True, overflow="ellipsis", end="")
+    bins, rows = max(width, 1), max(height - 2, 1)
     counts = histogram_counts(snapshot.brightness, snapshot.bright_max, bins)
     top = max(counts) or 1
     eighths = [round(c / top * rows * 8) if c else 0 for c in counts]
@@ -358,9 +382,12 @@ def render_histogram(snapshot: Snapshot, width: int, height: int) -> Text:
             chars.append(bar)
         chars.append("\n")
     text = Text("".join(chars), spans=spans, no_wrap=True, overflow="crop", end="")
+    top_label = f"{snapshot.bright_max:g}"
+    text.append("0" + "─" * max(bins - 1 - len(top_label), 0) + top_label + "\n", "dim")
     b = snapshot.brightness
     if b:
-        text.append(f"min {min(b):.0f} mean {sum(b) / len(b):.0f} max {max(b):.0f}", "dim")
+        stats = f"min {min(b):.0f} mean {sum(b) / len(b):.0f} max {max(b):.0f}"
+        text.append(stats if len(stats) <= bins else f"{min(b):.0f}/{sum(b) / len(b):.0f}/{max(b):.0f}", "dim")
     return text
 
 
@@ -618,13 +645,15 @@ class SideBySide:
 
 def frame(snapshot: Snapshot, width: int = 120, height: int = 40, prompt: str | None = None) -> Group:
     """The whole view for a terminal of `width` × `height`: header (2 lines), context
-    panel, histogram + action panels (dropped on short terminals), progress bar (1 line),
-    and with a `prompt` (what is being typed) the input line (1 line)."""
-    bottom = BOTTOM_ROWS if height >= 24 else 0
-    fixed = 2 + 2 + (bottom + 2 if bottom else 0) + 1 + (prompt is not None)
-    context_rows = max(height - fixed, 3)
+    panel (at least 3 rows), histogram + action panels (up to BOTTOM_ROWS rows, fewer on a
+    short terminal, dropped below 2), progress bar (1 line), and with a `prompt` (what is
+    being typed) the input line (1 line)."""
+    fixed = 2 + 2 + 1 + (prompt is not None)
+    room = height - fixed - 3 - 2  # what the bottom panels can have after a 3-row context
+    bottom = min(BOTTOM_ROWS, room) if room >= 2 else 0
+    context_rows = max(height - fixed - (bottom + 2 if bottom else 0), 3)
     parts = [
-        render_header(snapshot),
+        render_header(snapshot, width),
         Panel(render_context(snapshot, width - 4, context_rows), title="context", title_align="left",
               subtitle=legend(snapshot), subtitle_align="right", height=context_rows + 2),
     ]
