@@ -36,24 +36,47 @@ DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the libr
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Positronic Brain: a model that generates forever inside a fixed KV budget.")
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Positronic Brain: a model that generates forever inside a fixed KV budget. "
+                       "With no command: a run (the options below); `positronic run --help` shows the same.")
 
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line, exit code 2."""
 
 
+def show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("positronic-brain")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            number = "unknown (not installed)"
+        print(f"positronic-brain {number}")
+        raise typer.Exit()
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads (default: torch's choice, one per core)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @app.callback(invoke_without_command=True)
 def run(
     ctx: typer.Context,
-    model: str = typer.Option("smollm2", help="smollm2 (embedded) | tinyllama | a local dir or hub id | random:tinyllama | random:tiny"),
-    ticks: int = typer.Option(300, min=1, help="Ticks (generated tokens) to run."),
-    prompt: Optional[str] = typer.Option(None, help="Prompt text."),
+    version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."),
+    model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir or hub id | random:tinyllama | random:tiny"),
+    ticks: int = typer.Option(300, "-n", "--ticks", min=-1, help="Ticks (generated tokens) to run; -1: no limit (Ctrl-C ends the run)."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/recall.py)."),
     policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none."),
-    budget: int = typer.Option(128, help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
+    budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
     window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
@@ -68,7 +91,8 @@ def run(
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
     repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
-    seed: int = typer.Option(0, help="Sampling seed."),
+    seed: int = typer.Option(0, "-s", "--seed", help="Sampling seed."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="Brightness policy: rows freed at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
@@ -84,14 +108,21 @@ def run(
     kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
     kv_sink_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --sinks (0-256)."),
     kv_protected_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --protect (>= 0)."),
-    at_capacity: str = typer.Option("stop", help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
+    at_capacity: str = typer.Option(DEFAULTS.at_capacity, help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
     capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
     capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
+        given = sorted(given_flags(ctx) - {"version"})
+        if given:  # they would be silently ignored: the subcommand has its own options
+            raise UserError(f"options before `{ctx.invoked_subcommand}` belong to a run ({', '.join('--' + name.replace('_', '-') for name in given)}); "
+                            f"give {ctx.invoked_subcommand}'s options "
+                            f"after it (e.g. `run.py {ctx.invoked_subcommand} --model …`)")
         return
+    if ticks == 0:
+        raise UserError("--ticks must be at least 1, or -1 for no limit")
     if prompt is not None and prompt_file is not None:
         raise UserError("give --prompt or --prompt-file, not both")
     if resume and session is None:
@@ -105,6 +136,7 @@ def run(
             prompt = prompt_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read --prompt-file {prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    refuse_conflicting_aliases(ctx)
     policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
                                                kv_protected_tokens)
     config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
@@ -128,6 +160,7 @@ def run(
     inputs = queue.SimpleQueue() if typing else None
     if typing == "lines":  # read from now on (while the model loads too); stopped when the command ends
         ctx.call_on_close(LineReader(fd, inputs).start().close)
+    set_threads(threads)
     lm = load_model(model, device=device, dtype=dtype)
     if resume:
         brain = sessions.resume(lm, session)
@@ -141,7 +174,7 @@ def run(
         from .fixtures import Capture
 
         brain.observers.append(Capture(capture, lm, capture_ticks))
-    runner = Runner(brain, lm.name, ticks, events=events, append_events=resume, session=session,
+    runner = Runner(brain, lm.name, None if ticks == -1 else ticks, events=events, append_events=resume, session=session,
                     save_every=save_every, inputs=inputs)
     if not live:
         result = run_plain(brain, lm, runner, show_prompt=not resume)
@@ -175,12 +208,27 @@ def input_source(read_input: bool | None, live: bool) -> tuple[str | None, int |
 FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}
 
 
+def given_flags(ctx: typer.Context) -> set[str]:
+    """The parameters the command line set (not defaults)."""
+    # by name: typer may bring its own copy of click, with its own ParameterSource enum
+    return {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+
+
+def refuse_conflicting_aliases(ctx: typer.Context) -> None:
+    """UserError when a llama.cpp alias and the flag it stands for are both given: one of
+    them would silently lose."""
+    given = given_flags(ctx)
+    both = [f"--{alias.replace('_', '-')} and --{flag}" for alias, flag in FLAG_ALIASES.items()
+            if alias in given and flag in given]
+    if both:
+        raise UserError(f"{'; '.join(both)} set the same thing: give one of them")
+
+
 def refuse_changed_settings(ctx: typer.Context, config: BrainConfig, saved: dict) -> None:
     """UserError if a flag given on the command line with --resume differs from the saved
     run's setting: a resumed run keeps its settings, and silently ignoring the flag would hide
     that."""
-    # by name: typer may bring its own copy of click, with its own ParameterSource enum
-    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+    given = given_flags(ctx)
     given |= {FLAG_ALIASES[name] for name in given if name in FLAG_ALIASES}
     changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (saved: {saved[name]})"
                for name in sorted(given) if name in saved and getattr(config, name) != saved[name]]
@@ -227,7 +275,7 @@ def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResu
     out, err = sys.stdout, sys.stderr
     if show_prompt:
         out.write(lm.decode(brain.state.live_token_ids()[1:]))
-    every = max(1, runner.ticks // 10)
+    every = max(1, (runner.ticks or 1000) // 10)
 
     def on_tick(record: TickRecord, result: RunResult) -> None:
         out.write(record.text)
@@ -242,13 +290,16 @@ def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResu
 
 def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: int) -> str:
     c = brain.counts
-    return (f"[{result.ticks}/{total}] tick {record.tick}  live {record.live_length}/{brain.config.budget}  "
+    return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}  "
             f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
             f"rebuilds {c['rebuilds']}  "
             f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
 
 
 # Subcommands register here, each importing its module only when run.
+
+
+app.command("run", help="Run the brain (what `positronic` with no command does).")(run)
 
 
 @app.command()
@@ -261,7 +312,7 @@ def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")
 
 @app.command("eval")
 def eval_command(
-    model: str = typer.Option("smollm2", help="Model, as for the run command."),
+    model: str = typer.Option("smollm2", "-m", "--model", help="Model, as for the run command."),
     text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
     budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
     policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: all five)."),
@@ -270,7 +321,7 @@ def eval_command(
     segments: int = typer.Option(8, help="Perplexity segments reported per run."),
     sinks: int = typer.Option(4, min=0, max=256, help="Attention-sink rows never evicted."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows."),
-    at_capacity: str = typer.Option("shift", help="Policy none when full: shift | stop."),
+    at_capacity: str = typer.Option(DEFAULTS.at_capacity, help="Policy none when full: stop | shift (as for the run command)."),
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
     probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe, from the whole --text (default: max budget + 128, cut to the text; a text shorter than an explicit N is refused, and so is a probe longer than the model's positions)."),
     probe_at: float = typer.Option(0.0, help="Where the probe's fact goes: the fraction 0..1 of the filler before it (0: first, 1: right before the question); never inside the sink/protected rows (shifted past them)."),
@@ -284,10 +335,12 @@ def eval_command(
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
     with --generate N, the quality of N freely generated tokens instead."""
     writable_directory(out, "--out")
+    set_threads(threads)
     if generate is not None:
         if recall:
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")

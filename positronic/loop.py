@@ -42,7 +42,7 @@ class BrainConfig:
     """Every setting of a run; saved with a session, so resuming needs nothing else."""
 
     policy: str = "brightness"  # maintenance policy (see positronic/policy.py)
-    at_capacity: str = "stop"  # policy none when the cache is full: stop | shift
+    at_capacity: str = "shift"  # policy none when the cache is full: shift (llama.cpp's context shift) | stop
     budget: int = 500  # target live length
     sinks: int = 4  # attention-sink rows never culled
     protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0

@@ -10,6 +10,7 @@ the saved state, the event log and the summary always agree on the last tick.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -97,7 +98,7 @@ class Runner:
     live view's input line); they are taken between ticks, in the run's thread, and queued as
     user turns (Brain.say). A line refused (too long) is passed to `on_refused` as a message."""
 
-    def __init__(self, brain: Brain, model_name: str, ticks: int, *, events: Path | None = None,
+    def __init__(self, brain: Brain, model_name: str, ticks: int | None, *, events: Path | None = None,
                  append_events: bool = False, session: Path | None = None, save_every: int = 100,
                  inputs: queue.SimpleQueue | None = None, on_refused: Callable[[str], None] | None = None):
         self.brain, self.model_name, self.ticks = brain, model_name, ticks
@@ -132,7 +133,7 @@ class Runner:
         log = open(self.events, "a" if self.append_events else "w", encoding="utf-8", buffering=1) if self.events else None
         start = time.perf_counter()
         try:
-            for done in range(1, self.ticks + 1):
+            for done in itertools.count(1) if self.ticks is None else range(1, self.ticks + 1):  # None: no limit
                 if stops.signal is not None:
                     break
                 self.take_input()

@@ -100,7 +100,7 @@ class Snapshot:
     rule: str
     tick: int  # the brain's tick (continues across resumes)
     done: int  # ticks run by this invocation
-    total: int  # ticks this invocation will run
+    total: int | None  # ticks this invocation will run (None: no limit)
     texts: list[str]  # per live row, in cache order
     brightness: list[float]
     sources: list[str]
@@ -315,7 +315,7 @@ def render_header(snapshot: Snapshot, width: int | None = None) -> Text:
     if s.resumed:
         full.append(("  resumed", "cyan"))
         compact.append(("  resumed", "cyan"))
-    fields = [("tick", f"{s.done}/{s.total}")]
+    fields = [("tick", f"{s.done}/{'∞' if s.total is None else s.total}")]
     if s.tick != s.done:  # resumed: the brain's own tick count differs
         fields.append(("brain tick", str(s.tick)))
     fields += [
@@ -403,12 +403,15 @@ def render_actions(snapshot: Snapshot, height: int) -> Text:
 def render_progress(snapshot: Snapshot, width: int) -> "SideBySide":
     """A progress bar for this invocation's ticks, with elapsed and estimated remaining time."""
     s = snapshot
-    left = (s.total - s.done) / s.tok_s if s.tok_s > 0 else 0.0
-    label = f" {s.done}/{s.total}  {clock(s.elapsed)} elapsed" + (
-        f"  ~{clock(left)} left" if s.status == "running" and s.done < s.total else "")
+    if s.total is None:  # no limit: a pulsing bar, no estimate
+        label = f" {s.done}/∞  {clock(s.elapsed)} elapsed"
+    else:
+        left = (s.total - s.done) / s.tok_s if s.tok_s > 0 else 0.0
+        label = f" {s.done}/{s.total}  {clock(s.elapsed)} elapsed" + (
+            f"  ~{clock(left)} left" if s.status == "running" and s.done < s.total else "")
     bar_width = max(width - cell_len(label), 1)
-    bar = ProgressBar(total=max(s.total, 1), completed=s.done, width=bar_width, complete_style="#21918c",
-                      finished_style="#5ec962")
+    bar = ProgressBar(total=None if s.total is None else max(s.total, 1), completed=s.done, width=bar_width,
+                      complete_style="#21918c", finished_style="#5ec962")
     return SideBySide((bar, bar_width), (Text(label, no_wrap=True, overflow="crop", end=""), width - bar_width))
 
 

@@ -1,0 +1,80 @@
+"""The command line's conventions (positronic/cli.py): help, version, short flags, no tick
+limit, threads, a `run` subcommand, and flags that would be silently lost are refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("args", [["-h"], ["--help"], ["run", "-h"], ["eval", "-h"], ["replay", "--help"]])
+def test_help_comes_with_short_and_long_flags(args, capsys):
+    assert run_cli(*args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Usage:") and "-h, --help" in out
+    if args[0] in ("-h", "--help", "run"):
+        assert "-m, --model" in out and "-n, --ticks" in out and "-c, --budget" in out and "-t, --threads" in out
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    assert run_cli("--version") == 0
+    assert capsys.readouterr().out == f"positronic-brain {version('positronic-brain')}\n"
+
+
+def test_run_options_before_a_subcommand_are_refused_not_ignored(capsys):
+    assert run_cli("--model", "random:tiny", "-n", "5", "eval", "--max-tokens", "5") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: options before `eval` belong to a run (--model, --ticks)") and "after it" in err
+
+
+def test_a_llama_cpp_alias_and_its_flag_together_are_refused(capsys):
+    assert run_cli("-m", "random:tiny", "--kv-eviction", "1", "--policy", "h2o", "--no-tui") == 2
+    assert "--kv-eviction and --policy set the same thing" in capsys.readouterr().err
+    assert run_cli("-m", "random:tiny", "--kv-sink-tokens", "2", "--sinks", "2", "--no-tui") == 2
+    assert "--kv-sink-tokens and --sinks" in capsys.readouterr().err
+
+
+def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys):
+    torch_threads = torch.get_num_threads()
+    try:
+        assert run_cli("run", "-m", "random:tiny", "-n", "7", "-p", "Hi there", "-c", "64", "-s", "3", "-t", "1",
+                       "--no-tui", "--no-input") == 0
+        first = capsys.readouterr().out
+        assert torch.get_num_threads() == 1, "-t sets torch's threads"
+        assert run_cli("--model", "random:tiny", "--ticks", "7", "--prompt", "Hi there", "--budget", "64",
+                       "--seed", "3", "--no-tui", "--no-input") == 0
+        second = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert "ticks 7 in" in first and "budget 64" in first
+    assert first.split("\n--- summary")[0] == second.split("\n--- summary")[0], "same text, same seed"
+    assert run_cli("-m", "random:tiny", "-n", "0") == 2
+    assert "--ticks must be at least 1, or -1 for no limit" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.name != "posix", reason="sends SIGINT")
+def test_no_tick_limit_runs_until_ctrl_c_and_ends_with_the_summary(tmp_path):
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", "random:tiny", "-n", "-1", "-c", "48",
+                             "--no-tui", "--no-input", "--events", str(events)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not events.exists() or events.read_text().count("\n") < 400):
+        time.sleep(0.2)  # 400 ticks: past the 300 of the default, and past the budget
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    ticks = events.read_text().count("\n")
+    assert proc.returncode == 130 and ticks >= 400, (proc.returncode, ticks, err[-500:])
+    assert f"ticks {ticks} in" in out and "interrupted" in out
+    assert "/∞] tick" in err, "the progress line says there is no limit"
