@@ -23,7 +23,7 @@ import torch
 import steps
 
 from . import chat, kv_formats, repairers
-from .actions import loggable
+from .actions import loggable, rows_of
 from .policy import POLICIES, make_policy
 from .state_manager import StateManager, default_capacity
 from .text import rows_matching, span_texts
@@ -178,10 +178,11 @@ class TickRecord:
     stopped: bool = False  # the policy could not go on; the run ends after this tick
     source: str = "generated"  # the added token's ledger source: "user" when it was typed input
     seconds: dict[str, float] = field(default_factory=dict)  # per step
+    removed: list[dict] = field(default_factory=list)  # {"ledger_id", "text"} of each row the edits took out
 
     def to_json(self) -> dict:
         record = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy a restore's K/V
-        return {**record, "actions": [loggable(action) for action in self.actions]}
+        return {"record": "tick", **record, "actions": [loggable(action) for action in self.actions]}
 
 
 class Observer(Protocol):
@@ -297,6 +298,9 @@ class Brain:
             clock = time.perf_counter()
             # Step 3e and Step 4
             actions = steps.consolidate(token_id, plan.actions)
+            entries = sm.mirror.ledger.entries
+            removed = [{"ledger_id": int(view.ledger_ids[row]), "text": entries[int(view.ledger_ids[row])].text}
+                       for action in actions for row in rows_of(action)]
             for observer in self.observers:
                 observer.before_apply(self, actions, brightness=plan.brightness)
             report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
@@ -338,7 +342,7 @@ class Brain:
             actions=actions, outcomes=plan.outcomes, live_length=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
-            source=source, seconds=seconds)
+            source=source, seconds=seconds, removed=[] if report.rebuilt else removed)
 
     KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
 

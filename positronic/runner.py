@@ -10,6 +10,7 @@ the saved state, the event log and the summary always agree on the last tick.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -53,9 +54,21 @@ class RunResult:
     rss_mb: dict[int, float] = field(default_factory=dict)  # ticks run -> RSS
 
 
+EVENTS_SCHEMA = 1  # docs/events.md; raised when a field changes meaning or goes away
+
+
+def event_header(brain: Brain, model_name: str, *, resumed: bool) -> dict:
+    """The record that opens each invocation's part of an event log: what produced the tick
+    records after it (their `tick` counts on from this record's)."""
+    return {"record": "header", "schema": EVENTS_SCHEMA, "tick": brain.tick, "resumed": resumed,
+            "model": model_name, "config": dataclasses.asdict(brain.config),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def trim_events(path: Path, tick: int) -> None:
     """Drop the records after `tick` (a resumed run goes on from its checkpoint: the ticks the
-    stopped run made after it will be made again) and a torn last line; atomic rewrite."""
+    stopped run made after it will be made again, and a header written after it belongs to an
+    invocation whose ticks are dropped) and a torn last line; atomic rewrite."""
     if not path.exists():
         return
     kept = []
@@ -131,6 +144,8 @@ class Runner:
             trim_events(self.events, brain.tick)
         # line-buffered, so `tail -f` shows every tick as it happens
         log = open(self.events, "a" if self.append_events else "w", encoding="utf-8", buffering=1) if self.events else None
+        if log:
+            log.write(json.dumps(event_header(brain, self.model_name, resumed=self.append_events)) + "\n")
         start = time.perf_counter()
         try:
             for done in itertools.count(1) if self.ticks is None else range(1, self.ticks + 1):  # None: no limit

@@ -45,10 +45,17 @@ def test_300_ticks_at_budget_128_stay_consistent_and_bounded(smol):
 def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys):
     events = tmp_path / "events.jsonl"
     assert run_cli("--ticks", "40", "--budget", "48", "--repairer", "self", "--no-tui", "--events", str(events), "--prompt", PROMPT) == 0
-    records = [json.loads(line) for line in events.read_text().splitlines()]
-    assert [r["tick"] for r in records] == list(range(1, 41))
-    assert {"token_id", "text", "actions", "live_length", "seconds"} <= set(records[0])
+    header, *records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert header["record"] == "header" and header["schema"] == 1 and header["tick"] == 0
+    assert header["model"] == "smollm2" and header["config"]["budget"] == 48 and header["resumed"] is False
+    assert [r["tick"] for r in records] == list(range(1, 41)) and {r["record"] for r in records} == {"tick"}
+    assert {"token_id", "text", "actions", "live_length", "seconds", "removed"} <= set(records[0])
     assert any(a["action"] == "replace_pair" for r in records for a in r["actions"])
+    for r in records:  # every row an edit takes out is named, with its text, as it was before the tick
+        rows = sorted(row for a in r["actions"] for row in ((a["position"],) if a["action"] == "delete" else
+                      (a["original_pos1"], a["original_pos2"]) if a["action"] == "replace_pair" else ()))
+        assert len(r["removed"]) == len(rows) and all(set(x) == {"ledger_id", "text"} for x in r["removed"])
+    assert any(x["text"] for r in records for x in r["removed"])
     out = capsys.readouterr().out
     assert "lighthouse keeper" in out and "--- summary ---" in out and "repairs" in out
 
@@ -448,8 +455,9 @@ def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path):
             log.write(json.dumps({"tick": tick, "token_id": 5}) + "\n")
         log.write('{"tick": 23, "tok')
     assert run_cli(*common, "--ticks", "5", "--resume") == 0
-    ticks = [json.loads(line)["tick"] for line in events.read_text().splitlines()]
-    assert ticks == list(range(1, 26))
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [r["tick"] for r in records if r.get("record") == "tick"] == list(range(1, 26))
+    assert [(r["tick"], r["resumed"]) for r in records if r.get("record") == "header"] == [(0, False), (20, True)]
 
 
 def test_resume_refuses_flags_that_would_change_the_saved_settings(tmp_path, capsys):
