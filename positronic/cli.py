@@ -102,7 +102,7 @@ def run(
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started), and/or over an existing --events file."),
     no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
     read_input: Optional[bool] = typer.Option(None, "--input/--no-input", help="Read lines typed while the agent runs as user turns: on the live view's input line when stdin is a terminal, else line by line from stdin (default: on, except --no-tui with stdin a terminal)."),
     kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
@@ -129,8 +129,8 @@ def run(
         raise UserError("--resume needs --session DIR")
     if resume and pin:
         raise UserError("--pin marks prompt text at the start of a run; a resumed run keeps the pins it has")
-    if overwrite and (session is None or resume):
-        raise UserError("--overwrite needs --session DIR and starts a new run: it cannot go with --resume")
+    if overwrite and ((session is None and events is None) or resume):
+        raise UserError("--overwrite needs --session DIR or --events FILE and starts a new run: it cannot go with --resume")
     if prompt_file is not None:
         try:
             prompt = prompt_file.read_text(encoding="utf-8")
@@ -147,6 +147,9 @@ def run(
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
         writable_directory(events.parent, "--events")
+        if events.exists() and not (resume or overwrite):
+            raise UserError(f"--events {events} already exists; replace it with --overwrite, or choose another file "
+                            "(a --resume appends to it)")
     if session is not None:
         writable_directory(session, "--session")
         saved = session / sessions.MIRROR_FILE
@@ -168,7 +171,7 @@ def run(
         text = DEFAULT_PROMPT if prompt is None else prompt
         prompt_ids = [lm.bos_id] + lm.encode(text)
         brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
-        if overwrite:  # at once, so that a resume after a crash cannot continue the old run
+        if overwrite and session is not None:  # at once, so that a resume after a crash cannot continue the old run
             sessions.save(session, brain, lm.name)
     if capture is not None:
         from .fixtures import Capture

@@ -74,7 +74,18 @@ def test_no_tick_limit_runs_until_ctrl_c_and_ends_with_the_summary(tmp_path):
         time.sleep(0.2)  # 400 ticks: past the 300 of the default, and past the budget
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    ticks = events.read_text().count("\n")
+    ticks = events.read_text().count("\n") - 1  # the header
     assert proc.returncode == 130 and ticks >= 400, (proc.returncode, ticks, err[-500:])
     assert f"ticks {ticks} in" in out and "interrupted" in out
     assert "/∞] tick" in err, "the progress line says there is no limit"
+
+
+def test_an_existing_event_log_is_not_overwritten_without_overwrite(tmp_path, capsys):
+    events = tmp_path / "events.jsonl"
+    events.write_text("an earlier run's log\n")
+    args = ["-m", "random:tiny", "-n", "3", "--no-tui", "--no-input", "--events", str(events)]
+    assert run_cli(*args) == 2
+    assert "already exists; replace it with --overwrite" in capsys.readouterr().err
+    assert events.read_text() == "an earlier run's log\n", "refused before anything was written"
+    assert run_cli(*args, "--overwrite") == 0
+    assert events.read_text().count("\n") == 1 + 3, "a header and three ticks"

@@ -95,7 +95,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
         if done >= ticks:
             break
         args = cli("--ticks", str(ticks - done), "--session", str(session), "--events", str(events), *common)
-        process = subprocess.Popen(args + (["--resume"] if saved.exists() else []),
+        process = subprocess.Popen(args + (["--resume"] if saved.exists() else ["--overwrite"]),  # a log of a run killed before its first save
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if len(stops) < 8:  # then it runs to the end
             time.sleep(rng.uniform(0.5, 6.0))
