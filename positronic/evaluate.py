@@ -521,6 +521,16 @@ def progress_bars(console):
                     TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal)
 
 
+def table_console():
+    """Where result tables go: a terminal at its own width (rich squeezes or wraps the columns
+    to fit), a file or pipe 200 columns wide so that no cell is cut."""
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console(file=sys.stdout)
+    return Console(file=sys.stdout, width=200)
+
+
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
@@ -566,7 +576,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
                           probe_at=probe_at, recall=recall, kv_format=kv_format, progress=progress, on_run=done,
                           text_name=name)
-    Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
+    table_console().print(table(report))
     paths = write_outputs(report, out, smooth=smooth)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return report

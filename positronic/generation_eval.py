@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from .evaluate import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, fmt_number, make_config, perplexity,
-                       progress_bars, read_text, reference_config)
+                       progress_bars, read_text, reference_config, table_console)
 from .loop import Brain, BrainConfig
 
 DEFAULT_PROMPT_TOKENS = 128
@@ -411,7 +411,7 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
                                      progress=progress, on_run=done, text_name=name, kv_format=kv_format)
     if report.note:
         print(f"note: {report.note}", file=sys.stderr)
-    Console(file=sys.stdout, width=max(200, Console().width)).print(table(report))
+    table_console().print(table(report))
     paths = write_generation_outputs(report, out)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return report
