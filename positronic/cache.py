@@ -294,6 +294,13 @@ class PackedSpliceLayer(CacheLayerMixin):
         """Live values decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
         return None if not self.is_initialized else self.codec.decode(self.codes.values, self.scales.values[..., 0], self.dtype)
 
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live keys and values decoded together, each [1, kv_heads, length, head_dim]."""
+        codes = torch.stack([self.codes.keys, self.codes.values])  # [2, 1, kv_heads, length, head_dim // 8]
+        scales = torch.stack([self.scales.keys, self.scales.values])[..., 0]
+        both = self.codec.decode(codes, scales, self.dtype)
+        return both[0], both[1]
+
     @property
     def _write_rows(self) -> torch.Tensor | None:  # set by SpliceCache.fill, as on a SpliceLayer
         return self.codes._write_rows
@@ -322,11 +329,12 @@ class PackedSpliceLayer(CacheLayerMixin):
         if self.dtype is None:
             self.lazy_initialization(key_states, value_states)
         self._check_rows(key_states, value_states)
-        key_codes, key_scales = self.codec.encode(key_states)
-        value_codes, value_scales = self.codec.encode(value_states)
-        self.codes.update(key_codes, value_codes)  # checks the fill count first: a refusal changes nothing
-        self.scales.update(key_scales.unsqueeze(-1), value_scales.unsqueeze(-1))
-        return self.keys, self.values
+        # keys and values in one encode and one decode: on a CPU these small ops cost more in
+        # per-call overhead than in arithmetic
+        codes, scales = self.codec.encode(torch.stack([key_states, value_states]))
+        self.codes.update(codes[0], codes[1])  # checks the fill count first: a refusal changes nothing
+        self.scales.update(scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))
+        return self._decoded()
 
     def get_seq_length(self) -> int:
         return self.length

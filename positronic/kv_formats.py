@@ -74,8 +74,7 @@ class PackedFormat:
         """codes int32 [..., words], scales float16 [...] -> [..., words * 8] in `dtype`
         (computed in float32: level · scale is exact there, so a float32 decode re-encodes
         to the same codes and scale)."""
-        values = self.levels.to(codes.device)[unpack(codes)]
-        return (values * scales.float().unsqueeze(-1)).to(dtype)
+        return (self._levels_of(codes) * scales.float().unsqueeze(-1)).to(dtype)
 
     def error_bound(self, rows: torch.Tensor) -> torch.Tensor:
         """The largest |x - decode(encode(x))| for rows [..., head_dim] (originals or decoded
@@ -89,6 +88,12 @@ class PackedFormat:
     def _nibbles(self, scaled: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _levels_of(self, codes: torch.Tensor) -> torch.Tensor:
+        """int32 [..., words] -> the levels [..., words * 8] float32 (a 16-entry table lookup;
+        index_select is the fastest gather on a CPU)."""
+        nibbles = unpack(codes)
+        return self.levels.to(codes.device).index_select(0, nibbles.flatten()).view(nibbles.shape)
+
 
 class Int4(PackedFormat):
     """Symmetric INT4: codes -8 .. 7 in two's complement, scale = max|row| / 7 (so -8 is never
@@ -101,6 +106,12 @@ class Int4(PackedFormat):
 
     def _nibbles(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.round().clamp(-8, 7).to(torch.int32) & 15
+
+    def _levels_of(self, codes: torch.Tensor) -> torch.Tensor:
+        # the level is the nibble read as a signed number: shift it to the top of the word and
+        # back (arithmetic shift), which sign-extends it; twice as fast as the table on a CPU
+        signed = (codes.unsqueeze(-1) << (28 - _SHIFTS.to(codes.device))) >> 28
+        return signed.reshape(*codes.shape[:-1], -1).float()
 
 
 class FP4(PackedFormat):

@@ -125,12 +125,15 @@ class RowReader:
 NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
 
 
-# How far a 4-bit row may lie from a fresh computation, in rounding bounds of its format
-# (kv_formats.PackedFormat.error_bound): 1 for a row written once; a re-rotation turns that
-# error by the rotation (at most sqrt(2) times larger per element, against a scale that is at
-# least 1/sqrt(2) of the old one) and rounds again, so at most 2 + 1 = 3 after one
-# re-rotation. Re-rotations are rare (docs/kv_formats.md); `check(tolerance=...)` overrides.
-REQUANTIZED_BOUNDS = 3.0
+def rounding_bounds(requantized):
+    """How far a 4-bit key re-rotated `requantized` times (int or int tensor) may lie from
+    the exact key, in rounding bounds of its present scale (kv_formats.PackedFormat.error_bound):
+    2^(r+1) - 1, so 1, 3, 7, 15 ... A re-rotation turns the error it had (at most sqrt(2)
+    times larger per element, measured against a scale at least 1/sqrt(2) of the old one:
+    2x) and rounds again (+1): F(r) = 2 F(r-1) + 1, F(0) = 1. A worst case; measured on
+    SmolLM2's keys: 2.3, 3.4, 5.4, 9.6 bounds after 1, 2, 4, 8 (bench/kv_formats.py). Values
+    are never re-rotated: 1."""
+    return 2 ** (requantized + 1) - 1
 
 
 def default_capacity(rows: int) -> int:
@@ -154,6 +157,7 @@ class StateManager:
         self.last_query: torch.Tensor | None = None
         self.last_log_norm: torch.Tensor | None = None
         self._predicted: list[int] = []  # per live row, see ContextView.predicted
+        self._requantized: list[int] = []  # per live row: times its 4-bit key was re-rotated (rounding_bounds)
         self.last_tick = 0
         self.rebuilds = 0
         self.rotated_rows = 0
@@ -211,13 +215,14 @@ class StateManager:
             "last_attention": ((len(manager.attention_layers), lm.num_heads, rows), torch.float32),
             "last_query": ((len(manager.attention_layers), lm.num_heads, lm.head_dim), torch.float32),
             "last_log_norm": ((len(manager.attention_layers), lm.num_heads), torch.float32),
+            "requantized": ((rows,), torch.int64),  # 4-bit formats only
         }
         if unknown := sorted(set(tensors) - set(expected)):
             raise ValueError(f"unknown saved tensors: {unknown}")
         for name, (shape, dtype) in expected.items():
             tensor = tensors.get(name)
-            if tensor is None and name in NEWEST:
-                continue  # the last edit did not write the newest row
+            if tensor is None and (name in NEWEST or name == "requantized"):
+                continue  # the last edit did not write the newest row; a float cache rounds nothing
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
                 raise ValueError(f"saved tensor {name!r} is {found}, expected {shape} {dtype} for {rows} live rows")
@@ -226,11 +231,15 @@ class StateManager:
         predicted = tensors["predicted"]
         if rows and not bool(((predicted >= 0) & (predicted < lm.vocab_size)).all()):
             raise ValueError("saved predictions lie outside the vocabulary")
+        requantized = tensors.get("requantized", torch.zeros(rows, dtype=torch.int64))
+        if rows and not bool(((requantized >= 0) & (requantized <= 60)).all()):
+            raise ValueError("saved re-rotation counts must lie in 0..60")
         device = lm.device
         for index in range(lm.num_layers):
             manager._cache.update(tensors["keys"][index : index + 1].to(device),
                                   tensors["values"][index : index + 1].to(device), index)
         manager._predicted = predicted.tolist()
+        manager._requantized = requantized.tolist()
         for name in NEWEST:
             if name in tensors:
                 setattr(manager, name, tensors[name].to(device))
@@ -242,9 +251,12 @@ class StateManager:
         keys, values [layers, kv_heads, rows, head_dim] (model dtype; a 4-bit cache's rows
         decoded); predicted [rows] int64;
         next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
-        last_log_norm float32 when the last edit left them."""
+        last_log_norm float32 when the last edit left them; with a 4-bit format requantized
+        [rows] int64 (how often each key was re-rotated, for the deep check's tolerance)."""
         self._refuse_if_broken("save")
         saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
+        if kv_formats.packed(self.kv_format):
+            saved["requantized"] = torch.tensor(self._requantized, dtype=torch.int64)
         if len(self):
             saved["keys"] = torch.cat([layer.keys for layer in self._cache.layers]).cpu().contiguous()
             saved["values"] = torch.cat([layer.values for layer in self._cache.layers]).cpu().contiguous()
@@ -446,7 +458,9 @@ class StateManager:
         values = torch.stack([stored[i][1] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
         fresh_keys, fresh_values = fresh_layer0_kv(self.lm, [ledger[i].token_id for i in ids],
                                                    [ledger[i].position for i in ids])
-        found = [self._layer0_excess(keys[0], fresh_keys[0]), self._layer0_excess(values[0], fresh_values[0])]
+        # a 4-bit key may have been re-rotated once before it was recorded (more is rare)
+        found = [self._layer0_excess(keys[0], fresh_keys[0], requantized=1),
+                 self._layer0_excess(values[0], fresh_values[0])]
         if worst := max((f for f in found if f is not None), default=None):
             raise ActionError(f"restore: the given K/V differ from the tokens' own at their positions in layer 0 "
                               f"by {worst[0]:.2e}: they were recorded for other tokens or positions")
@@ -457,23 +471,25 @@ class StateManager:
         a fresh one)."""
         return 1e-4 if self.lm.dtype == torch.float32 else 2e-2
 
-    def layer0_tolerance(self, rows: torch.Tensor) -> torch.Tensor | float:
-        """How far cache rows [..., head_dim] (as read: decoded) may lie from a fresh
+    def layer0_tolerance(self, rows: torch.Tensor, requantized: torch.Tensor | int = 0) -> torch.Tensor | float:
+        """How far cache rows [..., n, head_dim] (as read: decoded) may lie from a fresh
         computation of layer 0, per element: the float tolerance, plus with a 4-bit kv_format
-        REQUANTIZED_BOUNDS times the format's rounding bound for each row ([..., 1])."""
+        `rounding_bounds(requantized)` (an int, or [n] per row) times the format's rounding
+        bound of each row: a tensor [..., n, 1]."""
         codec = kv_formats.packed(self.kv_format)
         if codec is None:
             return self._layer0_tolerance()
-        return self._layer0_tolerance() + REQUANTIZED_BOUNDS * codec.error_bound(rows)
+        bounds = rounding_bounds(torch.as_tensor(requantized, dtype=torch.float32, device=rows.device))
+        return self._layer0_tolerance() + bounds.reshape(-1, 1) * codec.error_bound(rows)
 
-    def _layer0_excess(self, cached: torch.Tensor, fresh: torch.Tensor,
-                       tolerance: float | None = None) -> tuple[float, float] | None:
+    def _layer0_excess(self, cached: torch.Tensor, fresh: torch.Tensor, tolerance: float | None = None,
+                       requantized: torch.Tensor | int = 0) -> tuple[float, float] | None:
         """(error, tolerance) at the element of `cached` that lies farthest beyond its
         tolerance from `fresh` (both [..., rows, head_dim]), or None when all are within.
         `tolerance`: one number for every element instead of `layer0_tolerance`."""
         if not cached.numel():
             return None
-        allowed = self.layer0_tolerance(cached) if tolerance is None else tolerance
+        allowed = self.layer0_tolerance(cached, requantized) if tolerance is None else tolerance
         error = (cached.float() - fresh.float()).abs()
         allowed = torch.as_tensor(allowed, dtype=torch.float32, device=error.device).expand_as(error)
         worst = int((error - allowed).argmax())
@@ -516,7 +532,7 @@ class StateManager:
         """Stages 2–4 on the cache: splice, re-rotate, restored rows' own K/V (`stored`, by
         ledger id) copied in, one forward for the other new rows (with the probes' scratch
         rows after the live rows, dropped again). Returns the probes' log-probabilities."""
-        predicted_before = self._predicted
+        predicted_before, requantized_before = self._predicted, self._requantized
         scratch = len(probes) if probes and layout.old_length and layout.new_rows else 0
         if layout.old_length:
             self._cache.splice(list(layout.kept), layout.length + scratch)
@@ -527,15 +543,20 @@ class StateManager:
                                      torch.tensor(layout.positions[first:]))
             self._cache.rotate_keys(first, cos, sin)
         self._fault_point("rotate")
-        predicted = [0] * layout.length
+        predicted, requantized = [0] * layout.length, [0] * layout.length
         for old, new, count in layout.kept:
             predicted[new : new + count] = predicted_before[old : old + count]
+            requantized[new : new + count] = requantized_before[old : old + count]
+        if layout.moved is not None:
+            for row in range(layout.moved, layout.length):  # new rows keep their own position: 0
+                requantized[row] += layout.old_positions[row] != layout.positions[row]
         known = {row: stored[ledger_id] for insertion, part in layout.groups
                  for row, ledger_id in zip(layout.new_rows[part], insertion.restores) if ledger_id in stored}
         if known:
             self._copy_rows(known)
             for row, (_, _, token_id) in known.items():
                 predicted[row] = token_id
+                requantized[row] = 1  # what _stored_rows allowed it
         fed = [(row, token_id) for row, token_id in zip(layout.new_rows, layout.new_token_ids) if row not in known]
         newest = bool(fed) and fed[-1][0] == layout.length - 1
         if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
@@ -563,7 +584,7 @@ class StateManager:
             if newest:
                 self._take_newest(result)
         self._fault_point("forward")
-        self._predicted = predicted
+        self._predicted, self._requantized = predicted, requantized
         return probe_logprobs
 
     def _copy_rows(self, known: dict) -> None:
@@ -599,6 +620,7 @@ class StateManager:
         token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
         self._take_newest(None)
         self._predicted = []
+        self._requantized = [0] * len(token_ids)  # fresh rows, rounded once
         self._broken = "the cache is being rebuilt"
         try:
             if token_ids:
@@ -630,12 +652,13 @@ class StateManager:
         """Raise unless cache and mirror agree: mirror invariants, one row per live token in
         every layer, right shapes. `deep` also compares layer 0 with a fresh computation of
         the live tokens at their recorded positions, element by element within `tolerance`
-        (default: `layer0_tolerance`, which a 4-bit kv_format widens by its rounding bound)."""
+        (default: `layer0_tolerance`, which a 4-bit kv_format widens by its rounding bound, for
+        keys as often as they were re-rotated)."""
         if self._broken:
             raise StateInvariantError(self._broken)
         self._mirror.check(self.lm.max_positions)
         rows = len(self._mirror)
-        if self._cache.length != rows or len(self._predicted) != rows:
+        if self._cache.length != rows or len(self._predicted) != rows or len(self._requantized) != rows:
             raise StateInvariantError(f"cache holds {self._cache.length} rows ({len(self._predicted)} predictions) "
                                       f"but the mirror {rows}")
         shape = (1, self.lm.num_kv_heads, rows, self.lm.head_dim)
@@ -646,8 +669,8 @@ class StateManager:
         if deep and rows:
             layer = self._cache.layers[0]
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, self.live_token_ids(), self.positions())
-            found = [self._layer0_excess(cached, fresh, tolerance)
-                     for cached, fresh in ((layer.keys, fresh_keys), (layer.values, fresh_values))]
+            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(self._requantized)),
+                     self._layer0_excess(layer.values, fresh_values, tolerance)]
             if worst := max((f for f in found if f is not None), default=None):
                 error, allowed = worst
                 raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {allowed:.2g})")

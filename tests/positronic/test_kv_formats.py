@@ -5,6 +5,7 @@ Reference for every packed-cache edit: the float cache doing the same edits, its
 quantized independently (row by row, so moving a row must move exactly its codes and scale).
 """
 
+import copy
 import math
 import random
 
@@ -18,7 +19,7 @@ from positronic.evaluate import evaluate
 from positronic.forward import fresh_layer0_kv
 from positronic.kv_formats import FP4, PACKED, Int4, bytes_per_token, pack, unpack
 from positronic.loop import Brain, BrainConfig
-from positronic.state_manager import REQUANTIZED_BOUNDS, StateInvariantError
+from positronic.state_manager import StateInvariantError, rounding_bounds
 
 FORMATS = sorted(PACKED)
 KV_HEADS, HEAD_DIM = 2, 16
@@ -233,7 +234,7 @@ def test_a_4bit_cache_takes_at_most_0_3_of_float16(shape, name):
 def test_re_rotation_error_bound(name):
     """decode -> rotate -> encode: per element at most sqrt(2)·h·s_old (the old rounding error,
     turned) + h·s_new (the new rounding), h = the format's half step; against the new scale
-    alone at most REQUANTIZED_BOUNDS (3) rounding bounds. Re-rotating only the rows asked."""
+    alone at most rounding_bounds(1) = 3 rounding bounds. Re-rotating only the rows asked."""
     codec = PACKED[name]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     keys = random_rows(64)
@@ -251,7 +252,7 @@ def test_re_rotation_error_bound(name):
     bound = codec.half_step * (math.sqrt(2) * old_scales[:, :, 10:] + new_scales)
     assert bool((error <= bound * (1 + 1e-3) + 1e-6).all())
     in_rounding_bounds = error / codec.error_bound(layer.keys[:, :, 10:])
-    assert float(in_rounding_bounds.max()) <= REQUANTIZED_BOUNDS
+    assert float(in_rounding_bounds.max()) <= rounding_bounds(1) == 3
     assert torch.equal(layer.keys[:, :, 10:], quantized(codec, rope.rotate(before[:, :, 10:], cos, sin)))
 
 
@@ -317,18 +318,28 @@ def test_check_tolerance_follows_the_format(tiny, name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_an_insertion_without_room_re_rotates_within_the_stated_bound(tiny, name):
+def test_insertions_without_room_re_rotate_within_the_stated_bound(tiny, name, tmp_path):
+    """Every re-rotation of a key is counted, and the deep check allows rounding_bounds(r) =
+    2^(r+1) - 1 rounding bounds to a key re-rotated r times (values: 1); the counts survive a
+    session."""
     tokens = list(range(3, 43))
     sm = StateManager.from_tokens(tiny, tokens, kv_format=name)
     reference = StateManager.from_tokens(tiny, tokens)
-    for state in (sm, reference):  # positions 0..39 leave no room before row 10: rows 10.. move
-        report = state.insert(10, [7, 8, 9])
-        assert not report.rebuilt and report.rotated_rows == 30
-    sm.check(deep=True)
-    keys, exact = sm.layer_kv(0)[0], reference.layer_kv(0)[0]
     codec = PACKED[name]
-    ratio = ((keys - exact).abs() / codec.error_bound(keys)).max()
-    assert float(ratio) <= REQUANTIZED_BOUNDS
+    for rounds, row in ((1, 10), (2, 20)):  # positions 0..39 leave no room: the rows right of `row` move
+        for state in (sm, reference):
+            report = state.insert(row, [7, 8, 9])
+            assert not report.rebuilt and report.rotated_rows == len(state) - row - 3
+        sm.check(deep=True)
+        keys, exact = sm.layer_kv(0)[0], reference.layer_kv(0)[0]
+        ratio = ((keys - exact).abs() / codec.error_bound(keys))[0, :, 23:].max()
+        assert 1 < float(ratio) <= rounding_bounds(rounds), "more than one rounding, within the bound"
+    assert sm._requantized == [0] * 10 + [0] * 3 + [1] * 7 + [0] * 3 + [2] * 23
+    assert torch.equal(sm.layer_kv(0)[1], quantized(codec, reference.layer_kv(0)[1])), "values never move"
+    restored = StateManager.from_saved(tiny, copy.deepcopy(sm.mirror), sm.tensors(), kv_format=name)
+    assert restored._requantized == sm._requantized
+    sm.rebuild()
+    assert sm._requantized == [0] * len(sm)
 
 
 @pytest.mark.parametrize("name", FORMATS)
