@@ -473,7 +473,11 @@ BAD = {
     "keys-sparse": (lambda d: _keys(d, lambda k: k.to_sparse()), "field after.layer0.keys is a torch.sparse_coo "
                                                                  "tensor on cpu: only dense CPU tensors"),
     "keys-parameter": (lambda d: _keys(d, torch.nn.Parameter), "field after.layer0.keys holds Parameter"),
-    "keys-4d": (lambda d: _keys(d, lambda k: k[None]), "field after.layer0.keys is a tensor of shape [1, 2, 5, 16]"),
+    "keys-4d": (lambda d: _keys(d, lambda k: k[None]), "field after.layer0.keys must be a finite float32 tensor "
+                                                       "[kv_heads, 5, head_dim], 1 <= kv_heads <= 256, 1 <= head_dim "
+                                                       "<= 1024, got tensor float32 [1, 2, 5, 16]"),
+    "keys-5d": (lambda d: _keys(d, lambda k: k[None, None]), "field after.layer0.keys is a tensor of shape "
+                                                             "[1, 1, 2, 5, 16]"),
     "keys-int32": (lambda d: _keys(d, lambda k: k.int()), "field after.layer0.keys must be an int64 or float32 "
                                                           "tensor, got tensor int32 [2, 5, 16]"),
     "tensor-elsewhere": (_set(["after", "greedy"], torch.tensor([1, 2])), "field after.greedy must be a list of 1-64"),
