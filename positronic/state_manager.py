@@ -589,15 +589,16 @@ class StateManager:
 
     def _copy_rows(self, known: dict) -> None:
         """Write given K/V into live rows: known = {row: (keys, values, _)}, each
-        [layers, kv_heads, head_dim] in the cache's dtype and device. Through the cache's own
-        write path (`fill` + `update`), so a 4-bit cache encodes them."""
+        [layers, kv_heads, head_dim] in the cache's dtype and device. They go in the way a
+        forward's rows do (`fill` + `update`), so every layer kind stores them its own way
+        (a packed layer encodes them)."""
         rows = sorted(known)
         index = torch.tensor(rows, dtype=torch.long, device=self.lm.device)
         keys = torch.stack([known[row][0] for row in rows], dim=2)  # [layers, kv_heads, n, head_dim]
         values = torch.stack([known[row][1] for row in rows], dim=2)
         with self._cache.fill(index):
-            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
-                self._cache.update(layer_keys[None], layer_values[None], layer)
+            for layer, layer_keys, layer_values in zip(self._cache.layers, keys, values):
+                layer.update(layer_keys[None], layer_values[None])
 
     def _take_newest(self, result) -> None:
         """What the forward that wrote the newest row leaves (None: forget it, it is history)."""

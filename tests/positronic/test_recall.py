@@ -231,3 +231,19 @@ def test_a_tick_that_restores_rows_with_their_kv_is_captured_and_replays(tiny, t
     result = replay(load_fixture(tmp_path / "restore.pt"), tiny)
     assert not report.rebuilt and all(check.passed for check in result.checks), result.checks
     assert result.greedy == fixture.expected.greedy
+
+
+@pytest.mark.parametrize("kv_format", ["int4", "fp4"])
+def test_recall_restores_rows_into_a_packed_cache(tiny, kv_format):
+    """A restore's K/V go into a 4-bit cache encoded like any other row (not into a decoded
+    copy that is thrown away): the deep check holds after many restores."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)),
+                        BrainConfig(budget=48, recall=True, seed=4, kv_format=kv_format))
+    brain.policy.recall.threshold = 1.0
+    restores = 0
+    for _ in range(60):
+        record = brain.step()
+        if any(a["action"] == "restore" for a in record.actions):
+            restores += 1
+            brain.state.check(deep=True)  # right after the restore, before the rows can leave again
+    assert restores > 0
