@@ -10,6 +10,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -136,14 +137,7 @@ def run(
             prompt = prompt_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read --prompt-file {prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
-    refuse_conflicting_aliases(ctx)
-    policy, sinks, protect = llama_cpp_aliases(policy, sinks, protect, kv_eviction, kv_sink_tokens,
-                                               kv_protected_tokens)
-    config = BrainConfig(policy=policy, at_capacity=at_capacity, budget=budget, sinks=sinks, protect=protect, window=window, brightness=brightness,
-                         ttl_decay=ttl_decay, ttl_gain=ttl_gain, unit=unit, repairer=repairer, bridge_margin=bridge_margin, repair_tokens=repair_tokens, repair_batch=repair_batch, temperature=temperature, top_k=top_k,
-                         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, refresh_every=refresh_every,
-                         refresh_kl=refresh_kl, recall=recall, kv_format=kv_format)
-    config.validate()
+    config = brain_config(ctx, ctx.params)
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
         writable_directory(events.parent, "--events")
@@ -250,6 +244,21 @@ def writable_directory(path: Path, flag: str) -> None:
         raise UserError(f"cannot use {flag} {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"cannot use {flag} {path}: {existing} is not writable")
+
+
+def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
+    """The validated BrainConfig of a command's options (`run`'s, and `serve`'s, which reuses
+    them): the llama.cpp aliases mapped onto their flags, an alias given with its flag refused;
+    settings the command has no option for keep the library's defaults."""
+    refuse_conflicting_aliases(ctx)
+    policy, sinks, protect = llama_cpp_aliases(options["policy"], options["sinks"], options["protect"],
+                                               options.get("kv_eviction"), options.get("kv_sink_tokens"),
+                                               options.get("kv_protected_tokens"))
+    names = {f.name for f in dataclasses.fields(BrainConfig)}
+    config = BrainConfig(**{name: value for name, value in options.items() if name in names}
+                         | dict(policy=policy, sinks=sinks, protect=protect))
+    config.validate()
+    return config
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,
@@ -362,6 +371,12 @@ def eval_command(
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
                   repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format)
+
+
+from .server_cli import serve_command  # noqa: E402  (it reuses the run's options, defined above)
+
+app.command("serve", help="Serve the brain over HTTP: an OpenAI-compatible API, one brain per session "
+                          "(positronic/server.py).")(serve_command(run, brain_config))
 
 
 def main(argv: list[str] | None = None) -> None:
