@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 
@@ -76,6 +77,7 @@ class Metrics:
         self.counts = dict(generated_tokens=0, prompt_tokens=0, ticks=0, evictions=0, repairs=0, resurrections=0)
         self.tick_seconds = 0.0
         self._recent: deque[tuple[float, float]] = deque()  # (time, seconds) of recent ticks
+        self._recent_lock = threading.Lock()  # ticks come from the model thread, scrapes from the loop
 
     def record_tick(self, record: TickRecord, seconds: float) -> None:
         """One brain step of any conversation (on the model thread: plain counters only)."""
@@ -87,7 +89,8 @@ class Metrics:
             c["evictions"] += sum(len(rows_of(a)) for a in record.actions if a["action"] == "delete")
             c["repairs"] += kinds.count("replace_pair")
             c["resurrections"] += sum(len(a["ledger_ids"]) for a in record.actions if a["action"] == "restore")
-        self._recent.append((time.monotonic(), seconds))
+        with self._recent_lock:
+            self._recent.append((time.monotonic(), seconds))
 
     def record_reply(self, prompt_tokens: int, generated_tokens: int) -> None:
         """One request's tokens: read into the brain, and generated for its reply."""
@@ -102,10 +105,11 @@ class Metrics:
     def tokens_per_second(self) -> float:
         """Ticks per second of stepping over the last RATE_WINDOW_S (0 when idle)."""
         horizon = time.monotonic() - RATE_WINDOW_S
-        while self._recent and self._recent[0][0] < horizon:
-            self._recent.popleft()
-        busy = sum(seconds for _, seconds in list(self._recent))
-        return len(self._recent) / busy if busy > 0 else 0.0
+        with self._recent_lock:
+            while self._recent and self._recent[0][0] < horizon:
+                self._recent.popleft()
+            count, busy = len(self._recent), sum(seconds for _, seconds in self._recent)
+        return count / busy if busy > 0 else 0.0
 
     def render(self, *, sessions: dict[str, tuple[int, int]], session_states: dict[str, int],
                session_events: dict[str, int], in_flight: int) -> str:

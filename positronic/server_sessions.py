@@ -67,7 +67,8 @@ def check_session_id(value: str) -> str:
 class ModelWorker:
     """The one thread that runs the model: every job that touches a brain runs here, one at a
     time, in the order submitted. A job whose awaiting request was cancelled before it started
-    never runs; one already running finishes (a brain step is never cut in half)."""
+    never runs; one already running finishes (a brain step is never cut in half), and the
+    next request of its session waits for it (`barrier`) before it looks at the brain."""
 
     def __init__(self):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="positronic-model")
@@ -82,6 +83,10 @@ class ModelWorker:
             return fn(*args)
         finally:
             self.busy_s += time.perf_counter() - start
+
+    async def barrier(self) -> None:
+        """Wait until every job submitted so far has run (the worker takes them in order)."""
+        await self.run(lambda: None)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -124,8 +129,11 @@ class Conversation:
         for text in turns:
             self.brain.say(text)
 
-    def read_one(self) -> TickRecord:
-        """Add the next queued input token (forced ones first: they come before the turns)."""
+    def read_one(self) -> TickRecord | None:
+        """Add the next queued input token (forced ones first: they come before the turns);
+        None, and no tick, when there is none."""
+        if not self.reading:
+            return None
         return self._tick(self.forced[0] if self.forced else None, forced=bool(self.forced))
 
     def settle(self) -> None:
@@ -270,6 +278,11 @@ class SessionPool:
                 conversation.users -= 1
                 raise
             if not conversation.evicted:
+                try:  # a step that a cancelled request left running finishes first
+                    await self.worker.barrier()
+                except BaseException:
+                    self.release(conversation)
+                    raise
                 return conversation
             conversation.lock.release()  # freed while this request waited: load it again
             conversation.users -= 1
