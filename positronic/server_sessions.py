@@ -185,11 +185,15 @@ class Conversation:
 
 def describe(mirror, tick: int, budget: int) -> dict:
     """A session's mirror in words: what was said (the ledger's prompt, user and generated
-    tokens, in order), what the brain holds now (the live rows), and the counts."""
+    tokens, in order), what the brain holds now (the live rows), and the counts.
+    `transcript_tokens` counts what was said: the sum of the session's requests' usage
+    (prompt_tokens + completion_tokens), whatever the policy culled, repaired or recalled."""
     entries = mirror.ledger.entries
+    said = [e for e in entries if e.source in TRANSCRIPT_SOURCES]
     return {"tick": tick, "budget": budget, "live_length": len(mirror), "ledger_tokens": len(entries),
+            "transcript_tokens": len(said),
             "culled": mirror.ledger.count("culled"), "replaced": mirror.ledger.count("replaced"),
-            "transcript": "".join(e.text for e in entries if e.source in TRANSCRIPT_SOURCES),
+            "transcript": "".join(e.text for e in said),
             "live_text": "".join(mirror.live_texts())}
 
 

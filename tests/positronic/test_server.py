@@ -253,6 +253,23 @@ def test_a_long_chat_stays_within_budget_and_reads_only_each_new_turn(live, tiny
     assert "turn 7 of a long chat" in session["live_text"]
 
 
+def test_a_session_counts_the_tokens_its_requests_said(live):
+    """transcript_tokens is the sum of the session's usage, past the budget (culled rows
+    still count) and whichever endpoint or form said them (bench/serve_load.py checks it)."""
+    client, said = live.client(), 0
+    eos = {"extra_body": {"ignore_eos": True}}
+    first = client.completions.create(model=MODEL, prompt="Counted", max_tokens=40, user="counted", **eos)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "and streamed"}],
+                                            max_tokens=40, user="counted", stream=True,
+                                            stream_options={"include_usage": True}, **eos)
+    streamed = [chunk.usage for chunk in stream if chunk.usage is not None]
+    third = chat(client, "counted", "once more", max_tokens=40, **eos)
+    said = first.usage.total_tokens + streamed[-1].total_tokens + third.usage.total_tokens
+    session = live.get("/v1/sessions/counted").json()
+    assert session["transcript_tokens"] == said > CONFIG.budget
+    assert session["culled"] > 0 and session["ledger_tokens"] >= said
+
+
 def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_path):
     """With room for two sessions, a third checkpoints the least recently used one to disk;
     it comes back on its next request, and after a restart, and says what it would have said
