@@ -1,4 +1,4 @@
-# make run / make test set up .venv first (once; again only when pyproject.toml changes).
+# make run / make test set up .venv first (once; again only when pyproject.toml or setup.py changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ ARGS ?=
 setup: $(VENV)/.stamp
 
 # torch is pinned exactly: a CPU build of 2.13.0 is on local disk, plain `torch` would download GBs.
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e '.[dev]'

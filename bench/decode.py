@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import steps  # noqa: E402
+from positronic import steps  # noqa: E402
 from positronic import StateManager, load_model  # noqa: E402
 from positronic import state_manager  # noqa: E402
 from positronic.loop import Brain, BrainConfig  # noqa: E402

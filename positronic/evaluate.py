@@ -69,8 +69,8 @@ import torch
 from . import kv_formats
 from .loop import Brain, BrainConfig
 from .policy import POLICIES
+from .texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "texts" / "alice_ch1-2.txt"
 DEFAULT_POLICIES = ("brightness", "streaming", "scored", "h2o", "none")
 DEFAULT_BUDGETS = (128, 256, 512)
 PROBE_FACT = "The secret code is 4817. Remember this code.\n\n"

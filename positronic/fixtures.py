@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from mirror import Mirror, MirrorFileError
-from mirror.storage import from_columns, to_columns
+from positronic.mirror import Mirror, MirrorFileError
+from positronic.mirror.storage import from_columns, to_columns
 
 from .actions import ActionError, validate
 from .state_manager import FAULT_STAGES, ApplyReport, StateManager

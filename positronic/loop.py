@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-import steps
+from positronic import steps
 
 from . import chat, kv_formats, repairers
 from .actions import loggable, rows_of

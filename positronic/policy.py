@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import steps
+from positronic import steps
 
 from .forward import Probes
 from .recall import Recall

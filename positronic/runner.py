@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import mirror
+from positronic import mirror
 
 from . import session as sessions
 from .chat import TurnRefused

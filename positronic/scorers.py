@@ -13,7 +13,7 @@ Step 2a) into `values`, one float per row in cache order; the policy's one selec
 
 from __future__ import annotations
 
-import steps
+from positronic import steps
 
 
 class Scorer:

@@ -31,9 +31,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-import mirror
-import steps
-from mirror import MirrorFileError, MirrorInvariantError
+from positronic import mirror
+from positronic import steps
+from positronic.mirror import MirrorFileError, MirrorInvariantError
 
 from .loop import Brain, BrainConfig, cache_capacity
 from .state_manager import StateInvariantError, StateManager

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mirror import Insertion, Layout, Mirror, plan_layout
-from steps.attention import layer_indices
+from positronic.mirror import Insertion, Layout, Mirror, plan_layout
+from positronic.steps.attention import layer_indices
 
 from . import kv_formats, rope
 from .actions import ActionError, validate

@@ -56,7 +56,7 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Span, Text
 
-import steps
+from positronic import steps
 
 from .runner import Runner, RunResult, summary
 

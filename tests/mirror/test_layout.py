@@ -2,7 +2,7 @@
 
 import pytest
 
-from mirror import Insertion, plan_layout
+from positronic.mirror import Insertion, plan_layout
 
 
 def test_replacement_and_add_keep_positions_where_there_is_room():

@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-import mirror
-from mirror import Insertion, Mirror, MirrorFileError, MirrorInvariantError, plan_layout
+from positronic import mirror
+from positronic.mirror import Insertion, Mirror, MirrorFileError, MirrorInvariantError, plan_layout
 
 
 def splice(m, deleted, insertions, texts, tick, brightness=255.0):

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mirror as mirror_pkg
-import steps
+from positronic import mirror as mirror_pkg
+from positronic import steps
 from positronic import session as sessions
 from positronic.cli import main
 from positronic.loop import Brain, BrainConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import mirror
+from positronic import mirror
 from positronic import session as sessions
 from positronic.loop import Brain, BrainConfig
 from positronic.runner import Runner

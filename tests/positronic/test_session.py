@@ -10,7 +10,7 @@ import torch
 import safetensors.torch
 import torch
 
-import mirror
+from positronic import mirror
 from positronic import session as sessions
 from positronic.loop import Brain, BrainConfig
 

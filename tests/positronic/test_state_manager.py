@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-import mirror as mirror_pkg
+from positronic import mirror as mirror_pkg
 from positronic.actions import ActionError
 from positronic.forward import Probes, fresh_layer0_kv
 from positronic.state_manager import FAULT_STAGES, StateBrokenError, StateManager

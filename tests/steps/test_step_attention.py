@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from steps.attention import layer_indices, scores
+from positronic.steps.attention import layer_indices, scores
 
 # [layers=3, heads=2, live=4]
 ATT = torch.tensor(

@@ -1,6 +1,6 @@
 import pytest
 
-from steps.brightness import RULES, TTL_START, VOTE_START, update_ttl, update_vote
+from positronic.steps.brightness import RULES, TTL_START, VOTE_START, update_ttl, update_vote
 
 
 def test_ttl_formula_spot_check():

@@ -1,6 +1,6 @@
 import pytest
 
-from steps.consolidate import consolidate
+from positronic.steps.consolidate import consolidate
 
 REPLACE = {"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": [9]}
 DELETE = {"action": "delete", "position": 10}

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from steps.sample import Sample, sample
+from positronic.steps.sample import Sample, sample
 
 
 def draws(logits, n=300, seed=0, **kw):
@@ -164,7 +164,7 @@ def test_sample_is_frozen():
 
 
 def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would():
-    from steps.sample import _largest
+    from positronic.steps.sample import _largest
 
     generator = torch.Generator().manual_seed(3)
     for count in (1, 20, 50, 999, 1000):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from steps.units import protected_rows, select_units, selectable_rows
+from positronic.steps.units import protected_rows, select_units, selectable_rows
 
 
 def select_pairs(values, count, **kwargs):
