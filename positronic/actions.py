@@ -4,6 +4,9 @@ Actions are plain dicts (DESIGN §3):
     {'action': 'add',          'token_id': int}
     {'action': 'replace_pair', 'original_pos1': int, 'original_pos2': int, 'new_token_ids': [int, ...]}
     {'action': 'delete',       'position': int}
+    {'action': 'drop',         'rows': [[int, ...] per layer]}   per-layer rows only (SmartKV):
+       layer l drops its rows rows[l] (row numbers in that layer's cache); every layer drops
+       as many, so all layers keep the same length. A per-layer state takes add and drop only.
     {'action': 'restore',      'ledger_ids': [int, ...]}   culled tokens back at their old positions
        optional with the rows' K/V as they were when culled (all three or none; without them
        Step 4 recomputes the K/V in the tick's forward, seeing only today's left context):
@@ -20,11 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .util import is_int
+
 SCHEMA = {
     "add": ("token_id",),
     "replace_pair": ("original_pos1", "original_pos2", "new_token_ids"),
     "delete": ("position",),
     "restore": ("ledger_ids",),
+    "drop": ("rows",),
 }
 OPTIONAL = {"restore": ("keys", "values", "predicted")}  # all of them or none
 
@@ -44,10 +50,7 @@ class Plan:
     final_length: int
     restored: tuple[int, ...] = ()
     stored: dict = field(default_factory=dict)  # ledger id -> (keys [layers, kv_heads, head_dim], values, predicted)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    drops: list[list[int]] | None = None  # per-layer rows: each layer's dropped rows (None: no drop action)
 
 
 def loggable(action: dict) -> dict:
@@ -67,17 +70,22 @@ def rows_of(action: dict) -> tuple[int, ...]:
     return ()
 
 
-def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> Plan:
+def validate(actions, *, live_length: int, vocab_size: int, max_length: int,
+             layers: tuple[int, int] | None = None) -> Plan:
     """Check a whole action list against the current state and return the order to apply it.
 
     Raises ActionError naming the action (index and kind) and the problem.
+    layers: (layer count, rows per layer) of a per-layer state, which takes `add` and one
+    `drop` only; `final_length` is then the rows per layer afterwards. None: every layer
+    holds the live rows, and `drop` is refused.
     """
     if not isinstance(actions, list):
         raise ActionError(f"action list must be a list, got {type(actions).__name__}")
     seen: dict[int, int] = {}  # row -> index of the action that edits it
     restored: dict[int, int] = {}  # ledger id -> index of the action that restores it
     stored: dict[int, tuple] = {}
-    final_length = live_length
+    final_length = live_length if layers is None else layers[1]
+    drops = None
     for index, action in enumerate(actions):
         name = action.get("action") if isinstance(action, dict) else None
         where = f"action {index} ({name})" if isinstance(name, str) else f"action {index}"
@@ -89,6 +97,10 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
             fail(f"must be a dict, got {type(action).__name__}")
         if name not in SCHEMA:
             fail(f"unknown action {name!r}; expected one of {', '.join(SCHEMA)}")
+        if layers is None and name == "drop":
+            fail("drop names rows per layer: this state keeps the same rows in every layer (use delete)")
+        if layers is not None and name not in ("add", "drop"):
+            fail("a per-layer state (layers keep different rows) takes add and drop actions only")
         expected = set(SCHEMA[name]) | set(OPTIONAL.get(name, ())) | {"action"}
         if unknown := sorted(set(map(str, action)) - expected):
             fail(f"unknown key(s) {', '.join(unknown)}")
@@ -96,14 +108,14 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
             fail(f"missing key(s) {', '.join(missing)}")
 
         def token(key: str, value) -> None:
-            if not _is_int(value):
+            if not is_int(value):
                 fail(f"{key} must be an int, got {type(value).__name__} {value!r}")
             if not 0 <= value < vocab_size:
                 fail(f"{key}={value} is outside the vocabulary 0..{vocab_size - 1}")
 
         def row(key: str) -> int:
             value = action[key]
-            if not _is_int(value):
+            if not is_int(value):
                 fail(f"{key} must be an int, got {type(value).__name__} {value!r}")
             if not 0 <= value < live_length:
                 fail(f"{key}={value} is out of range 0..{live_length - 1}")
@@ -116,7 +128,7 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
             final_length += 1
         elif name == "restore":
             ids = action["ledger_ids"]
-            if not isinstance(ids, list) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+            if not isinstance(ids, list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
                 fail(f"ledger_ids must be a non-empty list of ledger ids (ints >= 0), got {ids!r}")
             for ledger_id in ids:
                 if ledger_id in restored:
@@ -128,6 +140,11 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
                 if len(given) != len(OPTIONAL["restore"]):
                     fail(f"keys, values and predicted come together (got only {', '.join(given)})")
                 stored.update(_stored_rows(action, ids, vocab_size, fail))
+        elif name == "drop":
+            if drops is not None:
+                fail("one drop action per list (it names every layer's rows)")
+            drops = _layer_drops(action["rows"], layers, fail)
+            final_length -= len(drops[0])
         elif name == "delete":
             seen[row("position")] = index
             final_length -= 1
@@ -151,7 +168,25 @@ def validate(actions, *, live_length: int, vocab_size: int, max_length: int) -> 
     edits = sorted((a for a in actions if a["action"] in ("delete", "replace_pair")), key=lambda a: max(rows_of(a)),
                    reverse=True)
     adds = [a for a in actions if a["action"] == "add"]
-    return Plan(edits=edits, adds=adds, final_length=final_length, restored=tuple(restored), stored=stored)
+    return Plan(edits=edits, adds=adds, final_length=final_length, restored=tuple(restored), stored=stored,
+                drops=drops)
+
+
+def _layer_drops(rows, layers: tuple[int, int], fail) -> list[list[int]]:
+    """A drop action's rows: one list per layer, the same length in every layer, each of
+    distinct rows inside that layer."""
+    count, length = layers
+    if not isinstance(rows, list) or len(rows) != count or not all(isinstance(r, list) for r in rows):
+        fail(f"rows must be a list of {count} lists (one per layer), got {type(rows).__name__}")
+    for layer, dropped in enumerate(rows):
+        if not all(is_int(r) and 0 <= r < length for r in dropped):
+            fail(f"layer {layer}: rows must be ints in 0..{length - 1}, got {dropped!r}")
+        if len(set(dropped)) != len(dropped):
+            fail(f"layer {layer}: a row is dropped twice in {dropped!r}")
+    if len({len(dropped) for dropped in rows}) != 1:
+        fail(f"every layer must drop as many rows (got {sorted({len(d) for d in rows})}): "
+             "the layers keep the same length")
+    return [list(dropped) for dropped in rows]
 
 
 def _stored_rows(action: dict, ids: list[int], vocab_size: int, fail) -> dict[int, tuple]:
@@ -166,6 +201,6 @@ def _stored_rows(action: dict, ids: list[int], vocab_size: int, fail) -> dict[in
     if keys.shape != values.shape:
         fail(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
     if not isinstance(predicted, list) or len(predicted) != len(ids) \
-            or not all(_is_int(t) and 0 <= t < vocab_size for t in predicted):
+            or not all(is_int(t) and 0 <= t < vocab_size for t in predicted):
         fail(f"predicted must be {len(ids)} token ids in the vocabulary, got {predicted!r}")
     return {ledger_id: (keys[:, :, i], values[:, :, i], predicted[i]) for i, ledger_id in enumerate(ids)}

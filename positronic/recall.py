@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from .util import DTYPES, is_int_list
+
 DEFAULT_THRESHOLD = 8.0  # × a live row's fair share of attention
 DEFAULT_SPAN = 16  # rows restored around the best match
 DEFAULT_CAPACITY = 2048  # evicted rows kept recallable (scoring them costs ~6% of a SmolLM2 CPU tick per 1000)
@@ -150,7 +152,6 @@ class Recall:
     # --- sessions ---------------------------------------------------------------------------
 
     VERSION_1 = {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}  # keys only
-    DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
     def state(self) -> dict:
         """Plain data for a session: the kept rows, their K/V as raw bytes, the clocks."""
@@ -165,9 +166,6 @@ class Recall:
 
     def load_state(self, state: dict) -> None:
         """Take a `state()` back; ValueError if anything is malformed (nothing changes then)."""
-        def ints(value):
-            return isinstance(value, list) and all(type(v) is int for v in value)
-
         fields = {"ids", "positions", "predicted", "shape", "dtype", "keys", "values", "back_at", "clock",
                   "restored", "awake"}
         if isinstance(state, dict) and set(state) == self.VERSION_1 and type(state.get("clock")) is int \
@@ -176,15 +174,15 @@ class Recall:
             # what it evicted cannot come back exactly; the index starts empty from here
             state = {**self.__class__().state(), "clock": state["clock"], "restored": state["restored"]}
         ok = (isinstance(state, dict) and set(state) == fields
-              and ints(state["ids"]) and ints(state["positions"]) and ints(state["predicted"])
+              and is_int_list(state["ids"]) and is_int_list(state["positions"]) and is_int_list(state["predicted"])
               and len(state["ids"]) == len(state["positions"]) == len(state["predicted"])
-              and len(state["ids"]) <= self.capacity and ints(state["shape"]) and state["dtype"] in self.DTYPES
+              and len(state["ids"]) <= self.capacity and is_int_list(state["shape"]) and state["dtype"] in DTYPES
               and isinstance(state["keys"], bytes) and isinstance(state["values"], bytes)
-              and isinstance(state["back_at"], list) and all(ints(p) and len(p) == 2 for p in state["back_at"])
+              and isinstance(state["back_at"], list) and all(is_int_list(p) and len(p) == 2 for p in state["back_at"])
               and type(state["clock"]) is int and type(state["restored"]) is int and type(state["awake"]) is bool)
         keys = values = None
         if ok and (state["shape"] or state["keys"]):
-            shape, dtype = state["shape"], self.DTYPES[state["dtype"]]
+            shape, dtype = state["shape"], DTYPES[state["dtype"]]
             size = torch.finfo(dtype).bits // 8
             ok = (len(shape) == 4 and shape[2] == len(state["ids"]) and all(n > 0 for n in shape[:2] + shape[3:])
                   and len(state["keys"]) == len(state["values"]) == size * shape[0] * shape[1] * shape[2] * shape[3])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .forward import Probes
+from .util import is_int_list
 
 
 class RepairerError(ValueError):
@@ -118,7 +119,7 @@ class BridgeRepairer:
     def load_state(self, state: dict) -> None:
         rows = state.get("scores") if isinstance(state, dict) and set(state) == {"scores"} else None
         if not isinstance(rows, list) or not all(
-                isinstance(r, list) and len(r) == 5 and all(type(v) is int for v in r[:4]) and type(r[4]) in (int, float)
+                isinstance(r, list) and len(r) == 5 and is_int_list(r[:4]) and type(r[4]) in (int, float)
                 for r in rows):
             raise ValueError("bridge repairer: malformed saved state")
         scores: dict[tuple[int, int, int], dict[int, float]] = {}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from positronic import steps
 
+from .util import is_int_list
+
 
 class Scorer:
     """Base: `values(view, scores)` once per tick; `removing(ledger_ids)` tells it which rows
@@ -112,11 +114,8 @@ class KeyedScorer(Scorer):
                 "removing": list(self._removing)}
 
     def load_state(self, state):
-        def ints(v):
-            return isinstance(v, list) and all(type(i) is int for i in v)
-
         if not (isinstance(state, dict) and set(state) == {"ids", "values", "clock", "removing"}
-                and ints(state["ids"]) and ints(state["removing"]) and type(state["clock"]) is int
+                and is_int_list(state["ids"]) and is_int_list(state["removing"]) and type(state["clock"]) is int
                 and isinstance(state["values"], list) and len(state["values"]) == len(state["ids"])
                 and all(type(v) in (int, float) for v in state["values"])):
             raise ValueError(f"{type(self).__name__}: malformed saved state")

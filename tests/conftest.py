@@ -1,9 +1,16 @@
-"""Shared fixtures: the real embedded model (SmolLM2, float32 on CPU) and tiny random Llamas."""
+"""Shared fixtures: the real embedded model (SmolLM2, float32 on CPU), tiny random Llamas, and
+the helpers several test modules use (each a fixture, so no test module imports another)."""
 
 import pytest
 import torch
+from transformers import DynamicCache
 
+from positronic.cli import main
 from positronic.models import load_model
+
+EVAL_TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
+             "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
+             "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +34,57 @@ def tiny_half():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def eval_text() -> str:
+    """A short English text for `positronic eval` and friends (~190 SmolLM2 tokens, ~750 bytes)."""
+    return EVAL_TEXT
+
+
+def _run_cli(*args) -> int:
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        return exc.code or 0
+    return 0
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """run_cli(*args): the exit code `positronic ARGS` would have, run in this process."""
+    return _run_cli
+
+
+def _layer0_by_prefill(lm, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's K/V [1, kv_heads, rows, head_dim] as plain transformers stores them after a
+    prefill of `token_ids` at `positions` into a DynamicCache: the model's own forward, none of
+    the project's code (check(deep=True) uses forward.fresh_layer0_kv, so that helper cannot
+    judge it). Layer 0's K/V depend only on token and position, so the mask does not matter."""
+    cache = DynamicCache(config=lm.model.config)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([token_ids], device=lm.device),
+                 position_ids=torch.tensor([positions], device=lm.device), past_key_values=cache, use_cache=True)
+    return cache.layers[0].keys.clone(), cache.layers[0].values.clone()
+
+
+@pytest.fixture(scope="session")
+def layer0_oracle():
+    """layer0_oracle(lm, token_ids, positions) -> (keys, values), see _layer0_by_prefill."""
+    return _layer0_by_prefill
+
+
+def _fresh_logits(lm, token_ids, positions):
+    n = len(token_ids)
+    mask = torch.full((n, n), torch.finfo(lm.dtype).min).triu(1)[None, None]
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([token_ids]), position_ids=torch.tensor([positions]),
+                       attention_mask=mask, use_cache=False)
+    return out.logits[0].float()
+
+
+@pytest.fixture(scope="session")
+def fresh_logits():
+    """fresh_logits(lm, token_ids, positions) -> [rows, vocab]: the logits of one plain
+    transformers forward over the tokens at those positions, causal by row."""
+    return _fresh_logits

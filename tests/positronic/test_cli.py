@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("args", [["-h"], ["--help"], ["run", "-h"], ["eval", "-h"], ["replay", "--help"]])
-def test_help_comes_with_short_and_long_flags(args, capsys):
+def test_help_comes_with_short_and_long_flags(args, capsys, run_cli):
     assert run_cli(*args) == 0
     out = capsys.readouterr().out
     assert out.startswith("Usage:") and "-h, --help" in out
@@ -25,27 +24,27 @@ def test_help_comes_with_short_and_long_flags(args, capsys):
         assert "-m, --model" in out and "-n, --ticks" in out and "-c, --budget" in out and "-t, --threads" in out
 
 
-def test_version_prints_the_installed_version(capsys):
+def test_version_prints_the_installed_version(capsys, run_cli):
     from importlib.metadata import version
 
     assert run_cli("--version") == 0
     assert capsys.readouterr().out == f"positronic-brain {version('positronic-brain')}\n"
 
 
-def test_run_options_before_a_subcommand_are_refused_not_ignored(capsys):
+def test_run_options_before_a_subcommand_are_refused_not_ignored(capsys, run_cli):
     assert run_cli("--model", "random:tiny", "-n", "5", "eval", "--max-tokens", "5") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: options before `eval` belong to a run (--model, --ticks)") and "after it" in err
 
 
-def test_a_llama_cpp_alias_and_its_flag_together_are_refused(capsys):
+def test_a_llama_cpp_alias_and_its_flag_together_are_refused(capsys, run_cli):
     assert run_cli("-m", "random:tiny", "--kv-eviction", "1", "--policy", "h2o", "--no-tui") == 2
     assert "--kv-eviction and --policy set the same thing" in capsys.readouterr().err
     assert run_cli("-m", "random:tiny", "--kv-sink-tokens", "2", "--sinks", "2", "--no-tui") == 2
     assert "--kv-sink-tokens and --sinks" in capsys.readouterr().err
 
 
-def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys):
+def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys, run_cli):
     torch_threads = torch.get_num_threads()
     try:
         assert run_cli("run", "-m", "random:tiny", "-n", "7", "-p", "Hi there", "-c", "64", "-s", "3", "-t", "1",
@@ -80,7 +79,7 @@ def test_no_tick_limit_runs_until_ctrl_c_and_ends_with_the_summary(tmp_path):
     assert "/∞] tick" in err, "the progress line says there is no limit"
 
 
-def test_an_existing_event_log_is_not_overwritten_without_overwrite(tmp_path, capsys):
+def test_an_existing_event_log_is_not_overwritten_without_overwrite(tmp_path, capsys, run_cli):
     events = tmp_path / "events.jsonl"
     events.write_text("an earlier run's log\n")
     args = ["-m", "random:tiny", "-n", "3", "--no-tui", "--no-input", "--events", str(events)]

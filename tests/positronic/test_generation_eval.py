@@ -12,7 +12,6 @@ from positronic.generation_eval import (CSV_COLUMNS, distinct_n, evaluate_genera
                                         rescore, table, write_generation_outputs)
 from positronic.generation_eval import main as generation_main
 from positronic.loop import Brain
-from cli_helpers import TEXT, run_cli
 
 def stepwise_nll(lm, ids: list[int], first: int) -> list[float]:
     """NLL of ids[first:], feeding one token at a time into a DynamicCache (independent of
@@ -56,12 +55,12 @@ def test_rescore_is_the_plain_models_nll_with_the_full_history(tiny):
     assert rescore(tiny, prompt, []) == []
 
 
-def test_generation_samples_through_brain_step_and_a_seed_repeats_it(tiny, monkeypatch):
+def test_generation_samples_through_brain_step_and_a_seed_repeats_it(tiny, monkeypatch, eval_text):
     forced = []
     original = Brain.step
     monkeypatch.setattr(Brain, "step", lambda self, force=None: forced.append(force) or original(self, force))
-    prompt = prompt_of(tiny, TEXT, 16)
-    assert prompt[0] == tiny.bos_id and prompt[1:] == tiny.encode(TEXT)[:16]
+    prompt = prompt_of(tiny, eval_text, 16)
+    assert prompt[0] == tiny.bos_id and prompt[1:] == tiny.encode(eval_text)[:16]
     config = make_config("streaming", 48)
     first = generate_run(tiny, prompt, config, 40)
     assert forced == [None] * 40, "every token is sampled by an unforced tick"
@@ -73,16 +72,16 @@ def test_generation_samples_through_brain_step_and_a_seed_repeats_it(tiny, monke
 
 
 @pytest.mark.parametrize("policy", ["streaming", "brightness"])
-def test_a_budget_that_forces_eviction_keeps_the_live_length_within_it(tiny, policy):
-    prompt = prompt_of(tiny, TEXT, 16)
+def test_a_budget_that_forces_eviction_keeps_the_live_length_within_it(tiny, policy, eval_text):
+    prompt = prompt_of(tiny, eval_text, 16)
     run = generate_run(tiny, prompt, make_config(policy, 48, sinks=4), 50)
     assert run.tokens == 50 and not run.stopped and run.error is None
     assert run.deletes + run.repairs > 0, "17 + 50 tokens cannot fit in 48 rows without evicting"
     assert 40 <= run.max_live <= 48
 
 
-def test_report_reference_ratios_and_output_files(tiny, tmp_path):
-    report = evaluate_generation(tiny, TEXT, policies=["streaming"], budgets=[48, 64], generate=40, prompt_tokens=16,
+def test_report_reference_ratios_and_output_files(tiny, tmp_path, eval_text):
+    report = evaluate_generation(tiny, eval_text, policies=["streaming"], budgets=[48, 64], generate=40, prompt_tokens=16,
                                  seed=3, text_name="keeper")
     ref, tight, roomy = report.reference, *report.runs
     assert ref is not None and ref.label == "none@full" and report.note is None
@@ -122,8 +121,8 @@ def test_report_reference_ratios_and_output_files(tiny, tmp_path):
     assert cells[0] == ["none@full", "streaming@48", "streaming@64"] and cells[3][0] == "1.000"
 
 
-def test_none_with_stop_ends_early_and_says_how_many_tokens(tiny, tmp_path):
-    report = evaluate_generation(tiny, TEXT, policies=["none"], budgets=[48], generate=60, prompt_tokens=16,
+def test_none_with_stop_ends_early_and_says_how_many_tokens(tiny, tmp_path, eval_text):
+    report = evaluate_generation(tiny, eval_text, policies=["none"], budgets=[48], generate=60, prompt_tokens=16,
                                  at_capacity="stop", reference=False)
     run = report.runs[0]
     assert run.stopped and run.tokens == 48 - 17 and run.max_live == 48 and len(run.nll) == 31
@@ -133,7 +132,7 @@ def test_none_with_stop_ends_early_and_says_how_many_tokens(tiny, tmp_path):
     assert list(table(report).columns[1]._cells) == ["31 (stopped)"]
 
 
-def test_a_failed_tick_is_retried_once_and_a_second_failure_ends_that_run(tiny, monkeypatch):
+def test_a_failed_tick_is_retried_once_and_a_second_failure_ends_that_run(tiny, monkeypatch, eval_text):
     brains = []
     start = Brain.start
     monkeypatch.setattr(Brain, "start", lambda lm, *args, **kwargs: brains.append(start(lm, *args, **kwargs))
@@ -145,7 +144,7 @@ def test_a_failed_tick_is_retried_once_and_a_second_failure_ends_that_run(tiny, 
                 brains[-1].state.inject_fault("forward")
         return on_token
 
-    prompt = prompt_of(tiny, TEXT, 16)
+    prompt = prompt_of(tiny, eval_text, 16)
     config = make_config("streaming", 48)
     run = generate_run(tiny, prompt, config, 30, on_token=fault_after(10))
     assert run.rebuilds == 1 and run.tokens == 30 and run.error is None
@@ -171,8 +170,8 @@ def table_of(lm, run):
     return table(GenerationReport(lm.name, "t", [lm.bos_id], "", {"generate": run.requested, "seed": 0}, [run], None))
 
 
-def test_the_reference_is_skipped_with_a_note_when_it_exceeds_the_positions(tiny):
-    long_text = TEXT * 4
+def test_the_reference_is_skipped_with_a_note_when_it_exceeds_the_positions(tiny, eval_text):
+    long_text = eval_text * 4
     assert len(tiny.encode(long_text)) >= 490
     report = evaluate_generation(tiny, long_text, policies=["streaming"], budgets=[48], generate=30,
                                  prompt_tokens=490)
@@ -190,24 +189,24 @@ def test_the_reference_is_skipped_with_a_note_when_it_exceeds_the_positions(tiny
     (dict(generate=5, prompt_tokens=600), "--prompt-tokens 600"),
     (dict(generate=5, prompt_tokens=100, body="Too short."), "the text has 10 tokens, fewer than --prompt-tokens 100"),
 ])
-def test_bad_options_raise_eval_error_and_write_nothing(tmp_path, kwargs, message):
+def test_bad_options_raise_eval_error_and_write_nothing(tmp_path, kwargs, message, eval_text):
     text = tmp_path / "t.txt"
     settings = dict(policies=["streaming"], budgets=[48]) | kwargs
-    text.write_text(settings.pop("body", TEXT))
+    text.write_text(settings.pop("body", eval_text))
     out = tmp_path / "out"
     with pytest.raises(EvalError, match=message.replace("(", r"\(")):
         generation_main(model="random:tiny", text=text, out=out, device="cpu", **settings)
     assert not out.exists()
 
 
-def test_cli_bad_generate_gives_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+def test_cli_bad_generate_gives_one_line_exit_2_and_writes_nothing(tmp_path, capsys, run_cli):
     out = tmp_path / "out"
     assert run_cli("eval", "--model", "random:tiny", "--generate", "0", "--out", str(out)) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --generate must be >= 1, got 0" and not out.exists()
 
 
-def test_cli_generate_on_the_embedded_model_writes_files_and_prints_the_table(tmp_path, capsys):
+def test_cli_generate_on_the_embedded_model_writes_files_and_prints_the_table(tmp_path, capsys, run_cli):
     out = tmp_path / "gen"
     assert run_cli("eval", "--model", "smollm2", "--device", "cpu", "--generate", "20", "--prompt-tokens", "32",
                    "--budget", "48", "--policy", "streaming", "--policy", "brightness", "--out", str(out)) == 0

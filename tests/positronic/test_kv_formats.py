@@ -11,12 +11,10 @@ import random
 
 import pytest
 import torch
-from cli_helpers import TEXT, run_cli
 
 from positronic import SpliceCache, StateManager, rope
 from positronic import session as sessions
 from positronic.evaluate import evaluate
-from positronic.forward import fresh_layer0_kv
 from positronic.kv_formats import FP4, PACKED, Int4, bytes_per_token, pack, unpack
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import StateInvariantError, rounding_bounds
@@ -299,7 +297,7 @@ def test_edits_keep_layer0_equal_to_the_float_states_rows_quantized(tiny, name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_check_tolerance_follows_the_format(tiny, name):
+def test_check_tolerance_follows_the_format(tiny, name, layer0_oracle):
     """The default tolerance of a packed state is its rounding bound (per row); the float
     tolerance is too tight for it, and rows that do not follow the mirror still fail."""
     sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format=name)
@@ -307,7 +305,7 @@ def test_check_tolerance_follows_the_format(tiny, name):
     with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
         sm.check(deep=True, tolerance=1e-4)
     keys = sm.layer_kv(0)[0]
-    fresh = fresh_layer0_kv(tiny, sm.live_token_ids(), sm.positions())[0]
+    fresh = layer0_oracle(tiny, sm.live_token_ids(), sm.positions())[0]
     ratio = ((keys - fresh).abs() / PACKED[name].error_bound(keys)).max()
     assert 0.3 < float(ratio) <= 1.0 + 1e-3, "one rounding: within one bound (float noise aside)"
     layer = sm.cache.layers[0]
@@ -407,7 +405,7 @@ def test_a_session_resumes_with_the_same_codes(tiny, tmp_path, name):
 # --- 4. the command line and the evaluation ----------------------------------------------------
 
 
-def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys):
+def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys, run_cli):
     code = run_cli("--model", "random:tiny", "--ticks", "12", "--budget", "40", "--no-tui", "--no-input",
                    "--kv-format", "fp4")
     out = capsys.readouterr().out
@@ -416,13 +414,13 @@ def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys):
     assert f"(fp4, {2 * tiny.num_layers * row} B/token)" in out
 
 
-def test_an_unknown_format_gives_one_line_and_exit_code_2(capsys):
+def test_an_unknown_format_gives_one_line_and_exit_code_2(capsys, run_cli):
     assert run_cli("--model", "random:tiny", "--ticks", "2", "--no-tui", "--kv-format", "int8") == 2
     assert capsys.readouterr().err.strip() == "error: unknown kv format 'int8'; choose from float, int4, fp4"
 
 
-def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny):
-    report = evaluate(tiny, TEXT, policies=["streaming"], budgets=[40], max_tokens=70, probe=False, kv_format="int4")
+def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny, eval_text):
+    report = evaluate(tiny, eval_text, policies=["streaming"], budgets=[40], max_tokens=70, probe=False, kv_format="int4")
     assert report.settings["kv_format"] == "int4"
     assert report.settings["kv_bytes_per_token"] == bytes_per_token("int4", layers=tiny.num_layers,
                                                                     kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,

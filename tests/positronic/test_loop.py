@@ -15,8 +15,6 @@ from positronic.loop import Brain, BrainConfig
 from positronic.policy import make_policy
 from positronic.repairers import MaskedLMRepairer, NoRepairer, RepairerError, SelfRepairer, make_repairer
 from positronic.state_manager import ContextView, StateManager
-from test_state_manager import fresh_logits
-from cli_helpers import run_cli
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step"
 
@@ -42,7 +40,7 @@ def test_300_ticks_at_budget_128_stay_consistent_and_bounded(smol):
     assert len(ledger) == len(brain.state) + ledger.count("replaced") + ledger.count("culled")
 
 
-def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys):
+def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys, run_cli):
     events = tmp_path / "events.jsonl"
     assert run_cli("--ticks", "40", "--budget", "48", "--repairer", "self", "--no-tui", "--events", str(events), "--prompt", PROMPT) == 0
     header, *records = [json.loads(line) for line in events.read_text().splitlines()]
@@ -60,7 +58,7 @@ def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys):
     assert "lighthouse keeper" in out and "--- summary ---" in out and "repairs" in out
 
 
-def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, capsys):
+def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, capsys, run_cli):
     common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--prompt", PROMPT, "--save-every", "50"]
     assert run_cli("--ticks", "100", "--session", str(tmp_path / "straight"), *common) == 0
     assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), *common) == 0
@@ -103,7 +101,7 @@ def test_resume_refuses_a_session_of_another_model(tmp_path, smol, tiny):
     (["--no-such-flag"], "no-such-flag"),
     (["--store", "dynamic"], "store"),  # v1's KV store backends are gone, and so is the flag
 ])
-def test_bad_flags_give_one_line_and_exit_code_2(args, message, capsys):
+def test_bad_flags_give_one_line_and_exit_code_2(args, message, capsys, run_cli):
     code = run_cli("--ticks", "3", "--no-tui", *args) if "--ticks" not in args else run_cli("--no-tui", *args)
     err = capsys.readouterr().err
     assert code == 2
@@ -122,7 +120,7 @@ def crafted_view(token_ids, predicted, brightness=None) -> ContextView:
                        predicted=torch.tensor(predicted))
 
 
-def test_self_repairer_proposes_the_models_greedy_token_for_the_slot(smol):
+def test_self_repairer_proposes_the_models_greedy_token_for_the_slot(smol, fresh_logits):
     sm = StateManager.from_tokens(smol, [smol.bos_id] + smol.encode(PROMPT))
     sm.apply([{"action": "delete", "position": 3}])  # positions now have a gap
     sm.rebuild()  # drop the deleted token's trace from deeper layers, so a fresh forward is comparable
@@ -402,7 +400,7 @@ def test_ctrl_c_while_starting_exits_130_with_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
-def test_a_run_with_no_flags_shows_maintenance_at_work(capsys):
+def test_a_run_with_no_flags_shows_maintenance_at_work(capsys, run_cli):
     """`make run` / `python run.py` with nothing else: the defaults reach the budget and edit."""
     assert run_cli("--no-tui") == 0
     out = capsys.readouterr().out
@@ -413,7 +411,7 @@ def test_a_run_with_no_flags_shows_maintenance_at_work(capsys):
 
 
 @pytest.mark.parametrize("flag", ["--events", "--session"])
-def test_an_unusable_output_is_refused_before_the_model_loads(tmp_path, capsys, flag):
+def test_an_unusable_output_is_refused_before_the_model_loads(tmp_path, capsys, flag, run_cli):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     target = blocker / ("events.jsonl" if flag == "--events" else "session")
@@ -422,12 +420,12 @@ def test_an_unusable_output_is_refused_before_the_model_loads(tmp_path, capsys, 
     assert f"cannot use {flag}" in err and "no-such-model" not in err, "refused before loading the model"
 
 
-def test_a_budget_beyond_the_models_positions_is_refused_at_start(capsys):
+def test_a_budget_beyond_the_models_positions_is_refused_at_start(capsys, run_cli):
     assert run_cli("--model", "random:tiny", "--budget", "100000", "--no-tui") == 2
     assert "budget 100000 is above random:tiny's 512 positions" in capsys.readouterr().err
 
 
-def test_starting_over_a_saved_session_without_resume_is_refused(tmp_path, capsys):
+def test_starting_over_a_saved_session_without_resume_is_refused(tmp_path, capsys, run_cli):
     common = ["--model", "random:tiny", "--budget", "64", "--ticks", "3", "--no-tui", "--session", str(tmp_path)]
     assert run_cli(*common) == 0
     saved = (tmp_path / "mirror.msgpack").read_bytes()
@@ -443,7 +441,7 @@ def test_starting_over_a_saved_session_without_resume_is_refused(tmp_path, capsy
     assert meta["tick"] == 3 and meta["config"]["seed"] == 9, "a new run replaced the old one"
 
 
-def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path):
+def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path, run_cli):
     """A run killed after its last checkpoint left records the resumed run makes again: they
     (and a torn last line) are dropped, so every tick appears exactly once."""
     events = tmp_path / "events.jsonl"
@@ -460,7 +458,7 @@ def test_resuming_with_events_trims_the_ticks_after_the_checkpoint(tmp_path):
     assert [(r["tick"], r["resumed"]) for r in records if r.get("record") == "header"] == [(0, False), (20, True)]
 
 
-def test_resume_refuses_flags_that_would_change_the_saved_settings(tmp_path, capsys):
+def test_resume_refuses_flags_that_would_change_the_saved_settings(tmp_path, capsys, run_cli):
     common = ["--model", "random:tiny", "--no-tui", "--session", str(tmp_path), "--ticks", "3"]
     assert run_cli(*common, "--budget", "64", "--policy", "h2o") == 0
     assert run_cli(*common, "--resume", "--budget", "80", "--kv-eviction", "1") == 2

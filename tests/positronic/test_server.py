@@ -25,7 +25,6 @@ from positronic.loop import Brain, BrainConfig
 from positronic.server import ServerSettings, create_app
 from positronic.server_text import ChatFormat, Reply, StopScanner
 
-from cli_helpers import run_cli
 
 MODEL = "random:tiny"
 CONFIG = BrainConfig(budget=96, window=16, sinks=4, temperature=0.0, seed=0)
@@ -541,7 +540,7 @@ def test_the_chat_template_frames_turns_as_a_running_session_reads_them(smol):
 
 # -- the command line ---------------------------------------------------------------------------
 
-def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys):
+def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cli):
     assert run_cli("serve", "-m", "no-such-model-anywhere", "--kv-eviction", "1", "--policy", "h2o") == 2
     assert "set the same thing" in capsys.readouterr().err
     assert run_cli("serve", "-m", "no-such-model-anywhere", "--budget", "20") == 2

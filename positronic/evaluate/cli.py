@@ -1,0 +1,76 @@
+"""`positronic eval`: check the flags, load the model, run, print the table, write the files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..policy import POLICIES
+from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
+from .report import progress_bars, table, table_console, write_outputs
+from .stream import EvalError, make_config
+from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate
+
+
+def read_text(path: Path | None) -> tuple[str, str]:
+    """(text, its display name); OSError/EvalError with one-line messages."""
+    path = Path(path) if path is not None else DEFAULT_TEXT
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"cannot read --text {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise EvalError(f"--text {path} is empty")
+    return text, path.name
+
+
+
+def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
+         out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
+         at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
+         dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
+         repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
+         kv_format: str = "float") -> EvalReport:
+    """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
+    from rich.console import Console
+
+    from ..models import load_model
+
+    policies = list(policies or DEFAULT_POLICIES)
+    budgets = list(budgets or DEFAULT_BUDGETS)
+    for name in policies:
+        if name not in POLICIES:
+            raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    for budget in budgets:
+        for name in policies:
+            for on in {False, recall and name != "none"}:
+                make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
+                            repair_batch=repair_batch, recall=on, kv_format=kv_format)
+    if max_tokens < 2:
+        raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if smooth is not None and smooth < 1:
+        raise EvalError(f"--smooth must be >= 1, got {smooth}")
+    if probe and not 0.0 <= probe_at <= 1.0:
+        raise EvalError(f"--probe-at must be a fraction in 0..1, got {probe_at}")
+    if probe and probe_filler is not None and probe_filler < 0:
+        raise EvalError(f"--probe-filler must be >= 0, got {probe_filler}")
+    body, name = read_text(text)
+    lm = load_model(model, device=device, dtype=dtype)
+    err = Console(stderr=True)
+
+    def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run
+        if not err.is_terminal:
+            answer = f", answer NLL {run.probe.nll:.2f}" if run.probe else ""
+            print(f"{run.label}: ppl {run.ppl:.3f} over {run.tokens} tokens{answer} in {run.seconds:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    with progress_bars(err) as progress:
+        report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
+                          sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
+                          probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
+                          probe_at=probe_at, recall=recall, kv_format=kv_format, progress=progress, on_run=done,
+                          text_name=name)
+    table_console().print(table(report))
+    paths = write_outputs(report, out, smooth=smooth)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return report

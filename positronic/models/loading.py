@@ -1,0 +1,175 @@
+"""`load_model(name)`: resolve a name to weights, device and dtype, load, check, and wrap the
+model as a `LoadedModel` with the shape facts the cache code needs."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from ..util import DTYPES, error_line, quiet_transformers
+from .checks import ModelError, ModelNotAvailable, check_config, check_model
+from .random_models import random_model
+from .smollm2 import smollm2_cache
+
+TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+DTYPE_NAMES = {**DTYPES, "fp16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+               "fp32": torch.float32, "float": torch.float32}  # what --dtype accepts
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    model: transformers.PreTrainedModel
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    bos_id: int
+    eos_id: int | None
+    inv_freq: torch.Tensor
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added (the caller adds BOS itself)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of a whole span of ids, decoded at once, special tokens included."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+
+def load_model(name: str = "smollm2", device: str | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load model `name` onto `device` (default: cuda if available, else cpu) in `dtype`
+    (default: float16 on cuda, float32 on cpu) and return it as a `LoadedModel`."""
+    dev = _resolve_device(device)
+    dt = _resolve_dtype(dtype, dev)
+    with quiet_transformers():
+        if name.startswith("random:"):
+            model, tokenizer = random_model(name.removeprefix("random:"), dev, dt)
+        else:
+            source, local_only = _resolve_source(name)
+            model, tokenizer = _pretrained(name, source, local_only, dev, dt)
+    return _wrap(name, model, tokenizer, dev, dt)
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"bad device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} requested but CUDA is not available here; use 'cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"unsupported device {device!r}: expected 'cpu' or 'cuda'")
+    return dev
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float16 if dev.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise ModelError(f"bad dtype {dtype!r}: expected float16, bfloat16 or float32")
+
+
+
+
+def _resolve_source(name: str) -> tuple[str, bool]:
+    """(path or hub id, whether it is local only) for a non-random model name."""
+    if name == "smollm2":
+        return str(smollm2_cache()), True
+    if name == "tinyllama":
+        return TINYLLAMA_ID, False
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path), True
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/", "~")):
+        return name, False
+    raise ModelError(f"unknown model {name!r}: expected smollm2, tinyllama, random:tinyllama, "
+                     "random:tiny, a local directory or a hub id like org/name")
+
+
+def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt: torch.dtype):
+    error, reached = None, False
+    for local_files_only in [True] if local_only else [True, False]:
+        if not local_files_only:
+            reached = _hub_reachable()
+            if not reached:
+                break
+        try:
+            config = transformers.AutoConfig.from_pretrained(source, local_files_only=local_files_only)
+            check_config(config)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+            model = LlamaForCausalLM.from_pretrained(source, local_files_only=local_files_only,
+                                                     dtype=dt, attn_implementation="sdpa")
+            return model.to(dev), tokenizer
+        except ModelError:
+            raise
+        except Exception as e:
+            error = e
+    if local_only:
+        raise ModelError(f"cannot load model {name!r} from {source}: {error_line(error)}")
+    hub = f"failed ({error_line(error)})" if reached else "cannot be reached"
+    raise ModelNotAvailable(
+        f"model {name!r} ({source}) is not in the local Hugging Face cache and the hub {hub}: "
+        f"on a networked machine run `hf download {source}` (or pass a local "
+        "directory); the embedded model `smollm2` works offline")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub answers a TCP connect within `timeout` (its client retries for ~25 s)."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    result = []
+
+    def probe():
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result)
+
+
+def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> LoadedModel:
+    check_model(name, model, tokenizer)
+    config, rotary = model.config, model.model.rotary_emb
+    model.eval().requires_grad_(False)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id
+    if bos is None:
+        raise ModelError(f"model {name!r} has no BOS token id")
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    heads = config.num_attention_heads
+    return LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, device=dev, dtype=dt,
+        num_layers=config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
+        bos_id=int(bos), eos_id=None if eos is None else int(eos),
+        inv_freq=rotary.inv_freq.detach().to("cpu", torch.float32).clone())

