@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from positronic.actions import ActionError, loggable
-from positronic.forward import fresh_layer0_kv
 from positronic.loop import Brain, BrainConfig
 from positronic.recall import Recall
 from positronic.state_manager import StateManager
@@ -23,7 +22,7 @@ def culled(tiny, rows, length=40, seed=3):
     return sm, before
 
 
-def test_restored_rows_come_back_at_their_positions_with_their_ledger_entries(tiny):
+def test_restored_rows_come_back_at_their_positions_with_their_ledger_entries(tiny, layer0_oracle):
     sm, before = culled(tiny, [5, 6, 7, 20])
     ids = [i for i, e in enumerate(sm.mirror.ledger.entries) if e.state == "culled"]
     assert ids == [5, 6, 7, 20] and [sm.mirror.ledger[i].position for i in ids] == [5, 6, 7, 20]
@@ -35,7 +34,7 @@ def test_restored_rows_come_back_at_their_positions_with_their_ledger_entries(ti
         ("live", 1, None), ("live", 1, None), ("culled", 0, 7), ("live", 1, None)]
     sm.check(deep=True)  # layer 0 of every row equals a fresh computation at the recorded positions
     keys, _ = sm.layer_kv(0)
-    fresh, _ = fresh_layer0_kv(tiny, [t for t, _ in before[:7]], list(range(7)))
+    fresh, _ = layer0_oracle(tiny, [t for t, _ in before[:7]], list(range(7)))
     torch.testing.assert_close(keys[:, :, :7], fresh, rtol=0, atol=1e-5)
 
 
