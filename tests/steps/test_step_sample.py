@@ -1,10 +1,9 @@
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from positronic.steps.sample import Sample, sample
+from positronic.steps.sample import sample
 
 
 def draws(logits, n=300, seed=0, **kw):
@@ -154,13 +153,6 @@ def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):
 def test_bad_logits_raise(logits):
     with pytest.raises(ValueError, match="logits"):
         sample(logits)
-
-
-def test_sample_is_frozen():
-    s = sample(torch.tensor([0.0, 1.0]), temperature=0.0)
-    assert isinstance(s, Sample)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        s.token_id = 0
 
 
 def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would():
