@@ -10,6 +10,7 @@ Errors in flags, files or models print one line on stderr and exit with code 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -158,15 +159,18 @@ def run(
     if typing == "lines":  # read from now on (while the model loads too); stopped when the command ends
         ctx.call_on_close(LineReader(fd, inputs).start().close)
     set_threads(threads)
-    lm = load_model(model, device=device, dtype=dtype)
-    if resume:
-        brain = sessions.resume(lm, session)
-    else:
-        text = DEFAULT_PROMPT if prompt is None else prompt
-        prompt_ids = [lm.bos_id] + lm.encode(text)
-        brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
-        if overwrite and session is not None:  # at once, so that a resume after a crash cannot continue the old run
-            sessions.save(session, brain, lm.name)
+    if live:
+        from .tui import loading
+    with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
+        lm = load_model(model, device=device, dtype=dtype)
+        if resume:
+            brain = sessions.resume(lm, session)
+        else:
+            text = DEFAULT_PROMPT if prompt is None else prompt
+            prompt_ids = [lm.bos_id] + lm.encode(text)
+            brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
+            if overwrite and session is not None:  # at once, so that a resume after a crash cannot continue the old run
+                sessions.save(session, brain, lm.name)
     if capture is not None:
         from .fixtures import Capture
 

@@ -10,14 +10,21 @@ most once per refresh interval, and every frame is built from the latest snapsho
 The render functions below are pure (snapshot in, renderable out), so tests draw frames
 without running a loop.
 
-Colours: brightness is mapped onto matplotlib's *viridis* ramp (dark purple → teal →
-yellow) in truecolor. Viridis is perceptually uniform and its lightness rises
-monotonically, so "dimmer" reads as "darker" on any terminal and for colour-blind viewers;
-rich falls back to the nearest 256-colour entries on terminals without truecolor. The
-scale runs from 0 to the brightness rule's start value (`steps.RULES[rule].start`: 255 for
-ttl, 10000 for vote), the most a token can have.
+Colours: brightness is mapped onto the upper part of matplotlib's *viridis* ramp (teal →
+green → yellow) in truecolor. Viridis is perceptually uniform and its lightness rises
+monotonically, so "dimmer" reads as "darker" for colour-blind viewers too; rich falls back
+to the nearest 256-colour entries on terminals without truecolor. The scale runs from 0 to
+the brightness rule's start value (`steps.RULES[rule].start`: 255 for ttl, 10000 for vote),
+the most a token can have.
 
-Marks: sinks (the first `config.sinks` rows) sit on a grey background; protected rows (the
+Contrast: the context panel paints its own near-black background (`PANEL_BG`), so its text
+never sits on the terminal's: no single text colour reads on both a dark and a light
+terminal (WCAG's 4.5:1 against black and against white leaves no room). On that background
+the ramp starts at a lightness floor, the darkest viridis colour that still has 4.5:1
+against the panel and against every mark background (`CONTRAST_FLOOR_AT`), so even the
+dimmest token is readable; the mark backgrounds are dark tints for the same reason.
+
+Marks: sinks (the first `config.sinks` rows) sit on a dark grey background; protected rows (the
 first `config.protect` rows and the most recent `config.window` rows) are underlined;
 tokens a repair inserted in the last `REPAIR_HIGHLIGHT_TICKS` ticks sit on a magenta
 background; tokens the user typed (ledger source "user") on a blue one; tokens recall brought
@@ -77,12 +84,16 @@ VIRIDIS = (
     (40, 174, 128), (94, 201, 98), (173, 220, 48), (253, 231, 37),
 )
 LEVELS = 64  # brightness is quantised to this many colours, so styles can be cached
-SINK_BG = "#3a3a3a"
-REPAIR_BG = "#8b1a8b"
-USER_BG = "#1f4e8c"
-RECALL_BG = "#1e6b3a"  # green: brought back by recall
+PANEL_BG = "#0c0c0c"  # the context panel's own background (see Contrast above)
+PANEL_FG = "#d0d0d0"  # its border, title and notes
+SINK_BG = "#262626"
+REPAIR_BG = "#5c0f5c"  # magenta: written by a repair
+USER_BG = "#12305a"  # blue: typed by the user
+RECALL_BG = "#124225"  # green: brought back by recall
+MARK_BGS = (PANEL_BG, SINK_BG, REPAIR_BG, USER_BG, RECALL_BG)
+MIN_CONTRAST = 4.5  # WCAG 2 AA for normal text
 NOTE_SECONDS = 10.0  # a refused line's message stays on the input line this long
-HIDDEN_STYLE = Style(dim=True, italic=True)
+HIDDEN_STYLE = Style(italic=True)  # not dim: terminals halve a dim colour's lightness
 BARS = " ▁▂▃▄▅▆▇█"
 
 
@@ -148,13 +159,51 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
 # --- colours and styles -----------------------------------------------------------------
 
 
-def brightness_rgb(fraction: float) -> tuple[int, int, int]:
-    """The viridis colour of `fraction` (0 = dimmest, 1 = brightest; clamped)."""
-    x = min(max(fraction, 0.0), 1.0) * (len(VIRIDIS) - 1)
+def viridis(x: float) -> tuple[int, int, int]:
+    """The viridis colour at `x` in 0..1 (clamped), linear between the samples."""
+    x = min(max(x, 0.0), 1.0) * (len(VIRIDIS) - 1)
     i = min(int(x), len(VIRIDIS) - 2)
     t = x - i
     a, b = VIRIDIS[i], VIRIDIS[i + 1]
     return tuple(round(a[k] + (b[k] - a[k]) * t) for k in range(3))
+
+
+def hex_rgb(colour: str) -> tuple[int, int, int]:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def luminance(rgb: tuple[int, int, int]) -> float:
+    """WCAG 2 relative luminance of an sRGB colour."""
+    def linear(c: int) -> float:
+        c = c / 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = map(linear, rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+    """WCAG 2 contrast ratio of two colours, 1 .. 21."""
+    high, low = sorted((luminance(a), luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def _floor_at(steps: int = 1000) -> float:
+    """The lowest point of the viridis ramp from which on every colour has MIN_CONTRAST against
+    every background a token can sit on (viridis' lightness rises monotonically, so the first
+    such point is the floor)."""
+    backgrounds = [hex_rgb(colour) for colour in MARK_BGS]
+    return next(i / steps for i in range(steps + 1)
+                if all(contrast(viridis(i / steps), bg) >= MIN_CONTRAST for bg in backgrounds))
+
+
+CONTRAST_FLOOR_AT = _floor_at()
+
+
+def brightness_rgb(fraction: float) -> tuple[int, int, int]:
+    """The colour of `fraction` (0 = dimmest, 1 = brightest; clamped): viridis from the
+    contrast floor up."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    return viridis(CONTRAST_FLOOR_AT + (1.0 - CONTRAST_FLOOR_AT) * fraction)
 
 
 def level(brightness: float, bright_max: float) -> int:
@@ -169,7 +218,7 @@ def token_style(lvl: int, *, sink: bool = False, protected: bool = False, fresh:
     """The style of one token: colour by brightness level, plus its marks. Cached: a frame
     asks for a few hundred styles but only a few dozen distinct ones exist."""
     r, g, b = brightness_rgb(lvl / (LEVELS - 1))
-    bgcolor = REPAIR_BG if fresh else RECALL_BG if recalled else USER_BG if user else SINK_BG if sink else None
+    bgcolor = REPAIR_BG if fresh else RECALL_BG if recalled else USER_BG if user else SINK_BG if sink else PANEL_BG
     return Style(color=f"#{r:02x}{g:02x}{b:02x}", bgcolor=bgcolor, underline=protected or None,
                  bold=fresh or sink or recalled or None, italic=pinned or None, reverse=newest or None)
 
@@ -296,7 +345,9 @@ def legend(snapshot: Snapshot) -> Text:
     text.append("recalled", token_style(LEVELS - 1, recalled=True))
     text.append(" ")
     text.append("pinned", token_style(LEVELS - 1, pinned=True))
-    text.append(f"  (viridis, 0..{snapshot.bright_max:g})")
+    text.append(" ")
+    text.append("newest", token_style(LEVELS - 1, newest=True))
+    text.append(f"  0..{snapshot.bright_max:g}")  # the scale: short, so the legend fits at 80 columns
     return text
 
 
@@ -658,7 +709,8 @@ def frame(snapshot: Snapshot, width: int = 120, height: int = 40, prompt: str | 
     parts = [
         render_header(snapshot, width),
         Panel(render_context(snapshot, width - 4, context_rows), title="context", title_align="left",
-              subtitle=legend(snapshot), subtitle_align="right", height=context_rows + 2),
+              subtitle=legend(snapshot), subtitle_align="right", height=context_rows + 2,
+              style=Style(color=PANEL_FG, bgcolor=PANEL_BG)),
     ]
     if bottom:
         hist_width = min(HIST_WIDTH, width // 3)
@@ -727,6 +779,16 @@ class FrameLive(Live):
 
 
 # --- the run ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def loading(model: str, console: Console | None = None):
+    """A spinner line while the model loads and the prompt is prefilled (SmolLM2 takes ~6 s on
+    a CPU, longer on its first run): without it the screen stays blank until the view opens.
+    The line goes when the block ends, however it ends (Ctrl-C included)."""
+    console = console or Console()
+    with console.status(f"loading {model} …", spinner="dots"):
+        yield
 
 
 def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: bool,

@@ -5,6 +5,7 @@ States are real (random:tiny, a byte-level tokenizer: one character per token, B
 """
 
 import io
+import itertools
 import re
 import threading
 
@@ -15,9 +16,10 @@ from rich.live import _RefreshThread
 from positronic import StateManager
 from positronic.loop import Brain, BrainConfig
 from positronic.runner import Runner
-from positronic.tui import (INPUT_HINT, RECALL_BG, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, USER_BG, VIRIDIS, ActionRecorder,
+from positronic.tui import (CONTRAST_FLOOR_AT, INPUT_HINT, LEVELS, PANEL_BG, RECALL_BG, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS, SINK_BG, USER_BG,
+                            VIRIDIS, ActionRecorder, contrast, viridis,
                             KeyReader, edit_line, frame, legend, render_actions, render_context, render_header,
-                            render_histogram, render_input, run_live, split_keys, take_snapshot)
+                            loading, render_histogram, render_input, run_live, split_keys, take_snapshot, token_style)
 
 TEXT = "The old lighthouse keeper climbed the spiral stairs every night"  # 63 tokens + BOS
 
@@ -70,10 +72,10 @@ def test_colour_runs_from_the_dim_end_to_the_bright_end_monotonically(tiny):
     snapshot = take_snapshot(brain, tiny)
     styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
     colours = [tuple(styles[row].color.triplet) for row in sorted(styles)]
-    assert colours[0] == VIRIDIS[0] and colours[-1] == VIRIDIS[-1]
+    assert colours[0] == viridis(CONTRAST_FLOOR_AT) and colours[-1] == VIRIDIS[-1]
     lum = [luminance(c) for c in colours]
     assert all(a <= b for a, b in zip(lum, lum[1:])), "brighter tokens never look darker"
-    assert lum[-1] - lum[0] > 150
+    assert lum[-1] - lum[0] > 60, "the floor leaves a visible range"
 
 
 def test_colour_scale_is_the_rules_range(tiny):
@@ -83,8 +85,8 @@ def test_colour_scale_is_the_rules_range(tiny):
     set_brightness(brain, [50.0] * 20 + [5000.0] * (n - 21) + [10000.0])
     snapshot = take_snapshot(brain, tiny)
     styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
-    assert tuple(styles[10].color.triplet) == VIRIDIS[0]
-    assert luminance(VIRIDIS[3]) < luminance(styles[30].color.triplet) < luminance(VIRIDIS[5])
+    assert tuple(styles[10].color.triplet) == viridis(CONTRAST_FLOOR_AT)
+    assert luminance(viridis(CONTRAST_FLOOR_AT)) < luminance(styles[30].color.triplet) < luminance(VIRIDIS[-1])
     assert tuple(styles[n - 1].color.triplet) == VIRIDIS[-1]
 
 
@@ -94,7 +96,7 @@ def test_sinks_and_protected_rows_are_marked(tiny):
     snapshot = take_snapshot(brain, tiny)
     styles = styles_by_row(render_context(snapshot, 96, 30), snapshot.texts)
     for row, style in styles.items():
-        assert (str(style.bgcolor.name) if style.bgcolor else None) == (SINK_BG if row < 4 else None), row
+        assert (str(style.bgcolor.name) if style.bgcolor else None) == (SINK_BG if row < 4 else PANEL_BG), row
         assert bool(style.underline) == (row < 6 or row >= n - 8), row
     assert styles[n - 1].reverse, "the newest token stands out"
     assert not styles[n - 2].reverse
@@ -495,6 +497,7 @@ def test_typing_into_the_live_view_of_a_real_run_and_ctrl_c_on_its_terminal(tiny
         return sum(json.loads(line).get("source") == "user" for line in lines[:-1])  # the last may be half written
 
     try:
+        wait_for(lambda: b"loading random:tiny" in output)  # while the model loads, before the view
         wait_for(lambda: b"Positronic Brain" in output and b"> " in output)
         os.write(master, b"hi yoo\x7fu\r")
         wait_for(lambda: typed_ticks() >= 24)  # "\nUser: hi you\nAssistant:"
@@ -553,3 +556,62 @@ def test_at_80x24_every_panel_is_there_and_nothing_in_the_header_is_cut(tiny, pr
     assert "random:tiny" in lines[0] and "[running]" in lines[0] and "12/300" in lines[1] and "MiB" in lines[1]
     wide = plain(frame(snapshot, 200, 40, prompt), 200, 40).splitlines()
     assert "Positronic Brain" in wide[0] and "policy brightness/ttl" in wide[0] and "culls" in wide[1]
+
+
+# A terminal's background and its default text colour: black and a VS Code-like dark grey
+# (the dark themes), white (the light ones).
+TERMINALS = {"black": ((0, 0, 0), (255, 255, 255)), "dark-grey": ((0x1e, 0x1e, 0x1e), (0xd4, 0xd4, 0xd4)),
+             "white": ((255, 255, 255), (0, 0, 0))}
+
+
+def drawn_on(style, terminal) -> tuple[tuple, tuple]:
+    """(text colour, background) a style shows on `terminal`: the terminal's own where the
+    style sets none, swapped by reverse video."""
+    background, foreground = TERMINALS[terminal]
+    fg = tuple(style.color.triplet) if style.color else foreground
+    bg = tuple(style.bgcolor.triplet) if style.bgcolor else background
+    return (bg, fg) if style.reverse else (fg, bg)
+
+
+@pytest.mark.parametrize("terminal", list(TERMINALS))
+def test_every_colour_of_the_context_panel_reads_at_4_5_to_1_on_dark_and_light_terminals(tiny, terminal):
+    """WCAG 2 AA (4.5:1) for everything the context panel can draw: a token at every
+    brightness level with every combination of marks, and the panel's own text (border,
+    title, legend, the hidden-tokens note), each against what it is drawn on."""
+    ratios = []
+    for lvl in range(LEVELS):
+        for marks in itertools.product((False, True), repeat=7):
+            style = token_style(lvl, **dict(zip(("sink", "protected", "fresh", "newest", "user", "recalled", "pinned"),
+                                                marks)))
+            assert not style.dim, "terminals halve a dim colour's lightness"
+            ratios.append((contrast(*drawn_on(style, terminal)), lvl, marks))
+    brain = crafted(tiny, text=TEXT * 6)
+    n = len(brain.state)
+    set_brightness(brain, [255 * i / (n - 1) for i in range(n)])
+    panel = frame(take_snapshot(brain, tiny), 80, 12).renderables[1]
+    c = console(80, 12)
+    drawn = "".join(segment.text for line in c.render_lines(panel, c.options.update(height=None)) for segment in line)
+    assert "earlier tokens hidden" in drawn and "context" in drawn and "newest  0..255" in drawn
+    for line in c.render_lines(panel, c.options.update(height=None)):
+        for segment in line:
+            if segment.text.strip():
+                assert not segment.style.dim, segment.text
+                ratios.append((contrast(*drawn_on(segment.style, terminal)), segment.text, ()))
+    assert min(ratios)[0] >= 4.5, min(ratios)
+
+
+def test_the_legend_names_every_mark_the_newest_token_included(tiny):
+    text = legend(take_snapshot(crafted(tiny), tiny)).plain
+    for mark in ("dim", "bright", "sink", "protected", "repaired", "user", "recalled", "pinned", "newest"):
+        assert f"{mark} " in text + " ", mark
+
+
+def test_a_loading_line_shows_until_the_view_opens_and_ctrl_c_passes_through_it():
+    """Ctrl-C while the model loads must reach the CLI (which exits 130) with the line gone."""
+    c = console()
+    with pytest.raises(KeyboardInterrupt):
+        with loading("smollm2", c):
+            assert c.is_terminal
+            raise KeyboardInterrupt
+    assert "loading smollm2 …" in c.export_text()
+    assert c._live_stack == [], "the spinner's Live stopped"
