@@ -3,14 +3,15 @@
 Pure Python; no torch. See README "State model".
 """
 
+from .layer_rows import LayerRows, LayerRowsError
 from .ledger import CULLED, LIVE, REPLACED, SOURCES, STATES, Ledger, LedgerEntry
-from .layout import Insertion, Layout, plan_layout
+from .layout import Insertion, Layout, plan_layout, runs_without
 from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
 from .storage import MirrorFileError, from_bytes, load, save, stale_temporaries, to_bytes, write_atomic
 
 __all__ = [
     "CULLED", "LIVE", "REPLACED", "SOURCES", "STATES",
-    "Insertion", "Layout", "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
-    "MirrorFileError", "from_bytes", "load", "plan_layout", "save", "stale_temporaries", "to_bytes", "write_atomic",
+    "Insertion", "LayerRows", "LayerRowsError", "Layout", "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
+    "MirrorFileError", "from_bytes", "load", "plan_layout", "runs_without", "save", "stale_temporaries", "to_bytes", "write_atomic",
 ]

@@ -133,3 +133,16 @@ def plan_layout(positions: list[int], deleted: set[int] | list[int], insertions:
                   kept=tuple(tuple(run) for run in kept), new_rows=tuple(new_rows), new_token_ids=tuple(new_ids),
                   groups=tuple(groups), positions=tuple(new_positions), old_positions=tuple(old_positions),
                   moved=moved)
+
+
+def runs_without(length: int, dropped: list[int]) -> list[tuple[int, int, int]]:
+    """Kept runs (old_row, new_row, count) of `length` rows once rows `dropped` are gone: the
+    survivors close up in order. What `plan_layout` gives for deletions only, in O(dropped)
+    steps (a per-layer edit computes one per layer every tick)."""
+    runs, start, new = [], 0, 0
+    for row in sorted(dropped) + [length]:
+        if row > start:
+            runs.append((start, new, row - start))
+            new += row - start
+        start = row + 1
+    return runs

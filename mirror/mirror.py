@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from .layer_rows import LayerRows, LayerRowsError
 from .layout import Layout
 from .ledger import CULLED, LIVE, REPLACED, SOURCES, Ledger
 from .live_map import LiveMap
@@ -18,9 +19,14 @@ class MirrorInvariantError(AssertionError):
 
 
 class Mirror:
-    def __init__(self, ledger: Ledger | None = None, live: LiveMap | None = None):
+    """The ledger, the live map and, when layers keep different rows (a per-layer policy),
+    `layers`: each layer's rows (mirror/layer_rows.py); the live map is then their union.
+    `layers` is None when every layer holds exactly the live map's rows."""
+
+    def __init__(self, ledger: Ledger | None = None, live: LiveMap | None = None, layers: LayerRows | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
         self.live = live if live is not None else LiveMap()
+        self.layers = layers
 
     def __len__(self) -> int:
         return len(self.live)
@@ -28,7 +34,7 @@ class Mirror:
     # --- the one splice (the same Layout the cache gets) ---------------------------------
 
     def splice(self, layout: Layout, texts: list[str], *, tick: int, brightness: float,
-               live_brightness: list[float] | None = None) -> list[int]:
+               live_brightness: list[float] | None = None, layer_drops: list[list[int]] | None = None) -> list[int]:
         """Apply a whole Layout (see layout.py): deleted rows' entries retire (or become
         replaced by the tokens inserted in their place), the new tokens get ledger entries
         starting at `brightness` (a replacement starts at the brightest of the rows it
@@ -37,10 +43,26 @@ class Mirror:
         `live_brightness`: the tick's new brightness of every row before the edits. Returns
         the new ledger ids. Everything that could refuse is checked before the first change,
         and a failure after it (or an interrupt) undoes what was changed: all or nothing.
+
+        With per-layer rows, `layer_drops[l]` lists the rows (of layer l) that layer drops; the
+        layout is the union's: it must delete exactly the tokens no layer holds any more and
+        only append new tokens, which every layer appends too.
         """
         live = self.live.ledger_ids
         if layout.old_length != len(live):
             raise ValueError(f"layout planned for {layout.old_length} rows, the live map has {len(live)}")
+        layers_after = None
+        if (layer_drops is None) != (self.layers is None):
+            raise ValueError("per-layer drops go with per-layer rows, and only with them")
+        if self.layers is not None:
+            if any(insertion.at != len(live) or insertion.restores or insertion.replaces
+                   for insertion, _ in layout.groups):
+                raise ValueError("per-layer rows take appended new tokens only (no insertion, repair or restore)")
+            placeholders = [-1 - k for k in range(len(layout.new_token_ids))]
+            layers_after = self.layers.after(layer_drops, placeholders)  # LayerRowsError: nothing changed yet
+            gone = {live[row] for row in layout.deleted}
+            if self.layers.held() - layers_after.held() != gone:
+                raise ValueError("the layout must delete exactly the tokens that no layer holds any more")
         if live_brightness is not None and len(live_brightness) != len(live):
             raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")
         if len(texts) != len(layout.new_token_ids):
@@ -61,9 +83,15 @@ class Mirror:
         touched = list(live) + [i for insertion, _ in layout.groups for i in insertion.restores]
         before = [(e.brightness, e.state, e.tick_died, e.replaced_by, e.position, e.resurrections)
                   for e in (entries[i] for i in touched)]
+        old_live, old_layers = self.live, self.layers
         try:
-            return self._splice(layout, texts, tick, brightness, live_brightness)
+            new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
+            if layers_after is not None:
+                real = {-1 - k: ledger_id for k, ledger_id in enumerate(new_ids)}
+                self.layers = LayerRows([[real.get(i, i) for i in layer] for layer in layers_after.rows])
+            return new_ids
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
+            self.live, self.layers = old_live, old_layers
             self.ledger.truncate(ledger_length)
             for ledger_id, fields in zip(touched, before):
                 entry = entries[ledger_id]
@@ -178,3 +206,24 @@ class Mirror:
         for ledger_id in live.ledger_ids:
             if entries[ledger_id].position is not None:
                 raise MirrorInvariantError(f"ledger id {ledger_id} is live but carries the position of a dead token")
+        if self.layers is not None:
+            try:
+                self.layers.check(live.ledger_ids)
+            except LayerRowsError as exc:
+                raise MirrorInvariantError(f"per-layer rows: {exc}") from None
+
+    # --- per-layer rows (a per-layer policy) ----------------------------------------------
+
+    def layer_positions(self, layer: int) -> list[int]:
+        """The RoPE position of each row of `layer`'s cache (every layer's rows, without per-layer rows)."""
+        if self.layers is None:
+            return list(self.live.positions)
+        where = dict(zip(self.live.ledger_ids, self.live.positions))
+        return [where[ledger_id] for ledger_id in self.layers.rows[layer]]
+
+    def layer_rows_of(self, layer: int) -> list[int]:
+        """The union (live-map) row each row of `layer`'s cache holds."""
+        if self.layers is None:
+            return list(range(len(self.live)))
+        where = {ledger_id: row for row, ledger_id in enumerate(self.live.ledger_ids)}
+        return [where[ledger_id] for ledger_id in self.layers.rows[layer]]

@@ -8,6 +8,7 @@ corrupt file raises MirrorFileError and yields nothing.
 
     envelope: {"format": FORMAT, "version": 2, "sha256": hex of body, "body": bytes}
     body:     {"ledger": {column: [...]}, "live": {"ledger_ids": [...], "positions": [...]}, "meta": {...}}
+              (+ "layers": [[ledger id, ...] per layer] when layers keep different rows)
     version 1 (read only): {"format", "version": 1, "ledger", "live", "meta"}, no checksum
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import msgpack
 
 from .ledger import SOURCES, STATES, Ledger, LedgerEntry
+from .layer_rows import LayerRows
 from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
 
@@ -57,8 +59,11 @@ def to_columns(mirror: Mirror) -> dict:
     entries = mirror.ledger.entries
     ledger = {name: [getattr(e, name) for e in entries] for name in _COLUMNS}
     ledger["replaced_by"] = [list(ids) for ids in ledger["replaced_by"]]
-    return {"ledger": ledger, "live": {"ledger_ids": list(mirror.live.ledger_ids),
-                                       "positions": list(mirror.live.positions)}}
+    columns = {"ledger": ledger, "live": {"ledger_ids": list(mirror.live.ledger_ids),
+                                          "positions": list(mirror.live.positions)}}
+    if mirror.layers is not None:  # only then: files of every-layer-alike runs are unchanged
+        columns["layers"] = [list(layer) for layer in mirror.layers.rows]
+    return columns
 
 
 def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
@@ -93,7 +98,10 @@ def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
     ledger, live, meta = doc.get("ledger"), doc.get("live"), doc.get("meta")
     if not isinstance(ledger, dict) or not isinstance(live, dict) or not isinstance(meta, dict):
         raise MirrorFileError(f"{source}: missing ledger, live map or meta section")
-    return from_columns({"ledger": ledger, "live": live}, source), meta
+    columns = {"ledger": ledger, "live": live}
+    if "layers" in doc:
+        columns["layers"] = doc["layers"]
+    return from_columns(columns, source), meta
 
 
 def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
@@ -125,7 +133,12 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
         LedgerEntry(t, s, src, born, float(b), state, died, list(rb), position, back, pinned)
         for t, s, src, born, b, state, died, rb, position, back, pinned in zip(*values)
     ]
-    mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)))
+    layers = columns.get("layers")
+    if layers is not None and not (isinstance(layers, list) and layers and all(
+            isinstance(layer, list) and all(type(v) is int for v in layer) for layer in layers)):
+        raise MirrorFileError(f"{source}: per-layer rows must be a non-empty list of lists of int")
+    mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)),
+                    None if layers is None else LayerRows(layers))
     try:
         mirror.check()
     except MirrorInvariantError as exc:

@@ -9,9 +9,10 @@
 from .actions import ActionError
 from .cache import SpliceCache, SpliceLayer
 from .models import LoadedModel, ModelError, ModelNotAvailable, load_model
+from .smartkv import GateSet, SmartKVCache
 from .state_manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
 
 __all__ = [
-    "ActionError", "ApplyReport", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
-    "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model",
+    "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
+    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model",
 ]

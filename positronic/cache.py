@@ -443,6 +443,16 @@ class SpliceCache(Cache):
         for layer in self.layers:
             layer.splice(kept, length)
 
+    def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """Layers that keep different rows (a per-layer policy): layer l's runs are kept[l];
+        every layer then holds `length` rows."""
+        if not self.layers[0].is_initialized:
+            raise ValueError("the cache is empty: nothing to splice")
+        if len(kept) != len(self.layers):
+            raise ValueError(f"{len(kept)} run lists for {len(self.layers)} layers")
+        for layer, runs in zip(self.layers, kept):
+            layer.splice(runs, length)
+
     @contextlib.contextmanager
     def fill(self, rows: torch.Tensor):
         """Within this block, a forward writes its new K/V into live `rows` (int64 [n],

@@ -377,6 +377,18 @@ def eval_command(
                   repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format)
 
 
+@app.command("smartkv", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help="SmartKV gates: `positronic smartkv train --model smollm2 --text T --heldout H --out G.safetensors` "
+                  "(`positronic smartkv train -h` for every option).")
+def smartkv_command(ctx: typer.Context) -> None:
+    from .smartkv.__main__ import main as smartkv_main
+
+    code = smartkv_main(list(ctx.args))
+    if code:
+        raise typer.Exit(code)
+
+
 from .server_cli import serve_command  # noqa: E402  (it reuses the run's options, defined above)
 
 app.command("serve", help="Serve the brain over HTTP: an OpenAI-compatible API, one brain per session "

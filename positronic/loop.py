@@ -76,6 +76,7 @@ class BrainConfig:
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
     kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 (positronic/kv_formats.py)
+    gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
 
     @property
     def recorded_layers(self):
@@ -152,6 +153,8 @@ def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[in
             raise ValueError(f"--pin {needle!r} does not occur in the prompt")
         rows.update(found)
     policy = POLICIES[config.policy]
+    if rows and getattr(policy, "per_layer", False):
+        raise ValueError(f"--pin: policy {config.policy} keeps different rows in each layer and has no pins")
     if rows and policy.name != "none":
         room = config.budget - max(config.sinks, config.protect) - policy.window(config, config.budget) - policy.batch(config)
         if len(rows) > room:
@@ -204,6 +207,8 @@ class Brain:
             raise ValueError(f"the state stores its cache as {state.kv_format}, the settings say {config.kv_format}")
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
+        if getattr(self.policy, "per_layer", False):
+            state.split_layers()  # a no-op for a resumed state that has them
         self.observers: list[Observer] = []
         self.generator = torch.Generator().manual_seed(config.seed)
         if generator_state is not None:
@@ -249,7 +254,7 @@ class Brain:
         brain = cls(state, config)
         state.pin([row for row in pinned if row < len(state)])
         if long:
-            view = state.view(keys=config.recall)
+            view = state.view(keys=config.recall or getattr(brain.policy, "reads_keys", False))
             plan = brain.policy.prune(view, steps.scores(state.last_attention, config.scored_layers), config.budget - 1)
             actions = steps.consolidate(prompt_ids[-1], plan.actions)
             report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
@@ -277,7 +282,7 @@ class Brain:
         sampler = self.generator.get_state()
         planning = False
         try:
-            view = sm.view(keys=cfg.recall)
+            view = sm.view(keys=cfg.recall or getattr(self.policy, "reads_keys", False))
             # Step 1
             source = "user" if force is None and self._pending else "generated"
             if source == "user":
@@ -291,7 +296,8 @@ class Brain:
                 token_id = force
             lap("sample")
             # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
-            scores = steps.scores(sm.last_attention, cfg.scored_layers)
+            # a per-layer policy scores rows itself (the attention row covers layer rows, not live rows)
+            scores = [] if sm.per_layer else steps.scores(sm.last_attention, cfg.scored_layers)
             lap("attention")
             planning = True
             plan = self.policy.plan(view, scores, seconds)
@@ -330,8 +336,11 @@ class Brain:
             lap("refresh")
         if not report.rebuilt:
             kinds = [a["action"] for a in actions]
+            if "drop" in kinds:  # tokens that left every layer (rows_of names no live rows for a drop)
+                still = set(sm.mirror.live.ledger_ids)
+                removed = [{"ledger_id": i, "text": entries[i].text} for i in view.ledger_ids.tolist() if i not in still]
             self.counts["repairs"] += kinds.count("replace_pair")
-            self.counts["culls"] += kinds.count("delete")
+            self.counts["culls"] += kinds.count("delete") + len(removed) * ("drop" in kinds)
         self.counts["rebuilds"] += report.rebuilt
         live = sm.mirror
         new_brightness = live.brightness()

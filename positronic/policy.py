@@ -28,6 +28,7 @@ scores, and returns a `PolicyPlan`; Step 3e adds the generated token and Step 4
     scored      the least recently attended rows go (llama.cpp --kv-eviction 2)
     h2o         the rows with the least accumulated attention go (Heavy-Hitter Oracle)
     none        never evict: at capacity stop, or do llama.cpp's context shift
+    smartkv     per-layer rows: each layer keeps its own gate-ranked memory (smartkv/policy.py)
 """
 
 from __future__ import annotations
@@ -379,8 +380,10 @@ class NoEvictionPolicy:
         return min(max(self.config.sinks, self.config.protect), length)
 
 
+from .smartkv.policy import SmartKVPolicy  # noqa: E402  (its own module: per-layer rows, gates)
+
 POLICIES = {policy.name: policy for policy in (BrightnessPolicy, StreamingPolicy, ScoredPolicy, H2OPolicy,
-                                                NoEvictionPolicy)}
+                                                NoEvictionPolicy, SmartKVPolicy)}
 
 
 def make_policy(name: str, lm, config):

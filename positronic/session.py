@@ -82,7 +82,7 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
 # Settings added after sessions were first saved, with the values those runs used: a session
 # saved before them resumes exactly as it would have gone on, not with today's defaults.
 BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0, "recall": False,
-                       "kv_format": "float"}
+                       "kv_format": "float", "gates": ""}
 
 
 def checked_config(path: Path, config) -> dict:

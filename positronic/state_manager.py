@@ -21,6 +21,9 @@ properties, and hand their decisions back as arguments of `apply()`.
     cache.layers[l].keys / .values   [1, kv_heads, rows, head_dim] (SpliceCache; with a 4-bit
                                      kv_format, decoded copies of the stored rows)
     mirror.live.positions[i]         RoPE position row i's key was rotated with
+    mirror.layers                    None, or per layer the ledger ids its cache rows hold, when
+                                     layers keep different rows (`split_layers`, a per-layer
+                                     policy: SmartKV); the live map is then their union
     next_logits                      [vocab] float32, from the forward that wrote the last row
     last_attention                   [scored layers, heads, rows] float32, that row's attention
     last_query, last_log_norm        [scored layers, heads, head_dim], [scored layers, heads]: its
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from positronic.mirror import Insertion, Layout, Mirror, plan_layout
+from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout, runs_without
 from positronic.steps.attention import layer_indices
 
 from . import kv_formats, rope
@@ -98,6 +101,11 @@ class ContextView:
     query: torch.Tensor | None = None
     log_norm: torch.Tensor | None = None
     rows: "RowReader | None" = None
+    # per-layer rows only: [layers, rows per layer] the ledger ids / positions each layer's cache
+    # rows hold, and [rows] how many layers hold each live row
+    layer_ids: torch.Tensor | None = None
+    layer_positions: torch.Tensor | None = None
+    occupancy: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -113,13 +121,34 @@ class RowReader:
     def __call__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values: [layers, kv_heads, len(rows), head_dim] on the CPU, in the cache's dtype
         (keys rotated at the rows' positions)."""
-        if self._manager._version != self._version:
-            raise ValueError("this view is stale: the state changed after it was taken")
+        self._refuse_if_stale()
+        if self._manager.per_layer:
+            raise ValueError("layers keep different rows: read them by ledger id (layer_keys)")
         layers = self._manager._cache.layers
         index = torch.tensor(rows, dtype=torch.long, device=self._manager.lm.device)
         keys = torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu()
         values = torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu()
         return keys, values
+
+    def layer_keys(self, ledger_ids: list[int]) -> torch.Tensor:
+        """Keys [layers, kv_heads, n, head_dim] (on the CPU, float32, rotated at their positions)
+        of tokens every layer holds, per-layer rows or not; ValueError if a layer lacks one."""
+        self._refuse_if_stale()
+        manager = self._manager
+        device = manager.lm.device
+        keys = []
+        for index, layer in enumerate(manager._cache.layers):
+            held = manager._mirror.live.ledger_ids if manager._mirror.layers is None else manager._mirror.layers.rows[index]
+            where = {ledger_id: row for row, ledger_id in enumerate(held)}
+            if missing := [i for i in ledger_ids if i not in where]:
+                raise ValueError(f"layer {index} does not hold ledger ids {missing[:5]}")
+            rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
+            keys.append(layer.keys[0].index_select(1, rows))
+        return torch.stack(keys).float().cpu()
+
+    def _refuse_if_stale(self) -> None:
+        if self._manager._version != self._version:
+            raise ValueError("this view is stale: the state changed after it was taken")
 
 
 NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
@@ -204,15 +233,18 @@ class StateManager:
         mirror.check(lm.max_positions)
         if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
             raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
+        if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers != lm.num_layers):
+            raise ValueError(f"per-layer rows for {mirror.layers.num_layers} layers need the float kv_format and "
+                             f"a model with as many layers ({lm.name}: {lm.num_layers}, {kv_format})")
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                       kv_format=kv_format)
-        rows = len(mirror)
+        rows, cached = len(mirror), manager.rows_per_layer
         expected = {
-            "keys": ((lm.num_layers, lm.num_kv_heads, rows, lm.head_dim), lm.dtype),
-            "values": ((lm.num_layers, lm.num_kv_heads, rows, lm.head_dim), lm.dtype),
+            "keys": ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype),
+            "values": ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype),
             "predicted": ((rows,), torch.int64),
             "next_logits": ((lm.vocab_size,), torch.float32),
-            "last_attention": ((len(manager.attention_layers), lm.num_heads, rows), torch.float32),
+            "last_attention": ((len(manager.attention_layers), lm.num_heads, cached), torch.float32),
             "last_query": ((len(manager.attention_layers), lm.num_heads, lm.head_dim), torch.float32),
             "last_log_norm": ((len(manager.attention_layers), lm.num_heads), torch.float32),
             "requantized": ((rows,), torch.int64),  # 4-bit formats only
@@ -225,7 +257,8 @@ class StateManager:
                 continue  # the last edit did not write the newest row; a float cache rounds nothing
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
-                raise ValueError(f"saved tensor {name!r} is {found}, expected {shape} {dtype} for {rows} live rows")
+                raise ValueError(f"saved tensor {name!r} is {found}, expected {shape} {dtype} for {rows} live rows"
+                                 + (f" ({cached} per layer)" if cached != rows else ""))
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"saved tensor {name!r} holds non-finite values")
         predicted = tensors["predicted"]
@@ -285,6 +318,16 @@ class StateManager:
         return len(self._mirror)
 
     @property
+    def per_layer(self) -> bool:
+        """True when layers keep different rows (`split_layers`): the live map is the union."""
+        return self._mirror.layers is not None
+
+    @property
+    def rows_per_layer(self) -> int:
+        """Rows each layer's cache holds (the live length, unless layers keep different rows)."""
+        return len(self._mirror.layers) if self.per_layer else len(self._mirror)
+
+    @property
     def broken(self) -> str | None:
         """Why the state is unusable (a rebuild failed), or None."""
         return self._broken
@@ -335,7 +378,18 @@ class StateManager:
             predicted=torch.tensor(self._predicted, dtype=torch.long),
             pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
             query=copy(self.last_query), log_norm=copy(self.last_log_norm),
-            rows=RowReader(self) if keys else None)
+            rows=RowReader(self) if keys else None, **self._layer_view())
+
+    def _layer_view(self) -> dict:
+        """ContextView's per-layer fields (empty without per-layer rows)."""
+        layers = self._mirror.layers
+        if layers is None:
+            return {}
+        where = dict(zip(self._mirror.live.ledger_ids, self._mirror.live.positions))
+        return {"layer_ids": torch.tensor(layers.rows, dtype=torch.long).reshape(layers.num_layers, len(layers)),
+                "layer_positions": torch.tensor([[where[i] for i in layer] for layer in layers.rows],
+                                                dtype=torch.long).reshape(layers.num_layers, len(layers)),
+                "occupancy": torch.tensor(layers.occupancy(self._mirror.live.ledger_ids), dtype=torch.long)}
 
     # --- coupled operations -------------------------------------------------------------
 
@@ -353,6 +407,19 @@ class StateManager:
     def append(self, token_ids: list[int], *, source: str = "generated", tick: int | None = None) -> ApplyReport:
         """Append tokens after the last row; leaves `next_logits` and `last_attention`."""
         return self._edit([], [Insertion(len(self), tuple(token_ids), source)], tick=tick)
+
+    def split_layers(self) -> None:
+        """Let layers keep different rows from now on (a per-layer policy: SmartKV): the
+        mirror gets per-layer rows (mirror/layer_rows.py), every layer holding today's live
+        rows, and edits become `drop` (rows per layer) and `add` actions. Only with the float
+        kv_format. There is no way back: the layers' rows would differ."""
+        self._refuse_if_broken("split the layers")
+        if self.per_layer:
+            return
+        if kv_formats.packed(self.kv_format):
+            raise ValueError(f"per-layer rows need the float kv_format, not {self.kv_format}")
+        self._mirror.layers = LayerRows.every_layer(self.lm.num_layers, self._mirror.live.ledger_ids)
+        self._version += 1
 
     def pin(self, rows: list[int]) -> None:
         """Pin live rows: no policy evicts or repairs them (they stay pinned until `unpin`)."""
@@ -390,13 +457,19 @@ class StateManager:
         rows are dropped, so they change nothing.
         """
         plan = validate(actions, live_length=len(self), vocab_size=self.lm.vocab_size,
-                        max_length=self.lm.max_positions)
-        if brightness is not None:
-            brightness = [float(b) for b in (brightness.tolist() if torch.is_tensor(brightness) else brightness)]
-            if len(brightness) != len(self):
-                raise ValueError(f"{len(brightness)} brightness values for {len(self)} live rows")
-            if not all(math.isfinite(b) for b in brightness):
-                raise ValueError("brightness values must be finite")
+                        max_length=self.lm.max_positions,
+                        layers=(self.lm.num_layers, self.rows_per_layer) if self.per_layer else None)
+        brightness = self._checked_brightness(brightness)
+        if self.per_layer:
+            if probes:
+                raise ValueError("probes need every layer to hold the same rows")
+            if len(plan.adds) > 1:
+                raise ActionError("a per-layer state adds at most one token per edit")
+            report = self._edit_layers(plan.drops or [[] for _ in range(self.lm.num_layers)],
+                                       [action["token_id"] for action in plan.adds], tick=tick,
+                                       brightness=brightness, source=add_source)
+            report.applied = 0 if report.rebuilt else len(actions)
+            return report
         deleted, insertions = [], []
         for action in plan.edits:
             if action["action"] == "delete":
@@ -417,6 +490,17 @@ class StateManager:
         report = self._edit(deleted, insertions, tick=tick, brightness=brightness, probes=probes, stored=stored)
         report.applied = 0 if report.rebuilt else len(actions)
         return report
+
+    def _checked_brightness(self, brightness) -> list[float] | None:
+        """Step 2b's brightness as floats, one finite value per live row (ValueError otherwise)."""
+        if brightness is None:
+            return None
+        brightness = [float(b) for b in (brightness.tolist() if torch.is_tensor(brightness) else brightness)]
+        if len(brightness) != len(self):
+            raise ValueError(f"{len(brightness)} brightness values for {len(self)} live rows")
+        if not all(math.isfinite(b) for b in brightness):
+            raise ValueError("brightness values must be finite")
+        return brightness
 
     def _restorations(self, ledger_ids: tuple[int, ...], deleted: set[int]) -> list[Insertion]:
         """Insertions that bring culled ledger entries back at the positions they held, one per
@@ -506,13 +590,49 @@ class StateManager:
         layout = plan_layout(self._mirror.live.positions, deleted, insertions, self.lm.max_positions)
         texts = self._texts(layout)
         report = ApplyReport(tick=tick)
-        try:
+
+        def write_and_commit():
             report.probe_logprobs = self._write(layout, probes, stored or {})
             self._fault_point("commit")
             self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness)
+            report.rotated_rows = self._rotated(layout)
+        return self._transaction(report, start, write_and_commit)
+
+    def _edit_layers(self, drops: list[list[int]], adds: list[int], *, tick: int | None,
+                     brightness: list[float] | None, source: str) -> ApplyReport:
+        """A per-layer edit: layer l drops its rows drops[l], then every layer appends `adds`
+        (at most one token) in the same forward. A token no layer holds any more retires
+        from the ledger; the live map (the union) and the per-layer rows change together."""
+        self._refuse_if_broken("edit")
+        self._version += 1
+        start = time.perf_counter()
+        tick = self.last_tick + 1 if tick is None else tick
+        mirror = self._mirror
+        still = mirror.layers.after(drops, []).held()  # LayerRowsError (a ValueError): nothing touched
+        deleted = [row for row, ledger_id in enumerate(mirror.live.ledger_ids) if ledger_id not in still]
+        insertions = [Insertion(len(mirror), (token_id,), source) for token_id in adds]
+        layout = plan_layout(mirror.live.positions, deleted, insertions, self.lm.max_positions)
+        texts = self._texts(layout)
+        runs = [runs_without(len(mirror.layers), dropped) for dropped in drops]
+        length = len(mirror.layers) - len(drops[0]) + len(adds)
+        report = ApplyReport(tick=tick)
+
+        def write_and_commit():
+            self._write_layers(layout, runs, length, drops, adds)
+            self._fault_point("commit")
+            mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness,
+                          layer_drops=drops)
+            report.rotated_rows = self._rotated(layout)
+        return self._transaction(report, start, write_and_commit)
+
+    def _transaction(self, report: ApplyReport, start: float, write_and_commit) -> ApplyReport:
+        """Run an edit's cache writes and mirror commit: all of it, or (on any failure or an
+        interrupt) a rebuild of the cache from the unchanged mirror, reported as `rebuilt`."""
+        tick = report.tick
+        try:
+            write_and_commit()
             self._edits += 1
             report.edits = 1
-            report.rotated_rows = self._rotated(layout)
             self.rotated_rows += report.rotated_rows
         except BaseException as exc:
             report.error = f"{type(exc).__name__}: {exc}"
@@ -587,6 +707,40 @@ class StateManager:
         self._predicted, self._requantized = predicted, requantized
         return probe_logprobs
 
+    def _write_layers(self, layout: Layout, runs: list[list[tuple[int, int, int]]], length: int,
+                      drops: list[list[int]], adds: list[int]) -> None:
+        """A per-layer edit's stages 2–4: each layer closes up its own kept rows, keys are
+        re-rotated where the union's positions were packed (each layer its own rows), and
+        one forward writes the added token into the last row of every layer."""
+        mirror = self._mirror
+        self._cache.splice_layers(runs, length)
+        self._fault_point("splice")
+        kept_ids = mirror.layers.after(drops, []).rows  # each layer's surviving ledger ids, in row order
+        new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
+                        for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
+        if layout.moved is not None:  # the union's positions were packed down: follow them
+            old_position = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
+            for layer, ids in zip(self._cache.layers, kept_ids):
+                cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor([old_position[i] for i in ids]),
+                                         torch.tensor([new_position[i] for i in ids]))
+                layer.rotate_keys(0, cos, sin)  # unmoved rows get an identity rotation: exact
+        self._fault_point("rotate")
+        predicted = [0] * layout.length
+        for old, new, count in layout.kept:
+            predicted[new:new + count] = self._predicted[old:old + count]
+        self._take_newest(None)
+        if adds:
+            position = layout.positions[layout.new_rows[0]]
+            key_positions = [new_position[i] for i in kept_ids[0]] + [position]  # layer 0's: only their count matters
+            with self._cache.fill(torch.tensor([length - 1], dtype=torch.long, device=self.lm.device)), \
+                    self._fault_in_forward():
+                result = forward(self.lm, self._cache, adds, [position], key_positions,
+                                 attention_layers=self.attention_layers)
+            predicted[layout.new_rows[0]] = int(result.predicted[0])
+            self._take_newest(result)
+        self._fault_point("forward")
+        self._predicted, self._requantized = predicted, [0] * layout.length
+
     def _copy_rows(self, known: dict) -> None:
         """Write given K/V into live rows: known = {row: (keys, values, _)}, each
         [layers, kv_heads, head_dim] in the cache's dtype and device. They go in the way a
@@ -628,11 +782,26 @@ class StateManager:
                 result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
                 self._take_newest(result)
                 self._predicted = result.predicted.tolist()
+                if self.per_layer:  # every layer computed the union: each keeps its own rows
+                    self._keep_layer_rows()
         except BaseException as exc:
             self._broken = f"rebuilding the cache from the mirror failed ({type(exc).__name__}: {exc})"
             raise
         self._broken = None
         self.rebuilds += count
+
+    def _keep_layer_rows(self) -> None:
+        """After a prefill of the union (every layer holding every live row), close each layer
+        up to the rows it holds. The newest row is in every layer (it was just added), so its
+        attention row covers each layer's rows once recomputed: forget the union's."""
+        mirror = self._mirror
+        runs = []
+        for layer in range(mirror.layers.num_layers):
+            rows_of = mirror.layer_rows_of(layer)
+            keep = set(rows_of)
+            runs.append(runs_without(len(mirror), [row for row in range(len(mirror)) if row not in keep]))
+        self._cache.splice_layers(runs, len(mirror.layers))
+        self.last_attention = self.last_query = self.last_log_norm = None
 
     def divergence(self) -> float:
         """KL(fresh ‖ spliced) in nats of the next-token distribution: what the splices cost.
@@ -658,19 +827,24 @@ class StateManager:
         if self._broken:
             raise StateInvariantError(self._broken)
         self._mirror.check(self.lm.max_positions)
-        rows = len(self._mirror)
-        if self._cache.length != rows or len(self._predicted) != rows or len(self._requantized) != rows:
+        rows, cached = len(self._mirror), self.rows_per_layer
+        if self._cache.length != cached or len(self._predicted) != rows or len(self._requantized) != rows:
             raise StateInvariantError(f"cache holds {self._cache.length} rows ({len(self._predicted)} predictions) "
-                                      f"but the mirror {rows}")
-        shape = (1, self.lm.num_kv_heads, rows, self.lm.head_dim)
+                                      f"but the mirror {cached} per layer ({rows} live)")
+        shape = (1, self.lm.num_kv_heads, cached, self.lm.head_dim)
         for index, layer in enumerate(self._cache.layers):
-            if layer.length != rows or (rows and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):
+            if layer.length != cached or (cached and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):
                 raise StateInvariantError(f"layer {index} holds {layer.length} rows "
                                           f"({None if layer.keys is None else tuple(layer.keys.shape)}), expected {shape}")
         if deep and rows:
             layer = self._cache.layers[0]
-            fresh_keys, fresh_values = fresh_layer0_kv(self.lm, self.live_token_ids(), self.positions())
-            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(self._requantized)),
+            token_ids, positions, requantized = self.live_token_ids(), self.positions(), self._requantized
+            if self.per_layer:  # layer 0's own rows
+                rows_of = self._mirror.layer_rows_of(0)
+                token_ids, positions = [token_ids[r] for r in rows_of], [positions[r] for r in rows_of]
+                requantized = [requantized[r] for r in rows_of]
+            fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)
+            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(requantized)),
                      self._layer0_excess(layer.values, fresh_values, tolerance)]
             if worst := max((f for f in found if f is not None), default=None):
                 error, allowed = worst

@@ -7,7 +7,7 @@ def consolidate(add_token_id: int | None, repair_actions: list[dict]) -> list[di
     order; Step 4 sorts them), then the `add` of the generated token if there is one.
 
     Raises ValueError if two actions touch the same row, naming both, or if an action is not a
-    `replace_pair` / `delete` / `restore`. Full type and range checks are Step 4's job; this step only
+    `replace_pair` / `delete` / `restore` / `drop`. Full type and range checks are Step 4's job; this step only
     guarantees the actions are independent of each other.
     """
     owner: dict[int, dict] = {}
@@ -18,7 +18,7 @@ def consolidate(add_token_id: int | None, repair_actions: list[dict]) -> list[di
                 raise ValueError(f"row {row} is touched by two actions: {owner[row]!r} and {action!r}")
             owner[row] = action
         # Copy so later steps can never edit the caller's dicts (or id lists) behind its back.
-        edits.append({k: list(v) if isinstance(v, list) else v for k, v in action.items()})
+        edits.append({k: _copy(v) for k, v in action.items()})
     if add_token_id is not None:
         if isinstance(add_token_id, bool) or not isinstance(add_token_id, int):
             raise ValueError(f"add_token_id must be an int or None, got {add_token_id!r}")
@@ -38,9 +38,16 @@ def _rows(action: dict) -> range:
             return range(p1, p2 + 1)
         if kind == "restore":
             return range(0)  # inserts between rows, touches none
+        if kind == "drop":
+            return range(0)  # names rows per layer (a per-layer state), not live rows
     except (KeyError, TypeError) as exc:
         raise ValueError(f"malformed action {action!r}: {exc!r}") from None
-    raise ValueError(f"consolidate takes only replace_pair, delete and restore actions, got {action!r}")
+    raise ValueError(f"consolidate takes only replace_pair, delete, restore and drop actions, got {action!r}")
+
+
+def _copy(value):
+    """Lists copied down to their items (a drop's rows are a list per layer)."""
+    return [_copy(v) for v in value] if isinstance(value, list) else value
 
 
 def _pos(value) -> int:

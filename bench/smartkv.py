@@ -1,0 +1,232 @@
+"""SmartKV (issue 15): teacher-forced perplexity under a row budget, and what gate scoring costs.
+
+    python bench/smartkv.py --text /work/heldout/frankenstein.txt              # quality table
+    python bench/smartkv.py --cost --model random:tinyllama                    # cost per token
+
+**Quality.** BOS + --tokens tokens of the text (the excerpt rule of bench/RESULTS.md: from
+character --offset, starting after the first blank line) are teacher-forced one token per
+forward; the NLL of each next token is read from the logits before it is fed. Budgets are
+shares of --tokens (0.25 of 1024 -> 256). The brain's policies run through `positronic eval`'s
+own stream (`run_stream`: the tick loop, the token forced), so their rows are the same as in
+an eval table; SmartKV runs through a plain `model(...)` call with a SmartKVCache. Every
+method attends to at most `budget` rows per forward: the brain keeps `live <= budget` after a
+tick (the newest row included), a SmartKVCache stores `budget - 1` rows between forwards and
+attends to them plus the new token.
+
+Rows per budget: streaming / scored / h2o / brightness (the brain, each policy's defaults),
+smartkv (sinks + window + long-term memory ranked by the trained per-layer gates),
+smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
+(one gate trained on every layer's labels pooled: what a gate per layer buys), and
+smartkv-stream (sinks + window only, no gates: the same cache class as a streaming baseline).
+
+**Cost** (--cost). Decode ms per token, in steady state (the cache full), of a SmartKVCache with
+gates against the same cache with budget 0 (sinks + a window of the same size: streaming), in
+interleaved rounds, and the share of a token spent scoring keys (un-rotating and the gates'
+MLPs, timed inside the cache). Random gates cost what trained ones cost, so any model shape
+works (random:tinyllama for the TinyLlama shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
+from positronic.models import load_model  # noqa: E402
+from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
+from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
+
+BRAIN_POLICIES = ("streaming", "scored", "h2o", "brightness")
+
+
+@torch.inference_mode()
+def nll_stream(model, ids: list[int], cache) -> list[float]:
+    """NLL (nats) of ids[1:], each predicted from the tokens before it, one forward per token."""
+    losses = []
+    for n in range(len(ids) - 1):
+        logits = model(torch.tensor([[ids[n]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        losses.append(float(torch.log_softmax(logits.float(), -1)[ids[n + 1]].neg()))
+    return losses
+
+
+def perplexity(losses: list[float]) -> float:
+    return math.exp(sum(losses) / len(losses))
+
+
+def excerpt(path: Path, offset: int) -> str:
+    """The text from character `offset`, starting after the first blank line there (CRs dropped)."""
+    text = path.read_text(encoding="utf-8").replace("\r", "")
+    if offset:
+        text = text[offset:]
+        text = text[text.index("\n\n") + 2:]
+    return text
+
+
+def smart_caches(config, stored: int, *, sinks: int, window: int, gates: dict[str, GateSet]):
+    """(name, cache) for each SmartKV variant holding `stored` rows between forwards."""
+    budget = stored - sinks - window
+    if budget < 1:
+        raise ValueError(f"{stored} rows leave no long-term memory after sinks {sinks} + window {window}")
+    for name, gate_set in gates.items():
+        yield name, SmartKVCache(config, gate_set, budget=budget, sinks=sinks, window=window)
+    yield "smartkv-stream", SmartKVCache.streaming(config, capacity=stored, sinks=sinks)
+
+
+def gate_sets(args, config) -> dict[str, GateSet]:
+    gates = {}
+    trained = args.gates or SHIPPED.get(args.model)
+    if trained is not None:
+        gates["smartkv"] = GateSet.load(trained)
+    gates["smartkv-random"] = GateSet.for_config(config, seed=args.seed)
+    shared = args.shared_gates or SHIPPED_SHARED.get(args.model)
+    if shared is not None:
+        gates["smartkv-shared"] = GateSet.load(shared)
+    for gate_set in gates.values():
+        gate_set.check_model(config)
+    return gates
+
+
+def quality(args, lm) -> None:
+    config = lm.model.config
+    gates = gate_sets(args, config)
+    ids = [lm.bos_id] + lm.encode(excerpt(args.text, args.offset))[: args.tokens]
+    count = len(ids) - 1
+    print(f"# {datetime.date.today()}  model {args.model}  text {args.text.name} (from char {args.offset})  "
+          f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window}  "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    results = []
+
+    def report(name, budget, ppl, seconds):
+        results.append((name, budget, ppl, seconds))
+        full = results[0][2]
+        print(f"{name:16s} budget {budget if budget else '-':>5}  ppl {ppl:8.3f}  x{ppl / full:.3f}  "
+              f"{seconds:5.0f} s", flush=True)
+
+    start = time.perf_counter()
+    full = run_stream(lm, ids, reference_config(len(ids), sinks=args.sinks))
+    report("full", None, perplexity(full.nll), time.perf_counter() - start)
+    for share in args.budgets:
+        budget = round(share * count)
+        for policy in BRAIN_POLICIES:
+            start = time.perf_counter()
+            stream = run_stream(lm, ids, make_config(policy, budget, sinks=args.sinks))
+            assert stream.max_live <= budget
+            report(policy, budget, perplexity(stream.nll), time.perf_counter() - start)
+        for name, cache in smart_caches(config, budget - 1, sinks=args.sinks, window=args.window, gates=gates):
+            start = time.perf_counter()
+            ppl = perplexity(nll_stream(lm.model, ids, cache))
+            assert cache.rows == budget - 1 and cache.seen == count
+            report(name, budget, ppl, time.perf_counter() - start)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    full = results[0][2]
+    table = Table(title=f"teacher-forced perplexity, {args.model}, {args.text.name}, {count} tokens")
+    for column in ("method", "budget", "ppl", "ppl / full", "seconds"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for name, budget, ppl, seconds in results:
+        table.add_row(name, "-" if budget is None else f"{budget} ({budget / count:.1%})", f"{ppl:.3f}",
+                      f"{ppl / full:.3f}", f"{seconds:.0f}")
+    Console(file=sys.stdout, width=120).print(table)
+
+
+class ScoringClock:
+    """Times the gate scoring inside a SmartKVCache (the scorer's calls, un-rotation included)."""
+
+    def __init__(self, cache: SmartKVCache):
+        self.seconds = 0.0
+        for layer in cache.layers:
+            layer._scores = self._timed(layer._scores)
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+@torch.inference_mode()
+def decode_ms(lm, cache, ids: list[int], ticks: int, clock: ScoringClock | None = None) -> tuple[float, float]:
+    """(median ms per token, share of the time spent scoring) over `ticks` single-token forwards
+    after feeding `ids` one by one (so the cache is full and pruning)."""
+    model = lm.model
+    for token in ids:
+        model(torch.tensor([[token]], device=lm.device), past_key_values=cache, use_cache=True)
+    times, scoring = [], 0.0
+    for t in range(ticks):
+        if clock is not None:
+            clock.seconds = 0.0
+        start = time.perf_counter()
+        model(torch.tensor([[ids[t % len(ids)]]], device=lm.device), past_key_values=cache, use_cache=True)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        scoring += clock.seconds if clock is not None else 0.0
+    return statistics.median(times) * 1000, scoring / sum(times)
+
+
+def cost(args, lm) -> None:
+    config = lm.model.config
+    gates = GateSet.for_config(config, seed=args.seed)
+    generator = torch.Generator().manual_seed(0)
+    print(f"# {datetime.date.today()}  model {args.model} on {lm.device} ({lm.dtype})  rows {args.rows}  "
+          f"window {args.window}  ticks {args.ticks}  rounds {args.repeats}  torch threads {torch.get_num_threads()}",
+          flush=True)
+    smart, stream, share = [], [], []
+    for _ in range(args.repeats):
+        ids = [lm.bos_id] + torch.randint(3, lm.vocab_size, (args.rows + 64,), generator=generator).tolist()
+        cache = SmartKVCache.streaming(config, capacity=args.rows, sinks=args.sinks)
+        stream.append(decode_ms(lm, cache, ids, args.ticks)[0])
+        cache = SmartKVCache(config, gates, budget=args.rows - args.sinks - args.window, sinks=args.sinks,
+                             window=args.window)
+        ms, scoring = decode_ms(lm, cache, ids, args.ticks, ScoringClock(cache))
+        smart.append(ms)
+        share.append(scoring)
+    s, g = statistics.median(stream), statistics.median(smart)
+    print(f"streaming (SmartKVCache, budget 0)  {s:7.2f} ms/token")
+    print(f"smartkv (gates)                     {g:7.2f} ms/token   x{g / s:.3f} of streaming")
+    print(f"gate scoring                        {statistics.median(share):7.1%} of a smartkv token")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--text", type=Path, default=Path("/work/heldout/frankenstein.txt"))
+    p.add_argument("--offset", type=int, default=60000, help="excerpt start (characters); 0: the whole text")
+    p.add_argument("--tokens", type=int, default=1024, help="text tokens scored (BOS is added in front)")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25], help="shares of --tokens")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=32, help="recent rows every SmartKV layer keeps")
+    p.add_argument("--gates", type=Path, help="trained per-layer gates (default: the shipped ones)")
+    p.add_argument("--shared-gates", type=Path, help="one shared gate (default: the shipped one)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--cost", action="store_true", help="measure decode cost instead of perplexity")
+    p.add_argument("--rows", type=int, default=512, help="--cost: rows the caches hold")
+    p.add_argument("--ticks", type=int, default=64, help="--cost: timed tokens per round")
+    p.add_argument("--repeats", type=int, default=3, help="--cost: interleaved rounds")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, device=args.device, dtype="float32" if args.device == "cpu" else None)
+    (cost if args.cost else quality)(args, lm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

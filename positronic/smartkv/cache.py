@@ -1,0 +1,352 @@
+"""SmartKVCache: a transformers Cache whose layers each keep their own most useful rows.
+
+    gates = GateSet.for_model("smollm2")
+    cache = SmartKVCache(model.config, gates, sinks=4, budget=96, window=32)
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)      # prunes as it goes
+
+    cache = SmartKVCache(model.config, gates, budget=96, prune="manual")
+    model(ids[:, :-1], past_key_values=cache)    # prefill: every row kept
+    cache.bulk_prune()                           # down to sinks + budget + window, once
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)      # streaming prune
+
+Layout (per layer, rows.py): `sinks + budget + window` slots; sinks (positions < sinks) kept
+for good, a FIFO window of the most recent tokens, and a long-term memory holding the `budget`
+tokens with the highest gate scores among those that left the window. Each layer scores with
+its own gate, so layers keep different tokens, but every layer admits the same tokens and
+drops one row per new row once full, so all layers always hold the same number of rows
+(rectangular: `rows`).
+
+Positions. Keys are stored as the model wrote them: rotated at their own positions, never
+moved. What changes after pruning is that the row count no longer equals the number of
+tokens seen, and transformers derives positions from the cache:
+- `get_seq_length()` returns the tokens seen (`seen`), not the rows: Llama's forward uses it
+  as the first new position when no position_ids are given, `generate` uses it to find the
+  not-yet-cached part of input_ids and counts position_ids from the attention mask or from
+  it, and the mask code uses it as the query offset (`get_query_offset`);
+- `get_mask_sizes(q)` returns (n, seen + q - n), n the rows `update` will return: they are
+  treated as the n positions ending with the new tokens, so every query sees every stored
+  row and the new tokens causally (a 2-D attention mask of length seen + q is read at its
+  last n entries, all ones for an unpadded sequence). This is the offset arithmetic
+  transformers' own sliding-window layer uses.
+A decoded token (one per forward) is admitted first and attends to the rows held then,
+itself included: at most `capacity` rows, read in place from the buffers. A forward of q > 1
+tokens (a prefill) attends over the stored rows plus all q new ones, and the layout is
+applied after it. Between forwards a layer holds at most `capacity` rows. One sequence
+(batch 1), unpadded; no beam search, no crop.
+
+Scores: a key is un-rotated (RoPE position -> 0, exact in float32) and given to the layer's
+gate: the gates were trained on pre-RoPE keys (labels.py), so the score says what the token
+is, not where it sits. A prefill's tokens are scored at once; a decoded token is scored only
+when long-term memory needs its score, i.e. when it is about to leave the window, together
+with every other unscored window row (one batched gate call per layer every `window` tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import rope
+from .gates import GateSet
+from .rows import RowBook
+
+PRUNE_MODES = ("auto", "manual")
+
+
+class KeyUnrotator:
+    """Undo RoPE on stored keys: [1, kv_heads, q, head_dim] at positions [q] -> [q, kv_heads * head_dim]
+    float32, the layout of `k_proj`'s output (what the gates were trained on)."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+
+    @staticmethod
+    def for_config(config) -> "KeyUnrotator":
+        """From a Llama config: the inverse frequencies its rotary embedding uses (pure rotations only)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(config)
+        if float(rotary.attention_scaling) != 1.0:
+            raise ValueError(f"RoPE attention scaling {rotary.attention_scaling} is not a pure rotation: "
+                             "keys cannot be un-rotated exactly")
+        return KeyUnrotator(rotary.inv_freq)
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope.rotation(self.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))
+        plain = rope.rotate(keys.to(torch.float32), cos.to(keys.device), sin.to(keys.device))
+        return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
+
+
+class SmartKVLayer(CacheLayerMixin):
+    """One layer's rows: storage [1, kv_heads, rows, head_dim] (keys and values) whose slot i is
+    described by `book` slot i, the tokens seen so far, and the gate that scores new tokens.
+
+    pruning False (manual mode before `bulk_prune`): rows are appended in order and kept.
+    pruning True: rows live in a preallocated [1, kv_heads, capacity, head_dim] buffer; `update`
+    admits new tokens through the book and writes each kept one into the slot it names.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, index: int, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool):
+        super().__init__()
+        self.index = index
+        self.book = book
+        self.scorer = scorer          # None: every score 0 (no long-term budget to fill)
+        self.unrotator = unrotator
+        self.pruning = pruning
+        self.seen = 0                 # tokens that went through update: the next token's position
+        self.rows = 0
+        self._key_buffer = self._value_buffer = None
+        self._pending: tuple[list[int], list[float]] = ([], [])  # positions, scores of rows kept while not pruning
+
+    # --- what transformers calls ---------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SmartKVCache holds one sequence (each keeps its own rows); got a batch of "
+                             f"{key_states.shape[0]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0].clone()
+        self.values = value_states[:, :, :0].clone()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take q new rows [1, kv_heads, q, head_dim] (keys rotated at positions seen .. seen + q - 1)
+        and return the keys and values this forward attends to, [1, kv_heads, n, head_dim] each.
+
+        One token while pruning (decoding): it is admitted first and the forward attends to
+        the rows held afterwards, itself included (n <= capacity), read in place. Several
+        tokens (a prefill): they must see each other causally, so the forward attends to the
+        stored rows followed by all q new ones (n = rows + q, one concatenated copy), and the
+        layout is applied after."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SmartKVCache holds one sequence; got a batch of {key_states.shape[0]}")
+        count = key_states.shape[2]
+        if self.pruning and count == 1 and self.book.window_size > 0:
+            self._admit_one(key_states, value_states)
+            self.seen += 1
+            return self.keys, self.values
+        positions = torch.arange(self.seen, self.seen + count)
+        scores = self._scores(key_states, positions)
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        if self.pruning:
+            self._admit(key_states, value_states, positions.tolist(), scores)
+        else:
+            self.keys, self.values, self.rows = keys, values, keys.shape[2]
+            self._pending[0].extend(positions.tolist())
+            self._pending[1].extend(scores)
+        self.seen += count
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        """Tokens seen, not rows held: the position the next token takes."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(n, seen + q - n), n the rows `update` will return: the rows attended to stand for
+        the positions just before the new tokens (a decoded token is admitted first, so n is
+        what is held after it: at most the capacity)."""
+        if self.pruning and query_length == 1 and self.book.window_size > 0:
+            attended = min(self.book.capacity, self.rows + 1)
+        else:
+            attended = self.rows + query_length
+        return attended, self.seen + query_length - attended
+
+    def get_max_length(self) -> int:
+        return -1  # any number of tokens can go through
+
+    def reset(self) -> None:
+        raise NotImplementedError("reset the whole SmartKVCache (SmartKVCache.reset), not one layer")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("SmartKVCache cannot be cropped: the rows it dropped cannot come back")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SmartKVCache holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("SmartKVCache holds one sequence; it cannot be repeated over a batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("SmartKVCache holds one sequence")
+
+    # --- pruning -----------------------------------------------------------------------------
+
+    def bulk_prune(self) -> None:
+        """Manual mode's transition: admit every stored row, in position order, through the
+        book (sinks, last `window`, top `budget` of the rest by score) and compact."""
+        if self.pruning:
+            return
+        self.pruning = True
+        if not self.is_initialized:
+            return
+        positions, scores = self._pending
+        self._pending = ([], [])
+        placements = self.book.admit(positions, scores)
+        order = torch.empty(self.book.size, dtype=torch.long)
+        for slot, row in placements:
+            order[slot] = row
+        order = order.to(self.keys.device)
+        kept_keys, kept_values = self.keys.index_select(2, order), self.values.index_select(2, order)
+        self._allocate()
+        self._key_buffer[:, :, : self.book.size].copy_(kept_keys)
+        self._value_buffer[:, :, : self.book.size].copy_(kept_values)
+        self._expose(self.book.size)
+
+    def _admit_one(self, key_states, value_states) -> None:
+        """Decoding: admit the token at position `seen` with no score yet (it enters the
+        window); if that pushes an unscored row out of the window, every unscored window row
+        is scored first, in one batch read from the buffer (one gate call per `window` tokens
+        instead of one per token)."""
+        self._ensure_buffers()
+        position = self.seen
+        self._score_waiting(arriving=int(position >= self.book.sinks))
+        [(slot, _)] = self.book.admit([position], [None])
+        slot = torch.tensor([slot], device=key_states.device)
+        self._key_buffer.index_copy_(2, slot, key_states)
+        self._value_buffer.index_copy_(2, slot, value_states)
+        self._expose(self.book.size)
+
+    def _score_waiting(self, arriving: int) -> None:
+        """Score the window's unscored rows (read from the buffer) if `arriving` tokens would
+        push one of them out of the window."""
+        waiting = self.book.unscored(arriving)
+        if waiting:
+            slots = torch.tensor([row.slot for row in waiting], device=self._key_buffer.device)
+            positions = torch.tensor([row.position for row in waiting])
+            self.book.set_scores(waiting, self._scores(self._key_buffer.index_select(2, slots), positions))
+
+    def _ensure_buffers(self) -> None:
+        if self._key_buffer is None:
+            self._allocate()
+            self._key_buffer[:, :, : self.rows].copy_(self.keys)
+            self._value_buffer[:, :, : self.rows].copy_(self.values)
+
+    def _admit(self, key_states, value_states, positions: list[int], scores: list[float]) -> None:
+        self._ensure_buffers()
+        self._score_waiting(arriving=sum(p >= self.book.sinks for p in positions))
+        placements = self.book.admit(positions, scores)
+        if placements:
+            slots = torch.tensor([s for s, _ in placements], device=key_states.device)
+            rows = torch.tensor([r for _, r in placements], device=key_states.device)
+            self._key_buffer.index_copy_(2, slots, key_states.index_select(2, rows))
+            self._value_buffer.index_copy_(2, slots, value_states.index_select(2, rows))
+        self._expose(self.book.size)
+
+    def _allocate(self) -> None:
+        shape = (1, self.keys.shape[1], self.book.capacity, self.keys.shape[3])
+        self._key_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._value_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _expose(self, rows: int) -> None:
+        """keys / values: views of the buffers' first `rows` slots (what the next forward reads)."""
+        self.rows = rows
+        self.keys = self._key_buffer[:, :, :rows]
+        self.values = self._value_buffer[:, :, :rows]
+
+    def _scores(self, key_states: torch.Tensor, positions: torch.Tensor) -> list[float]:
+        if self.scorer is None:
+            return [0.0] * key_states.shape[2]
+        plain = self.unrotator(key_states, positions)          # [q, kv_heads * head_dim]
+        return self.scorer.score(self.index, plain, positions).tolist()
+
+    # --- facts ---------------------------------------------------------------------------------
+
+    def positions(self) -> torch.Tensor:
+        """int64 [rows]: the RoPE position of the token in each stored row."""
+        if not self.pruning:
+            return torch.tensor(self._pending[0], dtype=torch.long)
+        return torch.tensor(self.book.positions(), dtype=torch.long)
+
+    def memory_bytes(self) -> int:
+        if self._key_buffer is not None:
+            return 2 * self._key_buffer.numel() * self._key_buffer.element_size()
+        return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+
+
+class GateScorer:
+    """Adapts a GateSet to the scorer interface: score(layer, keys [q, in_dim], positions [q]) -> [q]."""
+
+    def __init__(self, gates: GateSet):
+        self.gates = gates
+
+    def score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.gates.score(layer, keys)
+
+
+class SmartKVCache(Cache):
+    """A transformers Cache of SmartKVLayers (see the module docstring).
+
+    config: the model's (Llama) config. gates: a GateSet for it (required when budget > 0),
+    or `scorer`: any object with score(layer, keys [q, kv_heads * head_dim] pre-RoPE,
+    positions [q]) -> [q] (tests use position-only scorers). prune: "auto" (prune in every
+    update, so a prefill is bulk-pruned right after its forward) or "manual" (keep every row
+    until `bulk_prune()`, then prune as tokens arrive).
+    """
+
+    def __init__(self, config, gates: GateSet | None = None, *, budget: int, sinks: int = 4, window: int = 32,
+                 prune: str = "auto", scorer=None):
+        if prune not in PRUNE_MODES:
+            raise ValueError(f"prune must be one of {PRUNE_MODES}, got {prune!r}")
+        if gates is not None and scorer is not None:
+            raise ValueError("give gates or a scorer, not both")
+        if gates is not None:
+            gates.check_model(config)
+            scorer = GateScorer(gates)
+        if budget > 0 and scorer is None:
+            raise ValueError(f"a long-term budget ({budget}) needs gates to rank tokens; use budget=0 for a "
+                             "streaming cache (sinks + window)")
+        self.sinks, self.budget, self.window = sinks, budget, window
+        self.prune = prune
+        self.gates = gates
+        unrotator = KeyUnrotator.for_config(config)
+        layers = [SmartKVLayer(i, RowBook(sinks, budget, window), scorer, unrotator, pruning=prune == "auto")
+                  for i in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self._config = config
+        self._scorer = scorer
+
+    @staticmethod
+    def streaming(config, *, capacity: int, sinks: int = 4) -> "SmartKVCache":
+        """The baseline: sinks + a recent window, `capacity` rows in all (no gates, no long-term memory)."""
+        return SmartKVCache(config, None, budget=0, sinks=sinks, window=capacity - sinks)
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.budget + self.window
+
+    @property
+    def rows(self) -> int:
+        """Rows each layer holds (the same in every layer)."""
+        return self.layers[0].rows
+
+    @property
+    def seen(self) -> int:
+        """Tokens that went through the cache (the next token's position)."""
+        return self.layers[0].seen
+
+    def bulk_prune(self) -> None:
+        """Manual mode: compress every layer to its layout once (after the prefill); from then on
+        every update prunes. A no-op once pruning is on (always, in auto mode)."""
+        for layer in self.layers:
+            layer.bulk_prune()
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """int64 [rows]: the RoPE position of each stored row of `layer`, in storage order."""
+        return self.layers[layer].positions()
+
+    def reset(self) -> None:
+        """Forget every row and token (same settings)."""
+        fresh = SmartKVCache(self._config, budget=self.budget, sinks=self.sinks, window=self.window,
+                             prune=self.prune, scorer=self._scorer)
+        self.layers = fresh.layers
+
+    def memory_bytes(self) -> int:
+        return sum(layer.memory_bytes() for layer in self.layers)

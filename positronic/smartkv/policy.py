@@ -1,0 +1,192 @@
+"""`--policy smartkv`: the brain keeps different rows in every layer, chosen by the SmartKV gates.
+
+Every layer holds `budget` rows (the same number in each, so the cache stays rectangular):
+
+- the first max(sinks, protect) rows, in every layer for good;
+- a **window** of the `window` most recent tokens, in every layer;
+- a **long-term memory** of `budget - max(sinks, protect) - window` tokens, its own per layer:
+  when a token leaves the window it competes in each layer, by that layer's gate score, with
+  the lowest-scored token of that layer's memory; the loser's row is dropped *in that layer*.
+
+The ledger stays one; the state's live map is the union of what the layers hold, and per-layer
+rows say which layer holds what (mirror/layer_rows.py). A token retires from the ledger when
+the last layer drops it. Each tick is one `drop` action (every layer's rows) plus the add:
+once the memory is full, every layer drops exactly one row per tick.
+
+Scores: a token's key in each layer, un-rotated to position 0 (what the gates were trained
+on), through that layer's gate (`GateSet.score`). A token is scored only when it is about to
+leave the window, together with every other unscored window token, so the gates run once per
+layer every `window` ticks on `window` keys (read from the cache through the view).
+
+Like SmartKVCache (cache.py) for a plain `model.generate`; this is the same layout inside the
+brain's tick, mirror, sessions and live view. Not with recall, a repairer, pins or a 4-bit
+kv_format (each needs every layer to hold the same rows).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import torch
+
+from .cache import KeyUnrotator
+from .gates import GateFileError, GateSet
+
+
+def load_gates(spec: str, lm) -> GateSet:
+    """The gates of `--gates`: a safetensors path, or "" for those shipped for the model."""
+    try:
+        gates = GateSet.load(spec) if spec else GateSet.for_model(lm.name)
+        gates.check_model(lm.model.config)
+    except GateFileError as exc:
+        raise ValueError(f"smartkv: {exc}") from None
+    return gates
+
+
+class SmartKVPolicy:
+    """Per-layer memories of gate-ranked tokens (see the module docstring)."""
+
+    name = "smartkv"
+    per_layer = True  # the Brain gives the state per-layer rows
+    reads_keys = True  # the plan reads window tokens' keys (view(keys=True))
+    recall = None
+    repairer = None
+
+    def __init__(self, lm, config):
+        self.check(config)
+        self.config = config
+        self.gates = load_gates(config.gates, lm)
+        self.unrotate = KeyUnrotator(lm.inv_freq)
+        self.keep = max(config.sinks, config.protect)
+        self.size = self.memory_size(config)
+        self.memory: list[list[tuple[float, int, int]]] = [[] for _ in range(lm.num_layers)]  # min-heaps (score, position, ledger id)
+        self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
+        self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each layer
+        self._pending: tuple | None = None  # (memory, offered) of the last plan, until its tick went through
+
+    @staticmethod
+    def memory_size(config) -> int:
+        return config.budget - max(config.sinks, config.protect) - config.window
+
+    @classmethod
+    def check(cls, config) -> None:
+        """ValueError for settings SmartKV cannot run with."""
+        if getattr(config, "recall", False):
+            raise ValueError("policy smartkv: recall needs every layer to hold the same rows (choose another policy)")
+        if config.repairer != "none":
+            raise ValueError("policy smartkv drops rows per layer: it takes no repairer (--repairer none)")
+        if config.kv_format != "float":
+            raise ValueError(f"policy smartkv keeps per-layer rows in the float kv_format, not {config.kv_format}")
+        if config.window < 1:
+            raise ValueError("policy smartkv needs a window of at least 1 row (the newest token)")
+        if cls.memory_size(config) < 1:
+            raise ValueError(f"policy smartkv: budget {config.budget} leaves no long-term memory after "
+                             f"{max(config.sinks, config.protect)} kept rows and a window of {config.window}")
+
+    @classmethod
+    def window(cls, config, length: int) -> int:
+        return config.window
+
+    @classmethod
+    def batch(cls, config) -> int:
+        return 1
+
+    # --- a tick ---------------------------------------------------------------------------
+
+    def plan(self, view, scores, seconds: dict[str, float]):
+        """One `drop` action for this tick's token (Step 1's token is added after it)."""
+        return self._plan(view, seconds)
+
+    def prune(self, view, scores, target: int):
+        """A prompt longer than the budget: every layer down to `target` rows at once (the
+        bulk prune: each layer keeps the top of its memory among all older prompt tokens)."""
+        return self._plan(view, {})
+
+    def _plan(self, view, seconds: dict[str, float]):
+        from ..policy import PolicyPlan
+
+        clock = time.perf_counter()
+        ids, positions = view.ledger_ids.tolist(), view.positions.tolist()
+        window_start = max(self.keep, len(ids) - (self.config.window - 1))  # rows still in the window after the add
+        leaving = [row for row in range(self.keep, window_start) if ids[row] > self.offered]
+        self._score(view.rows, [ids[row] for row in leaving], ids, positions)
+        seconds["score"] = (now := time.perf_counter()) - clock
+        memory = [list(heap) for heap in self.memory]
+        drops: list[list[int]] = [[] for _ in memory]  # positions, per layer
+        for row in leaving:
+            ledger_id, position = ids[row], positions[row]
+            for layer, heap in enumerate(memory):
+                entry = (self.scores[ledger_id][layer], position, ledger_id)
+                if len(heap) < self.size:
+                    heapq.heappush(heap, entry)
+                elif entry > heap[0]:
+                    drops[layer].append(heapq.heapreplace(heap, entry)[1])
+                else:
+                    drops[layer].append(position)
+        self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]))
+        actions, outcomes = [], []
+        if drops[0]:
+            rows = [torch.searchsorted(view.layer_positions[layer], torch.tensor(sorted(dropped))).tolist()
+                    for layer, dropped in enumerate(drops)]
+            actions.append({"action": "drop", "rows": rows})
+            gone = set.intersection(*(set(d) for d in drops)) if drops else set()
+            outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per layer"
+                                 + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every layer" if gone else "")))
+        seconds["select"] = time.perf_counter() - now
+        return PolicyPlan(actions, outcomes)
+
+    def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> None:
+        """Gate scores of `needed` tokens, and with them of every unscored window token (so
+        the gates run in batches): keys read from the cache through the view, un-rotated."""
+        if all(ledger_id in self.scores for ledger_id in needed):
+            return
+        window = range(max(self.keep, len(ids) - self.config.window), len(ids))
+        wanted = set(needed)
+        rows = sorted({row for row, ledger_id in enumerate(ids) if ledger_id in wanted} | set(window))
+        rows = [row for row in rows if ids[row] not in self.scores]
+        batch = [ids[row] for row in rows]
+        keys = reader.layer_keys(batch)  # [layers, kv_heads, n, head_dim]
+        at = torch.tensor([positions[row] for row in rows])
+        per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at)) for layer in range(len(keys))]
+        table = torch.stack(per_layer, dim=1).tolist()  # [n, layers]
+        self.scores.update(zip(batch, table))
+
+    # --- after the tick -------------------------------------------------------------------
+
+    def undo(self) -> None:
+        """The tick of the last plan did not happen: its memory changes are forgotten."""
+        self._pending = None
+
+    def receive(self, probe_logprobs) -> None:
+        """The tick of the last plan went through: its memories stand."""
+        if self._pending is not None:
+            self.memory, self.offered = self._pending
+            self._pending = None
+            held = {ledger_id for heap in self.memory for _, _, ledger_id in heap}
+            if len(self.scores) > 2 * (len(held) + self.config.window):  # forget tokens every layer dropped
+                self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
+
+    # --- sessions -------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"memory": [[list(entry) for entry in heap] for heap in self.memory], "offered": self.offered,
+                "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
+
+    def load_state(self, state: dict) -> None:
+        layers = len(self.memory)
+        try:
+            ok = (isinstance(state, dict) and set(state) == {"memory", "offered", "scores"}
+                  and type(state["offered"]) is int and len(state["memory"]) == layers
+                  and all(len(heap) <= self.size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
+                                                         for e in heap) for heap in state["memory"])
+                  and all(type(i) is int and len(v) == layers for i, v in state["scores"]))
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError("policy smartkv: malformed saved state")
+        self.memory = [[(float(s), p, i) for s, p, i in heap] for heap in state["memory"]]
+        for heap in self.memory:
+            heapq.heapify(heap)
+        self.offered = state["offered"]
+        self.scores = {i: [float(x) for x in v] for i, v in state["scores"]}

@@ -1,0 +1,247 @@
+"""Training the SmartKV gates: labels from the model's own attention, one MLP per layer.
+
+    python -m positronic.smartkv train --model smollm2 --text texts/alice_ch1-2.txt \
+        --text more.txt --heldout /work/heldout/tale_of_two_cities.txt --out gates.safetensors
+
+Steps: (1) label every training text and the held-out text (labels.py: one eager prefill per
+window); (2) per layer, standardise the keys and fit the MLP to log4(1 + lifespan) by mean
+squared error (AdamW, linear learning-rate decay), keeping the epoch with the best rank
+correlation on a 10% validation split of the *training* labels; (3) report Spearman's rank
+correlation per layer on the held-out text (the gates only rank rows, so ranks are what
+matters) and write the gates with a JSON header recording the rule, texts and results.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .gates import DEFAULT_DEPTH, DEFAULT_HIDDEN, Gate, GateSet, spearman
+from .labels import LabelSet, LifespanRule, label_text, window_count
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    hidden: int = DEFAULT_HIDDEN
+    depth: int = DEFAULT_DEPTH
+    epochs: int = 8
+    batch: int = 512
+    lr: float = 2e-3
+    weight_decay: float = 1e-4
+    validation: float = 0.1   # share of the training labels held back to pick the best epoch
+    seed: int = 0
+
+
+def split(count: int, share: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, validation indices) of a random split of `count` samples."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    held = max(1, int(round(count * share))) if count > 1 else 0
+    return order[held:], order[:held]
+
+
+def fit_gate(keys: torch.Tensor, labels: torch.Tensor, config: TrainConfig, *, on_step=None) -> tuple[Gate, float]:
+    """Fit one Gate to pre-RoPE keys [n, in_dim] and labels [n]. Returns the gate of the best
+    epoch by validation Spearman, and that Spearman. on_step(): called once per batch."""
+    torch.manual_seed(config.seed)
+    train_idx, val_idx = split(keys.shape[0], config.validation, config.seed)
+    gate = Gate(keys.shape[1], config.hidden, config.depth)
+    gate.set_normalisation(keys[train_idx])
+    optimiser = torch.optim.AdamW(gate.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    steps_per_epoch = math.ceil(len(train_idx) / config.batch)
+    total = steps_per_epoch * config.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1.0 - step / max(1, total))
+    best_state, best = copy.deepcopy(gate.state_dict()), -float("inf")
+    x_train, y_train = keys[train_idx], labels[train_idx]
+    for epoch in range(config.epochs):
+        gate.train()
+        order = torch.randperm(len(train_idx))
+        for start in range(0, len(order), config.batch):
+            batch = order[start:start + config.batch]
+            loss = torch.nn.functional.mse_loss(gate(x_train[batch]), y_train[batch])
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            schedule.step()
+            if on_step is not None:
+                on_step()
+        gate.eval()
+        with torch.no_grad():
+            rho = spearman(gate(keys[val_idx]), labels[val_idx]) if len(val_idx) > 1 else 0.0
+        if rho > best or epoch == 0:
+            best, best_state = rho, copy.deepcopy(gate.state_dict())
+    gate.load_state_dict(best_state)
+    return gate.eval().requires_grad_(False), best
+
+
+def train_gates(labels: LabelSet, config: TrainConfig, *, shared: bool = False, on_step=None,
+                header: dict | None = None) -> GateSet:
+    """Per-layer gates (or, `shared`, one gate fitted to every layer's labels pooled)."""
+    head = {"lifespan": labels.rule.to_dict(), "train": asdict(config), "texts": labels.texts}
+    head.update(header or {})
+    if shared:
+        keys = torch.cat(labels.keys)
+        targets = torch.cat(labels.labels)
+        # as many optimiser steps as all per-layer gates together: one epoch over the pool is
+        # one epoch of every layer
+        gate, _ = fit_gate(keys, targets, config, on_step=on_step)
+        gates = [gate] * labels.num_layers
+    else:
+        gates = [fit_gate(labels.keys[l], labels.labels[l], config, on_step=on_step)[0]
+                 for l in range(labels.num_layers)]
+    result = GateSet(gates, {})
+    result.header = dict(head, format=1, num_layers=result.num_layers, in_dim=result.in_dim,
+                         hidden=config.hidden, depth=config.depth, shared=shared)
+    return result
+
+
+def steps_needed(labels: LabelSet, config: TrainConfig, shared: bool) -> int:
+    """Optimiser steps `train_gates` will take (for a progress bar)."""
+    train = labels.count - (max(1, int(round(labels.count * config.validation))) if labels.count > 1 else 0)
+    per_layer = math.ceil(train / config.batch) * config.epochs
+    if shared:
+        pool = labels.count * labels.num_layers
+        train = pool - max(1, int(round(pool * config.validation)))
+        return math.ceil(train / config.batch) * config.epochs
+    return per_layer * labels.num_layers
+
+
+@torch.no_grad()
+def heldout_spearman(gates: GateSet, labels: LabelSet) -> list[float]:
+    """Spearman correlation of predicted and true labels, per layer."""
+    return [spearman(gates.score(l, labels.keys[l]), labels.labels[l]) for l in range(labels.num_layers)]
+
+
+# --- the command ------------------------------------------------------------------------------
+
+@dataclass
+class TrainReport:
+    gates: GateSet
+    shared: GateSet | None
+    heldout: list[float]
+    heldout_shared: list[float] | None
+    train_count: int
+    heldout_count: int
+    seconds: float
+
+
+def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: Path | None = None,
+        rule: LifespanRule = LifespanRule(), config: TrainConfig = TrainConfig(), max_tokens: int | None = None,
+        save_labels: Path | None = None, labels: Path | None = None, console=None) -> TrainReport:
+    """Label, train, evaluate, write (see the module docstring). Progress goes to `console`
+    (a rich Console on stderr by default)."""
+    from rich.console import Console
+
+    from ..models import load_model
+
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    lm = load_model(model, device="cpu", dtype="float32")
+    texts_read = [(Path(p).name, _read(p)) for p in texts]
+    held_text = _read(heldout)
+    train_names = {Path(p).resolve() for p in texts}
+    if Path(heldout).resolve() in train_names:
+        raise ValueError(f"--heldout {heldout} is also a training --text: the held-out measurement needs an unseen text")
+    with Bars(console) as bars:
+        if labels is not None:
+            train_labels = LabelSet.load(labels)
+            rule = train_labels.rule
+            total_windows = window_count(lm, held_text, rule, max_tokens)
+        else:
+            total_windows = sum(window_count(lm, t, rule, max_tokens) for _, t in texts_read) \
+                + window_count(lm, held_text, rule, max_tokens)
+        advance = bars.task("labels", total_windows)
+        if labels is None:
+            train_labels = LabelSet.concat([label_text(lm, t, rule, max_tokens=max_tokens, name=n, on_window=advance)
+                                            for n, t in texts_read])
+            if save_labels is not None:
+                train_labels.save(save_labels)
+        held_labels = label_text(lm, held_text, rule, max_tokens=max_tokens, name=Path(heldout).name, on_window=advance)
+        steps = steps_needed(train_labels, config, False) + (steps_needed(train_labels, config, True) if shared_out else 0)
+        advance = bars.task("gates", steps)
+        header = {"model": model, "heldout": Path(heldout).name}
+        gates = train_gates(train_labels, config, on_step=advance, header=header)
+        shared = None
+        if shared_out is not None:
+            shared = train_gates(train_labels, config, shared=True, on_step=advance, header=header)
+    rho = heldout_spearman(gates, held_labels)
+    gates.header["heldout_spearman"] = [round(r, 4) for r in rho]
+    gates.save(out)
+    rho_shared = None
+    if shared is not None:
+        rho_shared = heldout_spearman(shared, held_labels)
+        shared.header["heldout_spearman"] = [round(r, 4) for r in rho_shared]
+        shared.save(shared_out)
+    return TrainReport(gates, shared, rho, rho_shared, train_labels.count, held_labels.count,
+                       time.perf_counter() - started)
+
+
+class Bars:
+    """Progress: rich bars on a terminal; elsewhere (a pipe, a log file) one line per tenth of
+    each task, since bars cannot redraw there."""
+
+    def __init__(self, console):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.console = console
+        self.live = console.is_terminal
+        self.progress = Progress(TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not self.live)
+        self.started = time.perf_counter()
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def task(self, name: str, total: int):
+        """A callable that advances a new task by one."""
+        task = self.progress.add_task(name, total=total)
+        done = [0]
+
+        def advance():
+            self.progress.advance(task)
+            done[0] += 1
+            if not self.live and (done[0] == total or done[0] * 10 // total != (done[0] - 1) * 10 // total):
+                self.console.print(f"{name} {done[0]}/{total}  {time.perf_counter() - self.started:.0f} s",
+                                   highlight=False)
+        return advance
+
+
+def report_table(report: TrainReport, heldout_name: str):
+    """A rich Table: held-out Spearman per layer (and of the shared gate, if trained)."""
+    from rich.table import Table
+
+    table = Table(title=f"held-out Spearman per layer ({heldout_name}, {report.heldout_count} tokens; "
+                        f"trained on {report.train_count} tokens)")
+    table.add_column("layer", justify="right")
+    table.add_column("per-layer gate", justify="right")
+    if report.heldout_shared is not None:
+        table.add_column("shared gate", justify="right")
+    for l, rho in enumerate(report.heldout):
+        row = [str(l), f"{rho:.3f}"]
+        if report.heldout_shared is not None:
+            row.append(f"{report.heldout_shared[l]:.3f}")
+        table.add_row(*row)
+    mean = [f"{sum(report.heldout) / len(report.heldout):.3f}"]
+    if report.heldout_shared is not None:
+        mean.append(f"{sum(report.heldout_shared) / len(report.heldout_shared):.3f}")
+    table.add_row("mean", *mean, end_section=True)
+    return table
+
+
+def _read(path) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return text

@@ -1,0 +1,497 @@
+"""SmartKV (issue 15): gates, labels, the row layout and SmartKVCache inside a real model.
+
+The position tests compare a pruned cache with references built without it: the same model
+fed the kept rows (taken from a full cache) with explicit position_ids, either through a 4-D
+mask over a full DynamicCache (when every layer keeps the same rows) or through a DynamicCache
+gathered per layer (when the gates make layers keep different rows).
+"""
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import DynamicCache
+
+from positronic.smartkv import GateFileError, GateSet, SmartKVCache
+from positronic.smartkv.cache import KeyUnrotator
+from positronic.smartkv.gates import Gate, spearman
+from positronic.smartkv.labels import LifespanRule, lifespans, log4, windows
+from positronic.smartkv.rows import RowBook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+class PositionScorer:
+    """Scores that depend only on the position (the same in every layer), pseudo-random."""
+
+    def score(self, layer, keys, positions):
+        return torch.tensor([math.sin(7.3 * p + 1.1) for p in positions.tolist()])
+
+
+def text_ids(lm, count, seed=0):
+    rng = random.Random(seed)
+    return [lm.bos_id] + [rng.randrange(3, min(lm.vocab_size, 259)) for _ in range(count - 1)]
+
+
+def full_cache(lm, ids):
+    """A DynamicCache over all of `ids` (one prefill) and the logits of its last token."""
+    cache = DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        out = lm.model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache, out.logits[0, -1]
+
+
+def gathered(lm, store: list[tuple[torch.Tensor, torch.Tensor]], kept: list[torch.Tensor]) -> DynamicCache:
+    """A DynamicCache whose layer l holds rows `kept[l]` (positions) of store[l] (K, V over all positions)."""
+    cache = DynamicCache(config=lm.model.config)
+    for l, (k, v) in enumerate(store):
+        cache.update(k[:, :, kept[l]], v[:, :, kept[l]], l)
+    return cache
+
+
+def step_reference(lm, store, kept, token, position):
+    """Logits of `token` at `position` attending exactly to rows `kept[l]` of every layer, plus
+    its new K/V appended to `store` (so the next step can use them)."""
+    cache = gathered(lm, store, kept)
+    with torch.no_grad():
+        out = lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                       position_ids=torch.tensor([[position]]))
+    for l in range(len(store)):
+        k, v = store[l]
+        new_k, new_v = cache.layers[l].keys[:, :, -1:], cache.layers[l].values[:, :, -1:]
+        store[l] = (torch.cat([k, new_k], 2), torch.cat([v, new_v], 2))
+    return out.logits[0, -1]
+
+
+def store_of(cache: DynamicCache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def kept_before(cache, layers, n):
+    """Per layer, the positions a decoded token at position n attended to besides itself:
+    what the layer holds after admitting it (a decoded token is admitted first), less n."""
+    return [cache.positions(l)[cache.positions(l) != n] for l in range(layers)]
+
+
+def smart_step(lm, cache, token):
+    with torch.no_grad():
+        return lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+
+
+# --- rows -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sinks,budget,window", [(4, 10, 6), (2, 0, 8), (3, 7, 0), (0, 5, 1), (4, 1, 1)])
+def test_row_book_keeps_sinks_window_and_the_best_scores(sinks, budget, window):
+    rng = random.Random(sinks * 100 + budget * 10 + window)
+    book = RowBook(sinks, budget, window)
+    scores = [rng.random() for _ in range(60)]
+    for n in range(60):
+        placed = book.admit([n], [scores[n]])
+        assert book.held == book.size == min(n + 1, book.capacity)
+        held = sorted(p for p in book.positions() if p >= 0)
+        rest = [p for p in range(n + 1) if p >= sinks]
+        recent = rest[max(0, len(rest) - window):] if window else []
+        older = [p for p in rest if p not in recent]
+        best = sorted(older, key=lambda p: -scores[p])[:budget]
+        assert held == sorted(set(range(min(sinks, n + 1))) | set(recent) | set(best))
+        assert (n in held) == bool(placed) and all(i == 0 for _, i in placed)
+    kinds = book.kinds()
+    assert kinds.count("sink") == sinks and kinds.count("window") == window and kinds.count("memory") == budget
+
+
+def test_row_book_admitting_a_prompt_at_once_is_the_bulk_prune():
+    rng = random.Random(1)
+    scores = [rng.random() for _ in range(200)]
+    one_by_one, at_once = RowBook(4, 20, 8), RowBook(4, 20, 8)
+    for n in range(200):
+        one_by_one.admit([n], [scores[n]])
+    placed = at_once.admit(list(range(200)), scores)
+    assert sorted(one_by_one.positions()) == sorted(at_once.positions())
+    assert sorted(slot for slot, _ in placed) == list(range(32))  # every slot holds a token of the batch
+
+
+def test_row_book_refuses_an_empty_layout():
+    with pytest.raises(ValueError):
+        RowBook(0, 0, 0)
+    with pytest.raises(ValueError):
+        RowBook(-1, 4, 4)
+
+
+# --- the cache inside the model ---------------------------------------------------------------
+
+def test_identical_logits_to_dynamic_cache_while_nothing_is_pruned(tiny):
+    ids = torch.tensor([text_ids(tiny, 20)])
+    gates = GateSet.for_config(tiny.model.config, seed=3)
+    runs = []
+    for cache in (DynamicCache(config=tiny.model.config), SmartKVCache(tiny.model.config, gates, budget=16)):
+        out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        runs.append(out)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].logits, runs[1].logits):
+        assert torch.equal(a, b)
+
+
+def test_pruned_cache_matches_a_masked_full_forward_over_the_kept_rows(tiny):
+    """Every layer keeps the same rows (a position-only scorer): the reference is one full
+    DynamicCache with a 4-D mask hiding the dropped rows and explicit position_ids."""
+    ids = text_ids(tiny, 60)
+    cache = SmartKVCache(tiny.model.config, scorer=PositionScorer(), sinks=3, budget=9, window=5)
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:40]]), past_key_values=cache, use_cache=True)
+    reference, _ = full_cache(tiny, ids[:40])
+    assert cache.rows == 17 and cache.seen == 40
+    for n in range(40, 60):
+        got = smart_step(tiny, cache, ids[n])
+        kept = cache.positions(0)  # what the token attended to: admitted first, so itself included
+        for l in range(1, tiny.num_layers):
+            assert torch.equal(cache.positions(l), kept)  # same rows everywhere: one mask is right
+        assert len(set(kept.tolist())) == 17 and {0, n} <= set(kept.tolist())
+        mask = torch.full((1, 1, 1, n + 1), float("-inf"))
+        mask[..., kept] = 0.0
+        with torch.no_grad():
+            want = tiny.model(torch.tensor([[ids[n]]]), past_key_values=reference, use_cache=True,
+                              position_ids=torch.tensor([[n]]), attention_mask=mask).logits[0, -1]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        assert cache.rows == 17 and cache.seen == n + 1
+
+
+def test_pruned_cache_matches_per_layer_kept_rows_at_their_positions(tiny):
+    """Gates make the layers keep different rows: the reference gathers each layer's kept rows
+    from the full K/V and feeds the next token at its real position."""
+    ids = text_ids(tiny, 70, seed=2)
+    gates = GateSet.for_config(tiny.model.config, seed=5)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:45]]), past_key_values=cache, use_cache=True)
+    full, _ = full_cache(tiny, ids[:45])
+    store = store_of(full)
+    differ = False
+    for n in range(45, 70):
+        got = smart_step(tiny, cache, ids[n])
+        kept = kept_before(cache, tiny.num_layers, n)
+        differ |= any(set(k.tolist()) != set(kept[0].tolist()) for k in kept)
+        want = step_reference(tiny, store, kept, ids[n], n)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert differ, "the random gates should make the two layers keep different rows"
+
+
+def test_wrong_positions_would_be_caught(tiny):
+    """The reference is sensitive: feeding the next token at the row count instead of the
+    token count changes the logits."""
+    ids = text_ids(tiny, 50)
+    cache = SmartKVCache.streaming(tiny.model.config, capacity=12, sinks=2)
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:49]]), past_key_values=cache, use_cache=True)
+    full, _ = full_cache(tiny, ids[:49])
+    got = smart_step(tiny, cache, ids[49])
+    kept = kept_before(cache, tiny.num_layers, 49)
+    right = step_reference(tiny, store_of(full), kept, ids[49], 49)
+    wrong = step_reference(tiny, store_of(full), kept, ids[49], 12)
+    torch.testing.assert_close(got, right, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(got, wrong, atol=1e-3)
+
+
+def test_generate_derives_positions_from_tokens_seen(tiny):
+    """model.generate with a SmartKVCache that prunes during prefill and decoding gives the
+    greedy tokens and logits of a reference fed explicit positions over the kept rows."""
+    ids = text_ids(tiny, 30, seed=4)
+    gates = GateSet.for_config(tiny.model.config, seed=7)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=6, window=4)
+    out = tiny.model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=15, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert cache.seen == 30 + 14 and cache.rows == 12  # the last generated token is never fed
+    # replay: the same cache settings, driven by hand, against the gathered reference
+    replay = SmartKVCache(tiny.model.config, gates, sinks=2, budget=6, window=4)
+    full, last = full_cache(tiny, ids)
+    with torch.no_grad():
+        first = tiny.model(torch.tensor([ids]), past_key_values=replay, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(first, last, atol=2e-5, rtol=1e-5)  # the prefill attends to everything
+    store = store_of(full)
+    sequence = out.sequences[0].tolist()
+    torch.testing.assert_close(out.logits[0][0], first, atol=2e-5, rtol=1e-5)
+    for step in range(1, 15):
+        n = 30 + step - 1
+        got = smart_step(tiny, replay, sequence[n])
+        want = step_reference(tiny, store, kept_before(replay, tiny.num_layers, n), sequence[n], n)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out.logits[step][0], want, atol=2e-5, rtol=1e-5)
+        assert int(want.argmax()) == sequence[n + 1]
+
+
+def test_every_layer_holds_the_same_number_of_rows(tiny):
+    gates = GateSet.for_config(tiny.model.config, seed=11)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=4, budget=12, window=8)
+    ids = text_ids(tiny, 80, seed=6)
+    with torch.no_grad():
+        for n, token in enumerate(ids):
+            tiny.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            counts = {layer.keys.shape[2] for layer in cache.layers} | {layer.values.shape[2] for layer in cache.layers}
+            assert counts == {min(n + 1, 24)}
+    assert cache.get_seq_length() == 80 and cache.rows == 24
+
+
+def test_manual_bulk_prune_keeps_what_auto_keeps(tiny):
+    ids = text_ids(tiny, 50, seed=8)
+    gates = GateSet.for_config(tiny.model.config, seed=9)
+    auto = SmartKVCache(tiny.model.config, gates, sinks=2, budget=8, window=6)
+    manual = SmartKVCache(tiny.model.config, gates, sinks=2, budget=8, window=6, prune="manual")
+    with torch.no_grad():
+        for cache in (auto, manual):
+            tiny.model(torch.tensor([ids[:40]]), past_key_values=cache, use_cache=True)
+    assert manual.rows == 40 and auto.rows == 16
+    manual.bulk_prune()
+    assert manual.rows == 16
+    for l in range(tiny.num_layers):
+        assert sorted(manual.positions(l).tolist()) == sorted(auto.positions(l).tolist())
+    for token in ids[40:]:  # from here both prune as tokens arrive, and agree
+        torch.testing.assert_close(smart_step(tiny, manual, token), smart_step(tiny, auto, token), atol=1e-5, rtol=1e-5)
+    out = tiny.model.generate(torch.tensor([ids]), past_key_values=manual, max_new_tokens=3, do_sample=False,
+                              pad_token_id=0)
+    assert out.shape[1] == 53 and manual.rows == 16
+
+
+def test_keys_are_unrotated_to_what_k_proj_wrote(tiny):
+    ids = torch.tensor([text_ids(tiny, 24)])
+    seen = {}
+    attn = tiny.model.model.layers[1].self_attn
+    handle = attn.k_proj.register_forward_hook(lambda m, i, o: seen.setdefault("k", o[0].clone()))
+    try:
+        cache, _ = full_cache(tiny, ids[0].tolist())
+    finally:
+        handle.remove()
+    plain = KeyUnrotator.for_config(tiny.model.config)(cache.layers[1].keys, torch.arange(24))
+    torch.testing.assert_close(plain, seen["k"], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_refuses_what_it_cannot_do(tiny):
+    config = tiny.model.config
+    with pytest.raises(ValueError, match="needs gates"):
+        SmartKVCache(config, budget=8)
+    with pytest.raises(ValueError, match="prune"):
+        SmartKVCache(config, budget=0, prune="sometimes")
+    other = GateSet.new(3, 32)
+    with pytest.raises(GateFileError, match="this model has 2 layers"):
+        SmartKVCache(config, other, budget=8)
+    cache = SmartKVCache.streaming(config, capacity=8)
+    with pytest.raises(ValueError, match="one sequence"):
+        with torch.no_grad():
+            tiny.model(torch.tensor([text_ids(tiny, 5)] * 2), past_key_values=cache, use_cache=True)
+
+
+# --- gates ------------------------------------------------------------------------------------
+
+def rounded(gates: GateSet) -> GateSet:
+    """The same gates with every tensor rounded to float16 (what a file stores)."""
+    copy = GateSet.new(gates.num_layers, gates.in_dim, hidden=gates.gates[0].hidden, depth=gates.gates[0].depth,
+                       shared=gates.shared)
+    for mine, theirs in zip(copy.gates, gates.gates):
+        mine.load_state_dict({k: v.half().float() for k, v in theirs.state_dict().items()})
+    return copy
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gate_file_round_trip(tmp_path, shared):
+    gates = GateSet.new(3, 32, hidden=16, depth=3, shared=shared, seed=1, header={"model": "random:tiny"})
+    keys = torch.randn(50, 32)
+    for gate in set(gates.gates):
+        gate.set_normalisation(torch.randn(100, 32) * 3 + 1)
+    path = tmp_path / "g.safetensors"
+    gates.save(path)
+    loaded = GateSet.load(path)
+    assert loaded.num_layers == 3 and loaded.in_dim == 32 and loaded.shared == shared
+    assert loaded.header["model"] == "random:tiny" and loaded.header["hidden"] == 16
+    expected = rounded(gates)
+    for l in range(3):
+        torch.testing.assert_close(loaded.score(l, keys), expected.score(l, keys), atol=0, rtol=0)
+        torch.testing.assert_close(loaded.score(l, keys), gates.score(l, keys), atol=0.02, rtol=0.01)
+    loaded.save(tmp_path / "again.safetensors")
+    again = GateSet.load(tmp_path / "again.safetensors")
+    for a, b in zip(again.gates, loaded.gates):
+        for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert torch.equal(x, y), name
+
+
+def test_bad_gate_files_are_refused_with_a_clear_error(tmp_path):
+    good = GateSet.new(2, 32, hidden=8, depth=2)
+    good_path = tmp_path / "good.safetensors"
+    good.save(good_path)
+    from safetensors import safe_open
+
+    with safe_open(str(good_path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = json.loads(f.metadata()["smartkv"])
+
+    def write(name, tensors, metadata):
+        path = tmp_path / name
+        save_file(tensors, str(path), metadata=metadata)
+        return path
+
+    pickle_path = tmp_path / "gates.pt"
+    torch.save({"layers.0.mean": torch.zeros(32)}, pickle_path)
+    cases = [
+        (tmp_path / "missing.safetensors", "does not exist"),
+        (pickle_path, "not a safetensors gate file"),
+        (write("nohead.safetensors", tensors, {}), "no 'smartkv' header"),
+        (write("notjson.safetensors", tensors, {"smartkv": "{oops"}), "not JSON"),
+        (write("version.safetensors", tensors, {"smartkv": json.dumps(dict(header, format=7))}), "format 7"),
+        (write("field.safetensors", tensors, {"smartkv": json.dumps(dict(header, hidden="8"))}), "'hidden'"),
+        (write("shape.safetensors", dict(tensors, **{"layers.1.linear.0.weight": torch.zeros(8, 31)}),
+               {"smartkv": json.dumps(header)}), r"layers.1.linear.0.weight has shape \[8, 31\], expected \[8, 32\]"),
+        (write("fewer.safetensors", {k: v for k, v in tensors.items() if not k.startswith("layers.1.")},
+               {"smartkv": json.dumps(header)}), "missing"),
+        (write("extra.safetensors", dict(tensors, stray=torch.zeros(1)), {"smartkv": json.dumps(header)}), "unexpected"),
+        (write("depth.safetensors", tensors, {"smartkv": json.dumps(dict(header, depth=3))}), "do not match the header"),
+        (write("nan.safetensors", dict(tensors, **{"layers.0.mean": torch.full((32,), float("nan"))}),
+               {"smartkv": json.dumps(header)}), "not finite"),
+    ]
+    (tmp_path / "text.safetensors").write_text("not a tensor file at all")
+    cases.append((tmp_path / "text.safetensors", "not a safetensors gate file"))
+    for path, message in cases:
+        with pytest.raises(GateFileError, match=message):
+            GateSet.load(path)
+
+
+def test_shipped_gates_fit_smollm2_config():
+    from positronic.models import smollm2_cache
+    from transformers import AutoConfig
+
+    gates = GateSet.for_model("smollm2")
+    config = AutoConfig.from_pretrained(smollm2_cache(), local_files_only=True)
+    gates.check_model(config)
+    assert gates.header["lifespan"]["threshold"] > 0 and len(gates.header["heldout_spearman"]) == 30
+    with pytest.raises(GateFileError, match="no gates are shipped"):
+        GateSet.for_model("tinyllama")
+
+
+def test_gate_scores_rank_keys():
+    gate = Gate(4, hidden=8, depth=2)
+    assert gate(torch.randn(5, 4)).shape == (5,)
+    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
+    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)
+    # ties take their average rank: ranks (1.5, 1.5, 3) against (1, 2, 3)
+    assert spearman(torch.tensor([0.0, 0, 1]), torch.tensor([1.0, 2, 3])) == pytest.approx(0.8660254, abs=1e-6)
+
+
+# --- labels -----------------------------------------------------------------------------------
+
+def test_lifespan_counts_later_queries_above_the_threshold():
+    length = 6
+    attention = torch.zeros(2, length, length)
+    for i in range(length):
+        attention[:, i, : i + 1] = 1.0 / (i + 1)  # uniform: nobody is above the uniform share
+    attention[1, 3, 1] = 0.9   # head 1 uses key 1 at query 3
+    attention[0, 5, 1] = 0.5   # head 0 at query 5 (0.5 > 2 / 6)
+    attention[0, 4, 2] = 0.3   # 0.3 < 2 / 5: not used
+    rule = LifespanRule(horizon=3, threshold=2.0, window=6)
+    spans = lifespans(attention, rule, first=1, count=2)
+    assert spans.tolist() == [1, 0]  # query 5 is beyond key 1's horizon (1 + 3)
+    wide = lifespans(attention, LifespanRule(horizon=4, threshold=2.0, window=6), first=1, count=1)
+    assert wide.tolist() == [2]
+    assert log4(torch.tensor([0.0, 3.0, 15.0]) + 1).tolist() == pytest.approx([0.0, 1.0, 2.0])
+
+
+def test_windows_label_every_token_once_with_a_whole_horizon():
+    rule = LifespanRule(horizon=4, threshold=1.0, window=10)
+    ids = list(range(40))
+    spans = windows(ids, rule)
+    labelled = [start + k for start, _ in spans for k in range(rule.labelled_per_window)]
+    assert labelled == list(range(len(labelled)))  # contiguous, no token twice
+    for start, chunk in spans:
+        assert len(chunk) == rule.window - 1 and chunk[0] == ids[start]
+    with pytest.raises(ValueError):
+        LifespanRule(horizon=9, window=10)
+
+
+def test_train_command_writes_gates_that_fit_the_model(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    held = tmp_path / "b.txt"
+    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 10)
+    out = tmp_path / "gates.safetensors"
+    shared = tmp_path / "shared.safetensors"
+    result = subprocess.run([sys.executable, "-m", "positronic.smartkv", "train", "--model", "random:tiny",
+                             "--text", str(text), "--heldout", str(held), "--out", str(out), "--shared-out", str(shared),
+                             "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "held-out Spearman" in result.stdout and "mean" in result.stdout
+    from positronic.models import load_model
+
+    lm = load_model("random:tiny")
+    for path, is_shared in ((out, False), (shared, True)):
+        gates = GateSet.load(path)
+        gates.check_model(lm.model.config)
+        assert gates.shared == is_shared and len(gates.header["heldout_spearman"]) == 2
+        assert gates.header["lifespan"] == {"horizon": 32, "threshold": 2.0, "window": 96}
+    bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "smartkv", "train", "--model", "random:tiny",
+                          "--text", str(text), "--heldout", str(text), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
+
+
+# --- the real model ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_with_shipped_gates_prunes_with_correct_positions(smol):
+    gates = GateSet.for_model("smollm2")
+    ids = [smol.bos_id] + smol.encode(
+        "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing "
+        "to do: once or twice she had peeped into the book her sister was reading, but it had no pictures "
+        "or conversations in it, and what is the use of a book, thought Alice, without pictures?")
+    prompt = len(ids) - 6
+    cache = SmartKVCache(smol.model.config, gates, sinks=4, budget=16, window=8)
+    with torch.no_grad():
+        smol.model(torch.tensor([ids[:prompt]]), past_key_values=cache, use_cache=True)
+    full, _ = full_cache(smol, ids[:prompt])
+    store = store_of(full)
+    for n in range(prompt, len(ids)):
+        got = smart_step(smol, cache, ids[n])
+        want = step_reference(smol, store, kept_before(cache, smol.num_layers, n), ids[n], n)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert {layer.keys.shape[2] for layer in cache.layers} == {28}
+    assert len({tuple(sorted(cache.positions(l).tolist())) for l in range(smol.num_layers)}) > 1
+
+
+class CountingScorer:
+    """Gate scores (random gates) that count the calls and the keys they were given."""
+
+    def __init__(self, gates):
+        self.gates, self.calls, self.keys = gates, 0, 0
+
+    def score(self, layer, keys, positions):
+        self.calls += 1
+        self.keys += keys.shape[0]
+        return self.gates.score(layer, keys)
+
+
+def test_decoding_scores_lazily_in_batches_and_keeps_what_eager_scores_keep(tiny):
+    """A decoded token is scored only when it is about to leave the window, with the other
+    unscored window rows in one call; the rows kept are those a RowBook given every token's
+    score up front keeps (scores of the pre-RoPE keys k_proj wrote)."""
+    gates = GateSet.for_config(tiny.model.config, seed=13)
+    scorer = CountingScorer(gates)
+    sinks, budget, window, count = 3, 10, 8, 90
+    cache = SmartKVCache(tiny.model.config, scorer=scorer, sinks=sinks, budget=budget, window=window)
+    ids = text_ids(tiny, count, seed=12)
+    for token in ids:
+        smart_step(tiny, cache, token)
+    layers = tiny.num_layers
+    # every token that left the window was scored, none twice (batches may score some of the last window's)
+    assert layers * (count - sinks - window) <= scorer.keys <= layers * (count - sinks)
+    assert scorer.calls <= layers * (count // window + 1), "one call per layer per window, not per token"
+    full, _ = full_cache(tiny, ids)
+    unrotate = KeyUnrotator.for_config(tiny.model.config)
+    for l in range(layers):
+        scores = gates.score(l, unrotate(full.layers[l].keys, torch.arange(count))).tolist()
+        eager = RowBook(sinks, budget, window)
+        eager.admit(list(range(count)), scores)
+        assert sorted(cache.positions(l).tolist()) == sorted(eager.positions())
