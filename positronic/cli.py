@@ -77,7 +77,8 @@ def run(
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/recall.py)."),
-    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none."),
+    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer keeps its own gate-ranked rows; docs/smartkv.md)."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
     budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
@@ -306,7 +307,8 @@ def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResu
 
 def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: int) -> str:
     c = brain.counts
-    return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}  "
+    union = f" per layer, {record.live_tokens} tokens" if record.live_tokens != record.live_length else ""
+    return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}{union}  "
             f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
             f"rebuilds {c['rebuilds']}  "
             f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
@@ -331,7 +333,7 @@ def eval_command(
     model: str = typer.Option("smollm2", "-m", "--model", help="Model, as for the run command."),
     text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
     budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
-    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: all five)."),
+    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: brightness, streaming, scored, h2o, none; smartkv on request)."),
     max_tokens: int = typer.Option(1024, help="Text tokens to score."),
     out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot (with --generate: generation.csv/.json, texts/, side_by_side.md)."),
     segments: int = typer.Option(8, help="Perplexity segments reported per run."),
@@ -341,7 +343,7 @@ def eval_command(
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
     probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe, from the whole --text (default: max budget + 128, cut to the text; a text shorter than an explicit N is refused, and so is a probe longer than the model's positions)."),
     probe_at: float = typer.Option(0.0, help="Where the probe's fact goes: the fraction 0..1 of the filler before it (0: first, 1: right before the question); never inside the sink/protected rows (shifted past them)."),
-    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none with recall on (rows POLICY+recall)."),
+    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none and smartkv with recall on (rows POLICY+recall)."),
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
@@ -351,6 +353,7 @@ def eval_command(
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
@@ -374,7 +377,7 @@ def eval_command(
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
-                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format)
+                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates)
 
 
 @app.command("smartkv", add_help_option=False,

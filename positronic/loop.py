@@ -127,6 +127,8 @@ class BrainConfig:
             raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
                              "(--repair-tokens applies to --repairer mlm:PATH)")
         POLICIES[self.policy].check(self)
+        if self.gates and not getattr(POLICIES[self.policy], "per_layer", False):
+            raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -172,7 +174,7 @@ class TickRecord:
     text: str
     actions: list[dict]
     outcomes: list[tuple[tuple[int, ...], str]]
-    live_length: int
+    live_length: int  # rows each layer holds after the tick: what the budget bounds
     brightness_min: float
     brightness_mean: float
     brightness_max: float
@@ -182,6 +184,11 @@ class TickRecord:
     source: str = "generated"  # the added token's ledger source: "user" when it was typed input
     seconds: dict[str, float] = field(default_factory=dict)  # per step
     removed: list[dict] = field(default_factory=list)  # {"ledger_id", "text"} of each row the edits took out
+    live_tokens: int | None = None  # tokens some layer holds (the live map); > live_length only when layers differ
+
+    def __post_init__(self):
+        if self.live_tokens is None:
+            self.live_tokens = self.live_length
 
     def to_json(self) -> dict:
         record = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy a restore's K/V
@@ -348,7 +355,7 @@ class Brain:
         text = "" if report.rebuilt else live.ledger[live.live.ledger_ids[-1]].text
         return TickRecord(
             tick=self.tick, token_id=token_id, text=text,
-            actions=actions, outcomes=plan.outcomes, live_length=len(live),
+            actions=actions, outcomes=plan.outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
             source=source, seconds=seconds, removed=[] if report.rebuilt else removed)

@@ -187,7 +187,9 @@ def summary(brain: Brain, lm, result: RunResult) -> str:
         f"policy {brain.config.policy}",
         f"ticks {result.ticks} in {result.seconds:.1f} s ({result.ticks / max(result.seconds, 1e-9):.2f} tok/s); "
         f"now at tick {brain.tick}",
-        f"live {len(brain.state)} / budget {brain.config.budget}; ledger {len(ledger)} tokens "
+        f"live {brain.state.rows_per_layer} / budget {brain.config.budget}"
+        + (f" per layer ({len(brain.state)} tokens in some layer)" if brain.state.per_layer else "")
+        + f"; ledger {len(ledger)} tokens "
         f"({ledger.count('culled')} culled, {ledger.count('replaced')} replaced)",
         f"repairs {c['repairs']}  culls {c['culls']}  rebuilds {c['rebuilds']}  refreshes {c['refreshes']}",
         f"cache {brain.state.cache.memory_usage_mb():.1f} MiB ({brain.state.kv_format}, "

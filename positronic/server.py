@@ -441,7 +441,7 @@ class BrainServer:
     def extension(self, conversation: Conversation) -> dict:
         """The session's state after the request (a field OpenAI clients ignore)."""
         brain = conversation.brain
-        return {"session": conversation.id, "tick": brain.tick, "live_length": len(brain.state),
+        return {"session": conversation.id, "tick": brain.tick, "live_length": brain.state.rows_per_layer,
                 "budget": brain.config.budget, "ledger_tokens": len(brain.state.mirror.ledger)}
 
     @staticmethod

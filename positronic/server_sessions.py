@@ -190,7 +190,8 @@ def describe(mirror, tick: int, budget: int) -> dict:
     (prompt_tokens + completion_tokens), whatever the policy culled, repaired or recalled."""
     entries = mirror.ledger.entries
     said = [e for e in entries if e.source in TRANSCRIPT_SOURCES]
-    return {"tick": tick, "budget": budget, "live_length": len(mirror), "ledger_tokens": len(entries),
+    rows = len(mirror) if mirror.layers is None else len(mirror.layers)  # per layer: what the budget bounds
+    return {"tick": tick, "budget": budget, "live_length": rows, "ledger_tokens": len(entries),
             "transcript_tokens": len(said),
             "culled": mirror.ledger.count("culled"), "replaced": mirror.ledger.count("replaced"),
             "transcript": "".join(e.text for e in said),

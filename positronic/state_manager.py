@@ -394,19 +394,35 @@ class StateManager:
     # --- coupled operations -------------------------------------------------------------
 
     def delete(self, row: int, *, tick: int | None = None) -> ApplyReport:
-        """Remove live row `row` from cache and mirror."""
+        """Remove live row `row` from cache and mirror (not with per-layer rows: `apply` a drop)."""
+        self._refuse_per_layer("delete")
         self._check_row(row, len(self) - 1)
         return self._edit([row], [], tick=tick)
 
     def insert(self, row: int, token_ids: list[int], *, source: str = "inserted",
                tick: int | None = None) -> ApplyReport:
         """Insert tokens before live row `row`; their K/V see only the rows before them."""
+        self._refuse_per_layer("insert")
         self._check_row(row, len(self))
         return self._edit([], [Insertion(row, tuple(token_ids), source)], tick=tick)
 
     def append(self, token_ids: list[int], *, source: str = "generated", tick: int | None = None) -> ApplyReport:
-        """Append tokens after the last row; leaves `next_logits` and `last_attention`."""
-        return self._edit([], [Insertion(len(self), tuple(token_ids), source)], tick=tick)
+        """Append tokens after the last row; leaves `next_logits` and `last_attention`. With
+        per-layer rows every layer appends them, one edit per token."""
+        if not self.per_layer:
+            return self._edit([], [Insertion(len(self), tuple(token_ids), source)], tick=tick)
+        if not token_ids:
+            raise ValueError("append needs at least one token")
+        for token_id in token_ids:
+            report = self._edit_layers([[] for _ in range(self.lm.num_layers)], [token_id], tick=tick,
+                                       brightness=None, source=source)
+            if report.rebuilt:
+                break
+        return report
+
+    def _refuse_per_layer(self, what: str) -> None:
+        if self.per_layer:
+            raise ActionError(f"cannot {what} a row when layers keep different rows: apply a drop action")
 
     def split_layers(self) -> None:
         """Let layers keep different rows from now on (a per-layer policy: SmartKV): the

@@ -133,6 +133,10 @@ class Snapshot:
     recalled: list[bool] = field(default_factory=list)  # per live row: recall brought it back
     pinned: list[bool] = field(default_factory=list)  # per live row: pinned (never evicted)
     restored: int | None = None  # rows recall brought back so far (None: recall is off)
+    # "brightness", or "layers" when layers keep different rows (policy smartkv): then the colour
+    # and the histogram show how many of the model's layers hold each token (0..bright_max)
+    measure: str = "brightness"
+    rows_per_layer: int | None = None  # per-layer rows: what the budget bounds (texts: the union)
 
 
 def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
@@ -142,13 +146,18 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
     mirror, cfg = brain.state.mirror, brain.config
     entries = mirror.ledger.entries
     rows = [entries[i] for i in mirror.live.ledger_ids]
+    if mirror.layers is not None:  # colour by how many layers still hold each token
+        shown, scale, measure = mirror.layers.occupancy(mirror.live.ledger_ids), mirror.layers.num_layers, "layers"
+    else:
+        shown, scale, measure = [e.brightness for e in rows], float(steps.RULES[cfg.brightness].start), "brightness"
     return Snapshot(
         model=lm.name, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."), policy=cfg.policy,
         rule=cfg.brightness, tick=brain.tick, done=done, total=total,
-        texts=[e.text for e in rows], brightness=[e.brightness for e in rows],
+        texts=[e.text for e in rows], brightness=[float(b) for b in shown], measure=measure,
+        rows_per_layer=None if mirror.layers is None else len(mirror.layers),
         sources=[e.source for e in rows], born=[e.tick_born for e in rows],
         budget=cfg.budget, sinks=cfg.sinks, protect=cfg.protect, window=cfg.window,
-        bright_max=float(steps.RULES[cfg.brightness].start), counts=dict(brain.counts),
+        bright_max=float(scale), counts=dict(brain.counts),
         cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
         actions=list(actions or ()), status=status, resumed=resumed,
         pending_input=len(brain.pending_input), input_note=input_note,
@@ -348,6 +357,8 @@ def legend(snapshot: Snapshot) -> Text:
     text.append(" ")
     text.append("newest", token_style(LEVELS - 1, newest=True))
     text.append(f"  0..{snapshot.bright_max:g}")  # the scale: short, so the legend fits at 80 columns
+    if snapshot.measure == "layers":
+        text.append(" layers")
     return text
 
 
@@ -359,9 +370,10 @@ def render_header(snapshot: Snapshot, width: int | None = None) -> Text:
     line takes its compact form, so nothing is cut on 80 columns."""
     s, c = snapshot, snapshot.counts
     status_style = {"running": "green", "finished": "bold green"}.get(s.status, "bold yellow")
-    full = [("Positronic Brain", "bold"), (f"  {s.model} on {s.device} ({s.dtype})  policy {s.policy}/{s.rule}", ""),
+    rule = f"/{s.rule}" if s.measure == "brightness" else ""  # a per-layer policy has no brightness rule
+    full = [("Positronic Brain", "bold"), (f"  {s.model} on {s.device} ({s.dtype})  policy {s.policy}{rule}", ""),
             (f"  [{s.status}]", status_style)]
-    compact = [("Positronic", "bold"), (f"  {s.model} {s.device}/{s.dtype}  {s.policy}/{s.rule}", ""),
+    compact = [("Positronic", "bold"), (f"  {s.model} {s.device}/{s.dtype}  {s.policy}{rule}", ""),
                (f"  [{s.status}]", status_style)]
     if s.resumed:
         full.append(("  resumed", "cyan"))
@@ -371,10 +383,12 @@ def render_header(snapshot: Snapshot, width: int | None = None) -> Text:
         fields.append(("brain tick", str(s.tick)))
     fields += [
         ("tok/s", f"{s.tok_s:.1f}"),
-        ("live", f"{len(s.texts)}/{s.budget}"),
+        ("live", f"{len(s.texts) if s.rows_per_layer is None else s.rows_per_layer}/{s.budget}"),
         ("culls", str(c.get("culls", 0))),
         ("repairs", str(c.get("repairs", 0))),
     ]
+    if s.rows_per_layer is not None:  # layers hold different rows: how many tokens they hold between them
+        fields.insert(fields.index(("culls", str(c.get("culls", 0)))), ("tokens", str(len(s.texts))))
     if s.restored is not None:
         fields.append(("recalled", str(s.restored)))
     fields += [("rebuilds", str(c.get("rebuilds", 0))), ("cache", f"{s.cache_mb:.1f} MiB")]
@@ -413,7 +427,7 @@ def render_histogram(snapshot: Snapshot, width: int, height: int) -> Text:
     """A bar chart of the brightness distribution (`height - 2` rows of bars, each column
     in its bin's colour) over an axis line (0 … the scale's top) and a line with min / mean /
     max. A policy that does not score brightness (every row at the top) says so instead."""
-    if snapshot.policy != "brightness":
+    if snapshot.policy != "brightness" and snapshot.measure == "brightness":
         return Text(f"not scored: policy {snapshot.policy}\nranks rows by its own\nscore (docs/policies.md)",
                     "dim", no_wrap=True, overflow="ellipsis", end="")
     bins, rows = max(width, 1), max(height - 2, 1)
@@ -502,6 +516,9 @@ def describe_actions(tick: int, actions: list[dict], row_text, decode, ledger_te
             ids = action["ledger_ids"]
             text = "".join(ledger_text(i) for i in sorted(ids))
             lines.append(f"t{tick} recall {len(ids)} row{'s' * (len(ids) != 1)} {short(text)}")
+        elif kind == "drop":
+            count = len(action["rows"][0])
+            lines.append(f"t{tick} drop {count} row{'s' * (count != 1)} per layer")
     return lines
 
 
@@ -715,7 +732,8 @@ def frame(snapshot: Snapshot, width: int = 120, height: int = 40, prompt: str | 
     if bottom:
         hist_width = min(HIST_WIDTH, width // 3)
         parts.append(SideBySide(
-            (Panel(render_histogram(snapshot, hist_width - 4, bottom), title="brightness", title_align="left",
+            (Panel(render_histogram(snapshot, hist_width - 4, bottom),
+                   title="brightness" if snapshot.measure == "brightness" else "layers per token", title_align="left",
                    height=bottom + 2), hist_width),
             (Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2),
              width - hist_width)))

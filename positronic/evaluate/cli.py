@@ -9,7 +9,7 @@ from ..policy import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 from .report import progress_bars, table, table_console, write_outputs
 from .stream import EvalError, make_config
-from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate
+from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
 
 
 def read_text(path: Path | None) -> tuple[str, str]:
@@ -30,7 +30,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
          repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
-         kv_format: str = "float") -> EvalReport:
+         kv_format: str = "float", gates: str = "") -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
 
@@ -43,9 +43,9 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     for budget in budgets:
         for name in policies:
-            for on in {False, recall and name != "none"}:
+            for on in {False, recall and recallable(name)}:
                 make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
-                            repair_batch=repair_batch, recall=on, kv_format=kv_format)
+                            repair_batch=repair_batch, recall=on, kv_format=kv_format, gates=gates)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
@@ -68,7 +68,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
-                          probe_at=probe_at, recall=recall, kv_format=kv_format, progress=progress, on_run=done,
+                          probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates, progress=progress,
+                          on_run=done,
                           text_name=name)
     table_console().print(table(report))
     paths = write_outputs(report, out, smooth=smooth)

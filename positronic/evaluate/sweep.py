@@ -57,16 +57,23 @@ class EvalReport:
 
 
 
+def recallable(policy: str) -> bool:
+    """Whether `--recall` adds a POLICY+recall run: not for `none` (it evicts nothing) nor for a
+    per-layer policy (recall restores rows into every layer alike)."""
+    return policy != "none" and not getattr(POLICIES[policy], "per_layer", False)
+
+
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
              repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
-             recall: bool = False, kv_format: str = "float", progress=None, on_run=None,
+             recall: bool = False, kv_format: str = "float", gates: str = "", progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
-    filler before it). `recall`: every policy but `none` also runs with recall on.
+    filler before it). `recall`: every policy that can recall (not `none`, not a per-layer
+    policy such as smartkv) also runs with recall on. `gates`: smartkv's gate file.
     `kv_format`: how every run, the reference included, stores its cache rows.
     `progress` is a rich Progress (or None); `on_run` is called with each finished RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
@@ -79,10 +86,10 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if segments < 1:
         raise EvalError(f"segments must be >= 1, got {segments}")
-    variants = [(p, r) for p in policies for r in ((False, True) if recall and p != "none" else (False,))]
+    variants = [(p, r) for p in policies for r in ((False, True) if recall and recallable(p) else (False,))]
     configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                       score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
-                                      recall=r, kv_format=kv_format)
+                                      recall=r, kv_format=kv_format, gates=gates)
                for b in budgets for p, r in variants}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from pathlib import Path
 
 import torch
 
@@ -63,7 +64,7 @@ class SmartKVPolicy:
         self.memory: list[list[tuple[float, int, int]]] = [[] for _ in range(lm.num_layers)]  # min-heaps (score, position, ledger id)
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each layer
-        self._pending: tuple | None = None  # (memory, offered) of the last plan, until its tick went through
+        self._pending: tuple | None = None  # (memory, offered, new scores) of the last plan, until its tick went through
 
     @staticmethod
     def memory_size(config) -> int:
@@ -80,6 +81,8 @@ class SmartKVPolicy:
             raise ValueError(f"policy smartkv keeps per-layer rows in the float kv_format, not {config.kv_format}")
         if config.window < 1:
             raise ValueError("policy smartkv needs a window of at least 1 row (the newest token)")
+        if config.gates and not Path(config.gates).is_file():
+            raise ValueError(f"policy smartkv: gate file {config.gates} does not exist")
         if cls.memory_size(config) < 1:
             raise ValueError(f"policy smartkv: budget {config.budget} leaves no long-term memory after "
                              f"{max(config.sinks, config.protect)} kept rows and a window of {config.window}")
@@ -110,21 +113,22 @@ class SmartKVPolicy:
         ids, positions = view.ledger_ids.tolist(), view.positions.tolist()
         window_start = max(self.keep, len(ids) - (self.config.window - 1))  # rows still in the window after the add
         leaving = [row for row in range(self.keep, window_start) if ids[row] > self.offered]
-        self._score(view.rows, [ids[row] for row in leaving], ids, positions)
+        fresh = self._score(view.rows, [ids[row] for row in leaving], ids, positions)
+        scores = self.scores | fresh if fresh else self.scores
         seconds["score"] = (now := time.perf_counter()) - clock
         memory = [list(heap) for heap in self.memory]
         drops: list[list[int]] = [[] for _ in memory]  # positions, per layer
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
             for layer, heap in enumerate(memory):
-                entry = (self.scores[ledger_id][layer], position, ledger_id)
+                entry = (scores[ledger_id][layer], position, ledger_id)
                 if len(heap) < self.size:
                     heapq.heappush(heap, entry)
                 elif entry > heap[0]:
                     drops[layer].append(heapq.heapreplace(heap, entry)[1])
                 else:
                     drops[layer].append(position)
-        self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]))
+        self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
             rows = [torch.searchsorted(view.layer_positions[layer], torch.tensor(sorted(dropped))).tolist()
@@ -136,11 +140,12 @@ class SmartKVPolicy:
         seconds["select"] = time.perf_counter() - now
         return PolicyPlan(actions, outcomes)
 
-    def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> None:
-        """Gate scores of `needed` tokens, and with them of every unscored window token (so
-        the gates run in batches): keys read from the cache through the view, un-rotated."""
+    def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
+        """Gate scores of `needed` tokens not scored yet, and with them of every unscored window
+        token (so the gates run in batches): keys read from the cache through the view,
+        un-rotated. Returns {ledger id: score per layer}, kept once the tick goes through."""
         if all(ledger_id in self.scores for ledger_id in needed):
-            return
+            return {}
         window = range(max(self.keep, len(ids) - self.config.window), len(ids))
         wanted = set(needed)
         rows = sorted({row for row, ledger_id in enumerate(ids) if ledger_id in wanted} | set(window))
@@ -150,18 +155,19 @@ class SmartKVPolicy:
         at = torch.tensor([positions[row] for row in rows])
         per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at)) for layer in range(len(keys))]
         table = torch.stack(per_layer, dim=1).tolist()  # [n, layers]
-        self.scores.update(zip(batch, table))
+        return dict(zip(batch, table))
 
     # --- after the tick -------------------------------------------------------------------
 
     def undo(self) -> None:
-        """The tick of the last plan did not happen: its memory changes are forgotten."""
+        """The tick of the last plan did not happen: its memory changes and scores are forgotten."""
         self._pending = None
 
     def receive(self, probe_logprobs) -> None:
         """The tick of the last plan went through: its memories stand."""
         if self._pending is not None:
-            self.memory, self.offered = self._pending
+            self.memory, self.offered, fresh = self._pending
+            self.scores.update(fresh)
             self._pending = None
             held = {ledger_id for heap in self.memory for _, _, ledger_id in heap}
             if len(self.scores) > 2 * (len(held) + self.config.window):  # forget tokens every layer dropped

@@ -1,0 +1,243 @@
+"""--policy smartkv in the brain: per-layer rows through the tick loop, Step 4, sessions and the view.
+
+The reference for what the brain keeps is SmartKVCache (tested on its own against plain
+transformers in test_smartkv.py): the same gates and layout must keep the same rows in every
+layer and give the same logits. The logits are also checked against a plain DynamicCache that
+holds, per layer, exactly the rows the brain's mirror says that layer holds.
+"""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from positronic import session as sessions
+from positronic.actions import ActionError
+from positronic.loop import Brain, BrainConfig
+from positronic.mirror import from_bytes, to_bytes
+from positronic.smartkv import GateSet, SmartKVCache
+from positronic.state_manager import FAULT_STAGES, StateManager
+from positronic.tui import frame, take_snapshot
+
+SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer
+
+
+@pytest.fixture(scope="module")
+def gate_file(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gates") / "tiny.safetensors"
+    GateSet.for_config(tiny.model.config, seed=21).save(path)
+    return path
+
+
+def config(gate_file, **changes) -> BrainConfig:
+    base = dict(policy="smartkv", budget=BUDGET, sinks=SINKS, window=WINDOW, gates=str(gate_file))
+    return BrainConfig(**(base | changes))
+
+
+def text_ids(lm, count, seed=0):
+    rng = random.Random(seed)
+    return [lm.bos_id] + [rng.randrange(3, min(lm.vocab_size, 259)) for _ in range(count - 1)]
+
+
+def layer_positions(state: StateManager) -> list[list[int]]:
+    return [state.mirror.layer_positions(layer) for layer in range(state.lm.num_layers)]
+
+
+class Reference:
+    """Plain transformers over exactly the rows each layer holds: K/V of every position so far
+    (the prompt from one prefill, each later token as the reference itself computed it),
+    gathered per layer for each step."""
+
+    def __init__(self, lm, prompt: list[int]):
+        self.lm = lm
+        full = DynamicCache(config=lm.model.config)
+        with torch.no_grad():
+            lm.model(torch.tensor([prompt]), past_key_values=full, use_cache=True)
+        self.store = [(layer.keys, layer.values) for layer in full.layers]
+
+    def step(self, kept: list[list[int]], token: int, position: int) -> torch.Tensor:
+        """Logits of `token` at `position` attending to positions kept[l] in layer l, plus itself."""
+        cache = DynamicCache(config=self.lm.model.config)
+        for layer, rows in enumerate(kept):
+            keys, values = self.store[layer]
+            cache.update(keys[:, :, rows], values[:, :, rows], layer)
+        with torch.no_grad():
+            logits = self.lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                                   position_ids=torch.tensor([[position]])).logits[0, -1]
+        for layer, (keys, values) in enumerate(self.store):
+            new = cache.layers[layer]
+            self.store[layer] = (torch.cat([keys, new.keys[:, :, -1:]], 2), torch.cat([values, new.values[:, :, -1:]], 2))
+        return logits
+
+
+def test_the_brain_keeps_what_smartkv_cache_keeps_and_predicts_the_same(tiny, gate_file):
+    ids = text_ids(tiny, 70, seed=3)
+    prompt = 15
+    brain = Brain.start(tiny, ids[:prompt], config(gate_file))
+    gates = GateSet.load(gate_file)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=SINKS, budget=BUDGET - SINKS - WINDOW, window=WINDOW)
+    reference = Reference(tiny, ids[:prompt])
+    with torch.no_grad():
+        first = tiny.model(torch.tensor([ids[:prompt]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(brain.state.next_logits, first, atol=1e-4, rtol=1e-4)
+    differ = False
+    for n in range(prompt, len(ids) - 1):
+        record = brain.step(force=ids[n])
+        assert not record.rebuilt and record.live_length == min(n + 1, BUDGET) <= BUDGET
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([[ids[n]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        kept = layer_positions(brain.state)
+        for layer in range(tiny.num_layers):
+            assert kept[layer] == sorted(cache.positions(layer).tolist()), f"layer {layer} at token {n}"
+        differ |= kept[0] != kept[1]
+        torch.testing.assert_close(brain.state.next_logits, logits, atol=1e-4, rtol=1e-4)
+        before = [[p for p in layer if p != n] for layer in kept]
+        torch.testing.assert_close(brain.state.next_logits, reference.step(before, ids[n], n), atol=1e-4, rtol=1e-4)
+        assert record.live_tokens == len(brain.state) == len(set(kept[0]) | set(kept[1]))
+    assert differ, "the gates should make the layers keep different rows"
+    brain.state.check(deep=True)
+    assert brain.counts["culls"] == brain.state.mirror.ledger.count("culled") > 0
+
+
+def test_a_prompt_longer_than_the_budget_is_pruned_per_layer(tiny, gate_file):
+    ids = text_ids(tiny, 60, seed=4)
+    brain = Brain.start(tiny, ids, config(gate_file))
+    gates = GateSet.load(gate_file)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=SINKS, budget=BUDGET - SINKS - WINDOW, window=WINDOW,
+                         prune="manual")
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+        cache.bulk_prune()
+        logits = tiny.model(torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    assert brain.state.rows_per_layer == BUDGET and brain.tick == 0
+    for layer in range(tiny.num_layers):
+        assert layer_positions(brain.state)[layer] == sorted(cache.positions(layer).tolist())
+    torch.testing.assert_close(brain.state.next_logits, logits, atol=1e-4, rtol=1e-4)
+    brain.state.check(deep=True)
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_a_failed_per_layer_tick_changes_nothing(tiny, gate_file, stage):
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=5), config(gate_file))
+    for token in text_ids(tiny, 12, seed=6)[1:]:
+        brain.step(force=token)
+    mirror_before = to_bytes(brain.state.mirror)
+    policy_before = brain.policy.state()
+    brain.state.inject_fault(stage)
+    record = brain.step(force=7)
+    assert record.rebuilt and record.error
+    assert to_bytes(brain.state.mirror) == mirror_before and brain.policy.state() == policy_before
+    brain.state.check(deep=True)
+    assert not brain.step(force=7).rebuilt
+    brain.state.check(deep=True)
+
+
+def test_a_resumed_session_goes_on_exactly(tiny, gate_file, tmp_path):
+    settings = config(gate_file, temperature=0.9)
+    straight = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    expected = [straight.step().token_id for _ in range(40)]
+    brain = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    got = [brain.step().token_id for _ in range(23)]
+    sessions.save(tmp_path / "s", brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    assert resumed.state.per_layer and layer_positions(resumed.state) == layer_positions(brain.state)
+    got += [resumed.step().token_id for _ in range(17)]
+    assert got == expected
+
+
+def test_the_mirror_file_keeps_the_layers(tiny, gate_file):
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=9), config(gate_file))
+    mirror, _ = from_bytes(to_bytes(brain.state.mirror))
+    assert mirror.layers.rows == brain.state.mirror.layers.rows
+
+
+def test_step4_refuses_what_a_per_layer_state_cannot_take(tiny, gate_file):
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=10), config(gate_file))
+    state, before = brain.state, to_bytes(brain.state.mirror)
+    rows = state.rows_per_layer
+    for actions, message in (
+        ([{"action": "delete", "position": 5}], "add and drop actions only"),
+        ([{"action": "drop", "rows": [[4], []]}], "as many rows"),
+        ([{"action": "drop", "rows": [[rows]] * 2}], "out of range|rows must be ints"),
+        ([{"action": "drop", "rows": [[4]]}], "one per layer"),
+        ([{"action": "add", "token_id": 5}, {"action": "add", "token_id": 6}], "at most one token"),
+    ):
+        with pytest.raises(ActionError, match=message):
+            state.apply(actions)
+        assert to_bytes(state.mirror) == before
+    plain = StateManager.from_tokens(tiny, text_ids(tiny, 10))
+    with pytest.raises(ActionError, match="use delete"):
+        plain.apply([{"action": "drop", "rows": [[1], [1]]}])
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"recall": True}, "recall"),
+    ({"repairer": "bridge", "unit": 2}, "repairer"),
+    ({"kv_format": "int4"}, "float kv_format"),
+    ({"budget": SINKS + WINDOW + 4, "window": 20}, "budget|memory"),
+    ({"gates": "/no/such/gates.safetensors"}, "does not exist"),
+])
+def test_settings_smartkv_cannot_run_with_are_refused(gate_file, changes, message):
+    with pytest.raises(ValueError, match=message):
+        config(gate_file, **changes).validate()
+
+
+def test_gates_of_another_model_or_pins_are_refused(tiny, gate_file, tmp_path):
+    other = tmp_path / "other.safetensors"
+    GateSet.new(3, 32).save(other)
+    with pytest.raises(ValueError, match="this model has 2 layers"):
+        Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(other)))
+    with pytest.raises(ValueError, match="no pins"):
+        Brain.start(tiny, [tiny.bos_id] + tiny.encode("a pinned fact here"), config(gate_file), pins=["fact"])
+    with pytest.raises(ValueError, match="applies to policy smartkv"):
+        BrainConfig(policy="h2o", gates=str(gate_file)).validate()
+
+
+def test_the_live_view_shows_layers_per_token(tiny, gate_file):
+    brain = Brain.start(tiny, text_ids(tiny, 30, seed=11), config(gate_file))
+    for token in text_ids(tiny, 30, seed=12)[1:]:
+        brain.step(force=token)
+    snap = take_snapshot(brain, tiny, done=29, total=29)
+    assert snap.measure == "layers" and snap.bright_max == tiny.num_layers
+    assert snap.brightness == [float(c) for c in brain.state.view().occupancy.tolist()]
+    assert set(snap.brightness) == {1.0, 2.0}, "some tokens are held by one layer only"
+    from rich.console import Console
+
+    console = Console(width=100, height=30, record=True, color_system=None)
+    console.print(frame(snap, 100, 30))
+    screen = console.export_text()
+    assert f"live {BUDGET}/{BUDGET}" in screen and f"tokens {len(brain.state)}" in screen
+    assert "layers per token" in screen and "0..2 layers" in screen
+
+
+def test_run_and_eval_commands_take_policy_smartkv(run_cli, gate_file, tmp_path, capsys):
+    assert run_cli("-m", "random:tiny", "--policy", "smartkv", "--gates", str(gate_file), "-c", "24", "--window", "8", "-n", "40",
+                   "--no-tui", "--no-input") == 0
+    out = capsys.readouterr()
+    assert "policy smartkv" in out.out and "/ budget 24 per layer" in out.out
+    assert run_cli("eval", "-m", "random:tiny", "--policy", "smartkv", "--policy", "streaming", "--gates",
+                   str(gate_file), "--budget", "48", "--max-tokens", "80", "--no-probe", "--out",
+                   str(tmp_path / "e")) == 0
+    assert "\nsmartkv,48," in (tmp_path / "e" / "results.csv").read_text()
+
+
+def test_a_per_layer_tick_is_captured_and_replays_exactly(tiny, gate_file, tmp_path):
+    from positronic.fixtures import capture_tick, load_fixture, replay, save_fixture
+
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=13), config(gate_file))
+    for token in text_ids(tiny, 10, seed=14)[1:]:
+        brain.step(force=token)
+    plan = brain.policy.plan(brain.state.view(keys=True), [], {})
+    actions = plan.actions + [{"action": "add", "token_id": 9}]
+    assert actions[0]["action"] == "drop"
+    fixture, report = capture_tick(brain.state, actions, label="smartkv")
+    assert not report.rebuilt
+    save_fixture(fixture, tmp_path / "t.pt")
+    loaded = load_fixture(tmp_path / "t.pt")
+    assert loaded.mirror_columns["layers"] == fixture.mirror_columns["layers"]
+    result = replay(loaded, tiny)
+    assert result.passed, result.failed()
+    broken = load_fixture(tmp_path / "t.pt")
+    broken.actions[0]["rows"][0] = broken.actions[0]["rows"][0][:-1] + [0]  # layer 0 drops a sink instead
+    assert not replay(broken, tiny).passed
