@@ -1,0 +1,109 @@
+"""Per-layer live maps (mirror/layer_rows.py) and the mirror's per-layer splice and file format."""
+
+import pytest
+
+from positronic.mirror import (Insertion, LayerRows, LayerRowsError, Ledger, LiveMap, Mirror, MirrorFileError,
+                               MirrorInvariantError, from_bytes, plan_layout, runs_without, to_bytes)
+from positronic.mirror.storage import to_columns
+
+
+def per_layer_mirror(rows: list[list[int]], count: int = 8) -> Mirror:
+    """A mirror of `count` live tokens (ids 0..count-1 at positions 0, 2, 4, …) whose layers
+    hold `rows` (ledger ids)."""
+    ledger = Ledger()
+    for t in range(count):
+        ledger.add(100 + t, f"t{t}", "prompt", 0, 255.0)
+    return Mirror(ledger, LiveMap(list(range(count)), [2 * t for t in range(count)]), LayerRows(rows))
+
+
+def test_after_drops_rows_per_layer_and_appends_everywhere():
+    layers = LayerRows([[0, 1, 2, 3], [0, 2, 4, 5]])
+    after = layers.after([[1], [3]], [9])
+    assert after.rows == [[0, 2, 3, 9], [0, 2, 4, 9]]
+    assert layers.rows == [[0, 1, 2, 3], [0, 2, 4, 5]], "the original is unchanged"
+    assert after.occupancy([0, 2, 3, 4, 9]) == [2, 2, 1, 1, 2]
+    with pytest.raises(LayerRowsError, match="different numbers"):
+        layers.after([[1], []], [])
+    with pytest.raises(LayerRowsError, match="out of range"):
+        layers.after([[4], [0]], [])
+    with pytest.raises(LayerRowsError, match="repeated"):
+        layers.after([[1, 1], [0, 2]], [])
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([[0, 1, 2], [0, 1]], "different numbers"),
+    ([[0, 1, 9], [0, 1, 2]], "not live"),
+    ([[0, 2, 1], [0, 1, 2]], "position order"),
+    ([[0, 1, 1], [0, 1, 2]], "position order"),
+    ([[0, 1, 2], [0, 1, 2]], "held by no layer"),
+])
+def test_check_refuses_layers_that_do_not_describe_the_live_map(rows, message):
+    with pytest.raises(MirrorInvariantError, match=message):
+        per_layer_mirror(rows, count=4).check()
+
+
+def test_splice_retires_what_no_layer_holds_and_appends_the_new_token_to_every_layer():
+    mirror = per_layer_mirror([[0, 1, 2, 4, 5, 6, 7], [0, 1, 3, 4, 5, 6, 7]], count=8)
+    mirror.check()
+    drops = [[1], [2]]  # layer 0 drops token 1, layer 1 drops token 3
+    still = mirror.layers.after(drops, []).held()
+    deleted = [row for row, i in enumerate(mirror.live.ledger_ids) if i not in still]
+    assert deleted == [3]  # token 1 is still held by layer 1
+    layout = plan_layout(mirror.live.positions, deleted, [Insertion(8, (55,), "generated")], 10_000)
+    new_ids = mirror.splice(layout, ["x"], tick=1, brightness=255.0, layer_drops=drops)
+    mirror.check()
+    assert new_ids == [8] and mirror.ledger[3].state == "culled" and mirror.ledger[3].position == 6
+    assert mirror.layers.rows == [[0, 2, 4, 5, 6, 7, 8], [0, 1, 4, 5, 6, 7, 8]]
+    assert mirror.live.ledger_ids == [0, 1, 2, 4, 5, 6, 7, 8] and mirror.live.positions[-1] == 15
+
+
+def test_a_splice_that_fails_leaves_the_layers_and_the_ledger_as_they_were():
+    mirror = per_layer_mirror([[0, 1, 2, 3], [0, 1, 2, 3]], count=4)
+    before = to_bytes(mirror)
+    layout = plan_layout(mirror.live.positions, [], [Insertion(4, (55,), "generated")], 10_000)
+    with pytest.raises(ValueError, match="exactly the tokens"):  # the layout must delete token 1, which no layer keeps
+        mirror.splice(plan_layout(mirror.live.positions, [], [], 10_000), [], tick=1, brightness=1.0,
+                      layer_drops=[[1], [1]])
+    with pytest.raises(LayerRowsError):
+        mirror.splice(layout, ["x"], tick=1, brightness=1.0, layer_drops=[[1], []])
+    with pytest.raises(ValueError, match="only with them"):
+        mirror.splice(layout, ["x"], tick=1, brightness=1.0)
+    with pytest.raises(ValueError, match="appended new tokens only"):
+        mirror.splice(plan_layout(mirror.live.positions, [], [Insertion(1, (55,), "inserted")], 10_000), ["x"],
+                      tick=1, brightness=1.0, layer_drops=[[], []])
+    assert to_bytes(mirror) == before
+
+    def broken_add(*args, **kwargs):
+        raise RuntimeError("disk full")
+    mirror.ledger.add = broken_add  # fails half-way, after the drops were planned
+    with pytest.raises(RuntimeError):
+        mirror.splice(layout, ["x"], tick=1, brightness=1.0, layer_drops=[[], []])
+    del mirror.ledger.add
+    assert to_bytes(mirror) == before
+
+
+def test_the_mirror_file_keeps_per_layer_rows_and_refuses_bad_ones():
+    mirror = per_layer_mirror([[0, 1, 3], [0, 2, 3]], count=4)
+    assert from_bytes(to_bytes(mirror))[0].layers.rows == [[0, 1, 3], [0, 2, 3]]
+    plain = Mirror(mirror.ledger, mirror.live)
+    assert "layers" not in to_columns(plain), "files of every-layer-alike runs are unchanged"
+    assert from_bytes(to_bytes(plain))[0].layers is None
+    import msgpack
+    import hashlib
+
+    for bad, message in (([[0, 1, 3], [0, 3, 2]], "position order"), ([], "non-empty"), ([[0, "1", 3]], "lists of int")):
+        body = msgpack.packb({**to_columns(mirror), "layers": bad, "meta": {}}, use_bin_type=True)
+        data = msgpack.packb({"format": "positronic-mirror", "version": 2, "sha256": hashlib.sha256(body).hexdigest(),
+                              "body": body}, use_bin_type=True)
+        with pytest.raises(MirrorFileError, match=message):
+            from_bytes(data)
+
+
+def test_runs_without_is_plan_layouts_deletion_runs():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        length = rng.randrange(0, 40)
+        dropped = rng.sample(range(length), rng.randrange(0, length + 1)) if length else []
+        assert runs_without(length, dropped) == list(plan_layout(list(range(length)), dropped, [], 10**6).kept)
