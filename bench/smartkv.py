@@ -19,11 +19,15 @@ smartkv-random (the same layout, gates freshly initialised: what training buys),
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
 smartkv-stream (sinks + window only, no gates: the same cache class as a streaming baseline).
 
-**Cost** (--cost). Decode ms per token, in steady state (the cache full), of a SmartKVCache with
-gates against the same cache with budget 0 (sinks + a window of the same size: streaming), in
-interleaved rounds, and the share of a token spent scoring keys (un-rotating and the gates'
-MLPs, timed inside the cache). Random gates cost what trained ones cost, so any model shape
-works (random:tinyllama for the TinyLlama shape).
+**Cost** (--cost). Two pairs, in steady state (the cache full), in interleaved rounds:
+- SmartKVCache in a plain model forward: ms per token with gates against the same cache with
+  budget 0 (sinks + a window of the same size: streaming), and the share of a token spent
+  scoring keys (un-rotating and the gates' MLPs, timed inside the cache);
+- the brain: ms per tick of `--policy smartkv` against `--policy streaming` at the same
+  budget (the mean over ticks: streaming evicts in batches), and the share of a smartkv tick
+  its own steps take (`score`: reading and scoring window keys; `select`: the memories).
+Random gates cost what trained ones cost, so any model shape works (random:tinyllama for
+the TinyLlama shape).
 """
 
 from __future__ import annotations
@@ -197,9 +201,58 @@ def cost(args, lm) -> None:
         smart.append(ms)
         share.append(scoring)
     s, g = statistics.median(stream), statistics.median(smart)
-    print(f"streaming (SmartKVCache, budget 0)  {s:7.2f} ms/token")
-    print(f"smartkv (gates)                     {g:7.2f} ms/token   x{g / s:.3f} of streaming")
-    print(f"gate scoring                        {statistics.median(share):7.1%} of a smartkv token")
+    print(f"SmartKVCache  streaming (budget 0)  {s:7.2f} ms/token")
+    print(f"SmartKVCache  smartkv (gates)       {g:7.2f} ms/token   x{g / s:.3f} of streaming")
+    print(f"SmartKVCache  gate scoring          {statistics.median(share):7.1%} of a smartkv token")
+    brain_cost(args, lm, gates)
+
+
+def brain_ticks(lm, config, ids: list[int], ticks: int) -> tuple[float, float, float]:
+    """(mean ms per tick, mean share of `score`, of `select`) over `ticks` teacher-forced ticks
+    after a prompt that fills the budget."""
+    from positronic.loop import Brain
+
+    brain = Brain.start(lm, ids[: config.budget], config)
+    warm = 2 * config.window  # the first ticks offer the whole prompt to the memories at once: not steady state
+    for t in range(warm):
+        brain.step(force=ids[(config.budget + t) % len(ids)])
+    times, score, select = [], [], []
+    for t in range(warm, warm + ticks):
+        start = time.perf_counter()
+        record = brain.step(force=ids[(config.budget + t) % len(ids)])
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        score.append(record.seconds.get("score", 0.0))
+        select.append(record.seconds.get("select", 0.0))
+    total = sum(times)
+    return total / len(times) * 1000, sum(score) / total, sum(select) / total
+
+
+def brain_cost(args, lm, gates: GateSet) -> None:
+    import tempfile
+
+    from positronic.loop import BrainConfig
+
+    generator = torch.Generator().manual_seed(1)
+    ids = [lm.bos_id] + torch.randint(3, lm.vocab_size, (args.rows + args.ticks + 2 * args.window + 8,),
+                                      generator=generator).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gates.safetensors"
+        gates.save(path)
+        common = dict(budget=args.rows, sinks=args.sinks, window=args.window, temperature=0)
+        stream, smart, score, select = [], [], [], []
+        for _ in range(args.repeats):
+            stream.append(brain_ticks(lm, BrainConfig(policy="streaming", **common), ids, args.ticks)[0])
+            ms, sc, se = brain_ticks(lm, BrainConfig(policy="smartkv", gates=str(path), **common), ids, args.ticks)
+            smart.append(ms)
+            score.append(sc)
+            select.append(se)
+    s, g = statistics.median(stream), statistics.median(smart)
+    print(f"brain  --policy streaming           {s:7.2f} ms/tick")
+    print(f"brain  --policy smartkv             {g:7.2f} ms/tick    x{g / s:.3f} of streaming")
+    print(f"brain  smartkv scoring (score)      {statistics.median(score):7.1%} of a smartkv tick; "
+          f"memories (select) {statistics.median(select):.1%}")
 
 
 def main(argv=None) -> int:

@@ -19,12 +19,19 @@ class LayerRowsError(ValueError):
 
 
 class LayerRows:
-    """rows[l]: the ledger ids layer l holds, in its cache-row order."""
+    """rows[l]: the ledger ids layer l holds, in its cache-row order; `counts`: how many layers
+    hold each ledger id (kept up to date by `after`, so a tick never recounts every row)."""
 
-    def __init__(self, rows: list[list[int]]):
+    def __init__(self, rows: list[list[int]], counts: dict[int, int] | None = None):
         if not rows:
             raise LayerRowsError("per-layer rows need at least one layer")
         self.rows = [list(layer) for layer in rows]
+        if counts is None:
+            counts = {}
+            for layer in self.rows:
+                for ledger_id in layer:
+                    counts[ledger_id] = counts.get(ledger_id, 0) + 1
+        self.counts = counts
 
     @staticmethod
     def every_layer(num_layers: int, ledger_ids: list[int]) -> "LayerRows":
@@ -41,15 +48,11 @@ class LayerRows:
 
     def occupancy(self, ledger_ids: list[int]) -> list[int]:
         """How many layers hold each of `ledger_ids`."""
-        count: dict[int, int] = {}
-        for layer in self.rows:
-            for ledger_id in layer:
-                count[ledger_id] = count.get(ledger_id, 0) + 1
-        return [count.get(ledger_id, 0) for ledger_id in ledger_ids]
+        return [self.counts.get(ledger_id, 0) for ledger_id in ledger_ids]
 
     def held(self) -> set[int]:
         """Ledger ids held by at least one layer."""
-        return {ledger_id for layer in self.rows for ledger_id in layer}
+        return set(self.counts)
 
     def after(self, drops: list[list[int]], new_ids: list[int]) -> "LayerRows":
         """The rows once each layer l has dropped its rows `drops[l]` (row numbers in that
@@ -57,22 +60,44 @@ class LayerRows:
         or the layers would end with different lengths."""
         if len(drops) != self.num_layers:
             raise LayerRowsError(f"{len(drops)} drop lists for {self.num_layers} layers")
-        rows = []
+        if len({len(dropped) for dropped in drops}) != 1:
+            raise LayerRowsError("the layers would hold different numbers of rows: they drop "
+                                 f"{sorted({len(dropped) for dropped in drops})}")
+        rows, counts = [], dict(self.counts)
         for l, (layer, dropped) in enumerate(zip(self.rows, drops)):
-            gone = set(dropped)
-            if len(gone) != len(dropped) or any(not 0 <= row < len(layer) for row in gone):
+            if len(set(dropped)) != len(dropped) or any(not 0 <= row < len(layer) for row in dropped):
                 raise LayerRowsError(f"layer {l}: dropped rows {sorted(dropped)} are repeated or out of "
                                      f"range 0..{len(layer) - 1}")
-            rows.append([ledger_id for row, ledger_id in enumerate(layer) if row not in gone] + list(new_ids))
-        if len({len(layer) for layer in rows}) != 1:
-            raise LayerRowsError("the layers would hold different numbers of rows: "
-                                 f"{sorted({len(layer) for layer in rows})}")
-        return LayerRows(rows)
+            kept = list(layer)
+            for row in sorted(dropped, reverse=True):
+                ledger_id = kept.pop(row)
+                counts[ledger_id] -= 1
+                if not counts[ledger_id]:
+                    del counts[ledger_id]
+            rows.append(kept + list(new_ids))
+        for ledger_id in new_ids:
+            counts[ledger_id] = counts.get(ledger_id, 0) + len(rows)
+        return LayerRows(rows, counts)
+
+    def renamed(self, names: dict[int, int]) -> "LayerRows":
+        """The same rows with the ledger ids in `names` (keys) replaced by their values: the
+        appended tokens' placeholders by their ledger ids. They sit at the ends of the layers."""
+        rows = [list(layer) for layer in self.rows]
+        for layer in rows:
+            for row in range(len(layer) - 1, -1, -1):
+                if layer[row] not in names:
+                    break
+                layer[row] = names[layer[row]]
+        counts = {names.get(ledger_id, ledger_id): count for ledger_id, count in self.counts.items()}
+        return LayerRows(rows, counts)
 
     def check(self, union_ids: list[int]) -> None:
-        """LayerRowsError unless every layer holds the same number of rows, each a
+        """LayerRowsError unless the union's ids ascend, every layer holds the same number of rows, each a
         subsequence of `union_ids` (the live map's, in order) without repeats, and every
         union id is held by some layer."""
+        if any(a >= b for a, b in zip(union_ids, union_ids[1:])):
+            # per-layer states only ever append, so ids grow with position (searches rely on it)
+            raise LayerRowsError("live ledger ids must ascend with position under per-layer rows")
         order = {ledger_id: row for row, ledger_id in enumerate(union_ids)}
         lengths = {len(layer) for layer in self.rows}
         if len(lengths) != 1:
@@ -90,3 +115,5 @@ class LayerRows:
         missing = set(union_ids) - self.held()
         if missing:
             raise LayerRowsError(f"live ledger ids {sorted(missing)[:5]} are held by no layer")
+        if self.counts != LayerRows(self.rows).counts:
+            raise LayerRowsError("the per-token layer counts do not match the rows")

@@ -87,8 +87,7 @@ class Mirror:
         try:
             new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
             if layers_after is not None:
-                real = {-1 - k: ledger_id for k, ledger_id in enumerate(new_ids)}
-                self.layers = LayerRows([[real.get(i, i) for i in layer] for layer in layers_after.rows])
+                self.layers = layers_after.renamed({-1 - k: ledger_id for k, ledger_id in enumerate(new_ids)})
             return new_ids
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
             self.live, self.layers = old_live, old_layers

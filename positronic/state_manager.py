@@ -101,10 +101,9 @@ class ContextView:
     query: torch.Tensor | None = None
     log_norm: torch.Tensor | None = None
     rows: "RowReader | None" = None
-    # per-layer rows only: [layers, rows per layer] the ledger ids / positions each layer's cache
-    # rows hold, and [rows] how many layers hold each live row
+    # per-layer rows only: [layers, rows per layer] the ledger ids each layer's cache rows hold
+    # (ascending: ids grow with position), and [rows] how many layers hold each live row
     layer_ids: torch.Tensor | None = None
-    layer_positions: torch.Tensor | None = None
     occupancy: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -385,10 +384,7 @@ class StateManager:
         layers = self._mirror.layers
         if layers is None:
             return {}
-        where = dict(zip(self._mirror.live.ledger_ids, self._mirror.live.positions))
         return {"layer_ids": torch.tensor(layers.rows, dtype=torch.long).reshape(layers.num_layers, len(layers)),
-                "layer_positions": torch.tensor([[where[i] for i in layer] for layer in layers.rows],
-                                                dtype=torch.long).reshape(layers.num_layers, len(layers)),
                 "occupancy": torch.tensor(layers.occupancy(self._mirror.live.ledger_ids), dtype=torch.long)}
 
     # --- coupled operations -------------------------------------------------------------
@@ -624,8 +620,8 @@ class StateManager:
         start = time.perf_counter()
         tick = self.last_tick + 1 if tick is None else tick
         mirror = self._mirror
-        still = mirror.layers.after(drops, []).held()  # LayerRowsError (a ValueError): nothing touched
-        deleted = [row for row, ledger_id in enumerate(mirror.live.ledger_ids) if ledger_id not in still]
+        kept = mirror.layers.after(drops, [])  # LayerRowsError (a ValueError): nothing touched yet
+        deleted = [row for row, ledger_id in enumerate(mirror.live.ledger_ids) if ledger_id not in kept.counts]
         insertions = [Insertion(len(mirror), (token_id,), source) for token_id in adds]
         layout = plan_layout(mirror.live.positions, deleted, insertions, self.lm.max_positions)
         texts = self._texts(layout)
@@ -634,7 +630,7 @@ class StateManager:
         report = ApplyReport(tick=tick)
 
         def write_and_commit():
-            self._write_layers(layout, runs, length, drops, adds)
+            self._write_layers(layout, runs, length, kept.rows, adds)
             self._fault_point("commit")
             mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness,
                           layer_drops=drops)
@@ -724,14 +720,13 @@ class StateManager:
         return probe_logprobs
 
     def _write_layers(self, layout: Layout, runs: list[list[tuple[int, int, int]]], length: int,
-                      drops: list[list[int]], adds: list[int]) -> None:
+                      kept_ids: list[list[int]], adds: list[int]) -> None:
         """A per-layer edit's stages 2–4: each layer closes up its own kept rows, keys are
         re-rotated where the union's positions were packed (each layer its own rows), and
         one forward writes the added token into the last row of every layer."""
         mirror = self._mirror
         self._cache.splice_layers(runs, length)
         self._fault_point("splice")
-        kept_ids = mirror.layers.after(drops, []).rows  # each layer's surviving ledger ids, in row order
         new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
                         for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
         if layout.moved is not None:  # the union's positions were packed down: follow them

@@ -117,7 +117,7 @@ class SmartKVPolicy:
         scores = self.scores | fresh if fresh else self.scores
         seconds["score"] = (now := time.perf_counter()) - clock
         memory = [list(heap) for heap in self.memory]
-        drops: list[list[int]] = [[] for _ in memory]  # positions, per layer
+        drops: list[list[int]] = [[] for _ in memory]  # ledger ids, per layer
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
             for layer, heap in enumerate(memory):
@@ -125,14 +125,14 @@ class SmartKVPolicy:
                 if len(heap) < self.size:
                     heapq.heappush(heap, entry)
                 elif entry > heap[0]:
-                    drops[layer].append(heapq.heapreplace(heap, entry)[1])
+                    drops[layer].append(heapq.heapreplace(heap, entry)[2])
                 else:
-                    drops[layer].append(position)
+                    drops[layer].append(ledger_id)
         self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
-            rows = [torch.searchsorted(view.layer_positions[layer], torch.tensor(sorted(dropped))).tolist()
-                    for layer, dropped in enumerate(drops)]
+            # a layer's ledger ids ascend with its rows (ids are handed out in position order)
+            rows = torch.searchsorted(view.layer_ids, torch.tensor([sorted(d) for d in drops])).tolist()
             actions.append({"action": "drop", "rows": rows})
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
             outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per layer"
