@@ -1,4 +1,4 @@
-"""SmartKV (issue 15): gates, labels, the row layout and SmartKVCache inside a real model.
+"""SmartKVCache (positronic/smartkv/cache.py) inside a real model.
 
 The position tests compare a pruned cache with references built without it: the same model
 fed the kept rows (taken from a full cache) with explicit position_ids, either through a 4-D
@@ -6,28 +6,17 @@ mask over a full DynamicCache (when every layer keeps the same rows) or through 
 gathered per layer (when the gates make layers keep different rows).
 """
 
-import json
 import math
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from positronic.smartkv import GateFileError, GateSet, SmartKVCache
 from positronic.smartkv.cache import KeyUnrotator
-from positronic.smartkv.gates import Gate, spearman
-from positronic.smartkv.labels import LifespanRule, lifespans, log4, windows
 from positronic.smartkv.rows import RowBook
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-# --- helpers ----------------------------------------------------------------------------------
 
 class PositionScorer:
     """Scores that depend only on the position (the same in every layer), pseudo-random."""
@@ -84,45 +73,6 @@ def kept_before(cache, layers, n):
 def smart_step(lm, cache, token):
     with torch.no_grad():
         return lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
-
-
-# --- rows -------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("sinks,budget,window", [(4, 10, 6), (2, 0, 8), (3, 7, 0), (0, 5, 1), (4, 1, 1)])
-def test_row_book_keeps_sinks_window_and_the_best_scores(sinks, budget, window):
-    rng = random.Random(sinks * 100 + budget * 10 + window)
-    book = RowBook(sinks, budget, window)
-    scores = [rng.random() for _ in range(60)]
-    for n in range(60):
-        placed = book.admit([n], [scores[n]])
-        assert book.held == book.size == min(n + 1, book.capacity)
-        held = sorted(p for p in book.positions() if p >= 0)
-        rest = [p for p in range(n + 1) if p >= sinks]
-        recent = rest[max(0, len(rest) - window):] if window else []
-        older = [p for p in rest if p not in recent]
-        best = sorted(older, key=lambda p: -scores[p])[:budget]
-        assert held == sorted(set(range(min(sinks, n + 1))) | set(recent) | set(best))
-        assert (n in held) == bool(placed) and all(i == 0 for _, i in placed)
-    kinds = book.kinds()
-    assert kinds.count("sink") == sinks and kinds.count("window") == window and kinds.count("memory") == budget
-
-
-def test_row_book_admitting_a_prompt_at_once_is_the_bulk_prune():
-    rng = random.Random(1)
-    scores = [rng.random() for _ in range(200)]
-    one_by_one, at_once = RowBook(4, 20, 8), RowBook(4, 20, 8)
-    for n in range(200):
-        one_by_one.admit([n], [scores[n]])
-    placed = at_once.admit(list(range(200)), scores)
-    assert sorted(one_by_one.positions()) == sorted(at_once.positions())
-    assert sorted(slot for slot, _ in placed) == list(range(32))  # every slot holds a token of the batch
-
-
-def test_row_book_refuses_an_empty_layout():
-    with pytest.raises(ValueError):
-        RowBook(0, 0, 0)
-    with pytest.raises(ValueError):
-        RowBook(-1, 4, 4)
 
 
 # --- the cache inside the model ---------------------------------------------------------------
@@ -285,157 +235,6 @@ def test_cache_refuses_what_it_cannot_do(tiny):
     with pytest.raises(ValueError, match="one sequence"):
         with torch.no_grad():
             tiny.model(torch.tensor([text_ids(tiny, 5)] * 2), past_key_values=cache, use_cache=True)
-
-
-# --- gates ------------------------------------------------------------------------------------
-
-def rounded(gates: GateSet) -> GateSet:
-    """The same gates with every tensor rounded to float16 (what a file stores)."""
-    copy = GateSet.new(gates.num_layers, gates.in_dim, hidden=gates.gates[0].hidden, depth=gates.gates[0].depth,
-                       shared=gates.shared)
-    for mine, theirs in zip(copy.gates, gates.gates):
-        mine.load_state_dict({k: v.half().float() for k, v in theirs.state_dict().items()})
-    return copy
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_gate_file_round_trip(tmp_path, shared):
-    gates = GateSet.new(3, 32, hidden=16, depth=3, shared=shared, seed=1, header={"model": "random:tiny"})
-    keys = torch.randn(50, 32)
-    for gate in set(gates.gates):
-        gate.set_normalisation(torch.randn(100, 32) * 3 + 1)
-    path = tmp_path / "g.safetensors"
-    gates.save(path)
-    loaded = GateSet.load(path)
-    assert loaded.num_layers == 3 and loaded.in_dim == 32 and loaded.shared == shared
-    assert loaded.header["model"] == "random:tiny" and loaded.header["hidden"] == 16
-    expected = rounded(gates)
-    for l in range(3):
-        torch.testing.assert_close(loaded.score(l, keys), expected.score(l, keys), atol=0, rtol=0)
-        torch.testing.assert_close(loaded.score(l, keys), gates.score(l, keys), atol=0.02, rtol=0.01)
-    loaded.save(tmp_path / "again.safetensors")
-    again = GateSet.load(tmp_path / "again.safetensors")
-    for a, b in zip(again.gates, loaded.gates):
-        for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-            assert torch.equal(x, y), name
-
-
-def test_bad_gate_files_are_refused_with_a_clear_error(tmp_path):
-    good = GateSet.new(2, 32, hidden=8, depth=2)
-    good_path = tmp_path / "good.safetensors"
-    good.save(good_path)
-    from safetensors import safe_open
-
-    with safe_open(str(good_path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        header = json.loads(f.metadata()["smartkv"])
-
-    def write(name, tensors, metadata):
-        path = tmp_path / name
-        save_file(tensors, str(path), metadata=metadata)
-        return path
-
-    pickle_path = tmp_path / "gates.pt"
-    torch.save({"layers.0.mean": torch.zeros(32)}, pickle_path)
-    cases = [
-        (tmp_path / "missing.safetensors", "does not exist"),
-        (pickle_path, "not a safetensors gate file"),
-        (write("nohead.safetensors", tensors, {}), "no 'smartkv' header"),
-        (write("notjson.safetensors", tensors, {"smartkv": "{oops"}), "not JSON"),
-        (write("version.safetensors", tensors, {"smartkv": json.dumps(dict(header, format=7))}), "format 7"),
-        (write("field.safetensors", tensors, {"smartkv": json.dumps(dict(header, hidden="8"))}), "'hidden'"),
-        (write("shape.safetensors", dict(tensors, **{"layers.1.linear.0.weight": torch.zeros(8, 31)}),
-               {"smartkv": json.dumps(header)}), r"layers.1.linear.0.weight has shape \[8, 31\], expected \[8, 32\]"),
-        (write("fewer.safetensors", {k: v for k, v in tensors.items() if not k.startswith("layers.1.")},
-               {"smartkv": json.dumps(header)}), "missing"),
-        (write("extra.safetensors", dict(tensors, stray=torch.zeros(1)), {"smartkv": json.dumps(header)}), "unexpected"),
-        (write("depth.safetensors", tensors, {"smartkv": json.dumps(dict(header, depth=3))}), "do not match the header"),
-        (write("nan.safetensors", dict(tensors, **{"layers.0.mean": torch.full((32,), float("nan"))}),
-               {"smartkv": json.dumps(header)}), "not finite"),
-    ]
-    (tmp_path / "text.safetensors").write_text("not a tensor file at all")
-    cases.append((tmp_path / "text.safetensors", "not a safetensors gate file"))
-    for path, message in cases:
-        with pytest.raises(GateFileError, match=message):
-            GateSet.load(path)
-
-
-def test_shipped_gates_fit_smollm2_config():
-    from positronic.models import smollm2_cache
-    from transformers import AutoConfig
-
-    gates = GateSet.for_model("smollm2")
-    config = AutoConfig.from_pretrained(smollm2_cache(), local_files_only=True)
-    gates.check_model(config)
-    assert gates.header["lifespan"]["threshold"] > 0 and len(gates.header["heldout_spearman"]) == 30
-    with pytest.raises(GateFileError, match="no gates are shipped"):
-        GateSet.for_model("tinyllama")
-
-
-def test_gate_scores_rank_keys():
-    gate = Gate(4, hidden=8, depth=2)
-    assert gate(torch.randn(5, 4)).shape == (5,)
-    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
-    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)
-    # ties take their average rank: ranks (1.5, 1.5, 3) against (1, 2, 3)
-    assert spearman(torch.tensor([0.0, 0, 1]), torch.tensor([1.0, 2, 3])) == pytest.approx(0.8660254, abs=1e-6)
-
-
-# --- labels -----------------------------------------------------------------------------------
-
-def test_lifespan_counts_later_queries_above_the_threshold():
-    length = 6
-    attention = torch.zeros(2, length, length)
-    for i in range(length):
-        attention[:, i, : i + 1] = 1.0 / (i + 1)  # uniform: nobody is above the uniform share
-    attention[1, 3, 1] = 0.9   # head 1 uses key 1 at query 3
-    attention[0, 5, 1] = 0.5   # head 0 at query 5 (0.5 > 2 / 6)
-    attention[0, 4, 2] = 0.3   # 0.3 < 2 / 5: not used
-    rule = LifespanRule(horizon=3, threshold=2.0, window=6)
-    spans = lifespans(attention, rule, first=1, count=2)
-    assert spans.tolist() == [1, 0]  # query 5 is beyond key 1's horizon (1 + 3)
-    wide = lifespans(attention, LifespanRule(horizon=4, threshold=2.0, window=6), first=1, count=1)
-    assert wide.tolist() == [2]
-    assert log4(torch.tensor([0.0, 3.0, 15.0]) + 1).tolist() == pytest.approx([0.0, 1.0, 2.0])
-
-
-def test_windows_label_every_token_once_with_a_whole_horizon():
-    rule = LifespanRule(horizon=4, threshold=1.0, window=10)
-    ids = list(range(40))
-    spans = windows(ids, rule)
-    labelled = [start + k for start, _ in spans for k in range(rule.labelled_per_window)]
-    assert labelled == list(range(len(labelled)))  # contiguous, no token twice
-    for start, chunk in spans:
-        assert len(chunk) == rule.window - 1 and chunk[0] == ids[start]
-    with pytest.raises(ValueError):
-        LifespanRule(horizon=9, window=10)
-
-
-def test_train_command_writes_gates_that_fit_the_model(tmp_path):
-    text = tmp_path / "a.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
-    held = tmp_path / "b.txt"
-    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 10)
-    out = tmp_path / "gates.safetensors"
-    shared = tmp_path / "shared.safetensors"
-    result = subprocess.run([sys.executable, "-m", "positronic.smartkv", "train", "--model", "random:tiny",
-                             "--text", str(text), "--heldout", str(held), "--out", str(out), "--shared-out", str(shared),
-                             "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert "held-out Spearman" in result.stdout and "mean" in result.stdout
-    from positronic.models import load_model
-
-    lm = load_model("random:tiny")
-    for path, is_shared in ((out, False), (shared, True)):
-        gates = GateSet.load(path)
-        gates.check_model(lm.model.config)
-        assert gates.shared == is_shared and len(gates.header["heldout_spearman"]) == 2
-        assert gates.header["lifespan"] == {"horizon": 32, "threshold": 2.0, "window": 96}
-    bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "smartkv", "train", "--model", "random:tiny",
-                          "--text", str(text), "--heldout", str(text), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
 
 
 # --- the real model ---------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""Labels (positronic/smartkv/labels.py): a token's lifespan from the model's attention, and the
+windows that label every token once."""
+
+import pytest
+import torch
+
+from positronic.smartkv.labels import LifespanRule, lifespans, log4, windows
+
+
+def test_lifespan_counts_later_queries_above_the_threshold():
+    length = 6
+    attention = torch.zeros(2, length, length)
+    for i in range(length):
+        attention[:, i, : i + 1] = 1.0 / (i + 1)  # uniform: nobody is above the uniform share
+    attention[1, 3, 1] = 0.9   # head 1 uses key 1 at query 3
+    attention[0, 5, 1] = 0.5   # head 0 at query 5 (0.5 > 2 / 6)
+    attention[0, 4, 2] = 0.3   # 0.3 < 2 / 5: not used
+    rule = LifespanRule(horizon=3, threshold=2.0, window=6)
+    spans = lifespans(attention, rule, first=1, count=2)
+    assert spans.tolist() == [1, 0]  # query 5 is beyond key 1's horizon (1 + 3)
+    wide = lifespans(attention, LifespanRule(horizon=4, threshold=2.0, window=6), first=1, count=1)
+    assert wide.tolist() == [2]
+    assert log4(torch.tensor([0.0, 3.0, 15.0]) + 1).tolist() == pytest.approx([0.0, 1.0, 2.0])
+
+
+def test_windows_label_every_token_once_with_a_whole_horizon():
+    rule = LifespanRule(horizon=4, threshold=1.0, window=10)
+    ids = list(range(40))
+    spans = windows(ids, rule)
+    labelled = [start + k for start, _ in spans for k in range(rule.labelled_per_window)]
+    assert labelled == list(range(len(labelled)))  # contiguous, no token twice
+    for start, chunk in spans:
+        assert len(chunk) == rule.window - 1 and chunk[0] == ids[start]
+    with pytest.raises(ValueError):
+        LifespanRule(horizon=9, window=10)

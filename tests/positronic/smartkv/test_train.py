@@ -1,0 +1,37 @@
+"""Training (positronic/smartkv/train.py and __main__.py): `positronic smartkv train` writes gate
+files that fit the model, and refuses bad options with one line and exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from positronic.smartkv import GateSet
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_train_command_writes_gates_that_fit_the_model(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    held = tmp_path / "b.txt"
+    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 10)
+    out = tmp_path / "gates.safetensors"
+    shared = tmp_path / "shared.safetensors"
+    result = subprocess.run([sys.executable, "-m", "positronic.smartkv", "train", "--model", "random:tiny",
+                             "--text", str(text), "--heldout", str(held), "--out", str(out), "--shared-out", str(shared),
+                             "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "held-out Spearman" in result.stdout and "mean" in result.stdout
+    from positronic.models import load_model
+
+    lm = load_model("random:tiny")
+    for path, is_shared in ((out, False), (shared, True)):
+        gates = GateSet.load(path)
+        gates.check_model(lm.model.config)
+        assert gates.shared == is_shared and len(gates.header["heldout_spearman"]) == 2
+        assert gates.header["lifespan"] == {"horizon": 32, "threshold": 2.0, "window": 96}
+    bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "smartkv", "train", "--model", "random:tiny",
+                          "--text", str(text), "--heldout", str(text), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
