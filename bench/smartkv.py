@@ -8,13 +8,15 @@ character --offset, starting after the first blank line) are teacher-forced one 
 forward; the NLL of each next token is read from the logits before it is fed. Budgets are
 shares of --tokens (0.25 of 1024 -> 256). The brain's policies run through `positronic eval`'s
 own stream (`run_stream`: the tick loop, the token forced), so their rows are the same as in
-an eval table; SmartKV runs through a plain `model(...)` call with a SmartKVCache. Every
-method attends to at most `budget` rows per forward: the brain keeps `live <= budget` after a
-tick (the newest row included), a SmartKVCache stores `budget - 1` rows between forwards and
-attends to them plus the new token.
+an eval table; SmartKV runs through a plain `model(...)` call with a SmartKVCache of `budget`
+rows, and through the brain (`--policy smartkv`, the same stream as the other policies).
+Every method attends to at most `budget` rows per forward, the newest token included: the
+brain keeps `live <= budget` rows per layer after a tick, a SmartKVCache admits a decoded
+token first and attends to the at most `budget` rows it holds then.
 
 Rows per budget: streaming / scored / h2o / brightness (the brain, each policy's defaults),
-smartkv (sinks + window + long-term memory ranked by the trained per-layer gates),
+smartkv (SmartKVCache: sinks + window + long-term memory ranked by the trained per-layer
+gates), smartkv-brain (the same through the brain: it must match smartkv),
 smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
 smartkv-stream (sinks + window only, no gates: the same cache class as a streaming baseline).
@@ -77,7 +79,7 @@ def excerpt(path: Path, offset: int) -> str:
 
 
 def smart_caches(config, stored: int, *, sinks: int, window: int, gates: dict[str, GateSet]):
-    """(name, cache) for each SmartKV variant holding `stored` rows between forwards."""
+    """(name, cache) for each SmartKV variant holding `stored` rows (the decoded token among them)."""
     budget = stored - sinks - window
     if budget < 1:
         raise ValueError(f"{stored} rows leave no long-term memory after sinks {sinks} + window {window}")
@@ -119,17 +121,26 @@ def quality(args, lm) -> None:
     start = time.perf_counter()
     full = run_stream(lm, ids, reference_config(len(ids), sinks=args.sinks))
     report("full", None, perplexity(full.nll), time.perf_counter() - start)
+    wanted = set(args.methods or [])
     for share in args.budgets:
         budget = round(share * count)
-        for policy in BRAIN_POLICIES:
+        brain_runs = [(p, make_config(p, budget, sinks=args.sinks)) for p in BRAIN_POLICIES]
+        if "smartkv" in gates:
+            brain_runs.append(("smartkv-brain", make_config("smartkv", budget, sinks=args.sinks,
+                                                            gates=str(args.gates or ""))))
+        for name, brain_config in brain_runs:
+            if wanted and name not in wanted:
+                continue
             start = time.perf_counter()
-            stream = run_stream(lm, ids, make_config(policy, budget, sinks=args.sinks))
+            stream = run_stream(lm, ids, brain_config)
             assert stream.max_live <= budget
-            report(policy, budget, perplexity(stream.nll), time.perf_counter() - start)
-        for name, cache in smart_caches(config, budget - 1, sinks=args.sinks, window=args.window, gates=gates):
+            report(name, budget, perplexity(stream.nll), time.perf_counter() - start)
+        for name, cache in smart_caches(config, budget, sinks=args.sinks, window=args.window, gates=gates):
+            if wanted and name not in wanted:
+                continue
             start = time.perf_counter()
             ppl = perplexity(nll_stream(lm.model, ids, cache))
-            assert cache.rows == budget - 1 and cache.seen == count
+            assert cache.rows == budget and cache.seen == count
             report(name, budget, ppl, time.perf_counter() - start)
 
     from rich.console import Console
@@ -268,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--shared-gates", type=Path, help="one shared gate (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")
     p.add_argument("--threads", type=int)
+    p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
     p.add_argument("--cost", action="store_true", help="measure decode cost instead of perplexity")
     p.add_argument("--rows", type=int, default=512, help="--cost: rows the caches hold")
     p.add_argument("--ticks", type=int, default=64, help="--cost: timed tokens per round")
