@@ -1,8 +1,8 @@
-"""The tick loop end to end on the real embedded model, sessions, and the repairers."""
+"""The tick loop end to end on the real embedded model, sessions, fidelity and typed input
+(positronic/loop.py); the repairers are tests/positronic/test_repairers.py."""
 
 import json
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +13,7 @@ from positronic import session as sessions
 from positronic.cli import main
 from positronic.loop import Brain, BrainConfig
 from positronic.policy import make_policy
-from positronic.repairers import MaskedLMRepairer, NoRepairer, RepairerError, SelfRepairer, make_repairer
-from positronic.state_manager import ContextView, StateManager
+from positronic.state_manager import StateManager
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step"
 
@@ -109,105 +108,6 @@ def test_bad_flags_give_one_line_and_exit_code_2(args, message, capsys, run_cli)
     assert re.search(message, err), err
 
 
-# --- repairers ------------------------------------------------------------------------------
-
-
-def crafted_view(token_ids, predicted, brightness=None) -> ContextView:
-    """A ContextView built by hand (what a policy or repairer sees; no StateManager behind it)."""
-    n = len(token_ids)
-    return ContextView(token_ids=torch.tensor(token_ids), ledger_ids=torch.arange(n), positions=torch.arange(n),
-                       brightness=torch.tensor(brightness if brightness is not None else [255.0] * n),
-                       predicted=torch.tensor(predicted))
-
-
-def test_self_repairer_proposes_the_models_greedy_token_for_the_slot(smol, fresh_logits):
-    sm = StateManager.from_tokens(smol, [smol.bos_id] + smol.encode(PROMPT))
-    sm.apply([{"action": "delete", "position": 3}])  # positions now have a gap
-    sm.rebuild()  # drop the deleted token's trace from deeper layers, so a fresh forward is comparable
-    live, positions = sm.live_token_ids(), sm.positions()
-    view = sm.view()
-    repairer = SelfRepairer(smol)
-    for pair in [(8, 9), (12, 13)]:
-        p1 = pair[0]
-        # independently: a plain forward over the left context at the recorded positions
-        expected = int(fresh_logits(smol, live[:p1], positions[:p1])[-1].argmax())
-        assert expected not in (smol.bos_id, smol.eos_id)
-        assert repairer.propose(view, pair) == [expected] == [int(view.predicted[p1 - 1])]
-
-
-def test_self_repairer_reads_the_views_prediction_and_refuses_bos_and_eos():
-    """The proposal for pair (p1, p2) is view.predicted[p1 - 1], one token, no forward: the
-    repairer needs nothing of the model but its BOS and EOS ids."""
-    lm = SimpleNamespace(bos_id=1, eos_id=2)  # no model at all: a forward would fail
-    repairer = SelfRepairer(lm)
-    token_ids = [1, 10, 11, 12, 13, 14, 15, 16]
-    predicted = [100, 101, 102, 103, 104, 105, 106, 107]
-    view = crafted_view(token_ids, predicted)
-    assert repairer.propose(view, (5, 6)) == [104]
-    assert repairer.propose(view, (1, 2)) == [100]
-    assert repairer.propose(view, (3, 5)) == [102], "only the row left of the pair counts"
-    assert repairer.propose(view, (0, 1)) == [], "no row left of the pair: no prediction"
-    for refused in (1, 2):
-        predicted_here = list(predicted)
-        predicted_here[4] = refused
-        assert repairer.propose(crafted_view(token_ids, predicted_here), (5, 6)) == [], refused
-    assert SelfRepairer(SimpleNamespace(bos_id=1, eos_id=None)).propose(
-        crafted_view(token_ids, [2] * 8), (5, 6)) == [2], "without an EOS id only BOS is refused"
-
-
-def test_self_repairer_proposes_exactly_one_token(tiny):
-    for tokens in (0, 2, 3):
-        with pytest.raises(RepairerError, match="exactly 1 token"):
-            SelfRepairer(tiny, tokens=tokens)
-        with pytest.raises(RepairerError, match="exactly 1 token"):
-            make_repairer("self", tiny, tokens=tokens)
-    with pytest.raises(ValueError, match="self repairer proposes exactly 1 token per pair, not 2"):
-        BrainConfig(repairer="self", repair_tokens=2).validate()
-    with pytest.raises(ValueError, match="exactly 1 token"):
-        Brain.start(tiny, [1, 2, 3], BrainConfig(budget=48, repairer="self", repair_tokens=2))
-    BrainConfig(repairer="none", repair_tokens=2).validate()  # only the self repairer is limited
-    assert isinstance(make_repairer("none", tiny, tokens=2), NoRepairer)
-
-
-def test_masked_lm_repairer_fills_the_slot_through_text(tmp_path, smol):
-    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
-
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "keeper", "climbed", "stairs", "night", "lamp"]
-    tokenizer = BertTokenizer(vocab={word: i for i, word in enumerate(words)})
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, intermediate_size=64))
-    with torch.no_grad():  # make "lamp" the masked LM's favourite word
-        model.cls.predictions.bias.zero_()
-        model.cls.predictions.bias[words.index("lamp")] = 50.0
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    sm = StateManager.from_tokens(smol, [smol.bos_id] + smol.encode(PROMPT))
-    repairer = make_repairer(f"mlm:{tmp_path}", smol)
-    assert isinstance(repairer, MaskedLMRepairer)
-    proposal = repairer.propose(sm.view(), (4, 5))
-    assert smol.decode(proposal) == " lamp", "the text crosses vocabularies as a span, leading space kept"
-
-
-def test_cull_only_brain_deletes_dim_pairs_and_stays_within_budget(tiny):
-    brain = Brain.start(tiny, [1] + list(range(40, 70)), BrainConfig(budget=40, repairer="none"))
-    lengths, outcomes = [], set()
-    for _ in range(60):
-        record = brain.step()
-        lengths.append(record.live_length)
-        outcomes |= {outcome for _, outcome in record.outcomes}
-        assert all(a["action"] != "replace_pair" for a in record.actions), "cull only: nothing is replaced"
-    assert brain.counts["repairs"] == 0 and brain.counts["culls"] > 0
-    assert outcomes == {"culled"}
-    assert max(lengths[20:]) <= 41, "budget + cull rate"
-    brain.state.check(deep=True)
-
-
-def test_unknown_repairer_is_refused(tiny):
-    with pytest.raises(RepairerError, match="unknown repairer"):
-        make_repairer("oracle", tiny)
-
-
 # --- fidelity -------------------------------------------------------------------------------
 
 
@@ -300,7 +200,7 @@ def test_a_failed_tick_changes_nothing_and_shows_no_text(tiny):
     assert brain.state.live_token_ids()[-1] == 300
 
 
-def test_the_vote_rule_gets_the_runs_sinks_through_the_policy(tiny):
+def test_the_vote_rule_gets_the_runs_sinks_through_the_policy(tiny, crafted_view):
     """Step 2b with the vote rule: the threshold is the mean score of the non-sink rows, so the
     policy must hand the rule the run's `sinks`. Rows 10 and 11 are above the non-sink mean
     (1/32) but below the mean of all rows (1/20). Dyadic scores keep the arithmetic exact."""

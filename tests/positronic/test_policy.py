@@ -289,34 +289,6 @@ def test_units_that_cannot_free_enough_are_made_up_by_single_rows(tiny):
     assert outcomes[-1] == ((4,), "culled") and len(actions) == 9
 
 
-def test_bridge_repairs_a_probed_pair_only_when_its_best_candidate_beats_culling(tiny):
-    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)),
-                        BrainConfig(budget=48, window=8, repairer="bridge", seed=1, temperature=0))
-    repairer = brain.policy.repairer
-    repaired = culled = 0
-    for _ in range(80):
-        view, scores = brain.state.view(), dict(repairer.scores)
-        record = brain.step()
-        assert record.live_length <= 48 and not record.rebuilt
-        for unit, outcome in record.outcomes:
-            key = tuple(int(view.ledger_ids[row]) for row in (unit[0], unit[-1], unit[-1] + 1)) if unit else None
-            if key not in scores:
-                assert outcome != "replaced", "only probed pairs are repaired"
-                continue
-            cull = scores[key].pop(repairer.CULL)
-            # the pair's own tokens, plus the model's prediction for the slot when it was probed
-            assert {int(view.token_ids[unit[0]]), int(view.token_ids[unit[1]])} <= set(scores[key])
-            best = max(scores[key], key=scores[key].get)
-            if outcome == "replaced":
-                action = next(a for a in record.actions if a.get("original_pos1") == unit[0])
-                assert action["new_token_ids"] == [best] and scores[key][best] >= cull
-                repaired += 1
-            elif scores[key][best] < cull:
-                culled += 1
-    assert repaired > 0 and culled > 0, (repaired, culled)
-    brain.state.check(deep=True)
-
-
 @pytest.mark.parametrize("name", ["scored", "h2o"])
 def test_a_failed_tick_counts_nothing_in_the_policys_state(tiny, name):
     """A tick that fails did not happen: the policy's per-row state is what it was before it
