@@ -12,6 +12,7 @@ from .layer_rows import LayerRows, LayerRowsError
 from .layout import Layout
 from .ledger import CULLED, LIVE, REPLACED, SOURCES, Ledger
 from .live_map import LiveMap
+from .ring import Ring
 
 
 class MirrorInvariantError(AssertionError):
@@ -21,12 +22,15 @@ class MirrorInvariantError(AssertionError):
 class Mirror:
     """The ledger, the live map and, when layers keep different rows (a per-layer policy),
     `layers`: each layer's rows (mirror/layer_rows.py); the live map is then their union.
-    `layers` is None when every layer holds exactly the live map's rows."""
+    `layers` is None when every layer holds exactly the live map's rows. `ring`: with a ring
+    store, the slot of every live row (mirror/ring.py: sinks, capacity and the cursor), else None."""
 
-    def __init__(self, ledger: Ledger | None = None, live: LiveMap | None = None, layers: LayerRows | None = None):
+    def __init__(self, ledger: Ledger | None = None, live: LiveMap | None = None, layers: LayerRows | None = None,
+                 ring: Ring | None = None):
         self.ledger = ledger if ledger is not None else Ledger()
         self.live = live if live is not None else LiveMap()
         self.layers = layers
+        self.ring = ring
 
     def __len__(self) -> int:
         return len(self.live)
@@ -34,7 +38,8 @@ class Mirror:
     # --- the one splice (the same Layout the cache gets) ---------------------------------
 
     def splice(self, layout: Layout, texts: list[str], *, tick: int, brightness: float,
-               live_brightness: list[float] | None = None, layer_drops: list[list[int]] | None = None) -> list[int]:
+               live_brightness: list[float] | None = None, layer_drops: list[list[int]] | None = None,
+               ring: Ring | None = None) -> list[int]:
         """Apply a whole Layout (see layout.py): deleted rows' entries retire (or become
         replaced by the tokens inserted in their place), the new tokens get ledger entries
         starting at `brightness` (a replacement starts at the brightest of the rows it
@@ -47,6 +52,9 @@ class Mirror:
         With per-layer rows, `layer_drops[l]` lists the rows (of layer l) that layer drops; the
         layout is the union's: it must delete exactly the tokens no layer holds any more and
         only append new tokens, which every layer appends too.
+
+        `ring`: a ring store's slots after the edit (the cache's own, so both record the same
+        cursor); required exactly when the mirror has a ring.
         """
         live = self.live.ledger_ids
         if layout.old_length != len(live):
@@ -65,6 +73,10 @@ class Mirror:
                 raise ValueError("the layout must delete exactly the tokens that no layer holds any more")
         if live_brightness is not None and len(live_brightness) != len(live):
             raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")
+        if (ring is None) != (self.ring is None):
+            raise ValueError("a ring store's edit brings the ring after it, and only a ring store's")
+        if ring is not None and layout.length > ring.capacity:
+            raise ValueError(f"{layout.length} rows do not fit a ring of {ring.capacity} slots")
         if len(texts) != len(layout.new_token_ids):
             raise ValueError(f"{len(texts)} texts for {len(layout.new_token_ids)} new tokens")
         for insertion, _ in layout.groups:
@@ -83,14 +95,15 @@ class Mirror:
         touched = list(live) + [i for insertion, _ in layout.groups for i in insertion.restores]
         before = [(e.brightness, e.state, e.tick_died, e.replaced_by, e.position, e.resurrections)
                   for e in (entries[i] for i in touched)]
-        old_live, old_layers = self.live, self.layers
+        old_live, old_layers, old_ring = self.live, self.layers, self.ring
         try:
             new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
             if layers_after is not None:
                 self.layers = layers_after.renamed({-1 - k: ledger_id for k, ledger_id in enumerate(new_ids)})
+            self.ring = ring
             return new_ids
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
-            self.live, self.layers = old_live, old_layers
+            self.live, self.layers, self.ring = old_live, old_layers, old_ring
             self.ledger.truncate(ledger_length)
             for ledger_id, fields in zip(touched, before):
                 entry = entries[ledger_id]
@@ -210,6 +223,13 @@ class Mirror:
                 self.layers.check(live.ledger_ids)
             except LayerRowsError as exc:
                 raise MirrorInvariantError(f"per-layer rows: {exc}") from None
+        if self.ring is not None:
+            if not isinstance(self.ring, Ring):
+                raise MirrorInvariantError(f"the ring must be a Ring, got {type(self.ring).__name__}")
+            if len(live) > self.ring.capacity:
+                raise MirrorInvariantError(f"{len(live)} live rows do not fit the ring's {self.ring.capacity} slots")
+            if self.layers is not None:
+                raise MirrorInvariantError("a ring store keeps the same rows in every layer: no per-layer rows")
 
     # --- per-layer rows (a per-layer policy) ----------------------------------------------
 

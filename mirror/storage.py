@@ -9,6 +9,7 @@ corrupt file raises MirrorFileError and yields nothing.
     envelope: {"format": FORMAT, "version": 2, "sha256": hex of body, "body": bytes}
     body:     {"ledger": {column: [...]}, "live": {"ledger_ids": [...], "positions": [...]}, "meta": {...}}
               (+ "layers": [[ledger id, ...] per layer] when layers keep different rows)
+              (+ "ring": {"sinks", "capacity", "cursor"} with a ring store, mirror/ring.py)
     version 1 (read only): {"format", "version": 1, "ledger", "live", "meta"}, no checksum
 """
 
@@ -25,6 +26,7 @@ from .ledger import SOURCES, STATES, Ledger, LedgerEntry
 from .layer_rows import LayerRows
 from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
+from .ring import Ring
 
 FORMAT = "positronic-mirror"
 VERSION = 2
@@ -63,6 +65,8 @@ def to_columns(mirror: Mirror) -> dict:
                                           "positions": list(mirror.live.positions)}}
     if mirror.layers is not None:  # only then: files of every-layer-alike runs are unchanged
         columns["layers"] = [list(layer) for layer in mirror.layers.rows]
+    if mirror.ring is not None:  # likewise: only a ring store's files carry the cursor
+        columns["ring"] = mirror.ring.to_dict()
     return columns
 
 
@@ -99,8 +103,9 @@ def from_bytes(data: bytes, source: str = "mirror data") -> tuple[Mirror, dict]:
     if not isinstance(ledger, dict) or not isinstance(live, dict) or not isinstance(meta, dict):
         raise MirrorFileError(f"{source}: missing ledger, live map or meta section")
     columns = {"ledger": ledger, "live": live}
-    if "layers" in doc:
-        columns["layers"] = doc["layers"]
+    for optional in ("layers", "ring"):
+        if optional in doc:
+            columns[optional] = doc[optional]
     return from_columns(columns, source), meta
 
 
@@ -137,8 +142,14 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
     if layers is not None and not (isinstance(layers, list) and layers and all(
             isinstance(layer, list) and all(type(v) is int for v in layer) for layer in layers)):
         raise MirrorFileError(f"{source}: per-layer rows must be a non-empty list of lists of int")
+    ring = columns.get("ring")
+    if ring is not None:
+        try:
+            ring = Ring.from_dict(ring)
+        except ValueError as exc:
+            raise MirrorFileError(f"{source}: {exc}") from None
     mirror = Mirror(Ledger(entries), LiveMap(list(ids), list(positions)),
-                    None if layers is None else LayerRows(layers))
+                    None if layers is None else LayerRows(layers), ring)
     try:
         mirror.check()
     except MirrorInvariantError as exc:

@@ -20,6 +20,9 @@ For the brain it also offers row edits, all in place:
 - `rotate_keys(first, cos, sin)`: re-rotate the keys of rows first.. to new RoPE positions.
 - `memory_bytes()`, `reset()`, `crop()`.
 
+`SpliceCache(..., store="ring", sinks=k)` keeps rows in a ring instead (`RingLayer`): the
+streaming policy's evictions then only move a cursor, and nothing is ever packed down.
+
 `SpliceCache(..., kv_format="int4" | "fp4")` stores rows in 4 bits instead
 (`PackedSpliceLayer`, codecs in kv_formats.py): the same edits move codes and scales
 together, and the model reads rows decoded. `kv_format="float"` (the default) is the
@@ -35,9 +38,19 @@ import contextlib
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from positronic.mirror import Ring
+
 from . import kv_formats, rope
 
 DEFAULT_CAPACITY = 256
+STORES = ("splice", "ring")
+
+
+def check_store(store: str) -> str:
+    """ValueError unless `store` names a cache store."""
+    if store not in STORES:
+        raise ValueError(f"unknown kv store {store!r}; choose from {', '.join(STORES)}")
+    return store
 
 
 class SpliceLayer(CacheLayerMixin):
@@ -396,6 +409,186 @@ class PackedSpliceLayer(CacheLayerMixin):
             raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
 
 
+class RingLayer(CacheLayerMixin):
+    """One layer's K/V rows in a ring (`SpliceCache(..., store="ring")`), for sliding windows.
+
+    The sink rows keep slots 0..sinks-1; the window rows wrap round the other slots from the
+    cursor (mirror/ring.py, `Ring`, maps live rows to slots). So the streaming policy's
+    eviction of the oldest window rows moves only the cursor, and a new row is written with
+    `index_copy_` into the slot after the newest: no row is copied, however long the run,
+    where a SpliceLayer packs its rows down whenever its window reaches the buffer's end.
+    Any other edit still works: kept rows whose slot changes go through one gather and one
+    `index_copy_` (the cursor follows the longest kept run, so few move).
+
+        key_buffer, value_buffer: [1, kv_heads, capacity, head_dim], slots in ring order
+        keys, values:             [1, kv_heads, length, head_dim], live rows in row order
+                                  (a view while row i is slot i, else gathered: for readers)
+
+    `update` returns the slots 0..used-1 (`Ring.used`) in slot order, without a copy. The
+    newest token's attention does not depend on the order of the rows it attends, but free
+    slots among them must be hidden: `forward` builds that mask from `slot_rows`. A ring
+    that never evicted is linear (row i in slot i), so transformers' own masks fit it too.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, sinks: int = 0):
+        self.ring = Ring(sinks, capacity, sinks)
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+        self.length = 0
+        self.is_initialized = False
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self._write_rows: torch.Tensor | None = None  # live rows the next update() fills
+        self.moved_rows = 0  # rows copied by splices and growth since creation (0 while streaming)
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
+
+    # --- what the model and the readers see --------------------------------------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Live keys [1, kv_heads, length, head_dim] in row order."""
+        return None if self.key_buffer is None else self._rows(self.key_buffer)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Live values [1, kv_heads, length, head_dim] in row order."""
+        return None if self.value_buffer is None else self._rows(self.value_buffer)
+
+    def _rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        if self.ring.linear(self.length):
+            return buffer[:, :, : self.length]
+        return buffer.index_select(2, self.slot_index(self.length))
+
+    def slot_index(self, length: int) -> torch.Tensor:
+        """int64 [length]: the slot of each of rows 0..length-1 (Ring.slot, as tensor arithmetic:
+        a tick would spend more on a Python list of every row than on the attention itself)."""
+        ring = self.ring
+        rows = torch.arange(length, device=self.device)
+        window = ring.sinks + (rows + (ring.cursor - 2 * ring.sinks)).remainder(ring.window)
+        return torch.where(rows < ring.sinks, rows, window)
+
+    def slot_rows(self, length: int) -> torch.Tensor:
+        """int64 [Ring.used(length)]: the row each used slot holds, -1 for a free slot."""
+        rows = torch.full((self.ring.used(length),), -1, dtype=torch.long, device=self.device)
+        return rows.index_copy_(0, self.slot_index(length), torch.arange(length, device=self.device))
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_buffer = SpliceLayer._empty(key_states, self.capacity)
+        self.value_buffer = SpliceLayer._empty(value_states, self.capacity)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new rows [1, kv_heads, n, head_dim] in their slots: the rows `fill()` named, or
+        after the live rows. Returns the used slots' keys and values, in slot order."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        SpliceLayer._check_rows(self, key_states, value_states)
+        count = key_states.shape[-2]
+        if self._write_rows is not None:
+            if len(self._write_rows) != count:
+                raise ValueError(f"the forward brought {count} rows for {len(self._write_rows)} open slots")
+            where = self.slot_index(self.length).index_select(0, self._write_rows)
+        else:
+            self.reserve(self.length + count)
+            self.length += count
+            where = self.slot_index(self.length)[-count:]
+        self.key_buffer.index_copy_(2, where, key_states)
+        self.value_buffer.index_copy_(2, where, value_states)
+        used = self.ring.used(self.length)
+        return self.key_buffer[:, :, :used], self.value_buffer[:, :, :used]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        appended = 0 if self._write_rows is not None else query_length
+        return self.ring.used(self.length + appended), 0
+
+    def get_max_length(self) -> int:
+        return -1  # grows when full
+
+    def reset(self) -> None:
+        """Drop every row; the buffers and the cursor are kept (a rebuild refills the same slots)."""
+        self.length = 0
+        self._write_rows = None
+
+    def set_ring(self, ring: Ring) -> None:
+        """Lay the rows out as `ring` says from now on (a resumed or rebuilt state takes the
+        mirror's cursor); the layer must be empty."""
+        if self.length:
+            raise ValueError("set_ring needs an empty cache layer")
+        if ring.capacity != self.capacity and self.is_initialized:
+            self.key_buffer = SpliceLayer._empty(self.key_buffer, ring.capacity)
+            self.value_buffer = SpliceLayer._empty(self.value_buffer, ring.capacity)
+        self.ring = ring
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of rows to remove from the end")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
+
+    # --- row edits -------------------------------------------------------------------------
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` rows: a larger ring (Ring.after) when they do not fit."""
+        if length > self.capacity:
+            live = self.length
+            self.splice([(0, 0, live)], length)
+            self.length = live
+
+    def splice(self, kept: list[tuple[int, int, int]], length: int) -> None:
+        """Rearrange the live rows (runs (old_row, new_row, count), as SpliceLayer.splice): the
+        cursor follows the longest kept window run, and only rows whose slot changes are copied
+        (a streaming eviction: none)."""
+        new = self.ring.after(kept, length)
+        grow = new.capacity != self.capacity
+        source, target = self.ring.moves(kept, new, every=grow)
+        if source and self.is_initialized:
+            device = self.device
+            source = torch.tensor(source, dtype=torch.long, device=device)
+            target = torch.tensor(target, dtype=torch.long, device=device)
+            buffers = []
+            for buffer in (self.key_buffer, self.value_buffer):
+                rows = buffer.index_select(2, source)  # gathered first: moves may overlap
+                into = SpliceLayer._empty(buffer, new.capacity) if grow else buffer
+                buffers.append(into.index_copy_(2, target, rows))
+            self.key_buffer, self.value_buffer = buffers
+            self.moved_rows += len(source)
+        elif grow and self.is_initialized:
+            self.key_buffer = SpliceLayer._empty(self.key_buffer, new.capacity)
+            self.value_buffer = SpliceLayer._empty(self.value_buffer, new.capacity)
+        self.ring, self.length = new, length
+
+    def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Re-rotate the keys of live rows first .. first + len(cos) (rope.rotate), wherever
+        their slots are."""
+        where = self.slot_index(self.length)[first : first + len(cos)]
+        rows = self.key_buffer.index_select(2, where)
+        self.key_buffer.index_copy_(2, where, rope.rotate(rows, cos, sin))
+
+    def memory_bytes(self) -> int:
+        """Bytes the K/V buffers hold, free slots included."""
+        held = [t for t in (self.key_buffer, self.value_buffer) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
 
 class SpliceCache(Cache):
     """A transformers Cache of `SpliceLayer`s: what the model reads and writes, and what
@@ -406,10 +599,13 @@ class SpliceCache(Cache):
 
     kv_format: "float" (rows in the model's dtype: SpliceLayers), "int4" or "fp4" (4-bit
     codes and a float16 scale per row: PackedSpliceLayers, see kv_formats.py).
+    store: "splice" (the default: live rows are one window of the buffer) or "ring" (RingLayers:
+    `sinks` rows in fixed slots, the rest wrapping round the buffer, for the streaming
+    policy; float rows only).
     """
 
     def __init__(self, config=None, max_cache_len: int = DEFAULT_CAPACITY, *, num_layers: int | None = None,
-                 kv_format: str = "float"):
+                 kv_format: str = "float", store: str = "splice", sinks: int = 0):
         if num_layers is None:
             if config is None:
                 raise ValueError("SpliceCache needs a model config or num_layers")
@@ -417,18 +613,52 @@ class SpliceCache(Cache):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         codec = kv_formats.packed(kv_format)
-        self.kv_format = kv_format
-        if codec is None:
+        self.kv_format, self.store = kv_format, check_store(store)
+        if store == "ring":
+            if codec is not None:
+                raise ValueError(f"the ring store keeps float rows: kv_format {kv_format} needs the splice store")
+            super().__init__(layers=[RingLayer(max_cache_len, sinks) for _ in range(num_layers)])
+        elif codec is None:
             super().__init__(layers=[SpliceLayer(max_cache_len) for _ in range(num_layers)])
         else:
             super().__init__(layers=[PackedSpliceLayer(codec, max_cache_len) for _ in range(num_layers)])
         self.scratch = _Scratch()
         self.scale_scratch = _Scratch() if codec else None  # scales move through their own (float16)
         for layer in self.layers:
-            if codec is None:
+            if isinstance(layer, SpliceLayer):
                 layer.scratch = self.scratch
-            else:
+            elif isinstance(layer, PackedSpliceLayer):
                 layer.share_scratch(self.scratch, self.scale_scratch)
+
+    @property
+    def ring(self) -> Ring | None:
+        """The ring store's slot mapping (the same in every layer), or None."""
+        return self.layers[0].ring if self.store == "ring" else None
+
+    def set_ring(self, ring: Ring) -> None:
+        """Ring store, empty: lay rows out as `ring` says (the mirror's cursor, on a resume or
+        a rebuild)."""
+        if self.store != "ring":
+            raise ValueError(f"the {self.store} store has no ring")
+        for layer in self.layers:
+            layer.set_ring(ring)
+
+    def reserve(self, length: int) -> None:
+        """Ring store: room for `length` rows before a forward that appends them. A ring
+        cannot grow half-way through a forward: its mask was laid out by slot before it. (The
+        splice store makes room as it goes.)"""
+        if self.store == "ring":
+            for layer in self.layers:
+                layer.reserve(length)
+
+    def slot_rows(self, length: int) -> torch.Tensor | None:
+        """Ring store: the row held by each of the slots that `length` rows use (-1: free), what
+        the model's attention sees in that order; None for the splice store (slot = row)."""
+        return self.layers[0].slot_rows(length) if self.store == "ring" else None
+
+    def slot_index(self, length: int) -> torch.Tensor | None:
+        """Ring store: the slot of each of rows 0..length-1; None for the splice store."""
+        return self.layers[0].slot_index(length) if self.store == "ring" else None
 
     @property
     def length(self) -> int:
@@ -446,6 +676,8 @@ class SpliceCache(Cache):
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): layer l's runs are kept[l];
         every layer then holds `length` rows."""
+        if self.store == "ring":
+            raise ValueError("the ring store keeps the same rows in every layer (one cursor): no per-layer splices")
         if not self.layers[0].is_initialized:
             raise ValueError("the cache is empty: nothing to splice")
         if len(kept) != len(self.layers):

@@ -115,6 +115,7 @@ def run(
     capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
     capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
@@ -353,6 +354,7 @@ def eval_command(
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
 ) -> None:
@@ -363,6 +365,8 @@ def eval_command(
     if generate is not None:
         if recall:
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
+        if kv_store != "splice":
+            raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
         from .generation_eval import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
@@ -377,7 +381,8 @@ def eval_command(
     evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
-                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates)
+                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates,
+                  kv_store=kv_store)
 
 
 @app.command("smartkv", add_help_option=False,

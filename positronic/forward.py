@@ -10,6 +10,11 @@ Three choices make a forward over an edited cache correct:
 - the new rows' K/V are written by the model itself, through `Cache.update`: after the live
   rows (append) or into the gaps a splice opened (`SpliceCache.fill`).
 
+A ring store (cache.RingLayer) gives the model its rows in slot order, not row order: the
+mask is then laid out by slot (`slot_rows`), free slots hidden from every query, and the
+attention row is read back in row order. With no free slot among them, the newest token
+alone needs no mask there either: its attention does not depend on the order of the rows.
+
 The attention row that brightness and the eviction policies read is not taken from
 `output_attentions` (which forces eager attention in every layer): `AttentionRow` hooks the
 scored layers' attention modules and computes softmax(q·Kᵀ / √d) for the last fed token only.
@@ -26,6 +31,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from .cache import SpliceCache
 
 PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
+HIDDEN = torch.iinfo(torch.long).max  # the key position of a free ring slot: no query sees it
 
 
 @dataclass
@@ -97,9 +103,11 @@ class AttentionRow:
     at a time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
     """
 
-    def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None):
+    def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
+                 slots: torch.Tensor | None = None):
         self.model, self.layers = model, list(layers)
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
+        self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> [1, hidden_size], the attention's input
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at the token's position
         self.rows = self.queries = self.log_norms = None
@@ -136,10 +144,16 @@ class AttentionRow:
         query = query.view(len(self.layers), -1, head_dim)  # [layers, heads, d]
         cos, sin = self.rotation
         query, _ = apply_rotary_pos_emb(query, query, cos, sin, unsqueeze_dim=0)
-        keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
+        if self.slots is None:
+            keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
+        else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
+            used = cache.ring.used(self.keys)
+            keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
         layers, kv_heads, rows, _ = keys.shape
         grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * scaling  # [L, kv, group, d]
-        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows]
+        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
+        if self.slots is not None:
+            scores = scores.index_select(-1, self.slots)  # free slots drop out here
         self.rows = scores.softmax(dim=-1)
         self.queries = grouped.reshape(layers, -1, head_dim)
         self.log_norms = scores.logsumexp(dim=-1)
@@ -175,9 +189,21 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     newest = positions[-1] == max(key_positions)
     if attention_layers and not newest:
         raise ValueError("the attention row is recorded for the newest row only")
-    mask = (None if len(token_ids) == 1 and newest and not probes
+    slots = free = None
+    if getattr(cache, "store", "splice") == "ring":
+        if probes:
+            raise ValueError("probes need the splice store: a ring keeps no scratch rows")
+        if len(key_positions) > cache.ring.capacity:
+            raise ValueError(f"{len(key_positions)} rows do not fit the ring's {cache.ring.capacity} slots: "
+                             "reserve them before the forward")
+        order = cache.slot_rows(len(key_positions)).to(device)  # the model sees the keys in this order
+        slots = cache.slot_index(len(key_positions)).to(device)
+        free = len(order) > len(key_positions)
+        keys = keys[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
+    mask = (None if len(token_ids) == 1 and newest and not probes and not free
             else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
-    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions))
+    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions),
+                            slots=slots)
     with recorder.record(cache):
         out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
                        position_ids=query[None], attention_mask=mask, past_key_values=cache, use_cache=True,

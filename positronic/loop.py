@@ -25,6 +25,7 @@ from positronic import steps
 from . import chat, kv_formats, repairers
 from .actions import loggable, rows_of
 from .policy import POLICIES, make_policy
+from .cache import check_store
 from .state_manager import StateManager, default_capacity
 from .text import rows_matching, span_texts
 
@@ -32,9 +33,13 @@ from .text import rows_matching, span_texts
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 
 
-def cache_capacity(context_length: int, budget: int) -> int:
-    """Rows to preallocate for a run: room for the larger of context and budget."""
-    return default_capacity(max(context_length, budget))
+def cache_capacity(context_length: int, budget: int, kv_store: str = "splice") -> int:
+    """Rows to preallocate for a run: room for the larger of context and budget. A ring gets
+    exactly that: the live length never exceeds it, and every slot beyond the live rows is
+    one the model's attention reads and masks (the splice store wants spare rows instead, so
+    that it packs its rows down less often)."""
+    rows = max(context_length, budget)
+    return rows if kv_store == "ring" else default_capacity(rows)
 
 
 @dataclass
@@ -76,6 +81,7 @@ class BrainConfig:
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
     kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 (positronic/kv_formats.py)
+    kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only: cache.RingLayer)
     gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
 
     @property
@@ -111,6 +117,13 @@ class BrainConfig:
             raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
         repairers.check_spec(self.repairer)
         kv_formats.check_format(self.kv_format)
+        check_store(self.kv_store)
+        if self.kv_store == "ring" and self.policy != "streaming":  # only it evicts the oldest window rows
+            raise ValueError(f"the ring store serves only the streaming policy, not {self.policy} "
+                             "(choose --policy streaming or --kv-store splice)")
+        if self.kv_store == "ring" and self.kv_format != "float":
+            raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
+                             "(choose --kv-format float or --kv-store splice)")
         if self.unit < 0:
             raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
         if self.repairer != "none" and self.unit not in (0, 2):
@@ -212,6 +225,8 @@ class Brain:
         check_budget(state.lm, config)
         if state.kv_format != config.kv_format:
             raise ValueError(f"the state stores its cache as {state.kv_format}, the settings say {config.kv_format}")
+        if state.kv_store != config.kv_store:
+            raise ValueError(f"the state keeps its cache in the {state.kv_store} store, the settings say {config.kv_store}")
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
         if getattr(self.policy, "per_layer", False):
@@ -256,8 +271,9 @@ class Brain:
         start = steps.RULES[config.brightness].start
         long = len(prompt_ids) > config.budget
         state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,
-                                         capacity=cache_capacity(len(prompt_ids), config.budget),
-                                         score_layers=config.recorded_layers, kv_format=config.kv_format)
+                                         capacity=cache_capacity(len(prompt_ids), config.budget, config.kv_store),
+                                         score_layers=config.recorded_layers, kv_format=config.kv_format,
+                                         kv_store=config.kv_store, sinks=max(config.sinks, config.protect))
         brain = cls(state, config)
         state.pin([row for row in pinned if row < len(state)])
         if long:

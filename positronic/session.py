@@ -82,7 +82,7 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
 # Settings added after sessions were first saved, with the values those runs used: a session
 # saved before them resumes exactly as it would have gone on, not with today's defaults.
 BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0, "recall": False,
-                       "kv_format": "float", "gates": ""}
+                       "kv_format": "float", "gates": "", "kv_store": "splice"}
 
 
 def checked_config(path: Path, config) -> dict:
@@ -186,8 +186,9 @@ def resume(lm, directory: str | Path) -> Brain:
     config = BrainConfig(**meta["config"])
     if config.budget > lm.max_positions:
         raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
-    options = dict(capacity=cache_capacity(len(saved), config.budget), score_layers=config.recorded_layers,
-                   brightness=steps.RULES[config.brightness].start, kv_format=config.kv_format)
+    options = dict(capacity=cache_capacity(len(saved), config.budget, config.kv_store),
+                   score_layers=config.recorded_layers, brightness=steps.RULES[config.brightness].start,
+                   kv_format=config.kv_format, kv_store=config.kv_store)
     try:
         if meta.get("cache") is None:
             state = StateManager.from_mirror(lm, saved, **options)

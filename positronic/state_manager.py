@@ -24,6 +24,8 @@ properties, and hand their decisions back as arguments of `apply()`.
     mirror.layers                    None, or per layer the ledger ids its cache rows hold, when
                                      layers keep different rows (`split_layers`, a per-layer
                                      policy: SmartKV); the live map is then their union
+    mirror.ring                      None, or with the ring store (kv_store="ring") the slot of every
+                                     row (mirror/ring.py): the cache's ring, recorded at each commit
     next_logits                      [vocab] float32, from the forward that wrote the last row
     last_attention                   [scored layers, heads, rows] float32, that row's attention
     last_query, last_log_norm        [scored layers, heads, head_dim], [scored layers, heads]: its
@@ -40,12 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout, runs_without
+from positronic.mirror import Insertion, LayerRows, Layout, Mirror, Ring, plan_layout, runs_without
 from positronic.steps.attention import layer_indices
 
 from . import kv_formats, rope
 from .actions import ActionError, validate
-from .cache import SpliceCache
+from .cache import SpliceCache, check_store
 from .forward import Probes, fresh_layer0_kv, forward, prefill
 from .text import span_texts
 
@@ -172,13 +174,27 @@ def default_capacity(rows: int) -> int:
 
 class StateManager:
     def __init__(self, lm, mirror: Mirror | None = None, *, capacity: int = 0, score_layers="last",
-                 new_brightness: float = 255.0, kv_format: str = "float"):
+                 new_brightness: float = 255.0, kv_format: str = "float", kv_store: str = "splice", sinks: int = 0):
         self.lm = lm
         self._mirror = mirror if mirror is not None else Mirror()
         self.attention_layers = layer_indices(score_layers, lm.num_layers)  # "last", "all" or ints
         self.kv_format = kv_formats.check_format(kv_format)  # how the cache stores rows: float | int4 | fp4
-        self._cache = SpliceCache(lm.model.config, max_cache_len=capacity or default_capacity(len(self._mirror)),
-                                  kv_format=kv_format)
+        self.kv_store = check_store(kv_store)  # where: splice (one window of the buffer) | ring (cache.RingLayer)
+        ring = self._mirror.ring
+        if ring is not None and kv_store != "ring":
+            raise ValueError("the mirror records a ring store's slots: resume it with kv_store ring")
+        if ring is None and kv_store == "ring" and len(self._mirror):
+            raise ValueError("a ring store resumes from a mirror that records its slots")
+        if kv_store == "ring" and self._mirror.layers is not None:
+            raise ValueError("per-layer rows need the splice store")
+        capacity = capacity or default_capacity(len(self._mirror))
+        # a resumed ring keeps its recorded slots (capacity included): the rows go back where they were
+        self._cache = SpliceCache(lm.model.config, max_cache_len=ring.capacity if ring else capacity,
+                                  kv_format=kv_format, store=kv_store, sinks=ring.sinks if ring else sinks)
+        if ring is not None:
+            self._cache.set_ring(ring)
+        elif kv_store == "ring":
+            self._mirror.ring = self._cache.ring  # an empty mirror starts recording the cursor
         self.new_brightness = float(new_brightness)  # where a new token's brightness starts (the rule's)
         self.next_logits: torch.Tensor | None = None
         self.last_attention: torch.Tensor | None = None
@@ -198,12 +214,14 @@ class StateManager:
 
     @classmethod
     def from_tokens(cls, lm, token_ids: list[int], *, source: str = "prompt", brightness: float = 255.0,
-                    capacity: int = 0, score_layers="last", kv_format: str = "float") -> "StateManager":
-        """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1."""
+                    capacity: int = 0, score_layers="last", kv_format: str = "float", kv_store: str = "splice",
+                    sinks: int = 0) -> "StateManager":
+        """Prefill `token_ids` (the caller adds BOS if it wants one) at positions 0..n-1.
+        kv_store "ring": rows 0..sinks-1 keep their slots, the rest wrap round (cache.RingLayer)."""
         if not token_ids:
             raise ValueError("a context needs at least one token")
         manager = cls(lm, capacity=capacity or default_capacity(len(token_ids)), score_layers=score_layers,
-                      new_brightness=brightness, kv_format=kv_format)
+                      new_brightness=brightness, kv_format=kv_format, kv_store=kv_store, sinks=sinks)
         report = manager._edit([], [Insertion(0, tuple(token_ids), source)], tick=0)
         if report.rebuilt:
             raise RuntimeError(f"prefill failed: {report.error}")
@@ -211,24 +229,27 @@ class StateManager:
 
     @classmethod
     def from_mirror(cls, lm, mirror: Mirror, *, capacity: int = 0, score_layers="last",
-                    brightness: float = 255.0, kv_format: str = "float") -> "StateManager":
-        """Resume from a saved mirror: the cache is recomputed from its live rows."""
+                    brightness: float = 255.0, kv_format: str = "float", kv_store: str = "splice") -> "StateManager":
+        """Resume from a saved mirror: the cache is recomputed from its live rows (with a ring
+        store, into the slots the mirror records)."""
         mirror.check(lm.max_positions)
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
-                      kv_format=kv_format)
+                      kv_format=kv_format, kv_store=kv_store)
         manager.rebuild(count=False)
         return manager
 
     @classmethod
     def from_saved(cls, lm, mirror: Mirror, tensors: dict[str, torch.Tensor], *, capacity: int = 0,
-                   score_layers="last", brightness: float = 255.0, kv_format: str = "float") -> "StateManager":
+                   score_layers="last", brightness: float = 255.0, kv_format: str = "float",
+                   kv_store: str = "splice") -> "StateManager":
         """Resume from a saved mirror and the cache it described (`tensors()` of the state that
         was saved): the rows are loaded, not recomputed, so the run goes on exactly as it would
         have. Raises ValueError naming what does not fit (a shape, a dtype, a token outside the
         vocabulary) before anything is allocated, and StateInvariantError if layer 0 does not
         match a fresh computation of the mirror's tokens at their positions. A 4-bit cache saves
         its rows decoded (`tensors`) and encodes them again here: in float32 that gives back
-        the same codes and scales (kv_formats.PackedFormat.decode)."""
+        the same codes and scales (kv_formats.PackedFormat.decode). A ring store's rows are
+        saved in row order and go back into the slots the mirror records (its cursor)."""
         mirror.check(lm.max_positions)
         if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
             raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
@@ -236,7 +257,7 @@ class StateManager:
             raise ValueError(f"per-layer rows for {mirror.layers.num_layers} layers need the float kv_format and "
                              f"a model with as many layers ({lm.name}: {lm.num_layers}, {kv_format})")
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
-                      kv_format=kv_format)
+                      kv_format=kv_format, kv_store=kv_store)
         rows, cached = len(mirror), manager.rows_per_layer
         expected = {
             "keys": ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype),
@@ -430,6 +451,8 @@ class StateManager:
             return
         if kv_formats.packed(self.kv_format):
             raise ValueError(f"per-layer rows need the float kv_format, not {self.kv_format}")
+        if self.kv_store == "ring":
+            raise ValueError("per-layer rows need the splice store: a ring keeps one cursor for every layer")
         self._mirror.layers = LayerRows.every_layer(self.lm.num_layers, self._mirror.live.ledger_ids)
         self._version += 1
 
@@ -495,6 +518,8 @@ class StateManager:
         stored = self._stored_rows(plan.stored)
         insertions += [Insertion(len(self), (action["token_id"],), add_source) for action in plan.adds]
         if probes:
+            if self.kv_store == "ring":
+                raise ValueError("probes need the splice store: a ring keeps no scratch rows")
             if not plan.adds:
                 raise ValueError("probes ride along in a forward: the action list must add a token")
             if max(probes.positions) >= max(self._mirror.live.positions, default=0) + 1 + len(plan.adds):
@@ -606,7 +631,8 @@ class StateManager:
         def write_and_commit():
             report.probe_logprobs = self._write(layout, probes, stored or {})
             self._fault_point("commit")
-            self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness)
+            self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness,
+                                ring=self._cache.ring)
             report.rotated_rows = self._rotated(layout)
         return self._transaction(report, start, write_and_commit)
 
@@ -668,6 +694,8 @@ class StateManager:
         scratch = len(probes) if probes and layout.old_length and layout.new_rows else 0
         if layout.old_length:
             self._cache.splice(list(layout.kept), layout.length + scratch)
+        else:
+            self._cache.reserve(layout.length)  # a ring lays out its mask before the prefill: room first
         self._fault_point("splice")
         if layout.moved is not None:
             first = layout.moved
@@ -783,6 +811,8 @@ class StateManager:
         If that fails (or is interrupted) the state is marked broken until a rebuild succeeds."""
         self._version += 1
         self._cache.reset()
+        if self._mirror.ring is not None:  # back into the slots the mirror records, whatever a failed edit did
+            self._cache.set_ring(self._mirror.ring)
         token_ids, positions = self._mirror.live_token_ids(), self._mirror.positions()
         self._take_newest(None)
         self._predicted = []
@@ -842,6 +872,9 @@ class StateManager:
         if self._cache.length != cached or len(self._predicted) != rows or len(self._requantized) != rows:
             raise StateInvariantError(f"cache holds {self._cache.length} rows ({len(self._predicted)} predictions) "
                                       f"but the mirror {cached} per layer ({rows} live)")
+        rings = {getattr(layer, "ring", None) for layer in self._cache.layers}
+        if rings != {self._mirror.ring}:
+            raise StateInvariantError(f"the mirror records the ring {self._mirror.ring}, the cache's layers hold {rings}")
         shape = (1, self.lm.num_kv_heads, cached, self.lm.head_dim)
         for index, layer in enumerate(self._cache.layers):
             if layer.length != cached or (cached and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):

@@ -67,14 +67,17 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
              repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
-             recall: bool = False, kv_format: str = "float", gates: str = "", progress=None, on_run=None,
+             recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
+             progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
     filler before it). `recall`: every policy that can recall (not `none`, not a per-layer
     policy such as smartkv) also runs with recall on. `gates`: smartkv's gate file.
-    `kv_format`: how every run, the reference included, stores its cache rows.
+    `kv_format`: how every run, the reference included, stores its cache rows. `kv_store`:
+    where the policies' runs keep them (ring: streaming only); the full-cache reference
+    keeps the splice store (it never evicts, so a ring would change nothing).
     `progress` is a rich Progress (or None); `on_run` is called with each finished RunSummary."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:
@@ -89,7 +92,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     variants = [(p, r) for p in policies for r in ((False, True) if recall and recallable(p) else (False,))]
     configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                       score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
-                                      recall=r, kv_format=kv_format, gates=gates)
+                                      recall=r, kv_format=kv_format, gates=gates, kv_store=kv_store)
                for b in budgets for p, r in variants}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
@@ -148,6 +151,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
                     probe_fact_at=pstream.fact_at if probe else None, recall=recall,
                     probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, kv_format=kv_format,
+                    **({"kv_store": kv_store} if kv_store != "splice" else {}),  # earlier results read as before
                     kv_bytes_per_token=kv_formats.bytes_per_token(kv_format, layers=lm.num_layers,
                                                                   kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                                                                   dtype=lm.dtype),
