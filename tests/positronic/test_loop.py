@@ -10,7 +10,6 @@ import torch
 from positronic import mirror as mirror_pkg
 from positronic import steps
 from positronic import session as sessions
-from positronic.cli import main
 from positronic.loop import Brain, BrainConfig
 from positronic.policy import make_policy
 from positronic.state_manager import StateManager
