@@ -21,7 +21,7 @@ import typer
 # the run's options a server takes as they are (besides --budget, whose default differs)
 RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
-               "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "temperature", "top_k",
+               "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "temperature", "top_k",
                "top_p", "repetition_penalty", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
 SERVE_BUDGET = 512
 
