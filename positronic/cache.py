@@ -443,6 +443,7 @@ class RingLayer(CacheLayerMixin):
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self._write_rows: torch.Tensor | None = None  # live rows the next update() fills
+        self._write_slots: torch.Tensor | None = None  # their slots (SpliceCache.fill maps them once for all layers)
         self.moved_rows = 0  # rows copied by splices and growth since creation (0 while streaming)
 
     @property
@@ -497,7 +498,8 @@ class RingLayer(CacheLayerMixin):
         if self._write_rows is not None:
             if len(self._write_rows) != count:
                 raise ValueError(f"the forward brought {count} rows for {len(self._write_rows)} open slots")
-            where = self.slot_index(self.length).index_select(0, self._write_rows)
+            where = self._write_slots if self._write_slots is not None \
+                else self.slot_index(self.length).index_select(0, self._write_rows)
         else:
             self.reserve(self.length + count)
             self.length += count
@@ -689,13 +691,20 @@ class SpliceCache(Cache):
     def fill(self, rows: torch.Tensor):
         """Within this block, a forward writes its new K/V into live `rows` (int64 [n],
         ascending) of every layer instead of appending."""
+        # a ring maps the rows to slots once here, not in each layer's update: every layer
+        # shares the cursor, and a tick's few small tensor ops per layer add up on a CPU
+        slots = self.slot_index(self.length).index_select(0, rows) if self.store == "ring" else None
         for layer in self.layers:
             layer._write_rows = rows
+            if slots is not None:
+                layer._write_slots = slots
         try:
             yield self
         finally:
             for layer in self.layers:
                 layer._write_rows = None
+                if slots is not None:
+                    layer._write_slots = None
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Every layer: re-rotate the keys of rows first .. first + len(cos)."""
