@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import statistics
 import sys
@@ -154,6 +155,65 @@ def quality(args, lm) -> None:
         table.add_row(name, "-" if budget is None else f"{budget} ({budget / count:.1%})", f"{ppl:.3f}",
                       f"{ppl / full:.3f}", f"{seconds:.0f}")
     Console(file=sys.stdout, width=120).print(table)
+    if args.out:
+        rows = [{"method": name, "budget": budget, "ppl": ppl, "ratio": ppl / full, "seconds": seconds}
+                for name, budget, ppl, seconds in results]
+        path = args.out / f"smartkv_{args.text.stem}.json"
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"model": args.model, "text": args.text.name, "tokens": count, "rows": rows},
+                                   indent=1))
+        plot_quality(path, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot_quality(json_path: Path, png: Path) -> None:
+    """Grouped bars: perplexity / full cache per method, one group per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(json_path.read_text())
+    rows = [r for r in data["rows"] if r["budget"] is not None]
+    budgets = sorted({r["budget"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for k, method in enumerate(methods):
+        values = [next((r["ratio"] for r in rows if r["method"] == method and r["budget"] == b), float("nan"))
+                  for b in budgets]
+        ax.bar([i + k * width for i in range(len(budgets))], values, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(budgets))],
+                  [f"budget {b} ({b / data['tokens']:.1%})" for b in budgets])
+    ax.set_ylabel("perplexity / full cache")
+    low = min(r["ratio"] for r in rows)
+    ax.set_ylim(max(0.9, low - 0.05), max(r["ratio"] for r in rows) + 0.03)
+    ax.set_title(f"{data['model']}, {data['text']}, {data['tokens']} tokens teacher-forced")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def plot_gates(png: Path) -> None:
+    """Held-out Spearman per layer of the shipped gates, per-layer and shared (from their headers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    for name, table in (("per-layer gates", SHIPPED), ("one shared gate", SHIPPED_SHARED)):
+        header = GateSet.load(table["smollm2"]).header
+        rho = header["heldout_spearman"]
+        ax.plot(range(len(rho)), rho, marker="o", label=f"{name} (mean {sum(rho) / len(rho):.3f})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("held-out Spearman")
+    ax.set_title(f"SmolLM2 gates: predicted vs true lifespan rank, held out: {header.get('heldout', '?')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 class ScoringClock:
@@ -281,11 +341,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
     p.add_argument("--cost", action="store_true", help="measure decode cost instead of perplexity")
+    p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json and a bar plot (.png) here")
+    p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")
     p.add_argument("--rows", type=int, default=512, help="--cost: rows the caches hold")
     p.add_argument("--ticks", type=int, default=64, help="--cost: timed tokens per round")
     p.add_argument("--repeats", type=int, default=3, help="--cost: interleaved rounds")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
+    if args.plot_gates:
+        plot_gates(args.plot_gates)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype="float32" if args.device == "cpu" else None)
