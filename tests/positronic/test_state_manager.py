@@ -1,4 +1,6 @@
-"""Step 4: coupled edits on the real embedded model and on tiny random Llamas."""
+"""Step 4 (positronic/state_manager.py): coupled edits on the real embedded model and on tiny
+random Llamas; the forward a tick makes (one per tick, the attention row, probes) is
+tests/positronic/test_forward.py."""
 
 import random
 
@@ -6,11 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
 
 from positronic import mirror as mirror_pkg
 from positronic.actions import ActionError
-from positronic.forward import Probes
 from positronic.state_manager import FAULT_STAGES, StateBrokenError, StateManager
 
 
@@ -326,74 +326,6 @@ def test_keys_stay_close_to_fresh_values_through_2000_ticks(tiny_half, layer0_or
     assert old.max() <= tolerance and young.max() <= tolerance
 
 
-# --- 8. one forward per tick ----------------------------------------------------------------
-
-
-def oracle_row(lm, sm, row):
-    """K/V of live row `row` in every layer, and its next-token logits, computed the plain way:
-    one forward of that token alone over a DynamicCache (torch.cat) holding rows [0, row) as
-    the spliced cache has them — its own left context, nothing to its right."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for index in range(lm.num_layers):
-        keys, values = sm.layer_kv(index)
-        cache.update(keys[:, :, :row], values[:, :, :row], index)
-    with torch.inference_mode():
-        out = lm.model(input_ids=torch.tensor([[sm.live_token_ids()[row]]]),
-                       position_ids=torch.tensor([[sm.positions()[row]]]), past_key_values=cache, use_cache=True)
-    return [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers], out.logits[0, -1].float()
-
-
-def test_one_forward_tick_equals_one_forward_per_new_row(smol):
-    """Two replacements and a new token share one forward; each new row's K/V in every layer
-    equal a separate forward of that token over exactly the rows left of it, and the new
-    token's logits equal its own forward's."""
-    sm = StateManager.from_tokens(smol, prompt_ids(smol))
-    n = len(sm)
-    report = sm.apply([{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [1234]},
-                       {"action": "replace_pair", "original_pos1": 12, "original_pos2": 13, "new_token_ids": [77, 78]},
-                       {"action": "delete", "position": n - 3},
-                       {"action": "add", "token_id": 42}], tick=1)
-    assert not report.rebuilt and report.edits == 1
-    new_rows = [5, 11, 12, len(sm) - 1]
-    assert [sm.live_token_ids()[r] for r in new_rows] == [1234, 77, 78, 42]
-    for row in new_rows:
-        expected, logits = oracle_row(smol, sm, row)
-        for index, (keys, values) in enumerate(expected):
-            got_k, got_v = sm.layer_kv(index)
-            torch.testing.assert_close(got_k[:, :, row : row + 1], keys, rtol=0, atol=2e-5)
-            torch.testing.assert_close(got_v[:, :, row : row + 1], values, rtol=0, atol=2e-5)
-    torch.testing.assert_close(sm.next_logits, logits, rtol=0, atol=1e-4)
-    assert sm.view().predicted[-1] == int(logits.argmax())
-
-
-def test_the_attention_row_equals_eager_attention_on_the_scored_layers(smol):
-    """The SDPA-side hook gives the newest token's attention exactly as eager attention's
-    `output_attentions` would, on the layers asked for and no others."""
-    layers = [0, 7, smol.num_layers - 1]
-    sm = StateManager.from_tokens(smol, prompt_ids(smol), score_layers=layers)
-    sm.apply([{"action": "replace_pair", "original_pos1": 8, "original_pos2": 9, "new_token_ids": [500]},
-              {"action": "add", "token_id": 42}], tick=1)
-    assert sm.last_attention.shape == (len(layers), smol.num_heads, len(sm))
-    sm_ids, positions = sm.live_token_ids(), sm.positions()
-    model, n = smol.model, len(sm_ids)
-    causal = torch.full((n, n), torch.finfo(smol.dtype).min).triu(1)[None, None]
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([sm_ids]), position_ids=torch.tensor([positions]),
-                        attention_mask=causal, output_attentions=True, use_cache=False)
-    finally:
-        model.config._attn_implementation = "sdpa"
-    # a fresh prefill differs from the spliced cache in deeper layers, so compare with the
-    # rebuilt state, whose K/V are that prefill's
-    sm.rebuild()
-    eager = torch.stack([out.attentions[i][0, :, -1] for i in layers]).float()
-    torch.testing.assert_close(sm.last_attention, eager, rtol=0, atol=1e-5)
-    assert torch.allclose(sm.last_attention.sum(-1), torch.ones(len(layers), smol.num_heads))
-
-
 @pytest.mark.parametrize("brightness, message", [([1.0, 2.0], "2 brightness values for 10 live rows"),
                                                  ([1.0] * 9 + [float("nan")], "must be finite"),
                                                  ([1.0] * 9 + [float("inf")], "must be finite")])
@@ -405,40 +337,6 @@ def test_bad_brightness_is_refused_and_changes_nothing(tiny, brightness, message
     after = snapshot(sm)
     assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
     assert all(torch.equal(a, b) for la, lb in zip(after[2], before[2]) for a, b in zip(la, lb))
-
-
-def test_probes_score_a_token_in_its_left_context_and_change_nothing(tiny):
-    """A probe (token x at position p, target t) returns log P(t | the live rows left of p, x):
-    what a plain forward of x over those rows' K/V gives (a DynamicCache holding them); the
-    tick itself (cache, mirror, next logits) is the same as without probes."""
-    ids = [1] + list(range(40, 70))
-    probed, plain = StateManager.from_tokens(tiny, ids), StateManager.from_tokens(tiny, ids)
-    edits = [{"action": "replace_pair", "original_pos1": 7, "original_pos2": 8, "new_token_ids": [300]},
-             {"action": "delete", "position": 12}, {"action": "add", "token_id": 42}]
-    probes = Probes(token_ids=(77, 78, 77), positions=(10, 10, 20), targets=(99, 99, 5))
-    report = probed.apply(edits, probes=probes)
-    plain.apply(edits)
-    assert not report.rebuilt and len(report.probe_logprobs) == 3
-    positions = probed.positions()
-    for token, position, target, got in zip(probes.token_ids, probes.positions, probes.targets, report.probe_logprobs):
-        left = torch.tensor([i for i, p in enumerate(positions) if p < position])
-        cache = DynamicCache()
-        for index in range(tiny.num_layers):
-            keys, values = probed.layer_kv(index)
-            cache.update(keys[:, :, left], values[:, :, left], index)
-        with torch.inference_mode():
-            logits = tiny.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                                past_key_values=cache, use_cache=True).logits[0, -1].float()
-        assert got == pytest.approx(float(logits.log_softmax(-1)[target]), abs=1e-4)
-    assert report.probe_logprobs[0] != pytest.approx(report.probe_logprobs[1]), "each probe is its own query"
-    for index in range(tiny.num_layers):
-        for a, b in zip(probed.layer_kv(index), plain.layer_kv(index)):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    torch.testing.assert_close(probed.next_logits, plain.next_logits, rtol=0, atol=1e-4)
-    assert probed.live_token_ids() == plain.live_token_ids() and probed.cache.length == len(probed)
-    probed.check(deep=True)
-    with pytest.raises(ValueError, match="must add a token"):
-        probed.apply([{"action": "delete", "position": 3}], probes=probes)
 
 
 def test_the_layer0_oracle_tells_a_key_at_another_position_apart(tiny, layer0_oracle):
