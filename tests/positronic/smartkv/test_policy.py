@@ -1,7 +1,7 @@
 """--policy smartkv in the brain: per-layer rows through the tick loop, Step 4, sessions and the view.
 
 The reference for what the brain keeps is SmartKVCache (tested on its own against plain
-transformers in test_smartkv.py): the same gates and layout must keep the same rows in every
+transformers in test_cache.py): the same gates and layout must keep the same rows in every
 layer and give the same logits. The logits are also checked against a plain DynamicCache that
 holds, per layer, exactly the rows the brain's mirror says that layer holds.
 """
