@@ -140,12 +140,15 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
-    lm = load_model(model, device="cpu", dtype="float32")
+    # files first: a missing or unusable text is reported before the model loads
     texts_read = [(Path(p).name, _read(p)) for p in texts]
     held_text = _read(heldout)
     train_names = {Path(p).resolve() for p in texts}
     if Path(heldout).resolve() in train_names:
         raise ValueError(f"--heldout {heldout} is also a training --text: the held-out measurement needs an unseen text")
+    if labels is not None and not Path(labels).is_file():
+        raise ValueError(f"--labels {labels} does not exist")
+    lm = load_model(model, device="cpu", dtype="float32")
     with Bars(console) as bars:
         if labels is not None:
             train_labels = LabelSet.load(labels)

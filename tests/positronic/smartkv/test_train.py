@@ -35,3 +35,13 @@ def test_train_command_writes_gates_that_fit_the_model(tmp_path):
                           "--text", str(text), "--heldout", str(text), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
+
+
+def test_train_command_checks_its_files_before_loading_a_model(tmp_path):
+    held = tmp_path / "b.txt"
+    held.write_text("Pack my box with five dozen liquor jugs. " * 10)
+    result = subprocess.run([sys.executable, str(ROOT / "run.py"), "smartkv", "train", "--model", "no-such-model",
+                             "--text", str(tmp_path / "missing.txt"), "--heldout", str(held),
+                             "--out", str(tmp_path / "g.safetensors")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot read") and "missing.txt" in result.stderr
+    assert not (tmp_path / "g.safetensors").exists()
