@@ -241,3 +241,18 @@ def test_a_per_layer_tick_is_captured_and_replays_exactly(tiny, gate_file, tmp_p
     broken = load_fixture(tmp_path / "t.pt")
     broken.actions[0]["rows"][0] = broken.actions[0]["rows"][0][:-1] + [0]  # layer 0 drops a sink instead
     assert not replay(broken, tiny).passed
+
+
+def test_a_server_session_keeps_per_layer_rows_and_resumes_from_disk(tiny, gate_file, tmp_path, live_server,
+                                                                    server_settings, conversation):
+    settings = server_settings(tmp_path, max_sessions=1)  # a second session checkpoints the first to disk
+    with live_server(tiny, settings, config(gate_file, temperature=0.0, budget=96, window=16)) as server:
+        client = server.client()
+        conversation(client, "a", ["first turn", "second"], max_tokens=60)
+        described = server.get("/v1/sessions/a").json()
+        assert described["live_length"] == 96 and described["culled"] > 0  # rows per layer: the budget
+        conversation(client, "b", ["b says hello"], max_tokens=4)
+        assert (settings.session_dir / "a").is_dir(), "session a was checkpointed when b came in"
+        reply = conversation(client, "a", ["third turn"], max_tokens=6)
+        after = server.get("/v1/sessions/a").json()
+    assert reply and after["tick"] > described["tick"] and after["live_length"] == 96
