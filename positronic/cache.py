@@ -53,7 +53,33 @@ def check_store(store: str) -> str:
     return store
 
 
-class SpliceLayer(CacheLayerMixin):
+class OneSequenceLayer(CacheLayerMixin):
+    """What every layer of this project's caches shares: one sequence (batch 1, no beam
+    search), `length` live rows, growth without a fixed maximum, `crop` from the end."""
+
+    cache_name = "SpliceCache"  # named in the refusals
+    length: int
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows when full
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of rows to remove from the end")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{self.cache_name} holds one sequence; beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError(f"{self.cache_name} holds one sequence; it cannot be repeated over a batch")
+
+
+class SpliceLayer(OneSequenceLayer):
     """One layer's K/V rows in a preallocated buffer, with room on both sides of the live rows."""
 
     is_sliding = False
@@ -112,31 +138,13 @@ class SpliceLayer(CacheLayerMixin):
         self.value_buffer.index_copy_(2, where, value_states)
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1  # grows when full
 
     def reset(self) -> None:
         """Drop every row; the buffer is kept for reuse."""
         self.start = self.length = 0
         self._write_rows = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of rows to remove from the end")
-        self.length = max(0, self.length + tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
 
     # --- row edits -------------------------------------------------------------------------
 
@@ -250,7 +258,7 @@ class _Scratch:
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
 
 
-class PackedSpliceLayer(CacheLayerMixin):
+class PackedSpliceLayer(OneSequenceLayer):
     """One layer's K/V rows in a 4-bit format: codes and one float16 scale per (kv head, row).
 
     Two SpliceLayers hold them, taking every row edit with the same arguments, so their
@@ -349,14 +357,8 @@ class PackedSpliceLayer(CacheLayerMixin):
         self.scales.update(scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))
         return self._decoded()
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1  # grows when full
 
     def reset(self) -> None:
         """Drop every row; the buffers are kept for reuse."""
@@ -366,13 +368,6 @@ class PackedSpliceLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self.codes.crop(tokens_to_remove)
         self.scales.crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
 
     # --- row edits -------------------------------------------------------------------------
 
@@ -409,7 +404,7 @@ class PackedSpliceLayer(CacheLayerMixin):
             raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
 
 
-class RingLayer(CacheLayerMixin):
+class RingLayer(OneSequenceLayer):
     """One layer's K/V rows in a ring (`SpliceCache(..., store="ring")`), for sliding windows.
 
     The sink rows keep slots 0..sinks-1; the window rows wrap round the other slots from the
@@ -509,15 +504,9 @@ class RingLayer(CacheLayerMixin):
         used = self.ring.used(self.length)
         return self.key_buffer[:, :, :used], self.value_buffer[:, :, :used]
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         appended = 0 if self._write_rows is not None else query_length
         return self.ring.used(self.length + appended), 0
-
-    def get_max_length(self) -> int:
-        return -1  # grows when full
 
     def reset(self) -> None:
         """Drop every row; the buffers and the cursor are kept (a rebuild refills the same slots)."""
@@ -533,18 +522,6 @@ class RingLayer(CacheLayerMixin):
             self.key_buffer = SpliceLayer._empty(self.key_buffer, ring.capacity)
             self.value_buffer = SpliceLayer._empty(self.value_buffer, ring.capacity)
         self.ring = ring
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of rows to remove from the end")
-        self.length = max(0, self.length + tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SpliceCache holds one sequence; beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("SpliceCache holds one sequence; it cannot be repeated over a batch")
 
     # --- row edits -------------------------------------------------------------------------
 

@@ -44,9 +44,10 @@ with every other unscored window row (one batched gate call per layer every `win
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .. import rope
+from ..cache import OneSequenceLayer
 from .gates import GateSet
 from .rows import RowBook
 
@@ -77,7 +78,7 @@ class KeyUnrotator:
         return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
 
 
-class SmartKVLayer(CacheLayerMixin):
+class SmartKVLayer(OneSequenceLayer):
     """One layer's rows: storage [1, kv_heads, rows, head_dim] (keys and values) whose slot i is
     described by `book` slot i, the tokens seen so far, and the gate that scores new tokens.
 
@@ -89,6 +90,7 @@ class SmartKVLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    cache_name = "SmartKVCache"
 
     def __init__(self, index: int, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool):
         super().__init__()
@@ -158,21 +160,12 @@ class SmartKVLayer(CacheLayerMixin):
             attended = self.rows + query_length
         return attended, self.seen + query_length - attended
 
-    def get_max_length(self) -> int:
-        return -1  # any number of tokens can go through
-
     def reset(self) -> None:
         raise NotImplementedError("reset the whole SmartKVCache (SmartKVCache.reset), not one layer")
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SmartKVCache cannot be cropped: the rows it dropped cannot come back")
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SmartKVCache holds one sequence; beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise NotImplementedError("SmartKVCache holds one sequence; it cannot be repeated over a batch")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("SmartKVCache holds one sequence")
