@@ -63,6 +63,7 @@ from transformers.cache_utils import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.texts import excerpt  # noqa: E402
 from positronic import load_model  # noqa: E402
 
 Quant = Callable[[torch.Tensor, int], torch.Tensor]  # rows [1, kv_heads, n, head_dim], layer -> rounded rows
@@ -72,21 +73,25 @@ CLIPS_WIDE = tuple(1.0 - 0.025 * i for i in range(17))  # 1.0 .. 0.6
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def excerpt(path: Path, offset: int) -> str:
-    """The text from character `offset`, starting after the first blank line there (CRs dropped)."""
-    text = path.read_text(encoding="utf-8").replace("\r", "")
-    if offset:
-        text = text[offset:]
-        text = text[text.index("\n\n") + 2:]
-    return text
-
-
 # --- codecs: quantise and dequantise in float32 --------------------------------------------
 
 def _groups(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """[..., d] -> [..., d / group, group]; no group, or one wider than the row: the row."""
     d = x.shape[-1]
     return x.reshape(*x.shape[:-1], -1, min(group or d, d))
+
+
+def _least_error(groups: torch.Tensor, roundings) -> torch.Tensor:
+    """Per group (last dim), the rounding of `groups` with the least squared error."""
+    best = err = None
+    for out in roundings:
+        e = (out - groups).pow(2).sum(-1, keepdim=True)
+        if best is None:
+            best, err = out, e
+        else:
+            better = e < err
+            best, err = torch.where(better, out, best), torch.where(better, e, err)
+    return best
 
 
 def _scale(amax: torch.Tensor, top: float, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -99,17 +104,11 @@ def sym_int4(x: torch.Tensor, group: int | None = None, scale_dtype=F16,
     """Symmetric int4 (levels -7..7), one scale = max|group| / 7 per group (None: the row);
     clips as for asym_int4."""
     g = _groups(x, group)
-    best = err = None
-    for c in clips:
+
+    def rounded(c):
         s = _scale(g.abs().amax(-1, keepdim=True) * c, 7.0, scale_dtype)
-        out = (g / s).round().clamp(-7, 7) * s
-        e = (out - g).pow(2).sum(-1, keepdim=True)
-        if best is None:
-            best, err = out, e
-        else:
-            better = e < err
-            best, err = torch.where(better, out, best), torch.where(better, e, err)
-    return best.reshape(x.shape)
+        return (g / s).round().clamp(-7, 7) * s
+    return _least_error(g, map(rounded, clips)).reshape(x.shape)
 
 
 def sym_fp4(x: torch.Tensor, group: int | None = None, scale_dtype=F16) -> torch.Tensor:
@@ -156,23 +155,16 @@ def asym_int4(x: torch.Tensor, group: int | None = None, zero: str = "z16", scal
     lo0, hi0 = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     if zero == "z4":
         lo0, hi0 = lo0.clamp(max=0), hi0.clamp(min=0)  # the integer grid has to contain 0
-    best = err = None
-    for c in clips:
+
+    def rounded(c):
         lo, hi = lo0 * c, hi0 * c
         s = _scale(hi - lo, 15.0, scale_dtype)
         if zero == "z16":
             m = lo.to(F16).float()
-            out = ((g - m) / s).round().clamp(0, 15) * s + m
-        else:
-            z = (-lo / s).round().clamp(0, 15)
-            out = ((g / s).round() + z).clamp(0, 15).sub(z) * s
-        e = (out - g).pow(2).sum(-1, keepdim=True)
-        if best is None:
-            best, err = out, e
-        else:
-            better = e < err
-            best, err = torch.where(better, out, best), torch.where(better, e, err)
-    return best.reshape(x.shape)
+            return ((g - m) / s).round().clamp(0, 15) * s + m
+        z = (-lo / s).round().clamp(0, 15)
+        return ((g / s).round() + z).clamp(0, 15).sub(z) * s
+    return _least_error(g, map(rounded, clips)).reshape(x.shape)
 
 
 def hadamard(n: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
@@ -68,15 +69,6 @@ def nll_stream(model, ids: list[int], cache) -> list[float]:
 
 def perplexity(losses: list[float]) -> float:
     return math.exp(sum(losses) / len(losses))
-
-
-def excerpt(path: Path, offset: int) -> str:
-    """The text from character `offset`, starting after the first blank line there (CRs dropped)."""
-    text = path.read_text(encoding="utf-8").replace("\r", "")
-    if offset:
-        text = text[offset:]
-        text = text[text.index("\n\n") + 2:]
-    return text
 
 
 def smart_caches(config, stored: int, *, sinks: int, window: int, gates: dict[str, GateSet]):
