@@ -23,7 +23,7 @@ import torch
 from positronic import steps
 
 from . import chat, kv_formats, repairers
-from .actions import loggable, rows_of
+from .actions import loggable
 from .policy import POLICIES, make_policy
 from .cache import check_store
 from .state_manager import StateManager, default_capacity
@@ -140,7 +140,7 @@ class BrainConfig:
             raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
                              "(--repair-tokens applies to --repairer mlm:PATH)")
         POLICIES[self.policy].check(self)
-        if self.gates and not getattr(POLICIES[self.policy], "per_layer", False):
+        if self.gates and not POLICIES[self.policy].per_layer:
             raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -168,7 +168,7 @@ def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[in
             raise ValueError(f"--pin {needle!r} does not occur in the prompt")
         rows.update(found)
     policy = POLICIES[config.policy]
-    if rows and getattr(policy, "per_layer", False):
+    if rows and policy.per_layer:
         raise ValueError(f"--pin: policy {config.policy} keeps different rows in each layer and has no pins")
     if rows and policy.name != "none":
         room = config.budget - max(config.sinks, config.protect) - policy.window(config, config.budget) - policy.batch(config)
@@ -229,7 +229,7 @@ class Brain:
             raise ValueError(f"the state keeps its cache in the {state.kv_store} store, the settings say {config.kv_store}")
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
-        if getattr(self.policy, "per_layer", False):
+        if self.policy.per_layer:
             state.split_layers()  # a no-op for a resumed state that has them
         self.observers: list[Observer] = []
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -277,7 +277,7 @@ class Brain:
         brain = cls(state, config)
         state.pin([row for row in pinned if row < len(state)])
         if long:
-            view = state.view(keys=config.recall or getattr(brain.policy, "reads_keys", False))
+            view = state.view(keys=config.recall or brain.policy.reads_keys)
             plan = brain.policy.prune(view, steps.scores(state.last_attention, config.scored_layers), config.budget - 1)
             actions = steps.consolidate(prompt_ids[-1], plan.actions)
             report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
@@ -305,7 +305,7 @@ class Brain:
         sampler = self.generator.get_state()
         planning = False
         try:
-            view = sm.view(keys=cfg.recall or getattr(self.policy, "reads_keys", False))
+            view = sm.view(keys=cfg.recall or self.policy.reads_keys)
             # Step 1
             source = "user" if force is None and self._pending else "generated"
             if source == "user":
@@ -327,9 +327,6 @@ class Brain:
             clock = time.perf_counter()
             # Step 3e and Step 4
             actions = steps.consolidate(token_id, plan.actions)
-            entries = sm.mirror.ledger.entries
-            removed = [{"ledger_id": int(view.ledger_ids[row]), "text": entries[int(view.ledger_ids[row])].text}
-                       for action in actions for row in rows_of(action)]
             for observer in self.observers:
                 observer.before_apply(self, actions, brightness=plan.brightness)
             report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
@@ -357,13 +354,15 @@ class Brain:
             sm.rebuild()
             self.counts["refreshes"] += 1
             lap("refresh")
+        # the tokens the edits took out of the context: live before, not after (a deleted row, a
+        # replaced pair, a token every layer dropped); a failed tick took nothing out
+        entries = sm.mirror.ledger.entries
+        still = set(sm.mirror.live.ledger_ids)
+        removed = [] if report.rebuilt else [{"ledger_id": i, "text": entries[i].text}
+                                             for i in view.ledger_ids.tolist() if i not in still]
         if not report.rebuilt:
-            kinds = [a["action"] for a in actions]
-            if "drop" in kinds:  # tokens that left every layer (rows_of names no live rows for a drop)
-                still = set(sm.mirror.live.ledger_ids)
-                removed = [{"ledger_id": i, "text": entries[i].text} for i in view.ledger_ids.tolist() if i not in still]
-            self.counts["repairs"] += kinds.count("replace_pair")
-            self.counts["culls"] += kinds.count("delete") + len(removed) * ("drop" in kinds)
+            self.counts["repairs"] += sum(a["action"] == "replace_pair" for a in actions)
+            self.counts["culls"] += sum(entries[r["ledger_id"]].state == "culled" for r in removed)
         self.counts["rebuilds"] += report.rebuilt
         live = sm.mirror
         new_brightness = live.brightness()
@@ -374,7 +373,7 @@ class Brain:
             actions=actions, outcomes=plan.outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
-            source=source, seconds=seconds, removed=[] if report.rebuilt else removed)
+            source=source, seconds=seconds, removed=removed)
 
     KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
 

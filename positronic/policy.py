@@ -79,6 +79,8 @@ class Policy:
     name = "policy"
     unit = 1  # rows per unit
     removed = "evicted"  # the outcome of a deleted unit, in words
+    per_layer = False  # True: every layer keeps its own rows (the Brain splits the state's layers)
+    reads_keys = False  # True: the plan reads live rows' keys (the Brain passes view(keys=True))
 
     def __init__(self, lm, config):
         self.config = config
@@ -333,6 +335,7 @@ class NoEvictionPolicy:
     """
 
     name = "none"
+    per_layer = reads_keys = False
 
     def __init__(self, lm, config):
         self.config = config

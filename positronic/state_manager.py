@@ -104,9 +104,8 @@ class ContextView:
     log_norm: torch.Tensor | None = None
     rows: "RowReader | None" = None
     # per-layer rows only: [layers, rows per layer] the ledger ids each layer's cache rows hold
-    # (ascending: ids grow with position), and [rows] how many layers hold each live row
+    # (ascending: ids grow with position); how many layers hold a token: mirror.layers.occupancy
     layer_ids: torch.Tensor | None = None
-    occupancy: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -405,8 +404,7 @@ class StateManager:
         layers = self._mirror.layers
         if layers is None:
             return {}
-        return {"layer_ids": torch.tensor(layers.rows, dtype=torch.long).reshape(layers.num_layers, len(layers)),
-                "occupancy": torch.tensor(layers.occupancy(self._mirror.live.ledger_ids), dtype=torch.long)}
+        return {"layer_ids": torch.tensor(layers.rows, dtype=torch.long).reshape(layers.num_layers, len(layers))}
 
     # --- coupled operations -------------------------------------------------------------
 

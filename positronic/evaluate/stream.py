@@ -43,7 +43,7 @@ def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, a
     chosen = {"repairer": repairer, "repair_batch": repair_batch}
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
                          score_layers=score_layers, recall=recall, kv_format=kv_format, kv_store=kv_store,
-                         gates=gates if getattr(POLICIES.get(policy), "per_layer", False) else "",  # smartkv's only
+                         gates=gates if (policy in POLICIES and POLICIES[policy].per_layer) else "",  # smartkv's only
                          **{k: v for k, v in chosen.items() if v is not None})
     try:
         config.validate()

@@ -60,7 +60,7 @@ class EvalReport:
 def recallable(policy: str) -> bool:
     """Whether `--recall` adds a POLICY+recall run: not for `none` (it evicts nothing) nor for a
     per-layer policy (recall restores rows into every layer alike)."""
-    return policy != "none" and not getattr(POLICIES[policy], "per_layer", False)
+    return policy != "none" and not POLICIES[policy].per_layer
 
 
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,

@@ -200,7 +200,8 @@ def test_the_live_view_shows_layers_per_token(tiny, gate_file):
         brain.step(force=token)
     snap = take_snapshot(brain, tiny, done=29, total=29)
     assert snap.measure == "layers" and snap.bright_max == tiny.num_layers
-    assert snap.brightness == [float(c) for c in brain.state.view().occupancy.tolist()]
+    mirror = brain.state.mirror
+    assert snap.brightness == [float(c) for c in mirror.layers.occupancy(mirror.live.ledger_ids)]
     assert set(snap.brightness) == {1.0, 2.0}, "some tokens are held by one layer only"
     from rich.console import Console
 
