@@ -257,3 +257,24 @@ def test_a_server_session_keeps_per_layer_rows_and_resumes_from_disk(tiny, gate_
         reply = conversation(client, "a", ["third turn"], max_tokens=6)
         after = server.get("/v1/sessions/a").json()
     assert reply and after["tick"] > described["tick"] and after["live_length"] == 96
+
+
+def test_a_rebuild_gives_each_layer_its_own_rows_of_a_fresh_union_prefill(tiny, gate_file):
+    """rebuild() recomputes the union (every live token at its position) and each layer keeps
+    its own rows: every layer's K/V equal a plain transformers prefill of the union gathered
+    at that layer's rows (deep check looks at layer 0 only, so this is what guards the rest)."""
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=15), config(gate_file))
+    for token in text_ids(tiny, 30, seed=16)[1:]:
+        brain.step(force=token)
+    state = brain.state
+    assert layer_positions(state)[0] != layer_positions(state)[1]
+    state.rebuild()
+    full = DynamicCache(config=tiny.model.config)
+    with torch.no_grad():
+        tiny.model(torch.tensor([state.live_token_ids()]), position_ids=torch.tensor([state.positions()]),
+                   past_key_values=full, use_cache=True)
+    for layer in range(tiny.num_layers):
+        rows = torch.tensor(state.mirror.layer_rows_of(layer))
+        keys, values = state.layer_kv(layer)
+        torch.testing.assert_close(keys, full.layers[layer].keys[:, :, rows], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(values, full.layers[layer].values[:, :, rows], atol=1e-4, rtol=1e-4)
