@@ -71,8 +71,10 @@ def perplexity(losses: list[float]) -> float:
     return math.exp(sum(losses) / len(losses))
 
 
-def smart_caches(config, stored: int, *, sinks: int, window: int, gates: dict[str, GateSet]):
-    """(name, cache) for each SmartKV variant holding `stored` rows (the decoded token among them)."""
+def smart_caches(config, stored: int, *, sinks: int, window: int | None, gates: dict[str, GateSet]):
+    """(name, cache) for each SmartKV variant holding `stored` rows (the decoded token among them);
+    window None: half of them, as `--policy smartkv` does by default."""
+    window = stored // 2 if window is None else window
     budget = stored - sinks - window
     if budget < 1:
         raise ValueError(f"{stored} rows leave no long-term memory after sinks {sinks} + window {window}")
@@ -101,7 +103,7 @@ def quality(args, lm) -> None:
     ids = [lm.bos_id] + lm.encode(excerpt(args.text, args.offset))[: args.tokens]
     count = len(ids) - 1
     print(f"# {datetime.date.today()}  model {args.model}  text {args.text.name} (from char {args.offset})  "
-          f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window}  "
+          f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window or 'budget/2'}  "
           f"torch threads {torch.get_num_threads()}", flush=True)
     results = []
 
@@ -119,8 +121,10 @@ def quality(args, lm) -> None:
         budget = round(share * count)
         brain_runs = [(p, make_config(p, budget, sinks=args.sinks)) for p in BRAIN_POLICIES]
         if "smartkv" in gates:
-            brain_runs.append(("smartkv-brain", make_config("smartkv", budget, sinks=args.sinks,
-                                                            gates=str(args.gates or ""))))
+            brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""))
+            if args.window is not None:
+                brain_config.window = args.window
+            brain_runs.append(("smartkv-brain", brain_config))
         for name, brain_config in brain_runs:
             if wanted and name not in wanted:
                 continue
@@ -250,6 +254,8 @@ def decode_ms(lm, cache, ids: list[int], ticks: int, clock: ScoringClock | None 
 
 def cost(args, lm) -> None:
     config = lm.model.config
+    if args.window is None:
+        args.window = args.rows // 2
     gates = GateSet.for_config(config, seed=args.seed)
     generator = torch.Generator().manual_seed(0)
     print(f"# {datetime.date.today()}  model {args.model} on {lm.device} ({lm.dtype})  rows {args.rows}  "
@@ -328,7 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=1024, help="text tokens scored (BOS is added in front)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25], help="shares of --tokens")
     p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=32, help="recent rows every SmartKV layer keeps")
+    p.add_argument("--window", type=int, help="recent rows every SmartKV layer keeps (default: half the budget)")
     p.add_argument("--gates", type=Path, help="trained per-layer gates (default: the shipped ones)")
     p.add_argument("--shared-gates", type=Path, help="one shared gate (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")

@@ -82,7 +82,7 @@ def run(
     budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
-    window: int = typer.Option(32, min=0, help="Most recent rows never culled."),
+    window: Optional[int] = typer.Option(None, min=0, help="Most recent rows never culled (default: 32; policy smartkv: half the budget)."),
     brightness: str = typer.Option(DEFAULTS.brightness, help="Brightness rule: ttl | vote."),
     ttl_decay: float = typer.Option(DEFAULTS.ttl_decay, min=0.0, help="ttl rule: brightness lost per tick."),
     ttl_gain: float = typer.Option(DEFAULTS.ttl_gain, min=0.0, help="ttl rule: brightness gained per unit of attention (what counts is gain/decay)."),

@@ -24,7 +24,7 @@ from positronic import steps
 
 from . import chat, kv_formats, repairers
 from .actions import loggable
-from .policy import POLICIES, make_policy
+from .policy import DEFAULT_WINDOW, POLICIES, make_policy
 from .cache import check_store
 from .state_manager import StateManager, default_capacity
 from .text import rows_matching, span_texts
@@ -51,7 +51,7 @@ class BrainConfig:
     budget: int = 500  # target live length
     sinks: int = 4  # attention-sink rows never culled
     protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
-    window: int = 32  # most recent rows never culled
+    window: int | None = None  # most recent rows never culled; None: the policy's default (Policy.default_window)
     brightness: str = "ttl"  # rule: ttl | vote
     # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
     # at 500 a row holds its brightness while it gets about its fair share of attention
@@ -83,6 +83,11 @@ class BrainConfig:
     kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 (positronic/kv_formats.py)
     kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only: cache.RingLayer)
     gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
+
+    def __post_init__(self):
+        if self.window is None:
+            policy = POLICIES.get(self.policy)
+            self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
 
     @property
     def recorded_layers(self):

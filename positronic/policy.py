@@ -73,6 +73,9 @@ def batch_size(budget: int) -> int:
     return max(1, budget // 16)
 
 
+DEFAULT_WINDOW = 32  # BrainConfig.window when neither the user nor the policy chooses one
+
+
 class Policy:
     """Scorer + unit + window + batch (+ repairer); see the module docstring for the rules."""
 
@@ -93,6 +96,11 @@ class Policy:
 
     def make_scorer(self, config) -> Scorer:
         raise NotImplementedError
+
+    @staticmethod
+    def default_window(budget: int) -> int:
+        """`BrainConfig.window` when none is given."""
+        return DEFAULT_WINDOW
 
     @classmethod
     def window(cls, config, length: int) -> int:
@@ -336,6 +344,7 @@ class NoEvictionPolicy:
 
     name = "none"
     per_layer = reads_keys = False
+    default_window = Policy.default_window
 
     def __init__(self, lm, config):
         self.config = config

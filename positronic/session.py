@@ -102,6 +102,8 @@ def checked_config(path: Path, config) -> dict:
             ok = value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
         elif type(default) is float:
             ok = type(value) in (int, float)
+        elif name == "window":  # None in the dataclass means "the policy's default"; saved resolved
+            ok = type(value) is int
         else:
             ok = type(value) is type(default)
         if not ok:

@@ -10,8 +10,9 @@
     model.generate(ids, past_key_values=cache, max_new_tokens=64)      # streaming prune
 
 Layout (per layer, rows.py): `sinks + budget + window` slots; sinks (positions < sinks) kept
-for good, a FIFO window of the most recent tokens, and a long-term memory holding the `budget`
-tokens with the highest gate scores among those that left the window. Each layer scores with
+for good, a FIFO window of the most recent tokens, and a long-term memory of `budget` tokens
+that left the window, ranked by the lifespan their gate score predicts is still ahead of them
+(rows.py: the score minus what the token's age has used up). Each layer scores with
 its own gate, so layers keep different tokens, but every layer admits the same tokens and
 drops one row per new row once full, so all layers always hold the same number of rows
 (rectangular: `rows`).
@@ -43,12 +44,14 @@ with every other unscored window row (one batched gate call per layer every `win
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
 from .. import rope
 from ..cache import OneSequenceLayer
 from .gates import GateSet
+from .labels import LifespanRule
 from .rows import RowBook
 
 PRUNE_MODES = ("auto", "manual")
@@ -78,13 +81,74 @@ class KeyUnrotator:
         return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
 
 
-class SmartKVLayer(OneSequenceLayer):
-    """One layer's rows: storage [1, kv_heads, rows, head_dim] (keys and values) whose slot i is
-    described by `book` slot i, the tokens seen so far, and the gate that scores new tokens.
+class Layout:
+    """What the layers of a SmartKVCache share: the RowBook (every layer's slots), the scorer, and
+    each new token's admission, done once for all layers.
 
-    pruning False (manual mode before `bulk_prune`): rows are appended in order and kept.
-    pruning True: rows live in a preallocated [1, kv_heads, capacity, head_dim] buffer; `update`
-    admits new tokens through the book and writes each kept one into the slot it names.
+    A decoded token is admitted when the first layer asks for its slot (`decode_slots`), with
+    the waiting window tokens scored first if it pushes one out (their keys are in every
+    layer's buffer by then). A forward of several tokens is admitted after the last layer has
+    scored its keys (`take_batch`): until then each layer keeps its new rows aside."""
+
+    def __init__(self, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool):
+        self.book, self.scorer, self.unrotator, self.pruning = book, scorer, unrotator, pruning
+        self.layers: list[SmartKVLayer] = []
+        self._decoded: tuple[int, torch.Tensor | None] = (-1, None)  # position, its slot per layer
+
+    def score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+        """Gate scores float [q] of keys [1, kv_heads, q, head_dim] rotated at `positions` [q]."""
+        if self.scorer is None:
+            return np.zeros(keys.shape[2])
+        plain = self.unrotator(keys, positions)  # [q, kv_heads * head_dim]
+        return self.scorer.score(layer, plain, positions).float().cpu().numpy().astype(np.float64)
+
+    def decode_slots(self, position: int, device) -> torch.Tensor:
+        """int64 [layers] on `device`: the slot of the token at `position` in each layer
+        (admitted on the first call for a position)."""
+        if self._decoded[0] != position:
+            self._score_waiting(arriving=int(position >= self.book.sinks))
+            slots = self.book.admit([position], None)[:, 0]
+            self._decoded = (position, torch.from_numpy(slots).to(device))
+        return self._decoded[1]
+
+    def take_batch(self, positions: list[int]) -> None:
+        """The last layer has its new rows: admit them all (scores from every layer) and let each
+        layer write the ones it keeps."""
+        scores = np.stack([layer.fresh[2] for layer in self.layers])  # [layers, q]
+        self._score_waiting(arriving=sum(p >= self.book.sinks for p in positions))
+        slots = self.book.admit(positions, scores)
+        for layer in self.layers:
+            layer.write_fresh(slots[layer.index])
+
+    def bulk_prune(self) -> None:
+        """Manual mode's end: admit every row held so far (positions 0 .. seen - 1, in order)."""
+        self.pruning = True
+        if not self.layers[0].is_initialized:
+            return
+        scores = np.stack([np.concatenate(layer.pending_scores) for layer in self.layers])
+        slots = self.book.admit(list(range(self.layers[0].seen)), scores)
+        for layer in self.layers:
+            layer.compact(slots[layer.index])
+
+    def _score_waiting(self, arriving: int) -> None:
+        """Score the window's unscored tokens in every layer (keys read from each layer's buffer)
+        if `arriving` tokens would push one of them out."""
+        waiting = self.book.unscored(arriving)
+        if waiting:
+            positions = torch.tensor([entry.position for entry in waiting])
+            slots = np.stack([entry.slots for entry in waiting], axis=1)  # [layers, n]
+            scores = np.stack([self.score(layer.index, layer.read(slots[layer.index]), positions)
+                               for layer in self.layers])
+            self.book.set_scores(waiting, scores)
+
+
+class SmartKVLayer(OneSequenceLayer):
+    """One layer's rows: storage [1, kv_heads, rows, head_dim] (keys and values) whose slot i holds
+    the token the shared book says this layer holds in slot i.
+
+    Not pruning (manual mode before `bulk_prune`): rows are appended in order and kept, with
+    their scores. Pruning: rows live in a preallocated [1, kv_heads, capacity, head_dim]
+    buffer and each new token is written into the slot the layout names.
     """
 
     is_sliding = False
@@ -92,17 +156,14 @@ class SmartKVLayer(OneSequenceLayer):
     is_croppable = False
     cache_name = "SmartKVCache"
 
-    def __init__(self, index: int, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool):
+    def __init__(self, index: int, layout: Layout):
         super().__init__()
-        self.index = index
-        self.book = book
-        self.scorer = scorer          # None: every score 0 (no long-term budget to fill)
-        self.unrotator = unrotator
-        self.pruning = pruning
+        self.index, self.layout = index, layout
         self.seen = 0                 # tokens that went through update: the next token's position
         self.rows = 0
         self._key_buffer = self._value_buffer = None
-        self._pending: tuple[list[int], list[float]] = ([], [])  # positions, scores of rows kept while not pruning
+        self.pending_scores: list[np.ndarray] = []  # not pruning: scores of the rows kept so far
+        self.fresh: tuple | None = None  # a multi-token forward's (keys, values, scores) until the layout takes it
 
     # --- what transformers calls ---------------------------------------------------------------
 
@@ -123,27 +184,32 @@ class SmartKVLayer(OneSequenceLayer):
         the rows held afterwards, itself included (n <= capacity), read in place. Several
         tokens (a prefill): they must see each other causally, so the forward attends to the
         stored rows followed by all q new ones (n = rows + q, one concatenated copy), and the
-        layout is applied after."""
+        layout is applied after the last layer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != 1:
             raise ValueError(f"SmartKVCache holds one sequence; got a batch of {key_states.shape[0]}")
         count = key_states.shape[2]
-        if self.pruning and count == 1 and self.book.window_size > 0:
-            self._admit_one(key_states, value_states)
+        if self.layout.pruning and count == 1:
+            slot = self.layout.decode_slots(self.seen, key_states.device)[self.index : self.index + 1]
+            self._ensure_buffers()
+            self._key_buffer.index_copy_(2, slot, key_states)
+            self._value_buffer.index_copy_(2, slot, value_states)
+            self._expose(self.layout.book.size)
             self.seen += 1
             return self.keys, self.values
         positions = torch.arange(self.seen, self.seen + count)
-        scores = self._scores(key_states, positions)
+        scores = self.layout.score(self.index, key_states, positions)
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
-        if self.pruning:
-            self._admit(key_states, value_states, positions.tolist(), scores)
+        self.seen += count
+        if self.layout.pruning:
+            self.fresh = (key_states, value_states, scores)
+            if self.index == len(self.layout.layers) - 1:
+                self.layout.take_batch(positions.tolist())
         else:
             self.keys, self.values, self.rows = keys, values, keys.shape[2]
-            self._pending[0].extend(positions.tolist())
-            self._pending[1].extend(scores)
-        self.seen += count
+            self.pending_scores.append(scores)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -154,8 +220,8 @@ class SmartKVLayer(OneSequenceLayer):
         """(n, seen + q - n), n the rows `update` will return: the rows attended to stand for
         the positions just before the new tokens (a decoded token is admitted first, so n is
         what is held after it: at most the capacity)."""
-        if self.pruning and query_length == 1 and self.book.window_size > 0:
-            attended = min(self.book.capacity, self.rows + 1)
+        if self.layout.pruning and query_length == 1:
+            attended = min(self.layout.book.capacity, self.rows + 1)
         else:
             attended = self.rows + query_length
         return attended, self.seen + query_length - attended
@@ -166,55 +232,42 @@ class SmartKVLayer(OneSequenceLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("SmartKVCache cannot be cropped: the rows it dropped cannot come back")
 
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("SmartKVCache holds one sequence")
 
-    # --- pruning -----------------------------------------------------------------------------
+    # --- what the layout calls -------------------------------------------------------------------
 
-    def bulk_prune(self) -> None:
-        """Manual mode's transition: admit every stored row, in position order, through the
-        book (sinks, last `window`, top `budget` of the rest by score) and compact."""
-        if self.pruning:
-            return
-        self.pruning = True
-        if not self.is_initialized:
-            return
-        positions, scores = self._pending
-        self._pending = ([], [])
-        placements = self.book.admit(positions, scores)
-        order = torch.empty(self.book.size, dtype=torch.long)
-        for slot, row in placements:
-            order[slot] = row
+    def read(self, slots: np.ndarray) -> torch.Tensor:
+        """Keys [1, kv_heads, n, head_dim] held in `slots`."""
+        return self._key_buffer.index_select(2, torch.from_numpy(slots).to(self._key_buffer.device))
+
+    def write_fresh(self, slots: np.ndarray) -> None:
+        """Write the kept rows of the forward's new tokens (slots [q], -1: not kept)."""
+        keys, values, _ = self.fresh
+        self.fresh = None
+        self._ensure_buffers()
+        kept = np.flatnonzero(slots >= 0)
+        if len(kept):
+            rows = torch.from_numpy(kept).to(keys.device)
+            where = torch.from_numpy(slots[kept]).to(keys.device)
+            self._key_buffer.index_copy_(2, where, keys.index_select(2, rows))
+            self._value_buffer.index_copy_(2, where, values.index_select(2, rows))
+        self._expose(self.layout.book.size)
+
+    def compact(self, slots: np.ndarray) -> None:
+        """bulk_prune: move the appended rows (slots [rows], -1: dropped) into the buffer."""
+        self.pending_scores = []
+        order = torch.empty(self.layout.book.size, dtype=torch.long)
+        kept = np.flatnonzero(slots >= 0)
+        order[torch.from_numpy(slots[kept])] = torch.from_numpy(kept)
         order = order.to(self.keys.device)
         kept_keys, kept_values = self.keys.index_select(2, order), self.values.index_select(2, order)
         self._allocate()
-        self._key_buffer[:, :, : self.book.size].copy_(kept_keys)
-        self._value_buffer[:, :, : self.book.size].copy_(kept_values)
-        self._expose(self.book.size)
+        self._key_buffer[:, :, : self.layout.book.size].copy_(kept_keys)
+        self._value_buffer[:, :, : self.layout.book.size].copy_(kept_values)
+        self._expose(self.layout.book.size)
 
-    def _admit_one(self, key_states, value_states) -> None:
-        """Decoding: admit the token at position `seen` with no score yet (it enters the
-        window); if that pushes an unscored row out of the window, every unscored window row
-        is scored first, in one batch read from the buffer (one gate call per `window` tokens
-        instead of one per token)."""
-        self._ensure_buffers()
-        position = self.seen
-        self._score_waiting(arriving=int(position >= self.book.sinks))
-        [(slot, _)] = self.book.admit([position], [None])
-        slot = torch.tensor([slot], device=key_states.device)
-        self._key_buffer.index_copy_(2, slot, key_states)
-        self._value_buffer.index_copy_(2, slot, value_states)
-        self._expose(self.book.size)
-
-    def _score_waiting(self, arriving: int) -> None:
-        """Score the window's unscored rows (read from the buffer) if `arriving` tokens would
-        push one of them out of the window."""
-        waiting = self.book.unscored(arriving)
-        if waiting:
-            slots = torch.tensor([row.slot for row in waiting], device=self._key_buffer.device)
-            positions = torch.tensor([row.position for row in waiting])
-            self.book.set_scores(waiting, self._scores(self._key_buffer.index_select(2, slots), positions))
+    # --- storage ---------------------------------------------------------------------------------
 
     def _ensure_buffers(self) -> None:
         if self._key_buffer is None:
@@ -222,19 +275,8 @@ class SmartKVLayer(OneSequenceLayer):
             self._key_buffer[:, :, : self.rows].copy_(self.keys)
             self._value_buffer[:, :, : self.rows].copy_(self.values)
 
-    def _admit(self, key_states, value_states, positions: list[int], scores: list[float]) -> None:
-        self._ensure_buffers()
-        self._score_waiting(arriving=sum(p >= self.book.sinks for p in positions))
-        placements = self.book.admit(positions, scores)
-        if placements:
-            slots = torch.tensor([s for s, _ in placements], device=key_states.device)
-            rows = torch.tensor([r for _, r in placements], device=key_states.device)
-            self._key_buffer.index_copy_(2, slots, key_states.index_select(2, rows))
-            self._value_buffer.index_copy_(2, slots, value_states.index_select(2, rows))
-        self._expose(self.book.size)
-
     def _allocate(self) -> None:
-        shape = (1, self.keys.shape[1], self.book.capacity, self.keys.shape[3])
+        shape = (1, self.keys.shape[1], self.layout.book.capacity, self.keys.shape[3])
         self._key_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._value_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -244,19 +286,13 @@ class SmartKVLayer(OneSequenceLayer):
         self.keys = self._key_buffer[:, :, :rows]
         self.values = self._value_buffer[:, :, :rows]
 
-    def _scores(self, key_states: torch.Tensor, positions: torch.Tensor) -> list[float]:
-        if self.scorer is None:
-            return [0.0] * key_states.shape[2]
-        plain = self.unrotator(key_states, positions)          # [q, kv_heads * head_dim]
-        return self.scorer.score(self.index, plain, positions).tolist()
-
     # --- facts ---------------------------------------------------------------------------------
 
     def positions(self) -> torch.Tensor:
         """int64 [rows]: the RoPE position of the token in each stored row."""
-        if not self.pruning:
-            return torch.tensor(self._pending[0], dtype=torch.long)
-        return torch.tensor(self.book.positions(), dtype=torch.long)
+        if not self.layout.pruning:
+            return torch.arange(self.rows)
+        return torch.tensor(self.layout.book.positions(self.index), dtype=torch.long)
 
     def memory_bytes(self) -> int:
         if self._key_buffer is not None:
@@ -279,13 +315,16 @@ class SmartKVCache(Cache):
 
     config: the model's (Llama) config. gates: a GateSet for it (required when budget > 0),
     or `scorer`: any object with score(layer, keys [q, kv_heads * head_dim] pre-RoPE,
-    positions [q]) -> [q] (tests use position-only scorers). prune: "auto" (prune in every
+    positions [q]) -> [q] (tests use position-only scorers). window: the recent rows kept
+    (default sinks + budget: half the capacity, as `--policy smartkv` does). horizon: the steps a score's
+    lifespan counts over, which long-term memory ranks by (rows.py; default: the gates' own,
+    else 512). prune: "auto" (prune in every
     update, so a prefill is bulk-pruned right after its forward) or "manual" (keep every row
     until `bulk_prune()`, then prune as tokens arrive).
     """
 
-    def __init__(self, config, gates: GateSet | None = None, *, budget: int, sinks: int = 4, window: int = 32,
-                 prune: str = "auto", scorer=None):
+    def __init__(self, config, gates: GateSet | None = None, *, budget: int, sinks: int = 4, window: int | None = None,
+                 prune: str = "auto", scorer=None, horizon: int | None = None):
         if prune not in PRUNE_MODES:
             raise ValueError(f"prune must be one of {PRUNE_MODES}, got {prune!r}")
         if gates is not None and scorer is not None:
@@ -296,13 +335,16 @@ class SmartKVCache(Cache):
         if budget > 0 and scorer is None:
             raise ValueError(f"a long-term budget ({budget}) needs gates to rank tokens; use budget=0 for a "
                              "streaming cache (sinks + window)")
+        if window is None:
+            window = sinks + budget
         self.sinks, self.budget, self.window = sinks, budget, window
+        self.horizon = horizon or (gates.horizon if gates is not None else LifespanRule.horizon)
         self.prune = prune
         self.gates = gates
-        unrotator = KeyUnrotator.for_config(config)
-        layers = [SmartKVLayer(i, RowBook(sinks, budget, window), scorer, unrotator, pruning=prune == "auto")
-                  for i in range(config.num_hidden_layers)]
-        super().__init__(layers=layers)
+        book = RowBook(config.num_hidden_layers, sinks, budget, window, self.horizon)
+        self.layout = Layout(book, scorer, KeyUnrotator.for_config(config), pruning=prune == "auto")
+        self.layout.layers = [SmartKVLayer(i, self.layout) for i in range(config.num_hidden_layers)]
+        super().__init__(layers=self.layout.layers)
         self._config = config
         self._scorer = scorer
 
@@ -328,8 +370,8 @@ class SmartKVCache(Cache):
     def bulk_prune(self) -> None:
         """Manual mode: compress every layer to its layout once (after the prefill); from then on
         every update prunes. A no-op once pruning is on (always, in auto mode)."""
-        for layer in self.layers:
-            layer.bulk_prune()
+        if not self.layout.pruning:
+            self.layout.bulk_prune()
 
     def positions(self, layer: int) -> torch.Tensor:
         """int64 [rows]: the RoPE position of each stored row of `layer`, in storage order."""
@@ -338,8 +380,8 @@ class SmartKVCache(Cache):
     def reset(self) -> None:
         """Forget every row and token (same settings)."""
         fresh = SmartKVCache(self._config, budget=self.budget, sinks=self.sinks, window=self.window,
-                             prune=self.prune, scorer=self._scorer)
-        self.layers = fresh.layers
+                             prune=self.prune, scorer=self._scorer, horizon=self.horizon)
+        self.layout, self.layers = fresh.layout, fresh.layers
 
     def memory_bytes(self) -> int:
         return sum(layer.memory_bytes() for layer in self.layers)

@@ -125,6 +125,17 @@ class GateSet:
     def shared(self) -> bool:
         return all(g is self.gates[0] for g in self.gates)
 
+    @property
+    def horizon(self) -> int:
+        """Steps ahead the labels counted lifespan over (the file's lifespan rule; untrained
+        gates: the default rule's)."""
+        from .labels import LifespanRule
+
+        horizon = self.header.get("lifespan", {}).get("horizon", LifespanRule.horizon)
+        if type(horizon) is not int or horizon < 1:
+            raise GateFileError(f"the gates' lifespan horizon must be a positive integer, got {horizon!r}")
+        return horizon
+
     def check_model(self, config) -> None:
         """Raise GateFileError unless these gates fit the model: same layer count, key width."""
         layers, in_dim = key_shape(config)

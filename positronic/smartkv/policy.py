@@ -5,8 +5,10 @@ Every layer holds `budget` rows (the same number in each, so the cache stays rec
 - the first max(sinks, protect) rows, in every layer for good;
 - a **window** of the `window` most recent tokens, in every layer;
 - a **long-term memory** of `budget - max(sinks, protect) - window` tokens, its own per layer:
-  when a token leaves the window it competes in each layer, by that layer's gate score, with
-  the lowest-scored token of that layer's memory; the loser's row is dropped *in that layer*.
+  when a token leaves the window it competes in each layer, by the lifespan that layer's gate
+  predicts is still ahead of it (rows.py: `Memories`), with the weakest token of that
+  layer's memory; the loser's row is dropped *in that layer*. All layers at once: the
+  memories are arrays [layers, memory] and the weakest is one vectorised minimum per tick.
 
 The ledger stays one; the state's live map is the union of what the layers hold, and per-layer
 rows say which layer holds what (mirror/layer_rows.py). A token retires from the ledger when
@@ -25,14 +27,15 @@ kv_format (each needs every layer to hold the same rows).
 
 from __future__ import annotations
 
-import heapq
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .cache import KeyUnrotator
 from .gates import GateFileError, GateSet
+from .rows import Memories
 
 
 def load_gates(spec: str, lm) -> GateSet:
@@ -61,7 +64,8 @@ class SmartKVPolicy:
         self.unrotate = KeyUnrotator(lm.inv_freq)
         self.keep = max(config.sinks, config.protect)
         self.size = self.memory_size(config)
-        self.memory: list[list[tuple[float, int, int]]] = [[] for _ in range(lm.num_layers)]  # min-heaps (score, position, ledger id)
+        self.horizon = self.gates.horizon
+        self.memory = Memories(lm.num_layers, self.size, self.horizon)
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each layer
         self._pending: tuple | None = None  # (memory, offered, new scores) of the last plan, until its tick went through
@@ -87,6 +91,12 @@ class SmartKVPolicy:
             raise ValueError(f"policy smartkv: budget {config.budget} leaves no long-term memory after "
                              f"{max(config.sinks, config.protect)} kept rows and a window of {config.window}")
 
+    @staticmethod
+    def default_window(budget: int) -> int:
+        """Half the budget: the recent half of the context is what most attention goes to, and
+        the memory's other half holds what the gates rank highest (bench/RESULTS.md "SmartKV")."""
+        return budget // 2
+
     @classmethod
     def window(cls, config, length: int) -> int:
         return config.window
@@ -103,7 +113,7 @@ class SmartKVPolicy:
 
     def prune(self, view, scores, target: int):
         """A prompt longer than the budget: every layer down to `target` rows at once (the
-        bulk prune: each layer keeps the top of its memory among all older prompt tokens)."""
+        bulk prune: the older prompt tokens are offered to the memories in position order)."""
         return self._plan(view, {})
 
     def _plan(self, view, seconds: dict[str, float]):
@@ -116,18 +126,14 @@ class SmartKVPolicy:
         fresh = self._score(view.rows, [ids[row] for row in leaving], ids, positions)
         scores = self.scores | fresh if fresh else self.scores
         seconds["score"] = (now := time.perf_counter()) - clock
-        memory = [list(heap) for heap in self.memory]
-        drops: list[list[int]] = [[] for _ in memory]  # ledger ids, per layer
+        memory = self.memory.copy()
+        drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per layer
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
-            for layer, heap in enumerate(memory):
-                entry = (scores[ledger_id][layer], position, ledger_id)
-                if len(heap) < self.size:
-                    heapq.heappush(heap, entry)
-                elif entry > heap[0]:
-                    drops[layer].append(heapq.heapreplace(heap, entry)[2])
-                else:
-                    drops[layer].append(ledger_id)
+            _, dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
+            for layer, gone in enumerate(dropped.tolist()):
+                if gone >= 0:
+                    drops[layer].append(gone)
         self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
@@ -169,30 +175,29 @@ class SmartKVPolicy:
             self.memory, self.offered, fresh = self._pending
             self.scores.update(fresh)
             self._pending = None
-            held = {ledger_id for heap in self.memory for _, _, ledger_id in heap}
+            held = set(self.memory.held_ids())
             if len(self.scores) > 2 * (len(held) + self.config.window):  # forget tokens every layer dropped
                 self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
 
     # --- sessions -------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"memory": [[list(entry) for entry in heap] for heap in self.memory], "offered": self.offered,
+        return {"memory": self.memory.entries(), "offered": self.offered,
                 "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
 
     def load_state(self, state: dict) -> None:
-        layers = len(self.memory)
+        layers = self.memory.layers
         try:
             ok = (isinstance(state, dict) and set(state) == {"memory", "offered", "scores"}
                   and type(state["offered"]) is int and len(state["memory"]) == layers
-                  and all(len(heap) <= self.size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
-                                                         for e in heap) for heap in state["memory"])
+                  and len({len(entries) for entries in state["memory"]}) == 1
+                  and all(len(entries) <= self.size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
+                                                            for e in entries) for entries in state["memory"])
                   and all(type(i) is int and len(v) == layers for i, v in state["scores"]))
         except TypeError:
             ok = False
         if not ok:
             raise ValueError("policy smartkv: malformed saved state")
-        self.memory = [[(float(s), p, i) for s, p, i in heap] for heap in state["memory"]]
-        for heap in self.memory:
-            heapq.heapify(heap)
+        self.memory = Memories.from_entries(state["memory"], self.size, self.horizon)
         self.offered = state["offered"]
         self.scores = {i: [float(x) for x in v] for i, v in state["scores"]}

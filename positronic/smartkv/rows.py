@@ -1,154 +1,221 @@
-"""Which cache slot holds which token, in one layer of a SmartKVCache (pure Python, no tensors).
+"""Which cache slot holds which token, in every layer of a SmartKVCache (pure Python and numpy).
 
-A layer has `sinks + budget + window` slots. A token enters with its position and gate score:
+Each layer has `sinks + budget + window` slots. Every layer admits the same tokens, in order;
+a token enters with its position and a gate score per layer:
 
-- position < sinks: a **sink**, kept for good;
-- otherwise it joins the **window**, a FIFO of the `window` most recent non-sink tokens. When
-  the window overflows, its oldest token leaves and competes for **long-term memory**, a
-  min-heap of at most `budget` tokens by score: it goes in if there is room or if it beats
-  the lowest score there (which is then evicted); otherwise it is dropped.
+- position < sinks: a **sink**, kept for good (the same slot in every layer);
+- otherwise it joins the **window**, a FIFO of the `window` most recent non-sink tokens (held
+  by every layer). When the window overflows, its oldest token leaves and competes, in each
+  layer with that layer's score, for the layer's **long-term memory** of at most `budget`
+  tokens: it goes in if there is room or if it outranks the weakest token there (which is then
+  evicted from that layer); otherwise that layer drops it.
 
-A token that leaves frees its slot and the next token to need one takes it, so the layer
-never holds more than its capacity and, once full, exactly its capacity: every layer of a
-cache admits the same tokens, so every layer holds the same number of rows whatever its
-gate chose. A heap that always keeps the best `budget` of everything offered ends up with
-the top `budget` of all offers, so admitting a long prompt token by token is also the bulk
-prune the seed describes (sinks, last `window`, top `budget` of the rest by score).
+Rank: the gate predicts a token's whole lifespan, score = log4(1 + later steps that attend to
+it) over a horizon of `horizon` steps (labels.py); what matters at step `now` is the part still
+ahead. A token at `position` has lived `now - position` steps of its horizon, so memory keeps
+the tokens with the most predicted lifespan left:
+
+    rank = 4 ** score * max(FLOOR, 1 - (now - position) / horizon)
+
+(`Memories`; ties: the older token goes). `now` is the position of the token whose arrival
+pushes the candidate out of the window (candidate position + window). Ranks change as `now`
+moves, so the weakest token is found afresh at every offer: one vectorised minimum over
+[layers, budget], the same routine the brain's policy runs.
+
+Slots: until a layer is full every token takes the next slot (the same in every layer); after
+that each offer frees exactly one slot per layer (the loser's) and the arriving token takes it,
+so every layer holds the same number of rows whatever its gate chose (rectangular caches),
+though not in the same slots. A prompt admitted at once goes through the same offers in
+position order, so the bulk prune after a prefill keeps what admitting the prompt token by
+token keeps.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
+FLOOR = 1e-3  # a token past its horizon keeps a thousandth of its predicted lifespan: it goes first
+
+
+class Memories:
+    """The long-term memories of `layers` layers, at most `size` tokens each. Every token offered
+    competes in every layer at once, with a score per layer, so all layers always hold the same
+    count. Arrays [layers, size + 1] by slot (float64): `weights` (4 ** score), `deadlines`
+    (position + horizon), `positions`, `scores` (kept for the record) and `ids` (int64, the
+    caller's name for the token); the last column holds the token being offered."""
+
+    def __init__(self, layers: int, size: int, horizon: int):
+        if size < 1 or horizon < 1:
+            raise ValueError(f"a memory needs size >= 1 and horizon >= 1, got {size}, {horizon}")
+        self.size, self.horizon, self.count = size, horizon, 0
+        self.weights, self.deadlines, self.positions, self.scores = (np.zeros((layers, size + 1)) for _ in range(4))
+        self.ids = np.zeros((layers, size + 1), dtype=np.int64)
+        self._layers = np.arange(layers)
+
+    @property
+    def layers(self) -> int:
+        return self.ids.shape[0]
+
+    def offer(self, token_id: int, position: int, scores, now: int) -> tuple[np.ndarray, np.ndarray]:
+        """Offer a token (scores: one per layer) at step `now`. Returns (slots, dropped), int64
+        [layers] each: the slot the token took in each layer (-1: it lost there) and the id that
+        layer drops (-1 while the memory has room: nothing is dropped)."""
+        column = self.count if self.count < self.size else self.size
+        self.scores[:, column] = scores
+        self.weights[:, column] = [4.0 ** float(score) for score in scores]
+        self.deadlines[:, column] = position + self.horizon
+        self.positions[:, column], self.ids[:, column] = position, token_id
+        if column < self.size:
+            self.count += 1
+            return np.full(self.layers, column), np.full(self.layers, -1)
+        ranks = self.weights * np.maximum(FLOOR * self.horizon, self.deadlines - now)  # [layers, size + 1]
+        at = ranks.argmin(axis=1)
+        lowest = ranks[self._layers, at][:, None]
+        if (np.count_nonzero(ranks == lowest, axis=1) > 1).any():  # ties: the oldest goes
+            at = np.where(ranks == lowest, self.positions, np.inf).argmin(axis=1)
+        dropped = self.ids[self._layers, at]
+        won = np.flatnonzero(at < self.size)
+        for array in (self.weights, self.deadlines, self.positions, self.scores, self.ids):
+            array[won, at[won]] = array[won, self.size]
+        return np.where(at < self.size, at, -1), dropped
+
+    def copy(self) -> "Memories":
+        twin = Memories(self.layers, self.size, self.horizon)
+        for name in ("weights", "deadlines", "positions", "scores", "ids"):
+            setattr(twin, name, getattr(self, name).copy())
+        twin.count = self.count
+        return twin
+
+    def held_ids(self) -> list[int]:
+        return self.ids[:, : self.count].ravel().tolist()
+
+    def entries(self) -> list[list[list]]:
+        """Per layer, [score, position, id] of every token held, by slot (a session's record)."""
+        return [[[float(self.scores[layer, slot]), int(self.positions[layer, slot]), int(self.ids[layer, slot])]
+                 for slot in range(self.count)] for layer in range(self.layers)]
+
+    @staticmethod
+    def from_entries(entries: list[list], size: int, horizon: int) -> "Memories":
+        """From `entries()` (every layer the same count, at most `size`)."""
+        memory = Memories(len(entries), size, horizon)
+        for layer, held in enumerate(entries):
+            for slot, (score, position, token_id) in enumerate(held):
+                memory.scores[layer, slot], memory.weights[layer, slot] = float(score), 4.0 ** float(score)
+                memory.positions[layer, slot], memory.deadlines[layer, slot] = position, position + horizon
+                memory.ids[layer, slot] = token_id
+        memory.count = len(entries[0]) if entries else 0
+        return memory
+
 
 @dataclass(slots=True)
-class Row:
-    """One admitted token: its RoPE position, gate score (None: not scored yet; a window row
-    needs one only when it leaves the window), and slot (None: not placed / gone)."""
+class Entry:
+    """A window token: its position, its slot in each layer (int64 [layers]) and its gate score
+    in each layer (float [layers]; None until scored: a window token needs scores only when
+    it leaves the window)."""
 
     position: int
-    score: float | None
-    slot: int | None = None
+    slots: np.ndarray
+    scores: np.ndarray | None = None
 
 
 class RowBook:
-    """Slot bookkeeping of one layer (see the module docstring)."""
+    """Slot bookkeeping of every layer (see the module docstring)."""
 
-    def __init__(self, sinks: int, budget: int, window: int):
-        if min(sinks, budget, window) < 0 or sinks + budget + window < 1:
-            raise ValueError(f"sinks, budget and window must be >= 0 with a positive sum, got {sinks}, {budget}, {window}")
-        self.sinks, self.budget, self.window_size = sinks, budget, window
+    def __init__(self, layers: int, sinks: int, budget: int, window: int, horizon: int = 512):
+        if layers < 1 or min(sinks, budget) < 0 or window < 1:
+            raise ValueError(f"a RowBook needs layers >= 1, sinks >= 0, budget >= 0 and window >= 1 (the newest "
+                             f"token), got {layers}, {sinks}, {budget}, {window}")
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.layers, self.sinks, self.budget, self.window_size, self.horizon = layers, sinks, budget, window, horizon
         self.capacity = sinks + budget + window
-        self.size = 0                          # slots ever used (grows to capacity)
-        self._free: list[int] = []             # slots given back, reused first
-        self._sink_rows: list[Row] = []
-        self._window: deque[Row] = deque()     # oldest first
-        self._memory: list[tuple[float, int, Row]] = []  # min-heap (score, position, row)
-        self._by_slot: list[Row | None] = []
+        self.size = 0                          # slots used in each layer (grows to capacity, then stays)
+        self.slot_positions = np.full((layers, self.capacity), -1, dtype=np.int64)  # position held per slot
+        self._window: deque[Entry] = deque()   # oldest first
+        self._memory = Memories(layers, budget, horizon) if budget else None  # ids: the token's slot per layer
+        self._all = np.arange(layers)
 
     # --- admission -------------------------------------------------------------------------
 
-    def admit(self, positions: list[int], scores: list[float | None]) -> list[tuple[int, int]]:
-        """Admit tokens in order. Returns (slot, i) for every one of them still held at the
-        end, i being its index in the arguments: the caller writes token i's K/V into that
-        slot. Slots not named keep what they held. A score may be None for a token that stays
-        in the window; every row that leaves the window must have one by then (`unscored`,
-        `set_scores`), else RuntimeError."""
-        rows = []
-        for position, score in zip(positions, scores, strict=True):
-            row = Row(int(position), None if score is None else float(score))
-            self._admit(row)
-            rows.append(row)
-        return [(row.slot, i) for i, row in enumerate(rows) if row.slot is not None]
+    def admit(self, positions: list[int], scores: np.ndarray | None) -> np.ndarray:
+        """Admit tokens at consecutive `positions`, in order, with `scores` float [layers, q]
+        (None: not scored yet; see `unscored`). Returns int64 [layers, q]: the slot where each
+        token is held at the end in each layer, -1 where it is not: the caller writes token i's
+        K/V of layer l into slots[l, i]. Slots not named keep what they held. A token that
+        leaves the window unscored is a RuntimeError."""
+        if positions and positions != list(range(positions[0], positions[0] + len(positions))):
+            raise ValueError("a RowBook admits consecutive positions")
+        for i, position in enumerate(positions):
+            self._admit(int(position), None if scores is None else scores[:, i])
+        slots = np.full((self.layers, len(positions)), -1, dtype=np.int64)
+        if positions:
+            index = self.slot_positions[:, : self.size] - positions[0]
+            layer, slot = np.nonzero(index >= 0)
+            slots[layer, index[layer, slot]] = slot
+        return slots
 
-    def _admit(self, row: Row) -> None:
-        if row.position < self.sinks:
-            self._place(row)
-            self._sink_rows.append(row)
+    def _admit(self, position: int, scores: np.ndarray | None) -> None:
+        if position < self.sinks:
+            self._place(position, np.full(self.layers, self.size))
             return
-        self._window.append(row)
-        if len(self._window) > self.window_size:
-            self._offer(self._window.popleft())
-        if self._window and self._window[-1] is row:  # still in the window (window 0: it left at once)
-            self._place(row)
+        entry = Entry(position, np.full(self.layers, -1), scores)
+        self._window.append(entry)
+        freed = self._offer(self._window.popleft()) if len(self._window) > self.window_size else None
+        entry.slots = np.full(self.layers, self.size) if freed is None else freed
+        self._place(position, entry.slots)
 
-    def _offer(self, row: Row) -> None:
-        """`row` has left the window: into long-term memory, or gone."""
-        if self.budget == 0:
-            self._release(row)
-            return
-        if row.score is None:
-            raise RuntimeError(f"the token at position {row.position} left the window unscored")
-        if len(self._memory) < self.budget:
-            heapq.heappush(self._memory, (row.score, row.position, row))
-        elif row.score > self._memory[0][0]:
-            _, _, evicted = heapq.heapreplace(self._memory, (row.score, row.position, row))
-            self._release(evicted)
-        else:
-            self._release(row)
-            return
-        if row.slot is None:  # window 0: the token went straight to memory
-            self._place(row)
+    def _offer(self, entry: Entry) -> np.ndarray | None:
+        """`entry` has left the window: into each layer's long-term memory, or gone from that
+        layer. Returns the slot this freed in each layer (None: nothing freed, the memory had room)."""
+        if self._memory is None:
+            return entry.slots
+        if entry.scores is None:
+            raise RuntimeError(f"the token at position {entry.position} left the window unscored")
+        _, dropped = self._memory.offer(entry.slots, entry.position, entry.scores,
+                                        now=entry.position + self.window_size)
+        return None if dropped[0] < 0 else dropped
 
-    def _place(self, row: Row) -> None:
-        if self._free:
-            row.slot = self._free.pop()
-            self._by_slot[row.slot] = row
-        else:
+    def _place(self, position: int, slots: np.ndarray) -> None:
+        if slots[0] == self.size:
             if self.size >= self.capacity:  # cannot happen: sinks, window and memory are each bounded
                 raise RuntimeError("no free slot")
-            row.slot = self.size
-            self._by_slot.append(row)
             self.size += 1
-
-    def _release(self, row: Row) -> None:
-        if row.slot is not None:
-            self._by_slot[row.slot] = None
-            self._free.append(row.slot)
-            row.slot = None
+        self.slot_positions[self._all, slots] = position
 
     # --- lazy scores -------------------------------------------------------------------------
 
-    def unscored(self, arriving: int) -> list[Row]:
-        """The window's unscored rows, oldest first, if `arriving` more non-sink tokens would
-        push one of them out of the window (and long-term memory would need its score); else
-        []. Every unscored window row is returned then, so scores come in batches."""
-        if self.budget == 0:
+    def unscored(self, arriving: int) -> list[Entry]:
+        """The window's unscored tokens, oldest first, if `arriving` more non-sink tokens would
+        push one of them out of the window (and long-term memory would need its scores); else
+        []. Every unscored window token is returned then, so scores come in batches."""
+        if self._memory is None:
             return []
         leaving = len(self._window) + arriving - self.window_size
-        if leaving <= 0 or all(row.score is not None for row in list(self._window)[:leaving]):
+        if leaving <= 0 or all(self._window[k].scores is not None for k in range(min(leaving, len(self._window)))):
             return []
-        return [row for row in self._window if row.score is None]
+        return [entry for entry in self._window if entry.scores is None]
 
     @staticmethod
-    def set_scores(rows: list[Row], scores: list[float]) -> None:
-        for row, score in zip(rows, scores, strict=True):
-            row.score = float(score)
+    def set_scores(entries: list[Entry], scores: np.ndarray) -> None:
+        """scores: float [layers, len(entries)]."""
+        for k, entry in enumerate(entries):
+            entry.scores = scores[:, k].copy()
 
     # --- facts -----------------------------------------------------------------------------
 
     @property
     def held(self) -> int:
-        """Tokens held now (== size once nothing is free, i.e. after every complete admission)."""
-        return self.size - len(self._free)
+        """Tokens each layer holds."""
+        return self.size
 
-    def positions(self) -> list[int]:
-        """Position of the token in each slot 0 .. size - 1 (-1 for a free slot)."""
-        return [-1 if row is None else row.position for row in self._by_slot]
+    def positions(self, layer: int) -> list[int]:
+        """Position of the token in each slot 0 .. size - 1 of `layer`."""
+        return self.slot_positions[layer, : self.size].tolist()
 
-    def scores(self) -> list[float]:
-        """Gate score of the token in each slot (nan for a free slot)."""
-        return [float("nan") if row is None or row.score is None else row.score for row in self._by_slot]
-
-    def kinds(self) -> list[str]:
-        """'sink', 'window' or 'memory' per slot ('free' for a free slot)."""
-        kind: dict[int, str] = {}
-        for row in self._sink_rows:
-            kind[id(row)] = "sink"
-        for row in self._window:
-            kind[id(row)] = "window"
-        for _, _, row in self._memory:
-            kind[id(row)] = "memory"
-        return ["free" if row is None else kind[id(row)] for row in self._by_slot]
+    def kinds(self, layer: int) -> list[str]:
+        """'sink', 'window' or 'memory' per slot of `layer`."""
+        window = {entry.position for entry in self._window}
+        return ["sink" if p < self.sinks else "window" if p in window else "memory" for p in self.positions(layer)]

@@ -26,7 +26,16 @@ SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer
 @pytest.fixture(scope="module")
 def gate_file(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("gates") / "tiny.safetensors"
-    GateSet.for_config(tiny.model.config, seed=21).save(path)
+    # Untrained gates score within ~0.01 of each other; scaled up to the spread of trained ones
+    # (~1) and with a short lifespan horizon, both the scores and the tokens' ages decide what
+    # memory keeps within these tests' few dozen tokens.
+    gates = GateSet.for_config(tiny.model.config, seed=21, header={"lifespan": {"horizon": 48}})
+    with torch.no_grad():
+        for gate in gates.gates:
+            last = [m for m in gate.modules() if isinstance(m, torch.nn.Linear)][-1]
+            last.weight.mul_(100.0)
+            last.bias.mul_(100.0)
+    gates.save(path)
     return path
 
 
