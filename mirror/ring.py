@@ -58,6 +58,16 @@ class Ring:
         end = self.cursor + length - self.sinks
         return end if end <= self.capacity else self.capacity
 
+    def free(self, length: int) -> range:
+        """The free slots among 0..used-1 with `length` live rows: one run, between the newest
+        window row and the oldest (empty while the ring is full or linear)."""
+        if length <= self.sinks:
+            return range(0)
+        end = self.cursor + length - self.sinks
+        if end <= self.capacity:
+            return range(self.sinks, self.cursor)
+        return range(end - self.window, self.cursor)
+
     def linear(self, length: int) -> bool:
         """True when row i sits in slot i for every live row."""
         return length <= self.sinks or (self.cursor == self.sinks and length <= self.capacity)

@@ -463,10 +463,13 @@ class RingLayer(OneSequenceLayer):
         return buffer.index_select(2, self.slot_index(self.length))
 
     def slot_index(self, length: int) -> torch.Tensor:
-        """int64 [length]: the slot of each of rows 0..length-1 (Ring.slot, as tensor arithmetic:
-        a tick would spend more on a Python list of every row than on the attention itself)."""
+        """int64 [length]: the slot of each of rows 0..length-1."""
+        return self.slots_of(torch.arange(length, device=self.device))
+
+    def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """int64 like `rows`: the slot of each live row (Ring.slot, as tensor arithmetic: a tick
+        would spend more on a Python list of every row than on the attention itself)."""
         ring = self.ring
-        rows = torch.arange(length, device=self.device)
         window = ring.sinks + (rows + (ring.cursor - 2 * ring.sinks)).remainder(ring.window)
         return torch.where(rows < ring.sinks, rows, window)
 
@@ -498,7 +501,7 @@ class RingLayer(OneSequenceLayer):
         else:
             self.reserve(self.length + count)
             self.length += count
-            where = self.slot_index(self.length)[-count:]
+            where = self.slots_of(torch.arange(self.length - count, self.length, device=self.device))
         self.key_buffer.index_copy_(2, where, key_states)
         self.value_buffer.index_copy_(2, where, value_states)
         used = self.ring.used(self.length)
@@ -670,7 +673,7 @@ class SpliceCache(Cache):
         ascending) of every layer instead of appending."""
         # a ring maps the rows to slots once here, not in each layer's update: every layer
         # shares the cursor, and a tick's few small tensor ops per layer add up on a CPU
-        slots = self.slot_index(self.length).index_select(0, rows) if self.store == "ring" else None
+        slots = self.layers[0].slots_of(rows.to(self.layers[0].device)) if self.store == "ring" else None
         for layer in self.layers:
             layer._write_rows = rows
             if slots is not None:

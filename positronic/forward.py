@@ -12,8 +12,10 @@ Three choices make a forward over an edited cache correct:
 
 A ring store (cache.RingLayer) gives the model its rows in slot order, not row order: the
 mask is then laid out by slot (`slot_rows`), free slots hidden from every query, and the
-attention row is read back in row order. With no free slot among them, the newest token
-alone needs no mask there either: its attention does not depend on the order of the rows.
+attention row is read back in row order. The newest token alone (a tick's forward) sees every
+live row, and its attention does not depend on their order: it needs no mask at all, or,
+after a batch eviction left free slots, one that hides their single run (`Ring.free`, two
+tensor ops: no slot map is built for it).
 
 The attention row that brightness and the eviction policies read is not taken from
 `output_attentions` (which forces eager attention in every layer): `AttentionRow` hooks the
@@ -89,6 +91,13 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, 
         hidden[queries - probes + own, keys - probes + own] = False
     mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
     return mask.masked_fill_(hidden, torch.finfo(dtype).min)[None, None]
+
+
+def hidden_slots(used: int, free: range, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, 1, used] for one query that sees every used slot but the `free` ones."""
+    mask = torch.zeros((1, 1, 1, used), dtype=dtype, device=device)
+    mask[..., free.start : free.stop] = torch.finfo(dtype).min
+    return mask
 
 
 class AttentionRow:
@@ -189,19 +198,24 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     newest = positions[-1] == max(key_positions)
     if attention_layers and not newest:
         raise ValueError("the attention row is recorded for the newest row only")
-    slots = free = None
+    slots = None
     if getattr(cache, "store", "splice") == "ring":
         if probes:
             raise ValueError("probes need the splice store: a ring keeps no scratch rows")
         if len(key_positions) > cache.ring.capacity:
             raise ValueError(f"{len(key_positions)} rows do not fit the ring's {cache.ring.capacity} slots: "
                              "reserve them before the forward")
-        order = cache.slot_rows(len(key_positions)).to(device)  # the model sees the keys in this order
-        slots = cache.slot_index(len(key_positions)).to(device)
-        free = len(order) > len(key_positions)
-        keys = keys[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
-    mask = (None if len(token_ids) == 1 and newest and not probes and not free
-            else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
+        slots = cache.slot_index(len(key_positions)).to(device) if attention_layers else None
+        if len(token_ids) == 1 and newest:  # it sees every live row: only the free slots need hiding
+            free = cache.ring.free(len(key_positions))
+            mask = hidden_slots(cache.ring.used(len(key_positions)), free, lm.dtype, device) if free else None
+        else:
+            order = cache.slot_rows(len(key_positions)).to(device)  # the model sees the keys in this order
+            keys = keys[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
+            mask = visibility_mask(query, keys, lm.dtype)
+    else:
+        mask = (None if len(token_ids) == 1 and newest and not probes
+                else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
     recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions),
                             slots=slots)
     with recorder.record(cache):

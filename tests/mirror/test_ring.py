@@ -74,6 +74,16 @@ def test_any_layout_keeps_every_surviving_row_reachable_through_its_slot(seed):
         assert len(set(ring.slots(range(len(rows))))) == len(rows)
 
 
+@pytest.mark.parametrize("sinks,capacity", [(0, 7), (2, 9), (4, 12)])
+def test_the_free_slots_are_the_used_slots_no_row_holds(sinks, capacity):
+    for cursor in range(sinks, capacity):
+        ring = Ring(sinks, capacity, cursor)
+        for length in range(capacity + 1):
+            held = set(ring.slots(range(length)))
+            assert len(held) == length
+            assert set(ring.free(length)) == set(range(ring.used(length))) - held
+
+
 def test_a_bad_ring_is_refused():
     for data in ({"sinks": 4, "capacity": 4, "cursor": 4}, {"sinks": 0, "capacity": 8, "cursor": 8},
                  {"sinks": 1, "capacity": 8, "cursor": 0}, {"sinks": True, "capacity": 8, "cursor": 1},
