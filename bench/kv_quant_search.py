@@ -43,6 +43,14 @@ Candidates (K / V):
   BOS row float   the first row kept unquantised (IntactKV's "pivot tokens" idea)
   K-only / V-only diagnostics: one side quantised, the other float.
 
+  pre-*           keys quantised before RoPE (KVQuant's observation: before the rotation an
+                  outlier channel stays the same channel for every token): the stored key is
+                  un-rotated to position 0 (exact in float32), quantised, rotated back.
+                  "cal": divided by a fixed per-(layer, kv head, channel) factor first, the
+                  root-mean-square of that channel's pre-RoPE keys over --calibration (a text
+                  not measured here), multiplied back after: a static stand-in for KVQuant's
+                  per-channel key scales that a row still carries alone.
+
 --rotation-seed N multiplies the Hadamard matrix by a diagonal of random signs (another fixed
 orthogonal rotation): the spread over seeds shows how much of a 1-2% difference between two
 candidates is the luck of where the rounding falls rather than the format.
@@ -230,7 +238,22 @@ def weight_channel_norms(lm) -> torch.Tensor:
     return torch.stack(out)
 
 
-def candidates(lm, rotation_seed: int = 0) -> list[Candidate]:
+@torch.no_grad()
+def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
+    """[layers, kv_heads, head_dim]: root-mean-square of each pre-RoPE key channel over `ids`."""
+    from positronic.smartkv.cache import KeyUnrotator
+
+    cache = DynamicCache(config=lm.model.config)
+    lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True)
+    unrotate = KeyUnrotator.for_config(lm.model.config)
+    out = []
+    for layer in cache.layers:
+        plain = unrotate(layer.keys, torch.arange(len(ids)))  # [n, kv_heads * head_dim]
+        out.append(plain.pow(2).mean(0).sqrt().view(lm.num_kv_heads, lm.head_dim))
+    return torch.stack(out)
+
+
+def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None) -> list[Candidate]:
     d = lm.head_dim
     H = hadamard(d)
     if rotation_seed:  # diag(random signs) @ H: another fixed orthogonal rotation, to see the spread
@@ -271,8 +294,31 @@ def candidates(lm, rotation_seed: int = 0) -> list[Candidate]:
             return out
         return f
 
+    from positronic.smartkv.cache import KeyUnrotator
+
+    unrotator = KeyUnrotator.for_config(lm.model.config)
+    inv_freq = unrotator.inv_freq.to(lm.device)
+    channel_rms = pre_rope_channel_rms(lm, calibration) if calibration else None
+
+    def pre_rope(fn, calibrated: bool = False):
+        """Quantise keys [1, kv_heads, n, d] un-rotated (one forward over the text: row i is at
+        position i), optionally divided by the calibrated channel RMS, then rotate back."""
+        def q(x, layer):
+            n = x.shape[2]
+            at = torch.arange(n, device=x.device)
+            plain = unrotator(x, at).view(n, lm.num_kv_heads, d).transpose(0, 1)[None]  # [1, kv, n, d]
+            c = channel_rms[layer].to(x.device)[None, :, None, :] if calibrated else None
+            out = fn(plain / c) * c if calibrated else fn(plain)
+            angles = at[:, None].float() * inv_freq[None, :]
+            cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+            half = d // 2
+            rot = torch.cat([-out[..., half:], out[..., :half]], -1)
+            return out * cos + rot * sin
+        return q
+
     i4 = rows(sym_int4)
     i4g32 = rows(lambda x: sym_int4(x, 32))
+    best_v = rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))
     out = [
         Candidate("float", None, None, 16, 16, "reference"),
         Candidate("int4-row (today)", i4, i4, 4.25, 4.25),
@@ -347,7 +393,24 @@ def candidates(lm, rotation_seed: int = 0) -> list[Candidate]:
         Candidate("had-nf4-g16-s8", rotated(lambda x: sym_nf4(x, 16, torch.float8_e4m3fn)),
                   rotated(lambda x: sym_nf4(x, 16, torch.float8_e4m3fn)), 4.5, 4.5),
         Candidate("had-nf4-g16 K, had-nf4-row V", rotated(lambda x: sym_nf4(x, 16)), rotated(sym_nf4), 5.0, 4.25),
+        # round 5: keys quantised before RoPE, values as the best format so far
+        Candidate("pre-float K (check: un-rotate, rotate back)", pre_rope(lambda x: x), None, 16, 16, "diagnostic"),
+        Candidate("pre-int4-row K, had-asym-g32 z4 clip V", pre_rope(sym_int4), best_v, 4.25, 4.625),
+        Candidate("pre-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                  pre_rope(lambda x: asym_int4(x, 32, "z4", clips=CLIPS)), best_v, 4.625, 4.625),
     ]
+    if channel_rms is not None:
+        out += [
+            Candidate("pre-cal-int4-row K, had-asym-g32 z4 clip V", pre_rope(sym_int4, True), best_v, 4.25, 4.625),
+            Candidate("pre-cal-int4-g32 clip K, had-asym-g32 z4 clip V",
+                      pre_rope(lambda x: sym_int4(x, 32, clips=CLIPS), True), best_v, 4.5, 4.625),
+            Candidate("pre-cal-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      pre_rope(lambda x: asym_int4(x, 32, "z4", clips=CLIPS), True), best_v, 4.625, 4.625),
+            Candidate("pre-cal-had-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      pre_rope(rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS)), True), best_v, 4.625, 4.625),
+            Candidate("pre-cal-asym-int4-g32 z4 clip K only",
+                      pre_rope(lambda x: asym_int4(x, 32, "z4", clips=CLIPS), True), None, 4.625, 16, "diagnostic"),
+        ]
     return out
 
 
@@ -360,13 +423,17 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None,
                    help="candidates to run: a substring of the name, or =NAME exactly; float always runs (first)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--calibration", type=Path, default=Path("/work/heldout/pride_and_prejudice.txt"),
+                   help="text for the pre-RoPE channel factors (pre-cal-*); none: those candidates are left out")
     p.add_argument("--rotation-seed", type=int, default=0,
                    help="0: the plain Sylvester Hadamard; N: random signs (seed N) times it")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
     lm = load_model(args.model, device="cpu", dtype="float32")
-    cands = candidates(lm, args.rotation_seed)
+    calibration = ([lm.bos_id] + lm.encode(excerpt(args.calibration, args.offset))[: args.tokens]
+                   if args.calibration and args.calibration.is_file() else None)
+    cands = candidates(lm, args.rotation_seed, calibration)
     if args.only:
         def chosen(name: str) -> bool:
             return name == "float" or any(name == o[1:] if o.startswith("=") else o in name for o in args.only)
