@@ -130,7 +130,7 @@ class SmartKVPolicy:
         drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per layer
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
-            _, dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
+            dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
             for layer, gone in enumerate(dropped.tolist()):
                 if gone >= 0:
                     drops[layer].append(gone)

@@ -59,10 +59,10 @@ class Memories:
     def layers(self) -> int:
         return self.ids.shape[0]
 
-    def offer(self, token_id: int, position: int, scores, now: int) -> tuple[np.ndarray, np.ndarray]:
-        """Offer a token (scores: one per layer) at step `now`. Returns (slots, dropped), int64
-        [layers] each: the slot the token took in each layer (-1: it lost there) and the id that
-        layer drops (-1 while the memory has room: nothing is dropped)."""
+    def offer(self, token_id, position: int, scores, now: int) -> np.ndarray:
+        """Offer a token (its id: one, or one per layer; scores: one per layer) at step `now`.
+        Returns int64 [layers]: the id each layer drops, the weakest held or the token itself
+        (-1 while the memory has room: nothing is dropped)."""
         column = self.count if self.count < self.size else self.size
         self.scores[:, column] = scores
         self.weights[:, column] = [4.0 ** float(score) for score in scores]
@@ -70,7 +70,7 @@ class Memories:
         self.positions[:, column], self.ids[:, column] = position, token_id
         if column < self.size:
             self.count += 1
-            return np.full(self.layers, column), np.full(self.layers, -1)
+            return np.full(self.layers, -1)
         ranks = self.weights * np.maximum(FLOOR * self.horizon, self.deadlines - now)  # [layers, size + 1]
         at = ranks.argmin(axis=1)
         lowest = ranks[self._layers, at][:, None]
@@ -80,7 +80,7 @@ class Memories:
         won = np.flatnonzero(at < self.size)
         for array in (self.weights, self.deadlines, self.positions, self.scores, self.ids):
             array[won, at[won]] = array[won, self.size]
-        return np.where(at < self.size, at, -1), dropped
+        return dropped
 
     def copy(self) -> "Memories":
         twin = Memories(self.layers, self.size, self.horizon)
@@ -174,7 +174,7 @@ class RowBook:
             return entry.slots
         if entry.scores is None:
             raise RuntimeError(f"the token at position {entry.position} left the window unscored")
-        _, dropped = self._memory.offer(entry.slots, entry.position, entry.scores,
+        dropped = self._memory.offer(entry.slots, entry.position, entry.scores,
                                         now=entry.position + self.window_size)
         return None if dropped[0] < 0 else dropped
 
