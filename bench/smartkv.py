@@ -217,8 +217,7 @@ class ScoringClock:
 
     def __init__(self, cache: SmartKVCache):
         self.seconds = 0.0
-        for layer in cache.layers:
-            layer._scores = self._timed(layer._scores)
+        cache.layout.score = self._timed(cache.layout.score)
 
     def _timed(self, fn):
         def timed(*args, **kwargs):

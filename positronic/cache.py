@@ -34,6 +34,7 @@ Only `StateManager` edits a SpliceCache inside the brain; the model only appends
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -404,6 +405,18 @@ class PackedSpliceLayer(OneSequenceLayer):
             raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """A splice of a ring store, worked out once for every layer: the ring after it, the live
+    length, whether the buffers grow, and the (from slots, to slots) of the rows that move
+    (int64 [n] each; None: no row moves)."""
+
+    ring: Ring
+    length: int
+    grow: bool
+    moves: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class RingLayer(OneSequenceLayer):
     """One layer's K/V rows in a ring (`SpliceCache(..., store="ring")`), for sliding windows.
 
@@ -539,24 +552,33 @@ class RingLayer(OneSequenceLayer):
         """Rearrange the live rows (runs (old_row, new_row, count), as SpliceLayer.splice): the
         cursor follows the longest kept window run, and only rows whose slot changes are copied
         (a streaming eviction: none)."""
+        self.apply(self.plan(kept, length))
+
+    def plan(self, kept: list[tuple[int, int, int]], length: int) -> RingPlan:
+        """What a splice does to this ring (the same for every layer: they share the cursor)."""
         new = self.ring.after(kept, length)
         grow = new.capacity != self.capacity
         source, target = self.ring.moves(kept, new, every=grow)
-        if source and self.is_initialized:
-            device = self.device
-            source = torch.tensor(source, dtype=torch.long, device=device)
-            target = torch.tensor(target, dtype=torch.long, device=device)
+        moves = None
+        if source:
+            moves = (torch.tensor(source, dtype=torch.long, device=self.device),
+                     torch.tensor(target, dtype=torch.long, device=self.device))
+        return RingPlan(new, length, grow, moves)
+
+    def apply(self, plan: RingPlan) -> None:
+        if plan.moves is not None and self.is_initialized:
+            source, target = plan.moves
             buffers = []
             for buffer in (self.key_buffer, self.value_buffer):
                 rows = buffer.index_select(2, source)  # gathered first: moves may overlap
-                into = SpliceLayer._empty(buffer, new.capacity) if grow else buffer
+                into = SpliceLayer._empty(buffer, plan.ring.capacity) if plan.grow else buffer
                 buffers.append(into.index_copy_(2, target, rows))
             self.key_buffer, self.value_buffer = buffers
             self.moved_rows += len(source)
-        elif grow and self.is_initialized:
-            self.key_buffer = SpliceLayer._empty(self.key_buffer, new.capacity)
-            self.value_buffer = SpliceLayer._empty(self.value_buffer, new.capacity)
-        self.ring, self.length = new, length
+        elif plan.grow and self.is_initialized:
+            self.key_buffer = SpliceLayer._empty(self.key_buffer, plan.ring.capacity)
+            self.value_buffer = SpliceLayer._empty(self.value_buffer, plan.ring.capacity)
+        self.ring, self.length = plan.ring, plan.length
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + len(cos) (rope.rotate), wherever
@@ -652,6 +674,11 @@ class SpliceCache(Cache):
         the cache then holds `length` rows, the uncovered ones being gaps for `fill`."""
         if not self.layers[0].is_initialized:
             raise ValueError("the cache is empty: nothing to splice")
+        if self.store == "ring":
+            plan = self.layers[0].plan(kept, length)
+            for layer in self.layers:
+                layer.apply(plan)
+            return
         for layer in self.layers:
             layer.splice(kept, length)
 

@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ..util import DTYPES, error_line, quiet_transformers
+from . import attention
 from .checks import ModelError, ModelNotAvailable, check_config, check_model
 from .random_models import random_model
 from .smollm2 import smollm2_cache
@@ -159,6 +160,7 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> Lo
     check_model(name, model, tokenizer)
     config, rotary = model.config, model.model.rotary_emb
     model.eval().requires_grad_(False)
+    model.set_attn_implementation(attention.for_device(dev))
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id
     if bos is None:
         raise ModelError(f"model {name!r} has no BOS token id")

@@ -64,13 +64,13 @@ def test_the_attention_row_equals_eager_attention_on_the_scored_layers(smol):
     sm_ids, positions = sm.live_token_ids(), sm.positions()
     model, n = smol.model, len(sm_ids)
     causal = torch.full((n, n), torch.finfo(smol.dtype).min).triu(1)[None, None]
-    model.config._attn_implementation = "eager"
+    previous, model.config._attn_implementation = model.config._attn_implementation, "eager"
     try:
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([sm_ids]), position_ids=torch.tensor([positions]),
                         attention_mask=causal, output_attentions=True, use_cache=False)
     finally:
-        model.config._attn_implementation = "sdpa"
+        model.config._attn_implementation = previous
     # a fresh prefill differs from the spliced cache in deeper layers, so compare with the
     # rebuilt state, whose K/V are that prefill's
     sm.rebuild()

@@ -28,12 +28,13 @@ def expected_inv_freq():
 
 
 def _eager_forward(lm, ids: list[int]):
+    previous = lm.model.config._attn_implementation
     lm.model.config._attn_implementation = "eager"
     try:
         with torch.inference_mode():
             return lm.model(torch.tensor([ids]), output_attentions=True)
     finally:
-        lm.model.config._attn_implementation = "sdpa"
+        lm.model.config._attn_implementation = previous
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from positronic.models import load_model
+from positronic.models import attention, load_model
 
 
 def test_random_tiny_facts(tiny, expected_inv_freq):
@@ -15,7 +15,7 @@ def test_random_tiny_facts(tiny, expected_inv_freq):
     torch.testing.assert_close(tiny.inv_freq, expected_inv_freq(10000.0, 16), rtol=0, atol=0)
     assert not tiny.model.training
     assert not any(p.requires_grad for p in tiny.model.parameters())
-    assert tiny.model.config._attn_implementation == "sdpa"
+    assert tiny.model.config._attn_implementation == attention.ATTENTION  # SDPA, grouped-query under a mask too
     assert tiny.model.model.embed_tokens.weight.shape == (512, 64)
 
 
@@ -30,7 +30,7 @@ def test_random_tiny_runs_sdpa_and_its_attention_row_matches_eager(tiny, eager_f
         sdpa = tiny.model(torch.tensor([ids]))
     assert sdpa.logits.shape == (1, 7, 512) and torch.isfinite(sdpa.logits).all()
     eager = eager_forward(tiny, ids)
-    assert tiny.model.config._attn_implementation == "sdpa"
+    assert tiny.model.config._attn_implementation == attention.ATTENTION  # SDPA, grouped-query under a mask too
     assert len(eager.attentions) == 2 and eager.attentions[0].shape == (1, 4, 7, 7)
     torch.testing.assert_close(sdpa.logits, eager.logits, rtol=0, atol=1e-5)
     result = forward(tiny, SpliceCache(tiny.model.config, 16), ids, list(range(7)), list(range(7)),

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from positronic import models
-from positronic.models import load_model
+from positronic.models import attention, load_model
 
 
 def test_smollm2_facts(smol, expected_inv_freq):
@@ -15,7 +15,7 @@ def test_smollm2_facts(smol, expected_inv_freq):
     assert (smol.vocab_size, smol.max_positions, smol.bos_id) == (49152, 8192, 1)
     assert smol.eos_id == 2 and smol.dtype == torch.float32
     torch.testing.assert_close(smol.inv_freq, expected_inv_freq(100000.0, 64), rtol=0, atol=0)
-    assert smol.model.config._attn_implementation == "sdpa" and not smol.model.training
+    assert smol.model.config._attn_implementation == attention.ATTENTION and not smol.model.training
 
 
 def test_smollm2_encode_adds_nothing_and_decode_round_trips(smol):

@@ -1,0 +1,44 @@
+"""positronic/models/attention.py: on a CPU the models run SDPA with grouped-query attention kept
+under a mask; it must give what transformers' own "sdpa" path gives, masked or not."""
+
+import pytest
+import torch
+
+from positronic.forward import visibility_mask
+from positronic.models import attention, load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa():
+    """The tiny random shape has 4 query heads on 2 kv heads: grouped-query attention."""
+    lm = load_model("random:tiny", device="cpu", dtype="float32")
+    assert lm.num_heads != lm.num_kv_heads
+    return lm
+
+
+def logits(lm, implementation: str, ids, positions, mask):
+    lm.model.set_attn_implementation(implementation)
+    try:
+        with torch.no_grad():
+            return lm.model(torch.tensor([ids]), position_ids=torch.tensor([positions]), attention_mask=mask).logits
+    finally:
+        lm.model.set_attn_implementation(attention.for_device(lm.device))
+
+
+def test_cpu_models_run_the_grouped_attention(tiny_gqa):
+    assert tiny_gqa.model.config._attn_implementation == attention.ATTENTION
+    assert attention.for_device(torch.device("cuda")) == "sdpa"
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_same_logits_as_transformers_sdpa(tiny_gqa, masked):
+    ids = [1] + [(7 * i) % 200 + 3 for i in range(23)]
+    positions = list(range(24))
+    mask = None
+    if masked:  # some keys hidden from some queries, as an inserted-token forward does
+        keys = torch.tensor(positions)
+        keys[5:9] = 100
+        mask = visibility_mask(torch.tensor(positions), keys, torch.float32)
+    ours = logits(tiny_gqa, attention.ATTENTION, ids, positions, mask)
+    theirs = logits(tiny_gqa, "sdpa", ids, positions, mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
