@@ -71,7 +71,8 @@ def perplexity(losses: list[float]) -> float:
     return math.exp(sum(losses) / len(losses))
 
 
-def smart_caches(config, stored: int, *, sinks: int, window: int | None, gates: dict[str, GateSet]):
+def smart_caches(config, stored: int, *, sinks: int, window: int | None, gates: dict[str, GateSet],
+                 horizon: int | None = None):
     """(name, cache) for each SmartKV variant holding `stored` rows (the decoded token among them);
     window None: half of them, as `--policy smartkv` does by default."""
     window = stored // 2 if window is None else window
@@ -79,7 +80,7 @@ def smart_caches(config, stored: int, *, sinks: int, window: int | None, gates: 
     if budget < 1:
         raise ValueError(f"{stored} rows leave no long-term memory after sinks {sinks} + window {window}")
     for name, gate_set in gates.items():
-        yield name, SmartKVCache(config, gate_set, budget=budget, sinks=sinks, window=window)
+        yield name, SmartKVCache(config, gate_set, budget=budget, sinks=sinks, window=window, horizon=horizon)
     yield "smartkv-stream", SmartKVCache.streaming(config, capacity=stored, sinks=sinks)
 
 
@@ -132,7 +133,8 @@ def quality(args, lm) -> None:
             stream = run_stream(lm, ids, brain_config)
             assert stream.max_live <= budget
             report(name, budget, perplexity(stream.nll), time.perf_counter() - start)
-        for name, cache in smart_caches(config, budget, sinks=args.sinks, window=args.window, gates=gates):
+        for name, cache in smart_caches(config, budget, sinks=args.sinks, window=args.window, gates=gates,
+                                         horizon=args.horizon):
             if wanted and name not in wanted:
                 continue
             start = time.perf_counter()
@@ -334,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25], help="shares of --tokens")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, help="recent rows every SmartKV layer keeps (default: half the budget)")
+    p.add_argument("--horizon", type=int, help="SmartKVCache rows: the lifespan horizon memory ranks by "
+                   "(default: the gates' own, 512)")
     p.add_argument("--gates", type=Path, help="trained per-layer gates (default: the shipped ones)")
     p.add_argument("--shared-gates", type=Path, help="one shared gate (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")
