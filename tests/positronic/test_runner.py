@@ -85,6 +85,9 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
     as a run that was never interrupted. Bounded: 8 interruptions, then it runs to the end."""
     ticks, common = 400, ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
     straight = tmp_path / "straight.jsonl"
+    # the first process on a fresh machine imports torch and the model from a cold disk and can
+    # take several runs' time; warm up first, so the timing below is a run's
+    subprocess.run(cli("--ticks", "1", *common), check=True, capture_output=True, timeout=300)
     began = time.monotonic()
     subprocess.run(cli("--ticks", str(ticks), "--events", str(straight), *common), check=True,
                    capture_output=True, timeout=300)
