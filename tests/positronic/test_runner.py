@@ -93,6 +93,13 @@ def logged_tick(events: Path) -> int:
     return last
 
 
+def interruptible() -> None:
+    """In the child before it starts: Ctrl-C as in a terminal. A test run in the background
+    (`nohup`, `cmd &` in a script) inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt: the run would go on to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_moment(rng, process, events: Path, done: int, ticks: int) -> None:
     """Return at a random moment of the run: a quarter of the time during start-up (a random
     fraction of a second after it began), else once the log shows a random tick in the first
@@ -124,7 +131,8 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
             break
         args = cli("--ticks", str(ticks - done), "--session", str(session), "--events", str(events), *common)
         process = subprocess.Popen(args + (["--resume"] if saved.exists() else ["--overwrite"]),  # a log of a run killed before its first save
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=interruptible)
         if len(stops) < 8:  # then it runs to the end
             signal_moment(rng, process, events, done, ticks)
             number = rng.choice([signal.SIGINT, signal.SIGKILL])
