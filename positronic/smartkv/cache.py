@@ -336,6 +336,9 @@ class SmartKVCache(Cache):
             raise ValueError(f"a long-term budget ({budget}) needs gates to rank tokens; use budget=0 for a "
                              "streaming cache (sinks + window)")
         if window is None:
+            if budget == 0:
+                raise ValueError("a cache without long-term memory (budget 0) needs its window size: "
+                                 "give window=, or use SmartKVCache.streaming(config, capacity=...)")
             window = sinks + budget
         self.sinks, self.budget, self.window = sinks, budget, window
         self.horizon = horizon or (gates.horizon if gates is not None else LifespanRule.horizon)

@@ -228,7 +228,10 @@ def test_cache_refuses_what_it_cannot_do(tiny):
     with pytest.raises(ValueError, match="needs gates"):
         SmartKVCache(config, budget=8)
     with pytest.raises(ValueError, match="prune"):
-        SmartKVCache(config, budget=0, prune="sometimes")
+        SmartKVCache(config, budget=0, window=8, prune="sometimes")
+    with pytest.raises(ValueError, match="needs its window size"):
+        SmartKVCache(config, budget=0)
+    assert SmartKVCache(config, GateSet.for_config(config), budget=12, sinks=4).window == 16  # half the capacity
     other = GateSet.new(3, 32)
     with pytest.raises(GateFileError, match="this model has 2 layers"):
         SmartKVCache(config, other, budget=8)
