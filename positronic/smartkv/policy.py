@@ -125,11 +125,12 @@ class SmartKVPolicy:
         leaving = [row for row in range(self.keep, window_start) if ids[row] > self.offered]
         fresh = self._score(view.rows, [ids[row] for row in leaving], ids, positions)
         scores = self.scores | fresh if fresh else self.scores
-        seconds["score"] = (now := time.perf_counter()) - clock
+        seconds["score"] = (scored := time.perf_counter()) - clock
         memory = self.memory.copy()
         drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per layer
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
+            # ranked at the step whose token pushes this one out of the window (as SmartKVCache does)
             dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
             for layer, gone in enumerate(dropped.tolist()):
                 if gone >= 0:
@@ -143,7 +144,7 @@ class SmartKVPolicy:
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
             outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per layer"
                                  + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every layer" if gone else "")))
-        seconds["select"] = time.perf_counter() - now
+        seconds["select"] = time.perf_counter() - scored
         return PolicyPlan(actions, outcomes)
 
     def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
