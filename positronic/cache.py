@@ -113,11 +113,12 @@ class SpliceLayer(OneSequenceLayer):
         return None if self.value_buffer is None else self.value_buffer[:, :, self.start : self.start + self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty K/V buffers of `capacity` rows shaped like the first rows (RingLayer shares it)."""
         if key_states.shape[0] != 1:
             raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = self._empty(key_states, self.capacity)
-        self.value_buffer = self._empty(value_states, self.capacity)
+        self.key_buffer = SpliceLayer._empty(key_states, self.capacity)
+        self.value_buffer = SpliceLayer._empty(value_states, self.capacity)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -491,13 +492,7 @@ class RingLayer(OneSequenceLayer):
         rows = torch.full((self.ring.used(length),), -1, dtype=torch.long, device=self.device)
         return rows.index_copy_(0, self.slot_index(length), torch.arange(length, device=self.device))
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.shape[0] != 1:
-            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = SpliceLayer._empty(key_states, self.capacity)
-        self.value_buffer = SpliceLayer._empty(value_states, self.capacity)
-        self.is_initialized = True
+    lazy_initialization = SpliceLayer.lazy_initialization
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store new rows [1, kv_heads, n, head_dim] in their slots: the rows `fill()` named, or

@@ -43,15 +43,15 @@ FLOOR = 1e-3  # a token past its horizon keeps a thousandth of its predicted lif
 class Memories:
     """The long-term memories of `layers` layers, at most `size` tokens each. Every token offered
     competes in every layer at once, with a score per layer, so all layers always hold the same
-    count. Arrays [layers, size + 1] by slot (float64): `weights` (4 ** score), `deadlines`
-    (position + horizon), `positions`, `scores` (kept for the record) and `ids` (int64, the
+    count. Arrays [layers, size + 1] by slot (float64): `scores`, `weights` (4 ** score, kept
+    so that an offer takes no power of every held score), `positions` and `ids` (int64, the
     caller's name for the token); the last column holds the token being offered."""
 
     def __init__(self, layers: int, size: int, horizon: int):
         if size < 1 or horizon < 1:
             raise ValueError(f"a memory needs size >= 1 and horizon >= 1, got {size}, {horizon}")
         self.size, self.horizon, self.count = size, horizon, 0
-        self.weights, self.deadlines, self.positions, self.scores = (np.zeros((layers, size + 1)) for _ in range(4))
+        self.weights, self.positions, self.scores = (np.zeros((layers, size + 1)) for _ in range(3))
         self.ids = np.zeros((layers, size + 1), dtype=np.int64)
         self._layers = np.arange(layers)
 
@@ -66,25 +66,25 @@ class Memories:
         column = self.count if self.count < self.size else self.size
         self.scores[:, column] = scores
         self.weights[:, column] = [4.0 ** float(score) for score in scores]
-        self.deadlines[:, column] = position + self.horizon
         self.positions[:, column], self.ids[:, column] = position, token_id
         if column < self.size:
             self.count += 1
             return np.full(self.layers, -1)
-        ranks = self.weights * np.maximum(FLOOR * self.horizon, self.deadlines - now)  # [layers, size + 1]
+        # 4**score * max(FLOOR, 1 - age / horizon), times horizon: the steps of the horizon left
+        ranks = self.weights * np.maximum(FLOOR * self.horizon, self.positions - (now - self.horizon))
         at = ranks.argmin(axis=1)
         lowest = ranks[self._layers, at][:, None]
         if (np.count_nonzero(ranks == lowest, axis=1) > 1).any():  # ties: the oldest goes
             at = np.where(ranks == lowest, self.positions, np.inf).argmin(axis=1)
         dropped = self.ids[self._layers, at]
         won = np.flatnonzero(at < self.size)
-        for array in (self.weights, self.deadlines, self.positions, self.scores, self.ids):
+        for array in (self.weights, self.positions, self.scores, self.ids):
             array[won, at[won]] = array[won, self.size]
         return dropped
 
     def copy(self) -> "Memories":
         twin = Memories(self.layers, self.size, self.horizon)
-        for name in ("weights", "deadlines", "positions", "scores", "ids"):
+        for name in ("weights", "positions", "scores", "ids"):
             setattr(twin, name, getattr(self, name).copy())
         twin.count = self.count
         return twin
@@ -104,7 +104,7 @@ class Memories:
         for layer, held in enumerate(entries):
             for slot, (score, position, token_id) in enumerate(held):
                 memory.scores[layer, slot], memory.weights[layer, slot] = float(score), 4.0 ** float(score)
-                memory.positions[layer, slot], memory.deadlines[layer, slot] = position, position + horizon
+                memory.positions[layer, slot] = position
                 memory.ids[layer, slot] = token_id
         memory.count = len(entries[0]) if entries else 0
         return memory
