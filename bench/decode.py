@@ -4,8 +4,10 @@
                            [--batches 8] [--repairers none bridge self] [--recall ROWS ...]
 
 For each live length it prints ms per token and tokens/s for
-  (a) hf-generate   `model.generate` as a user gets it: the model loaded the library's default
-                    way (SDPA attention), its default DynamicCache, greedy, prefill excluded;
+  (a) hf-generate   `model.generate` as a user gets it: the same weights in a model object of
+                    its own built the library's default way (transformers' "sdpa" attention, not
+                    the brain's CPU attention hook), its default DynamicCache, greedy, prefill
+                    excluded;
   (b) loop, maintenance off — sample + apply([add]) per tick (one forward, no edits);
   (c) loop, maintenance on — a full Brain tick at budget = context: brightness, the dimmest
       rows culled (`none`, the default) or pairs repaired by a repairer (the bridge's probes
@@ -60,9 +62,27 @@ def context_ids(lm, length: int) -> list[int]:
     return [lm.bos_id] + torch.randint(3, lm.vocab_size, (length - 1,), generator=generator).tolist()
 
 
-def hf_generate(lm, ids: list[int], ticks: int) -> float:
-    """Median seconds between consecutive decode steps of `generate` (so prefill is excluded);
-    a logits processor stamps the time at every step."""
+def default_model(lm):
+    """The brain's weights in a model object built the way transformers builds one by default
+    (its own "sdpa" attention), so that (a) is not measured on the brain's model object."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(lm.model.config)  # from_config sets the attention on the config it is given
+    with torch.device("meta"):  # no random init: every tensor is copied in below
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=lm.dtype)
+    model.to_empty(device=lm.device)
+    with torch.no_grad():
+        model.load_state_dict(lm.model.state_dict())
+        for name, buffer in lm.model.named_buffers():  # the rotary frequencies are not in the state dict
+            model.get_buffer(name).copy_(buffer)
+    return model.eval().requires_grad_(False)
+
+
+def hf_generate(lm, model, ids: list[int], ticks: int) -> float:
+    """Median seconds between consecutive decode steps of `model.generate` (so prefill is
+    excluded); a logits processor stamps the time at every step."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
@@ -74,7 +94,7 @@ def hf_generate(lm, ids: list[int], ticks: int) -> float:
             return scores
 
     with torch.no_grad():
-        lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=1 + ticks, min_new_tokens=1 + ticks,
+        model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=1 + ticks, min_new_tokens=1 + ticks,
                           do_sample=False, logits_processor=LogitsProcessorList([Clock()]),
                           pad_token_id=lm.eos_id if lm.eos_id is not None else 0)
     return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
@@ -168,11 +188,13 @@ def main() -> None:
                              "(each given size; cut to the model's positions)")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    hf = default_model(lm)
     import transformers
 
     device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  "
-          f"attention {lm.model.config._attn_implementation}  torch {torch.__version__}  "
+          f"attention: brain {lm.model.config._attn_implementation}, hf-generate {hf.config._attn_implementation}  "
+          f"torch {torch.__version__}  "
           f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
           f"{time.strftime('%Y-%m-%d')}")
     print(f"{'context':>7} {'run':<36} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
@@ -187,7 +209,7 @@ def main() -> None:
         room = lm.max_positions - context - args.ticks - 1  # recall's evicted rows held positions too
         rounds = []
         for _ in range(args.repeats):
-            base = hf_generate(lm, ids, args.ticks)
+            base = hf_generate(lm, hf, ids, args.ticks)
             plain = loop_plain(lm, ids, args.ticks)
             maintained = [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
                           for batch, repairer, rows in variants]

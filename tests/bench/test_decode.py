@@ -26,3 +26,21 @@ def test_decode_bench_prints_the_table_for_every_run():
         assert len(shares) == (4 if extra else 3), row  # apply, step4 (+ repair's or recall's extra), recall
         assert all(0 <= s <= 100 for s in shares[:2])
         assert (shares[-1] > 0) == ("recall," in row), "recall's own share only where recall runs"
+
+
+def test_generate_is_measured_on_a_default_model_of_its_own(tiny):
+    """(a) runs transformers' own "sdpa" attention on a model object of its own with the same
+    weights; building it leaves the brain's model (and its attention) as it was."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from bench.decode import default_model
+    from positronic.models import attention
+
+    hf = default_model(tiny)
+    assert hf is not tiny.model and hf.config is not tiny.model.config
+    assert hf.config._attn_implementation == "sdpa"
+    assert tiny.model.config._attn_implementation == attention.ATTENTION
+    ids = torch.tensor([[tiny.bos_id, 5, 9, 77, 3, 41]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, tiny.model(ids).logits, rtol=0, atol=1e-5)
