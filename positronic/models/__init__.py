@@ -1,8 +1,9 @@
 """Loading the causal LMs Positronic Brain runs on (DESIGN.md §7).
 
 `load_model(name)` returns a `LoadedModel`: an eval-mode Llama-family model with SDPA
-attention (the attention row the brain reads comes from a hook, see forward.py), its
-tokenizer and the shape facts the cache code needs.
+attention (on a CPU through attention.py, which keeps grouped-query attention under a mask;
+the attention row the brain reads comes from a hook, see forward.py), its tokenizer and the
+shape facts the cache code needs.
 Names: "smollm2" (embedded GGUF, converted once to a safetensors cache), "tinyllama", a local
 directory or hub id, "random:tinyllama" / "random:tiny" (random weights, built-in tokenizer).
 Failures are `ModelError`s whose message is one line.
@@ -11,6 +12,7 @@ Failures are `ModelError`s whose message is one line.
     random_models.py  random weights and the byte tokenizer
     smollm2.py        the embedded GGUF and its safetensors cache
     checks.py         what a model must be for exact splicing; ModelError
+    attention.py      the CPU attention function (SDPA, grouped-query under a mask too)
 """
 
 from .checks import SUPPORTED_ROPE_TYPES, ModelError, ModelNotAvailable, check_config, check_model

@@ -43,6 +43,7 @@ def load_gates(spec: str, lm) -> GateSet:
     try:
         gates = GateSet.load(spec) if spec else GateSet.for_model(lm.name)
         gates.check_model(lm.model.config)
+        gates.horizon  # noqa: B018  (a broken lifespan horizon is refused here, with the file's other faults)
     except GateFileError as exc:
         raise ValueError(f"smartkv: {exc}") from None
     return gates
