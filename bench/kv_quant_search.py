@@ -239,8 +239,9 @@ def weight_channel_norms(lm) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
-    """[layers, kv_heads, head_dim]: root-mean-square of each pre-RoPE key channel over `ids`."""
+def pre_rope_channel_rms(lm, ids: list[int], stat: str = "rms") -> torch.Tensor:
+    """[layers, kv_heads, head_dim]: root-mean-square (stat "rms") or mean ("mean") of each
+    pre-RoPE key channel over `ids`."""
     from positronic.smartkv.cache import KeyUnrotator
 
     cache = DynamicCache(config=lm.model.config)
@@ -249,8 +250,17 @@ def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
     out = []
     for layer in cache.layers:
         plain = unrotate(layer.keys, torch.arange(len(ids)))  # [n, kv_heads * head_dim]
-        out.append(plain.pow(2).mean(0).sqrt().view(lm.num_kv_heads, lm.head_dim))
+        moment = plain.pow(2).mean(0).sqrt() if stat == "rms" else plain.mean(0)
+        out.append(moment.view(lm.num_kv_heads, lm.head_dim))
     return torch.stack(out)
+
+
+@torch.no_grad()
+def post_rope_channel_mean(lm, ids: list[int]) -> torch.Tensor:
+    """[layers, kv_heads, head_dim]: mean of each stored (post-RoPE) key channel over `ids`."""
+    cache = DynamicCache(config=lm.model.config)
+    lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True)
+    return torch.stack([layer.keys[0].float().mean(1) for layer in cache.layers])
 
 
 def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None) -> list[Candidate]:
@@ -314,6 +324,22 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
             half = d // 2
             rot = torch.cat([-out[..., half:], out[..., :half]], -1)
             return out * cos + rot * sin
+        return q
+
+    channel_mean = pre_rope_channel_rms(lm, calibration, "mean") if calibration else None
+
+    def mean_offset(fn):
+        """Keys [1, kv_heads, n, d] (row i at position i) minus the calibrated pre-RoPE channel
+        mean rotated to each row's position; the residual quantised by `fn`, the mean added back."""
+        def q(x, layer):
+            n = x.shape[2]
+            at = torch.arange(n, device=x.device)
+            angles = at[:, None].float() * inv_freq[None, :]
+            cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+            m = channel_mean[layer].to(x.device)[None, :, None, :]  # [1, kv, 1, d]
+            half = d // 2
+            m_at = m * cos + torch.cat([-m[..., half:], m[..., :half]], -1) * sin  # [1, kv, n, d]
+            return fn(x - m_at) + m_at
         return q
 
     i4 = rows(sym_int4)
@@ -410,6 +436,43 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
                       pre_rope(rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS)), True), best_v, 4.625, 4.625),
             Candidate("pre-cal-asym-int4-g32 z4 clip K only",
                       pre_rope(lambda x: asym_int4(x, 32, "z4", clips=CLIPS), True), None, 4.625, 16, "diagnostic"),
+        ]
+    post_mean = post_rope_channel_mean(lm, calibration) if calibration else None
+
+    def post_offset(fn):
+        """Keys minus a fixed post-RoPE channel mean (the calibration text's, over its
+        positions): no position needed to add it back."""
+        def q(x, layer):
+            m = post_mean[layer].to(x.device)[None, :, None, :]
+            return fn(x - m) + m
+        return q
+
+    if post_mean is not None:  # round 6b: the same without positions
+        out += [
+            Candidate("post-had-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      post_offset(rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))), best_v, 4.625, 4.625),
+            Candidate("post-had-int4-g32 clip K, had-int4-g32 clip V",
+                      post_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))),
+                      rotated(lambda x: sym_int4(x, 32, clips=CLIPS)), 4.5, 4.5),
+        ]
+    if channel_mean is not None:  # round 6: a static per-channel offset, position-aware
+        had_best = rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))
+        out += [
+            Candidate("mean-had-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V", mean_offset(had_best),
+                      best_v, 4.625, 4.625),
+            Candidate("mean-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      mean_offset(lambda x: asym_int4(x, 32, "z4", clips=CLIPS)), best_v, 4.625, 4.625),
+            Candidate("mean-had-int4-row K, had-asym-g32 z4 clip V", mean_offset(rotated(sym_int4)),
+                      best_v, 4.25, 4.625),
+            Candidate("mean-had-int4-g32 clip K, had-asym-g32 z4 clip V",
+                      mean_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))), best_v, 4.5, 4.625),
+            Candidate("mean-had-int4-row K, had-int4-row V", mean_offset(rotated(sym_int4)), rotated(sym_int4),
+                      4.25, 4.25),
+            Candidate("mean-had-int4-g32 clip K, had-int4-g32 clip V",
+                      mean_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))),
+                      rotated(lambda x: sym_int4(x, 32, clips=CLIPS)), 4.5, 4.5),
+            Candidate("mean-had-int4-row clip K, had-int4-row clip V", mean_offset(rotated(lambda x: sym_int4(x, clips=CLIPS))),
+                      rotated(lambda x: sym_int4(x, clips=CLIPS)), 4.25, 4.25),
         ]
     return out
 

@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from positronic.mirror import Ring
 
-from . import kv_formats, rope
+from . import kv_formats, kv_triton, rope
 
 DEFAULT_CAPACITY = 256
 STORES = ("splice", "ring")
@@ -319,6 +319,9 @@ class PackedSpliceLayer(OneSequenceLayer):
 
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Live keys and values decoded together, each [1, kv_heads, length, head_dim]."""
+        if kv_triton.usable(self.codes.keys, self.head_dim):  # one fused kernel on a GPU
+            return kv_triton.decode_pair(self.codes.keys, self.scales.keys[..., 0], self.codes.values,
+                                         self.scales.values[..., 0], self.codec.levels, self.dtype)
         codes = torch.stack([self.codes.keys, self.codes.values])  # [2, 1, kv_heads, length, head_dim // 8]
         scales = torch.stack([self.scales.keys, self.scales.values])[..., 0]
         both = self.codec.decode(codes, scales, self.dtype)

@@ -35,14 +35,14 @@ def pack(nibbles: torch.Tensor) -> torch.Tensor:
     """int32 [..., head_dim] holding 0..15 -> int32 [..., head_dim // 8], code j of each
     group of eight in bits 4j..4j+3. The fields do not overlap, so their sum is their OR
     (the top nibble lands in the sign bit; int32 arithmetic wraps, nothing overflows)."""
-    groups = nibbles.reshape(*nibbles.shape[:-1], -1, CODES_PER_WORD)
+    groups = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // CODES_PER_WORD, CODES_PER_WORD)
     return (groups << _SHIFTS.to(nibbles.device)).sum(dim=-1, dtype=torch.int32)
 
 
 def unpack(codes: torch.Tensor) -> torch.Tensor:
     """int32 [..., words] -> int32 [..., words * 8] in 0..15 (the inverse of `pack`)."""
     nibbles = (codes.unsqueeze(-1) >> _SHIFTS.to(codes.device)) & 15  # arithmetic shift; the mask drops the sign
-    return nibbles.reshape(*codes.shape[:-1], -1)
+    return nibbles.reshape(*codes.shape[:-1], codes.shape[-1] * CODES_PER_WORD)  # (not -1: zero rows are ambiguous)
 
 
 class PackedFormat:
@@ -111,7 +111,7 @@ class Int4(PackedFormat):
         # the level is the nibble read as a signed number: shift it to the top of the word and
         # back (arithmetic shift), which sign-extends it; twice as fast as the table on a CPU
         signed = (codes.unsqueeze(-1) << (28 - _SHIFTS.to(codes.device))) >> 28
-        return signed.reshape(*codes.shape[:-1], -1).float()
+        return signed.reshape(*codes.shape[:-1], codes.shape[-1] * CODES_PER_WORD).float()
 
 
 class FP4(PackedFormat):

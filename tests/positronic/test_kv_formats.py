@@ -55,6 +55,14 @@ def test_encode_shapes_dtypes_and_head_dim_check(name):
         codec.encode(torch.zeros(1, 1, 1, 12))
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_zero_rows_encode_and_decode_to_zero_rows(name):
+    codec = PACKED[name]
+    codes, scales = codec.encode(torch.zeros(1, KV_HEADS, 0, HEAD_DIM))
+    assert codes.shape == (1, KV_HEADS, 0, HEAD_DIM // 8) and scales.shape == (1, KV_HEADS, 0)
+    assert codec.decode(codes, scales).shape == (1, KV_HEADS, 0, HEAD_DIM)
+
+
 def test_int4_round_trip_error_is_at_most_half_a_scale():
     codec = Int4()
     x = random_rows(500)

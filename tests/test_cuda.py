@@ -1,0 +1,102 @@
+"""The brain on a CUDA GPU: the invariants the CPU suite proves, checked where the tensors live
+on the device (index tensors, masks, the ring's free run, packed rows, per-layer rows).
+Skipped without a GPU — CI has none; bench/RESULTS.md records the runs on a lent H100.
+
+Every run ends in `check(deep=True)`: the mirror's invariants, the cache's shape, and layer 0
+of the cache against a fresh computation of the live tokens at their recorded positions.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from positronic import SpliceCache, load_model
+from positronic import session as sessions
+from positronic.loop import Brain, BrainConfig
+from positronic.smartkv import GateSet, SmartKVCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def gpu_tiny():
+    return load_model("random:tiny", device="cuda", dtype="float32")
+
+
+def prompt(lm, count: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [lm.bos_id] + torch.randint(3, lm.vocab_size, (count - 1,), generator=g).tolist()
+
+
+RUNS = [
+    dict(policy="brightness"),
+    dict(policy="brightness", repairer="self", repair_batch=1),
+    dict(policy="brightness", repairer="bridge"),
+    dict(policy="streaming", kv_store="ring"),
+    dict(policy="h2o"),
+    dict(policy="brightness", kv_format="int4"),
+    dict(policy="streaming", kv_format="fp4"),
+    dict(policy="brightness", recall=True),
+]
+
+
+@pytest.mark.parametrize("settings", RUNS, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_ticks_on_the_gpu_keep_cache_and_mirror_in_step(gpu_tiny, settings):
+    brain = Brain.start(gpu_tiny, prompt(gpu_tiny, 30), BrainConfig(budget=48, seed=3, **settings))
+    for tick in range(120):
+        record = brain.step()
+        assert not record.rebuilt, record.error
+        assert record.live_length <= 48
+        if tick % 40 == 39:
+            brain.state.check(deep=True)
+    assert brain.state.cache.layers[0].keys.is_cuda
+    assert brain.counts["culls"] + brain.counts.get("repairs", 0) > 0
+
+
+def test_a_rebuild_on_the_gpu_equals_a_fresh_prefill_at_the_recorded_positions(gpu_tiny):
+    brain = Brain.start(gpu_tiny, prompt(gpu_tiny, 30, seed=1), BrainConfig(budget=40, seed=4))
+    for _ in range(50):
+        brain.step()
+    state = brain.state
+    state.rebuild()
+    state.check(deep=True)
+    with torch.no_grad():
+        fresh = gpu_tiny.model(torch.tensor([state.live_token_ids()], device="cuda"),
+                               position_ids=torch.tensor([state.positions()], device="cuda")).logits[0, -1]
+    torch.testing.assert_close(state.next_logits, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_a_session_saved_on_the_gpu_resumes_and_goes_on_exactly(gpu_tiny, tmp_path):
+    config = BrainConfig(budget=40, seed=5, temperature=0)
+    brain = Brain.start(gpu_tiny, prompt(gpu_tiny, 30, seed=2), config)
+    for _ in range(45):
+        brain.step()
+    sessions.save(tmp_path, brain, gpu_tiny.name)
+    resumed = sessions.resume(gpu_tiny, tmp_path)
+    ahead = [brain.step().token_id for _ in range(20)]
+    assert [resumed.step().token_id for _ in range(20)] == ahead
+
+
+@pytest.mark.parametrize("store", ["splice", "ring"])
+def test_generate_with_a_splice_cache_on_the_gpu_equals_the_dynamic_cache(gpu_tiny, store):
+    ids = torch.tensor([prompt(gpu_tiny, 24, seed=6)], device="cuda")
+    reference = gpu_tiny.model.generate(ids, past_key_values=DynamicCache(config=gpu_tiny.model.config),
+                                        max_new_tokens=16, do_sample=False)
+    cache = SpliceCache(gpu_tiny.model.config, max_cache_len=64, store=store, sinks=4)
+    assert torch.equal(gpu_tiny.model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False),
+                       reference)
+
+
+def test_smartkv_on_the_gpu_in_generate_and_in_the_brain(gpu_tiny, tmp_path):
+    gates = GateSet.for_config(gpu_tiny.model.config, seed=7)
+    path = tmp_path / "gates.safetensors"
+    gates.save(path)
+    ids = torch.tensor([prompt(gpu_tiny, 60, seed=8)], device="cuda")
+    cache = SmartKVCache(gpu_tiny.model.config, gates=GateSet.load(path), sinks=4, budget=24)
+    out = gpu_tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    assert out.shape == (1, 72) and cache.seen == 71 and cache.rows < 71  # rows were pruned
+    brain = Brain.start(gpu_tiny, prompt(gpu_tiny, 40, seed=9),
+                        BrainConfig(policy="smartkv", budget=24, sinks=3, window=6, gates=str(path), seed=1))
+    for _ in range(40):
+        assert not brain.step().rebuilt
+    brain.state.check(deep=True)
