@@ -8,8 +8,9 @@ format runs the streaming policy (sinks 4, window 32, greedy) on the splice stor
 alternate between the formats (in turn, the order reversed every other round) and the brains
 carry on from round to round, so a noisy machine's drift hits all alike. Reported per format:
 the mean ms per tick over every measured tick and its ratio to float. On a GPU each 4-bit
-format decodes through the fused Triton kernel (positronic/kv_triton.py); `--unfused` adds a
-row per 4-bit format with the kernel switched off (the torch ops), to show what fusing buys.
+and fp4 row can decode through the fused Triton kernel (positronic/kv_triton.py, opt-in): their
+rows run with it switched on, and `--unfused` adds a row for each with it off (the torch ops),
+to show what fusing buys. On a CPU both rows run the torch ops.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from positronic.loop import Brain, BrainConfig  # noqa: E402
 def variants(formats: list[str], unfused: bool) -> list[tuple[str, str, bool]]:
     """(label, format, fused) per row: every format, then the 4-bit ones unfused if asked."""
     rows = [(name, name, True) for name in formats]
-    rows += [(f"{name} unfused", name, False) for name in formats if unfused and name != "float"]
+    rows += [(f"{name} unfused", name, False) for name in formats if unfused and name in kv_formats.ROW_SCALED]
     return rows
 
 
@@ -46,7 +47,7 @@ def measure(lm, context: int, rows: list[tuple[str, str, bool]], count: int, rou
     times: dict[str, list[float]] = {label: [] for label in brains}
 
     def run(label: str, n: int) -> list[float]:
-        os.environ["POSITRONIC_FUSED_DECODE"] = "1" if fused[label] else "0"
+        os.environ["POSITRONIC_FUSED_DECODE"] = "1" if fused[label] else "0"  # read at each decode
         return ticks(lm, brains[label], n)
 
     for label in brains:  # warm-up: allocations, kernel compilation, the first eviction batches

@@ -455,6 +455,67 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
                       post_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))),
                       rotated(lambda x: sym_int4(x, 32, clips=CLIPS)), 4.5, 4.5),
         ]
+    def pre_centred(fn):
+        """Keys un-rotated to position 0 (stored before RoPE), minus the calibrated channel
+        mean, quantised by `fn`, the mean added back, rotated back to their positions."""
+        def q(x, layer):
+            m = channel_mean[layer].to(x.device)[None, :, None, :]
+            return pre_rope(lambda plain: fn(plain - m) + m)(x, layer)
+        return q
+
+    from positronic.kv_centres import key_centres
+
+    shipped = key_centres(lm).to(lm.device)  # int4h's own centres (the package's text)
+
+    def pre_centred_by(centres, fn):
+        def q(x, layer):
+            m = centres[layer][None, :, None, :]
+            return pre_rope(lambda plain: fn(plain - m) + m)(x, layer)
+        return q
+
+    value_mean = None
+    if calibration:
+        with torch.no_grad():
+            vcache = DynamicCache(config=lm.model.config)
+            lm.model(input_ids=torch.tensor([calibration], device=lm.device), cache=vcache, use_cache=True)
+            value_mean = torch.stack([layer.values[0].float().mean(1) for layer in vcache.layers])
+
+    def value_centred(fn):
+        def q(x, layer):
+            m = value_mean[layer][None, :, None, :]
+            return fn(x - m) + m
+        return q
+
+    asym = rotated(lambda x: asym_int4(x, 32, "z4"))
+    asym_clip = rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))
+    out += [  # round 7: the int4h format as built, and what might close its last percent
+        Candidate("int4h (built: pre, shipped centres, had-asym-g32 z4, no clip)", pre_centred_by(shipped, asym),
+                  asym, 4.75, 4.75),
+        Candidate("int4h + clip K", pre_centred_by(shipped, asym_clip), asym, 4.75, 4.75),
+        Candidate("int4h + clip K and V", pre_centred_by(shipped, asym_clip), asym_clip, 4.75, 4.75),
+    ]
+    out += [
+        Candidate("int4h K g16, V had-asym-g64", pre_centred_by(shipped, rotated(lambda x: asym_int4(x, 16, "z4"))),
+                  rotated(lambda x: asym_int4(x, 64, "z4")), 5.25, 4.375),
+        Candidate("int4h K g16, V had-int4-row", pre_centred_by(shipped, rotated(lambda x: asym_int4(x, 16, "z4"))),
+                  rotated(sym_int4), 5.25, 4.25),
+        Candidate("int4h K g32, V had-int4-row", pre_centred_by(shipped, asym), rotated(sym_int4), 4.75, 4.25),
+    ]
+    if value_mean is not None:
+        out += [Candidate("int4h + value mean", pre_centred_by(shipped, asym), value_centred(asym), 4.75, 4.75),
+                Candidate("int4h calibrated on --calibration", pre_centred_by(channel_mean, asym), asym, 4.75, 4.75)]
+    if channel_mean is not None:  # round 6c: the same, keys stored before RoPE (re-rotation = a new position)
+        out += [
+            Candidate("pre-mean-had-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      pre_centred(rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))), best_v, 4.625, 4.625),
+            Candidate("pre-mean-had-asym-int4-g32 z4 K, had-asym-int4-g32 z4 V",
+                      pre_centred(rotated(lambda x: asym_int4(x, 32, "z4"))), rotated(lambda x: asym_int4(x, 32, "z4")),
+                      4.625, 4.625),
+            Candidate("pre-mean-had-int4-g32 K, had-int4-g32 V", pre_centred(rotated(lambda x: sym_int4(x, 32))),
+                      rotated(lambda x: sym_int4(x, 32)), 4.5, 4.5),
+            Candidate("pre-had-asym-int4-g32 z4 clip K, had-asym-g32 z4 clip V",
+                      pre_rope(rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))), best_v, 4.625, 4.625),
+        ]
     if channel_mean is not None:  # round 6: a static per-channel offset, position-aware
         had_best = rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))
         out += [
@@ -466,6 +527,11 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
                       best_v, 4.25, 4.625),
             Candidate("mean-had-int4-g32 clip K, had-asym-g32 z4 clip V",
                       mean_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))), best_v, 4.5, 4.625),
+            Candidate("mean-had-int4-g32 K, had-int4-g32 V", mean_offset(rotated(lambda x: sym_int4(x, 32))),
+                      rotated(lambda x: sym_int4(x, 32)), 4.5, 4.5),
+            Candidate("mean-had-asym-int4-g32 z4 K, had-asym-int4-g32 z4 V",
+                      mean_offset(rotated(lambda x: asym_int4(x, 32, "z4"))), rotated(lambda x: asym_int4(x, 32, "z4")),
+                      4.625, 4.625),
             Candidate("mean-had-int4-row K, had-int4-row V", mean_offset(rotated(sym_int4)), rotated(sym_int4),
                       4.25, 4.25),
             Candidate("mean-had-int4-g32 clip K, had-int4-g32 clip V",

@@ -263,10 +263,10 @@ class _Scratch:
 class PackedSpliceLayer(OneSequenceLayer):
     """One layer's K/V rows in a 4-bit format: codes and one float16 scale per (kv head, row).
 
-    Two SpliceLayers hold them, taking every row edit with the same arguments, so their
-    windows are identical and row i of one is row i of the other: everything SpliceLayer
-    does to rows (the longest run stays put, packing down, growth, the shared scratch)
-    applies unchanged to codes and scales alike.
+    SpliceLayers hold the parts of the rows (here codes and scales; Int4HLayer adds zero
+    points), taking every row edit with the same arguments, so their windows are identical
+    and row i of one is row i of the others: everything SpliceLayer does to rows (the longest
+    run stays put, packing down, growth, the shared scratch) applies unchanged to each part.
 
         codes:  int32   [1, kv_heads, capacity, head_dim // 8]   (two buffers: keys, values)
         scales: float16 [1, kv_heads, capacity, 1]
@@ -281,13 +281,18 @@ class PackedSpliceLayer(OneSequenceLayer):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, codec: "kv_formats.PackedFormat", capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, codec, capacity: int = DEFAULT_CAPACITY):
         self.codec = codec
         self.codes = SpliceLayer(capacity)
         self.scales = SpliceLayer(capacity)
         self.dtype: torch.dtype | None = None  # what the model writes and reads back
         self.device: torch.device | None = None
         self.kv_heads = self.head_dim = 0
+
+    @property
+    def parts(self) -> list[SpliceLayer]:
+        """The SpliceLayers that together hold the rows (each edit goes to all of them)."""
+        return [self.codes, self.scales]
 
     # --- what the model sees ---------------------------------------------------------------
 
@@ -310,12 +315,12 @@ class PackedSpliceLayer(OneSequenceLayer):
     @property
     def keys(self) -> torch.Tensor | None:
         """Live keys decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
-        return None if not self.is_initialized else self.codec.decode(self.codes.keys, self.scales.keys[..., 0], self.dtype)
+        return None if not self.is_initialized else self._decoded()[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """Live values decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
-        return None if not self.is_initialized else self.codec.decode(self.codes.values, self.scales.values[..., 0], self.dtype)
+        return None if not self.is_initialized else self._decoded()[1]
 
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Live keys and values decoded together, each [1, kv_heads, length, head_dim]."""
@@ -327,17 +332,26 @@ class PackedSpliceLayer(OneSequenceLayer):
         both = self.codec.decode(codes, scales, self.dtype)
         return both[0], both[1]
 
+    def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """New rows -> (keys, values) of each part, in the order of `parts`."""
+        # keys and values in one encode: on a CPU these small ops cost more in per-call
+        # overhead than in arithmetic
+        codes, scales = self.codec.encode(torch.stack([key_states, value_states]))
+        return [(codes[0], codes[1]), (scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))]
+
     @property
     def _write_rows(self) -> torch.Tensor | None:  # set by SpliceCache.fill, as on a SpliceLayer
         return self.codes._write_rows
 
     @_write_rows.setter
     def _write_rows(self, rows: torch.Tensor | None) -> None:
-        self.codes._write_rows = self.scales._write_rows = rows
+        for part in self.parts:
+            part._write_rows = rows
 
-    def share_scratch(self, codes: "_Scratch", scales: "_Scratch") -> None:
-        """One scratch for every layer's codes and one for their scales (each keeps one dtype)."""
-        self.codes.scratch, self.scales.scratch = codes, scales
+    def share_scratch(self, *scratches: "_Scratch") -> None:
+        """One scratch per part for every layer (each scratch keeps one dtype), in the order of `parts`."""
+        for part, scratch in zip(self.parts, scratches, strict=True):
+            part.scratch = scratch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
@@ -355,31 +369,33 @@ class PackedSpliceLayer(OneSequenceLayer):
         if self.dtype is None:
             self.lazy_initialization(key_states, value_states)
         self._check_rows(key_states, value_states)
-        # keys and values in one encode and one decode: on a CPU these small ops cost more in
-        # per-call overhead than in arithmetic
-        codes, scales = self.codec.encode(torch.stack([key_states, value_states]))
-        self.codes.update(codes[0], codes[1])  # checks the fill count first: a refusal changes nothing
-        self.scales.update(scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))
+        self.write_encoded(self._encode(key_states, value_states))
         return self._decoded()
+
+    def write_encoded(self, encoded: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store rows already encoded: (keys, values) of each part, in the order of `parts`,
+        where `update` would (a resumed session's int4h rows)."""
+        for part, (keys, values) in zip(self.parts, encoded, strict=True):  # the first checks the fill count
+            part.update(keys, values)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
     def reset(self) -> None:
         """Drop every row; the buffers are kept for reuse."""
-        self.codes.reset()
-        self.scales.reset()
+        for part in self.parts:
+            part.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.codes.crop(tokens_to_remove)
-        self.scales.crop(tokens_to_remove)
+        for part in self.parts:
+            part.crop(tokens_to_remove)
 
     # --- row edits -------------------------------------------------------------------------
 
     def splice(self, kept: list[tuple[int, int, int]], length: int) -> None:
-        """As SpliceLayer.splice: moving a row moves its codes and its scale."""
-        self.codes.splice(kept, length)
-        self.scales.splice(kept, length)
+        """As SpliceLayer.splice: moving a row moves each of its parts."""
+        for part in self.parts:
+            part.splice(kept, length)
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + len(cos): decode, rotate in float32
@@ -393,8 +409,8 @@ class PackedSpliceLayer(OneSequenceLayer):
         scales.copy_(new_scales.unsqueeze(-1))
 
     def memory_bytes(self) -> int:
-        """Bytes the code and scale buffers hold, spare capacity included (not the scratch)."""
-        return self.codes.memory_bytes() + self.scales.memory_bytes()
+        """Bytes the parts' buffers hold, spare capacity included (not the scratch)."""
+        return sum(part.memory_bytes() for part in self.parts)
 
     def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         want = (1, self.kv_heads, self.head_dim)
@@ -407,6 +423,121 @@ class PackedSpliceLayer(OneSequenceLayer):
                                  f"{self.dtype} on {self.device}")
         if key_states.shape[2] != value_states.shape[2]:
             raise ValueError(f"{key_states.shape[2]} new key rows but {value_states.shape[2]} value rows")
+
+
+class RowPositions:
+    """The RoPE position of every row of a cache whose layers store keys before RoPE (int4h),
+    shared by its layers; the cos/sin of the live rows are computed once per layout and
+    reused by every layer.
+
+    Whoever lays rows out sets them (`SpliceCache.set_positions`: StateManager after each edit,
+    `forward()` before each forward, for the rows it writes too). A cache nobody set them on
+    and that was never spliced is append-only (a user's own `generate`): row i is at position
+    i. A splice forgets them: reading or writing rows before they are set again is refused.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        self.tensor: torch.Tensor | None = None  # int64 [rows], on the cache's device
+        self.stale = False
+        self._rotation: tuple | None = None  # (key, cos, sin) of the last `rotation`
+
+    def set(self, positions: torch.Tensor) -> None:
+        self.tensor, self.stale, self._rotation = positions.to(torch.long), False, None
+
+    def moved(self) -> None:
+        """The rows moved (a splice): their positions must be set again before use."""
+        self.tensor, self.stale, self._rotation = None, True, None
+
+    def reset(self) -> None:
+        self.tensor, self.stale, self._rotation = None, False, None
+
+    def of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions int64 [n] of rows [n] (int64, on the cache's device)."""
+        if self.tensor is None:
+            if self.stale:
+                raise ValueError("int4h rows were moved: the cache needs their positions (set_positions) "
+                                 "before it can read or write them")
+            return rows
+        if len(rows) and int(rows.max()) >= len(self.tensor):
+            raise ValueError(f"row {int(rows.max())} has no position: {len(self.tensor)} were set")
+        return self.tensor.to(rows.device)[rows]
+
+    def rotation(self, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to theirs."""
+        key = (id(self.tensor), count, device)
+        if self._rotation is None or self._rotation[0] != key:
+            positions = self.of(torch.arange(count, device=device)).cpu()
+            cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(positions), positions)
+            self._rotation = (key, cos.to(device), sin.to(device))
+        return self._rotation[1], self._rotation[2]
+
+
+class Int4HLayer(PackedSpliceLayer):
+    """One layer's rows in the int4h format (kv_formats.Int4H): keys un-rotated to position 0
+    and centred, K and V Hadamard-rotated, then 4-bit codes with a float16 scale and a zero
+    point per group of 32 values.
+
+        codes:  int32   [1, kv_heads, capacity, head_dim // 8]   (keys, values)
+        scales: float16 [1, kv_heads, capacity, groups]
+        zeros:  uint8   [1, kv_heads, capacity, groups]
+
+    A stored key does not depend on its position: reading rotates it to the position the
+    cache's RowPositions give, so re-rotation (`rotate_keys`) is exact — there is nothing to
+    do, the new position is read next time. `centre` [kv_heads, head_dim] is this layer's
+    mean pre-RoPE key (positronic/kv_centres.py; zeros work, less well)."""
+
+    def __init__(self, codec: kv_formats.Int4H, capacity: int, positions: RowPositions, centre: torch.Tensor | None):
+        super().__init__(codec, capacity)
+        self.zeros = SpliceLayer(capacity)
+        self.positions = positions
+        self.centre = centre  # [kv_heads, head_dim] float32, moved to the rows' device on first use
+        self.hadamard: torch.Tensor | None = None
+
+    @property
+    def parts(self) -> list[SpliceLayer]:
+        return [self.codes, self.scales, self.zeros]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.hadamard = kv_formats.hadamard(self.head_dim).to(self.device)
+        centre = torch.zeros(self.kv_heads, self.head_dim) if self.centre is None else self.centre
+        if tuple(centre.shape) != (self.kv_heads, self.head_dim):
+            raise ValueError(f"the int4h key centre is {tuple(centre.shape)}; this layer's keys are "
+                             f"({self.kv_heads}, {self.head_dim}) per row")
+        self.centre = centre.to(self.device, torch.float32)[None, :, None, :]
+
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self.codec.decode(torch.stack([self.codes.keys, self.codes.values]),
+                                 torch.stack([self.scales.keys, self.scales.values]),
+                                 torch.stack([self.zeros.keys, self.zeros.values])) @ self.hadamard  # H^T = H
+        cos, sin = self.positions.rotation(self.length, self.device)
+        keys = rope.rotate(both[0] + self.centre, cos, sin)
+        return keys.to(self.dtype), both[1].to(self.dtype)
+
+    def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        count = key_states.shape[2]
+        rows = self._write_rows if self._write_rows is not None else \
+            torch.arange(self.length, self.length + count, device=self.device)
+        positions = self.positions.of(rows.to(self.device)).cpu()
+        cos, sin = rope.rotation(self.positions.inv_freq, positions, torch.zeros_like(positions))
+        plain = rope.rotate(key_states.float(), cos, sin) - self.centre  # un-rotated to position 0
+        codes, scales, zeros = self.codec.encode(torch.stack([plain, value_states.float()]) @ self.hadamard)
+        return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
+
+    def coded_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What this layer would make of keys [1, kv_heads, n, head_dim] at `positions` [n]
+        before quantizing them (c = H (R(-p) k - m)): for error bounds (Int4H.error_bound)."""
+        cos, sin = rope.rotation(self.positions.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))
+        return (rope.rotate(keys.float(), cos, sin) - self.centre) @ self.hadamard
+
+    def coded_values(self, values: torch.Tensor) -> torch.Tensor:
+        """c = H v for values [1, kv_heads, n, head_dim]."""
+        return values.float() @ self.hadamard
+
+    def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Nothing to do: keys are stored before RoPE, and a read rotates them to the
+        positions set after the move (exact)."""
 
 
 @dataclass(frozen=True)
@@ -607,7 +738,8 @@ class SpliceCache(Cache):
     """
 
     def __init__(self, config=None, max_cache_len: int = DEFAULT_CAPACITY, *, num_layers: int | None = None,
-                 kv_format: str = "float", store: str = "splice", sinks: int = 0):
+                 kv_format: str = "float", store: str = "splice", sinks: int = 0,
+                 key_centres: torch.Tensor | None = None):
         if num_layers is None:
             if config is None:
                 raise ValueError("SpliceCache needs a model config or num_layers")
@@ -616,21 +748,47 @@ class SpliceCache(Cache):
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         codec = kv_formats.packed(kv_format)
         self.kv_format, self.store = kv_format, check_store(store)
+        self.positions: RowPositions | None = None
         if store == "ring":
             if codec is not None:
                 raise ValueError(f"the ring store keeps float rows: kv_format {kv_format} needs the splice store")
             super().__init__(layers=[RingLayer(max_cache_len, sinks) for _ in range(num_layers)])
         elif codec is None:
             super().__init__(layers=[SpliceLayer(max_cache_len) for _ in range(num_layers)])
+        elif kv_format == "int4h":
+            if config is None:
+                raise ValueError("the int4h format needs the model config (its RoPE frequencies)")
+            if key_centres is not None and len(key_centres) != num_layers:
+                raise ValueError(f"{len(key_centres)} key centres for {num_layers} layers")
+            self.positions = RowPositions(rope.inv_freq_for_config(config))
+            super().__init__(layers=[Int4HLayer(codec, max_cache_len, self.positions,
+                                                None if key_centres is None else key_centres[i])
+                                     for i in range(num_layers)])
         else:
             super().__init__(layers=[PackedSpliceLayer(codec, max_cache_len) for _ in range(num_layers)])
         self.scratch = _Scratch()
-        self.scale_scratch = _Scratch() if codec else None  # scales move through their own (float16)
+        # each part of a packed row moves through a scratch of its own dtype (codes share the float one's slot)
+        self.part_scratches = [self.scratch] + [_Scratch() for _ in self.layers[0].parts[1:]] \
+            if isinstance(self.layers[0], PackedSpliceLayer) else [self.scratch]
         for layer in self.layers:
             if isinstance(layer, SpliceLayer):
                 layer.scratch = self.scratch
             elif isinstance(layer, PackedSpliceLayer):
-                layer.share_scratch(self.scratch, self.scale_scratch)
+                layer.share_scratch(*self.part_scratches)
+
+    @property
+    def rotation_rounds(self) -> bool:
+        """Whether re-rotating a key rounds it again (int4, fp4: decoded, rotated, encoded);
+        float keys rotate in float32, int4h keys only change position."""
+        return self.kv_format in kv_formats.ROW_SCALED
+
+    def set_positions(self, positions) -> None:
+        """int4h: the RoPE positions of rows 0..n-1 (int [n], n >= the live rows: rows a
+        forward is about to write may follow), read by every layer to rotate its keys. Other
+        formats keep keys rotated and need none: a no-op."""
+        if self.positions is not None:
+            device = self.layers[0].device or "cpu"
+            self.positions.set(torch.as_tensor(positions, dtype=torch.long, device=device))
 
     @property
     def ring(self) -> Ring | None:
@@ -679,6 +837,8 @@ class SpliceCache(Cache):
             return
         for layer in self.layers:
             layer.splice(kept, length)
+        if self.positions is not None:
+            self.positions.moved()
 
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): layer l's runs are kept[l];
@@ -716,10 +876,18 @@ class SpliceCache(Cache):
         for layer in self.layers:
             layer.rotate_keys(first, cos, sin)
 
+    def reset(self) -> None:
+        super().reset()
+        if self.positions is not None:
+            self.positions.reset()
+
     def memory_bytes(self) -> int:
-        """K/V buffers of every layer (4-bit: codes and scales) plus the shared scratch buffers."""
-        scratch = self.scratch.memory_bytes() + (self.scale_scratch.memory_bytes() if self.scale_scratch else 0)
-        return sum(layer.memory_bytes() for layer in self.layers) + scratch
+        """K/V buffers of every layer (4-bit: codes, scales, zero points), the shared scratch
+        buffers, and int4h's row positions."""
+        scratch = sum(s.memory_bytes() for s in self.part_scratches)
+        positions = self.positions.tensor if self.positions is not None and self.positions.tensor is not None else None
+        held = 0 if positions is None else positions.numel() * positions.element_size()
+        return sum(layer.memory_bytes() for layer in self.layers) + scratch + held
 
     def memory_usage_mb(self) -> float:
         return self.memory_bytes() / 2**20

@@ -114,7 +114,7 @@ def run(
     at_capacity: str = typer.Option(DEFAULTS.at_capacity, help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
     capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
     capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
-    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
 ) -> None:
     """Run the brain (the default command)."""
@@ -353,7 +353,7 @@ def eval_command(
     generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),
     prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
-    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row; docs/kv_formats.md)."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),

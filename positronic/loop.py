@@ -80,7 +80,7 @@ class BrainConfig:
     recall: bool = False
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
-    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 (positronic/kv_formats.py)
+    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 | int4h (positronic/kv_formats.py)
     kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only: cache.RingLayer)
     gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
 

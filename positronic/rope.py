@@ -40,3 +40,15 @@ def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
     cos, sin = cos.to(k.device), sin.to(k.device)
     return (k * cos + rotated_half * sin).to(keys.dtype)
+
+
+def inv_freq_for_config(config) -> torch.Tensor:
+    """The inverse frequencies a Llama config's rotary embedding uses, float32 [head_dim / 2]
+    on the CPU. Refuses RoPE that scales as well as rotates (keys could not be un-rotated)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config)
+    if float(rotary.attention_scaling) != 1.0:
+        raise ValueError(f"RoPE attention scaling {rotary.attention_scaling} is not a pure rotation: "
+                         "keys cannot be un-rotated exactly")
+    return rotary.inv_freq.detach().to("cpu", torch.float32)

@@ -49,6 +49,7 @@ from . import kv_formats, rope
 from .actions import ActionError, validate
 from .cache import SpliceCache, check_store
 from .forward import Probes, fresh_layer0_kv, forward, prefill
+from .kv_centres import key_centres
 from .text import span_texts
 
 
@@ -177,7 +178,7 @@ class StateManager:
         self.lm = lm
         self._mirror = mirror if mirror is not None else Mirror()
         self.attention_layers = layer_indices(score_layers, lm.num_layers)  # "last", "all" or ints
-        self.kv_format = kv_formats.check_format(kv_format)  # how the cache stores rows: float | int4 | fp4
+        self.kv_format = kv_formats.check_format(kv_format)  # how the cache stores rows: float | int4 | fp4 | int4h
         self.kv_store = check_store(kv_store)  # where: splice (one window of the buffer) | ring (cache.RingLayer)
         ring = self._mirror.ring
         if ring is not None and kv_store != "ring":
@@ -188,8 +189,8 @@ class StateManager:
             raise ValueError("per-layer rows need the splice store")
         capacity = capacity or default_capacity(len(self._mirror))
         # a resumed ring keeps its recorded slots (capacity included): the rows go back where they were
-        self._cache = SpliceCache(lm.model.config, max_cache_len=ring.capacity if ring else capacity,
-                                  kv_format=kv_format, store=kv_store, sinks=ring.sinks if ring else sinks)
+        self._cache = self._new_cache(ring.capacity if ring else capacity, store=kv_store,
+                                      sinks=ring.sinks if ring else sinks)
         if ring is not None:
             self._cache.set_ring(ring)
         elif kv_store == "ring":
@@ -245,9 +246,9 @@ class StateManager:
         was saved): the rows are loaded, not recomputed, so the run goes on exactly as it would
         have. Raises ValueError naming what does not fit (a shape, a dtype, a token outside the
         vocabulary) before anything is allocated, and StateInvariantError if layer 0 does not
-        match a fresh computation of the mirror's tokens at their positions. A 4-bit cache saves
-        its rows decoded (`tensors`) and encodes them again here: in float32 that gives back
-        the same codes and scales (kv_formats.PackedFormat.decode). A ring store's rows are
+        match a fresh computation of the mirror's tokens at their positions. An int4 or fp4 cache
+        saves its rows decoded (`tensors`) and encodes them again here: in float32 that gives back
+        the same codes and scales (kv_formats.PackedFormat.decode); int4h saves its codes. A ring store's rows are
         saved in row order and go back into the slots the mirror records (its cursor)."""
         mirror.check(lm.max_positions)
         if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
@@ -258,9 +259,17 @@ class StateManager:
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                       kv_format=kv_format, kv_store=kv_store)
         rows, cached = len(mirror), manager.rows_per_layer
+        if kv_format == "int4h":  # its parts as stored (decoding and encoding again is not exact there)
+            groups = kv_formats.PACKED["int4h"].groups(lm.head_dim)
+            row = (lm.num_layers, lm.num_kv_heads, cached)
+            rows_saved = {f"{side}_{part}": (row + (width,), dtype) for side in ("key", "value")
+                          for part, width, dtype in (("codes", lm.head_dim // kv_formats.CODES_PER_WORD, torch.int32),
+                                                     ("scales", groups, torch.float16), ("zeros", groups, torch.uint8))}
+        else:
+            rows_saved = {side: ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype)
+                          for side in ("keys", "values")}
         expected = {
-            "keys": ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype),
-            "values": ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype),
+            **rows_saved,
             "predicted": ((rows,), torch.int64),
             "next_logits": ((lm.vocab_size,), torch.float32),
             "last_attention": ((len(manager.attention_layers), lm.num_heads, cached), torch.float32),
@@ -286,10 +295,22 @@ class StateManager:
         requantized = tensors.get("requantized", torch.zeros(rows, dtype=torch.int64))
         if rows and not bool(((requantized >= 0) & (requantized <= 60)).all()):
             raise ValueError("saved re-rotation counts must lie in 0..60")
+        if kv_format == "int4h" and rows and not (bool((tensors["key_zeros"] <= 15).all() & (tensors["value_zeros"] <= 15).all())
+                                                  and bool((tensors["key_scales"] >= 0).all() & (tensors["value_scales"] >= 0).all())):
+            raise ValueError("saved int4h zero points must lie in 0..15 and scales be >= 0")
         device = lm.device
+        manager._cache.set_positions(manager._mirror.live.positions)
         for index in range(lm.num_layers):
-            manager._cache.update(tensors["keys"][index : index + 1].to(device),
-                                  tensors["values"][index : index + 1].to(device), index)
+            if kv_format == "int4h":
+                layer = manager._cache.layers[index]
+                layer.lazy_initialization(torch.empty(1, lm.num_kv_heads, 0, lm.head_dim, dtype=lm.dtype, device=device),
+                                          None)
+                layer.write_encoded([(tensors[f"key_{part}"][index : index + 1].to(device),
+                                      tensors[f"value_{part}"][index : index + 1].to(device))
+                                     for part in ("codes", "scales", "zeros")])
+            else:
+                manager._cache.update(tensors["keys"][index : index + 1].to(device),
+                                      tensors["values"][index : index + 1].to(device), index)
         manager._predicted = predicted.tolist()
         manager._requantized = requantized.tolist()
         for name in NEWEST:
@@ -300,8 +321,10 @@ class StateManager:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What `from_saved` needs besides the mirror, as CPU copies:
-        keys, values [layers, kv_heads, rows, head_dim] (model dtype; a 4-bit cache's rows
-        decoded); predicted [rows] int64;
+        keys, values [layers, kv_heads, rows, head_dim] (model dtype; an int4 or fp4 cache's rows
+        decoded), or for int4h its rows as stored: key_ and value_codes int32 [layers, kv_heads,
+        rows, head_dim // 8], _scales float16 and _zeros uint8 [layers, kv_heads, rows, groups];
+        predicted [rows] int64;
         next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
         last_log_norm float32 when the last edit left them; with a 4-bit format requantized
         [rows] int64 (how often each key was re-rotated, for the deep check's tolerance)."""
@@ -309,7 +332,13 @@ class StateManager:
         saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
         if kv_formats.packed(self.kv_format):
             saved["requantized"] = torch.tensor(self._requantized, dtype=torch.int64)
-        if len(self):
+        if self.kv_format == "int4h":
+            layers = self._cache.layers
+            for part in range(3):
+                name = ("codes", "scales", "zeros")[part]
+                saved[f"key_{name}"] = torch.cat([layer.parts[part].keys for layer in layers]).cpu().contiguous()
+                saved[f"value_{name}"] = torch.cat([layer.parts[part].values for layer in layers]).cpu().contiguous()
+        elif len(self):
             saved["keys"] = torch.cat([layer.keys for layer in self._cache.layers]).cpu().contiguous()
             saved["values"] = torch.cat([layer.values for layer in self._cache.layers]).cpu().contiguous()
         else:
@@ -319,6 +348,12 @@ class StateManager:
             if getattr(self, name) is not None:
                 saved[name] = getattr(self, name).detach().float().cpu().contiguous()
         return saved
+
+    def _new_cache(self, capacity: int, store: str = "splice", sinks: int = 0) -> SpliceCache:
+        """A cache in this state's format (int4h: with the model's key centres, kv_centres.py)."""
+        centres = key_centres(self.lm) if self.kv_format == "int4h" else None
+        return SpliceCache(self.lm.model.config, max_cache_len=capacity, kv_format=self.kv_format, store=store,
+                           sinks=sinks, key_centres=centres)
 
     # --- reads (copies or read-only views) ----------------------------------------------
 
@@ -578,7 +613,8 @@ class StateManager:
         fresh_keys, fresh_values = fresh_layer0_kv(self.lm, [ledger[i].token_id for i in ids],
                                                    [ledger[i].position for i in ids])
         # a 4-bit key may have been re-rotated once before it was recorded (more is rare)
-        found = [self._layer0_excess(keys[0], fresh_keys[0], requantized=1),
+        found = [self._layer0_excess(keys[0], fresh_keys[0], requantized=1,
+                                     positions=[ledger[i].position for i in ids]),
                  self._layer0_excess(values[0], fresh_values[0])]
         if worst := max((f for f in found if f is not None), default=None):
             raise ActionError(f"restore: the given K/V differ from the tokens' own at their positions in layer 0 "
@@ -590,25 +626,38 @@ class StateManager:
         a fresh one)."""
         return 1e-4 if self.lm.dtype == torch.float32 else 2e-2
 
-    def layer0_tolerance(self, rows: torch.Tensor, requantized: torch.Tensor | int = 0) -> torch.Tensor | float:
+    def layer0_tolerance(self, rows: torch.Tensor, requantized: torch.Tensor | int = 0,
+                         positions=None) -> torch.Tensor | float:
         """How far cache rows [..., n, head_dim] (as read: decoded) may lie from a fresh
         computation of layer 0, per element: the float tolerance, plus with a 4-bit kv_format
-        `rounding_bounds(requantized)` (an int, or [n] per row) times the format's rounding
-        bound of each row: a tensor [..., n, 1]."""
+        the format's rounding bound of each row (a tensor [..., n, 1]) times
+
+            int4 / fp4: `rounding_bounds(requantized)` (an int, or [n] per row)
+            int4h:      1 + requantized (re-rotation is exact; a restored row was rounded once
+                        before), the bound of the row's coded form: keys at `positions` [n],
+                        values with `positions` None (kv_formats.Int4H.error_bound)."""
         codec = kv_formats.packed(self.kv_format)
         if codec is None:
             return self._layer0_tolerance()
-        bounds = rounding_bounds(torch.as_tensor(requantized, dtype=torch.float32, device=rows.device))
-        return self._layer0_tolerance() + bounds.reshape(-1, 1) * codec.error_bound(rows)
+        requantized = torch.as_tensor(requantized, dtype=torch.float32, device=rows.device).reshape(-1, 1)
+        if self.kv_format == "int4h":
+            layer = self._cache.layers[0]
+            as_cached = rows.reshape(1, layer.kv_heads, -1, layer.head_dim)
+            coded = (layer.coded_values(as_cached) if positions is None
+                     else layer.coded_keys(as_cached, torch.as_tensor(positions, dtype=torch.long)))
+            bound = codec.error_bound(coded).reshape(*rows.shape[:-1], 1)
+            return self._layer0_tolerance() + (1 + requantized) * bound
+        return self._layer0_tolerance() + rounding_bounds(requantized) * codec.error_bound(rows)
 
     def _layer0_excess(self, cached: torch.Tensor, fresh: torch.Tensor, tolerance: float | None = None,
-                       requantized: torch.Tensor | int = 0) -> tuple[float, float] | None:
+                       requantized: torch.Tensor | int = 0, positions=None) -> tuple[float, float] | None:
         """(error, tolerance) at the element of `cached` that lies farthest beyond its
         tolerance from `fresh` (both [..., rows, head_dim]), or None when all are within.
-        `tolerance`: one number for every element instead of `layer0_tolerance`."""
+        `tolerance`: one number for every element instead of `layer0_tolerance`; keys pass
+        their `positions`."""
         if not cached.numel():
             return None
-        allowed = self.layer0_tolerance(cached, requantized) if tolerance is None else tolerance
+        allowed = self.layer0_tolerance(cached, requantized, positions) if tolerance is None else tolerance
         error = (cached.float() - fresh.float()).abs()
         allowed = torch.as_tensor(allowed, dtype=torch.float32, device=error.device).expand_as(error)
         worst = int((error - allowed).argmax())
@@ -694,6 +743,8 @@ class StateManager:
             self._cache.splice(list(layout.kept), layout.length + scratch)
         else:
             self._cache.reserve(layout.length)  # a ring lays out its mask before the prefill: room first
+        # int4h reads every key at its row's position (a moved row's re-rotation), probes' scratch rows included
+        self._cache.set_positions(list(layout.positions) + (list(probes.positions) if scratch else []))
         self._fault_point("splice")
         if layout.moved is not None:
             first = layout.moved
@@ -705,7 +756,7 @@ class StateManager:
         for old, new, count in layout.kept:
             predicted[new : new + count] = predicted_before[old : old + count]
             requantized[new : new + count] = requantized_before[old : old + count]
-        if layout.moved is not None:
+        if layout.moved is not None and self._cache.rotation_rounds:
             for row in range(layout.moved, layout.length):  # new rows keep their own position: 0
                 requantized[row] += layout.old_positions[row] != layout.positions[row]
         known = {row: stored[ledger_id] for insertion, part in layout.groups
@@ -818,6 +869,7 @@ class StateManager:
         self._broken = "the cache is being rebuilt"
         try:
             if token_ids:
+                self._cache.set_positions(positions)
                 result = prefill(self.lm, self._cache, token_ids, positions, attention_layers=self.attention_layers)
                 self._take_newest(result)
                 self._predicted = result.predicted.tolist()
@@ -850,7 +902,8 @@ class StateManager:
         """
         if self.next_logits is None:
             raise ValueError("no next-token logits: the last operation did not write the last row")
-        scratch = SpliceCache(self.lm.model.config, max_cache_len=len(self) + 1, kv_format=self.kv_format)
+        scratch = self._new_cache(len(self) + 1)
+        scratch.set_positions(self.positions())
         fresh = prefill(self.lm, scratch, self.live_token_ids(), self.positions()).logits
         log_fresh, log_spliced = fresh.log_softmax(-1), self.next_logits.log_softmax(-1)
         return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
@@ -873,6 +926,11 @@ class StateManager:
         rings = {getattr(layer, "ring", None) for layer in self._cache.layers}
         if rings != {self._mirror.ring}:
             raise StateInvariantError(f"the mirror records the ring {self._mirror.ring}, the cache's layers hold {rings}")
+        if self._cache.positions is not None and cached:  # int4h rotates every key to these when it reads it
+            held = self._cache.positions.tensor
+            if held is None or len(held) < cached or held[:cached].tolist() != self.positions():
+                raise StateInvariantError("the cache's row positions (where int4h rotates its keys to) differ from "
+                                          "the mirror's")
         shape = (1, self.lm.num_kv_heads, cached, self.lm.head_dim)
         for index, layer in enumerate(self._cache.layers):
             if layer.length != cached or (cached and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):
@@ -886,7 +944,7 @@ class StateManager:
                 token_ids, positions = [token_ids[r] for r in rows_of], [positions[r] for r in rows_of]
                 requantized = [requantized[r] for r in rows_of]
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)
-            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(requantized)),
+            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(requantized), positions),
                      self._layer0_excess(layer.values, fresh_values, tolerance)]
             if worst := max((f for f in found if f is not None), default=None):
                 error, allowed = worst

@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MUTATORS = {
     # SpliceCache / SpliceLayer
-    "splice", "fill", "rotate_keys", "reserve", "crop", "update", "reset", "index_copy_",
+    "splice", "fill", "rotate_keys", "reserve", "crop", "update", "reset", "index_copy_", "set_positions",
+    "write_encoded",
     # Mirror / Ledger / LiveMap
     "set_brightness", "set_pinned", "retire", "resurrect", "truncate", "link_replacement", "add",
 }

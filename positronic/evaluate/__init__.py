@@ -42,7 +42,7 @@ and the difference `delta` ("Δ nats vs full"; the issue's target: within 1 nat 
 4-digit answer), the rank of each answer token under the next-token distribution, and
 `recalled` = every answer token ranked first (greedy decoding would reproduce the code).
 
-`kv_format` (`eval --kv-format int4|fp4`) stores every run's cache rows, the full cache's
+`kv_format` (`eval --kv-format int4|fp4|int4h`) stores every run's cache rows, the full cache's
 included, in that 4-bit format (positronic/kv_formats.py); the table's title and the settings
 give the format and its cache bytes per token. Compare two evals to see what the format costs.
 

@@ -67,13 +67,7 @@ class KeyUnrotator:
     @staticmethod
     def for_config(config) -> "KeyUnrotator":
         """From a Llama config: the inverse frequencies its rotary embedding uses (pure rotations only)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rotary = LlamaRotaryEmbedding(config)
-        if float(rotary.attention_scaling) != 1.0:
-            raise ValueError(f"RoPE attention scaling {rotary.attention_scaling} is not a pure rotation: "
-                             "keys cannot be un-rotated exactly")
-        return KeyUnrotator(rotary.inv_freq)
+        return KeyUnrotator(rope.inv_freq_for_config(config))
 
     def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = rope.rotation(self.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))

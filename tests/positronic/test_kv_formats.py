@@ -1,10 +1,11 @@
 """4-bit KV storage (issue 16): the INT4 and FP4 codecs, the packed cache layer, and the
-brain running on them.
+brain running on them; then the same for int4h (section 5).
 
 Reference for every packed-cache edit: the float cache doing the same edits, its rows
 quantized independently (row by row, so moving a row must move exactly its codes and scale).
 """
 
+import contextlib
 import copy
 import math
 import random
@@ -15,11 +16,12 @@ import torch
 from positronic import SpliceCache, StateManager, rope
 from positronic import session as sessions
 from positronic.evaluate import evaluate
-from positronic.kv_formats import FP4, PACKED, Int4, bytes_per_token, pack, unpack
+from positronic.kv_centres import key_centres
+from positronic.kv_formats import FP4, PACKED, ROW_SCALED, Int4, Int4H, bytes_per_token, hadamard, pack, unpack
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import StateInvariantError, rounding_bounds
 
-FORMATS = sorted(PACKED)
+FORMATS = sorted(ROW_SCALED)  # one scale per row; int4h has its own tests (section 5)
 KV_HEADS, HEAD_DIM = 2, 16
 EPS = 1e-6  # float32 arithmetic in x / scale
 
@@ -121,7 +123,7 @@ def test_bytes_per_token():
     assert bytes_per_token("float", dtype=torch.float16, **smollm2) == 23040
     assert bytes_per_token("int4", dtype=torch.float32, **smollm2) == bytes_per_token("fp4", dtype=torch.float16,
                                                                                      **smollm2) == 6120
-    with pytest.raises(ValueError, match="unknown kv format 'int8'; choose from float, int4, fp4"):
+    with pytest.raises(ValueError, match="unknown kv format 'int8'; choose from float, int4, fp4, int4h"):
         bytes_per_token("int8", dtype=torch.float32, **smollm2)
 
 
@@ -212,7 +214,7 @@ def test_memory_is_exact_and_steady_state_edits_never_allocate(name):
     assert all(layer.codes.key_buffer is k and layer.scales.value_buffer is s
                for layer, (k, s) in zip(cache.layers, buffers))
     row = KV_HEADS * (HEAD_DIM // 8 * 4 + 2)  # one (layer, K or V) row: codes + a float16 scale per head
-    scratch = cache.scratch.memory_bytes() + cache.scale_scratch.memory_bytes()
+    scratch = sum(s.memory_bytes() for s in cache.part_scratches)
     assert cache.memory_bytes() == 2 * 2 * 160 * row + scratch
     cache.reset()
     assert cache.length == 0 and cache.layers[0].codes.key_buffer is buffers[0][0]
@@ -348,11 +350,8 @@ def test_insertions_without_room_re_rotate_within_the_stated_bound(tiny, name, t
     assert sm._requantized == [0] * len(sm)
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_a_restore_with_stored_kv_puts_the_same_codes_back(tiny, name):
-    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format=name)
-    layer = sm.cache.layers[1]
-    codes = layer.codes.keys[:, :, [5, 6]].clone(), layer.scales.values[:, :, [5, 6]].clone()
+def delete_and_restore_rows_5_and_6(sm):
+    """Rows 5 and 6 deleted (and a token added), then restored with their own K/V as read."""
     view = sm.view(keys=True)
     keys, values = view.rows([5, 6])
     ids = [int(view.ledger_ids[r]) for r in (5, 6)]
@@ -362,6 +361,14 @@ def test_a_restore_with_stored_kv_puts_the_same_codes_back(tiny, name):
                         "predicted": [int(view.predicted[5]), int(view.predicted[6])]},
                        {"action": "add", "token_id": 9}], tick=2)
     assert not report.rebuilt, report.error
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_restore_with_stored_kv_puts_the_same_codes_back(tiny, name):
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format=name)
+    layer = sm.cache.layers[1]
+    codes = layer.codes.keys[:, :, [5, 6]].clone(), layer.scales.values[:, :, [5, 6]].clone()
+    delete_and_restore_rows_5_and_6(sm)
     layer = sm.cache.layers[1]
     assert torch.equal(layer.codes.keys[:, :, [5, 6]], codes[0]) and torch.equal(layer.scales.values[:, :, [5, 6]], codes[1])
     sm.check(deep=True)
@@ -382,7 +389,7 @@ def test_a_brain_on_4bit_rows_stays_within_budget(tiny, name):
     row = tiny.num_kv_heads * (tiny.head_dim // 8 * 4 + 2)
     cache = brain.state.cache
     assert brain.state.memory_bytes() == sum(2 * l.capacity * row for l in layers) + \
-        cache.scratch.memory_bytes() + cache.scale_scratch.memory_bytes()
+        sum(s.memory_bytes() for s in cache.part_scratches)
     assert brain.state.bytes_per_token() == 2 * tiny.num_layers * row
 
 
@@ -424,7 +431,7 @@ def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys, run_cli):
 
 def test_an_unknown_format_gives_one_line_and_exit_code_2(capsys, run_cli):
     assert run_cli("--model", "random:tiny", "--ticks", "2", "--no-tui", "--kv-format", "int8") == 2
-    assert capsys.readouterr().err.strip() == "error: unknown kv format 'int8'; choose from float, int4, fp4"
+    assert capsys.readouterr().err.strip() == "error: unknown kv format 'int8'; choose from float, int4, fp4, int4h"
 
 
 def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny, eval_text):
@@ -435,3 +442,261 @@ def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny, eval_text)
                                                                     dtype=tiny.dtype)
     assert all(math.isfinite(run.ppl) for run in report.runs + [report.reference])
     assert report.runs[0].deletes > 0
+
+
+# --- 5. int4h: keys before RoPE and centred, Hadamard-rotated, int4 per group of 32 ------------
+
+
+def test_int4h_round_trip_error_is_at_most_half_a_group_scale():
+    codec = Int4H()
+    c = random_rows(400, dim=64) + torch.linspace(-3, 5, 64)  # groups of mixed sign and all-positive ones
+    c[0, 0, :5, 32:] = c[0, 0, :5, 32:].abs() + 1
+    codes, scales, zeros = codec.encode(c)
+    assert codes.shape == (1, KV_HEADS, 400, 8) and codes.dtype == torch.int32
+    assert scales.shape == zeros.shape == (1, KV_HEADS, 400, 2) and scales.dtype == torch.float16
+    assert zeros.dtype == torch.uint8 and int(zeros.max()) <= 15
+    error = (codec.decode(codes, scales, zeros) - c).abs().reshape(1, KV_HEADS, 400, 2, 32)
+    s = scales.float().unsqueeze(-1)
+    assert bool((error <= s * codec.half_step).all()), float((error / s).max())
+    assert float((error / s).max()) > 0.45, "the bound is tight"
+    g = c.reshape(1, KV_HEADS, 400, 2, 32)
+    span = g.amax(-1).clamp(min=0) - g.amin(-1).clamp(max=0)
+    exact = span / 15
+    assert bool(((scales.float() <= exact) & (scales.float() >= exact * (1 - 2**-10))).all()), \
+        "scale = (max(group, 0) - min(group, 0)) / 15, to float16 toward 0"
+    zero = torch.zeros(3, 64)
+    assert torch.equal(codec.decode(*codec.encode(zero)), zero)
+
+
+def test_int4h_decoded_rows_encode_back_to_the_same_codes():
+    """What a session relies on: it saves decoded rows, and encoding them again is exact."""
+    codec = Int4H()
+    first = codec.encode(random_rows(300, dim=64) * 5)
+    again = codec.encode(codec.decode(*first))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_hadamard_is_orthogonal_and_needs_a_power_of_two():
+    h = hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    assert set((h * 8).unique().tolist()) == {-1.0, 1.0}
+    with pytest.raises(ValueError, match="head_dim a power of two, got 48"):
+        hadamard(48)
+
+
+def int4h_cache(tiny, capacity=64):
+    return SpliceCache(tiny.model.config, max_cache_len=capacity, kv_format="int4h", key_centres=key_centres(tiny))
+
+
+def int4h_quantized(tiny, keys, values, positions, layer=0):
+    """K/V [1, kv_heads, n, head_dim] as layer `layer` of an int4h cache stores and reads them
+    at `positions`, computed on their own (a fresh cache, one write)."""
+    cache = int4h_cache(tiny, len(positions))
+    cache.set_positions(positions)
+    return cache.update(keys, values, layer)
+
+
+def test_int4h_rows_are_read_at_the_positions_set_and_moving_them_is_exact(tiny):
+    """Keys are stored un-rotated: the same codes read at new positions give the keys rotated
+    there (float32 arithmetic aside), and rotate_keys changes nothing stored."""
+    keys, values = random_rows(20, dim=tiny.head_dim), random_rows(20, dim=tiny.head_dim, seed=1)
+    cache = int4h_cache(tiny)
+    positions = torch.arange(100, 120)
+    cache.set_positions(positions)
+    read_keys, read_values = cache.update(keys, values, 0)
+    layer = cache.layers[0]
+    stored = layer.codes.keys.clone()
+    bound = Int4H().error_bound(layer.coded_keys(read_keys, positions))
+    assert bool(((read_keys - keys).abs() <= bound + 1e-5).all()), "one rounding, within the stated bound"
+    moved = positions + 37
+    cos, sin = rope.rotation(tiny.inv_freq, positions, moved)
+    cache.rotate_keys(0, cos, sin)
+    cache.set_positions(moved)
+    assert torch.equal(layer.codes.keys, stored)
+    torch.testing.assert_close(layer.keys, rope.rotate(read_keys, cos, sin), atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.values, read_values)
+
+
+def test_int4h_needs_positions_after_a_splice_and_counts_rows_without_them(tiny):
+    cache = int4h_cache(tiny)
+    keys = random_rows(6, dim=tiny.head_dim)
+    for layer in range(tiny.num_layers):
+        plain = cache.update(keys, keys, layer)[0]  # nobody set positions: append-only, row i at position i
+    assert torch.equal(plain, int4h_quantized(tiny, keys, keys, torch.arange(6), layer)[0])
+    cache.splice([(0, 0, 2), (3, 2, 3)], 5)
+    with pytest.raises(ValueError, match="needs their positions"):
+        cache.layers[0].keys
+    cache.set_positions([0, 1, 3, 4, 5])
+    assert torch.equal(cache.layers[-1].keys, plain[:, :, [0, 1, 3, 4, 5]])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int4h_splice_fill_append_and_growth_keep_each_row_as_encoded_at_its_position(tiny, seed):
+    rng = random.Random(seed)
+    packed, reference = int4h_cache(tiny, 40), SpliceCache(tiny.model.config, max_cache_len=40)
+    positions: list[int] = []
+    serial = iter(range(10**6))
+
+    def write(count, fill=None):
+        if fill is None:
+            positions.extend(next(serial) for _ in range(count))
+        else:
+            for row in fill.tolist():
+                positions[row] = next(serial)
+        packed.set_positions(positions)
+        for layer in range(tiny.num_layers):
+            keys = random_rows(count, dim=tiny.head_dim, seed=next(serial))
+            values = random_rows(count, dim=tiny.head_dim, seed=next(serial))
+            for cache in (packed, reference):
+                with cache.fill(fill) if fill is not None else contextlib.nullcontext():
+                    cache.update(keys, values, layer)
+
+    write(24)
+    for _ in range(20):
+        kept, length = random_kept(rng, reference.length)
+        for cache in (packed, reference):
+            cache.splice(kept, length)
+        moved = [None] * length
+        for old, new, count in kept:
+            moved[new:new + count] = positions[old:old + count]
+        positions[:] = [p if p is not None else -1 for p in moved]
+        covered = {new + k for _, new, count in kept for k in range(count)}
+        gaps = torch.tensor([row for row in range(length) if row not in covered], dtype=torch.long)
+        if len(gaps):
+            write(len(gaps), fill=gaps)
+        else:
+            packed.set_positions(positions)
+        write(rng.choice([1, 2, 5]))
+        for layer, (got, want) in enumerate(zip(packed.layers, reference.layers)):
+            keys, values = int4h_quantized(tiny, want.keys, want.values, positions, layer)
+            assert torch.equal(got.keys, keys) and torch.equal(got.values, values)
+        if reference.length > 70:
+            for cache in (packed, reference):
+                cache.splice([(0, 0, 30)], 30)
+            del positions[30:]
+            packed.set_positions(positions)
+    assert packed.layers[0].capacity > 40, "it grew"
+
+
+@pytest.mark.parametrize("shape", [dict(layers=30, kv_heads=3, head_dim=64),   # SmolLM2-135M
+                                   dict(layers=22, kv_heads=4, head_dim=64)])  # TinyLlama-1.1B
+def test_int4h_takes_at_most_0_3_of_float16(shape):
+    per_token = bytes_per_token("int4h", dtype=torch.float16, **shape)
+    row = 64 // 2 + 2 * 2 + 2  # codes, two float16 scales, two one-byte zero points
+    assert per_token == 2 * shape["layers"] * shape["kv_heads"] * row + 8  # + the row's position
+    assert per_token / bytes_per_token("float", dtype=torch.float16, **shape) <= 0.3
+
+
+def test_int4h_memory_is_exact_and_steady_state_edits_never_allocate(tiny):
+    cache = int4h_cache(tiny, 160)
+    cache.set_positions(range(100))
+    for layer in range(tiny.num_layers):
+        cache.update(random_rows(100, dim=tiny.head_dim), random_rows(100, dim=tiny.head_dim), layer)
+    buffers = [(layer.codes.key_buffer, layer.zeros.value_buffer) for layer in cache.layers]
+    positions = list(range(100))
+    for tick in range(30):  # a tick: replace a pair near the front by one token, append one
+        cache.splice([(0, 0, 10), (12, 11, 88)], 99)
+        positions = positions[:10] + [positions[10]] + positions[12:]
+        cache.set_positions(positions + [1000 + tick])
+        with cache.fill(torch.tensor([10])):
+            for layer in range(tiny.num_layers):
+                cache.update(random_rows(1, dim=tiny.head_dim), random_rows(1, dim=tiny.head_dim), layer)
+        for layer in range(tiny.num_layers):
+            cache.update(random_rows(1, dim=tiny.head_dim), random_rows(1, dim=tiny.head_dim), layer)
+        positions.append(1000 + tick)
+    assert all(layer.codes.key_buffer is k and layer.zeros.value_buffer is z
+               for layer, (k, z) in zip(cache.layers, buffers))
+    row = tiny.num_kv_heads * Int4H().row_bytes(tiny.head_dim)
+    scratch = sum(s.memory_bytes() for s in cache.part_scratches)
+    assert cache.memory_bytes() == 2 * tiny.num_layers * 160 * row + scratch + 8 * 100
+
+
+def test_int4h_edits_keep_layer0_equal_to_the_float_states_rows_encoded_at_their_positions(tiny):
+    rng = random.Random(5)
+    tokens = [rng.randrange(tiny.vocab_size) for _ in range(40)]
+    packed = StateManager.from_tokens(tiny, tokens, kv_format="int4h")
+    reference = StateManager.from_tokens(tiny, tokens)
+    for tick in range(1, 12):
+        actions = edits(rng, len(reference), tiny.vocab_size)
+        for sm in (packed, reference):
+            report = sm.apply(actions, tick=tick)
+            assert not report.rebuilt, report.error
+        assert packed.live_token_ids() == reference.live_token_ids() and packed.positions() == reference.positions()
+        want = int4h_quantized(tiny, *reference.layer_kv(0), packed.positions())
+        got = packed.layer_kv(0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        packed.check(deep=True)
+    assert packed.positions() != list(range(len(packed))), "the edits left gaps"
+
+
+def test_int4h_check_tolerance_and_what_it_catches(tiny, layer0_oracle):
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format="int4h")
+    sm.check(deep=True)
+    with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
+        sm.check(deep=True, tolerance=1e-4)
+    keys, values = sm.layer_kv(0)
+    fresh_keys, fresh_values = layer0_oracle(tiny, sm.live_token_ids(), sm.positions())
+    layer = sm.cache.layers[0]
+    positions = torch.tensor(sm.positions())
+    ratio = ((keys - fresh_keys).abs() / Int4H().error_bound(layer.coded_keys(keys, positions))).max()
+    assert 0.02 < float(ratio) <= 1.0, "within the bound"
+    assert float(((values - fresh_values).abs() / Int4H().error_bound(layer.coded_values(values))).max()) <= 1.0
+    sm.cache.set_positions(sm.positions()[:5] + [sm.positions()[6], sm.positions()[5]] + sm.positions()[7:])
+    with pytest.raises(StateInvariantError, match="row positions"):
+        sm.check()
+    sm.cache.set_positions(sm.positions())
+    for store in (layer.codes, layer.scales, layer.zeros):  # swap rows 5 and 6 behind the mirror's back
+        store.key_buffer[:, :, [layer.start + 5, layer.start + 6]] = store.key_buffer[:, :, [layer.start + 6, layer.start + 5]]
+    with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
+        sm.check(deep=True)
+
+
+def test_int4h_insertions_without_room_move_keys_exactly(tiny):
+    tokens = list(range(3, 43))
+    sm = StateManager.from_tokens(tiny, tokens, kv_format="int4h")
+    reference = StateManager.from_tokens(tiny, tokens)
+    for row in (10, 20):  # positions 0..39 leave no room: the rows right of `row` move
+        for state in (sm, reference):
+            report = state.insert(row, [7, 8, 9])
+            assert not report.rebuilt and report.rotated_rows == len(state) - row - 3
+        sm.check(deep=True)
+    assert sm._requantized == [0] * len(sm), "nothing was rounded again"
+    moved = int4h_quantized(tiny, *reference.layer_kv(0), sm.positions())
+    torch.testing.assert_close(sm.layer_kv(0)[0], moved[0], atol=1e-4, rtol=1e-4)
+
+
+def test_int4h_restore_session_and_brain(tiny, tmp_path):
+    """A restore with stored K/V passes the deep check; a session resumes with the same codes
+    and goes on exactly; a brain stays within budget and counts its bytes."""
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format="int4h")
+    delete_and_restore_rows_5_and_6(sm)
+    sm.check(deep=True)
+
+    config = BrainConfig(budget=40, kv_format="int4h", seed=2)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), config)
+    for _ in range(40):
+        record = brain.step()
+        assert not record.rebuilt and record.live_length <= 40, record.error
+    assert brain.counts["culls"] > 0
+    brain.state.check(deep=True)
+    per_token = bytes_per_token("int4h", layers=tiny.num_layers, kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                                dtype=tiny.dtype)
+    assert brain.state.bytes_per_token() == per_token
+    sessions.save(tmp_path, brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path)
+    assert resumed.state.kv_format == "int4h"
+    for a, b in zip(brain.state.cache.layers, resumed.state.cache.layers):
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                   for x, y in zip(a.parts, b.parts))
+    assert [brain.step().token_id for _ in range(15)] == [resumed.step().token_id for _ in range(15)]
+
+
+def test_int4h_from_the_command_line(tiny, capsys, run_cli, eval_text):
+    assert run_cli("--model", "random:tiny", "--ticks", "12", "--budget", "40", "--no-tui", "--no-input",
+                   "--kv-format", "int4h") == 0
+    per_token = bytes_per_token("int4h", layers=tiny.num_layers, kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                                dtype=tiny.dtype)
+    assert f"(int4h, {per_token} B/token)" in capsys.readouterr().out
+    report = evaluate(tiny, eval_text, policies=["streaming"], budgets=[40], max_tokens=70, probe=False,
+                      kv_format="int4h")
+    assert report.settings["kv_format"] == "int4h" and all(math.isfinite(r.ppl) for r in report.runs)
