@@ -50,6 +50,15 @@ Candidates (K / V):
                   root-mean-square of that channel's pre-RoPE keys over --calibration (a text
                   not measured here), multiplied back after: a static stand-in for KVQuant's
                   per-channel key scales that a row still carries alone.
+  mean-*          (round 6) keys minus each layer's mean pre-RoPE key over --calibration,
+                  rotated to the row's position (a position-aware static offset), quantised,
+                  added back; post-*: the same with one fixed post-RoPE mean (no positions)
+  pre-mean-*      keys stored before RoPE, centred: what `--kv-format int4h` stores
+  int4h ...       (round 7) int4h as built (centres from positronic/kv_centres.py), and
+                  with a clip search, value centres, key groups of 16
+  best-of-32      (round 8) per (layer, kv head), the rotation (H times one of 32 fixed
+                  sign vectors) whose quantisation of the calibration rows has the least
+                  squared error
 
 --rotation-seed N multiplies the Hadamard matrix by a diagonal of random signs (another fixed
 orthogonal rotation): the spread over seeds shows how much of a 1-2% difference between two
@@ -72,7 +81,9 @@ from transformers.cache_utils import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.texts import excerpt  # noqa: E402
-from positronic import load_model  # noqa: E402
+from positronic import load_model, rope  # noqa: E402
+from positronic.kv_centres import key_centres  # noqa: E402
+from positronic.texts import DEFAULT_TEXT  # noqa: E402
 
 Quant = Callable[[torch.Tensor, int], torch.Tensor]  # rows [1, kv_heads, n, head_dim], layer -> rounded rows
 F16 = torch.float16
@@ -455,6 +466,7 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
                       post_offset(rotated(lambda x: sym_int4(x, 32, clips=CLIPS))),
                       rotated(lambda x: sym_int4(x, 32, clips=CLIPS)), 4.5, 4.5),
         ]
+
     def pre_centred(fn):
         """Keys un-rotated to position 0 (stored before RoPE), minus the calibrated channel
         mean, quantised by `fn`, the mean added back, rotated back to their positions."""
@@ -462,8 +474,6 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
             m = channel_mean[layer].to(x.device)[None, :, None, :]
             return pre_rope(lambda plain: fn(plain - m) + m)(x, layer)
         return q
-
-    from positronic.kv_centres import key_centres
 
     shipped = key_centres(lm).to(lm.device)  # int4h's own centres (the package's text)
 
@@ -489,7 +499,8 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
     asym = rotated(lambda x: asym_int4(x, 32, "z4"))
     asym_clip = rotated(lambda x: asym_int4(x, 32, "z4", clips=CLIPS))
     out += [  # round 7: the int4h format as built, and what might close its last percent
-        Candidate("int4h (built: pre, shipped centres, had-asym-g32 z4, no clip)", pre_centred_by(shipped, asym),
+        Candidate("int4h as built (pre-RoPE, centres from the package's text, had-asym-g32 z4)",
+                  pre_centred_by(shipped, asym),
                   asym, 4.75, 4.75),
         Candidate("int4h + clip K", pre_centred_by(shipped, asym_clip), asym, 4.75, 4.75),
         Candidate("int4h + clip K and V", pre_centred_by(shipped, asym_clip), asym_clip, 4.75, 4.75),
@@ -501,6 +512,55 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
                   rotated(sym_int4), 5.25, 4.25),
         Candidate("int4h K g32, V had-int4-row", pre_centred_by(shipped, asym), rotated(sym_int4), 4.75, 4.25),
     ]
+    # round 8: per (layer, kv head), the rotation (H times random signs, best of 32) whose int4h
+    # quantisation of the calibration text's keys / values has the least squared error
+    calib_ids = calibration or ([lm.bos_id] + lm.encode(DEFAULT_TEXT.read_text())[:511])
+    with torch.no_grad():
+        ccache = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=torch.tensor([calib_ids], device=lm.device), cache=ccache, use_cache=True)
+    n = len(calib_ids)
+    cpos = torch.arange(n)
+    ccos, csin = rope.rotation(lm.inv_freq, cpos, torch.zeros_like(cpos))
+    gen = torch.Generator().manual_seed(123 + rotation_seed)
+    sign_sets = torch.cat([torch.ones(1, d), torch.randint(0, 2, (31, d), generator=gen).float() * 2 - 1])  # [32, d]
+    H0 = hadamard(d)
+
+    def best_rotations(rows_of_layer):  # rows [L][kv, n, d] -> [L, kv, d, d]
+        out_r = []
+        for rows in rows_of_layer:
+            per_head = []
+            for h in range(rows.shape[0]):
+                x = rows[h]  # [n, d]
+                errs = []
+                for sgn in sign_sets:
+                    R = sgn[:, None] * H0
+                    c = x @ R
+                    errs.append(float((asym_int4(c, 32, "z4") - c).pow(2).sum()))
+                per_head.append(sign_sets[int(torch.tensor(errs).argmin())][:, None] * H0)
+            out_r.append(torch.stack(per_head))
+        return torch.stack(out_r)
+
+    key_rows = [rope.rotate(l.keys.float(), ccos, csin)[0] - shipped[i][:, None, :].cpu() for i, l in enumerate(ccache.layers)]
+    val_rows = [l.values.float()[0] for l in ccache.layers]
+    key_rot, val_rot = best_rotations(key_rows), best_rotations(val_rows)
+
+    def per_head_rotated(fn, rots):
+        def q(x, layer):
+            R = rots[layer].to(x.device)  # [kv, d, d]
+            c = torch.einsum("bhnd,hde->bhne", x, R)
+            return torch.einsum("bhne,hde->bhnd", fn(c), R)
+        return q
+
+    def pre_centred_fn(centres, q_fn):
+        def q(x, layer):
+            m = centres[layer][None, :, None, :]
+            return pre_rope(lambda plain: q_fn(plain - m, layer) + m)(x, layer)
+        return q
+
+    plain_asym = lambda x: asym_int4(x, 32, "z4")  # noqa: E731
+    out += [Candidate("int4h + best-of-32 rotation per head (K and V)",
+                      pre_centred_fn(shipped, per_head_rotated(plain_asym, key_rot)),
+                      per_head_rotated(plain_asym, val_rot), 4.75, 4.75)]
     if value_mean is not None:
         out += [Candidate("int4h + value mean", pre_centred_by(shipped, asym), value_centred(asym), 4.75, 4.75),
                 Candidate("int4h calibrated on --calibration", pre_centred_by(channel_mean, asym), asym, 4.75, 4.75)]

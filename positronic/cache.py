@@ -25,8 +25,9 @@ streaming policy's evictions then only move a cursor, and nothing is ever packed
 
 `SpliceCache(..., kv_format="int4" | "fp4")` stores rows in 4 bits instead
 (`PackedSpliceLayer`, codecs in kv_formats.py): the same edits move codes and scales
-together, and the model reads rows decoded. `kv_format="float"` (the default) is the
-SpliceLayer above, unchanged.
+together, and the model reads rows decoded. `kv_format="int4h"` (`Int4HLayer`) stores keys
+before RoPE, so it reads each row at its position (`set_positions`, `RowPositions`).
+`kv_format="float"` (the default) is the SpliceLayer above, unchanged.
 
 Only `StateManager` edits a SpliceCache inside the brain; the model only appends.
 """
@@ -731,7 +732,9 @@ class SpliceCache(Cache):
         model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
     kv_format: "float" (rows in the model's dtype: SpliceLayers), "int4" or "fp4" (4-bit
-    codes and a float16 scale per row: PackedSpliceLayers, see kv_formats.py).
+    codes and a float16 scale per row: PackedSpliceLayers, see kv_formats.py), "int4h"
+    (Int4HLayers; `key_centres` [layers, kv_heads, head_dim]: kv_centres.key_centres(lm),
+    None for zeros).
     store: "splice" (the default: live rows are one window of the buffer) or "ring" (RingLayers:
     `sinks` rows in fixed slots, the rest wrapping round the buffer, for the streaming
     policy; float rows only).
