@@ -761,6 +761,10 @@ class SpliceCache(Cache):
         elif kv_format == "int4h":
             if config is None:
                 raise ValueError("the int4h format needs the model config (its RoPE frequencies)")
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            if head_dim & (head_dim - 1):
+                raise ValueError(f"the int4h format rotates rows by a Hadamard matrix: head_dim must be a power of "
+                                 f"two, this model's is {head_dim} (use int4 or fp4)")
             if key_centres is not None and len(key_centres) != num_layers:
                 raise ValueError(f"{len(key_centres)} key centres for {num_layers} layers")
             self.positions = RowPositions(rope.inv_freq_for_config(config))

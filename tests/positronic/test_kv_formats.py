@@ -530,6 +530,31 @@ def test_int4h_needs_positions_after_a_splice_and_counts_rows_without_them(tiny)
     assert torch.equal(cache.layers[-1].keys, plain[:, :, [0, 1, 3, 4, 5]])
 
 
+def test_int4h_in_a_users_generate_reads_each_row_at_its_position(tiny, layer0_oracle):
+    """No one sets positions in a plain generate: row i is position i. Layer 0 depends only on
+    token and position, so its rows must be the fresh ones within the format's bound."""
+    ids = torch.tensor([[tiny.bos_id] + list(range(10, 30))])
+    cache = int4h_cache(tiny, 16)  # grows on the way
+    out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert cache.length == out.shape[1] - 1  # the last token is never fed
+    positions = torch.arange(cache.length)
+    fresh_keys, fresh_values = layer0_oracle(tiny, out[0, :-1].tolist(), positions.tolist())
+    layer = cache.layers[0]
+    codec = Int4H()
+    assert bool(((layer.keys - fresh_keys).abs() <= codec.error_bound(layer.coded_keys(layer.keys, positions)) + 1e-5).all())
+    assert bool(((layer.values - fresh_values).abs() <= codec.error_bound(layer.coded_values(layer.values)) + 1e-5).all())
+    shifted = codec.error_bound(layer.coded_keys(layer.keys, positions + 1))
+    assert not bool(((layer.keys - rope.rotate(fresh_keys, *rope.rotation(tiny.inv_freq, positions, positions + 1))).abs()
+                     <= shifted + 1e-5).all()), "read at the wrong positions, they would not match"
+
+
+def test_int4h_refuses_a_head_dim_that_is_not_a_power_of_two(tiny):
+    config = copy.deepcopy(tiny.model.config)
+    config.head_dim = 24
+    with pytest.raises(ValueError, match="head_dim must be a power of two, this model's is 24"):
+        SpliceCache(config, kv_format="int4h")
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_int4h_splice_fill_append_and_growth_keep_each_row_as_encoded_at_its_position(tiny, seed):
     rng = random.Random(seed)
