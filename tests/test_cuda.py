@@ -36,6 +36,8 @@ RUNS = [
     dict(policy="h2o"),
     dict(policy="brightness", kv_format="int4"),
     dict(policy="streaming", kv_format="fp4"),
+    dict(policy="brightness", kv_format="int4h"),
+    dict(policy="none", kv_format="int4h", at_capacity="shift"),
     dict(policy="brightness", recall=True),
 ]
 

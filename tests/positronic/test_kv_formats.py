@@ -716,6 +716,22 @@ def test_int4h_restore_session_and_brain(tiny, tmp_path):
     assert [brain.step().token_id for _ in range(15)] == [resumed.step().token_id for _ in range(15)]
 
 
+def test_int4h_in_float16(tiny_half):
+    """The dtype a GPU runs by default: rows decode into it, and the deep check (half's
+    tolerance on top of the format's bound) holds after ticks and after rows were moved."""
+    brain = Brain.start(tiny_half, [tiny_half.bos_id] + list(range(10, 30)),
+                        BrainConfig(budget=48, kv_format="int4h", seed=3))
+    for _ in range(60):
+        record = brain.step()
+        assert not record.rebuilt, record.error
+    assert brain.state.cache.layers[0].keys.dtype == torch.float16 and brain.counts["culls"] > 0
+    brain.state.check(deep=True)
+    sm = StateManager.from_tokens(tiny_half, list(range(3, 43)), kv_format="int4h")
+    report = sm.insert(10, [7, 8, 9])  # positions 0..39 leave no room: the rows right of 10 move
+    assert not report.rebuilt and report.rotated_rows == len(sm) - 13
+    sm.check(deep=True)
+
+
 def test_int4h_from_the_command_line(tiny, capsys, run_cli, eval_text):
     assert run_cli("--model", "random:tiny", "--ticks", "12", "--budget", "40", "--no-tui", "--no-input",
                    "--kv-format", "int4h") == 0
