@@ -441,7 +441,7 @@ class RowPositions:
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.tensor: torch.Tensor | None = None  # int64 [rows], on the cache's device
         self.stale = False
-        self._rotation: tuple | None = None  # (key, cos, sin) of the last `rotation`
+        self._rotation: tuple | None = None  # (count, device, cos, sin) of the last `rotation`; cleared on set
 
     def set(self, positions: torch.Tensor) -> None:
         self.tensor, self.stale, self._rotation = positions.to(torch.long), False, None
@@ -466,12 +466,11 @@ class RowPositions:
 
     def rotation(self, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to theirs."""
-        key = (id(self.tensor), count, device)
-        if self._rotation is None or self._rotation[0] != key:
+        if self._rotation is None or self._rotation[:2] != (count, device):
             positions = self.of(torch.arange(count, device=device)).cpu()
             cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(positions), positions)
-            self._rotation = (key, cos.to(device), sin.to(device))
-        return self._rotation[1], self._rotation[2]
+            self._rotation = (count, device, cos.to(device), sin.to(device))
+        return self._rotation[2], self._rotation[3]
 
 
 class Int4HLayer(PackedSpliceLayer):

@@ -19,7 +19,7 @@ from positronic.evaluate import evaluate
 from positronic.kv_centres import key_centres
 from positronic.kv_formats import FP4, PACKED, ROW_SCALED, Int4, Int4H, bytes_per_token, hadamard, pack, unpack
 from positronic.loop import Brain, BrainConfig
-from positronic.state_manager import StateInvariantError, rounding_bounds
+from positronic.state_manager import FAULT_STAGES, StateInvariantError, rounding_bounds
 
 FORMATS = sorted(ROW_SCALED)  # one scale per row; int4h has its own tests (section 5)
 KV_HEADS, HEAD_DIM = 2, 16
@@ -714,6 +714,24 @@ def test_int4h_restore_session_and_brain(tiny, tmp_path):
         assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
                    for x, y in zip(a.parts, b.parts))
     assert [brain.step().token_id for _ in range(15)] == [resumed.step().token_id for _ in range(15)]
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_int4h_a_fault_at_any_stage_leaves_the_state_as_it_was(tiny, stage):
+    """A failed edit rebuilds the cache from the mirror: the same live rows at the same
+    positions, the cache's positions with them, layer 0 re-encoded from a fresh prefill."""
+    sm = StateManager.from_tokens(tiny, list(range(3, 43)), kv_format="int4h")
+    sm.apply([{"action": "delete", "position": 7}, {"action": "add", "token_id": 5}], tick=1)
+    before = (sm.live_token_ids(), sm.positions())
+    sm.inject_fault(stage)
+    report = sm.apply([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": [8]},
+                       {"action": "delete", "position": 9}, {"action": "add", "token_id": 7}], tick=2)
+    assert report.rebuilt and "InjectedFault" in report.error
+    assert (sm.live_token_ids(), sm.positions()) == before
+    assert sm.cache.positions.tensor[: len(sm)].tolist() == before[1]
+    sm.check(deep=True)
+    assert not sm.apply([{"action": "add", "token_id": 7}], tick=3).rebuilt
+    sm.check(deep=True)
 
 
 def test_int4h_in_float16(tiny_half):
