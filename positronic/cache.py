@@ -316,15 +316,19 @@ class PackedSpliceLayer(OneSequenceLayer):
     @property
     def keys(self) -> torch.Tensor | None:
         """Live keys decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
-        return None if not self.is_initialized else self._decoded()[0]
+        return None if not self.is_initialized else self._decode("keys")
 
     @property
     def values(self) -> torch.Tensor | None:
         """Live values decoded: [1, kv_heads, length, head_dim] in the model's dtype (a new tensor)."""
-        return None if not self.is_initialized else self._decoded()[1]
+        return None if not self.is_initialized else self._decode("values")
+
+    def _decode(self, side: str) -> torch.Tensor:
+        """The live rows of one side ("keys" or "values") decoded."""
+        return self.codec.decode(getattr(self.codes, side), getattr(self.scales, side)[..., 0], self.dtype)
 
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Live keys and values decoded together, each [1, kv_heads, length, head_dim]."""
+        """Live keys and values decoded together (what a forward reads), each [1, kv_heads, length, head_dim]."""
         if kv_triton.usable(self.codes.keys, self.head_dim):  # one fused kernel on a GPU
             return kv_triton.decode_pair(self.codes.keys, self.scales.keys[..., 0], self.codes.values,
                                          self.scales.values[..., 0], self.codec.levels, self.dtype)
@@ -507,13 +511,16 @@ class Int4HLayer(PackedSpliceLayer):
                              f"({self.kv_heads}, {self.head_dim}) per row")
         self.centre = centre.to(self.device, torch.float32)[None, :, None, :]
 
+    def _decode(self, side: str) -> torch.Tensor:
+        coded = self.codec.decode(getattr(self.codes, side), getattr(self.scales, side), getattr(self.zeros, side))
+        rows = coded @ self.hadamard  # H^T = H
+        if side == "keys":
+            cos, sin = self.positions.rotation(self.length, self.device)
+            rows = rope.rotate(rows + self.centre, cos, sin)
+        return rows.to(self.dtype)
+
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        both = self.codec.decode(torch.stack([self.codes.keys, self.codes.values]),
-                                 torch.stack([self.scales.keys, self.scales.values]),
-                                 torch.stack([self.zeros.keys, self.zeros.values])) @ self.hadamard  # H^T = H
-        cos, sin = self.positions.rotation(self.length, self.device)
-        keys = rope.rotate(both[0] + self.centre, cos, sin)
-        return keys.to(self.dtype), both[1].to(self.dtype)
+        return self._decode("keys"), self._decode("values")
 
     def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         count = key_states.shape[2]
