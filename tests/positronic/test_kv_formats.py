@@ -17,7 +17,8 @@ from positronic import SpliceCache, StateManager, rope
 from positronic import session as sessions
 from positronic.evaluate import evaluate
 from positronic.kv_centres import key_centres
-from positronic.kv_formats import FP4, PACKED, ROW_SCALED, Int4, Int4H, bytes_per_token, hadamard, pack, unpack
+from positronic.kv_formats import (FP4, PACKED, ROW_SCALED, Int4, Int4H, _lookup_nibbles, byte_table, bytes_per_token,
+                                   hadamard, lookup, pack, unpack)
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import FAULT_STAGES, StateInvariantError, rounding_bounds
 
@@ -44,6 +45,17 @@ def test_pack_puts_code_j_in_bits_4j_and_unpack_inverts_it():
     one = torch.zeros(8, dtype=torch.int32)
     one[7] = 15  # the top nibble lands in the sign bit
     assert pack(one).item() == -(1 << 28) and pack(torch.arange(8, dtype=torch.int32)).item() == 0x76543210
+
+
+def test_lookup_reads_two_codes_per_byte_as_unpacking_would():
+    """The byte-table decode against nibble by nibble, on a strided view as a cache holds
+    it, and the big-endian path."""
+    levels = torch.randn(16)
+    codes = pack(torch.randint(0, 16, (2, 3, 40, 64), dtype=torch.int32))[:, :, 5:29]
+    want = levels[unpack(codes).long()]
+    table = byte_table(levels)
+    assert torch.equal(lookup(codes, table), want)
+    assert torch.equal(_lookup_nibbles(codes, table), want)
 
 
 @pytest.mark.parametrize("name", FORMATS)
