@@ -86,8 +86,8 @@ def unpack(codes: torch.Tensor) -> torch.Tensor:
 
 
 class PackedFormat:
-    """What both 4-bit formats share: per-row scales, packing, decoding through a table of
-    table of levels. A subclass gives `name`, `top` (the largest level's magnitude),
+    """What both 4-bit formats share: per-row scales, packing, decoding through a table
+    of levels. A subclass gives `name`, `top` (the largest level's magnitude),
     `half_step` (the worst rounding error, in units of the scale), `levels` (the value of
     each nibble 0..15) and `_nibbles` (scaled values -> nearest level's nibble)."""
 
