@@ -746,6 +746,20 @@ def test_int4h_a_fault_at_any_stage_leaves_the_state_as_it_was(tiny, stage):
     sm.check(deep=True)
 
 
+@pytest.mark.parametrize("repairer", ["bridge", "self"])
+def test_int4h_under_repairs_probes_and_recall(tiny, repairer):
+    """Repairs fill gaps, the bridge's probes write scratch rows after the live ones (their
+    positions set with the rest), recall restores rows: the deep check holds throughout."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 60)),
+                        BrainConfig(budget=48, kv_format="int4h", repairer=repairer, recall=True, seed=2))
+    for tick in range(80):
+        record = brain.step()
+        assert not record.rebuilt, record.error
+        if tick % 20 == 19:
+            brain.state.check(deep=True)
+    assert brain.counts["repairs"] > 0
+
+
 def test_int4h_in_float16(tiny_half):
     """The dtype a GPU runs by default: rows decode into it, and the deep check (half's
     tolerance on top of the format's bound) holds after ticks and after rows were moved."""
