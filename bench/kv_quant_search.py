@@ -82,7 +82,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.texts import excerpt  # noqa: E402
 from positronic import load_model, rope  # noqa: E402
-from positronic.kv_centres import key_centres  # noqa: E402
+from positronic.kv_centres import compute_key_centres, key_centres  # noqa: E402
+from positronic.kv_formats import hadamard  # noqa: E402,F401  (also the tests' search.hadamard)
 from positronic.texts import DEFAULT_TEXT  # noqa: E402
 
 Quant = Callable[[torch.Tensor, int], torch.Tensor]  # rows [1, kv_heads, n, head_dim], layer -> rounded rows
@@ -186,16 +187,6 @@ def asym_int4(x: torch.Tensor, group: int | None = None, zero: str = "z16", scal
     return _least_error(g, map(rounded, clips)).reshape(x.shape)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix / sqrt(n): symmetric and orthogonal, H @ H = I."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    if h.shape[0] != n:
-        raise ValueError(f"head_dim {n} is not a power of two")
-    return h / math.sqrt(n)
-
-
 # --- the fake-quantising cache -------------------------------------------------------------
 
 class FakeQuantCache(DynamicCache):
@@ -250,9 +241,9 @@ def weight_channel_norms(lm) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pre_rope_channel_rms(lm, ids: list[int], stat: str = "rms") -> torch.Tensor:
-    """[layers, kv_heads, head_dim]: root-mean-square (stat "rms") or mean ("mean") of each
-    pre-RoPE key channel over `ids`."""
+def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
+    """[layers, kv_heads, head_dim]: root-mean-square of each pre-RoPE key channel over `ids`
+    (their mean is positronic.kv_centres.compute_key_centres)."""
     from positronic.smartkv.cache import KeyUnrotator
 
     cache = DynamicCache(config=lm.model.config)
@@ -261,8 +252,7 @@ def pre_rope_channel_rms(lm, ids: list[int], stat: str = "rms") -> torch.Tensor:
     out = []
     for layer in cache.layers:
         plain = unrotate(layer.keys, torch.arange(len(ids)))  # [n, kv_heads * head_dim]
-        moment = plain.pow(2).mean(0).sqrt() if stat == "rms" else plain.mean(0)
-        out.append(moment.view(lm.num_kv_heads, lm.head_dim))
+        out.append(plain.pow(2).mean(0).sqrt().view(lm.num_kv_heads, lm.head_dim))
     return torch.stack(out)
 
 
@@ -337,7 +327,7 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
             return out * cos + rot * sin
         return q
 
-    channel_mean = pre_rope_channel_rms(lm, calibration, "mean") if calibration else None
+    channel_mean = compute_key_centres(lm, calibration) if calibration else None
 
     def mean_offset(fn):
         """Keys [1, kv_heads, n, d] (row i at position i) minus the calibrated pre-RoPE channel

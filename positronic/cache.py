@@ -436,9 +436,10 @@ class RowPositions:
     reused by every layer.
 
     Whoever lays rows out sets them (`SpliceCache.set_positions`: StateManager after each edit,
-    `forward()` before each forward, for the rows it writes too). A cache nobody set them on
-    and that was never spliced is append-only (a user's own `generate`): row i is at position
-    i. A splice forgets them: reading or writing rows before they are set again is refused.
+    for the rows a forward is about to write too, before a rebuild and on a resume). A cache
+    nobody set them on and that was never spliced is append-only (a user's own `generate`):
+    row i is at position i. A splice forgets them: reading or writing rows before they are set
+    again is refused.
     """
 
     def __init__(self, inv_freq: torch.Tensor):
@@ -469,7 +470,9 @@ class RowPositions:
         return self.tensor.to(rows.device)[rows]
 
     def rotation(self, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to theirs."""
+        """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to
+        theirs (cos, -sin rotate them back: the angles are negated exactly). Computed once per
+        layout and count: every layer's reads and writes of a forward share it."""
         if self._rotation is None or self._rotation[:2] != (count, device):
             positions = self.of(torch.arange(count, device=device)).cpu()
             cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(positions), positions)
@@ -488,15 +491,18 @@ class Int4HLayer(PackedSpliceLayer):
 
     A stored key does not depend on its position: reading rotates it to the position the
     cache's RowPositions give, so re-rotation (`rotate_keys`) is exact — there is nothing to
-    do, the new position is read next time. `centre` [kv_heads, head_dim] is this layer's
-    mean pre-RoPE key (positronic/kv_centres.py; zeros work, less well)."""
+    do, the new position is read next time. `key_centre` [kv_heads, head_dim] is this layer's
+    mean pre-RoPE key (positronic/kv_centres.py; None: zeros, which work less well)."""
 
-    def __init__(self, codec: kv_formats.Int4H, capacity: int, positions: RowPositions, centre: torch.Tensor | None):
+    def __init__(self, codec: kv_formats.Int4H, capacity: int, positions: RowPositions,
+                 key_centre: torch.Tensor | None):
         super().__init__(codec, capacity)
         self.zeros = SpliceLayer(capacity)
         self.positions = positions
-        self.centre = centre  # [kv_heads, head_dim] float32, moved to the rows' device on first use
+        self.key_centre = key_centre
+        # set at the first write, on the rows' device: H [head_dim, head_dim], the centre [1, kv_heads, 1, head_dim]
         self.hadamard: torch.Tensor | None = None
+        self.centre: torch.Tensor | None = None
 
     @property
     def parts(self) -> list[SpliceLayer]:
@@ -505,7 +511,7 @@ class Int4HLayer(PackedSpliceLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.hadamard = kv_formats.hadamard(self.head_dim).to(self.device)
-        centre = torch.zeros(self.kv_heads, self.head_dim) if self.centre is None else self.centre
+        centre = torch.zeros(self.kv_heads, self.head_dim) if self.key_centre is None else self.key_centre
         if tuple(centre.shape) != (self.kv_heads, self.head_dim):
             raise ValueError(f"the int4h key centre is {tuple(centre.shape)}; this layer's keys are "
                              f"({self.kv_heads}, {self.head_dim}) per row")
@@ -524,11 +530,12 @@ class Int4HLayer(PackedSpliceLayer):
 
     def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         count = key_states.shape[2]
-        rows = self._write_rows if self._write_rows is not None else \
-            torch.arange(self.length, self.length + count, device=self.device)
-        positions = self.positions.of(rows.to(self.device)).cpu()
-        cos, sin = rope.rotation(self.positions.inv_freq, positions, torch.zeros_like(positions))
-        plain = rope.rotate(key_states.float(), cos, sin) - self.centre  # un-rotated to position 0
+        if self._write_rows is not None:  # into gaps of the live rows
+            rows, length = self._write_rows.to(self.device), self.length
+        else:  # appended: the live rows after this write are the ones the read will rotate
+            rows, length = torch.arange(self.length, self.length + count, device=self.device), self.length + count
+        cos, sin = self.positions.rotation(length, self.device)  # the same for every layer of the forward
+        plain = rope.rotate(key_states.float(), cos[rows], -sin[rows]) - self.centre  # back to position 0
         codes, scales, zeros = self.codec.encode(torch.stack([plain, value_states.float()]) @ self.hadamard)
         return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
 

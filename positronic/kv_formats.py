@@ -50,9 +50,9 @@ def byte_table(levels: torch.Tensor) -> torch.Tensor:
 
 def lookup(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """int32 [..., words] -> float32 [..., words * 8]: each code's level, read a byte (two
-    codes) at a time from `byte_table(levels)` (on the codes' device). On a little-endian machine byte b of word j
-    holds codes 8j + 2b (low nibble) and 8j + 2b + 1; one gather of the bytes costs about
-    half of unpacking the nibbles and looking each up."""
+    codes) at a time from `byte_table(levels)` (on the codes' device). On a little-endian
+    machine byte b of word j holds codes 8j + 2b (low nibble) and 8j + 2b + 1; one gather of
+    the bytes costs about half of unpacking the nibbles and looking each up."""
     if sys.byteorder != "little":
         return _lookup_nibbles(codes, table)
     pairs = table.index_select(0, codes.contiguous().view(torch.uint8).flatten().long())
@@ -66,17 +66,16 @@ def _lookup_nibbles(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         *codes.shape[:-1], codes.shape[-1] * CODES_PER_WORD)
 
 
-_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
-NIBBLES = torch.arange(16, dtype=torch.float32)  # int4h's levels: the nibble itself
+_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def table_on(levels: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`byte_table(levels)` on `device`, built once per levels tensor (a module constant) and
-    device (no host-to-device copy per read on a GPU)."""
-    key = (id(levels), device)
-    if key not in _TABLES:
-        _TABLES[key] = byte_table(levels).to(device)
-    return _TABLES[key]
+def on_device(constant: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level constant tensor (a level table) on `device`, copied there once: a copy per
+    read would be a host-to-device transfer per layer and token on a GPU."""
+    key = (id(constant), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = constant.to(device)
+    return _ON_DEVICE[key]
 
 
 def unpack(codes: torch.Tensor) -> torch.Tensor:
@@ -131,7 +130,7 @@ class PackedFormat:
     def _levels_of(self, codes: torch.Tensor) -> torch.Tensor:
         """int32 [..., words] -> the levels [..., words * 8] float32 (a table lookup, two codes
         per byte; index_select is the fastest gather on a CPU)."""
-        return lookup(codes, table_on(self.levels, codes.device))
+        return lookup(codes, on_device(self.byte_levels, codes.device))
 
 
 class Int4(PackedFormat):
@@ -164,6 +163,7 @@ class FP4(PackedFormat):
     half_step = 1.0  # half of the widest gap, 4 .. 6
     magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     levels = torch.cat([magnitudes, -magnitudes])
+    byte_levels = byte_table(levels)
     _midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2  # [7]: a magnitude above midpoint i rounds past level i
 
     def _nibbles(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -200,14 +200,16 @@ class Int4H:
     Error of one round trip, per element of c: at most `half_step` · s, s the stored scale:
     1/2 from rounding (the grid's ends lie within s/2 of lo and hi, so the clamp costs no more),
     plus up to 15 · 2^-10 as float16 rounds the scale down (the grid is then that much narrower
-    than hi - lo; scales below float16's normal range, 6·10^-5, lose more). `error_bound` carries it through H and RoPE to the rows the model
-    reads.
+    than hi - lo; scales below float16's normal range, 6·10^-5, lose more). `error_bound`
+    carries it through H and RoPE to the rows the model reads.
     Codes pack as for the other formats (code j of a row in bits 4j..4j+3 of word j // 8).
     """
 
     name = "int4h"
     group = 32
     half_step = 0.5 + 15 * 2**-10 / (1 - 2**-10)
+    position_bytes = 8  # the cache keeps each live row's position (int64), once for all layers
+    byte_levels = byte_table(torch.arange(16.0))  # a code's level is the nibble itself
 
     def groups(self, head_dim: int) -> int:
         """Groups per row (rows narrower than `group` are one group)."""
@@ -224,8 +226,8 @@ class Int4H:
         lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)  # 0 stays on the grid
         exact = ((hi - lo) / 15).clamp(max=FLOAT16_MAX)
         scales = exact.to(torch.float16)
-        # rounded toward zero: the grid then spans the whole group, its ends decode to codes 0
-        # and 15, and a decoded row encodes back to the same codes (sessions save decoded rows)
+        # rounded toward zero: the grid then spans the whole group and its ends decode to codes
+        # 0 and 15, so a decoded row encodes back to the same codes
         scales = torch.where(scales.float() > exact, torch.nextafter(scales, torch.zeros_like(scales)), scales)
         s = scales.float()
         s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: codes z, decoded 0
@@ -236,7 +238,7 @@ class Int4H:
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
         """codes int32 [..., words], scales float16 and zeros uint8 [..., groups] -> coded rows
         float32 [..., words * 8] ((q - z) s is exact in float32)."""
-        q = lookup(codes, table_on(NIBBLES, codes.device)).view(*codes.shape[:-1], scales.shape[-1], -1)
+        q = lookup(codes, on_device(self.byte_levels, codes.device)).view(*codes.shape[:-1], scales.shape[-1], -1)
         return ((q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(*codes.shape[:-1], -1)
 
     def error_bound(self, c: torch.Tensor) -> torch.Tensor:
@@ -244,8 +246,9 @@ class Int4H:
         rows are c [..., head_dim] (the originals, or decoded ones: a decoded group spans at
         least 14/15 of the range its scale was made from): [..., 1] float32.
 
-        Per element of c the error is at most half_step · s_g, s_g <= span / 15; H^T maps an error vector e to elements of at most sum|e| /
-        sqrt(head_dim); RoPE mixes two elements, at most sqrt(2) times the larger."""
+        Per element of c the error is at most half_step · s_g, s_g <= span / 15; H^T maps an
+        error vector e to elements of at most sum|e| / sqrt(head_dim); RoPE mixes two
+        elements, at most sqrt(2) times the larger."""
         head_dim = c.shape[-1]
         g = c.float().reshape(*c.shape[:-1], self.groups(head_dim), -1)
         spans = (g.amax(dim=-1).clamp(min=0) - g.amin(dim=-1).clamp(max=0)) * (15 / 14)
@@ -260,7 +263,6 @@ class Int4H:
 PACKED = {fmt.name: fmt for fmt in (Int4(), FP4(), Int4H())}
 ROW_SCALED = ("int4", "fp4")  # one scale per row, decoded on their own (PackedSpliceLayer)
 FORMATS = ("float", *PACKED)  # float: the model's own dtype, today's SpliceLayer
-POSITION_BYTES = 8  # int4h: the cache keeps each live row's position (int64), once for all layers
 
 
 def check_format(name: str) -> str:
@@ -281,4 +283,4 @@ def bytes_per_token(name: str, *, layers: int, kv_heads: int, head_dim: int, dty
     int4h the row's position."""
     codec = packed(name)
     row = codec.row_bytes(head_dim) if codec else head_dim * torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * kv_heads * row + (POSITION_BYTES if name == "int4h" else 0)
+    return 2 * layers * kv_heads * row + getattr(codec, "position_bytes", 0)

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from . import kv_formats
+
 try:  # Triton ships with CUDA builds of torch; CPU builds (and this project's CI) have none
     import triton
     import triton.language as tl
@@ -58,7 +60,7 @@ def decode_pair(key_codes: torch.Tensor, key_scales: torch.Tensor, value_codes: 
     _, heads, length, words = key_codes.shape
     out = torch.empty((2, 1, heads, length, words * 8), dtype=dtype, device=key_codes.device)
     if length:
-        table = _on_device(levels, key_codes.device)
+        table = kv_formats.on_device(levels, key_codes.device)
         for codes, scales, rows in ((key_codes, key_scales, out[0]), (value_codes, value_scales, out[1])):
             if codes.stride(-1) != 1:
                 raise ValueError("decode_pair reads code words with a unit stride")
@@ -66,18 +68,6 @@ def decode_pair(key_codes: torch.Tensor, key_scales: torch.Tensor, value_codes: 
                 codes, scales, table, rows, length, codes.stride(1), codes.stride(2), scales.stride(1),
                 scales.stride(2), rows.stride(1), HEAD_DIM=words * 8, ROWS=ROWS_PER_PROGRAM)
     return out[0], out[1]
-
-
-_LEVELS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
-
-
-def _on_device(levels: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The format's level table as float32 on `device`, copied there once (a copy per call
-    would be a host-to-device transfer per layer and token)."""
-    key = (tuple(levels.tolist()), device)
-    if key not in _LEVELS:
-        _LEVELS[key] = levels.to(device, torch.float32)
-    return _LEVELS[key]
 
 
 if triton is not None:

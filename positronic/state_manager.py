@@ -334,10 +334,9 @@ class StateManager:
             saved["requantized"] = torch.tensor(self._requantized, dtype=torch.int64)
         if self.kv_format == "int4h":
             layers = self._cache.layers
-            for part in range(3):
-                name = ("codes", "scales", "zeros")[part]
-                saved[f"key_{name}"] = torch.cat([layer.parts[part].keys for layer in layers]).cpu().contiguous()
-                saved[f"value_{name}"] = torch.cat([layer.parts[part].values for layer in layers]).cpu().contiguous()
+            for index, name in enumerate(("codes", "scales", "zeros")):  # the order of Int4HLayer.parts
+                saved[f"key_{name}"] = torch.cat([layer.parts[index].keys for layer in layers]).cpu().contiguous()
+                saved[f"value_{name}"] = torch.cat([layer.parts[index].values for layer in layers]).cpu().contiguous()
         elif len(self):
             saved["keys"] = torch.cat([layer.keys for layer in self._cache.layers]).cpu().contiguous()
             saved["values"] = torch.cat([layer.values for layer in self._cache.layers]).cpu().contiguous()
