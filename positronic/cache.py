@@ -802,13 +802,15 @@ class SpliceCache(Cache):
         float keys rotate in float32, int4h keys only change position."""
         return self.kv_format in kv_formats.ROW_SCALED
 
-    def set_positions(self, positions) -> None:
-        """int4h: the RoPE positions of rows 0..n-1 (int [n], n >= the live rows: rows a
-        forward is about to write may follow), read by every layer to rotate its keys. Other
-        formats keep keys rotated and need none: a no-op."""
+    def set_positions(self, positions, *more) -> None:
+        """int4h: the RoPE positions of rows 0..n-1 (ints, n >= the live rows; `more` lists
+        follow them: rows a forward is about to write after the live ones), read by every layer
+        to rotate its keys. Other formats keep keys rotated and need none: a no-op (nothing is
+        built)."""
         if self.positions is not None:
             device = self.layers[0].device or "cpu"
-            self.positions.set(torch.as_tensor(positions, dtype=torch.long, device=device))
+            every = list(positions) + [p for extra in more for p in extra]
+            self.positions.set(torch.tensor(every, dtype=torch.long, device=device))
 
     @property
     def ring(self) -> Ring | None:

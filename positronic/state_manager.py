@@ -743,7 +743,7 @@ class StateManager:
         else:
             self._cache.reserve(layout.length)  # a ring lays out its mask before the prefill: room first
         # int4h reads every key at its row's position (a moved row's re-rotation), probes' scratch rows included
-        self._cache.set_positions(list(layout.positions) + (list(probes.positions) if scratch else []))
+        self._cache.set_positions(layout.positions, probes.positions if scratch else ())
         self._fault_point("splice")
         if layout.moved is not None:
             first = layout.moved

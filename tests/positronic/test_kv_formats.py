@@ -760,6 +760,24 @@ def test_int4h_under_repairs_probes_and_recall(tiny, repairer):
     assert brain.counts["repairs"] > 0
 
 
+def test_int4h_refuses_bad_saved_rows_and_centres_with_one_line(tiny):
+    sm = StateManager.from_tokens(tiny, list(range(3, 30)), kv_format="int4h")
+    tensors = sm.tensors()
+    for name, value, message in (("key_zeros", 16, "zero points must lie in 0..15"),
+                                 ("value_scales", -1.0, "scales be >= 0")):
+        bad = dict(tensors)
+        bad[name] = bad[name].clone()
+        bad[name][0, 0, 0, 0] = value
+        with pytest.raises(ValueError, match=message):
+            StateManager.from_saved(tiny, copy.deepcopy(sm.mirror), bad, kv_format="int4h")
+    bad = {k: v for k, v in tensors.items() if k != "value_codes"}
+    with pytest.raises(ValueError, match="saved tensor 'value_codes' is missing"):
+        StateManager.from_saved(tiny, copy.deepcopy(sm.mirror), bad, kv_format="int4h")
+    with pytest.raises(ValueError, match="3 key centres for 2 layers"):
+        SpliceCache(tiny.model.config, kv_format="int4h", key_centres=torch.zeros(3, tiny.num_kv_heads, tiny.head_dim))
+    sm.check(deep=True)  # the state they were taken from is untouched
+
+
 def test_int4h_in_float16(tiny_half):
     """The dtype a GPU runs by default: rows decode into it, and the deep check (half's
     tolerance on top of the format's bound) holds after ticks and after rows were moved."""
