@@ -2,6 +2,8 @@
 
     python bench/smartkv.py --text /work/heldout/frankenstein.txt              # quality table
     python bench/smartkv.py --cost --model random:tinyllama                    # cost per token
+    python bench/smartkv.py --text FILE --methods streaming smartkv --where smartkv streaming
+                                                 # which tokens smartkv loses to streaming on
 
 **Quality.** BOS + --tokens tokens of the text (the excerpt rule of bench/RESULTS.md: from
 character --offset, starting after the first blank line) are teacher-forced one token per
@@ -107,16 +109,19 @@ def quality(args, lm) -> None:
           f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window or 'budget/2'}  "
           f"torch threads {torch.get_num_threads()}", flush=True)
     results = []
+    losses = {}  # (method, budget) -> NLL per scored token
 
-    def report(name, budget, ppl, seconds):
+    def report(name, budget, nll, seconds):
+        ppl = perplexity(nll)
         results.append((name, budget, ppl, seconds))
+        losses[name, budget] = nll
         full = results[0][2]
         print(f"{name:16s} budget {budget if budget else '-':>5}  ppl {ppl:8.3f}  x{ppl / full:.3f}  "
               f"{seconds:5.0f} s", flush=True)
 
     start = time.perf_counter()
     full = run_stream(lm, ids, reference_config(len(ids), sinks=args.sinks))
-    report("full", None, perplexity(full.nll), time.perf_counter() - start)
+    report("full", None, full.nll, time.perf_counter() - start)
     wanted = set(args.methods or [])
     for share in args.budgets:
         budget = round(share * count)
@@ -132,15 +137,15 @@ def quality(args, lm) -> None:
             start = time.perf_counter()
             stream = run_stream(lm, ids, brain_config)
             assert stream.max_live <= budget
-            report(name, budget, perplexity(stream.nll), time.perf_counter() - start)
+            report(name, budget, stream.nll, time.perf_counter() - start)
         for name, cache in smart_caches(config, budget, sinks=args.sinks, window=args.window, gates=gates,
                                          horizon=args.horizon):
             if wanted and name not in wanted:
                 continue
             start = time.perf_counter()
-            ppl = perplexity(nll_stream(lm.model, ids, cache))
+            nll = nll_stream(lm.model, ids, cache)
             assert cache.rows == budget and cache.seen == count
-            report(name, budget, ppl, time.perf_counter() - start)
+            report(name, budget, nll, time.perf_counter() - start)
 
     from rich.console import Console
     from rich.table import Table
@@ -153,6 +158,9 @@ def quality(args, lm) -> None:
         table.add_row(name, "-" if budget is None else f"{budget} ({budget / count:.1%})", f"{ppl:.3f}",
                       f"{ppl / full:.3f}", f"{seconds:.0f}")
     Console(file=sys.stdout, width=120).print(table)
+    if args.where:
+        for share in args.budgets:
+            where_lost(lm, ids, losses, *args.where, round(share * count))
     if args.out:
         rows = [{"method": name, "budget": budget, "ppl": ppl, "ratio": ppl / full, "seconds": seconds}
                 for name, budget, ppl, seconds in results]
@@ -162,6 +170,20 @@ def quality(args, lm) -> None:
                                    indent=1))
         plot_quality(path, path.with_suffix(".png"))
         print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def where_lost(lm, ids: list[int], losses: dict, first: str, second: str, budget: int, top: int = 12) -> None:
+    """Where `first` loses to `second` at `budget`: the NLL difference summed per 128 scored tokens,
+    and the tokens with the largest differences, with the text before them."""
+    if (first, budget) not in losses or (second, budget) not in losses:
+        print(f"--where: no results for {first} and {second} at budget {budget} (add them to --methods)")
+        return
+    diff = [a - b for a, b in zip(losses[first, budget], losses[second, budget])]
+    print(f"NLL of {first} minus {second}, budget {budget}: {sum(diff):+.2f} nats over {len(diff)} tokens")
+    print("  per 128 tokens: " + "  ".join(f"{sum(diff[k:k + 128]):+.2f}" for k in range(0, len(diff), 128)))
+    for n in sorted(sorted(range(len(diff)), key=lambda n: -abs(diff[n]))[:top]):
+        before = lm.tokenizer.decode(ids[max(0, n - 7):n + 1])
+        print(f"  token {n + 1:5d} {diff[n]:+6.2f}  {before!r} -> {lm.tokenizer.decode([ids[n + 1]])!r}")
 
 
 def plot_quality(json_path: Path, png: Path) -> None:
@@ -343,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")
     p.add_argument("--threads", type=int)
     p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
+    p.add_argument("--where", nargs=2, metavar=("A", "B"), help="also show where method A loses to method B "
+                   "(per-token NLL differences at each budget)")
     p.add_argument("--cost", action="store_true", help="measure decode cost instead of perplexity")
     p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json and a bar plot (.png) here")
     p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")

@@ -1,0 +1,30 @@
+"""bench/smartkv.py stays runnable: a perplexity row per method and budget, and --where's per-token
+differences add up to the two perplexities."""
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smartkv_bench_reports_perplexities_and_where_one_method_loses_to_another():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny",
+                          "--text", str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128",
+                          "--budgets", "0.5", "--methods", "streaming", "smartkv-random",
+                          "--where", "smartkv-random", "streaming"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    ppl = {m.group(1): float(m.group(2))
+           for m in re.finditer(r"^(\S+)\s+budget\s+\S+\s+ppl\s+([\d.]+)", out, re.MULTILINE)}
+    assert set(ppl) == {"full", "streaming", "smartkv-random"}
+    total = re.search(r"NLL of smartkv-random minus streaming, budget 64: ([+-][\d.]+) nats over 128 tokens", out)
+    assert total, out
+    assert float(total.group(1)) == pytest.approx(
+        128 * (math.log(ppl["smartkv-random"]) - math.log(ppl["streaming"])), abs=0.05)
+    per_block = re.search(r"per 128 tokens: (.+)", out).group(1).split()
+    assert len(per_block) == 1 and float(per_block[0]) == pytest.approx(float(total.group(1)), abs=0.01)
+    assert len(re.findall(r"^  token\s+\d+\s+[+-]", out, re.MULTILINE)) == 12
