@@ -57,6 +57,7 @@ from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
 
 BRAIN_POLICIES = ("streaming", "scored", "h2o", "brightness")
+METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv", "smartkv-random", "smartkv-shared", "smartkv-stream")
 
 
 @torch.inference_mode()
@@ -103,19 +104,20 @@ def gate_sets(args, config) -> dict[str, GateSet]:
 def quality(args, lm) -> None:
     config = lm.model.config
     gates = gate_sets(args, config)
+    untrained = [name for name in (args.where or []) if name.startswith("smartkv") and name != "smartkv-stream"
+                 and name.removesuffix("-brain") not in gates]
+    if untrained:
+        raise SystemExit(f"--where {' '.join(untrained)}: no such gates for {args.model} (give --gates / --shared-gates)")
     ids = [lm.bos_id] + lm.encode(excerpt(args.text, args.offset))[: args.tokens]
     count = len(ids) - 1
     print(f"# {datetime.date.today()}  model {args.model}  text {args.text.name} (from char {args.offset})  "
           f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window or 'budget/2'}  "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    results = []
-    losses = {}  # (method, budget) -> NLL per scored token
+    results: dict[tuple[str, int | None], tuple[list[float], float]] = {}  # (method, budget) -> (NLL per token, s)
 
     def report(name, budget, nll, seconds):
-        ppl = perplexity(nll)
-        results.append((name, budget, ppl, seconds))
-        losses[name, budget] = nll
-        full = results[0][2]
+        results[name, budget] = nll, seconds
+        ppl, full = perplexity(nll), perplexity(results["full", None][0])
         print(f"{name:16s} budget {budget if budget else '-':>5}  ppl {ppl:8.3f}  x{ppl / full:.3f}  "
               f"{seconds:5.0f} s", flush=True)
 
@@ -150,20 +152,21 @@ def quality(args, lm) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    full = results[0][2]
+    full = perplexity(results["full", None][0])
     table = Table(title=f"teacher-forced perplexity, {args.model}, {args.text.name}, {count} tokens")
     for column in ("method", "budget", "ppl", "ppl / full", "seconds"):
         table.add_column(column, justify="left" if column == "method" else "right")
-    for name, budget, ppl, seconds in results:
+    for (name, budget), (nll, seconds) in results.items():
+        ppl = perplexity(nll)
         table.add_row(name, "-" if budget is None else f"{budget} ({budget / count:.1%})", f"{ppl:.3f}",
                       f"{ppl / full:.3f}", f"{seconds:.0f}")
     Console(file=sys.stdout, width=120).print(table)
     if args.where:
         for share in args.budgets:
-            where_lost(lm, ids, losses, *args.where, round(share * count))
+            where_lost(lm, ids, results, *args.where, round(share * count))
     if args.out:
-        rows = [{"method": name, "budget": budget, "ppl": ppl, "ratio": ppl / full, "seconds": seconds}
-                for name, budget, ppl, seconds in results]
+        rows = [{"method": name, "budget": budget, "ppl": perplexity(nll), "ratio": perplexity(nll) / full,
+                 "seconds": seconds} for (name, budget), (nll, seconds) in results.items()]
         path = args.out / f"smartkv_{args.text.stem}.json"
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"model": args.model, "text": args.text.name, "tokens": count, "rows": rows},
@@ -172,13 +175,12 @@ def quality(args, lm) -> None:
         print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
-def where_lost(lm, ids: list[int], losses: dict, first: str, second: str, budget: int, top: int = 12) -> None:
-    """Where `first` loses to `second` at `budget`: the NLL difference summed per 128 scored tokens,
-    and the tokens with the largest differences, with the text before them."""
-    if (first, budget) not in losses or (second, budget) not in losses:
-        print(f"--where: no results for {first} and {second} at budget {budget} (add them to --methods)")
-        return
-    diff = [a - b for a, b in zip(losses[first, budget], losses[second, budget])]
+def where_lost(lm, ids: list[int], results: dict, first: str, second: str, budget: int, top: int = 12) -> None:
+    """Where `first` loses to `second` at `budget` ("full": the full cache, at any budget): the NLL
+    difference summed per 128 scored tokens, and the tokens with the largest differences, with the
+    text before them. results: (method, budget) -> (NLL per scored token, seconds)."""
+    first_nll, second_nll = (results[name, None if name == "full" else budget][0] for name in (first, second))
+    diff = [a - b for a, b in zip(first_nll, second_nll)]
     print(f"NLL of {first} minus {second}, budget {budget}: {sum(diff):+.2f} nats over {len(diff)} tokens")
     print("  per 128 tokens: " + "  ".join(f"{sum(diff[k:k + 128]):+.2f}" for k in range(0, len(diff), 128)))
     for n in sorted(sorted(range(len(diff)), key=lambda n: -abs(diff[n]))[:top]):
@@ -375,6 +377,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="--cost: interleaved rounds")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
+    for name in (args.methods or []) + (args.where or []):
+        if name not in METHODS:
+            p.error(f"unknown method {name!r}: expected one of {', '.join(METHODS)}")
+    if args.where and args.cost:
+        p.error("--where compares perplexities: it does not go with --cost")
+    if args.where and args.methods:
+        missing = [name for name in args.where if name != "full" and name not in args.methods]
+        if missing:
+            p.error(f"--where {' '.join(args.where)}: add {' '.join(missing)} to --methods")
     if args.plot_gates:
         plot_gates(args.plot_gates)
         return 0

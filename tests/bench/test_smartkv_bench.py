@@ -28,3 +28,17 @@ def test_smartkv_bench_reports_perplexities_and_where_one_method_loses_to_anothe
     per_block = re.search(r"per 128 tokens: (.+)", out).group(1).split()
     assert len(per_block) == 1 and float(per_block[0]) == pytest.approx(float(total.group(1)), abs=0.01)
     assert len(re.findall(r"^  token\s+\d+\s+[+-]", out, re.MULTILINE)) == 12
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "streming"], "unknown method 'streming'"),
+    (["--methods", "streaming", "--where", "smartkv-random", "streaming"], "add smartkv-random to --methods"),
+    (["--where", "smartkv", "streaming", "--cost"], "does not go with --cost"),
+    (["--where", "smartkv", "streaming"], "--where smartkv: no such gates for random:tiny"),
+])
+def test_smartkv_bench_refuses_a_bad_method_with_one_line_before_running(extra, message):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny",
+                          "--text", str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128",
+                          "--budgets", "0.5", *extra], capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and message in run.stderr
+    assert "Traceback" not in run.stderr and "budget" not in run.stdout  # nothing ran
