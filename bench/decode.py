@@ -2,6 +2,7 @@
 
     python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
                            [--batches 8] [--repairers none bridge self] [--recall ROWS ...]
+                           [--policies streaming smartkv ...] [--smartkv]
 
 For each live length it prints ms per token and tokens/s for
   (a) hf-generate   `model.generate` as a user gets it: the same weights in a model object of
@@ -17,9 +18,20 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
   (d) with --recall ROWS: (c) culling with recall on and ROWS evicted rows in its index; "extra"
       is 1 - tick(c) / tick(d), everything recall adds (its own steps, every layer's query and
       log-normaliser in the forward, restores), "recall" the share of its own steps (scoring
-      the index, copying evicted rows' K/V). The runs go in turn, `--repeats`
-rounds, and every figure is the median over rounds of each round's median tick, so slow
-drift of a noisy machine hits all three alike. For (c) two shares of the tick:
+      the index, copying evicted rows' K/V);
+  (e) with --policies: a maintained tick of each policy with its own defaults (smartkv: the
+      gates shipped for the model, else untrained ones, which cost what trained ones do; a
+      window of half the budget), timed as the mean over whole maintenance cycles after one
+      untimed cycle (a policy's eviction batch; for smartkv its window, since its gates score
+      the window's tokens in one batch each time the window turns over);
+  (f) with --smartkv: `model.generate` with a SmartKVCache of `context` rows, as streaming (4
+      sinks + a recent window) and with gates (the layout of (e)), timed like (e).
+Where both ran, SmartKV against streaming is printed as a ratio: the brain's smartkv tick over
+its streaming tick, and the SmartKVCache with gates over the same cache without. "choose" is
+the share of a tick the policy spends choosing rows (its score + select steps; in (f) the
+cache's gate scoring). The runs go in turn, `--repeats` rounds, and every figure is the median
+over rounds of each round's median tick (mean where work comes in batches), so slow drift of
+a noisy machine hits all of them alike. For (c) two shares of the tick:
   apply     all of Step 4 `apply()`, including its one model forward;
   step4     `apply()` minus that forward: validation, the layout, row moves, re-rotation, the
             mirror — the maintenance machinery itself, which should stay under 5% of a tick.
@@ -33,8 +45,10 @@ import argparse
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +58,10 @@ from positronic import steps  # noqa: E402
 from positronic import StateManager, load_model  # noqa: E402
 from positronic import state_manager  # noqa: E402
 from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.models import with_cache  # noqa: E402
+from positronic.policy import POLICIES  # noqa: E402
+from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
+from positronic.smartkv.gates import SHIPPED  # noqa: E402
 
 
 def sync(lm) -> None:
@@ -80,24 +98,50 @@ def default_model(lm):
     return model.eval().requires_grad_(False)
 
 
-def hf_generate(lm, model, ids: list[int], ticks: int) -> float:
-    """Median seconds between consecutive decode steps of `model.generate` (so prefill is
-    excluded); a logits processor stamps the time at every step."""
+def hf_generate(lm, model, ids: list[int], ticks: int, cache=None, warm: int = 0) -> tuple[float, float]:
+    """Seconds between consecutive decode steps of `model.generate` (so prefill is excluded):
+    the median over `ticks` steps, or with a `cache` (a SmartKVCache) the mean over the `ticks`
+    steps after `warm` untimed ones, since its scoring comes in batches; a logits processor
+    stamps the time at every step. Also the share of those steps spent in the cache's gate
+    scoring (0 without a cache)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    stamps: list[float] = []
+    scoring = ScoringClock(cache) if cache is not None and cache.gates is not None else None
+    stamps: list[tuple[float, float]] = []
 
     class Clock(LogitsProcessor):
         def __call__(self, input_ids, scores):
             sync(lm)
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), scoring.seconds if scoring else 0.0))
             return scores
 
     with torch.no_grad():
-        model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=1 + ticks, min_new_tokens=1 + ticks,
-                          do_sample=False, logits_processor=LogitsProcessorList([Clock()]),
-                          pad_token_id=lm.eos_id if lm.eos_id is not None else 0)
-    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+        model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=1 + warm + ticks,
+                       min_new_tokens=1 + warm + ticks, do_sample=False, **with_cache(cache),
+                       logits_processor=LogitsProcessorList([Clock()]),
+                       pad_token_id=lm.eos_id if lm.eos_id is not None else 0)
+    stamps = stamps[warm:]
+    if cache is None:
+        return statistics.median(b[0] - a[0] for a, b in zip(stamps, stamps[1:])), 0.0
+    (start, scored_before), (end, scored_after) = stamps[0], stamps[-1]
+    return (end - start) / (len(stamps) - 1), (scored_after - scored_before) / (end - start)
+
+
+class ScoringClock:
+    """Seconds a SmartKVCache spends scoring keys (un-rotation and the gates, timed around its
+    layout's scorer call)."""
+
+    def __init__(self, cache):
+        self.seconds = 0.0
+        score = cache.layout.score
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return score(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        cache.layout.score = timed
 
 
 def loop_plain(lm, ids: list[int], ticks: int) -> float:
@@ -140,18 +184,49 @@ class ForwardClock:
         state_manager.forward, state_manager.prefill = self.saved
 
 
+class Timing(NamedTuple):
+    """One run's figures: seconds per token (or tick), and the shares of it and the memory
+    figures that apply to it (None where a run has no such part)."""
+
+    seconds: float
+    apply: float | None = None    # all of Step 4 `apply()`, its forward included
+    step4: float | None = None    # `apply()` minus its forward
+    recall: float | None = None   # recall's own steps
+    choose: float | None = None   # the policy choosing rows: its score + select steps (a SmartKVCache: gate scoring)
+    cache_mb: float | None = None
+    live_mb: float | None = None
+
+
+def maintenance_cycle(config: BrainConfig) -> int:
+    """Ticks after which a policy's work repeats: its eviction batch, or for smartkv its window
+    (the gates score the window's tokens in one batch each time the window turns over)."""
+    return config.window if config.policy == "smartkv" else POLICIES[config.policy].batch(config)
+
+
 def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: str = "none",
-                    recall_rows: int = 0) -> tuple[float, float, float, float, float, float]:
-    """Seconds per full Brain tick at budget = context, the shares of it taken by `apply()`,
-    by `apply()` without its model forward and by recall's own steps, and the cache's MiB
-    against the live rows'. `recall_rows`: with recall on, its index holding that many
-    evicted rows (a longer prompt, pruned to the budget at the start, fills it)."""
+                    recall_rows: int = 0, policy: str = "brightness", gates: str = "") -> Timing:
+    """A full Brain tick at budget = context: seconds, the shares of it taken by `apply()`, by
+    `apply()` without its model forward, by recall's own steps and by the policy's choosing,
+    and the cache's MiB against the live rows'. Brightness runs with a 32-row window, culling
+    or repairing `batch` rows at once; `recall_rows`: with recall on, its index holding that
+    many evicted rows (a longer prompt, pruned to the budget at the start, fills it). Any other
+    `policy` runs with its own defaults (smartkv: `gates`, a file or "" for the shipped ones),
+    one `maintenance_cycle` of untimed ticks first, then `ticks` rounded up to whole cycles."""
     budget = len(ids)
     if recall_rows:
         ids = ids + context_ids(lm, recall_rows + 1)[1:]
-    brain = Brain.start(lm, ids, BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch,
-                                             repairer=repairer, recall=bool(recall_rows)))
-    times, apply_shares, step4_shares, recall_shares = [], [], [], []
+    if policy == "brightness":
+        config = BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer,
+                             recall=bool(recall_rows))
+        warm = 0
+    else:
+        config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "")
+        warm = cycle = maintenance_cycle(config)
+        ticks = -(-ticks // cycle) * cycle
+    brain = Brain.start(lm, ids, config)
+    for _ in range(warm):
+        brain.step()
+    times, apply_shares, step4_shares, recall_shares, choose_shares = [], [], [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
             sync(lm)
@@ -163,12 +238,24 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
             apply_shares.append(record.seconds["apply"] / times[-1])
             step4_shares.append((record.seconds["apply"] - clock.seconds) / times[-1])
             recall_shares.append(record.seconds.get("recall", 0.0) / times[-1])
+            choose_shares.append((record.seconds.get("score", 0.0) + record.seconds.get("select", 0.0)) / times[-1])
     cache = brain.state.cache
     live = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
-    # a batch works on one tick in `batch`: what it costs is the mean tick, not the median
-    average = statistics.median if batch == 1 else statistics.fmean
-    return (average(times), average(apply_shares), average(step4_shares),
-            cache.memory_bytes() / 2**20, live / 2**20, average(recall_shares))
+    # work done once a batch or a cycle costs what the mean tick says, not the median
+    average = statistics.median if batch == 1 and not warm else statistics.fmean
+    return Timing(average(times), average(apply_shares), average(step4_shares), average(recall_shares),
+                  average(choose_shares), cache.memory_bytes() / 2**20, live / 2**20)
+
+
+def smartkv_cache(lm, ids: list[int], gates: GateSet | None) -> SmartKVCache:
+    """A SmartKVCache of len(ids) rows as `--policy smartkv` lays them out (4 sinks, a window of
+    half the rows, the rest long-term memory ranked by `gates`), or without gates the same
+    cache as streaming (4 sinks + a window of the rest)."""
+    config = lm.model.config
+    if gates is None:
+        return SmartKVCache.streaming(config, capacity=len(ids))
+    window = len(ids) // 2
+    return SmartKVCache(config, gates, budget=len(ids) - 4 - window, window=window)
 
 
 def main() -> None:
@@ -186,54 +273,111 @@ def main() -> None:
     parser.add_argument("--recall", type=int, nargs="*", default=[], metavar="ROWS",
                         help="also run (d): (c) with culling and recall on, its index holding ROWS evicted rows "
                              "(each given size; cut to the model's positions)")
+    parser.add_argument("--policies", nargs="*", default=[], choices=[p for p in POLICIES if p != "none"],
+                        metavar="POLICY", help="also run (e): a maintained tick of each policy with its own "
+                        f"defaults ({', '.join(p for p in POLICIES if p != 'none')})")
+    parser.add_argument("--smartkv", action="store_true",
+                        help="also run (f): generate with a SmartKVCache, as streaming (no gates) and with gates")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     hf = default_model(lm)
     import transformers
 
+    shipped = lm.name in SHIPPED
+    gates = GateSet.load(SHIPPED[lm.name]) if shipped else GateSet.for_config(lm.model.config, seed=0)
     device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  "
           f"attention: brain {lm.model.config._attn_implementation}, hf-generate {hf.config._attn_implementation}  "
           f"torch {torch.__version__}  "
           f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"{'context':>7} {'run':<36} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
-          f"{'extra':>6} {'recall':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
+    if "smartkv" in args.policies or args.smartkv:
+        print(f"smartkv gates: {'the shipped ones' if shipped else 'untrained (none are shipped for this model; they cost what trained ones do)'}; "
+              "its runs time whole windows (one scoring batch each) after one untimed window")
+    print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
+          f"{'extra':>6} {'recall':>6} {'choose':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
     variants = [(b, r, 0) for b in args.batches for r in args.repairers]
     variants += [(b, "none", n) for b in args.batches for n in args.recall]
-    for context in args.contexts:
-        if context > lm.max_positions:
-            print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
-            continue
-        ids = context_ids(lm, context)
-        room = lm.max_positions - context - args.ticks - 1  # recall's evicted rows held positions too
-        rounds = []
-        for _ in range(args.repeats):
-            base = hf_generate(lm, hf, ids, args.ticks)
-            plain = loop_plain(lm, ids, args.ticks)
-            maintained = [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
-                          for batch, repairer, rows in variants]
-            rounds.append((base, plain, *maintained))
-        rows = []
-        names = [f"(c) maintenance on, batch {b}, {r}" if not n else f"(d) (c) + recall, {min(n, room)} in index"
-                 for b, r, n in variants]
-        for k, name in enumerate(["(a) hf-generate (sdpa)", "(b) loop, maintenance off"] + names):
-            seconds = statistics.median(r[k] if k < 2 else r[k][0] for r in rounds)
-            ratio = statistics.median(r[0] / (r[k] if k < 2 else r[k][0]) for r in rounds)
-            cells = ""
-            if k >= 2:
-                apply, step4, cache_mb, live_mb, recall = (statistics.median(r[k][j] for r in rounds)
-                                                           for j in (1, 2, 3, 4, 5))
-                batch, repairer, recalled = variants[k - 2]
-                cull = variants.index((batch, "none", 0)) + 2 if (batch, "none", 0) in variants else None
-                # the extra: repairing over culling, or (d) recall (its steps and every layer's query) over (c)
-                extra = (f"{statistics.median(1 - r[cull][0] / r[k][0] for r in rounds):>6.1%}"
-                         if cull is not None and (repairer != "none" or recalled) else f"{'':>6}")
-                cells = f"{apply:>6.1%} {step4:>6.1%} {extra} {recall if recalled else 0:>6.1%} {cache_mb:>10.1f} {live_mb:>12.1f}"
-            rows.append((name, seconds, ratio, cells))
-        for name, seconds, vs, cells in rows:
-            print(f"{context:>7} {name:<36} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {vs:>5.2f}x "
-                  f"{cells or f'{chr(32) * 51}':<51} {peak_memory_mb(lm):>9.0f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        gates_file = ""
+        if not shipped:
+            gates_file = str(Path(tmp) / "gates.safetensors")
+            gates.save(gates_file)
+        for context in args.contexts:
+            if context > lm.max_positions:
+                print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
+                continue
+            ids = context_ids(lm, context)
+            room = lm.max_positions - context - args.ticks - 1  # recall's evicted rows held positions too
+            names = ["(a) hf-generate (sdpa)", "(b) loop, maintenance off"]
+            names += [f"(c) maintenance on, batch {b}, {r}" if not n else f"(d) (c) + recall, {min(n, room)} in index"
+                      for b, r, n in variants]
+            window = context // 2  # smartkv's: its runs are timed over whole windows, after one untimed
+            cycle_ticks = window + -(-args.ticks // window) * window
+            smart_fits = context + cycle_ticks + 1 <= lm.max_positions
+            policies = [p for p in args.policies if p != "smartkv" or smart_fits]
+            with_cache = args.smartkv and smart_fits
+            if not smart_fits and (args.smartkv or "smartkv" in args.policies):
+                print(f"{context:>7} smartkv skipped: a window of warm-up and the timed windows go beyond the "
+                      f"model's {lm.max_positions} positions")
+            names += [f"(e) policy {p}" for p in policies]
+            names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
+                if with_cache else []
+            rounds = []
+            for _ in range(args.repeats):
+                runs = [Timing(hf_generate(lm, hf, ids, args.ticks)[0]), Timing(loop_plain(lm, ids, args.ticks))]
+                runs += [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
+                         for batch, repairer, rows in variants]
+                runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file) for p in policies]
+                if with_cache:
+                    timed = cycle_ticks - window
+                    for with_gates in (None, gates):
+                        seconds, scoring = hf_generate(lm, hf, ids, timed, smartkv_cache(lm, ids, with_gates), warm=window)
+                        runs.append(Timing(seconds, choose=scoring if with_gates else None))
+                rounds.append(runs)
+            print_rows(context, names, variants, rounds, peak_memory_mb(lm))
+            comparisons(context, names, rounds)
+
+
+def print_rows(context: int, names: list[str], variants: list[tuple], rounds: list[list[Timing]], peak: float) -> None:
+    """One line per run: medians over rounds, the ratio against (a) and the extra of repairing
+    or recall over culling the same batch."""
+    for k, name in enumerate(names):
+        timings = [r[k] for r in rounds]
+        seconds = statistics.median(t.seconds for t in timings)
+        ratio = statistics.median(r[0].seconds / r[k].seconds for r in rounds)
+
+        def share(field: str) -> str:
+            values = [getattr(t, field) for t in timings]
+            return f"{'':>6}" if values[0] is None else f"{statistics.median(values):>6.1%}"
+
+        extra = f"{'':>6}"
+        if 2 <= k < 2 + len(variants):
+            batch, repairer, recalled = variants[k - 2]
+            if (batch, "none", 0) in variants and (repairer != "none" or recalled):
+                # repairing over culling, or (d) recall (its steps and every layer's query) over (c)
+                cull = variants.index((batch, "none", 0)) + 2
+                extra = f"{statistics.median(1 - r[cull].seconds / r[k].seconds for r in rounds):>6.1%}"
+        memory = ""
+        if timings[0].cache_mb is not None:
+            memory = (f"{statistics.median(t.cache_mb for t in timings):>10.1f} "
+                      f"{statistics.median(t.live_mb for t in timings):>12.1f}")
+        cells = f"{share('apply')} {share('step4')} {extra} {share('recall')} {share('choose')} {memory:<23}"
+        print(f"{context:>7} {name:<40} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {ratio:>5.2f}x {cells} "
+              f"{peak:>9.0f}", flush=True)
+
+
+def comparisons(context: int, names: list[str], rounds: list[list[Timing]]) -> None:
+    """SmartKV against streaming, where both ran: the brain's tick and the cache in generate
+    (the median over rounds of each round's ratio)."""
+    pairs = [("(e) policy smartkv", "(e) policy streaming", "brain --policy smartkv / --policy streaming"),
+             ("(f) hf-generate + SmartKVCache gates", "(f) hf-generate + SmartKVCache streaming",
+              "SmartKVCache with gates / streaming, in generate")]
+    for first, second, label in pairs:
+        if first in names and second in names:
+            a, b = names.index(first), names.index(second)
+            ratio = statistics.median(r[a].seconds / r[b].seconds for r in rounds)
+            print(f"{context:>7} {label}: x{ratio:.3f}", flush=True)
 
 
 if __name__ == "__main__":

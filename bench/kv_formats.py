@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = round_trip(codec, keys) + round_trip(codec, values)
         print(f"{name:<8} " + " ".join(f"{c:>10.4f}" if i % 3 else f"{c:>11.3f}" for i, c in enumerate(cells)))
 
-    print(f"\n3. re-rotation by +1 position, r times (decode, rotate, encode), against the exact float rotation")
+    print("\n3. re-rotation by +1 position, r times (decode, rotate, encode), against the exact float rotation")
     print(f"{'format':<8} {'r':>3} {'err/bound':>10} {'err/max':>9} {'rel RMS':>9}")
     positions = torch.arange(len(ids))
     for name, codec in PACKED.items():

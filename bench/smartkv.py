@@ -1,7 +1,6 @@
-"""SmartKV (issue 15): teacher-forced perplexity under a row budget, and what gate scoring costs.
+"""SmartKV (issue 15): teacher-forced perplexity under a row budget.
 
     python bench/smartkv.py --text /work/heldout/frankenstein.txt              # quality table
-    python bench/smartkv.py --cost --model random:tinyllama                    # cost per token
     python bench/smartkv.py --text FILE --methods streaming smartkv --where smartkv streaming
                                                  # which tokens smartkv loses to streaming on
 
@@ -23,15 +22,8 @@ smartkv-random (the same layout, gates freshly initialised: what training buys),
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
 smartkv-stream (sinks + window only, no gates: the same cache class as a streaming baseline).
 
-**Cost** (--cost). Two pairs, in steady state (the cache full), in interleaved rounds:
-- SmartKVCache in a plain model forward: ms per token with gates against the same cache with
-  budget 0 (sinks + a window of the same size: streaming), and the share of a token spent
-  scoring keys (un-rotating and the gates' MLPs, timed inside the cache);
-- the brain: ms per tick of `--policy smartkv` against `--policy streaming` at the same
-  budget (the mean over ticks: streaming evicts in batches), and the share of a smartkv tick
-  its own steps take (`score`: reading and scoring window keys; `select`: the memories).
-Random gates cost what trained ones cost, so any model shape works (random:tinyllama for
-the TinyLlama shape).
+What SmartKV costs per token against streaming is measured by bench/decode.py (`--policies
+streaming smartkv --smartkv`).
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
-from positronic.models import load_model  # noqa: E402
+from positronic.models import load_model, with_cache  # noqa: E402
 from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
 
@@ -65,7 +56,7 @@ def nll_stream(model, ids: list[int], cache) -> list[float]:
     """NLL (nats) of ids[1:], each predicted from the tokens before it, one forward per token."""
     losses = []
     for n in range(len(ids) - 1):
-        logits = model(torch.tensor([[ids[n]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([[ids[n]]]), **with_cache(cache), use_cache=True).logits[0, -1]
         losses.append(float(torch.log_softmax(logits.float(), -1)[ids[n + 1]].neg()))
     return losses
 
@@ -238,119 +229,6 @@ def plot_gates(png: Path) -> None:
     plt.close(fig)
 
 
-class ScoringClock:
-    """Times the gate scoring inside a SmartKVCache (the scorer's calls, un-rotation included)."""
-
-    def __init__(self, cache: SmartKVCache):
-        self.seconds = 0.0
-        cache.layout.score = self._timed(cache.layout.score)
-
-    def _timed(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return timed
-
-
-@torch.inference_mode()
-def decode_ms(lm, cache, ids: list[int], ticks: int, clock: ScoringClock | None = None) -> tuple[float, float]:
-    """(median ms per token, share of the time spent scoring) over `ticks` single-token forwards
-    after a prefill of `ids` (pruned to the cache's rows) and `len(ids) // 4` warm-up tokens
-    (the window turns over, so lazy scoring is in its steady state)."""
-    model = lm.model
-    model(torch.tensor([ids], device=lm.device), past_key_values=cache, use_cache=True)
-    for token in ids[: len(ids) // 4]:
-        model(torch.tensor([[token]], device=lm.device), past_key_values=cache, use_cache=True)
-    times, scoring = [], 0.0
-    for t in range(ticks):
-        if clock is not None:
-            clock.seconds = 0.0
-        start = time.perf_counter()
-        model(torch.tensor([[ids[t % len(ids)]]], device=lm.device), past_key_values=cache, use_cache=True)
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        scoring += clock.seconds if clock is not None else 0.0
-    return statistics.median(times) * 1000, scoring / sum(times)
-
-
-def cost(args, lm) -> None:
-    config = lm.model.config
-    if args.window is None:
-        args.window = args.rows // 2
-    gates = GateSet.for_config(config, seed=args.seed)
-    generator = torch.Generator().manual_seed(0)
-    print(f"# {datetime.date.today()}  model {args.model} on {lm.device} ({lm.dtype})  rows {args.rows}  "
-          f"window {args.window}  ticks {args.ticks}  rounds {args.repeats}  torch threads {torch.get_num_threads()}",
-          flush=True)
-    smart, stream, share = [], [], []
-    for _ in range(args.repeats):
-        ids = [lm.bos_id] + torch.randint(3, lm.vocab_size, (args.rows + 64,), generator=generator).tolist()
-        cache = SmartKVCache.streaming(config, capacity=args.rows, sinks=args.sinks)
-        stream.append(decode_ms(lm, cache, ids, args.ticks)[0])
-        cache = SmartKVCache(config, gates, budget=args.rows - args.sinks - args.window, sinks=args.sinks,
-                             window=args.window)
-        ms, scoring = decode_ms(lm, cache, ids, args.ticks, ScoringClock(cache))
-        smart.append(ms)
-        share.append(scoring)
-    s, g = statistics.median(stream), statistics.median(smart)
-    print(f"SmartKVCache  streaming (budget 0)  {s:7.2f} ms/token")
-    print(f"SmartKVCache  smartkv (gates)       {g:7.2f} ms/token   x{g / s:.3f} of streaming")
-    print(f"SmartKVCache  gate scoring          {statistics.median(share):7.1%} of a smartkv token")
-    brain_cost(args, lm, gates)
-
-
-def brain_ticks(lm, config, ids: list[int], ticks: int) -> tuple[float, float, float]:
-    """(mean ms per tick, mean share of `score`, of `select`) over `ticks` teacher-forced ticks
-    after a prompt that fills the budget."""
-    from positronic.loop import Brain
-
-    brain = Brain.start(lm, ids[: config.budget], config)
-    warm = 2 * config.window  # the first ticks offer the whole prompt to the memories at once: not steady state
-    for t in range(warm):
-        brain.step(force=ids[(config.budget + t) % len(ids)])
-    times, score, select = [], [], []
-    for t in range(warm, warm + ticks):
-        start = time.perf_counter()
-        record = brain.step(force=ids[(config.budget + t) % len(ids)])
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        score.append(record.seconds.get("score", 0.0))
-        select.append(record.seconds.get("select", 0.0))
-    total = sum(times)
-    return total / len(times) * 1000, sum(score) / total, sum(select) / total
-
-
-def brain_cost(args, lm, gates: GateSet) -> None:
-    import tempfile
-
-    from positronic.loop import BrainConfig
-
-    generator = torch.Generator().manual_seed(1)
-    ids = [lm.bos_id] + torch.randint(3, lm.vocab_size, (args.rows + args.ticks + 2 * args.window + 8,),
-                                      generator=generator).tolist()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "gates.safetensors"
-        gates.save(path)
-        common = dict(budget=args.rows, sinks=args.sinks, window=args.window, temperature=0)
-        stream, smart, score, select = [], [], [], []
-        for _ in range(args.repeats):
-            stream.append(brain_ticks(lm, BrainConfig(policy="streaming", **common), ids, args.ticks)[0])
-            ms, sc, se = brain_ticks(lm, BrainConfig(policy="smartkv", gates=str(path), **common), ids, args.ticks)
-            smart.append(ms)
-            score.append(sc)
-            select.append(se)
-    s, g = statistics.median(stream), statistics.median(smart)
-    print(f"brain  --policy streaming           {s:7.2f} ms/tick")
-    print(f"brain  --policy smartkv             {g:7.2f} ms/tick    x{g / s:.3f} of streaming")
-    print(f"brain  smartkv scoring (score)      {statistics.median(score):7.1%} of a smartkv tick; "
-          f"memories (select) {statistics.median(select):.1%}")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -369,19 +247,13 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
     p.add_argument("--where", nargs=2, metavar=("A", "B"), help="also show where method A loses to method B "
                    "(per-token NLL differences at each budget)")
-    p.add_argument("--cost", action="store_true", help="measure decode cost instead of perplexity")
     p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json and a bar plot (.png) here")
     p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")
-    p.add_argument("--rows", type=int, default=512, help="--cost: rows the caches hold")
-    p.add_argument("--ticks", type=int, default=64, help="--cost: timed tokens per round")
-    p.add_argument("--repeats", type=int, default=3, help="--cost: interleaved rounds")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     for name in (args.methods or []) + (args.where or []):
         if name not in METHODS:
             p.error(f"unknown method {name!r}: expected one of {', '.join(METHODS)}")
-    if args.where and args.cost:
-        p.error("--where compares perplexities: it does not go with --cost")
     if args.where and args.methods:
         missing = [name for name in args.where if name != "full" and name not in args.methods]
         if missing:
@@ -392,7 +264,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype="float32" if args.device == "cpu" else None)
-    (cost if args.cost else quality)(args, lm)
+    quality(args, lm)
     return 0
 
 

@@ -8,11 +8,11 @@
 
 from .actions import ActionError
 from .cache import SpliceCache, SpliceLayer
-from .models import LoadedModel, ModelError, ModelNotAvailable, load_model
+from .models import LoadedModel, ModelError, ModelNotAvailable, load_model, with_cache
 from .smartkv import GateSet, SmartKVCache
 from .state_manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
 
 __all__ = [
     "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
-    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model",
+    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model", "with_cache",
 ]

@@ -9,7 +9,8 @@ transformers 5.x `cache_utils`. Each layer owns a preallocated K/V buffer and a 
 
 For the model it behaves like a `DynamicCache`: `update()` appends the new rows after the
 live ones (written with `index_copy_`) and returns the live views, so a user's own
-`model.generate(ids, past_key_values=SpliceCache(model.config, max_cache_len=N))` works.
+`model.generate(ids, **with_cache(SpliceCache(model.config, max_cache_len=N)))` works (`with_cache`:
+`cache=` or `past_key_values=`, whichever the installed transformers takes).
 
 For the brain it also offers row edits, all in place:
 - `splice(kept, length)`: the new row layout after a tick's deletions and insertions, given
@@ -742,7 +743,7 @@ class SpliceCache(Cache):
     StateManager splices.
 
         cache = SpliceCache(model.config, max_cache_len=1024)   # capacity; grows if exceeded
-        model.generate(ids, past_key_values=cache, max_new_tokens=32)
+        model.generate(ids, **with_cache(cache), max_new_tokens=32)
 
     kv_format: "float" (rows in the model's dtype: SpliceLayers), "int4" or "fp4" (4-bit
     codes and a float16 scale per row: PackedSpliceLayers, see kv_formats.py), "int4h"

@@ -31,6 +31,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .cache import SpliceCache
+from .models.compat import with_cache
 
 PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
 HIDDEN = torch.iinfo(torch.long).max  # the key position of a free ring slot: no query sees it
@@ -220,7 +221,7 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
                             slots=slots)
     with recorder.record(cache):
         out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
-                       position_ids=query[None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                       position_ids=query[None], attention_mask=mask, **with_cache(cache), use_cache=True,
                        logits_to_keep=0)
     logits = out.logits[0]
     probe_logprobs = None

@@ -51,6 +51,7 @@ import torch
 from .evaluate import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, fmt_number, make_config, perplexity,
                        progress_bars, read_text, reference_config, table_console)
 from .loop import Brain, BrainConfig
+from .models.compat import with_cache
 
 DEFAULT_PROMPT_TOKENS = 128
 RESCORE_CHUNK = 512  # query rows per re-scoring forward: bounds the [rows, vocab] logits
@@ -157,7 +158,7 @@ def rescore(lm, prompt_ids: list[int], generated_ids: list[int], *, chunk: int =
     for a in range(0, len(ids) - 1, chunk):  # the last token predicts nothing: never fed
         b = min(a + chunk, len(ids) - 1)
         out = lm.model(input_ids=torch.tensor([ids[a:b]], device=lm.device),
-                       position_ids=torch.arange(a, b, device=lm.device)[None], past_key_values=cache,
+                       position_ids=torch.arange(a, b, device=lm.device)[None], **with_cache(cache),
                        use_cache=True)
         lo = max(a, first)
         if lo >= b:  # a chunk of prompt only: it just fills the cache

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from . import rope
+from .models.compat import with_cache
 from .texts import DEFAULT_TEXT
 
 CALIBRATION_TOKENS = 512
@@ -30,7 +31,7 @@ def compute_key_centres(lm, token_ids: list[int]) -> torch.Tensor:
     """The mean pre-RoPE key of every layer and kv head over `token_ids` (one prefill at
     positions 0..n-1): float32 [layers, kv_heads, head_dim] on the model's device."""
     cache = DynamicCache(config=lm.model.config)
-    lm.model(input_ids=torch.tensor([token_ids], device=lm.device), past_key_values=cache, use_cache=True)
+    lm.model(input_ids=torch.tensor([token_ids], device=lm.device), **with_cache(cache), use_cache=True)
     positions = torch.arange(len(token_ids))
     cos, sin = rope.rotation(lm.inv_freq, positions, torch.zeros_like(positions))
     return torch.stack([rope.rotate(layer.keys.float(), cos, sin)[0].mean(dim=1) for layer in cache.layers])

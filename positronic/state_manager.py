@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from positronic.mirror import Insertion, LayerRows, Layout, Mirror, Ring, plan_layout, runs_without
+from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout, runs_without
 from positronic.steps.attention import layer_indices
 
 from . import kv_formats, rope

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from positronic.cli import main
 from positronic.models import load_model
+from positronic.models import with_cache
 
 EVAL_TEXT = ("The keeper of the lighthouse wrote in his log every evening. He noted the wind, the ships that "
              "passed, and the colour of the sea. In winter the storms came from the north and the lamp had to "
@@ -64,7 +65,7 @@ def _layer0_by_prefill(lm, token_ids: list[int], positions: list[int]) -> tuple[
     cache = DynamicCache(config=lm.model.config)
     with torch.inference_mode():
         lm.model(input_ids=torch.tensor([token_ids], device=lm.device),
-                 position_ids=torch.tensor([positions], device=lm.device), past_key_values=cache, use_cache=True)
+                 position_ids=torch.tensor([positions], device=lm.device), **with_cache(cache), use_cache=True)
     return cache.layers[0].keys.clone(), cache.layers[0].values.clone()
 
 

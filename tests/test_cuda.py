@@ -14,6 +14,7 @@ from positronic import SpliceCache, load_model
 from positronic import session as sessions
 from positronic.loop import Brain, BrainConfig
 from positronic.smartkv import GateSet, SmartKVCache
+from positronic.models import with_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -82,10 +83,10 @@ def test_a_session_saved_on_the_gpu_resumes_and_goes_on_exactly(gpu_tiny, tmp_pa
 @pytest.mark.parametrize("store", ["splice", "ring"])
 def test_generate_with_a_splice_cache_on_the_gpu_equals_the_dynamic_cache(gpu_tiny, store):
     ids = torch.tensor([prompt(gpu_tiny, 24, seed=6)], device="cuda")
-    reference = gpu_tiny.model.generate(ids, past_key_values=DynamicCache(config=gpu_tiny.model.config),
+    reference = gpu_tiny.model.generate(ids, **with_cache(DynamicCache(config=gpu_tiny.model.config)),
                                         max_new_tokens=16, do_sample=False)
     cache = SpliceCache(gpu_tiny.model.config, max_cache_len=64, store=store, sinks=4)
-    assert torch.equal(gpu_tiny.model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False),
+    assert torch.equal(gpu_tiny.model.generate(ids, **with_cache(cache), max_new_tokens=16, do_sample=False),
                        reference)
 
 
@@ -95,7 +96,7 @@ def test_smartkv_on_the_gpu_in_generate_and_in_the_brain(gpu_tiny, tmp_path):
     gates.save(path)
     ids = torch.tensor([prompt(gpu_tiny, 60, seed=8)], device="cuda")
     cache = SmartKVCache(gpu_tiny.model.config, gates=GateSet.load(path), sinks=4, budget=24)
-    out = gpu_tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    out = gpu_tiny.model.generate(ids, **with_cache(cache), max_new_tokens=12, do_sample=False)
     assert out.shape == (1, 72) and cache.seen == 71 and cache.rows < 71  # rows were pruned
     brain = Brain.start(gpu_tiny, prompt(gpu_tiny, 40, seed=9),
                         BrainConfig(policy="smartkv", budget=24, sinks=3, window=6, gates=str(path), seed=1))

@@ -13,8 +13,10 @@ Failures are `ModelError`s whose message is one line.
     smollm2.py        the embedded GGUF and its safetensors cache
     checks.py         what a model must be for exact splicing; ModelError
     attention.py      the CPU attention function (SDPA, grouped-query under a mask too)
+    compat.py         with_cache: the keyword a Cache goes under in this transformers version
 """
 
+from .compat import cache_keyword, with_cache
 from .checks import SUPPORTED_ROPE_TYPES, ModelError, ModelNotAvailable, check_config, check_model
 from .loading import DTYPE_NAMES, TINYLLAMA_ID, LoadedModel, load_model
 from .random_models import RANDOM_SHAPES, byte_tokenizer
@@ -22,6 +24,6 @@ from .smollm2 import SMOLLM2_CACHE_NAME, SMOLLM2_DIST, cache_root, smollm2_cache
 
 __all__ = [
     "DTYPE_NAMES", "RANDOM_SHAPES", "SMOLLM2_CACHE_NAME", "SMOLLM2_DIST", "SUPPORTED_ROPE_TYPES", "TINYLLAMA_ID",
-    "LoadedModel", "ModelError", "ModelNotAvailable", "byte_tokenizer", "cache_root", "check_config", "check_model",
-    "load_model", "smollm2_cache", "smollm2_gguf",
+    "LoadedModel", "ModelError", "ModelNotAvailable", "byte_tokenizer", "cache_keyword", "cache_root", "check_config",
+    "check_model", "load_model", "smollm2_cache", "smollm2_gguf", "with_cache",
 ]

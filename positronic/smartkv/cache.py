@@ -2,12 +2,12 @@
 
     gates = GateSet.for_model("smollm2")
     cache = SmartKVCache(model.config, gates, sinks=4, budget=96, window=32)
-    model.generate(ids, past_key_values=cache, max_new_tokens=64)      # prunes as it goes
+    model.generate(ids, **with_cache(cache), max_new_tokens=64)      # prunes as it goes
 
     cache = SmartKVCache(model.config, gates, budget=96, prune="manual")
-    model(ids[:, :-1], past_key_values=cache)    # prefill: every row kept
+    model(ids[:, :-1], **with_cache(cache))    # prefill: every row kept
     cache.bulk_prune()                           # down to sinks + budget + window, once
-    model.generate(ids, past_key_values=cache, max_new_tokens=64)      # streaming prune
+    model.generate(ids, **with_cache(cache), max_new_tokens=64)      # streaming prune
 
 Layout (per layer, rows.py): `sinks + budget + window` slots; sinks (positions < sinks) kept
 for good, a FIFO window of the most recent tokens, and a long-term memory of `budget` tokens

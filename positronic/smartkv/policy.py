@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .cache import KeyUnrotator

@@ -33,7 +33,6 @@ def test_smartkv_bench_reports_perplexities_and_where_one_method_loses_to_anothe
 @pytest.mark.parametrize("extra, message", [
     (["--methods", "streming"], "unknown method 'streming'"),
     (["--methods", "streaming", "--where", "smartkv-random", "streaming"], "add smartkv-random to --methods"),
-    (["--where", "smartkv", "streaming", "--cost"], "does not go with --cost"),
     (["--where", "smartkv", "streaming"], "--where smartkv: no such gates for random:tiny"),
 ])
 def test_smartkv_bench_refuses_a_bad_method_with_one_line_before_running(extra, message):

@@ -12,6 +12,7 @@ import torch
 from positronic import SpliceCache
 from positronic import rope
 from positronic.cache import SpliceLayer
+from positronic.models import with_cache
 
 KV_HEADS, HEAD_DIM = 2, 8
 
@@ -60,7 +61,7 @@ def test_generate_with_splice_cache_gives_the_same_greedy_tokens(tiny, smol):
         ids = torch.tensor([[lm.bos_id] + lm.encode("The lighthouse keeper counted the stairs")])
         plain = lm.model.generate(ids, max_new_tokens=24, do_sample=False)
         cache = SpliceCache(lm.model.config, max_cache_len=16)  # too small on purpose: it grows
-        spliced = lm.model.generate(ids, max_new_tokens=24, do_sample=False, past_key_values=cache)
+        spliced = lm.model.generate(ids, max_new_tokens=24, do_sample=False, **with_cache(cache))
         assert torch.equal(plain, spliced)
         assert cache.length == plain.shape[1] - 1 and cache.layers[0].capacity >= cache.length
 

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from positronic.cache import SpliceCache
 from positronic.forward import Probes, forward, fresh_layer0_kv, prefill, visibility_mask
 from positronic.state_manager import StateManager
+from positronic.models import with_cache
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."
 
@@ -26,7 +27,7 @@ def oracle_row(lm, sm, row):
         cache.update(keys[:, :, :row], values[:, :, :row], index)
     with torch.inference_mode():
         out = lm.model(input_ids=torch.tensor([[sm.live_token_ids()[row]]]),
-                       position_ids=torch.tensor([[sm.positions()[row]]]), past_key_values=cache, use_cache=True)
+                       position_ids=torch.tensor([[sm.positions()[row]]]), **with_cache(cache), use_cache=True)
     return [(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers], out.logits[0, -1].float()
 
 
@@ -100,7 +101,7 @@ def test_probes_score_a_token_in_its_left_context_and_change_nothing(tiny):
             cache.update(keys[:, :, left], values[:, :, left], index)
         with torch.inference_mode():
             logits = tiny.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                                past_key_values=cache, use_cache=True).logits[0, -1].float()
+                                **with_cache(cache), use_cache=True).logits[0, -1].float()
         assert got == pytest.approx(float(logits.log_softmax(-1)[target]), abs=1e-4)
     assert report.probe_logprobs[0] != pytest.approx(report.probe_logprobs[1]), "each probe is its own query"
     for index in range(tiny.num_layers):

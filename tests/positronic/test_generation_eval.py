@@ -12,6 +12,7 @@ from positronic.generation_eval import (CSV_COLUMNS, distinct_n, evaluate_genera
                                         rescore, table, write_generation_outputs)
 from positronic.generation_eval import main as generation_main
 from positronic.loop import Brain
+from positronic.models import with_cache
 
 def stepwise_nll(lm, ids: list[int], first: int) -> list[float]:
     """NLL of ids[first:], feeding one token at a time into a DynamicCache (independent of
@@ -22,7 +23,7 @@ def stepwise_nll(lm, ids: list[int], first: int) -> list[float]:
     with torch.inference_mode():
         for i in range(len(ids) - 1):
             logits = lm.model(input_ids=torch.tensor([[ids[i]]]), position_ids=torch.tensor([[i]]),
-                              past_key_values=cache, use_cache=True).logits[0, -1].float()
+                              **with_cache(cache), use_cache=True).logits[0, -1].float()
             if i + 1 >= first:
                 nll.append(-float(torch.log_softmax(logits, dim=-1)[ids[i + 1]]))
     return nll

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from positronic import rope
 from positronic.kv_centres import CALIBRATION_TOKENS, compute_key_centres, key_centres
 from positronic.texts import DEFAULT_TEXT
+from positronic.models import with_cache
 
 
 def test_centres_are_the_mean_key_before_rope(tiny):
@@ -15,7 +16,7 @@ def test_centres_are_the_mean_key_before_rope(tiny):
     assert centres.shape == (tiny.num_layers, tiny.num_kv_heads, tiny.head_dim) and centres.dtype == torch.float32
     cache = DynamicCache(config=tiny.model.config)
     with torch.no_grad():
-        tiny.model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        tiny.model(torch.tensor([ids]), **with_cache(cache), use_cache=True)
     positions = torch.arange(len(ids))
     cos, sin = rope.rotation(tiny.inv_freq, positions, torch.zeros_like(positions))  # each key back to position 0
     for layer in range(tiny.num_layers):

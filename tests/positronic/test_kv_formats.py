@@ -21,6 +21,7 @@ from positronic.kv_formats import (FP4, PACKED, ROW_SCALED, Int4, Int4H, _lookup
                                    hadamard, lookup, pack, unpack)
 from positronic.loop import Brain, BrainConfig
 from positronic.state_manager import FAULT_STAGES, StateInvariantError, rounding_bounds
+from positronic.models import with_cache
 
 FORMATS = sorted(ROW_SCALED)  # one scale per row; int4h has its own tests (section 5)
 KV_HEADS, HEAD_DIM = 2, 16
@@ -547,7 +548,7 @@ def test_int4h_in_a_users_generate_reads_each_row_at_its_position(tiny, layer0_o
     token and position, so its rows must be the fresh ones within the format's bound."""
     ids = torch.tensor([[tiny.bos_id] + list(range(10, 30))])
     cache = int4h_cache(tiny, 16)  # grows on the way
-    out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    out = tiny.model.generate(ids, **with_cache(cache), max_new_tokens=8, do_sample=False)
     assert cache.length == out.shape[1] - 1  # the last token is never fed
     positions = torch.arange(cache.length)
     fresh_keys, fresh_values = layer0_oracle(tiny, out[0, :-1].tolist(), positions.tolist())

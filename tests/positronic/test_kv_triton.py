@@ -12,6 +12,7 @@ import torch
 from positronic import SpliceCache, kv_triton
 from positronic.kv_formats import PACKED, ROW_SCALED
 from positronic.loop import Brain, BrainConfig
+from positronic.models import with_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(kv_triton.triton is None or not (DEVICE == "cuda" or kv_triton.INTERPRETED),
@@ -65,8 +66,8 @@ def test_a_packed_cache_gives_the_same_logits_fused_or_not(name, monkeypatch):
         monkeypatch.setenv("POSITRONIC_FUSED_DECODE", "1" if fused else "0")
         cache = SpliceCache(lm.model.config, kv_format=name)
         with torch.no_grad():
-            first = lm.model(input_ids=ids[:, :30], past_key_values=cache, use_cache=True).logits
-            then = lm.model(input_ids=ids[:, 30:], past_key_values=cache, use_cache=True).logits
+            first = lm.model(input_ids=ids[:, :30], **with_cache(cache), use_cache=True).logits
+            then = lm.model(input_ids=ids[:, 30:], **with_cache(cache), use_cache=True).logits
         return torch.cat([first, then], dim=1)
 
     assert torch.equal(logits(True), logits(False))

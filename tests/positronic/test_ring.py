@@ -11,6 +11,7 @@ from positronic.evaluate import make_config, run_stream
 from positronic.loop import Brain, BrainConfig
 from positronic.mirror import Ring
 from positronic.state_manager import FAULT_STAGES, StateManager
+from positronic.models import with_cache
 
 PROMPT = list(range(10, 30))
 
@@ -204,7 +205,7 @@ def test_generate_with_a_ring_cache_equals_the_splice_cache(tiny):
     outputs = []
     for store in ("splice", "ring"):
         cache = SpliceCache(tiny.model.config, max_cache_len=16, store=store, sinks=4)  # grows once
-        outputs.append(tiny.model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False))
+        outputs.append(tiny.model.generate(ids, **with_cache(cache), max_new_tokens=8, do_sample=False))
     assert torch.equal(outputs[0], outputs[1])
 
 

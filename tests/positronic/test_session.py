@@ -1,12 +1,9 @@
 """Sessions (positronic/session.py): what a saved run comes back as."""
 
 import hashlib
-import hashlib
 import re
 
 import pytest
-import safetensors.torch
-import torch
 import safetensors.torch
 import torch
 

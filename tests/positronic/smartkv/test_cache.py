@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from positronic.smartkv import GateFileError, GateSet, SmartKVCache
 from positronic.smartkv.cache import KeyUnrotator
 from positronic.smartkv.rows import RowBook
+from positronic.models import with_cache
 
 
 class PositionScorer:
@@ -35,7 +36,7 @@ def full_cache(lm, ids):
     """A DynamicCache over all of `ids` (one prefill) and the logits of its last token."""
     cache = DynamicCache(config=lm.model.config)
     with torch.no_grad():
-        out = lm.model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = lm.model(torch.tensor([ids]), **with_cache(cache), use_cache=True)
     return cache, out.logits[0, -1]
 
 
@@ -52,7 +53,7 @@ def step_reference(lm, store, kept, token, position):
     its new K/V appended to `store` (so the next step can use them)."""
     cache = gathered(lm, store, kept)
     with torch.no_grad():
-        out = lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+        out = lm.model(torch.tensor([[token]]), **with_cache(cache), use_cache=True,
                        position_ids=torch.tensor([[position]]))
     for l in range(len(store)):
         k, v = store[l]
@@ -73,7 +74,7 @@ def kept_before(cache, layers, n):
 
 def smart_step(lm, cache, token):
     with torch.no_grad():
-        return lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        return lm.model(torch.tensor([[token]]), **with_cache(cache), use_cache=True).logits[0, -1]
 
 
 # --- the cache inside the model ---------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_identical_logits_to_dynamic_cache_while_nothing_is_pruned(tiny):
     gates = GateSet.for_config(tiny.model.config, seed=3)
     runs = []
     for cache in (DynamicCache(config=tiny.model.config), SmartKVCache(tiny.model.config, gates, budget=16)):
-        out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+        out = tiny.model.generate(ids, **with_cache(cache), max_new_tokens=12, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         runs.append(out)
     assert torch.equal(runs[0].sequences, runs[1].sequences)
@@ -97,7 +98,7 @@ def test_pruned_cache_matches_a_masked_full_forward_over_the_kept_rows(tiny):
     ids = text_ids(tiny, 60)
     cache = SmartKVCache(tiny.model.config, scorer=PositionScorer(), sinks=3, budget=9, window=5)
     with torch.no_grad():
-        tiny.model(torch.tensor([ids[:40]]), past_key_values=cache, use_cache=True)
+        tiny.model(torch.tensor([ids[:40]]), **with_cache(cache), use_cache=True)
     reference, _ = full_cache(tiny, ids[:40])
     assert cache.rows == 17 and cache.seen == 40
     for n in range(40, 60):
@@ -109,7 +110,7 @@ def test_pruned_cache_matches_a_masked_full_forward_over_the_kept_rows(tiny):
         mask = torch.full((1, 1, 1, n + 1), float("-inf"))
         mask[..., kept] = 0.0
         with torch.no_grad():
-            want = tiny.model(torch.tensor([[ids[n]]]), past_key_values=reference, use_cache=True,
+            want = tiny.model(torch.tensor([[ids[n]]]), **with_cache(reference), use_cache=True,
                               position_ids=torch.tensor([[n]]), attention_mask=mask).logits[0, -1]
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         assert cache.rows == 17 and cache.seen == n + 1
@@ -122,7 +123,7 @@ def test_pruned_cache_matches_per_layer_kept_rows_at_their_positions(tiny):
     gates = GateSet.for_config(tiny.model.config, seed=5)
     cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
     with torch.no_grad():
-        tiny.model(torch.tensor([ids[:45]]), past_key_values=cache, use_cache=True)
+        tiny.model(torch.tensor([ids[:45]]), **with_cache(cache), use_cache=True)
     full, _ = full_cache(tiny, ids[:45])
     store = store_of(full)
     differ = False
@@ -141,7 +142,7 @@ def test_wrong_positions_would_be_caught(tiny):
     ids = text_ids(tiny, 50)
     cache = SmartKVCache.streaming(tiny.model.config, capacity=12, sinks=2)
     with torch.no_grad():
-        tiny.model(torch.tensor([ids[:49]]), past_key_values=cache, use_cache=True)
+        tiny.model(torch.tensor([ids[:49]]), **with_cache(cache), use_cache=True)
     full, _ = full_cache(tiny, ids[:49])
     got = smart_step(tiny, cache, ids[49])
     kept = kept_before(cache, tiny.num_layers, 49)
@@ -157,14 +158,14 @@ def test_generate_derives_positions_from_tokens_seen(tiny):
     ids = text_ids(tiny, 30, seed=4)
     gates = GateSet.for_config(tiny.model.config, seed=7)
     cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=6, window=4)
-    out = tiny.model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=15, do_sample=False,
+    out = tiny.model.generate(torch.tensor([ids]), **with_cache(cache), max_new_tokens=15, do_sample=False,
                               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     assert cache.seen == 30 + 14 and cache.rows == 12  # the last generated token is never fed
     # replay: the same cache settings, driven by hand, against the gathered reference
     replay = SmartKVCache(tiny.model.config, gates, sinks=2, budget=6, window=4)
     full, last = full_cache(tiny, ids)
     with torch.no_grad():
-        first = tiny.model(torch.tensor([ids]), past_key_values=replay, use_cache=True).logits[0, -1]
+        first = tiny.model(torch.tensor([ids]), **with_cache(replay), use_cache=True).logits[0, -1]
     torch.testing.assert_close(first, last, atol=2e-5, rtol=1e-5)  # the prefill attends to everything
     store = store_of(full)
     sequence = out.sequences[0].tolist()
@@ -184,7 +185,7 @@ def test_every_layer_holds_the_same_number_of_rows(tiny):
     ids = text_ids(tiny, 80, seed=6)
     with torch.no_grad():
         for n, token in enumerate(ids):
-            tiny.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            tiny.model(torch.tensor([[token]]), **with_cache(cache), use_cache=True)
             counts = {layer.keys.shape[2] for layer in cache.layers} | {layer.values.shape[2] for layer in cache.layers}
             assert counts == {min(n + 1, 24)}
     assert cache.get_seq_length() == 80 and cache.rows == 24
@@ -197,7 +198,7 @@ def test_manual_bulk_prune_keeps_what_auto_keeps(tiny):
     manual = SmartKVCache(tiny.model.config, gates, sinks=2, budget=8, window=6, prune="manual")
     with torch.no_grad():
         for cache in (auto, manual):
-            tiny.model(torch.tensor([ids[:40]]), past_key_values=cache, use_cache=True)
+            tiny.model(torch.tensor([ids[:40]]), **with_cache(cache), use_cache=True)
     assert manual.rows == 40 and auto.rows == 16
     manual.bulk_prune()
     assert manual.rows == 16
@@ -205,7 +206,7 @@ def test_manual_bulk_prune_keeps_what_auto_keeps(tiny):
         assert sorted(manual.positions(l).tolist()) == sorted(auto.positions(l).tolist())
     for token in ids[40:]:  # from here both prune as tokens arrive, and agree
         torch.testing.assert_close(smart_step(tiny, manual, token), smart_step(tiny, auto, token), atol=1e-5, rtol=1e-5)
-    out = tiny.model.generate(torch.tensor([ids]), past_key_values=manual, max_new_tokens=3, do_sample=False,
+    out = tiny.model.generate(torch.tensor([ids]), **with_cache(manual), max_new_tokens=3, do_sample=False,
                               pad_token_id=0)
     assert out.shape[1] == 53 and manual.rows == 16
 
@@ -238,7 +239,7 @@ def test_cache_refuses_what_it_cannot_do(tiny):
     cache = SmartKVCache.streaming(config, capacity=8)
     with pytest.raises(ValueError, match="one sequence"):
         with torch.no_grad():
-            tiny.model(torch.tensor([text_ids(tiny, 5)] * 2), past_key_values=cache, use_cache=True)
+            tiny.model(torch.tensor([text_ids(tiny, 5)] * 2), **with_cache(cache), use_cache=True)
 
 
 # --- the real model ---------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_smollm2_with_shipped_gates_prunes_with_correct_positions(smol):
     prompt = len(ids) - 6
     cache = SmartKVCache(smol.model.config, gates, sinks=4, budget=16, window=8)
     with torch.no_grad():
-        smol.model(torch.tensor([ids[:prompt]]), past_key_values=cache, use_cache=True)
+        smol.model(torch.tensor([ids[:prompt]]), **with_cache(cache), use_cache=True)
     full, _ = full_cache(smol, ids[:prompt])
     store = store_of(full)
     for n in range(prompt, len(ids)):

@@ -19,6 +19,7 @@ from positronic.mirror import from_bytes, to_bytes
 from positronic.smartkv import GateSet, SmartKVCache
 from positronic.state_manager import FAULT_STAGES, StateManager
 from positronic.tui import frame, take_snapshot
+from positronic.models import with_cache
 
 SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer
 
@@ -62,7 +63,7 @@ class Reference:
         self.lm = lm
         full = DynamicCache(config=lm.model.config)
         with torch.no_grad():
-            lm.model(torch.tensor([prompt]), past_key_values=full, use_cache=True)
+            lm.model(torch.tensor([prompt]), **with_cache(full), use_cache=True)
         self.store = [(layer.keys, layer.values) for layer in full.layers]
 
     def step(self, kept: list[list[int]], token: int, position: int) -> torch.Tensor:
@@ -72,7 +73,7 @@ class Reference:
             keys, values = self.store[layer]
             cache.update(keys[:, :, rows], values[:, :, rows], layer)
         with torch.no_grad():
-            logits = self.lm.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+            logits = self.lm.model(torch.tensor([[token]]), **with_cache(cache), use_cache=True,
                                    position_ids=torch.tensor([[position]])).logits[0, -1]
         for layer, (keys, values) in enumerate(self.store):
             new = cache.layers[layer]
@@ -88,14 +89,14 @@ def test_the_brain_keeps_what_smartkv_cache_keeps_and_predicts_the_same(tiny, ga
     cache = SmartKVCache(tiny.model.config, gates, sinks=SINKS, budget=BUDGET - SINKS - WINDOW, window=WINDOW)
     reference = Reference(tiny, ids[:prompt])
     with torch.no_grad():
-        first = tiny.model(torch.tensor([ids[:prompt]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        first = tiny.model(torch.tensor([ids[:prompt]]), **with_cache(cache), use_cache=True).logits[0, -1]
     torch.testing.assert_close(brain.state.next_logits, first, atol=1e-4, rtol=1e-4)
     differ = False
     for n in range(prompt, len(ids) - 1):
         record = brain.step(force=ids[n])
         assert not record.rebuilt and record.live_length == min(n + 1, BUDGET) <= BUDGET
         with torch.no_grad():
-            logits = tiny.model(torch.tensor([[ids[n]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = tiny.model(torch.tensor([[ids[n]]]), **with_cache(cache), use_cache=True).logits[0, -1]
         kept = layer_positions(brain.state)
         for layer in range(tiny.num_layers):
             assert kept[layer] == sorted(cache.positions(layer).tolist()), f"layer {layer} at token {n}"
@@ -116,9 +117,9 @@ def test_a_prompt_longer_than_the_budget_is_pruned_per_layer(tiny, gate_file):
     cache = SmartKVCache(tiny.model.config, gates, sinks=SINKS, budget=BUDGET - SINKS - WINDOW, window=WINDOW,
                          prune="manual")
     with torch.no_grad():
-        tiny.model(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+        tiny.model(torch.tensor([ids[:-1]]), **with_cache(cache), use_cache=True)
         cache.bulk_prune()
-        logits = tiny.model(torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = tiny.model(torch.tensor([ids[-1:]]), **with_cache(cache), use_cache=True).logits[0, -1]
     assert brain.state.rows_per_layer == BUDGET and brain.tick == 0
     for layer in range(tiny.num_layers):
         assert layer_positions(brain.state)[layer] == sorted(cache.positions(layer).tolist())
@@ -285,7 +286,7 @@ def test_a_rebuild_gives_each_layer_its_own_rows_of_a_fresh_union_prefill(tiny, 
     full = DynamicCache(config=tiny.model.config)
     with torch.no_grad():
         tiny.model(torch.tensor([state.live_token_ids()]), position_ids=torch.tensor([state.positions()]),
-                   past_key_values=full, use_cache=True)
+                   **with_cache(full), use_cache=True)
     for layer in range(tiny.num_layers):
         rows = torch.tensor(state.mirror.layer_rows_of(layer))
         keys, values = state.layer_kv(layer)
