@@ -81,7 +81,7 @@ from transformers.cache_utils import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.texts import excerpt  # noqa: E402
-from positronic import load_model, rope  # noqa: E402
+from positronic import load_model, rope, with_cache  # noqa: E402
 from positronic.kv_centres import compute_key_centres, key_centres  # noqa: E402
 from positronic.kv_formats import hadamard  # noqa: E402,F401  (also the tests' search.hadamard)
 from positronic.texts import DEFAULT_TEXT  # noqa: E402
@@ -208,7 +208,7 @@ class FakeQuantCache(DynamicCache):
 @torch.no_grad()
 def mean_nll(lm, ids: list[int], kq: Quant | None, vq: Quant | None) -> float:
     x = torch.tensor([ids], device=lm.device)
-    logits = lm.model(input_ids=x, cache=FakeQuantCache(kq, vq), use_cache=True).logits[0, :-1].float()
+    logits = lm.model(input_ids=x, **with_cache(FakeQuantCache(kq, vq)), use_cache=True).logits[0, :-1].float()
     return float(torch.nn.functional.cross_entropy(logits, x[0, 1:]))
 
 
@@ -247,7 +247,7 @@ def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
     from positronic.smartkv.cache import KeyUnrotator
 
     cache = DynamicCache(config=lm.model.config)
-    lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True)
+    lm.model(input_ids=torch.tensor([ids], device=lm.device), **with_cache(cache), use_cache=True)
     unrotate = KeyUnrotator.for_config(lm.model.config)
     out = []
     for layer in cache.layers:
@@ -260,7 +260,7 @@ def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
 def post_rope_channel_mean(lm, ids: list[int]) -> torch.Tensor:
     """[layers, kv_heads, head_dim]: mean of each stored (post-RoPE) key channel over `ids`."""
     cache = DynamicCache(config=lm.model.config)
-    lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True)
+    lm.model(input_ids=torch.tensor([ids], device=lm.device), **with_cache(cache), use_cache=True)
     return torch.stack([layer.keys[0].float().mean(1) for layer in cache.layers])
 
 
@@ -477,7 +477,7 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
     if calibration:
         with torch.no_grad():
             vcache = DynamicCache(config=lm.model.config)
-            lm.model(input_ids=torch.tensor([calibration], device=lm.device), cache=vcache, use_cache=True)
+            lm.model(input_ids=torch.tensor([calibration], device=lm.device), **with_cache(vcache), use_cache=True)
             value_mean = torch.stack([layer.values[0].float().mean(1) for layer in vcache.layers])
 
     def value_centred(fn):
@@ -507,7 +507,7 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
     calib_ids = calibration or ([lm.bos_id] + lm.encode(DEFAULT_TEXT.read_text())[:511])
     with torch.no_grad():
         ccache = DynamicCache(config=lm.model.config)
-        lm.model(input_ids=torch.tensor([calib_ids], device=lm.device), cache=ccache, use_cache=True)
+        lm.model(input_ids=torch.tensor([calib_ids], device=lm.device), **with_cache(ccache), use_cache=True)
     n = len(calib_ids)
     cpos = torch.arange(n)
     ccos, csin = rope.rotation(lm.inv_freq, cpos, torch.zeros_like(cpos))

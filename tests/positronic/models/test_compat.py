@@ -2,7 +2,9 @@
 transformers takes, so no deprecation warning is raised and nothing breaks when the old name goes."""
 
 import inspect
+import re
 import warnings
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -30,3 +32,16 @@ def test_a_brain_tick_raises_no_deprecation_warning(tiny):
         sm = StateManager.from_tokens(tiny, [tiny.bos_id, 5, 9, 77, 3], capacity=16)
         sm.apply([{"action": "add", "token_id": 11}])
     assert len(sm) == 6
+
+
+def test_no_source_names_the_cache_keyword_itself():
+    """A literal `past_key_values=` warns from transformers 5.24 on; a literal `cache=` is silently
+    swallowed by the forward's **kwargs on 5.17-5.23 (the model then runs without the cache).
+    Every call goes through with_cache."""
+    root = Path(__file__).resolve().parents[3]
+    literal = re.compile(r"(?:model|generate)\(.*\b(?:past_key_values|cache)=(?!None)")
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for folder in ("positronic", "bench", "tests", "steps", "mirror")
+                 for path in sorted((root / folder).rglob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+    assert offenders == []
