@@ -40,6 +40,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout, runs_without
@@ -438,7 +439,10 @@ class StateManager:
         layers = self._mirror.layers
         if layers is None:
             return {}
-        return {"layer_ids": torch.tensor(layers.rows, dtype=torch.long).reshape(layers.num_layers, len(layers))}
+        # numpy builds the [layers, rows] table from nested lists ~4x faster than torch.tensor (a
+        # per-layer policy reads it every tick)
+        return {"layer_ids": torch.from_numpy(np.array(layers.rows, dtype=np.int64).reshape(layers.num_layers,
+                                                                                          len(layers)))}
 
     # --- coupled operations -------------------------------------------------------------
 

@@ -60,3 +60,29 @@ def test_bad_layouts_are_refused():
         plan_layout([0, 1], set(), [Insertion(1, (), "generated")], limit=10)
     with pytest.raises(ValueError, match="3 rows do not fit the model's 2 positions"):
         plan_layout([0, 1], set(), [Insertion(2, (1,), "generated")], limit=2)
+
+
+def test_the_fast_path_for_deletions_and_appends_gives_the_row_by_row_layout():
+    """A per-layer tick drops union rows and appends its token: plan_layout takes list slices
+    then, and must lay out exactly what the general row-by-row walk lays out."""
+    import random
+
+    from positronic.mirror.layout import _row_by_row
+
+    rng = random.Random(0)
+    fast = 0
+    for _ in range(400):
+        length = rng.randrange(0, 40)
+        positions = sorted(rng.sample(range(60), length))
+        deleted = set(rng.sample(range(length), rng.randrange(0, length + 1))) if length else set()
+        insertions = [Insertion(length, tuple(rng.randrange(5, 99) for _ in range(rng.randrange(1, 4))), "add")
+                      for _ in range(rng.randrange(0, 3))]
+        limit = rng.choice([64, 80, 4096])
+        try:
+            want = _row_by_row(positions, deleted, insertions, limit)
+        except ValueError:
+            continue
+        got = plan_layout(positions, deleted, insertions, limit)
+        assert got == want, (positions, deleted, insertions, limit)
+        fast += (positions[-1] if positions else -1) + sum(len(i.token_ids) for i in insertions) < limit
+    assert fast > 300  # the fast path itself was exercised, not only the fallback
