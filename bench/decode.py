@@ -204,18 +204,19 @@ def maintenance_cycle(config: BrainConfig) -> int:
 
 
 def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: str = "none",
-                    recall_rows: int = 0, policy: str = "brightness", gates: str = "") -> Timing:
+                    recall_rows: int = 0, policy: str | None = None, gates: str = "") -> Timing:
     """A full Brain tick at budget = context: seconds, the shares of it taken by `apply()`, by
     `apply()` without its model forward, by recall's own steps and by the policy's choosing,
-    and the cache's MiB against the live rows'. Brightness runs with a 32-row window, culling
-    or repairing `batch` rows at once; `recall_rows`: with recall on, its index holding that
-    many evicted rows (a longer prompt, pruned to the budget at the start, fills it). Any other
-    `policy` runs with its own defaults (smartkv: `gates`, a file or "" for the shipped ones),
-    one `maintenance_cycle` of untimed ticks first, then `ticks` rounded up to whole cycles."""
+    and the cache's MiB against the live rows'. Without a `policy`, (c) and (d): brightness with
+    a 32-row window, culling or repairing `batch` rows at once; `recall_rows`: with recall on,
+    its index holding that many evicted rows (a longer prompt, pruned to the budget at the
+    start, fills it). With one, (e): that policy with its own defaults (smartkv: `gates`, a file
+    or "" for the shipped ones), one `maintenance_cycle` of untimed ticks first, then `ticks`
+    rounded up to whole cycles."""
     budget = len(ids)
     if recall_rows:
         ids = ids + context_ids(lm, recall_rows + 1)[1:]
-    if policy == "brightness":
+    if policy is None:
         config = BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer,
                              recall=bool(recall_rows))
         warm = 0
@@ -248,14 +249,14 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
 
 
 def smartkv_cache(lm, ids: list[int], gates: GateSet | None) -> SmartKVCache:
-    """A SmartKVCache of len(ids) rows as `--policy smartkv` lays them out (4 sinks, a window of
-    half the rows, the rest long-term memory ranked by `gates`), or without gates the same
-    cache as streaming (4 sinks + a window of the rest)."""
-    config = lm.model.config
+    """A SmartKVCache of len(ids) rows as `--policy smartkv` lays them out by default (the
+    brain's sinks, its default window, the rest long-term memory ranked by `gates`), or
+    without gates the same cache as streaming (the sinks + a window of the rest)."""
+    config, sinks = lm.model.config, BrainConfig.sinks
     if gates is None:
-        return SmartKVCache.streaming(config, capacity=len(ids))
-    window = len(ids) // 2
-    return SmartKVCache(config, gates, budget=len(ids) - 4 - window, window=window)
+        return SmartKVCache.streaming(config, capacity=len(ids), sinks=sinks)
+    window = POLICIES["smartkv"].default_window(len(ids))
+    return SmartKVCache(config, gates, budget=len(ids) - sinks - window, sinks=sinks, window=window)
 
 
 def main() -> None:
@@ -283,15 +284,18 @@ def main() -> None:
     hf = default_model(lm)
     import transformers
 
+    smart = "smartkv" in args.policies or args.smartkv
     shipped = lm.name in SHIPPED
-    gates = GateSet.load(SHIPPED[lm.name]) if shipped else GateSet.for_config(lm.model.config, seed=0)
+    gates = None
+    if smart:  # untrained gates where none are shipped: they cost what trained ones do
+        gates = GateSet.load(SHIPPED[lm.name]) if shipped else GateSet.for_config(lm.model.config, seed=0)
     device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  "
           f"attention: brain {lm.model.config._attn_implementation}, hf-generate {hf.config._attn_implementation}  "
           f"torch {torch.__version__}  "
           f"transformers {transformers.__version__}  ticks {args.ticks} x {args.repeats} rounds  "
           f"{time.strftime('%Y-%m-%d')}")
-    if "smartkv" in args.policies or args.smartkv:
+    if smart:
         print(f"smartkv gates: {'the shipped ones' if shipped else 'untrained (none are shipped for this model; they cost what trained ones do)'}; "
               "its runs time whole windows (one scoring batch each) after one untimed window")
     print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
@@ -300,7 +304,7 @@ def main() -> None:
     variants += [(b, "none", n) for b in args.batches for n in args.recall]
     with tempfile.TemporaryDirectory() as tmp:
         gates_file = ""
-        if not shipped:
+        if smart and not shipped:
             gates_file = str(Path(tmp) / "gates.safetensors")
             gates.save(gates_file)
         for context in args.contexts:
@@ -312,24 +316,24 @@ def main() -> None:
             names = ["(a) hf-generate (sdpa)", "(b) loop, maintenance off"]
             names += [f"(c) maintenance on, batch {b}, {r}" if not n else f"(d) (c) + recall, {min(n, room)} in index"
                       for b, r, n in variants]
-            window = context // 2  # smartkv's: its runs are timed over whole windows, after one untimed
+            window = POLICIES["smartkv"].default_window(context)  # smartkv: timed over whole windows
             cycle_ticks = window + -(-args.ticks // window) * window
             smart_fits = context + cycle_ticks + 1 <= lm.max_positions
             policies = [p for p in args.policies if p != "smartkv" or smart_fits]
-            with_cache = args.smartkv and smart_fits
-            if not smart_fits and (args.smartkv or "smartkv" in args.policies):
+            cache_runs = args.smartkv and smart_fits
+            if not smart_fits and smart:
                 print(f"{context:>7} smartkv skipped: a window of warm-up and the timed windows go beyond the "
                       f"model's {lm.max_positions} positions")
             names += [f"(e) policy {p}" for p in policies]
             names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
-                if with_cache else []
+                if cache_runs else []
             rounds = []
             for _ in range(args.repeats):
                 runs = [Timing(hf_generate(lm, hf, ids, args.ticks)[0]), Timing(loop_plain(lm, ids, args.ticks))]
                 runs += [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
                          for batch, repairer, rows in variants]
                 runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file) for p in policies]
-                if with_cache:
+                if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):
                         seconds, scoring = hf_generate(lm, hf, ids, timed, smartkv_cache(lm, ids, with_gates), warm=window)

@@ -81,8 +81,8 @@ def _deletions_and_appends(positions: list[int], deleted: set[int], insertions: 
     result stays below the limit (every tick of a per-layer policy: one union row or none
     dropped, the new token appended): survivors keep their positions, so the kept runs are
     list slices and nothing moves, in O(deleted + appended) Python steps instead of O(rows)."""
-    old_length = len(positions)
-    kept = runs_without(old_length, sorted(deleted))
+    old_length, deleted = len(positions), sorted(deleted)
+    kept = runs_without(old_length, deleted)
     new_positions: list[int] = []
     for old, _, count in kept:
         new_positions += positions[old:old + count]
@@ -98,7 +98,7 @@ def _deletions_and_appends(positions: list[int], deleted: set[int], insertions: 
             new_positions.append(previous)
             old_positions.append(previous)
         groups.append((insertion, slice(first, len(new_rows))))
-    return Layout(old_length=old_length, length=len(new_positions), deleted=tuple(sorted(deleted)), kept=tuple(kept),
+    return Layout(old_length=old_length, length=len(new_positions), deleted=tuple(deleted), kept=tuple(kept),
                   new_rows=tuple(new_rows), new_token_ids=tuple(new_ids), groups=tuple(groups),
                   positions=tuple(new_positions), old_positions=tuple(old_positions), moved=None)
 
