@@ -100,13 +100,28 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def in_our_code(process) -> bool:
+    """Whether the child has left the interpreter's own start-up and runs run.py: its first C
+    extension from site-packages is mapped. Before that, CPython itself answers a Ctrl-C (killed
+    by SIGINT before its handler exists, or a traceback out of `site`), which no program can
+    change; on a loaded CI machine that window outlasted a fixed 50 ms delay."""
+    try:
+        return "site-packages" in Path(f"/proc/{process.pid}/maps").read_text()
+    except FileNotFoundError:  # no /proc (macOS), or the child has already exited
+        return True
+
+
 def signal_moment(rng, process, events: Path, done: int, ticks: int) -> None:
     """Return at a random moment of the run: a quarter of the time during start-up (a random
-    fraction of a second after it began), else once the log shows a random tick in the first
-    half of what is left. Counted in ticks, not seconds, so every signal lands before the run
-    can end however fast or loaded the machine is (time-based delays failed both ways)."""
+    fraction of a second after run.py began importing), else once the log shows a random tick
+    in the first half of what is left. Counted in ticks, not seconds, so every signal lands
+    before the run can end however fast or loaded the machine is (time-based delays failed
+    both ways)."""
     if rng.random() < 0.25:
-        time.sleep(rng.uniform(0.05, 1.0))
+        deadline = time.monotonic() + 60
+        while process.poll() is None and not in_our_code(process) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 1.0))
         return
     target = done + rng.randint(1, max(1, (ticks - done) // 2))
     deadline = time.monotonic() + 120
