@@ -83,7 +83,8 @@ def gate_sets(args, config) -> dict[str, GateSet]:
     trained = args.gates or SHIPPED.get(args.model)
     if trained is not None:
         gates["smartkv"] = GateSet.load(trained)
-    gates["smartkv-random"] = GateSet.for_config(config, seed=args.seed)
+    per_head = "smartkv" in gates and gates["smartkv"].heads > 1  # the ablation scores what the gates score
+    gates["smartkv-random"] = GateSet.for_config(config, seed=args.seed, per_head=per_head)
     shared = args.shared_gates or SHIPPED_SHARED.get(args.model)
     if shared is not None:
         gates["smartkv-shared"] = GateSet.load(shared)
@@ -119,7 +120,10 @@ def quality(args, lm) -> None:
     for share in args.budgets:
         budget = round(share * count)
         brain_runs = [(p, make_config(p, budget, sinks=args.sinks)) for p in BRAIN_POLICIES]
-        if "smartkv" in gates:
+        if "smartkv" in gates and gates["smartkv"].heads > 1:
+            if not wanted or "smartkv-brain" in wanted:
+                print("smartkv-brain     skipped: the brain keeps rows per layer, and these gates score per kv head")
+        elif "smartkv" in gates:
             brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""))
             if args.window is not None:
                 brain_config.window = args.window

@@ -39,6 +39,9 @@ def parser(prog: str = "positronic smartkv") -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=TrainConfig.lr)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--per-head", action="store_true",
+                   help="a lifespan and a gate output per kv head, not per layer: a SmartKVCache then keeps rows "
+                        "per kv head (the brain's --policy smartkv takes per-layer gates only)")
     t.add_argument("--save-labels", type=Path, help="also write the training labels here (safetensors)")
     t.add_argument("--labels", type=Path, help="reuse training labels written by --save-labels (skips labelling)")
     return p
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} must end in .safetensors (gates are stored only as safetensors)")
         report = run(model=args.model, texts=args.text, heldout=args.heldout, out=args.out,
                      shared_out=args.shared_out, rule=rule, config=config, max_tokens=args.max_tokens,
-                     save_labels=args.save_labels, labels=args.labels, console=err)
+                     save_labels=args.save_labels, labels=args.labels, per_head=args.per_head, console=err)
     except (OSError, ValueError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

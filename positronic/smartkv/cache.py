@@ -17,6 +17,12 @@ its own gate, so layers keep different tokens, but every layer admits the same t
 drops one row per new row once full, so all layers always hold the same number of rows
 (rectangular: `rows`).
 
+Lanes: the RowBook's unit. With per-layer gates (the shipped ones) a lane is a layer: all its
+kv heads keep the same tokens. With per-head gates (`GateSet.heads` = kv heads) a lane is one
+kv head of one layer, lane = layer * kv_heads + head: each kv head keeps its own tokens, and
+every head still holds the same number of rows (keys are stored rotated, so attention needs
+nothing else).
+
 Positions. Keys are stored as the model wrote them: rotated at their own positions, never
 moved. What changes after pruning is that the row count no longer equals the number of
 tokens seen, and transformers derives positions from the cache:
@@ -50,7 +56,7 @@ from transformers.cache_utils import Cache
 
 from .. import rope
 from ..cache import OneSequenceLayer
-from .gates import GateSet
+from .gates import GateSet, kv_heads
 from .labels import LifespanRule
 from .rows import RowBook
 
@@ -84,20 +90,28 @@ class Layout:
     layer's buffer by then). A forward of several tokens is admitted after the last layer has
     scored its keys (`take_batch`): until then each layer keeps its new rows aside."""
 
-    def __init__(self, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool):
+    def __init__(self, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool, heads: int = 1):
         self.book, self.scorer, self.unrotator, self.pruning = book, scorer, unrotator, pruning
+        self.heads = heads  # lanes per layer: 1, or the kv heads (per-head gates)
         self.layers: list[SmartKVLayer] = []
-        self._decoded: tuple[int, torch.Tensor | None] = (-1, None)  # position, its slot per layer
+        self._decoded: tuple[int, torch.Tensor | None] = (-1, None)  # position, its slot per lane
+
+    def lanes(self, layer: int) -> slice:
+        """The RowBook lanes of `layer`."""
+        return slice(layer * self.heads, (layer + 1) * self.heads)
 
     def score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
-        """Gate scores float [q] of keys [1, kv_heads, q, head_dim] rotated at `positions` [q]."""
+        """Gate scores float [heads, q] of keys [1, kv_heads, q, head_dim] rotated at `positions`
+        [q] (a scorer may return [q] or [q, heads])."""
+        count = keys.shape[2]
         if self.scorer is None:
-            return np.zeros(keys.shape[2])
+            return np.zeros((self.heads, count))
         plain = self.unrotator(keys, positions)  # [q, kv_heads * head_dim]
-        return self.scorer.score(layer, plain, positions).float().cpu().numpy().astype(np.float64)
+        scores = self.scorer.score(layer, plain, positions).float().cpu().numpy().astype(np.float64)
+        return scores.reshape(count, -1).T
 
     def decode_slots(self, position: int, device) -> torch.Tensor:
-        """int64 [layers] on `device`: the slot of the token at `position` in each layer
+        """int64 [lanes] on `device`: the slot of the token at `position` in each lane
         (admitted on the first call for a position)."""
         if self._decoded[0] != position:
             self._score_waiting(arriving=int(position >= self.book.sinks))
@@ -108,21 +122,21 @@ class Layout:
     def take_batch(self, positions: list[int]) -> None:
         """The last layer has its new rows: admit them all (scores from every layer) and let each
         layer write the ones it keeps."""
-        scores = np.stack([layer.fresh[2] for layer in self.layers])  # [layers, q]
+        scores = np.concatenate([layer.fresh[2] for layer in self.layers])  # [lanes, q]
         self._score_waiting(arriving=sum(p >= self.book.sinks for p in positions))
         slots = self.book.admit(positions, scores)
         for layer in self.layers:
-            layer.write_fresh(slots[layer.index])
+            layer.write_fresh(slots[self.lanes(layer.index)])
 
     def bulk_prune(self) -> None:
         """Manual mode's end: admit every row held so far (positions 0 .. seen - 1, in order)."""
         self.pruning = True
         if not self.layers[0].is_initialized:
             return
-        scores = np.stack([np.concatenate(layer.pending_scores) for layer in self.layers])
-        slots = self.book.admit(list(range(self.layers[0].seen)), scores)
+        scores = np.concatenate([np.concatenate(layer.pending_scores, axis=1) for layer in self.layers])
+        slots = self.book.admit(list(range(self.layers[0].seen)), scores)  # [lanes, seen]
         for layer in self.layers:
-            layer.compact(slots[layer.index])
+            layer.compact(slots[self.lanes(layer.index)])
 
     def _score_waiting(self, arriving: int) -> None:
         """Score the window's unscored tokens in every layer (keys read from each layer's buffer)
@@ -130,15 +144,16 @@ class Layout:
         waiting = self.book.unscored(arriving)
         if waiting:
             positions = torch.tensor([entry.position for entry in waiting])
-            slots = np.stack([entry.slots for entry in waiting], axis=1)  # [layers, n]
-            scores = np.stack([self.score(layer.index, layer.read(slots[layer.index]), positions)
-                               for layer in self.layers])
+            slots = np.stack([entry.slots for entry in waiting], axis=1)  # [lanes, n]
+            scores = np.concatenate([self.score(layer.index, layer.read(slots[self.lanes(layer.index)]), positions)
+                                     for layer in self.layers])
             self.book.set_scores(waiting, scores)
 
 
 class SmartKVLayer(OneSequenceLayer):
     """One layer's rows: storage [1, kv_heads, rows, head_dim] (keys and values) whose slot i holds
-    the token the shared book says this layer holds in slot i.
+    the token the shared book says this layer's lane holds in slot i (per-head lanes: kv head
+    h's slot i holds what lane h of this layer holds there).
 
     Not pruning (manual mode before `bulk_prune`): rows are appended in order and kept, with
     their scores. Pruning: rows live in a preallocated [1, kv_heads, capacity, head_dim]
@@ -185,10 +200,15 @@ class SmartKVLayer(OneSequenceLayer):
             raise ValueError(f"SmartKVCache holds one sequence; got a batch of {key_states.shape[0]}")
         count = key_states.shape[2]
         if self.layout.pruning and count == 1:
-            slot = self.layout.decode_slots(self.seen, key_states.device)[self.index : self.index + 1]
+            slots = self.layout.decode_slots(self.seen, key_states.device)[self.layout.lanes(self.index)]
             self._ensure_buffers()
-            self._key_buffer.index_copy_(2, slot, key_states)
-            self._value_buffer.index_copy_(2, slot, value_states)
+            if len(slots) == 1:  # one lane: every head writes the same slot
+                self._key_buffer.index_copy_(2, slots, key_states)
+                self._value_buffer.index_copy_(2, slots, value_states)
+            else:
+                heads = torch.arange(len(slots), device=slots.device)
+                self._key_buffer[0, heads, slots] = key_states[0, :, 0]
+                self._value_buffer[0, heads, slots] = value_states[0, :, 0]
             self._expose(self.layout.book.size)
             self.seen += 1
             return self.keys, self.values
@@ -231,35 +251,46 @@ class SmartKVLayer(OneSequenceLayer):
 
     # --- what the layout calls -------------------------------------------------------------------
 
+    def _heads_of(self, lanes: int) -> list[slice]:
+        """The kv heads of each of this layer's `lanes` lanes (one lane: all of them)."""
+        return [slice(None)] if lanes == 1 else [slice(h, h + 1) for h in range(lanes)]
+
     def read(self, slots: np.ndarray) -> torch.Tensor:
-        """Keys [1, kv_heads, n, head_dim] held in `slots`."""
-        return self._key_buffer.index_select(2, torch.from_numpy(slots).to(self._key_buffer.device))
+        """Keys [1, kv_heads, n, head_dim] held in `slots` [lanes, n] (each kv head from its lane's slots)."""
+        parts = [self._key_buffer[:, heads].index_select(2, torch.from_numpy(lane).to(self._key_buffer.device))
+                 for heads, lane in zip(self._heads_of(len(slots)), slots)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def write_fresh(self, slots: np.ndarray) -> None:
-        """Write the kept rows of the forward's new tokens (slots [q], -1: not kept)."""
+        """Write the kept rows of the forward's new tokens (slots [lanes, q], -1: not kept)."""
         keys, values, _ = self.fresh
         self.fresh = None
         self._ensure_buffers()
-        kept = np.flatnonzero(slots >= 0)
-        if len(kept):
-            rows = torch.from_numpy(kept).to(keys.device)
-            where = torch.from_numpy(slots[kept]).to(keys.device)
-            self._key_buffer.index_copy_(2, where, keys.index_select(2, rows))
-            self._value_buffer.index_copy_(2, where, values.index_select(2, rows))
+        for heads, lane in zip(self._heads_of(len(slots)), slots):
+            kept = np.flatnonzero(lane >= 0)
+            if len(kept):
+                rows = torch.from_numpy(kept).to(keys.device)
+                where = torch.from_numpy(lane[kept]).to(keys.device)
+                self._key_buffer[:, heads].index_copy_(2, where, keys[:, heads].index_select(2, rows))
+                self._value_buffer[:, heads].index_copy_(2, where, values[:, heads].index_select(2, rows))
         self._expose(self.layout.book.size)
 
     def compact(self, slots: np.ndarray) -> None:
-        """bulk_prune: move the appended rows (slots [rows], -1: dropped) into the buffer."""
+        """bulk_prune: move the appended rows (slots [lanes, rows], -1: dropped) into the buffer."""
         self.pending_scores = []
-        order = torch.empty(self.layout.book.size, dtype=torch.long)
-        kept = np.flatnonzero(slots >= 0)
-        order[torch.from_numpy(slots[kept])] = torch.from_numpy(kept)
-        order = order.to(self.keys.device)
-        kept_keys, kept_values = self.keys.index_select(2, order), self.values.index_select(2, order)
+        size = self.layout.book.size
+        moved = []
+        for heads, lane in zip(self._heads_of(len(slots)), slots):
+            order = torch.empty(size, dtype=torch.long)
+            kept = np.flatnonzero(lane >= 0)
+            order[torch.from_numpy(lane[kept])] = torch.from_numpy(kept)
+            order = order.to(self.keys.device)
+            moved.append((heads, self.keys[:, heads].index_select(2, order), self.values[:, heads].index_select(2, order)))
         self._allocate()
-        self._key_buffer[:, :, : self.layout.book.size].copy_(kept_keys)
-        self._value_buffer[:, :, : self.layout.book.size].copy_(kept_values)
-        self._expose(self.layout.book.size)
+        for heads, kept_keys, kept_values in moved:
+            self._key_buffer[:, heads, :size].copy_(kept_keys)
+            self._value_buffer[:, heads, :size].copy_(kept_values)
+        self._expose(size)
 
     # --- storage ---------------------------------------------------------------------------------
 
@@ -282,11 +313,14 @@ class SmartKVLayer(OneSequenceLayer):
 
     # --- facts ---------------------------------------------------------------------------------
 
-    def positions(self) -> torch.Tensor:
-        """int64 [rows]: the RoPE position of the token in each stored row."""
+    def positions(self, head: int = 0) -> torch.Tensor:
+        """int64 [rows]: the RoPE position of the token in each stored row of kv head `head` (the
+        same in every head unless the gates are per head)."""
         if not self.layout.pruning:
             return torch.arange(self.rows)
-        return torch.tensor(self.layout.book.positions(self.index), dtype=torch.long)
+        lanes = self.layout.lanes(self.index)
+        return torch.tensor(self.layout.book.positions(lanes.start + (head if self.layout.heads > 1 else 0)),
+                            dtype=torch.long)
 
     def memory_bytes(self) -> int:
         if self._key_buffer is not None:
@@ -295,10 +329,11 @@ class SmartKVLayer(OneSequenceLayer):
 
 
 class GateScorer:
-    """Adapts a GateSet to the scorer interface: score(layer, keys [q, in_dim], positions [q]) -> [q]."""
+    """Adapts a GateSet to the scorer interface: score(layer, keys [q, in_dim], positions [q]) -> [q, heads]."""
 
     def __init__(self, gates: GateSet):
         self.gates = gates
+        self.heads = gates.heads
 
     def score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.gates.score(layer, keys)
@@ -307,9 +342,10 @@ class GateScorer:
 class SmartKVCache(Cache):
     """A transformers Cache of SmartKVLayers (see the module docstring).
 
-    config: the model's (Llama) config. gates: a GateSet for it (required when budget > 0),
-    or `scorer`: any object with score(layer, keys [q, kv_heads * head_dim] pre-RoPE,
-    positions [q]) -> [q] (tests use position-only scorers). window: the recent rows kept
+    config: the model's (Llama) config. gates: a GateSet for it (required when budget > 0;
+    per-head gates keep rows per kv head), or `scorer`: any object with score(layer, keys
+    [q, kv_heads * head_dim] pre-RoPE, positions [q]) -> [q] or [q, heads], and optionally
+    `heads` (1 or the kv heads; default 1) (tests use position-only scorers). window: the recent rows kept
     (default sinks + budget: half the capacity, as `--policy smartkv` does). horizon: the steps a score's
     lifespan counts over, which long-term memory ranks by (rows.py; default: the gates' own,
     else 512). prune: "auto" (prune in every
@@ -338,8 +374,11 @@ class SmartKVCache(Cache):
         self.horizon = horizon or (gates.horizon if gates is not None else LifespanRule.horizon)
         self.prune = prune
         self.gates = gates
-        book = RowBook(config.num_hidden_layers, sinks, budget, window, self.horizon)
-        self.layout = Layout(book, scorer, KeyUnrotator.for_config(config), pruning=prune == "auto")
+        heads = getattr(scorer, "heads", 1)
+        if heads not in (1, kv_heads(config)):
+            raise ValueError(f"a scorer scores 1 lane per layer or one per kv head ({kv_heads(config)}), not {heads}")
+        book = RowBook(config.num_hidden_layers * heads, sinks, budget, window, self.horizon)
+        self.layout = Layout(book, scorer, KeyUnrotator.for_config(config), pruning=prune == "auto", heads=heads)
         self.layout.layers = [SmartKVLayer(i, self.layout) for i in range(config.num_hidden_layers)]
         super().__init__(layers=self.layout.layers)
         self._config = config
@@ -370,9 +409,10 @@ class SmartKVCache(Cache):
         if not self.layout.pruning:
             self.layout.bulk_prune()
 
-    def positions(self, layer: int) -> torch.Tensor:
-        """int64 [rows]: the RoPE position of each stored row of `layer`, in storage order."""
-        return self.layers[layer].positions()
+    def positions(self, layer: int, head: int = 0) -> torch.Tensor:
+        """int64 [rows]: the RoPE position of each stored row of `layer` (kv head `head`: with
+        per-head gates each kv head keeps its own rows), in storage order."""
+        return self.layers[layer].positions(head)
 
     def reset(self) -> None:
         """Forget every row and token (same settings)."""

@@ -2,20 +2,22 @@
 
     gates = GateSet.load("positronic/smartkv/gates_smollm2.safetensors")
     gates.check_model(config)                        # layers and key width match the model?
-    score = gates.score(layer, keys)                 # keys [n, kv_heads * head_dim] → [n]
+    score = gates.score(layer, keys)                 # keys [n, kv_heads * head_dim] → [n, heads]
 
 Input: the token's key in that layer *before RoPE*, all kv heads concatenated
 ([kv_heads * head_dim], the layout of `k_proj`'s output): the cache keeps or drops a row for
 all heads of a layer at once, and an un-rotated key says what the token is, not where it is.
 The input is standardised with per-channel mean and scale measured on the training keys (a
 few channels of Llama keys are ~10x the rest), then `depth` linear layers with GELU between
-them (hidden width `hidden`) give one number: the predicted log4(1 + lifespan), see labels.py.
+them (hidden width `hidden`) give `heads` numbers: the predicted log4(1 + lifespan), see
+labels.py, of the token in the layer (heads 1, the shipped gates) or in each of the layer's
+kv heads (heads = kv_heads: a SmartKVCache then keeps rows per kv head).
 
 File format (safetensors only; no pickle): tensors `layers.{l}.mean`, `layers.{l}.scale`,
 `layers.{l}.linear.{k}.weight|bias` (a shared set: layer 0 only), float16 (the scores only rank rows, so half precision
 loses nothing that matters and halves the file), and one metadata entry `smartkv` holding a
-JSON header: {"format": 1, "num_layers", "in_dim", "hidden", "depth", "shared", "model",
-"lifespan": {...}, "trained": {...}}. `load` checks the header and every tensor's shape and
+JSON header: {"format": 1, "num_layers", "in_dim", "hidden", "depth", "heads" (absent: 1),
+"shared", "model", "lifespan": {...}, "trained": {...}}. `load` checks the header and every tensor's shape and
 refuses anything else with a `GateFileError` naming the problem.
 """
 
@@ -43,16 +45,16 @@ class GateFileError(ValueError):
 
 
 class Gate(nn.Module):
-    """One layer's MLP: keys [n, in_dim] (pre-RoPE) → predicted log4(1 + lifespan) [n]."""
+    """One layer's MLP: keys [n, in_dim] (pre-RoPE) → predicted log4(1 + lifespan) [n, heads]."""
 
-    def __init__(self, in_dim: int, hidden: int = DEFAULT_HIDDEN, depth: int = DEFAULT_DEPTH):
+    def __init__(self, in_dim: int, hidden: int = DEFAULT_HIDDEN, depth: int = DEFAULT_DEPTH, heads: int = 1):
         super().__init__()
-        if in_dim < 1 or hidden < 1 or depth < 1:
-            raise ValueError(f"in_dim, hidden and depth must be >= 1, got {in_dim}, {hidden}, {depth}")
-        self.in_dim, self.hidden, self.depth = in_dim, hidden, depth
+        if min(in_dim, hidden, depth, heads) < 1:
+            raise ValueError(f"in_dim, hidden, depth and heads must be >= 1, got {in_dim}, {hidden}, {depth}, {heads}")
+        self.in_dim, self.hidden, self.depth, self.heads = in_dim, hidden, depth, heads
         self.register_buffer("mean", torch.zeros(in_dim))
         self.register_buffer("scale", torch.ones(in_dim))
-        widths = [in_dim] + [hidden] * (depth - 1) + [1]
+        widths = [in_dim] + [hidden] * (depth - 1) + [heads]
         self.linear = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 
     def set_normalisation(self, keys: torch.Tensor) -> None:
@@ -66,7 +68,7 @@ class Gate(nn.Module):
             x = layer(x)
             if i < len(self.linear) - 1:
                 x = nn.functional.gelu(x)
-        return x[..., 0]
+        return x
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -86,7 +88,7 @@ class GateSet:
 
     @staticmethod
     def new(num_layers: int, in_dim: int, *, hidden: int = DEFAULT_HIDDEN, depth: int = DEFAULT_DEPTH,
-            shared: bool = False, seed: int = 0, header: dict | None = None) -> "GateSet":
+            heads: int = 1, shared: bool = False, seed: int = 0, header: dict | None = None) -> "GateSet":
         """Freshly initialised (untrained) gates, deterministic in `seed`."""
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -94,22 +96,22 @@ class GateSet:
         torch.manual_seed(seed)
         try:
             if shared:
-                one = Gate(in_dim, hidden, depth)
+                one = Gate(in_dim, hidden, depth, heads)
                 gates = [one] * num_layers
             else:
-                gates = [Gate(in_dim, hidden, depth) for _ in range(num_layers)]
+                gates = [Gate(in_dim, hidden, depth, heads) for _ in range(num_layers)]
         finally:
             torch.random.set_rng_state(generator_state)
         head = {"format": FORMAT_VERSION, "num_layers": num_layers, "in_dim": in_dim, "hidden": hidden,
-                "depth": depth, "shared": shared}
+                "depth": depth, "heads": heads, "shared": shared}
         head.update(header or {})
         return GateSet([g.eval().requires_grad_(False) for g in gates], head)
 
     @staticmethod
-    def for_config(config, **kwargs) -> "GateSet":
-        """Untrained gates shaped for a transformers Llama config."""
+    def for_config(config, *, per_head: bool = False, **kwargs) -> "GateSet":
+        """Untrained gates shaped for a transformers Llama config (per_head: an output per kv head)."""
         layers, in_dim = key_shape(config)
-        return GateSet.new(layers, in_dim, **kwargs)
+        return GateSet.new(layers, in_dim, heads=kv_heads(config) if per_head else 1, **kwargs)
 
     # --- facts -----------------------------------------------------------------------------
 
@@ -120,6 +122,11 @@ class GateSet:
     @property
     def in_dim(self) -> int:
         return self.gates[0].in_dim
+
+    @property
+    def heads(self) -> int:
+        """Scores per token and layer: 1 (rows kept per layer) or the model's kv heads (per kv head)."""
+        return self.gates[0].heads
 
     @property
     def shared(self) -> bool:
@@ -137,18 +144,22 @@ class GateSet:
         return horizon
 
     def check_model(self, config) -> None:
-        """Raise GateFileError unless these gates fit the model: same layer count, key width."""
+        """Raise GateFileError unless these gates fit the model: same layer count, key width, and
+        one score per layer or one per kv head."""
         layers, in_dim = key_shape(config)
         if (layers, in_dim) != (self.num_layers, self.in_dim):
             raise GateFileError(f"the gates are for {self.num_layers} layers with keys of width {self.in_dim}; "
                                 f"this model has {layers} layers with keys of width {in_dim}")
+        if self.heads not in (1, kv_heads(config)):
+            raise GateFileError(f"the gates score {self.heads} heads per layer; this model has {kv_heads(config)} "
+                                "kv heads (gates score 1 per layer or 1 per kv head)")
 
     # --- scoring ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def score(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        """Predicted log4(1 + lifespan) of pre-RoPE keys [n, in_dim] in `layer`: float32 [n], on
-        the keys' device (the gate follows the keys there the first time)."""
+        """Predicted log4(1 + lifespan) of pre-RoPE keys [n, in_dim] in `layer`: float32 [n, heads],
+        on the keys' device (the gate follows the keys there the first time)."""
         gate = self.gates[layer]
         if gate.mean.device != keys.device:
             for g in set(self.gates):
@@ -166,7 +177,7 @@ class GateSet:
             for name, tensor in gate.state_dict().items():
                 tensors[f"layers.{l}.{name}"] = tensor.detach().to("cpu", torch.float16).contiguous()
         header = dict(self.header, format=FORMAT_VERSION, num_layers=self.num_layers, in_dim=self.in_dim,
-                      hidden=self.gates[0].hidden, depth=self.gates[0].depth, shared=self.shared)
+                      hidden=self.gates[0].hidden, depth=self.gates[0].depth, heads=self.heads, shared=self.shared)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={HEADER_KEY: json.dumps(header, sort_keys=True)})
 
@@ -201,12 +212,16 @@ class GateSet:
         return sum(g.parameter_count() for g in set(self.gates))
 
 
+def kv_heads(config) -> int:
+    """The kv heads of a transformers Llama config."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def key_shape(config) -> tuple[int, int]:
     """(layers, kv_heads * head_dim) of a transformers Llama config."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads * head_dim
+    return config.num_hidden_layers, kv_heads(config) * head_dim
 
 
 def _parse_header(path: Path, metadata: dict) -> dict:
@@ -220,7 +235,8 @@ def _parse_header(path: Path, metadata: dict) -> dict:
         raise GateFileError(f"{path}: the '{HEADER_KEY}' header is not a JSON object")
     if header.get("format") != FORMAT_VERSION:
         raise GateFileError(f"{path}: gate file format {header.get('format')!r}; this code reads {FORMAT_VERSION}")
-    for key in ("num_layers", "in_dim", "hidden", "depth"):
+    header.setdefault("heads", 1)  # files written before per-head gates score per layer
+    for key in ("num_layers", "in_dim", "hidden", "depth", "heads"):
         value = header.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise GateFileError(f"{path}: header field {key!r} must be a positive integer, got {value!r}")
@@ -229,12 +245,12 @@ def _parse_header(path: Path, metadata: dict) -> dict:
 
 def _build(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> list[Gate]:
     """Gates from the tensors, every name and shape checked against the header."""
-    layers, in_dim, hidden, depth = (header[k] for k in ("num_layers", "in_dim", "hidden", "depth"))
+    layers, in_dim, hidden, depth, heads = (header[k] for k in ("num_layers", "in_dim", "hidden", "depth", "heads"))
     shared = header.get("shared", False)
     if not isinstance(shared, bool):
         raise GateFileError(f"{path}: header field 'shared' must be true or false, got {shared!r}")
     stored = 1 if shared else layers  # a shared set stores its one gate once, as layer 0
-    template = Gate(in_dim, hidden, depth)
+    template = Gate(in_dim, hidden, depth, heads)
     expected = {f"layers.{l}.{name}": tuple(t.shape)
                 for l in range(stored) for name, t in template.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
@@ -243,7 +259,7 @@ def _build(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> list[G
         what = (f"missing {missing[:3]}" if missing else "") + (" " if missing and extra else "") + \
                (f"unexpected {extra[:3]}" if extra else "")
         raise GateFileError(f"{path}: tensors do not match the header ({layers} layers, in {in_dim}, "
-                            f"hidden {hidden}, depth {depth}): {what}")
+                            f"hidden {hidden}, depth {depth}, heads {heads}): {what}")
     for name, shape in expected.items():
         got = tuple(tensors[name].shape)
         if got != shape:
@@ -252,7 +268,7 @@ def _build(path: Path, header: dict, tensors: dict[str, torch.Tensor]) -> list[G
             raise GateFileError(f"{path}: tensor {name} is not finite floating point")
     gates = []
     for l in range(stored):
-        gate = Gate(in_dim, hidden, depth)
+        gate = Gate(in_dim, hidden, depth, heads)
         gate.load_state_dict({name: tensors[f"layers.{l}.{name}"].to(torch.float32) for name in template.state_dict()})
         gates.append(gate.eval().requires_grad_(False))
     return gates * layers if shared else gates  # shared: one object in every layer, as trained

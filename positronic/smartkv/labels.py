@@ -8,6 +8,8 @@ Lifespan (the definition the gates learn; docs/smartkv.md):
     log4(1 + lifespan) (0 for a token nobody uses again, log4(1 + horizon) for one used at every
     step). Max over heads because the cache keeps or drops a row for all of the layer's heads
     at once: a row one head still needs is needed.
+    Per kv head (`groups` = kv heads): the max runs over the query heads that share one kv
+    head, and each kv head gets its own lifespan, for a cache that keeps rows per kv head.
 
 Where the numbers come from: one prefill per window of text with eager attention, the model's
 own attention matrices read in a forward hook and reduced at once (a window never holds more
@@ -55,26 +57,31 @@ def log4(values: torch.Tensor) -> torch.Tensor:
     return torch.log(values.to(torch.float32)) / math.log(4.0)
 
 
-def lifespans(attention: torch.Tensor, rule: LifespanRule, first: int, count: int) -> torch.Tensor:
+def lifespans(attention: torch.Tensor, rule: LifespanRule, first: int, count: int, groups: int = 1) -> torch.Tensor:
     """Lifespan of keys first .. first + count from one layer's attention.
 
-    attention: [heads, L, L] (query, key), causal, rows summing to 1.
-    Returns int64 [count]: for each key j, how many queries i in (j, j + horizon] give it
-    more than threshold / (i + 1) in at least one head.
+    attention: [heads, L, L] (query, key), causal, rows summing to 1. groups: 1 (the layer)
+    or the kv heads (heads in consecutive groups of heads // groups share a kv head, as
+    transformers' repeat_kv lays them out).
+    Returns int64 [groups, count]: for each key j, how many queries i in (j, j + horizon]
+    give it more than threshold / (i + 1) in at least one head of the group.
     """
-    length = attention.shape[-1]
-    strongest = attention.amax(dim=0)                                   # [L, L]
+    heads, length = attention.shape[0], attention.shape[-1]
+    if groups < 1 or heads % groups:
+        raise ValueError(f"{heads} query heads do not split into {groups} kv-head groups")
+    strongest = attention.view(groups, heads // groups, length, length).amax(dim=1)  # [groups, L, L]
     visible = torch.arange(1, length + 1, dtype=strongest.dtype, device=strongest.device)
-    used = strongest > (rule.threshold / visible)[:, None]             # [query, key]
+    used = strongest > (rule.threshold / visible)[:, None]             # [groups, query, key]
     keys = torch.arange(first, first + count, device=strongest.device)
     queries = torch.arange(length, device=strongest.device)[:, None]
     in_horizon = (queries > keys[None, :]) & (queries <= keys[None, :] + rule.horizon)
-    return (used[:, first:first + count] & in_horizon).sum(dim=0)
+    return (used[:, :, first:first + count] & in_horizon).sum(dim=1)
 
 
 @dataclass
 class LabelSet:
-    """Per layer: pre-RoPE keys [n, kv_heads * head_dim] (float32) and labels log4(1 + lifespan) [n]."""
+    """Per layer: pre-RoPE keys [n, kv_heads * head_dim] (float32) and labels log4(1 + lifespan)
+    [n, heads] (heads 1: the layer's lifespan; kv_heads: one per kv head)."""
 
     keys: list[torch.Tensor]
     labels: list[torch.Tensor]
@@ -88,6 +95,11 @@ class LabelSet:
     @property
     def count(self) -> int:
         return 0 if not self.keys else int(self.keys[0].shape[0])
+
+    @property
+    def heads(self) -> int:
+        """Lifespans per token and layer: 1 (per layer) or the kv heads."""
+        return int(self.labels[0].shape[1])
 
     @staticmethod
     def concat(parts: list["LabelSet"]) -> "LabelSet":
@@ -123,6 +135,7 @@ class LabelSet:
             layers = meta["num_layers"]
             keys = [f.get_tensor(f"keys.{l}").to(torch.float32) for l in range(layers)]
             labels = [f.get_tensor(f"labels.{l}") for l in range(layers)]
+        labels = [y[:, None] if y.dim() == 1 else y for y in labels]  # per-layer files written before heads
         return LabelSet(keys=keys, labels=labels, rule=LifespanRule(**meta["rule"]), texts=meta["texts"])
 
 
@@ -134,9 +147,9 @@ class LabelRecorder:
     returns); `label_windows` switches it and back.
     """
 
-    def __init__(self, model, rule: LifespanRule):
+    def __init__(self, model, rule: LifespanRule, groups: int = 1):
         self.layers = model.model.layers
-        self.rule = rule
+        self.rule, self.groups = rule, groups
         self.first = self.count = 0
         self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
         self.spans: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -164,7 +177,8 @@ class LabelRecorder:
             weights = output[1]
             if weights is None:
                 raise RuntimeError("the attention module returned no weights: the model must use eager attention")
-            self.spans[index] = lifespans(weights[0].to(torch.float32), self.rule, self.first, self.count)
+            self.spans[index] = lifespans(weights[0].to(torch.float32), self.rule, self.first, self.count,
+                                          self.groups).T  # [count, groups]
         return hook
 
 
@@ -177,12 +191,12 @@ def windows(ids: list[int], rule: LifespanRule) -> list[tuple[int, list[int]]]:
 
 @torch.no_grad()
 def label_text(lm, text: str, rule: LifespanRule, *, max_tokens: int | None = None, name: str = "",
-               on_window=None) -> LabelSet:
+               on_window=None, per_head: bool = False) -> LabelSet:
     """Labels of every token of `text` that a window covers with a whole horizon.
 
     lm: a positronic.models.LoadedModel (Llama). max_tokens: read only the first this many
-    text tokens. on_window(): called after each window (progress). Returns a LabelSet with
-    one entry per labelled token, in text order.
+    text tokens. on_window(): called after each window (progress). per_head: a lifespan per
+    kv head, not per layer. Returns a LabelSet with one entry per labelled token, in text order.
     """
     ids = lm.encode(text)[: max_tokens or None]
     spans = windows(ids, rule)
@@ -194,7 +208,7 @@ def label_text(lm, text: str, rule: LifespanRule, *, max_tokens: int | None = No
     keys: list[list[torch.Tensor]] = [[] for _ in range(lm.num_layers)]
     labels: list[list[torch.Tensor]] = [[] for _ in range(lm.num_layers)]
     try:
-        with LabelRecorder(model, rule) as recorder:
+        with LabelRecorder(model, rule, lm.num_kv_heads if per_head else 1) as recorder:
             recorder.first, recorder.count = 1, rule.labelled_per_window
             for _, chunk in spans:
                 window = torch.tensor([[lm.bos_id] + chunk], device=lm.device)

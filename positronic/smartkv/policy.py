@@ -45,6 +45,9 @@ def load_gates(spec: str, lm) -> GateSet:
         gates.horizon  # noqa: B018  (a broken lifespan horizon is refused here, with the file's other faults)
     except GateFileError as exc:
         raise ValueError(f"smartkv: {exc}") from None
+    if gates.heads != 1:
+        raise ValueError(f"smartkv: the gates score each of {gates.heads} kv heads; the brain keeps rows per layer "
+                         "and takes per-layer gates (per-head gates work in a SmartKVCache)")
     return gates
 
 
@@ -160,7 +163,7 @@ class SmartKVPolicy:
         batch = [ids[row] for row in rows]
         keys = reader.layer_keys(batch)  # [layers, kv_heads, n, head_dim]
         at = torch.tensor([positions[row] for row in rows])
-        per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at)) for layer in range(len(keys))]
+        per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at))[:, 0] for layer in range(len(keys))]
         table = torch.stack(per_layer, dim=1).tolist()  # [n, layers]
         return dict(zip(batch, table))
 

@@ -9,6 +9,8 @@ squared error (AdamW, linear learning-rate decay), keeping the epoch with the be
 correlation on a 10% validation split of the *training* labels; (3) report Spearman's rank
 correlation per layer on the held-out text (the gates only rank rows, so ranks are what
 matters) and write the gates with a JSON header recording the rule, texts and results.
+`per_head`: a lifespan per kv head (labels.py) and a gate output per kv head; a layer's
+Spearman is then the mean over its kv heads.
 """
 
 from __future__ import annotations
@@ -44,12 +46,18 @@ def split(count: int, share: float, seed: int) -> tuple[torch.Tensor, torch.Tens
     return order[held:], order[:held]
 
 
+def mean_spearman(predicted: torch.Tensor, labels: torch.Tensor) -> float:
+    """Spearman of [n, heads] predictions against labels, averaged over the heads."""
+    return sum(spearman(predicted[:, h], labels[:, h]) for h in range(labels.shape[1])) / labels.shape[1]
+
+
 def fit_gate(keys: torch.Tensor, labels: torch.Tensor, config: TrainConfig, *, on_step=None) -> tuple[Gate, float]:
-    """Fit one Gate to pre-RoPE keys [n, in_dim] and labels [n]. Returns the gate of the best
-    epoch by validation Spearman, and that Spearman. on_step(): called once per batch."""
+    """Fit one Gate to pre-RoPE keys [n, in_dim] and labels [n, heads]. Returns the gate of the
+    best epoch by validation Spearman (mean over heads), and that Spearman. on_step(): called
+    once per batch."""
     torch.manual_seed(config.seed)
     train_idx, val_idx = split(keys.shape[0], config.validation, config.seed)
-    gate = Gate(keys.shape[1], config.hidden, config.depth)
+    gate = Gate(keys.shape[1], config.hidden, config.depth, heads=labels.shape[1])
     gate.set_normalisation(keys[train_idx])
     optimiser = torch.optim.AdamW(gate.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(len(train_idx) / config.batch)
@@ -71,7 +79,7 @@ def fit_gate(keys: torch.Tensor, labels: torch.Tensor, config: TrainConfig, *, o
                 on_step()
         gate.eval()
         with torch.no_grad():
-            rho = spearman(gate(keys[val_idx]), labels[val_idx]) if len(val_idx) > 1 else 0.0
+            rho = mean_spearman(gate(keys[val_idx]), labels[val_idx]) if len(val_idx) > 1 else 0.0
         if rho > best or epoch == 0:
             best, best_state = rho, copy.deepcopy(gate.state_dict())
     gate.load_state_dict(best_state)
@@ -95,7 +103,7 @@ def train_gates(labels: LabelSet, config: TrainConfig, *, shared: bool = False, 
                  for l in range(labels.num_layers)]
     result = GateSet(gates, {})
     result.header = dict(head, format=1, num_layers=result.num_layers, in_dim=result.in_dim,
-                         hidden=config.hidden, depth=config.depth, shared=shared)
+                         hidden=config.hidden, depth=config.depth, heads=labels.heads, shared=shared)
     return result
 
 
@@ -112,8 +120,11 @@ def steps_needed(labels: LabelSet, config: TrainConfig, shared: bool) -> int:
 
 @torch.no_grad()
 def heldout_spearman(gates: GateSet, labels: LabelSet) -> list[float]:
-    """Spearman correlation of predicted and true labels, per layer."""
-    return [spearman(gates.score(l, labels.keys[l]), labels.labels[l]) for l in range(labels.num_layers)]
+    """Spearman correlation of predicted and true labels, per layer (per-head gates: the mean
+    over the layer's kv heads)."""
+    if gates.heads != labels.heads:
+        raise ValueError(f"the gates score {gates.heads} heads per layer, the labels have {labels.heads}")
+    return [mean_spearman(gates.score(l, labels.keys[l]), labels.labels[l]) for l in range(labels.num_layers)]
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -131,7 +142,8 @@ class TrainReport:
 
 def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: Path | None = None,
         rule: LifespanRule = LifespanRule(), config: TrainConfig = TrainConfig(), max_tokens: int | None = None,
-        save_labels: Path | None = None, labels: Path | None = None, console=None) -> TrainReport:
+        save_labels: Path | None = None, labels: Path | None = None, per_head: bool = False,
+        console=None) -> TrainReport:
     """Label, train, evaluate, write (see the module docstring). Progress goes to `console`
     (a rich Console on stderr by default)."""
     from rich.console import Console
@@ -153,17 +165,21 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
         if labels is not None:
             train_labels = LabelSet.load(labels)
             rule = train_labels.rule
+            if (train_labels.heads > 1) != per_head:
+                raise ValueError(f"--labels {labels} holds {'per-head' if train_labels.heads > 1 else 'per-layer'} "
+                                 f"lifespans; {'add' if train_labels.heads > 1 else 'drop'} --per-head")
             total_windows = window_count(lm, held_text, rule, max_tokens)
         else:
             total_windows = sum(window_count(lm, t, rule, max_tokens) for _, t in texts_read) \
                 + window_count(lm, held_text, rule, max_tokens)
         advance = bars.task("labels", total_windows)
         if labels is None:
-            train_labels = LabelSet.concat([label_text(lm, t, rule, max_tokens=max_tokens, name=n, on_window=advance)
-                                            for n, t in texts_read])
+            train_labels = LabelSet.concat([label_text(lm, t, rule, max_tokens=max_tokens, name=n, on_window=advance,
+                                                       per_head=per_head) for n, t in texts_read])
             if save_labels is not None:
                 train_labels.save(save_labels)
-        held_labels = label_text(lm, held_text, rule, max_tokens=max_tokens, name=Path(heldout).name, on_window=advance)
+        held_labels = label_text(lm, held_text, rule, max_tokens=max_tokens, name=Path(heldout).name,
+                                 on_window=advance, per_head=per_head)
         steps = steps_needed(train_labels, config, False) + (steps_needed(train_labels, config, True) if shared_out else 0)
         advance = bars.task("gates", steps)
         header = {"model": model, "heldout": Path(heldout).name}

@@ -41,10 +41,13 @@ def full_cache(lm, ids):
 
 
 def gathered(lm, store: list[tuple[torch.Tensor, torch.Tensor]], kept: list[torch.Tensor]) -> DynamicCache:
-    """A DynamicCache whose layer l holds rows `kept[l]` (positions) of store[l] (K, V over all positions)."""
+    """A DynamicCache whose layer l holds rows `kept[l]` (positions [n], or [kv_heads, n]: each
+    kv head its own) of store[l] (K, V over all positions)."""
     cache = DynamicCache(config=lm.model.config)
     for l, (k, v) in enumerate(store):
-        cache.update(k[:, :, kept[l]], v[:, :, kept[l]], l)
+        rows = kept[l] if kept[l].dim() == 2 else kept[l].expand(k.shape[1], -1)
+        index = rows[None, :, :, None].expand(1, -1, -1, k.shape[3])
+        cache.update(k.gather(2, index), v.gather(2, index), l)
     return cache
 
 
@@ -66,10 +69,15 @@ def store_of(cache: DynamicCache):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def kept_before(cache, layers, n):
+def kept_before(cache, layers, n, heads=1):
     """Per layer, the positions a decoded token at position n attended to besides itself:
-    what the layer holds after admitting it (a decoded token is admitted first), less n."""
-    return [cache.positions(l)[cache.positions(l) != n] for l in range(layers)]
+    what the layer holds after admitting it (a decoded token is admitted first), less n
+    ([rows - 1], or with heads > 1 [heads, rows - 1]: per kv head)."""
+    def without_n(positions):
+        return positions[positions != n]
+    if heads == 1:
+        return [without_n(cache.positions(l)) for l in range(layers)]
+    return [torch.stack([without_n(cache.positions(l, h)) for h in range(heads)]) for l in range(layers)]
 
 
 def smart_step(lm, cache, token):
@@ -134,6 +142,40 @@ def test_pruned_cache_matches_per_layer_kept_rows_at_their_positions(tiny):
         want = step_reference(tiny, store, kept, ids[n], n)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert differ, "the random gates should make the two layers keep different rows"
+
+
+def test_per_head_gates_keep_rows_per_kv_head_at_their_positions(tiny):
+    """Per-head gates: each kv head of a layer keeps its own rows, the same number in every head
+    and layer; the reference gathers each head's kept rows from the full K/V. The prefill is
+    admitted at once (each head writes its own kept rows), the rest one token at a time."""
+    ids = text_ids(tiny, 70, seed=4)
+    gates = GateSet.for_config(tiny.model.config, seed=6, per_head=True)
+    heads = tiny.model.config.num_key_value_heads
+    assert gates.heads == heads == 2
+    cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:45]]), **with_cache(cache), use_cache=True)
+    full, _ = full_cache(tiny, ids[:45])
+    store = store_of(full)
+    heads_differ = False
+    for n in range(45, 70):
+        got = smart_step(tiny, cache, ids[n])
+        kept = kept_before(cache, tiny.num_layers, n, heads)
+        assert {tuple(k.shape) for k in kept} == {(heads, 15)}
+        heads_differ |= any(set(k[0].tolist()) != set(k[1].tolist()) for k in kept)
+        want = step_reference(tiny, store, kept, ids[n], n)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert heads_differ, "random per-head gates should make the heads of a layer keep different rows"
+    manual = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4, prune="manual")
+    auto = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
+    with torch.no_grad():
+        for each in (manual, auto):
+            tiny.model(torch.tensor([ids[:40]]), **with_cache(each), use_cache=True)
+    manual.bulk_prune()
+    for l in range(tiny.num_layers):
+        for h in range(heads):
+            assert sorted(manual.positions(l, h).tolist()) == sorted(auto.positions(l, h).tolist())
+    torch.testing.assert_close(smart_step(tiny, manual, ids[40]), smart_step(tiny, auto, ids[40]), atol=1e-5, rtol=1e-5)
 
 
 def test_wrong_positions_would_be_caught(tiny):
@@ -236,6 +278,8 @@ def test_cache_refuses_what_it_cannot_do(tiny):
     other = GateSet.new(3, 32)
     with pytest.raises(GateFileError, match="this model has 2 layers"):
         SmartKVCache(config, other, budget=8)
+    with pytest.raises(GateFileError, match="score 3 heads per layer; this model has 2 kv heads"):
+        SmartKVCache(config, GateSet.new(2, 32, heads=3), budget=8)
     cache = SmartKVCache.streaming(config, capacity=8)
     with pytest.raises(ValueError, match="one sequence"):
         with torch.no_grad():
@@ -294,7 +338,7 @@ def test_decoding_scores_lazily_in_batches_and_keeps_what_eager_scores_keep(tiny
     assert scorer.calls <= layers * (count // window + 1), "one call per layer per window, not per token"
     full, _ = full_cache(tiny, ids)
     unrotate = KeyUnrotator.for_config(tiny.model.config)
-    scores = np.stack([gates.score(l, unrotate(full.layers[l].keys, torch.arange(count))).double().numpy()
+    scores = np.stack([gates.score(l, unrotate(full.layers[l].keys, torch.arange(count)))[:, 0].double().numpy()
                        for l in range(layers)])
     eager = RowBook(layers, sinks, budget, window)
     eager.admit(list(range(count)), scores)

@@ -14,22 +14,23 @@ from positronic.smartkv.gates import Gate, spearman
 def rounded(gates: GateSet) -> GateSet:
     """The same gates with every tensor rounded to float16 (what a file stores)."""
     copy = GateSet.new(gates.num_layers, gates.in_dim, hidden=gates.gates[0].hidden, depth=gates.gates[0].depth,
-                       shared=gates.shared)
+                       heads=gates.heads, shared=gates.shared)
     for mine, theirs in zip(copy.gates, gates.gates):
         mine.load_state_dict({k: v.half().float() for k, v in theirs.state_dict().items()})
     return copy
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_gate_file_round_trip(tmp_path, shared):
-    gates = GateSet.new(3, 32, hidden=16, depth=3, shared=shared, seed=1, header={"model": "random:tiny"})
+@pytest.mark.parametrize("shared,heads", [(False, 1), (True, 1), (False, 2)])
+def test_gate_file_round_trip(tmp_path, shared, heads):
+    gates = GateSet.new(3, 32, hidden=16, depth=3, heads=heads, shared=shared, seed=1, header={"model": "random:tiny"})
     keys = torch.randn(50, 32)
     for gate in set(gates.gates):
         gate.set_normalisation(torch.randn(100, 32) * 3 + 1)
     path = tmp_path / "g.safetensors"
     gates.save(path)
     loaded = GateSet.load(path)
-    assert loaded.num_layers == 3 and loaded.in_dim == 32 and loaded.shared == shared
+    assert loaded.num_layers == 3 and loaded.in_dim == 32 and loaded.shared == shared and loaded.heads == heads
+    assert loaded.score(0, keys).shape == (50, heads)
     assert loaded.header["model"] == "random:tiny" and loaded.header["hidden"] == 16
     expected = rounded(gates)
     for l in range(3):
@@ -72,6 +73,9 @@ def test_bad_gate_files_are_refused_with_a_clear_error(tmp_path):
                {"smartkv": json.dumps(header)}), "missing"),
         (write("extra.safetensors", dict(tensors, stray=torch.zeros(1)), {"smartkv": json.dumps(header)}), "unexpected"),
         (write("depth.safetensors", tensors, {"smartkv": json.dumps(dict(header, depth=3))}), "do not match the header"),
+        (write("heads.safetensors", tensors, {"smartkv": json.dumps(dict(header, heads=2))}),
+         r"linear.1.weight has shape \[1, 8\], expected \[2, 8\]"),  # an output per head the file lacks
+        (write("noheads.safetensors", tensors, {"smartkv": json.dumps(dict(header, heads=0))}), "'heads'"),
         (write("nan.safetensors", dict(tensors, **{"layers.0.mean": torch.full((32,), float("nan"))}),
                {"smartkv": json.dumps(header)}), "not finite"),
     ]
@@ -90,13 +94,15 @@ def test_shipped_gates_fit_smollm2_config():
     config = AutoConfig.from_pretrained(smollm2_cache(), local_files_only=True)
     gates.check_model(config)
     assert gates.header["lifespan"]["threshold"] > 0 and len(gates.header["heldout_spearman"]) == 30
+    assert "heads" not in gates.header or gates.header["heads"] == 1
+    assert gates.heads == 1, "written before per-head gates: read as one score per layer"
     with pytest.raises(GateFileError, match="no gates are shipped"):
         GateSet.for_model("tinyllama")
 
 
 def test_gate_scores_rank_keys():
-    gate = Gate(4, hidden=8, depth=2)
-    assert gate(torch.randn(5, 4)).shape == (5,)
+    assert Gate(4, hidden=8, depth=2)(torch.randn(5, 4)).shape == (5, 1)
+    assert Gate(4, hidden=8, depth=2, heads=3)(torch.randn(5, 4)).shape == (5, 3)
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)
     # ties take their average rank: ranks (1.5, 1.5, 3) against (1, 2, 3)

@@ -17,9 +17,13 @@ def test_lifespan_counts_later_queries_above_the_threshold():
     attention[0, 4, 2] = 0.3   # 0.3 < 2 / 5: not used
     rule = LifespanRule(horizon=3, threshold=2.0, window=6)
     spans = lifespans(attention, rule, first=1, count=2)
-    assert spans.tolist() == [1, 0]  # query 5 is beyond key 1's horizon (1 + 3)
+    assert spans.tolist() == [[1, 0]]  # query 5 is beyond key 1's horizon (1 + 3)
     wide = lifespans(attention, LifespanRule(horizon=4, threshold=2.0, window=6), first=1, count=1)
-    assert wide.tolist() == [2]
+    assert wide.tolist() == [[2]]
+    # per kv head (2 groups of one query head each): each head counts only its own uses
+    assert lifespans(attention, LifespanRule(horizon=4, threshold=2.0, window=6), 1, 1, groups=2).tolist() == [[1], [1]]
+    with pytest.raises(ValueError, match="do not split into 3"):
+        lifespans(attention, rule, first=1, count=1, groups=3)
     assert log4(torch.tensor([0.0, 3.0, 15.0]) + 1).tolist() == pytest.approx([0.0, 1.0, 2.0])
 
 

@@ -202,6 +202,10 @@ def test_gates_of_another_model_or_pins_are_refused(tiny, gate_file, tmp_path):
     GateSet.for_config(tiny.model.config, header={"lifespan": {"horizon": 0}}).save(no_horizon)
     with pytest.raises(ValueError, match="smartkv: the gates' lifespan horizon must be a positive integer, got 0"):
         Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(no_horizon)))
+    per_head = tmp_path / "per_head.safetensors"
+    GateSet.for_config(tiny.model.config, per_head=True).save(per_head)
+    with pytest.raises(ValueError, match="smartkv: the gates score each of 2 kv heads; the brain keeps rows per layer"):
+        Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(per_head)))
     with pytest.raises(ValueError, match="no pins"):
         Brain.start(tiny, [tiny.bos_id] + tiny.encode("a pinned fact here"), config(gate_file), pins=["fact"])
     with pytest.raises(ValueError, match="applies to policy smartkv"):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from positronic.smartkv import GateSet
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,6 +37,33 @@ def test_train_command_writes_gates_that_fit_the_model(tmp_path):
                           "--text", str(text), "--heldout", str(text), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
+
+
+def test_per_head_training_writes_a_gate_output_per_kv_head(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    held = tmp_path / "b.txt"
+    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 10)
+    out, labels = tmp_path / "heads.safetensors", tmp_path / "labels.safetensors"
+    common = ["-m", "positronic.smartkv", "train", "--model", "random:tiny", "--text", str(text), "--heldout", str(held),
+              "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1",
+              "--threshold", "1.05"]  # a random model's attention is near uniform: 2x the share is never reached
+    result = subprocess.run([sys.executable, *common, "--per-head", "--out", str(out), "--save-labels", str(labels)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    from positronic.models import load_model
+    from positronic.smartkv.labels import LabelSet
+
+    lm = load_model("random:tiny")
+    gates = GateSet.load(out)
+    gates.check_model(lm.model.config)
+    assert gates.heads == lm.model.config.num_key_value_heads == 2 and gates.header["heads"] == 2
+    saved = LabelSet.load(labels)
+    assert saved.heads == 2 and saved.labels[0].shape == (saved.count, 2)
+    assert not torch.equal(saved.labels[0][:, 0], saved.labels[0][:, 1]), "each kv head has its own lifespans"
+    mixed = subprocess.run([sys.executable, *common, "--labels", str(labels), "--out", str(tmp_path / "g.safetensors")],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert mixed.returncode == 2 and "holds per-head lifespans; add --per-head" in mixed.stderr
 
 
 def test_train_command_checks_its_files_before_loading_a_model(tmp_path):
