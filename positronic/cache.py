@@ -181,10 +181,27 @@ class SpliceLayer(OneSequenceLayer):
             self._move(src, dst, count)
         self.start, self.length = new_start, length
 
+    def splice_heads(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """Each kv head keeps its own rows (a per-head policy): head h's runs are kept[h], as in
+        `splice`; every head then holds `length` rows. One anchor for all heads (they share
+        `start`): the rows stay where they are unless the end of the buffer is reached."""
+        if len(kept) != self.key_buffer.shape[1]:
+            raise ValueError(f"{len(kept)} run lists for {self.key_buffer.shape[1]} kv heads")
+        self.reserve(max(length, self.length))
+        new_start = self.start if self.start + length <= self.capacity else 0
+        for head, runs in enumerate(kept):
+            moves = [(self.start + old, new_start + new, count) for old, new, count in runs
+                     if self.start + old != new_start + new]
+            for src, dst, count in [m for m in moves if m[1] < m[0]]:  # as in splice: no run overwritten
+                self._move(src, dst, count, head)
+            for src, dst, count in reversed([m for m in moves if m[1] > m[0]]):
+                self._move(src, dst, count, head)
+        self.start, self.length = new_start, length
+
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Re-rotate the keys of live rows first .. first + len(cos) by cos/sin [rows, head_dim]
-        (float32 arithmetic, see rope.rotate)."""
-        rows = self.key_buffer[:, :, self.start + first : self.start + first + len(cos)]
+        """Re-rotate the keys of live rows first .. first + rows by cos/sin [rows, head_dim], or
+        [kv_heads, rows, head_dim] when each head holds other tokens (float32, see rope.rotate)."""
+        rows = self.key_buffer[:, :, self.start + first : self.start + first + cos.shape[-2]]
         rows.copy_(rope.rotate(rows, cos, sin))
 
     def memory_bytes(self) -> int:
@@ -204,11 +221,14 @@ class SpliceLayer(OneSequenceLayer):
             return self.start
         return 0
 
-    def _move(self, src: int, dst: int, count: int) -> None:
-        """Move buffer rows [src, src + count) to [dst, dst + count) in both buffers."""
+    def _move(self, src: int, dst: int, count: int, head: int | None = None) -> None:
+        """Move buffer rows [src, src + count) to [dst, dst + count) in both buffers (of one
+        kv head only, if `head` is given)."""
         if count <= 0 or src == dst:
             return
+        heads = slice(None) if head is None else slice(head, head + 1)
         for buffer in (self.key_buffer, self.value_buffer):
+            buffer = buffer[:, heads]
             rows = buffer[:, :, src : src + count]
             if abs(dst - src) < count:  # overlapping: go through a temporary
                 rows = self.scratch.hold(rows)
@@ -248,13 +268,14 @@ class _Scratch:
         self.buffer: torch.Tensor | None = None
 
     def hold(self, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of `rows` [1, kv_heads, n, head_dim] in the scratch buffer."""
+        """A copy of `rows` [1, heads, n, head_dim] in the scratch buffer (heads: the kv heads, or
+        fewer when one head's rows move)."""
         b = self.buffer
-        if b is None or b.shape[2] < rows.shape[2] or b.shape[1] != rows.shape[1] or b.shape[3] != rows.shape[3] \
+        if b is None or b.shape[2] < rows.shape[2] or b.shape[1] < rows.shape[1] or b.shape[3] != rows.shape[3] \
                 or b.dtype != rows.dtype or b.device != rows.device:
             self.buffer = b = torch.empty((1, rows.shape[1], max(rows.shape[2], 64), rows.shape[3]),
                                           dtype=rows.dtype, device=rows.device)
-        held = b[:, :, : rows.shape[2]]
+        held = b[:, : rows.shape[1], : rows.shape[2]]
         held.copy_(rows)
         return held
 
@@ -864,16 +885,22 @@ class SpliceCache(Cache):
             self.positions.moved()
 
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
-        """Layers that keep different rows (a per-layer policy): layer l's runs are kept[l];
-        every layer then holds `length` rows."""
+        """Layers that keep different rows (a per-layer policy): lane l's runs are kept[l],
+        a lane being a layer, or one kv head of a layer (lane = layer * kv_heads + head) when
+        heads keep different rows too; every lane then holds `length` rows."""
         if self.store == "ring":
             raise ValueError("the ring store keeps the same rows in every layer (one cursor): no per-layer splices")
         if not self.layers[0].is_initialized:
             raise ValueError("the cache is empty: nothing to splice")
-        if len(kept) != len(self.layers):
-            raise ValueError(f"{len(kept)} run lists for {len(self.layers)} layers")
-        for layer, runs in zip(self.layers, kept):
-            layer.splice(runs, length)
+        heads = self.layers[0].key_buffer.shape[1]
+        if len(kept) not in (len(self.layers), len(self.layers) * heads):
+            raise ValueError(f"{len(kept)} run lists for {len(self.layers)} layers of {heads} kv heads")
+        if len(kept) == len(self.layers):
+            for layer, runs in zip(self.layers, kept):
+                layer.splice(runs, length)
+            return
+        for index, layer in enumerate(self.layers):
+            layer.splice_heads(kept[index * heads : (index + 1) * heads], length)
 
     @contextlib.contextmanager
     def fill(self, rows: torch.Tensor):

@@ -235,7 +235,7 @@ class Brain:
         self.state, self.config, self.tick = state, config, tick
         self.policy = make_policy(config.policy, state.lm, config)
         if self.policy.per_layer:
-            state.split_layers()  # a no-op for a resumed state that has them
+            state.split_layers(self.policy.heads)  # a no-op for a resumed state that has them
         self.observers: list[Observer] = []
         self.generator = torch.Generator().manual_seed(config.seed)
         if generator_state is not None:

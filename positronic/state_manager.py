@@ -134,18 +134,25 @@ class RowReader:
 
     def layer_keys(self, ledger_ids: list[int]) -> torch.Tensor:
         """Keys [layers, kv_heads, n, head_dim] (on the CPU, float32, rotated at their positions)
-        of tokens every layer holds, per-layer rows or not; ValueError if a layer lacks one."""
+        of tokens every lane holds, per-layer (or per-head) rows or not, each kv head's from its
+        own rows; ValueError if a lane lacks one."""
         self._refuse_if_stale()
         manager = self._manager
         device = manager.lm.device
+        layers = manager._mirror.layers
+        heads = 1 if layers is None else layers.num_layers // manager.lm.num_layers
         keys = []
         for index, layer in enumerate(manager._cache.layers):
-            held = manager._mirror.live.ledger_ids if manager._mirror.layers is None else manager._mirror.layers.rows[index]
-            where = {ledger_id: row for row, ledger_id in enumerate(held)}
-            if missing := [i for i in ledger_ids if i not in where]:
-                raise ValueError(f"layer {index} does not hold ledger ids {missing[:5]}")
-            rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
-            keys.append(layer.keys[0].index_select(1, rows))
+            per_head = []
+            for lane in range(index * heads, (index + 1) * heads):
+                held = manager._mirror.live.ledger_ids if layers is None else layers.rows[lane]
+                where = {ledger_id: row for row, ledger_id in enumerate(held)}
+                if missing := [i for i in ledger_ids if i not in where]:
+                    raise ValueError(f"lane {lane} does not hold ledger ids {missing[:5]}")
+                rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
+                head = slice(None) if heads == 1 else slice(lane - index * heads, lane - index * heads + 1)
+                per_head.append(layer.keys[0, head].index_select(1, rows))
+            keys.append(torch.cat(per_head))
         return torch.stack(keys).float().cpu()
 
     def _refuse_if_stale(self) -> None:
@@ -165,6 +172,11 @@ def rounding_bounds(requantized):
     SmolLM2's keys: 2.3, 3.4, 5.4, 9.6 bounds after 1, 2, 4, 8 (bench/kv_formats.py). Values
     are never re-rotated: 1."""
     return 2 ** (requantized + 1) - 1
+
+
+def lane_counts(lm) -> tuple[int, int]:
+    """The lane counts per-layer rows may have: one per layer, or one per kv head of each layer."""
+    return lm.num_layers, lm.num_layers * lm.num_kv_heads
 
 
 def default_capacity(rows: int) -> int:
@@ -254,9 +266,10 @@ class StateManager:
         mirror.check(lm.max_positions)
         if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
             raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
-        if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers != lm.num_layers):
-            raise ValueError(f"per-layer rows for {mirror.layers.num_layers} layers need the float kv_format and "
-                             f"a model with as many layers ({lm.name}: {lm.num_layers}, {kv_format})")
+        if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers not in lane_counts(lm)):
+            raise ValueError(f"per-layer rows for {mirror.layers.num_layers} lanes need the float kv_format and "
+                             f"a model with as many layers, or layers times kv heads ({lm.name}: {lm.num_layers} "
+                             f"layers of {lm.num_kv_heads} kv heads, {kv_format})")
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                       kv_format=kv_format, kv_store=kv_store)
         rows, cached = len(mirror), manager.rows_per_layer
@@ -377,6 +390,12 @@ class StateManager:
         return self._mirror.layers is not None
 
     @property
+    def lanes(self) -> int:
+        """Units that keep their own rows: the layers, or with per-head rows layers × kv heads
+        (lane = layer * kv_heads + head); 0 while every layer holds the same rows."""
+        return self._mirror.layers.num_layers if self.per_layer else 0
+
+    @property
     def rows_per_layer(self) -> int:
         """Rows each layer's cache holds (the live length, unless layers keep different rows)."""
         return len(self._mirror.layers) if self.per_layer else len(self._mirror)
@@ -467,7 +486,7 @@ class StateManager:
         if not token_ids:
             raise ValueError("append needs at least one token")
         for token_id in token_ids:
-            report = self._edit_layers([[] for _ in range(self.lm.num_layers)], [token_id], tick=tick,
+            report = self._edit_layers([[] for _ in range(self.lanes)], [token_id], tick=tick,
                                        brightness=None, source=source)
             if report.rebuilt:
                 break
@@ -477,19 +496,25 @@ class StateManager:
         if self.per_layer:
             raise ActionError(f"cannot {what} a row when layers keep different rows: apply a drop action")
 
-    def split_layers(self) -> None:
+    def split_layers(self, heads: int = 1) -> None:
         """Let layers keep different rows from now on (a per-layer policy: SmartKV): the
         mirror gets per-layer rows (mirror/layer_rows.py), every layer holding today's live
-        rows, and edits become `drop` (rows per layer) and `add` actions. Only with the float
-        kv_format. There is no way back: the layers' rows would differ."""
+        rows, and edits become `drop` (rows per lane) and `add` actions. heads: 1 (a lane per
+        layer) or the kv heads (a lane per kv head of each layer: heads keep different rows
+        too). Only with the float kv_format. There is no way back: the lanes' rows would differ."""
         self._refuse_if_broken("split the layers")
+        if heads not in (1, self.lm.num_kv_heads):
+            raise ValueError(f"lanes per layer must be 1 or the {self.lm.num_kv_heads} kv heads, not {heads}")
         if self.per_layer:
+            if self.lanes != self.lm.num_layers * heads:
+                raise ValueError(f"the state keeps {self.lanes // self.lm.num_layers} lane(s) per layer, the policy "
+                                 f"{heads}: per-layer and per-head rows cannot be swapped")
             return
         if kv_formats.packed(self.kv_format):
             raise ValueError(f"per-layer rows need the float kv_format, not {self.kv_format}")
         if self.kv_store == "ring":
             raise ValueError("per-layer rows need the splice store: a ring keeps one cursor for every layer")
-        self._mirror.layers = LayerRows.every_layer(self.lm.num_layers, self._mirror.live.ledger_ids)
+        self._mirror.layers = LayerRows.every_layer(self.lm.num_layers * heads, self._mirror.live.ledger_ids)
         self._version += 1
 
     def pin(self, rows: list[int]) -> None:
@@ -529,14 +554,14 @@ class StateManager:
         """
         plan = validate(actions, live_length=len(self), vocab_size=self.lm.vocab_size,
                         max_length=self.lm.max_positions,
-                        layers=(self.lm.num_layers, self.rows_per_layer) if self.per_layer else None)
+                        layers=(self.lanes, self.rows_per_layer) if self.per_layer else None)
         brightness = self._checked_brightness(brightness)
         if self.per_layer:
             if probes:
                 raise ValueError("probes need every layer to hold the same rows")
             if len(plan.adds) > 1:
                 raise ActionError("a per-layer state adds at most one token per edit")
-            report = self._edit_layers(plan.drops or [[] for _ in range(self.lm.num_layers)],
+            report = self._edit_layers(plan.drops or [[] for _ in range(self.lanes)],
                                        [action["token_id"] for action in plan.adds], tick=tick,
                                        brightness=brightness, source=add_source)
             report.applied = 0 if report.rebuilt else len(actions)
@@ -811,10 +836,15 @@ class StateManager:
                         for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
         if layout.moved is not None:  # the union's positions were packed down: follow them
             old_position = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
-            for layer, ids in zip(self._cache.layers, kept_ids):
-                cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor([old_position[i] for i in ids]),
-                                         torch.tensor([new_position[i] for i in ids]))
-                layer.rotate_keys(0, cos, sin)  # unmoved rows get an identity rotation: exact
+            heads = len(kept_ids) // self.lm.num_layers
+            for index, layer in enumerate(self._cache.layers):
+                lanes = kept_ids[index * heads : (index + 1) * heads]  # each lane its own rows
+                cos, sin = (torch.stack(t) for t in zip(*(
+                    rope.rotation(self.lm.inv_freq, torch.tensor([old_position[i] for i in ids]),
+                                  torch.tensor([new_position[i] for i in ids])) for ids in lanes)))
+                # [lanes, rows, head_dim]: one lane (a layer) rotates every head alike
+                layer.rotate_keys(0, cos[0] if heads == 1 else cos, sin[0] if heads == 1 else sin)
+                # unmoved rows get an identity rotation: exact
         self._fault_point("rotate")
         predicted = [0] * layout.length
         for old, new, count in layout.kept:
@@ -890,8 +920,8 @@ class StateManager:
         attention row covers each layer's rows once recomputed: forget the union's."""
         mirror = self._mirror
         runs = []
-        for layer in range(mirror.layers.num_layers):
-            rows_of = mirror.layer_rows_of(layer)
+        for lane in range(mirror.layers.num_layers):
+            rows_of = mirror.layer_rows_of(lane)
             keep = set(rows_of)
             runs.append(runs_without(len(mirror), [row for row in range(len(mirror)) if row not in keep]))
         self._cache.splice_layers(runs, len(mirror.layers))
@@ -942,13 +972,18 @@ class StateManager:
         if deep and rows:
             layer = self._cache.layers[0]
             token_ids, positions, requantized = self.live_token_ids(), self.positions(), self._requantized
-            if self.per_layer:  # layer 0's own rows
-                rows_of = self._mirror.layer_rows_of(0)
-                token_ids, positions = [token_ids[r] for r in rows_of], [positions[r] for r in rows_of]
-                requantized = [requantized[r] for r in rows_of]
-            fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)
-            found = [self._layer0_excess(layer.keys, fresh_keys, tolerance, torch.tensor(requantized), positions),
-                     self._layer0_excess(layer.values, fresh_values, tolerance)]
+            fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)  # [1, kv_heads, live, head_dim]
+            found = []
+            heads = self.lanes // self.lm.num_layers if self.per_layer else 1
+            for lane in range(heads):  # layer 0's lanes, each with its own rows
+                head = slice(None) if heads == 1 else slice(lane, lane + 1)
+                rows_of = self._mirror.layer_rows_of(lane) if self.per_layer else list(range(rows))
+                index = torch.tensor(rows_of, dtype=torch.long, device=fresh_keys.device)
+                found += [self._layer0_excess(layer.keys[:, head], fresh_keys[:, head].index_select(2, index), tolerance,
+                                              torch.tensor([requantized[r] for r in rows_of]),
+                                              [positions[r] for r in rows_of]),
+                          self._layer0_excess(layer.values[:, head], fresh_values[:, head].index_select(2, index),
+                                              tolerance)]
             if worst := max((f for f in found if f is not None), default=None):
                 error, allowed = worst
                 raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {allowed:.2g})")

@@ -146,8 +146,9 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
     mirror, cfg = brain.state.mirror, brain.config
     entries = mirror.ledger.entries
     rows = [entries[i] for i in mirror.live.ledger_ids]
-    if mirror.layers is not None:  # colour by how many layers still hold each token
-        shown, scale, measure = mirror.layers.occupancy(mirror.live.ledger_ids), mirror.layers.num_layers, "layers"
+    if mirror.layers is not None:  # colour by how many layers (or kv heads: per-head rows) still hold each token
+        measure = "layers" if mirror.layers.num_layers == lm.num_layers else "kv heads"
+        shown, scale = mirror.layers.occupancy(mirror.live.ledger_ids), mirror.layers.num_layers
     else:
         shown, scale, measure = [e.brightness for e in rows], float(steps.RULES[cfg.brightness].start), "brightness"
     return Snapshot(
@@ -357,8 +358,8 @@ def legend(snapshot: Snapshot) -> Text:
     text.append(" ")
     text.append("newest", token_style(LEVELS - 1, newest=True))
     text.append(f"  0..{snapshot.bright_max:g}")  # the scale: short, so the legend fits at 80 columns
-    if snapshot.measure == "layers":
-        text.append(" layers")
+    if snapshot.measure != "brightness":  # per-layer rows: "layers" or "kv heads"
+        text.append(f" {snapshot.measure}")
     return text
 
 
@@ -733,7 +734,7 @@ def frame(snapshot: Snapshot, width: int = 120, height: int = 40, prompt: str | 
         hist_width = min(HIST_WIDTH, width // 3)
         parts.append(SideBySide(
             (Panel(render_histogram(snapshot, hist_width - 4, bottom),
-                   title="brightness" if snapshot.measure == "brightness" else "layers per token", title_align="left",
+                   title="brightness" if snapshot.measure == "brightness" else f"{snapshot.measure} per token", title_align="left",
                    height=bottom + 2), hist_width),
             (Panel(render_actions(snapshot, bottom), title="last edits", title_align="left", height=bottom + 2),
              width - hist_width)))

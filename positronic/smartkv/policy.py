@@ -45,9 +45,6 @@ def load_gates(spec: str, lm) -> GateSet:
         gates.horizon  # noqa: B018  (a broken lifespan horizon is refused here, with the file's other faults)
     except GateFileError as exc:
         raise ValueError(f"smartkv: {exc}") from None
-    if gates.heads != 1:
-        raise ValueError(f"smartkv: the gates score each of {gates.heads} kv heads; the brain keeps rows per layer "
-                         "and takes per-layer gates (per-head gates work in a SmartKVCache)")
     return gates
 
 
@@ -68,9 +65,10 @@ class SmartKVPolicy:
         self.keep = max(config.sinks, config.protect)
         self.size = self.memory_size(config)
         self.horizon = self.gates.horizon
-        self.memory = Memories(lm.num_layers, self.size, self.horizon)
+        self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
+        self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
-        self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each layer
+        self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
         self._pending: tuple | None = None  # (memory, offered, new scores) of the last plan, until its tick went through
 
     @staticmethod
@@ -130,22 +128,23 @@ class SmartKVPolicy:
         scores = self.scores | fresh if fresh else self.scores
         seconds["score"] = (scored := time.perf_counter()) - clock
         memory = self.memory.copy()
-        drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per layer
+        drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per lane
         for row in leaving:
             ledger_id, position = ids[row], positions[row]
             # ranked at the step whose token pushes this one out of the window (as SmartKVCache does)
             dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
-            for layer, gone in enumerate(dropped.tolist()):
+            for lane, gone in enumerate(dropped.tolist()):
                 if gone >= 0:
-                    drops[layer].append(gone)
+                    drops[lane].append(gone)
         self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
-            # a layer's ledger ids ascend with its rows (ids are handed out in position order)
+            # a lane's ledger ids ascend with its rows (ids are handed out in position order)
             rows = torch.searchsorted(view.layer_ids, torch.tensor([sorted(d) for d in drops])).tolist()
             actions.append({"action": "drop", "rows": rows})
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
-            outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per layer"
+            outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per "
+                                 + ("layer" if self.heads == 1 else "kv head")
                                  + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every layer" if gone else "")))
         seconds["select"] = time.perf_counter() - scored
         return PolicyPlan(actions, outcomes)
@@ -153,7 +152,7 @@ class SmartKVPolicy:
     def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
         """Gate scores of `needed` tokens not scored yet, and with them of every unscored window
         token (so the gates run in batches): keys read from the cache through the view,
-        un-rotated. Returns {ledger id: score per layer}, kept once the tick goes through."""
+        un-rotated. Returns {ledger id: score per lane}, kept once the tick goes through."""
         if all(ledger_id in self.scores for ledger_id in needed):
             return {}
         window = range(max(self.keep, len(ids) - self.config.window), len(ids))
@@ -163,8 +162,8 @@ class SmartKVPolicy:
         batch = [ids[row] for row in rows]
         keys = reader.layer_keys(batch)  # [layers, kv_heads, n, head_dim]
         at = torch.tensor([positions[row] for row in rows])
-        per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at))[:, 0] for layer in range(len(keys))]
-        table = torch.stack(per_layer, dim=1).tolist()  # [n, layers]
+        per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at)) for layer in range(len(keys))]
+        table = torch.cat(per_layer, dim=1).tolist()  # [n, lanes]: layer-major, as the state numbers lanes
         return dict(zip(batch, table))
 
     # --- after the tick -------------------------------------------------------------------

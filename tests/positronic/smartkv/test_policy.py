@@ -40,6 +40,20 @@ def gate_file(tiny, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def head_gate_file(tiny, tmp_path_factory):
+    """Per-head gates (an output per kv head), scaled like `gate_file`'s."""
+    path = tmp_path_factory.mktemp("gates") / "tiny_heads.safetensors"
+    gates = GateSet.for_config(tiny.model.config, seed=22, per_head=True, header={"lifespan": {"horizon": 48}})
+    with torch.no_grad():
+        for gate in gates.gates:
+            last = [m for m in gate.modules() if isinstance(m, torch.nn.Linear)][-1]
+            last.weight.mul_(100.0)
+            last.bias.mul_(100.0)
+    gates.save(path)
+    return path
+
+
 def config(gate_file, **changes) -> BrainConfig:
     base = dict(policy="smartkv", budget=BUDGET, sinks=SINKS, window=WINDOW, gates=str(gate_file))
     return BrainConfig(**(base | changes))
@@ -51,7 +65,8 @@ def text_ids(lm, count, seed=0):
 
 
 def layer_positions(state: StateManager) -> list[list[int]]:
-    return [state.mirror.layer_positions(layer) for layer in range(state.lm.num_layers)]
+    """Per lane (a layer, or with per-head rows a kv head of a layer), the positions it holds."""
+    return [state.mirror.layer_positions(lane) for lane in range(state.lanes)]
 
 
 class Reference:
@@ -67,11 +82,15 @@ class Reference:
         self.store = [(layer.keys, layer.values) for layer in full.layers]
 
     def step(self, kept: list[list[int]], token: int, position: int) -> torch.Tensor:
-        """Logits of `token` at `position` attending to positions kept[l] in layer l, plus itself."""
+        """Logits of `token` at `position` attending to positions kept[l] in lane l (a layer, or
+        one kv head of a layer: lane = layer * kv_heads + head), plus itself."""
         cache = DynamicCache(config=self.lm.model.config)
-        for layer, rows in enumerate(kept):
-            keys, values = self.store[layer]
-            cache.update(keys[:, :, rows], values[:, :, rows], layer)
+        heads = len(kept) // len(self.store)
+        for layer, (keys, values) in enumerate(self.store):
+            lanes = kept[layer * heads : (layer + 1) * heads]
+            rows = torch.tensor(lanes)[:, None].expand(-1, keys.shape[1] // heads, -1).reshape(keys.shape[1], -1)
+            index = rows[None, :, :, None].expand(1, -1, -1, keys.shape[3])  # each kv head its lane's rows
+            cache.update(keys.gather(2, index), values.gather(2, index), layer)
         with torch.no_grad():
             logits = self.lm.model(torch.tensor([[token]]), **with_cache(cache), use_cache=True,
                                    position_ids=torch.tensor([[position]])).logits[0, -1]
@@ -202,10 +221,6 @@ def test_gates_of_another_model_or_pins_are_refused(tiny, gate_file, tmp_path):
     GateSet.for_config(tiny.model.config, header={"lifespan": {"horizon": 0}}).save(no_horizon)
     with pytest.raises(ValueError, match="smartkv: the gates' lifespan horizon must be a positive integer, got 0"):
         Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(no_horizon)))
-    per_head = tmp_path / "per_head.safetensors"
-    GateSet.for_config(tiny.model.config, per_head=True).save(per_head)
-    with pytest.raises(ValueError, match="smartkv: the gates score each of 2 kv heads; the brain keeps rows per layer"):
-        Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(per_head)))
     with pytest.raises(ValueError, match="no pins"):
         Brain.start(tiny, [tiny.bos_id] + tiny.encode("a pinned fact here"), config(gate_file), pins=["fact"])
     with pytest.raises(ValueError, match="applies to policy smartkv"):
@@ -296,3 +311,103 @@ def test_a_rebuild_gives_each_layer_its_own_rows_of_a_fresh_union_prefill(tiny, 
         keys, values = state.layer_kv(layer)
         torch.testing.assert_close(keys, full.layers[layer].keys[:, :, rows], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(values, full.layers[layer].values[:, :, rows], atol=1e-4, rtol=1e-4)
+
+
+# --- per-head rows: every kv head of every layer keeps its own rows ------------------------------
+
+def test_per_head_gates_make_the_brain_keep_what_a_per_head_smartkv_cache_keeps(tiny, head_gate_file):
+    ids = text_ids(tiny, 70, seed=23)
+    prompt = 15
+    heads = tiny.model.config.num_key_value_heads
+    brain = Brain.start(tiny, ids[:prompt], config(head_gate_file))
+    assert brain.state.lanes == tiny.num_layers * heads == 4
+    gates = GateSet.load(head_gate_file)
+    cache = SmartKVCache(tiny.model.config, gates, sinks=SINKS, budget=BUDGET - SINKS - WINDOW, window=WINDOW)
+    reference = Reference(tiny, ids[:prompt])
+    with torch.no_grad():
+        tiny.model(torch.tensor([ids[:prompt]]), **with_cache(cache), use_cache=True)
+    heads_differ = False
+    for n in range(prompt, len(ids) - 1):
+        record = brain.step(force=ids[n])
+        assert not record.rebuilt and record.live_length == min(n + 1, BUDGET)
+        with torch.no_grad():
+            logits = tiny.model(torch.tensor([[ids[n]]]), **with_cache(cache), use_cache=True).logits[0, -1]
+        kept = layer_positions(brain.state)
+        for lane in range(brain.state.lanes):
+            assert kept[lane] == sorted(cache.positions(lane // heads, lane % heads).tolist()), f"lane {lane} at {n}"
+        heads_differ |= kept[0] != kept[1]
+        torch.testing.assert_close(brain.state.next_logits, logits, atol=1e-4, rtol=1e-4)
+        before = [[p for p in lane if p != n] for lane in kept]
+        torch.testing.assert_close(brain.state.next_logits, reference.step(before, ids[n], n), atol=1e-4, rtol=1e-4)
+    assert heads_differ, "per-head gates should make the kv heads of layer 0 keep different rows"
+    brain.state.check(deep=True)
+    snap = take_snapshot(brain, tiny, done=1, total=1)
+    assert snap.measure == "kv heads" and snap.bright_max == 4
+
+
+@pytest.mark.parametrize("stage", FAULT_STAGES)
+def test_a_failed_per_head_tick_changes_nothing(tiny, head_gate_file, stage):
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=24), config(head_gate_file))
+    for token in text_ids(tiny, 12, seed=25)[1:]:
+        brain.step(force=token)
+    mirror_before, policy_before = to_bytes(brain.state.mirror), brain.policy.state()
+    brain.state.inject_fault(stage)
+    assert brain.step(force=7).rebuilt
+    assert to_bytes(brain.state.mirror) == mirror_before and brain.policy.state() == policy_before
+    brain.state.check(deep=True)
+    assert not brain.step(force=7).rebuilt
+    brain.state.check(deep=True)
+
+
+def test_a_per_head_session_resumes_exactly_and_a_rebuild_gives_each_head_its_rows(tiny, head_gate_file, gate_file,
+                                                                                  tmp_path):
+    settings = config(head_gate_file, temperature=0.9)
+    straight = Brain.start(tiny, text_ids(tiny, 25, seed=26), settings)
+    expected = [straight.step().token_id for _ in range(40)]
+    brain = Brain.start(tiny, text_ids(tiny, 25, seed=26), settings)
+    got = [brain.step().token_id for _ in range(23)]
+    sessions.save(tmp_path / "s", brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    assert resumed.state.lanes == 4 and layer_positions(resumed.state) == layer_positions(brain.state)
+    got += [resumed.step().token_id for _ in range(17)]
+    assert got == expected
+    with pytest.raises(ValueError, match="per-layer and per-head rows cannot be swapped"):
+        Brain(resumed.state, config(gate_file, temperature=0.9), tick=resumed.tick)  # per-layer gates on per-head rows
+    state = resumed.state
+    state.rebuild()
+    full = DynamicCache(config=tiny.model.config)
+    with torch.no_grad():
+        tiny.model(torch.tensor([state.live_token_ids()]), position_ids=torch.tensor([state.positions()]),
+                   **with_cache(full), use_cache=True)
+    for lane in range(state.lanes):
+        layer, head = divmod(lane, 2)
+        rows = torch.tensor(state.mirror.layer_rows_of(lane))
+        keys, values = state.layer_kv(layer)
+        torch.testing.assert_close(keys[:, head], full.layers[layer].keys[:, head, rows], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(values[:, head], full.layers[layer].values[:, head, rows], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_run_past_the_position_limit_packs_every_lane(tiny, gate_file, head_gate_file, per_head):
+    """Past the model's positions the union is packed down and every lane re-rotates its own
+    keys (per head: each kv head its own tokens); layer 0 then still equals a fresh prefill."""
+    brain = Brain.start(tiny, text_ids(tiny, 20, seed=27), config(head_gate_file if per_head else gate_file))
+    for token in text_ids(tiny, tiny.max_positions + 20, seed=28)[1:]:
+        assert not brain.step(force=token).rebuilt
+    assert max(brain.state.positions()) < tiny.max_positions < brain.tick
+    brain.state.check(deep=True)
+
+
+def test_a_per_head_tick_is_captured_and_replays_exactly(tiny, head_gate_file, tmp_path):
+    from positronic.fixtures import capture_tick, load_fixture, replay, save_fixture
+
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=29), config(head_gate_file))
+    for token in text_ids(tiny, 10, seed=30)[1:]:
+        brain.step(force=token)
+    plan = brain.policy.plan(brain.state.view(keys=True), [], {})
+    actions = plan.actions + [{"action": "add", "token_id": 9}]
+    assert actions[0]["action"] == "drop" and len(actions[0]["rows"]) == 4
+    fixture, report = capture_tick(brain.state, actions, label="smartkv per head")
+    assert not report.rebuilt
+    save_fixture(fixture, tmp_path / "t.pt")
+    assert replay(load_fixture(tmp_path / "t.pt"), tiny).passed
