@@ -120,10 +120,7 @@ def quality(args, lm) -> None:
     for share in args.budgets:
         budget = round(share * count)
         brain_runs = [(p, make_config(p, budget, sinks=args.sinks)) for p in BRAIN_POLICIES]
-        if "smartkv" in gates and gates["smartkv"].heads > 1:
-            if not wanted or "smartkv-brain" in wanted:
-                print("smartkv-brain     skipped: the brain keeps rows per layer, and these gates score per kv head")
-        elif "smartkv" in gates:
+        if "smartkv" in gates:
             brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""))
             if args.window is not None:
                 brain_config.window = args.window
@@ -223,6 +220,7 @@ def plot_gates(png: Path) -> None:
     for name, table in (("per-layer gates", SHIPPED), ("one shared gate", SHIPPED_SHARED)):
         header = GateSet.load(table["smollm2"]).header
         rho = header["heldout_spearman"]
+        name += ", mean of kv heads" if header["heads"] > 1 else ""
         ax.plot(range(len(rho)), rho, marker="o", label=f"{name} (mean {sum(rho) / len(rho):.3f})")
     ax.set_xlabel("layer")
     ax.set_ylabel("held-out Spearman")
@@ -244,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, help="recent rows every SmartKV layer keeps (default: half the budget)")
     p.add_argument("--horizon", type=int, help="SmartKVCache rows: the lifespan horizon memory ranks by "
                    "(default: the gates' own, 512)")
-    p.add_argument("--gates", type=Path, help="trained per-layer gates (default: the shipped ones)")
+    p.add_argument("--gates", type=Path, help="trained gates, per layer or per kv head (default: the shipped ones)")
     p.add_argument("--shared-gates", type=Path, help="one shared gate (default: the shipped one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random (untrained) gates")
     p.add_argument("--threads", type=int)

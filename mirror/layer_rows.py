@@ -22,10 +22,12 @@ class LayerRows:
     """rows[l]: the ledger ids layer l holds, in its cache-row order; `counts`: how many layers
     hold each ledger id (kept up to date by `after`, so a tick never recounts every row)."""
 
-    def __init__(self, rows: list[list[int]], counts: dict[int, int] | None = None):
+    def __init__(self, rows: list[list[int]], counts: dict[int, int] | None = None, *, owned: bool = False):
         if not rows:
             raise LayerRowsError("per-layer rows need at least one layer")
-        self.rows = [list(layer) for layer in rows]
+        # owned: lists built for this object alone (after, renamed), not copied again: a tick
+        # of a per-head state replaces 90 lists of up to budget ids
+        self.rows = rows if owned else [list(layer) for layer in rows]
         if counts is None:
             counts = {}
             for layer in self.rows:
@@ -74,10 +76,11 @@ class LayerRows:
                 counts[ledger_id] -= 1
                 if not counts[ledger_id]:
                     del counts[ledger_id]
-            rows.append(kept + list(new_ids))
+            kept.extend(new_ids)
+            rows.append(kept)
         for ledger_id in new_ids:
             counts[ledger_id] = counts.get(ledger_id, 0) + len(rows)
-        return LayerRows(rows, counts)
+        return LayerRows(rows, counts, owned=True)
 
     def renamed(self, names: dict[int, int]) -> "LayerRows":
         """The same rows with the ledger ids in `names` (keys) replaced by their values: the
@@ -89,7 +92,7 @@ class LayerRows:
                     break
                 layer[row] = names[layer[row]]
         counts = {names.get(ledger_id, ledger_id): count for ledger_id, count in self.counts.items()}
-        return LayerRows(rows, counts)
+        return LayerRows(rows, counts, owned=True)
 
     def check(self, union_ids: list[int]) -> None:
         """LayerRowsError unless the union's ids ascend, every layer holds the same number of rows, each a

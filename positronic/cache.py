@@ -183,20 +183,33 @@ class SpliceLayer(OneSequenceLayer):
 
     def splice_heads(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Each kv head keeps its own rows (a per-head policy): head h's runs are kept[h], as in
-        `splice`; every head then holds `length` rows. One anchor for all heads (they share
-        `start`): the rows stay where they are unless the end of the buffer is reached."""
+        `splice`; every head then holds `length` rows. The heads share one anchor (`start`):
+        the buffer row of new row 0 that leaves the fewest rows to move over all heads (a
+        dropped memory row lies in the older part, so usually the rows before it move up one)."""
         if len(kept) != self.key_buffer.shape[1]:
             raise ValueError(f"{len(kept)} run lists for {self.key_buffer.shape[1]} kv heads")
-        self.reserve(max(length, self.length))
-        new_start = self.start if self.start + length <= self.capacity else 0
-        for head, runs in enumerate(kept):
-            moves = [(self.start + old, new_start + new, count) for old, new, count in runs
-                     if self.start + old != new_start + new]
-            for src, dst, count in [m for m in moves if m[1] < m[0]]:  # as in splice: no run overwritten
-                self._move(src, dst, count, head)
-            for src, dst, count in reversed([m for m in moves if m[1] > m[0]]):
-                self._move(src, dst, count, head)
-        self.start, self.length = new_start, length
+        if max(length, self.length) > self.capacity:  # more room first, every row where it is
+            self._grow(max(length, self.length), [(0, 0, self.length)], self.length)
+        runs = [(head, old, new, count) for head, head_runs in enumerate(kept) for old, new, count in head_runs
+                if count > 0]
+        candidates = {self.start} | {self.start + old - new for _, old, new, _ in runs}
+        fitting = [a for a in candidates if a >= 0 and a + length <= self.capacity] or [0]
+
+        def moved(anchor: int) -> int:
+            return sum(count for _, old, new, count in runs if self.start + old != anchor + new)
+
+        anchor = min(fitting, key=lambda a: (moved(a), a != self.start))
+        moves = [(head, self.start + old, anchor + new, count) for head, old, new, count in runs
+                 if self.start + old != anchor + new]
+        if moves:
+            # every moving row held at once (one copy for all heads), then each run written from
+            # the copy: no order to keep, whichever way the runs go
+            low, high = min(m[1] for m in moves), max(m[1] + m[3] for m in moves)
+            for buffer in (self.key_buffer, self.value_buffer):
+                held = self.scratch.hold(buffer[:, :, low:high])
+                for head, src, dst, count in moves:
+                    buffer[:, head, dst : dst + count].copy_(held[:, head, src - low : src - low + count])
+        self.start, self.length = anchor, length
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + rows by cos/sin [rows, head_dim], or
@@ -221,14 +234,11 @@ class SpliceLayer(OneSequenceLayer):
             return self.start
         return 0
 
-    def _move(self, src: int, dst: int, count: int, head: int | None = None) -> None:
-        """Move buffer rows [src, src + count) to [dst, dst + count) in both buffers (of one
-        kv head only, if `head` is given)."""
+    def _move(self, src: int, dst: int, count: int) -> None:
+        """Move buffer rows [src, src + count) to [dst, dst + count) in both buffers."""
         if count <= 0 or src == dst:
             return
-        heads = slice(None) if head is None else slice(head, head + 1)
         for buffer in (self.key_buffer, self.value_buffer):
-            buffer = buffer[:, heads]
             rows = buffer[:, :, src : src + count]
             if abs(dst - src) < count:  # overlapping: go through a temporary
                 rows = self.scratch.hold(rows)
@@ -268,14 +278,13 @@ class _Scratch:
         self.buffer: torch.Tensor | None = None
 
     def hold(self, rows: torch.Tensor) -> torch.Tensor:
-        """A copy of `rows` [1, heads, n, head_dim] in the scratch buffer (heads: the kv heads, or
-        fewer when one head's rows move)."""
+        """A copy of `rows` [1, kv_heads, n, head_dim] in the scratch buffer."""
         b = self.buffer
-        if b is None or b.shape[2] < rows.shape[2] or b.shape[1] < rows.shape[1] or b.shape[3] != rows.shape[3] \
+        if b is None or b.shape[2] < rows.shape[2] or b.shape[1] != rows.shape[1] or b.shape[3] != rows.shape[3] \
                 or b.dtype != rows.dtype or b.device != rows.device:
             self.buffer = b = torch.empty((1, rows.shape[1], max(rows.shape[2], 64), rows.shape[3]),
                                           dtype=rows.dtype, device=rows.device)
-        held = b[:, : rows.shape[1], : rows.shape[2]]
+        held = b[:, :, : rows.shape[2]]
         held.copy_(rows)
         return held
 

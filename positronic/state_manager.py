@@ -40,7 +40,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout, runs_without
@@ -105,9 +104,6 @@ class ContextView:
     query: torch.Tensor | None = None
     log_norm: torch.Tensor | None = None
     rows: "RowReader | None" = None
-    # per-layer rows only: [layers, rows per layer] the ledger ids each layer's cache rows hold
-    # (ascending: ids grow with position); how many layers hold a token: mirror.layers.occupancy
-    layer_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -154,6 +150,22 @@ class RowReader:
                 per_head.append(layer.keys[0, head].index_select(1, rows))
             keys.append(torch.cat(per_head))
         return torch.stack(keys).float().cpu()
+
+    def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
+        """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`
+        (a lane's ids ascend with its rows, as ids are handed out in position order);
+        ValueError if a lane does not hold one."""
+        self._refuse_if_stale()
+        layers = self._manager._mirror.layers
+        if layers is None or len(ledger_ids) != layers.num_layers:
+            raise ValueError(f"rows by lane need per-layer rows and one id list per lane, got {len(ledger_ids)}")
+        found = []
+        for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids)):
+            rows = [bisect.bisect_left(held, ledger_id) for ledger_id in wanted]
+            if any(row == len(held) or held[row] != ledger_id for row, ledger_id in zip(rows, wanted)):
+                raise ValueError(f"lane {lane} does not hold all of ledger ids {wanted[:5]}")
+            found.append(rows)
+        return found
 
     def _refuse_if_stale(self) -> None:
         if self._manager._version != self._version:
@@ -451,17 +463,7 @@ class StateManager:
             predicted=torch.tensor(self._predicted, dtype=torch.long),
             pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
             query=copy(self.last_query), log_norm=copy(self.last_log_norm),
-            rows=RowReader(self) if keys else None, **self._layer_view())
-
-    def _layer_view(self) -> dict:
-        """ContextView's per-layer fields (empty without per-layer rows)."""
-        layers = self._mirror.layers
-        if layers is None:
-            return {}
-        # numpy builds the [layers, rows] table from nested lists ~4x faster than torch.tensor (a
-        # per-layer policy reads it every tick)
-        return {"layer_ids": torch.from_numpy(np.array(layers.rows, dtype=np.int64).reshape(layers.num_layers,
-                                                                                          len(layers)))}
+            rows=RowReader(self) if keys else None)
 
     # --- coupled operations -------------------------------------------------------------
 
@@ -507,8 +509,10 @@ class StateManager:
             raise ValueError(f"lanes per layer must be 1 or the {self.lm.num_kv_heads} kv heads, not {heads}")
         if self.per_layer:
             if self.lanes != self.lm.num_layers * heads:
-                raise ValueError(f"the state keeps {self.lanes // self.lm.num_layers} lane(s) per layer, the policy "
-                                 f"{heads}: per-layer and per-head rows cannot be swapped")
+                kinds = {1: "per layer", self.lm.num_kv_heads: "per kv head"}
+                raise ValueError(f"the state keeps rows {kinds[self.lanes // self.lm.num_layers]}, the gates score "
+                                 f"{kinds[heads]}: per-layer and per-head rows cannot be swapped (go on with the "
+                                 "gates the run started with: --gates FILE)")
             return
         if kv_formats.packed(self.kv_format):
             raise ValueError(f"per-layer rows need the float kv_format, not {self.kv_format}")

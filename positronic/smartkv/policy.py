@@ -70,6 +70,7 @@ class SmartKVPolicy:
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
         self._pending: tuple | None = None  # (memory, offered, new scores) of the last plan, until its tick went through
+        self._forget_at = 0  # scores kept before the next pass that forgets dropped tokens' scores
 
     @staticmethod
     def memory_size(config) -> int:
@@ -139,8 +140,7 @@ class SmartKVPolicy:
         self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
-            # a lane's ledger ids ascend with its rows (ids are handed out in position order)
-            rows = torch.searchsorted(view.layer_ids, torch.tensor([sorted(d) for d in drops])).tolist()
+            rows = view.rows.lane_rows([sorted(d) for d in drops])
             actions.append({"action": "drop", "rows": rows})
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
             outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per "
@@ -178,9 +178,10 @@ class SmartKVPolicy:
             self.memory, self.offered, fresh = self._pending
             self.scores.update(fresh)
             self._pending = None
-            held = set(self.memory.held_ids())
-            if len(self.scores) > 2 * (len(held) + self.config.window):  # forget tokens every layer dropped
+            if len(self.scores) > self._forget_at:  # forget tokens every lane dropped, now and then
+                held = set(self.memory.held_ids())
                 self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
+                self._forget_at = 2 * (len(self.scores) + self.config.window)
 
     # --- sessions -------------------------------------------------------------------------
 

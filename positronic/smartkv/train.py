@@ -241,7 +241,8 @@ def report_table(report: TrainReport, heldout_name: str):
     table = Table(title=f"held-out Spearman per layer ({heldout_name}, {report.heldout_count} tokens; "
                         f"trained on {report.train_count} tokens)")
     table.add_column("layer", justify="right")
-    table.add_column("per-layer gate", justify="right")
+    per_head = report.gates.heads > 1  # a layer's figure: the mean over its kv heads
+    table.add_column("per-layer gate" + (" (mean of kv heads)" if per_head else ""), justify="right")
     if report.heldout_shared is not None:
         table.add_column("shared gate", justify="right")
     for l, rho in enumerate(report.heldout):

@@ -85,6 +85,44 @@ def test_splice_moves_rows_exactly_like_the_oracle(seed):
     assert cache.layers[0].capacity >= 48
 
 
+def runs_keeping(kept_rows: list[int]) -> list[tuple[int, int, int]]:
+    """Runs (old, new, count) that keep `kept_rows` (ascending) and close the gaps."""
+    runs = []
+    for new, old in enumerate(kept_rows):
+        if runs and runs[-1][0] + runs[-1][2] == old:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((old, new, 1))
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_per_head_splices_keep_each_heads_rows_like_the_oracle(seed):
+    """Lanes (layer x kv head): every head drops its own rows, the same number, then rows are
+    appended; each head's rows must be its kept rows in order, through anchor moves and growth."""
+    rng = random.Random(seed)
+    cache = filled(30, capacity=48)
+    for _ in range(30):
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        drop, add = rng.choice([0, 1, 1, 2, 4]), rng.choice([0, 1, 1, 3, 9])
+        kept_rows = [sorted(rng.sample(range(cache.length), cache.length - drop)) for _ in range(2 * KV_HEADS)]
+        length = cache.length - drop + add
+        cache.splice_layers([runs_keeping(rows_of) for rows_of in kept_rows], length)
+        for index, (layer, (keys, values)) in enumerate(zip(cache.layers, before)):
+            assert layer.keys.shape[2] == length
+            for head in range(KV_HEADS):  # bit for bit: appended rows were never written (any bits, NaN too)
+                rows_of = torch.tensor(kept_rows[index * KV_HEADS + head])
+                kept = len(rows_of)
+                for got, old in ((layer.keys, keys), (layer.values, values)):
+                    assert torch.equal(got[:, head, :kept].view(torch.int32), old[:, head, rows_of].view(torch.int32))
+    assert cache.layers[0].capacity > 48, "the rows outgrew the buffer once"
+    front = filled(200, capacity=400, layers=1)
+    untouched = front.layers[0].key_buffer[:, :, 10:200].clone()
+    front.splice_layers([runs_keeping([r for r in range(200) if r != drop]) for drop in (3, 7)], 199)
+    assert front.layers[0].start == 1, "each head moved the rows before its drop, not the 190 after"
+    assert torch.equal(front.layers[0].key_buffer[:, :, 10:200], untouched)
+
+
 def test_an_edit_near_the_front_moves_only_the_front_rows():
     cache = filled(200, capacity=400, layers=1)
     layer = cache.layers[0]

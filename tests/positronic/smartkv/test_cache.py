@@ -303,10 +303,12 @@ def test_smollm2_with_shipped_gates_prunes_with_correct_positions(smol):
     store = store_of(full)
     for n in range(prompt, len(ids)):
         got = smart_step(smol, cache, ids[n])
-        want = step_reference(smol, store, kept_before(cache, smol.num_layers, n), ids[n], n)
+        want = step_reference(smol, store, kept_before(cache, smol.num_layers, n, gates.heads), ids[n], n)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert gates.heads == smol.model.config.num_key_value_heads == 3, "the shipped gates score per kv head"
     assert {layer.keys.shape[2] for layer in cache.layers} == {28}
-    assert len({tuple(sorted(cache.positions(l).tolist())) for l in range(smol.num_layers)}) > 1
+    lanes = {tuple(sorted(cache.positions(l, h).tolist())) for l in range(smol.num_layers) for h in range(3)}
+    assert len(lanes) > 1
 
 
 class CountingScorer:

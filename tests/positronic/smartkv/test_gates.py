@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from positronic.smartkv import GateFileError, GateSet
-from positronic.smartkv.gates import Gate, spearman
+from positronic.smartkv.gates import SHIPPED_SHARED, Gate, spearman
 
 
 def rounded(gates: GateSet) -> GateSet:
@@ -79,6 +79,8 @@ def test_bad_gate_files_are_refused_with_a_clear_error(tmp_path):
         (write("nan.safetensors", dict(tensors, **{"layers.0.mean": torch.full((32,), float("nan"))}),
                {"smartkv": json.dumps(header)}), "not finite"),
     ]
+    older = write("older.safetensors", tensors, {"smartkv": json.dumps({k: v for k, v in header.items() if k != "heads"})})
+    assert GateSet.load(older).heads == 1, "a file from before per-head gates scores per layer"
     (tmp_path / "text.safetensors").write_text("not a tensor file at all")
     cases.append((tmp_path / "text.safetensors", "not a safetensors gate file"))
     for path, message in cases:
@@ -94,8 +96,8 @@ def test_shipped_gates_fit_smollm2_config():
     config = AutoConfig.from_pretrained(smollm2_cache(), local_files_only=True)
     gates.check_model(config)
     assert gates.header["lifespan"]["threshold"] > 0 and len(gates.header["heldout_spearman"]) == 30
-    assert "heads" not in gates.header or gates.header["heads"] == 1
-    assert gates.heads == 1, "written before per-head gates: read as one score per layer"
+    assert gates.heads == config.num_key_value_heads == 3, "the shipped gates score per kv head"
+    assert GateSet.load(SHIPPED_SHARED["smollm2"]).heads == 3
     with pytest.raises(GateFileError, match="no gates are shipped"):
         GateSet.for_model("tinyllama")
 
