@@ -4,8 +4,8 @@ import sys
 
 if __name__ == "__main__":
     try:  # importing torch takes seconds: a Ctrl-C then is a clean stop too, not a traceback
-        from positronic.cli import main
+        from positronic.cli import entry
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-    main()
+    entry()

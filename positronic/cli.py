@@ -403,6 +403,17 @@ app.command("serve", help="Serve the brain over HTTP: an OpenAI-compatible API, 
                           "(positronic/server.py).")(serve_command(run, brain_config))
 
 
+def entry() -> None:
+    """The process entry point (`run.py`, the `positronic` command): `main`, and then Ctrl-C is
+    ignored. The work is done and saved by then, and a Ctrl-C while the interpreter tears down
+    (unloading torch takes a moment) would otherwise turn a finished run's exit status into
+    "killed by SIGINT". Not for in-process callers: it changes the process's SIGINT handling."""
+    try:
+        main()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for anything the user can fix."""
     try:

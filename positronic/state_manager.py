@@ -135,8 +135,7 @@ class RowReader:
         self._refuse_if_stale()
         manager = self._manager
         device = manager.lm.device
-        layers = manager._mirror.layers
-        heads = 1 if layers is None else layers.num_layers // manager.lm.num_layers
+        layers, heads = manager._mirror.layers, manager.lanes_per_layer
         keys = []
         for index, layer in enumerate(manager._cache.layers):
             per_head = []
@@ -408,6 +407,11 @@ class StateManager:
         return self._mirror.layers.num_layers if self.per_layer else 0
 
     @property
+    def lanes_per_layer(self) -> int:
+        """1 (a lane per layer, or no lanes at all) or the kv heads (per-head rows)."""
+        return max(1, self.lanes // self.lm.num_layers)
+
+    @property
     def rows_per_layer(self) -> int:
         """Rows each layer's cache holds (the live length, unless layers keep different rows)."""
         return len(self._mirror.layers) if self.per_layer else len(self._mirror)
@@ -510,7 +514,7 @@ class StateManager:
         if self.per_layer:
             if self.lanes != self.lm.num_layers * heads:
                 kinds = {1: "per layer", self.lm.num_kv_heads: "per kv head"}
-                raise ValueError(f"the state keeps rows {kinds[self.lanes // self.lm.num_layers]}, the gates score "
+                raise ValueError(f"the state keeps rows {kinds[self.lanes_per_layer]}, the gates score "
                                  f"{kinds[heads]}: per-layer and per-head rows cannot be swapped (go on with the "
                                  "gates the run started with: --gates FILE)")
             return
@@ -840,7 +844,7 @@ class StateManager:
                         for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
         if layout.moved is not None:  # the union's positions were packed down: follow them
             old_position = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
-            heads = len(kept_ids) // self.lm.num_layers
+            heads = self.lanes_per_layer
             for index, layer in enumerate(self._cache.layers):
                 lanes = kept_ids[index * heads : (index + 1) * heads]  # each lane its own rows
                 cos, sin = (torch.stack(t) for t in zip(*(
@@ -978,7 +982,7 @@ class StateManager:
             token_ids, positions, requantized = self.live_token_ids(), self.positions(), self._requantized
             fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)  # [1, kv_heads, live, head_dim]
             found = []
-            heads = self.lanes // self.lm.num_layers if self.per_layer else 1
+            heads = self.lanes_per_layer
             for lane in range(heads):  # layer 0's lanes, each with its own rows
                 head = slice(None) if heads == 1 else slice(lane, lane + 1)
                 rows_of = self._mirror.layer_rows_of(lane) if self.per_layer else list(range(rows))

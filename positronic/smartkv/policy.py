@@ -10,6 +10,9 @@ Every layer holds `budget` rows (the same number in each, so the cache stays rec
   layer's memory; the loser's row is dropped *in that layer*. All layers at once: the
   memories are arrays [layers, memory] and the weakest is one vectorised minimum per tick.
 
+With per-head gates (the shipped ones) every kv head of every layer is such a unit, a *lane*
+(lane = layer * kv_heads + head), with its own memory; below, "layer" reads "lane".
+
 The ledger stays one; the state's live map is the union of what the layers hold, and per-layer
 rows say which layer holds what (mirror/layer_rows.py). A token retires from the ledger when
 the last layer drops it. Each tick is one `drop` action (every layer's rows) plus the add:
@@ -143,9 +146,9 @@ class SmartKVPolicy:
             rows = view.rows.lane_rows([sorted(d) for d in drops])
             actions.append({"action": "drop", "rows": rows})
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
-            outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per "
-                                 + ("layer" if self.heads == 1 else "kv head")
-                                 + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every layer" if gone else "")))
+            unit = "layer" if self.heads == 1 else "kv head"
+            outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per {unit}"
+                                 + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every {unit}" if gone else "")))
         seconds["select"] = time.perf_counter() - scored
         return PolicyPlan(actions, outcomes)
 

@@ -88,3 +88,14 @@ def test_an_existing_event_log_is_not_overwritten_without_overwrite(tmp_path, ca
     assert events.read_text() == "an earlier run's log\n", "refused before anything was written"
     assert run_cli(*args, "--overwrite") == 0
     assert events.read_text().count("\n") == 1 + 3, "a header and three ticks"
+
+
+def test_the_process_entry_ignores_ctrl_c_once_the_work_is_done():
+    """run.py and the `positronic` command end through `entry`: after `main` (here --help, which
+    exits), Ctrl-C is ignored, so one pressed while the interpreter tears down cannot turn a
+    finished run's status into "killed by SIGINT" (the soak test met that as exit status -2)."""
+    code = ("import signal, sys\nfrom positronic.cli import entry\nsys.argv = ['positronic', '--help']\n"
+            "status = 0\ntry:\n    entry()\nexcept SystemExit as exc:\n    status = exc.code\n"
+            "print(status, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "0 True", out.stderr[-500:]
