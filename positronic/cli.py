@@ -77,7 +77,7 @@ def run(
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/recall.py)."),
-    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer keeps its own gate-ranked rows; docs/smartkv.md)."),
+    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer, or each kv head with per-head gates, keeps its own gate-ranked rows; docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
     budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
