@@ -124,11 +124,16 @@ def test_pruned_cache_matches_a_masked_full_forward_over_the_kept_rows(tiny):
         assert cache.rows == 17 and cache.seen == n + 1
 
 
-def test_pruned_cache_matches_per_layer_kept_rows_at_their_positions(tiny):
-    """Gates make the layers keep different rows: the reference gathers each layer's kept rows
-    from the full K/V and feeds the next token at its real position."""
-    ids = text_ids(tiny, 70, seed=2)
-    gates = GateSet.for_config(tiny.model.config, seed=5)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_pruned_cache_matches_each_lanes_kept_rows_at_their_positions(tiny, per_head):
+    """Gates make the layers (per-head gates: the kv heads of a layer too) keep different rows:
+    the reference gathers each layer's (each head's) kept rows from the full K/V and feeds the
+    next token at its real position. The prefill is admitted at once (each lane writes its own
+    kept rows), the rest one token at a time."""
+    ids = text_ids(tiny, 70, seed=4 if per_head else 2)
+    gates = GateSet.for_config(tiny.model.config, seed=6 if per_head else 5, per_head=per_head)
+    heads = gates.heads
+    assert heads == (tiny.model.config.num_key_value_heads if per_head else 1)
     cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
     with torch.no_grad():
         tiny.model(torch.tensor([ids[:45]]), **with_cache(cache), use_cache=True)
@@ -137,45 +142,15 @@ def test_pruned_cache_matches_per_layer_kept_rows_at_their_positions(tiny):
     differ = False
     for n in range(45, 70):
         got = smart_step(tiny, cache, ids[n])
-        kept = kept_before(cache, tiny.num_layers, n)
-        differ |= any(set(k.tolist()) != set(kept[0].tolist()) for k in kept)
-        want = step_reference(tiny, store, kept, ids[n], n)
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert differ, "the random gates should make the two layers keep different rows"
-
-
-def test_per_head_gates_keep_rows_per_kv_head_at_their_positions(tiny):
-    """Per-head gates: each kv head of a layer keeps its own rows, the same number in every head
-    and layer; the reference gathers each head's kept rows from the full K/V. The prefill is
-    admitted at once (each head writes its own kept rows), the rest one token at a time."""
-    ids = text_ids(tiny, 70, seed=4)
-    gates = GateSet.for_config(tiny.model.config, seed=6, per_head=True)
-    heads = tiny.model.config.num_key_value_heads
-    assert gates.heads == heads == 2
-    cache = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
-    with torch.no_grad():
-        tiny.model(torch.tensor([ids[:45]]), **with_cache(cache), use_cache=True)
-    full, _ = full_cache(tiny, ids[:45])
-    store = store_of(full)
-    heads_differ = False
-    for n in range(45, 70):
-        got = smart_step(tiny, cache, ids[n])
         kept = kept_before(cache, tiny.num_layers, n, heads)
-        assert {tuple(k.shape) for k in kept} == {(heads, 15)}
-        heads_differ |= any(set(k[0].tolist()) != set(k[1].tolist()) for k in kept)
+        if per_head:  # the kv heads of one layer
+            assert {tuple(k.shape) for k in kept} == {(heads, 15)}
+            differ |= any(set(k[0].tolist()) != set(k[1].tolist()) for k in kept)
+        else:
+            differ |= any(set(k.tolist()) != set(kept[0].tolist()) for k in kept)
         want = step_reference(tiny, store, kept, ids[n], n)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert heads_differ, "random per-head gates should make the heads of a layer keep different rows"
-    manual = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4, prune="manual")
-    auto = SmartKVCache(tiny.model.config, gates, sinks=2, budget=10, window=4)
-    with torch.no_grad():
-        for each in (manual, auto):
-            tiny.model(torch.tensor([ids[:40]]), **with_cache(each), use_cache=True)
-    manual.bulk_prune()
-    for l in range(tiny.num_layers):
-        for h in range(heads):
-            assert sorted(manual.positions(l, h).tolist()) == sorted(auto.positions(l, h).tolist())
-    torch.testing.assert_close(smart_step(tiny, manual, ids[40]), smart_step(tiny, auto, ids[40]), atol=1e-5, rtol=1e-5)
+    assert differ, f"random gates should make the {'heads of a layer' if per_head else 'two layers'} keep different rows"
 
 
 def test_wrong_positions_would_be_caught(tiny):
@@ -233,9 +208,10 @@ def test_every_layer_holds_the_same_number_of_rows(tiny):
     assert cache.get_seq_length() == 80 and cache.rows == 24
 
 
-def test_manual_bulk_prune_keeps_what_auto_keeps(tiny):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_manual_bulk_prune_keeps_what_auto_keeps(tiny, per_head):
     ids = text_ids(tiny, 50, seed=8)
-    gates = GateSet.for_config(tiny.model.config, seed=9)
+    gates = GateSet.for_config(tiny.model.config, seed=9, per_head=per_head)
     auto = SmartKVCache(tiny.model.config, gates, sinks=2, budget=8, window=6)
     manual = SmartKVCache(tiny.model.config, gates, sinks=2, budget=8, window=6, prune="manual")
     with torch.no_grad():
@@ -245,7 +221,8 @@ def test_manual_bulk_prune_keeps_what_auto_keeps(tiny):
     manual.bulk_prune()
     assert manual.rows == 16
     for l in range(tiny.num_layers):
-        assert sorted(manual.positions(l).tolist()) == sorted(auto.positions(l).tolist())
+        for h in range(gates.heads):
+            assert sorted(manual.positions(l, h).tolist()) == sorted(auto.positions(l, h).tolist())
     for token in ids[40:]:  # from here both prune as tokens arrive, and agree
         torch.testing.assert_close(smart_step(tiny, manual, token), smart_step(tiny, auto, token), atol=1e-5, rtol=1e-5)
     out = tiny.model.generate(torch.tensor([ids]), **with_cache(manual), max_new_tokens=3, do_sample=False,

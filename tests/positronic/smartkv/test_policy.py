@@ -24,13 +24,11 @@ from positronic.models import with_cache
 SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer
 
 
-@pytest.fixture(scope="module")
-def gate_file(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gates") / "tiny.safetensors"
-    # Untrained gates score within ~0.01 of each other; scaled up to the spread of trained ones
-    # (~1) and with a short lifespan horizon, both the scores and the tokens' ages decide what
-    # memory keeps within these tests' few dozen tokens.
-    gates = GateSet.for_config(tiny.model.config, seed=21, header={"lifespan": {"horizon": 48}})
+def scaled_gates(lm, path, *, seed: int, per_head: bool = False):
+    """Untrained gates score within ~0.01 of each other; scaled up to the spread of trained ones
+    (~1) and with a short lifespan horizon, both the scores and the tokens' ages decide what
+    memory keeps within these tests' few dozen tokens."""
+    gates = GateSet.for_config(lm.model.config, seed=seed, per_head=per_head, header={"lifespan": {"horizon": 48}})
     with torch.no_grad():
         for gate in gates.gates:
             last = [m for m in gate.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -38,20 +36,23 @@ def gate_file(tiny, tmp_path_factory):
             last.bias.mul_(100.0)
     gates.save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def gate_file(tiny, tmp_path_factory):
+    return scaled_gates(tiny, tmp_path_factory.mktemp("gates") / "tiny.safetensors", seed=21)
 
 
 @pytest.fixture(scope="module")
 def head_gate_file(tiny, tmp_path_factory):
-    """Per-head gates (an output per kv head), scaled like `gate_file`'s."""
-    path = tmp_path_factory.mktemp("gates") / "tiny_heads.safetensors"
-    gates = GateSet.for_config(tiny.model.config, seed=22, per_head=True, header={"lifespan": {"horizon": 48}})
-    with torch.no_grad():
-        for gate in gates.gates:
-            last = [m for m in gate.modules() if isinstance(m, torch.nn.Linear)][-1]
-            last.weight.mul_(100.0)
-            last.bias.mul_(100.0)
-    gates.save(path)
-    return path
+    """Per-head gates (an output per kv head)."""
+    return scaled_gates(tiny, tmp_path_factory.mktemp("gates") / "tiny_heads.safetensors", seed=22, per_head=True)
+
+
+@pytest.fixture(params=["per layer", "per head"])
+def any_gate_file(request):
+    """Each of the two kinds of gates: rows per layer, rows per kv head."""
+    return request.getfixturevalue("gate_file" if request.param == "per layer" else "head_gate_file")
 
 
 def config(gate_file, **changes) -> BrainConfig:
@@ -147,8 +148,8 @@ def test_a_prompt_longer_than_the_budget_is_pruned_per_layer(tiny, gate_file):
 
 
 @pytest.mark.parametrize("stage", FAULT_STAGES)
-def test_a_failed_per_layer_tick_changes_nothing(tiny, gate_file, stage):
-    brain = Brain.start(tiny, text_ids(tiny, 40, seed=5), config(gate_file))
+def test_a_failed_per_layer_tick_changes_nothing(tiny, any_gate_file, stage):
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=5), config(any_gate_file))
     for token in text_ids(tiny, 12, seed=6)[1:]:
         brain.step(force=token)
     mirror_before = to_bytes(brain.state.mirror)
@@ -256,15 +257,15 @@ def test_run_and_eval_commands_take_policy_smartkv(run_cli, gate_file, tmp_path,
     assert "\nsmartkv,48," in (tmp_path / "e" / "results.csv").read_text()
 
 
-def test_a_per_layer_tick_is_captured_and_replays_exactly(tiny, gate_file, tmp_path):
+def test_a_per_layer_tick_is_captured_and_replays_exactly(tiny, any_gate_file, tmp_path):
     from positronic.fixtures import capture_tick, load_fixture, replay, save_fixture
 
-    brain = Brain.start(tiny, text_ids(tiny, 40, seed=13), config(gate_file))
+    brain = Brain.start(tiny, text_ids(tiny, 40, seed=13), config(any_gate_file))
     for token in text_ids(tiny, 10, seed=14)[1:]:
         brain.step(force=token)
     plan = brain.policy.plan(brain.state.view(keys=True), [], {})
     actions = plan.actions + [{"action": "add", "token_id": 9}]
-    assert actions[0]["action"] == "drop"
+    assert actions[0]["action"] == "drop" and len(actions[0]["rows"]) == brain.state.lanes  # 2 layers, or 2 x 2 heads
     fixture, report = capture_tick(brain.state, actions, label="smartkv")
     assert not report.rebuilt
     save_fixture(fixture, tmp_path / "t.pt")
@@ -345,20 +346,6 @@ def test_per_head_gates_make_the_brain_keep_what_a_per_head_smartkv_cache_keeps(
     assert snap.measure == "kv heads" and snap.bright_max == 4
 
 
-@pytest.mark.parametrize("stage", FAULT_STAGES)
-def test_a_failed_per_head_tick_changes_nothing(tiny, head_gate_file, stage):
-    brain = Brain.start(tiny, text_ids(tiny, 40, seed=24), config(head_gate_file))
-    for token in text_ids(tiny, 12, seed=25)[1:]:
-        brain.step(force=token)
-    mirror_before, policy_before = to_bytes(brain.state.mirror), brain.policy.state()
-    brain.state.inject_fault(stage)
-    assert brain.step(force=7).rebuilt
-    assert to_bytes(brain.state.mirror) == mirror_before and brain.policy.state() == policy_before
-    brain.state.check(deep=True)
-    assert not brain.step(force=7).rebuilt
-    brain.state.check(deep=True)
-
-
 def test_a_per_head_session_resumes_exactly_and_a_rebuild_gives_each_head_its_rows(tiny, head_gate_file, gate_file,
                                                                                   tmp_path):
     settings = config(head_gate_file, temperature=0.9)
@@ -387,27 +374,11 @@ def test_a_per_head_session_resumes_exactly_and_a_rebuild_gives_each_head_its_ro
         torch.testing.assert_close(values[:, head], full.layers[layer].values[:, head, rows], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_a_run_past_the_position_limit_packs_every_lane(tiny, gate_file, head_gate_file, per_head):
+def test_a_run_past_the_position_limit_packs_every_lane(tiny, any_gate_file):
     """Past the model's positions the union is packed down and every lane re-rotates its own
     keys (per head: each kv head its own tokens); layer 0 then still equals a fresh prefill."""
-    brain = Brain.start(tiny, text_ids(tiny, 20, seed=27), config(head_gate_file if per_head else gate_file))
+    brain = Brain.start(tiny, text_ids(tiny, 20, seed=27), config(any_gate_file))
     for token in text_ids(tiny, tiny.max_positions + 20, seed=28)[1:]:
         assert not brain.step(force=token).rebuilt
     assert max(brain.state.positions()) < tiny.max_positions < brain.tick
     brain.state.check(deep=True)
-
-
-def test_a_per_head_tick_is_captured_and_replays_exactly(tiny, head_gate_file, tmp_path):
-    from positronic.fixtures import capture_tick, load_fixture, replay, save_fixture
-
-    brain = Brain.start(tiny, text_ids(tiny, 40, seed=29), config(head_gate_file))
-    for token in text_ids(tiny, 10, seed=30)[1:]:
-        brain.step(force=token)
-    plan = brain.policy.plan(brain.state.view(keys=True), [], {})
-    actions = plan.actions + [{"action": "add", "token_id": 9}]
-    assert actions[0]["action"] == "drop" and len(actions[0]["rows"]) == 4
-    fixture, report = capture_tick(brain.state, actions, label="smartkv per head")
-    assert not report.rebuilt
-    save_fixture(fixture, tmp_path / "t.pt")
-    assert replay(load_fixture(tmp_path / "t.pt"), tiny).passed
