@@ -9,6 +9,10 @@ so each layer's rows are a subsequence of the union's). Row i of layer l's cache
 
 It changes only as a whole, with the Layout of the union (Mirror.splice): a tick drops some
 rows in some layers and appends the tick's new tokens to every layer.
+
+A "layer" here is a *lane*: a layer, or with per-head rows one kv head of a layer (lane =
+layer * kv_heads + head). Nothing in this module depends on which: the state says how many
+lanes a layer has (StateManager.lanes_per_layer).
 """
 
 from __future__ import annotations
