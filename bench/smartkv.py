@@ -17,8 +17,9 @@ token first and attends to the at most `budget` rows it holds then.
 
 Rows per budget: streaming / scored / h2o / brightness (the brain, each policy's defaults),
 smartkv (SmartKVCache: sinks + window + long-term memory ranked by the trained per-layer
-gates), smartkv-brain (the same through the brain: it must match smartkv),
-smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
+gates), smartkv-brain (the same through the brain: it must match smartkv), smartkv-keys (the same
+gates, memory ranked by their predicted lifespan alone, without the value norms: what the
+value norms buy), smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
 smartkv-stream (sinks + window only, no gates: the same cache class as a streaming baseline).
 
@@ -48,7 +49,8 @@ from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
 
 BRAIN_POLICIES = ("streaming", "scored", "h2o", "brightness")
-METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv", "smartkv-random", "smartkv-shared", "smartkv-stream")
+METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv", "smartkv-keys", "smartkv-random", "smartkv-shared",
+           "smartkv-stream")
 
 
 @torch.inference_mode()
@@ -75,6 +77,9 @@ def smart_caches(config, stored: int, *, sinks: int, window: int | None, gates: 
         raise ValueError(f"{stored} rows leave no long-term memory after sinks {sinks} + window {window}")
     for name, gate_set in gates.items():
         yield name, SmartKVCache(config, gate_set, budget=budget, sinks=sinks, window=window, horizon=horizon)
+        if name == "smartkv":
+            yield "smartkv-keys", SmartKVCache(config, gate_set, budget=budget, sinks=sinks, window=window,
+                                               horizon=horizon, value_norms=False)
     yield "smartkv-stream", SmartKVCache.streaming(config, capacity=stored, sinks=sinks)
 
 

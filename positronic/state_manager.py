@@ -121,24 +121,24 @@ class RowReader:
         (keys rotated at the rows' positions)."""
         self._refuse_if_stale()
         if self._manager.per_layer:
-            raise ValueError("layers keep different rows: read them by ledger id (layer_keys)")
+            raise ValueError("layers keep different rows: read them by ledger id (layer_rows)")
         layers = self._manager._cache.layers
         index = torch.tensor(rows, dtype=torch.long, device=self._manager.lm.device)
         keys = torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu()
         values = torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu()
         return keys, values
 
-    def layer_keys(self, ledger_ids: list[int]) -> torch.Tensor:
-        """Keys [layers, kv_heads, n, head_dim] (on the CPU, float32, rotated at their positions)
-        of tokens every lane holds, per-layer (or per-head) rows or not, each kv head's from its
-        own rows; ValueError if a lane lacks one."""
+    def layer_rows(self, ledger_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [layers, kv_heads, n, head_dim] (on the CPU, float32; keys rotated at
+        their positions) of tokens every lane holds, per-layer (or per-head) rows or not, each
+        kv head's from its own rows; ValueError if a lane lacks one."""
         self._refuse_if_stale()
         manager = self._manager
         device = manager.lm.device
         layers, heads = manager._mirror.layers, manager.lanes_per_layer
-        keys = []
+        keys, values = [], []
         for index, layer in enumerate(manager._cache.layers):
-            per_head = []
+            layer_keys, layer_values = [], []
             for lane in range(index * heads, (index + 1) * heads):
                 held = manager._mirror.live.ledger_ids if layers is None else layers.rows[lane]
                 where = {ledger_id: row for row, ledger_id in enumerate(held)}
@@ -146,9 +146,11 @@ class RowReader:
                     raise ValueError(f"lane {lane} does not hold ledger ids {missing[:5]}")
                 rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
                 head = slice(None) if heads == 1 else slice(lane - index * heads, lane - index * heads + 1)
-                per_head.append(layer.keys[0, head].index_select(1, rows))
-            keys.append(torch.cat(per_head))
-        return torch.stack(keys).float().cpu()
+                layer_keys.append(layer.keys[0, head].index_select(1, rows))
+                layer_values.append(layer.values[0, head].index_select(1, rows))
+            keys.append(torch.cat(layer_keys))
+            values.append(torch.cat(layer_values))
+        return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`

@@ -12,13 +12,13 @@
 Layout (per layer, rows.py): `sinks + budget + window` slots; sinks (positions < sinks) kept
 for good, a FIFO window of the most recent tokens, and a long-term memory of `budget` tokens
 that left the window, ranked by the lifespan their gate score predicts is still ahead of them
-(rows.py: the score minus what the token's age has used up). Each layer scores with
+times the norm of their value row (rows.py; `value_norms`). Each layer scores with
 its own gate, so layers keep different tokens, but every layer admits the same tokens and
 drops one row per new row once full, so all layers always hold the same number of rows
 (rectangular: `rows`).
 
-Lanes: the RowBook's unit. With per-layer gates (the shipped ones) a lane is a layer: all its
-kv heads keep the same tokens. With per-head gates (`GateSet.heads` = kv heads) a lane is one
+Lanes: the RowBook's unit. With per-layer gates a lane is a layer: all its kv heads keep
+the same tokens. With per-head gates (the shipped ones; `GateSet.heads` = kv heads) a lane is one
 kv head of one layer, lane = layer * kv_heads + head: each kv head keeps its own tokens, and
 every head still holds the same number of rows (keys are stored rotated, so attention needs
 nothing else).
@@ -43,9 +43,12 @@ applied after it. Between forwards a layer holds at most `capacity` rows. One se
 
 Scores: a key is un-rotated (RoPE position -> 0, exact in float32) and given to the layer's
 gate: the gates were trained on pre-RoPE keys (labels.py), so the score says what the token
-is, not where it sits. A prefill's tokens are scored at once; a decoded token is scored only
-when long-term memory needs its score, i.e. when it is about to leave the window, together
-with every other unscored window row (one batched gate call per layer every `window` tokens).
+is, not where it sits. To the gate's predicted log4 lifespan the score adds log4 of the
+token's value norm (`value_log_norms`): what a row adds to the attention output is its weight
+times its value, and the labels count weights only. A prefill's tokens are scored at once; a
+decoded token is scored only when long-term memory needs its score, i.e. when it is about to
+leave the window, together with every other unscored window row (one batched gate call per
+layer every `window` tokens).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from .labels import LifespanRule
 from .rows import RowBook
 
 PRUNE_MODES = ("auto", "manual")
+LOG4 = float(np.log(4.0))
 
 
 class KeyUnrotator:
@@ -81,6 +85,18 @@ class KeyUnrotator:
         return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
 
 
+def value_log_norms(values: torch.Tensor, lanes: int) -> torch.Tensor:
+    """log4 of the value norms of rows `values` [kv_heads, n, head_dim]: float32 [n, lanes], one
+    column per kv head (lanes = kv heads) or, for one lane per layer, of the mean norm over the
+    kv heads. Added to a gate score, it makes memory rank a token by its predicted uses times
+    the size of what each use adds to the output (bench/RESULTS.md, "Value norms")."""
+    norms = values.to(torch.float32).norm(dim=-1)  # [kv_heads, n]
+    if lanes == 1:
+        norms = norms.mean(0, keepdim=True)
+    return (norms.clamp_min(1e-12).log() / LOG4).T
+
+
+
 class Layout:
     """What the layers of a SmartKVCache share: the RowBook (every layer's slots), the scorer, and
     each new token's admission, done once for all layers.
@@ -90,9 +106,11 @@ class Layout:
     layer's buffer by then). A forward of several tokens is admitted after the last layer has
     scored its keys (`take_batch`): until then each layer keeps its new rows aside."""
 
-    def __init__(self, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool, heads: int = 1):
+    def __init__(self, book: RowBook, scorer, unrotator: KeyUnrotator, pruning: bool, heads: int = 1,
+                 value_norms: bool = True):
         self.book, self.scorer, self.unrotator, self.pruning = book, scorer, unrotator, pruning
         self.heads = heads  # lanes per layer: 1, or the kv heads (per-head gates)
+        self.value_norms = value_norms  # scores add log4 of each row's value norm
         self.layers: list[SmartKVLayer] = []
         self._decoded: tuple[int, torch.Tensor | None] = (-1, None)  # position, its slot per lane
 
@@ -100,15 +118,18 @@ class Layout:
         """The RowBook lanes of `layer`."""
         return slice(layer * self.heads, (layer + 1) * self.heads)
 
-    def score(self, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
-        """Gate scores float [heads, q] of keys [1, kv_heads, q, head_dim] rotated at `positions`
-        [q] (a scorer may return [q] or [q, heads])."""
+    def score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+        """Scores float [heads, q] of rows keys, values [1, kv_heads, q, head_dim] (keys rotated
+        at `positions` [q]): the scorer's (a scorer may return [q] or [q, heads]), plus log4 of
+        the value norms with `value_norms`."""
         count = keys.shape[2]
         if self.scorer is None:
             return np.zeros((self.heads, count))
         plain = self.unrotator(keys, positions)  # [q, kv_heads * head_dim]
-        scores = self.scorer.score(layer, plain, positions).float().cpu().numpy().astype(np.float64)
-        return scores.reshape(count, -1).T
+        scores = self.scorer.score(layer, plain, positions).float().reshape(count, -1)
+        if self.value_norms:
+            scores = scores + value_log_norms(values[0], self.heads).to(scores.device)
+        return scores.cpu().numpy().astype(np.float64).T
 
     def decode_slots(self, position: int, device) -> torch.Tensor:
         """int64 [lanes] on `device`: the slot of the token at `position` in each lane
@@ -139,13 +160,13 @@ class Layout:
             layer.compact(slots[self.lanes(layer.index)])
 
     def _score_waiting(self, arriving: int) -> None:
-        """Score the window's unscored tokens in every layer (keys read from each layer's buffer)
+        """Score the window's unscored tokens in every layer (rows read from each layer's buffer)
         if `arriving` tokens would push one of them out."""
         waiting = self.book.unscored(arriving)
         if waiting:
             positions = torch.tensor([entry.position for entry in waiting])
             slots = np.stack([entry.slots for entry in waiting], axis=1)  # [lanes, n]
-            scores = np.concatenate([self.score(layer.index, layer.read(slots[self.lanes(layer.index)]), positions)
+            scores = np.concatenate([self.score(layer.index, *layer.read(slots[self.lanes(layer.index)]), positions)
                                      for layer in self.layers])
             self.book.set_scores(waiting, scores)
 
@@ -213,7 +234,7 @@ class SmartKVLayer(OneSequenceLayer):
             self.seen += 1
             return self.keys, self.values
         positions = torch.arange(self.seen, self.seen + count)
-        scores = self.layout.score(self.index, key_states, positions)
+        scores = self.layout.score(self.index, key_states, value_states, positions)
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
         self.seen += count
@@ -255,11 +276,15 @@ class SmartKVLayer(OneSequenceLayer):
         """The kv heads of each of this layer's `lanes` lanes (one lane: all of them)."""
         return [slice(None)] if lanes == 1 else [slice(h, h + 1) for h in range(lanes)]
 
-    def read(self, slots: np.ndarray) -> torch.Tensor:
-        """Keys [1, kv_heads, n, head_dim] held in `slots` [lanes, n] (each kv head from its lane's slots)."""
-        parts = [self._key_buffer[:, heads].index_select(2, torch.from_numpy(lane).to(self._key_buffer.device))
-                 for heads, lane in zip(self._heads_of(len(slots)), slots)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values [1, kv_heads, n, head_dim] held in `slots` [lanes, n] (each kv head from
+        its lane's slots)."""
+        read = []
+        for buffer in (self._key_buffer, self._value_buffer):
+            parts = [buffer[:, heads].index_select(2, torch.from_numpy(lane).to(buffer.device))
+                     for heads, lane in zip(self._heads_of(len(slots)), slots)]
+            read.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return read[0], read[1]
 
     def write_fresh(self, slots: np.ndarray) -> None:
         """Write the kept rows of the forward's new tokens (slots [lanes, q], -1: not kept)."""
@@ -348,13 +373,14 @@ class SmartKVCache(Cache):
     `heads` (1 or the kv heads; default 1) (tests use position-only scorers). window: the recent rows kept
     (default sinks + budget: half the capacity, as `--policy smartkv` does). horizon: the steps a score's
     lifespan counts over, which long-term memory ranks by (rows.py; default: the gates' own,
-    else 512). prune: "auto" (prune in every
+    else 512). value_norms: scores add log4 of each row's value norm (False: memory ranks by the
+    gates' predicted lifespan alone, the ablation). prune: "auto" (prune in every
     update, so a prefill is bulk-pruned right after its forward) or "manual" (keep every row
     until `bulk_prune()`, then prune as tokens arrive).
     """
 
     def __init__(self, config, gates: GateSet | None = None, *, budget: int, sinks: int = 4, window: int | None = None,
-                 prune: str = "auto", scorer=None, horizon: int | None = None):
+                 prune: str = "auto", scorer=None, horizon: int | None = None, value_norms: bool = True):
         if prune not in PRUNE_MODES:
             raise ValueError(f"prune must be one of {PRUNE_MODES}, got {prune!r}")
         if gates is not None and scorer is not None:
@@ -378,7 +404,8 @@ class SmartKVCache(Cache):
         if heads not in (1, kv_heads(config)):
             raise ValueError(f"a scorer scores 1 lane per layer or one per kv head ({kv_heads(config)}), not {heads}")
         book = RowBook(config.num_hidden_layers * heads, sinks, budget, window, self.horizon)
-        self.layout = Layout(book, scorer, KeyUnrotator.for_config(config), pruning=prune == "auto", heads=heads)
+        self.layout = Layout(book, scorer, KeyUnrotator.for_config(config), pruning=prune == "auto", heads=heads,
+                             value_norms=value_norms)
         self.layout.layers = [SmartKVLayer(i, self.layout) for i in range(config.num_hidden_layers)]
         super().__init__(layers=self.layout.layers)
         self._config = config
@@ -417,7 +444,8 @@ class SmartKVCache(Cache):
     def reset(self) -> None:
         """Forget every row and token (same settings)."""
         fresh = SmartKVCache(self._config, budget=self.budget, sinks=self.sinks, window=self.window,
-                             prune=self.prune, scorer=self._scorer, horizon=self.horizon)
+                             prune=self.prune, scorer=self._scorer, horizon=self.horizon,
+                             value_norms=self.layout.value_norms)
         self.layout, self.layers = fresh.layout, fresh.layers
 
     def memory_bytes(self) -> int:

@@ -19,7 +19,8 @@ the last layer drops it. Each tick is one `drop` action (every layer's rows) plu
 once the memory is full, every layer drops exactly one row per tick.
 
 Scores: a token's key in each layer, un-rotated to position 0 (what the gates were trained
-on), through that layer's gate (`GateSet.score`). A token is scored only when it is about to
+on), through that layer's gate (`GateSet.score`), plus log4 of its value norm there
+(`value_log_norms`, as SmartKVCache scores). A token is scored only when it is about to
 leave the window, together with every other unscored window token, so the gates run once per
 layer every `window` ticks on `window` keys (read from the cache through the view).
 
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import KeyUnrotator
+from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
 from .rows import Memories
 
@@ -59,6 +60,7 @@ class SmartKVPolicy:
     reads_keys = True  # the plan reads window tokens' keys (view(keys=True))
     recall = None
     repairer = None
+    value_norms = True  # scores add log4 of the value norms (a session saved before them resumes without)
 
     def __init__(self, lm, config):
         self.check(config)
@@ -153,9 +155,10 @@ class SmartKVPolicy:
         return PolicyPlan(actions, outcomes)
 
     def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
-        """Gate scores of `needed` tokens not scored yet, and with them of every unscored window
-        token (so the gates run in batches): keys read from the cache through the view,
-        un-rotated. Returns {ledger id: score per lane}, kept once the tick goes through."""
+        """Scores of `needed` tokens not scored yet, and with them of every unscored window token
+        (so the gates run in batches): keys and values read from the cache through the view,
+        keys un-rotated for the gates, plus log4 of the value norms. Returns {ledger id: score
+        per lane}, kept once the tick goes through."""
         if all(ledger_id in self.scores for ledger_id in needed):
             return {}
         window = range(max(self.keep, len(ids) - self.config.window), len(ids))
@@ -163,9 +166,11 @@ class SmartKVPolicy:
         rows = sorted({row for row, ledger_id in enumerate(ids) if ledger_id in wanted} | set(window))
         rows = [row for row in rows if ids[row] not in self.scores]
         batch = [ids[row] for row in rows]
-        keys = reader.layer_keys(batch)  # [layers, kv_heads, n, head_dim]
+        keys, values = reader.layer_rows(batch)  # [layers, kv_heads, n, head_dim] each
         at = torch.tensor([positions[row] for row in rows])
         per_layer = [self.gates.score(layer, self.unrotate(keys[layer][None], at)) for layer in range(len(keys))]
+        if self.value_norms:
+            per_layer = [scores + value_log_norms(values[layer], self.heads) for layer, scores in enumerate(per_layer)]
         table = torch.cat(per_layer, dim=1).tolist()  # [n, lanes]: layer-major, as the state numbers lanes
         return dict(zip(batch, table))
 
@@ -189,13 +194,14 @@ class SmartKVPolicy:
     # --- sessions -------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"memory": self.memory.entries(), "offered": self.offered,
+        return {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
                 "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
 
     def load_state(self, state: dict) -> None:
         layers = self.memory.layers
         try:
-            ok = (isinstance(state, dict) and set(state) == {"memory", "offered", "scores"}
+            ok = (isinstance(state, dict) and set(state) - {"value_norms"} == {"memory", "offered", "scores"}
+                  and type(state.get("value_norms", False)) is bool
                   and type(state["offered"]) is int and len(state["memory"]) == layers
                   and len({len(entries) for entries in state["memory"]}) == 1
                   and all(len(entries) <= self.size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
@@ -208,3 +214,4 @@ class SmartKVPolicy:
         self.memory = Memories.from_entries(state["memory"], self.size, self.horizon)
         self.offered = state["offered"]
         self.scores = {i: [float(x) for x in v] for i, v in state["scores"]}
+        self.value_norms = state.get("value_norms", False)  # saved before value norms: scored without

@@ -10,10 +10,12 @@ a token enters with its position and a gate score per layer:
   tokens: it goes in if there is room or if it outranks the weakest token there (which is then
   evicted from that layer); otherwise that layer drops it.
 
-Rank: the gate predicts a token's whole lifespan, score = log4(1 + later steps that attend to
-it) over a horizon of `horizon` steps (labels.py); what matters at step `now` is the part still
-ahead. A token at `position` has lived `now - position` steps of its horizon, so memory keeps
-the tokens with the most predicted lifespan left:
+Rank: the gate predicts a token's whole lifespan, log4(1 + later steps that attend to it)
+over a horizon of `horizon` steps (labels.py), and the score a token enters with adds log4 of
+its value norm (cache.py, `value_log_norms`), so 4 ** score is its predicted uses times what
+each use adds to the attention output. What matters at step `now` is the part still ahead. A
+token at `position` has lived `now - position` steps of its horizon, so memory keeps the
+tokens with the most predicted lifespan left:
 
     rank = 4 ** score * max(FLOOR, 1 - (now - position) / horizon)
 

@@ -101,10 +101,11 @@ def test_identical_logits_to_dynamic_cache_while_nothing_is_pruned(tiny):
 
 
 def test_pruned_cache_matches_a_masked_full_forward_over_the_kept_rows(tiny):
-    """Every layer keeps the same rows (a position-only scorer): the reference is one full
-    DynamicCache with a 4-D mask hiding the dropped rows and explicit position_ids."""
+    """Every layer keeps the same rows (a position-only scorer, value norms left out): the
+    reference is one full DynamicCache with a 4-D mask hiding the dropped rows and explicit
+    position_ids."""
     ids = text_ids(tiny, 60)
-    cache = SmartKVCache(tiny.model.config, scorer=PositionScorer(), sinks=3, budget=9, window=5)
+    cache = SmartKVCache(tiny.model.config, scorer=PositionScorer(), sinks=3, budget=9, window=5, value_norms=False)
     with torch.no_grad():
         tiny.model(torch.tensor([ids[:40]]), **with_cache(cache), use_cache=True)
     reference, _ = full_cache(tiny, ids[:40])
@@ -293,6 +294,7 @@ class CountingScorer:
 
     def __init__(self, gates):
         self.gates, self.calls, self.keys = gates, 0, 0
+        self.heads = gates.heads
 
     def score(self, layer, keys, positions):
         self.calls += 1
@@ -300,26 +302,48 @@ class CountingScorer:
         return self.gates.score(layer, keys)
 
 
-def test_decoding_scores_lazily_in_batches_and_keeps_what_eager_scores_keep(tiny):
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("value_norms", [False, True])
+def test_decoding_scores_lazily_in_batches_and_keeps_what_eager_scores_keep(tiny, value_norms, per_head):
     """A decoded token is scored only when it is about to leave the window, with the other
     unscored window rows in one call; the rows kept are those a RowBook given every token's
-    score up front keeps (scores of the pre-RoPE keys k_proj wrote)."""
-    gates = GateSet.for_config(tiny.model.config, seed=13)
+    score up front keeps: the gate's score of the pre-RoPE key k_proj wrote, plus (value_norms)
+    log4 of the norm of the value row v_proj wrote (per-head lanes: each kv head's own; one
+    lane per layer: of the mean over the kv heads)."""
+    gates = GateSet.for_config(tiny.model.config, seed=13, per_head=per_head)
     scorer = CountingScorer(gates)
     sinks, budget, window, count = 3, 10, 8, 90
-    cache = SmartKVCache(tiny.model.config, scorer=scorer, sinks=sinks, budget=budget, window=window)
+    cache = SmartKVCache(tiny.model.config, scorer=scorer, sinks=sinks, budget=budget, window=window,
+                         value_norms=value_norms)
     ids = text_ids(tiny, count, seed=12)
-    for token in ids:
-        smart_step(tiny, cache, token)
     layers = tiny.num_layers
+    written = [([], []) for _ in range(layers)]  # per layer: k_proj's and v_proj's outputs, one per token
+    hooks = [projection.register_forward_hook(lambda module, inputs, output, into=into: into.append(output[0, 0]))
+             for layer, (keys, values) in zip(tiny.model.model.layers, written)
+             for projection, into in ((layer.self_attn.k_proj, keys), (layer.self_attn.v_proj, values))]
+    try:
+        for token in ids:
+            smart_step(tiny, cache, token)
+    finally:
+        for hook in hooks:
+            hook.remove()
     # every token that left the window was scored, none twice (batches may score some of the last window's)
     assert layers * (count - sinks - window) <= scorer.keys <= layers * (count - sinks)
     assert scorer.calls <= layers * (count // window + 1), "one call per layer per window, not per token"
-    full, _ = full_cache(tiny, ids)
-    unrotate = KeyUnrotator.for_config(tiny.model.config)
-    scores = np.stack([gates.score(l, unrotate(full.layers[l].keys, torch.arange(count)))[:, 0].double().numpy()
-                       for l in range(layers)])
-    eager = RowBook(layers, sinks, budget, window)
-    eager.admit(list(range(count)), scores)
-    for l in range(layers):
-        assert sorted(cache.positions(l).tolist()) == sorted(eager.positions(l))
+    kv_heads, heads = tiny.model.config.num_key_value_heads, gates.heads
+
+    def eager_kept(with_values):
+        scores = []  # per lane (layer-major)
+        for l, (keys, values) in enumerate(written):
+            score = gates.score(l, torch.stack(keys))  # [count, heads]
+            if with_values:
+                norms = torch.stack(values).view(count, kv_heads, -1).norm(dim=-1)  # [count, kv_heads]
+                score = score + (norms if per_head else norms.mean(1, keepdim=True)).log() / math.log(4)
+            scores.extend(score.double().numpy().T)
+        eager = RowBook(layers * heads, sinks, budget, window)
+        eager.admit(list(range(count)), np.stack(scores))
+        return [sorted(eager.positions(lane)) for lane in range(layers * heads)]
+
+    held = [sorted(cache.positions(l, h).tolist()) for l in range(layers) for h in range(heads)]
+    assert held == eager_kept(value_norms)
+    assert eager_kept(True) != eager_kept(False), "the value norms should change what this cache keeps"

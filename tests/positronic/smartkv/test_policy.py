@@ -17,6 +17,7 @@ from positronic.actions import ActionError
 from positronic.loop import Brain, BrainConfig
 from positronic.mirror import from_bytes, to_bytes
 from positronic.smartkv import GateSet, SmartKVCache
+from positronic.smartkv.policy import SmartKVPolicy
 from positronic.state_manager import FAULT_STAGES, StateManager
 from positronic.tui import frame, take_snapshot
 from positronic.models import with_cache
@@ -174,6 +175,30 @@ def test_a_resumed_session_goes_on_exactly(tiny, gate_file, tmp_path):
     assert resumed.state.per_layer and layer_positions(resumed.state) == layer_positions(brain.state)
     got += [resumed.step().token_id for _ in range(17)]
     assert got == expected
+
+
+def test_a_session_ranked_without_value_norms_resumes_without_them(tiny, gate_file, tmp_path, monkeypatch):
+    """Sessions saved before scores added the value norms (their policy state has no
+    "value_norms") go on ranking as they began, not with today's rule."""
+    settings = config(gate_file, temperature=0.9)
+    today = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    today_tokens = [today.step().token_id for _ in range(40)]
+    monkeypatch.setattr(SmartKVPolicy, "value_norms", False)  # the code before value norms
+    straight = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    expected = [straight.step().token_id for _ in range(40)]
+    assert expected != today_tokens, "the value norms should change this stream"
+    brain = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    got = [brain.step().token_id for _ in range(23)]
+    sessions.save(tmp_path / "s", brain, tiny.name)
+    monkeypatch.undo()
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    got += [resumed.step().token_id for _ in range(17)]
+    assert got == expected
+    old_state = {name: value for name, value in brain.policy.state().items() if name != "value_norms"}
+    resumed.policy.load_state(old_state)
+    assert resumed.policy.value_norms is False
+    with pytest.raises(ValueError, match="malformed saved state"):
+        resumed.policy.load_state(old_state | {"value_norms": "yes"})
 
 
 def test_the_mirror_file_keeps_the_layers(tiny, gate_file):
