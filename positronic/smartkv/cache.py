@@ -89,12 +89,11 @@ def value_log_norms(values: torch.Tensor, lanes: int) -> torch.Tensor:
     """log4 of the value norms of rows `values` [kv_heads, n, head_dim]: float32 [n, lanes], one
     column per kv head (lanes = kv heads) or, for one lane per layer, of the mean norm over the
     kv heads. Added to a gate score, it makes memory rank a token by its predicted uses times
-    the size of what each use adds to the output (bench/RESULTS.md, "Value norms")."""
+    the size of what each use adds to the output (bench/RESULTS.md, "value norms in the rank")."""
     norms = values.to(torch.float32).norm(dim=-1)  # [kv_heads, n]
     if lanes == 1:
         norms = norms.mean(0, keepdim=True)
     return (norms.clamp_min(1e-12).log() / LOG4).T
-
 
 
 class Layout:
@@ -284,7 +283,8 @@ class SmartKVLayer(OneSequenceLayer):
             parts = [buffer[:, heads].index_select(2, torch.from_numpy(lane).to(buffer.device))
                      for heads, lane in zip(self._heads_of(len(slots)), slots)]
             read.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
-        return read[0], read[1]
+        keys, values = read
+        return keys, values
 
     def write_fresh(self, slots: np.ndarray) -> None:
         """Write the kept rows of the forward's new tokens (slots [lanes, q], -1: not kept)."""
