@@ -164,16 +164,25 @@ def test_a_failed_per_layer_tick_changes_nothing(tiny, any_gate_file, stage):
     brain.state.check(deep=True)
 
 
-def test_a_resumed_session_goes_on_exactly(tiny, gate_file, tmp_path):
-    settings = config(gate_file, temperature=0.9)
-    straight = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+def resumed_midway(lm, settings, *, seed: int, path, before_resume=lambda: None):
+    """The tokens of 40 uninterrupted ticks, and of 23 ticks, a save to `path`, and 17 ticks
+    of the session resumed from it (after `before_resume()`), with the saved and the resumed
+    brain. Asserts the resumed session holds the saved one's rows in every lane."""
+    straight = Brain.start(lm, text_ids(lm, 25, seed=seed), settings)
     expected = [straight.step().token_id for _ in range(40)]
-    brain = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
+    brain = Brain.start(lm, text_ids(lm, 25, seed=seed), settings)
     got = [brain.step().token_id for _ in range(23)]
-    sessions.save(tmp_path / "s", brain, tiny.name)
-    resumed = sessions.resume(tiny, tmp_path / "s")
-    assert resumed.state.per_layer and layer_positions(resumed.state) == layer_positions(brain.state)
+    sessions.save(path, brain, lm.name)
+    before_resume()
+    resumed = sessions.resume(lm, path)
+    assert layer_positions(resumed.state) == layer_positions(brain.state)
     got += [resumed.step().token_id for _ in range(17)]
+    return expected, got, brain, resumed
+
+
+def test_a_resumed_session_goes_on_exactly(tiny, gate_file, tmp_path):
+    expected, got, _, resumed = resumed_midway(tiny, config(gate_file, temperature=0.9), seed=8, path=tmp_path / "s")
+    assert resumed.state.per_layer
     assert got == expected
 
 
@@ -184,15 +193,9 @@ def test_a_session_ranked_without_value_norms_resumes_without_them(tiny, gate_fi
     today = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
     today_tokens = [today.step().token_id for _ in range(40)]
     monkeypatch.setattr(SmartKVPolicy, "value_norms", False)  # the code before value norms
-    straight = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
-    expected = [straight.step().token_id for _ in range(40)]
+    expected, got, brain, resumed = resumed_midway(tiny, settings, seed=8, path=tmp_path / "s",
+                                                   before_resume=monkeypatch.undo)
     assert expected != today_tokens, "the value norms should change this stream"
-    brain = Brain.start(tiny, text_ids(tiny, 25, seed=8), settings)
-    got = [brain.step().token_id for _ in range(23)]
-    sessions.save(tmp_path / "s", brain, tiny.name)
-    monkeypatch.undo()
-    resumed = sessions.resume(tiny, tmp_path / "s")
-    got += [resumed.step().token_id for _ in range(17)]
     assert got == expected
     old_state = {name: value for name, value in brain.policy.state().items() if name != "value_norms"}
     resumed.policy.load_state(old_state)
@@ -373,15 +376,9 @@ def test_per_head_gates_make_the_brain_keep_what_a_per_head_smartkv_cache_keeps(
 
 def test_a_per_head_session_resumes_exactly_and_a_rebuild_gives_each_head_its_rows(tiny, head_gate_file, gate_file,
                                                                                   tmp_path):
-    settings = config(head_gate_file, temperature=0.9)
-    straight = Brain.start(tiny, text_ids(tiny, 25, seed=26), settings)
-    expected = [straight.step().token_id for _ in range(40)]
-    brain = Brain.start(tiny, text_ids(tiny, 25, seed=26), settings)
-    got = [brain.step().token_id for _ in range(23)]
-    sessions.save(tmp_path / "s", brain, tiny.name)
-    resumed = sessions.resume(tiny, tmp_path / "s")
-    assert resumed.state.lanes == 4 and layer_positions(resumed.state) == layer_positions(brain.state)
-    got += [resumed.step().token_id for _ in range(17)]
+    expected, got, _, resumed = resumed_midway(tiny, config(head_gate_file, temperature=0.9), seed=26,
+                                               path=tmp_path / "s")
+    assert resumed.state.lanes == 4
     assert got == expected
     with pytest.raises(ValueError, match="per-layer and per-head rows cannot be swapped"):
         Brain(resumed.state, config(gate_file, temperature=0.9), tick=resumed.tick)  # per-layer gates on per-head rows
