@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from positronic.cli import DEFAULT_PROMPT  # noqa: E402
 from positronic.fixtures import Capture, capture_tick, load_fixture, replay, save_fixture  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 
 # the self repairer proposes 1 token per pair; repair_batch 2: every other tick repairs two pairs
 CONFIG = dict(budget=40, window=8, seed=1, temperature=0.7, repairer="self", repair_batch=2)

@@ -56,10 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic import steps  # noqa: E402
 from positronic import StateManager, load_model  # noqa: E402
-from positronic import state_manager  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.state import manager as state_manager  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import with_cache  # noqa: E402
-from positronic.policy import POLICIES  # noqa: E402
+from positronic.policies.base import POLICIES  # noqa: E402
 from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED  # noqa: E402
 

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic import load_model  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 
 PROMPT = "The expedition left the harbour at dawn. Every member of the crew knew the map by heart, but"
 

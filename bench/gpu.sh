@@ -29,7 +29,7 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, trit
 PY
 for part in $parts; do
   case $part in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/positronic/test_kv_triton.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/positronic/kv/test_triton_kernel.py 2>&1 | tee "$out/tests.txt" ;;
     bench)
       python3 bench/decode.py --model random:tinyllama --device cuda --contexts 512 2048 --ticks 32 --repeats 3 \
           --batches 1 8 --repairers none self 2>&1 | tee "$out/decode.txt"

@@ -8,7 +8,7 @@ format runs the streaming policy (sinks 4, window 32, greedy) on the splice stor
 alternate between the formats (in turn, the order reversed every other round) and the brains
 carry on from round to round, so a noisy machine's drift hits all alike. Reported per format:
 the mean ms per tick over every measured tick and its ratio to float. On a GPU each 4-bit
-and fp4 row can decode through the fused Triton kernel (positronic/kv_triton.py, opt-in): their
+and fp4 row can decode through the fused Triton kernel (positronic/kv/triton_kernel.py, opt-in): their
 rows run with it switched on, and `--unfused` adds a row for each with it off (the torch ops),
 to show what fusing buys. On a CPU both rows run the torch ops.
 """
@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ring import context_ids, ticks  # noqa: E402
-from positronic import kv_formats, load_model  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.kv import formats as kv_formats
+from positronic import load_model  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 
 
 def variants(formats: list[str], unfused: bool) -> list[tuple[str, str, bool]]:

@@ -29,9 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from positronic import StateManager, load_model, rope  # noqa: E402
+from positronic import StateManager, load_model
+
+from positronic.kv import rope  # noqa: E402
 from positronic.evaluate import DEFAULT_TEXT, read_text  # noqa: E402
-from positronic.kv_formats import PACKED, bytes_per_token  # noqa: E402
+from positronic.kv.formats import PACKED, bytes_per_token  # noqa: E402
 from positronic.models import RANDOM_SHAPES  # noqa: E402
 
 

@@ -54,7 +54,7 @@ Candidates (K / V):
                   rotated to the row's position (a position-aware static offset), quantised,
                   added back; post-*: the same with one fixed post-RoPE mean (no positions)
   pre-mean-*      keys stored before RoPE, centred: what `--kv-format int4h` stores
-  int4h ...       (round 7) int4h as built (centres from positronic/kv_centres.py), and
+  int4h ...       (round 7) int4h as built (centres from positronic/kv/centres.py), and
                   with a clip search, value centres, key groups of 16
   best-of-32      (round 8) per (layer, kv head), the rotation (H times one of 32 fixed
                   sign vectors) whose quantisation of the calibration rows has the least
@@ -81,9 +81,10 @@ from transformers.cache_utils import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.texts import excerpt  # noqa: E402
-from positronic import load_model, rope, with_cache  # noqa: E402
-from positronic.kv_centres import compute_key_centres, key_centres  # noqa: E402
-from positronic.kv_formats import hadamard  # noqa: E402,F401  (also the tests' search.hadamard)
+from positronic import load_model, with_cache
+from positronic.kv import rope  # noqa: E402
+from positronic.kv.centres import compute_key_centres, key_centres  # noqa: E402
+from positronic.kv.formats import hadamard  # noqa: E402,F401  (also the tests' search.hadamard)
 from positronic.texts import DEFAULT_TEXT  # noqa: E402
 
 Quant = Callable[[torch.Tensor, int], torch.Tensor]  # rows [1, kv_heads, n, head_dim], layer -> rounded rows
@@ -243,7 +244,7 @@ def weight_channel_norms(lm) -> torch.Tensor:
 @torch.no_grad()
 def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
     """[layers, kv_heads, head_dim]: root-mean-square of each pre-RoPE key channel over `ids`
-    (their mean is positronic.kv_centres.compute_key_centres)."""
+    (their mean is positronic.kv.centres.compute_key_centres)."""
     from positronic.smartkv.cache import KeyUnrotator
 
     cache = DynamicCache(config=lm.model.config)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic import load_model  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 
 STORES = ("splice", "ring")
 

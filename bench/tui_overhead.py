@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 
 from positronic.cli import DEFAULT_PROMPT, run_plain  # noqa: E402
-from positronic.loop import Brain, BrainConfig  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import load_model  # noqa: E402
-from positronic.runner import Runner  # noqa: E402
-from positronic import tui  # noqa: E402
-from positronic.tui import frame, run_live, take_snapshot  # noqa: E402
+from positronic.brain.runner import Runner  # noqa: E402
+from positronic.tui import app as tui  # noqa: E402
+from positronic.tui.app import frame, run_live, take_snapshot  # noqa: E402
 
 
 class TimedRunner(Runner):

@@ -6,11 +6,11 @@
     report = sm.apply([{"action": "add", "token_id": 42}])
 """
 
-from .actions import ActionError
-from .cache import SpliceCache, SpliceLayer
+from .state.actions import ActionError
+from .kv.cache import SpliceCache, SpliceLayer
 from .models import LoadedModel, ModelError, ModelNotAvailable, load_model, with_cache
 from .smartkv import GateSet, SmartKVCache
-from .state_manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
+from .state.manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
 
 __all__ = [
     "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",

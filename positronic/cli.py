@@ -27,11 +27,11 @@ try:  # typer >= 0.24 vendors click: its usage errors are not click's
 except ImportError:  # pragma: no cover - older typer
     _TyperError = click.ClickException
 
-from . import session as sessions
-from .chat import LineReader
-from .loop import Brain, BrainConfig, TickRecord
-from .runner import Runner, RunResult, summary
-from .state_manager import StateBrokenError
+from .brain import session as sessions
+from .brain.chat import LineReader
+from .brain.loop import Brain, BrainConfig, TickRecord
+from .brain.runner import Runner, RunResult, summary
+from .state.manager import StateBrokenError
 from .models import ModelError, load_model
 
 DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
@@ -76,7 +76,7 @@ def run(
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
-    recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/recall.py)."),
+    recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py)."),
     policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer, or each kv head with per-head gates, keeps its own gate-ranked rows; docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
     budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
@@ -162,7 +162,7 @@ def run(
         ctx.call_on_close(LineReader(fd, inputs).start().close)
     set_threads(threads)
     if live:
-        from .tui import loading
+        from .tui.app import loading
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
         lm = load_model(model, device=device, dtype=dtype)
         if resume:
@@ -182,7 +182,7 @@ def run(
     if not live:
         result = run_plain(brain, lm, runner, show_prompt=not resume)
     else:
-        from .tui import run_live
+        from .tui.app import run_live
 
         result = run_live(brain, lm, runner, show_prompt=not resume, keys=fd if typing == "keys" else None)
     if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
@@ -367,7 +367,7 @@ def eval_command(
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
         if kv_store != "splice":
             raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
-        from .generation_eval import main as generation_main
+        from .evaluate.generation import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
                                  prompt_tokens=prompt_tokens, seed=seed, out=out, sinks=sinks, protect=protect,
@@ -397,10 +397,10 @@ def smartkv_command(ctx: typer.Context) -> None:
         raise typer.Exit(code)
 
 
-from .server_cli import serve_command  # noqa: E402  (it reuses the run's options, defined above)
+from .server.cli import serve_command  # noqa: E402  (it reuses the run's options, defined above)
 
 app.command("serve", help="Serve the brain over HTTP: an OpenAI-compatible API, one brain per session "
-                          "(positronic/server.py).")(serve_command(run, brain_config))
+                          "(positronic/server/app.py).")(serve_command(run, brain_config))
 
 
 def entry() -> None:

@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from positronic import SpliceCache, load_model
-from positronic import session as sessions
-from positronic.loop import Brain, BrainConfig
+from positronic.brain import session as sessions
+from positronic.brain.loop import Brain, BrainConfig
 from positronic.smartkv import GateSet, SmartKVCache
 from positronic.models import with_cache
 

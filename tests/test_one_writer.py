@@ -1,7 +1,7 @@
 """One writer: only StateManager changes the KV cache or the mirror.
 
 Python cannot make an object read-only, so this holds the code to it: outside
-positronic/state_manager.py (and the mirror and cache packages themselves), no module calls a
+positronic/state/manager.py (and the mirror and cache packages themselves), no module calls a
 method that edits either blade or reaches for StateManager's private handles.
 """
 
@@ -17,7 +17,7 @@ MUTATORS = {
     "set_brightness", "set_pinned", "retire", "resurrect", "truncate", "link_replacement", "add",
 }
 PRIVATE = {"_mirror", "_cache", "_predicted", "_write_rows"}
-OWNERS = {"positronic/state_manager.py", "positronic/cache.py"}
+OWNERS = {"positronic/state/manager.py", "positronic/kv/cache.py"}
 SOURCES = ["positronic", "steps", "bench", "run.py"]
 
 

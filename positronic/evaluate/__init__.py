@@ -43,7 +43,7 @@ and the difference `delta` ("Δ nats vs full"; the issue's target: within 1 nat 
 `recalled` = every answer token ranked first (greedy decoding would reproduce the code).
 
 `kv_format` (`eval --kv-format int4|fp4|int4h`) stores every run's cache rows, the full cache's
-included, in that 4-bit format (positronic/kv_formats.py); the table's title and the settings
+included, in that 4-bit format (positronic/kv/formats.py); the table's title and the settings
 give the format and its cache bytes per token. Compare two evals to see what the format costs.
 
 `recall=True` (`eval --recall`) runs every bounded policy (all but `none`) a second time

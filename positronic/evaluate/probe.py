@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..loop import BrainConfig
+from ..brain.loop import BrainConfig
 from .stream import EvalError, StreamResult, run_stream
 
 PROBE_FACT = "The secret code is 4817. Remember this code.\n\n"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loop import Brain, BrainConfig
-from ..policy import POLICIES
+from ..brain.loop import Brain, BrainConfig
+from ..policies.base import POLICIES
 
 
 class EvalError(ValueError):

@@ -57,8 +57,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from .. import rope
-from ..cache import OneSequenceLayer
+from ..kv import rope
+from ..kv.cache import OneSequenceLayer
 from .gates import GateSet, kv_heads
 from .labels import LifespanRule
 from .rows import RowBook

@@ -124,7 +124,7 @@ class SmartKVPolicy:
         return self._plan(view, {})
 
     def _plan(self, view, seconds: dict[str, float]):
-        from ..policy import PolicyPlan
+        from ..policies.base import PolicyPlan
 
         clock = time.perf_counter()
         ids, positions = view.ledger_ids.tolist(), view.positions.tolist()

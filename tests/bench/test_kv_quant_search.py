@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from positronic.kv_formats import PACKED
+from positronic.kv.formats import PACKED
 from positronic.texts import DEFAULT_TEXT
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,9 @@ import pytest
 import torch
 import uvicorn
 
-from positronic.loop import BrainConfig
-from positronic.server import ServerSettings, create_app
-from positronic.state_manager import ContextView
+from positronic.brain.loop import BrainConfig
+from positronic.server.app import ServerSettings, create_app
+from positronic.state.manager import ContextView
 
 
 def _crafted_view(token_ids, predicted, brightness=None) -> ContextView:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from positronic.evaluate import make_config, reference_config, run_stream, segment_bounds
-from positronic.loop import Brain
+from positronic.brain.loop import Brain
 
 
 def test_the_stream_is_teacher_forced_through_brain_step(tiny, monkeypatch, eval_text):

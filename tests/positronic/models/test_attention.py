@@ -4,7 +4,7 @@ under a mask; it must give what transformers' own "sdpa" path gives, masked or n
 import pytest
 import torch
 
-from positronic.forward import visibility_mask
+from positronic.state.forward import visibility_mask
 from positronic.models import attention, load_model
 
 

@@ -21,9 +21,9 @@ def test_random_tiny_facts(tiny, expected_inv_freq):
 
 def test_random_tiny_runs_sdpa_and_its_attention_row_matches_eager(tiny, eager_forward):
     """The model runs SDPA (no attention weights); what eager attention would return for the
-    newest token is computed on the side (positronic.forward), equal to eager's."""
-    from positronic.cache import SpliceCache
-    from positronic.forward import forward
+    newest token is computed on the side (positronic.state.forward), equal to eager's."""
+    from positronic.kv.cache import SpliceCache
+    from positronic.state.forward import forward
 
     ids = [tiny.bos_id, *tiny.encode("abcdef")]
     with torch.inference_mode():

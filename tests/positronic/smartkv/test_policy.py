@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from positronic import session as sessions
-from positronic.actions import ActionError
-from positronic.loop import Brain, BrainConfig
+from positronic.brain import session as sessions
+from positronic.state.actions import ActionError
+from positronic.brain.loop import Brain, BrainConfig
 from positronic.mirror import from_bytes, to_bytes
 from positronic.smartkv import GateSet, SmartKVCache
 from positronic.smartkv.policy import SmartKVPolicy
-from positronic.state_manager import FAULT_STAGES, StateManager
-from positronic.tui import frame, take_snapshot
+from positronic.state.manager import FAULT_STAGES, StateManager
+from positronic.tui.app import frame, take_snapshot
 from positronic.models import with_cache
 
 SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer

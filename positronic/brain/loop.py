@@ -1,0 +1,398 @@
+"""The tick loop: Steps 1–3 decide, Step 4 (StateManager.apply) acts.
+
+One tick: sample the next token from the last forward's logits (1), or take the token the
+caller forces (teacher forcing: `eval` runs through this same loop); score every live row by
+the newest token's attention (2a); the policy updates brightness (2b), picks what to cut when
+the context is at or over budget (3a–3b) and asks its repairer for replacements (3c–3d);
+everything becomes one action list with the add last (3e); `apply` (4) runs the one forward
+that leaves the next tick's logits and attention row. The policy sees a read-only view; the
+tick number and its brightness reach the StateManager as arguments of `apply`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import torch
+
+from positronic import steps
+
+from . import chat
+from ..kv import formats as kv_formats
+from ..policies import repairers
+from ..state.actions import loggable
+from ..policies.base import DEFAULT_WINDOW, POLICIES, make_policy
+from ..kv.cache import check_store
+from ..state.manager import StateManager, default_capacity
+from ..text import rows_matching, span_texts
+
+
+MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
+
+
+def cache_capacity(context_length: int, budget: int, kv_store: str = "splice") -> int:
+    """Rows to preallocate for a run: room for the larger of context and budget. A ring gets
+    exactly that: the live length never exceeds it, and every slot beyond the live rows is
+    one the model's attention reads and masks (the splice store wants spare rows instead, so
+    that it packs its rows down less often)."""
+    rows = max(context_length, budget)
+    return rows if kv_store == "ring" else default_capacity(rows)
+
+
+@dataclass
+class BrainConfig:
+    """Every setting of a run; saved with a session, so resuming needs nothing else."""
+
+    policy: str = "brightness"  # maintenance policy (see positronic/policies/base.py)
+    at_capacity: str = "shift"  # policy none when the cache is full: shift (llama.cpp's context shift) | stop
+    budget: int = 500  # target live length
+    sinks: int = 4  # attention-sink rows never culled
+    protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
+    window: int | None = None  # most recent rows never culled; None: the policy's default (Policy.default_window)
+    brightness: str = "ttl"  # rule: ttl | vote
+    # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
+    # at 500 a row holds its brightness while it gets about its fair share of attention
+    # (1/live at a budget of 256 rows) and fades otherwise. DESIGN's reference constants
+    # (2, 10) make attention almost irrelevant; 500 measured best (bench/RESULTS.md).
+    ttl_decay: float = 2.0
+    ttl_gain: float = 1000.0
+    unit: int = 0  # brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
+    score_layers: str | list[int] = "last"  # which layers' attention scores a row
+    # none (cull only) measured best; every repairer tried costs perplexity (bench/RESULTS.md)
+    repairer: str = "none"  # none | bridge | self | mlm:PATH
+    repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
+    bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
+    # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
+    # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
+    # grows slowly after that, so repairing 8 pairs every 8th tick costs far less than one pair
+    # every tick (bench/RESULTS.md); the live length then moves between budget - 8 and budget.
+    repair_batch: int = 8
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    penalty_window: int = 64  # recent tokens the repetition penalty looks at
+    seed: int = 0
+    # evicted chunks come back when the newest token's query matches them (positronic/policies/recall.py)
+    recall: bool = False
+    refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
+    refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 | int4h (positronic/kv/formats.py)
+    kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only: cache.RingLayer)
+    gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
+
+    def __post_init__(self):
+        if self.window is None:
+            policy = POLICIES.get(self.policy)
+            self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
+
+    @property
+    def recorded_layers(self):
+        """Layers whose attention row (and query) each forward records: the scored ones, or
+        every layer with recall, whose signal comes from the few heads that look things up,
+        wherever they are (the last layer alone does not find an evicted fact)."""
+        return "all" if self.recall else self.score_layers
+
+    @property
+    def scored_layers(self):
+        """`score_layers`, as an index into the recorded layers."""
+        return self.score_layers if self.recall else "all"
+
+    @property
+    def unit_rows(self) -> int:
+        """Rows per unit: `unit`, or with 0 a pair when a repairer is set, else one row."""
+        return self.unit or (1 if self.repairer == "none" else 2)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
+            raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
+                             f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
+        for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every", "refresh_kl"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.at_capacity not in ("stop", "shift"):
+            raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
+        if self.brightness not in steps.RULES:
+            raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
+        repairers.check_spec(self.repairer)
+        kv_formats.check_format(self.kv_format)
+        check_store(self.kv_store)
+        if self.kv_store == "ring" and self.policy != "streaming":  # only it evicts the oldest window rows
+            raise ValueError(f"the ring store serves only the streaming policy, not {self.policy} "
+                             "(choose --policy streaming or --kv-store splice)")
+        if self.kv_store == "ring" and self.kv_format != "float":
+            raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
+                             "(choose --kv-format float or --kv-store splice)")
+        if self.unit < 0:
+            raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
+        if self.repairer != "none" and self.unit not in (0, 2):
+            raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
+                             "(use --repairer none with other units)")
+        for name in ("ttl_decay", "ttl_gain", "bridge_margin"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
+            raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
+        if self.repair_batch < 1:
+            raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
+        if self.repairer in ("self", "bridge") and self.repair_tokens != 1:
+            raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
+                             "(--repair-tokens applies to --repairer mlm:PATH)")
+        POLICIES[self.policy].check(self)
+        if self.gates and not POLICIES[self.policy].per_layer:
+            raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def check_budget(lm, config: BrainConfig) -> None:
+    """ValueError for settings that cannot run on `lm`, before anything is allocated (a budget
+    beyond the model's positions would only fail hundreds of ticks in)."""
+    config.validate()
+    if config.budget > lm.max_positions:
+        raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+
+
+def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[int]:
+    """Prompt rows covered by an occurrence of one of the `pins` texts (see Brain.start)."""
+    texts = span_texts(lm.decode, prompt_ids)
+    rows: set[int] = set()
+    for needle in pins:
+        found = rows_matching(texts, needle)
+        if not found:
+            raise ValueError(f"--pin {needle!r} does not occur in the prompt")
+        rows.update(found)
+    policy = POLICIES[config.policy]
+    if rows and policy.per_layer:
+        raise ValueError(f"--pin: policy {config.policy} keeps different rows in each layer and has no pins")
+    if rows and policy.name != "none":
+        room = config.budget - max(config.sinks, config.protect) - policy.window(config, config.budget) - policy.batch(config)
+        if len(rows) > room:
+            raise ValueError(f"{len(rows)} pinned rows leave the {config.policy} policy no room to evict at budget "
+                             f"{config.budget} (at most {max(room, 0)})")
+    return sorted(rows)
+
+
+@dataclass
+class TickRecord:
+    """What one tick did, for the event log, the progress line and the terminal view."""
+
+    tick: int
+    token_id: int
+    text: str
+    actions: list[dict]
+    outcomes: list[tuple[tuple[int, ...], str]]
+    live_length: int  # rows each layer holds after the tick: what the budget bounds
+    brightness_min: float
+    brightness_mean: float
+    brightness_max: float
+    rebuilt: bool = False
+    error: str | None = None
+    stopped: bool = False  # the policy could not go on; the run ends after this tick
+    source: str = "generated"  # the added token's ledger source: "user" when it was typed input
+    seconds: dict[str, float] = field(default_factory=dict)  # per step
+    removed: list[dict] = field(default_factory=list)  # {"ledger_id", "text"} of each row the edits took out
+    live_tokens: int | None = None  # tokens some layer holds (the live map); > live_length only when layers differ
+
+    def __post_init__(self):
+        if self.live_tokens is None:
+            self.live_tokens = self.live_length
+
+    def to_json(self) -> dict:
+        record = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy a restore's K/V
+        return {"record": "tick", **record, "actions": [loggable(action) for action in self.actions]}
+
+
+class Observer(Protocol):
+    """Sees every action list just before and just after Step 4 (fixture capture uses it),
+    and the Step 2b brightness that goes with it (None: unchanged)."""
+
+    def before_apply(self, brain: "Brain", actions: list[dict], brightness=None) -> None: ...
+
+    def after_apply(self, brain: "Brain", actions: list[dict], report) -> None: ...
+
+
+class Brain:
+    """A StateManager plus the policy that drives it, tick after tick."""
+
+    def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
+                 generator_state: torch.Tensor | None = None, pending_input: Sequence[int] = ()):
+        check_budget(state.lm, config)
+        if state.kv_format != config.kv_format:
+            raise ValueError(f"the state stores its cache as {state.kv_format}, the settings say {config.kv_format}")
+        if state.kv_store != config.kv_store:
+            raise ValueError(f"the state keeps its cache in the {state.kv_store} store, the settings say {config.kv_store}")
+        self.state, self.config, self.tick = state, config, tick
+        self.policy = make_policy(config.policy, state.lm, config)
+        if self.policy.per_layer:
+            state.split_layers(self.policy.heads)  # a no-op for a resumed state that has them
+        self.observers: list[Observer] = []
+        self.generator = torch.Generator().manual_seed(config.seed)
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
+        self.counts = {"repairs": 0, "culls": 0, "rebuilds": 0, "refreshes": 0}
+        self.last_divergence: float | None = None
+        self._pending: deque[int] = deque(pending_input)  # user-turn tokens still to add
+
+    @property
+    def pending_input(self) -> tuple[int, ...]:
+        """The token ids of typed input not added yet, in order (saved with a session)."""
+        return tuple(self._pending)
+
+    def say(self, text: str) -> list[int]:
+        """Queue `text` as a user turn (positronic/brain/chat.py): the following ticks that force
+        nothing add its tokens one per tick instead of sampling (ledger source "user"), then
+        generation goes on. Returns the queued ids ([] for a blank line); TurnRefused for a line
+        too long for the budget."""
+        ids = chat.user_turn(self.state.lm, text, limit=chat.turn_limit(self.config))
+        self._pending.extend(ids)
+        return ids
+
+    @classmethod
+    def start(cls, lm, prompt_ids: list[int], config: BrainConfig | None = None, *, pins=()) -> "Brain":
+        """Prefill the prompt and return the brain, ready for its first tick. `pins`: texts
+        whose every occurrence in the prompt is pinned (never evicted or repaired); ValueError
+        if one does not occur, or if the pins leave the policy no room under the budget.
+
+        A prompt longer than the budget is brought within it before the first tick (a bulk
+        prune, as SmartKV does after prefill): every prompt token but the last is prefilled,
+        the policy prunes that context down to `budget - 1` rows from the attention of its
+        newest row, and the last prompt token is added in the same edit, so its logits
+        start the run from the pruned context. The tick count stays 0.
+        """
+        config = config or BrainConfig()
+        check_budget(lm, config)
+        pinned = pinned_rows(lm, prompt_ids, pins, config)
+        start = steps.RULES[config.brightness].start
+        long = len(prompt_ids) > config.budget
+        state = StateManager.from_tokens(lm, prompt_ids[:-1] if long else prompt_ids, brightness=start,
+                                         capacity=cache_capacity(len(prompt_ids), config.budget, config.kv_store),
+                                         score_layers=config.recorded_layers, kv_format=config.kv_format,
+                                         kv_store=config.kv_store, sinks=max(config.sinks, config.protect))
+        brain = cls(state, config)
+        state.pin([row for row in pinned if row < len(state)])
+        if long:
+            view = state.view(keys=config.recall or brain.policy.reads_keys)
+            plan = brain.policy.prune(view, steps.scores(state.last_attention, config.scored_layers), config.budget - 1)
+            actions = steps.consolidate(prompt_ids[-1], plan.actions)
+            report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
+            if report.rebuilt:
+                raise RuntimeError(f"pruning the prompt to the budget failed: {report.error}")
+            brain.policy.receive(None)  # the pruned prompt rows become recallable
+            if len(prompt_ids) - 1 in pinned:
+                state.pin([len(state) - 1])
+        return brain
+
+    def step(self, force: int | None = None) -> TickRecord:
+        """Run one tick. `force`: add this token instead of sampling one (teacher forcing);
+        without it, a queued user-turn token is added if there is one (`say`), else one is
+        sampled. Only sampling advances the sampler."""
+        cfg, sm, seconds = self.config, self.state, {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            seconds[name] = now - clock
+            clock = now
+
+        self.tick += 1
+        sampler = self.generator.get_state()
+        planning = False
+        try:
+            view = sm.view(keys=cfg.recall or self.policy.reads_keys)
+            # Step 1
+            source = "user" if force is None and self._pending else "generated"
+            if source == "user":
+                token_id = self._pending[0]
+            elif force is None:
+                recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
+                token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                                        top_p=cfg.top_p, repetition_penalty=cfg.repetition_penalty,
+                                        recent_ids=recent, generator=self.generator).token_id
+            else:
+                token_id = force
+            lap("sample")
+            # Step 2a (the attention row holds only the scored layers), then the policy (Steps 2b-3d)
+            # a per-layer policy scores rows itself (the attention row covers layer rows, not live rows)
+            scores = [] if sm.per_layer else steps.scores(sm.last_attention, cfg.scored_layers)
+            lap("attention")
+            planning = True
+            plan = self.policy.plan(view, scores, seconds)
+            clock = time.perf_counter()
+            # Step 3e and Step 4
+            actions = steps.consolidate(token_id, plan.actions)
+            for observer in self.observers:
+                observer.before_apply(self, actions, brightness=plan.brightness)
+            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
+                              add_source=source)
+        except BaseException:
+            # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
+            # count, the sampler and the policy's per-row state go back to where they were and a
+            # saved session resumes exactly
+            self.tick -= 1
+            self.generator.set_state(sampler)
+            if planning:
+                self.policy.undo()
+            raise
+        if source == "user" and not report.rebuilt:
+            self._pending.popleft()
+            if self.policy.recall is not None:  # recall looks at what was typed first
+                self.policy.recall.wake()
+        if report.rebuilt:  # the tick failed and changed nothing: nor does the policy keep it
+            self.policy.undo()
+        self.policy.receive(report.probe_logprobs)
+        for observer in self.observers:
+            observer.after_apply(self, actions, report)
+        lap("apply")
+        if not report.rebuilt and self._refresh_due(report):
+            sm.rebuild()
+            self.counts["refreshes"] += 1
+            lap("refresh")
+        # the tokens the edits took out of the context: live before, not after (a deleted row, a
+        # replaced pair, a token every layer dropped); a failed tick took nothing out
+        entries = sm.mirror.ledger.entries
+        still = set(sm.mirror.live.ledger_ids)
+        removed = [] if report.rebuilt else [{"ledger_id": i, "text": entries[i].text}
+                                             for i in view.ledger_ids.tolist() if i not in still]
+        if not report.rebuilt:
+            self.counts["repairs"] += sum(a["action"] == "replace_pair" for a in actions)
+            self.counts["culls"] += sum(entries[r["ledger_id"]].state == "culled" for r in removed)
+        self.counts["rebuilds"] += report.rebuilt
+        live = sm.mirror
+        new_brightness = live.brightness()
+        # a failed tick added nothing: no text to show for it
+        text = "" if report.rebuilt else live.ledger[live.live.ledger_ids[-1]].text
+        return TickRecord(
+            tick=self.tick, token_id=token_id, text=text,
+            actions=actions, outcomes=plan.outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
+            brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
+            brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
+            source=source, seconds=seconds, removed=removed)
+
+    KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
+
+    def _refresh_due(self, report) -> bool:
+        """Periodic refresh, or a threshold on the measured divergence (DESIGN §4 fidelity)."""
+        cfg = self.config
+        if cfg.refresh_every and self.tick % cfg.refresh_every == 0:
+            return True
+        if cfg.refresh_kl and self.tick % self.KL_CHECK_EVERY == 0 and self.state.next_logits is not None:
+            self.last_divergence = self.state.divergence()
+            return self.last_divergence > cfg.refresh_kl
+        return False
+
+    def generator_state(self) -> torch.Tensor:
+        return self.generator.get_state()

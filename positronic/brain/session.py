@@ -1,0 +1,219 @@
+"""Sessions: a run saved so that it can go on exactly where it stopped.
+
+A session directory holds two files:
+
+    mirror.msgpack         the mirror (ledger + live map) and the run's metadata: model, tick,
+                           settings, sampler state, counts, the policy's state, and the name and
+                           sha256 of the cache file (mirror/storage.py: versioned, checksummed)
+    kv-<sha256[:16]>.safetensors
+                           the cache as it was: keys, values [layers, kv_heads, rows, head_dim],
+                           the greedy prediction after every row, the next-token logits and the
+                           attention row of the newest token (StateManager.tensors)
+
+Saving touches nothing in the run (no rebuild), so a run with `--session` makes the same
+tokens as one without, and resuming loads the cache instead of recomputing it, so the resumed
+run continues token for token. The cache file is written first under a name of its own
+content; the mirror file, written next, names it; only then is the previous cache file
+removed. A save killed at any point leaves the previous checkpoint whole.
+
+Everything read is checked before it is used (checksums, types, shapes against the model,
+layer 0 against a fresh computation); a session that fails any check raises SessionError and
+is left as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from positronic import mirror
+from positronic import steps
+from positronic.mirror import MirrorFileError, MirrorInvariantError
+
+from .loop import Brain, BrainConfig, cache_capacity
+from ..state.manager import StateInvariantError, StateManager
+
+MIRROR_FILE = "mirror.msgpack"
+CACHE_FILE = re.compile(r"kv-[0-9a-f]{16}\.safetensors")
+MAX_TICK = 2**53  # beyond this a tick is not an exact JSON number in the event log
+HEADER_SLACK = 1 << 20  # bytes a cache file may hold besides its tensors (the safetensors header)
+
+
+class SessionError(ValueError):
+    """A session directory that cannot be saved to or resumed from."""
+
+
+def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
+    """Checkpoint `brain` into `directory` (created if needed) without changing it; atomic.
+    Refuses a broken state (StateBrokenError): a state that cannot be trusted is never saved."""
+    directory = Path(directory)
+    tensors = brain.state.tensors()
+    directory.mkdir(parents=True, exist_ok=True)
+    data = safetensors.torch.save(tensors)
+    digest = hashlib.sha256(data).hexdigest()
+    cache_name = f"kv-{digest[:16]}.safetensors"
+    mirror.write_atomic(directory / cache_name, data)
+    meta = {
+        "model": model_name,
+        "tick": brain.tick,
+        "config": dataclasses.asdict(brain.config),
+        "generator": bytes(brain.generator_state().numpy().tobytes()),
+        "counts": dict(brain.counts),
+        "policy": brain.policy.state(),
+        "cache": {"file": cache_name, "sha256": digest},
+        "pending_input": list(brain.pending_input),  # typed input not fed yet
+    }
+    path = directory / MIRROR_FILE
+    mirror.save(path, brain.state.mirror, meta)
+    for stale in directory.glob("kv-*.safetensors"):
+        if stale.name != cache_name:
+            stale.unlink(missing_ok=True)
+    for stale in mirror.stale_temporaries(path) + [t for f in directory.glob("kv-*.safetensors")
+                                                   for t in mirror.stale_temporaries(f)]:
+        stale.unlink(missing_ok=True)  # left by a save that was killed
+    return path
+
+
+# Settings added after sessions were first saved, with the values those runs used: a session
+# saved before them resumes exactly as it would have gone on, not with today's defaults.
+BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0, "recall": False,
+                       "kv_format": "float", "gates": "", "kv_store": "splice"}
+
+
+def checked_config(path: Path, config) -> dict:
+    """The saved settings, complete and of the right types, or SessionError naming what is not
+    (a missing budget must not silently become the default, a string must not reach the loop)."""
+    fields = {f.name: f for f in dataclasses.fields(BrainConfig)}
+    if not isinstance(config, dict):
+        raise SessionError(f"{path}: settings missing")
+    if unknown := sorted(set(config) - set(fields)):
+        raise SessionError(f"{path}: unknown settings: {unknown}")
+    config = {**BEFORE_NEW_SETTINGS, **config}
+    if missing := sorted(set(fields) - set(config)):
+        raise SessionError(f"{path}: settings missing: {missing}")
+    for name, value in config.items():
+        default = fields[name].default
+        if name == "score_layers":
+            ok = value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
+        elif type(default) is float:
+            ok = type(value) in (int, float)
+        elif name == "window":  # None in the dataclass means "the policy's default"; saved resolved
+            ok = type(value) is int
+        else:
+            ok = type(value) is type(default)
+        if not ok:
+            raise SessionError(f"{path}: setting {name} has the wrong type: {value!r}")
+    try:
+        BrainConfig(**config).validate()
+    except ValueError as exc:
+        raise SessionError(f"{path}: {exc}") from None
+    return config
+
+
+def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
+    """SessionError naming the first part of the metadata that is missing or malformed."""
+    if not isinstance(meta.get("model"), str):
+        raise SessionError(f"{path}: model missing")
+    tick = meta.get("tick")
+    last = max((t for e in saved.ledger.entries for t in (e.tick_born, e.tick_died) if t is not None), default=0)
+    if type(tick) is not int or not last <= tick <= MAX_TICK:
+        raise SessionError(f"{path}: tick {tick!r} is not a count between the ledger's last tick {last} and {MAX_TICK}")
+    generator = meta.get("generator")
+    if not isinstance(generator, bytes) or len(generator) != torch.Generator().get_state().numel():
+        raise SessionError(f"{path}: sampler state missing or of the wrong size")
+    counts = meta.get("counts", {})
+    if not (isinstance(counts, dict) and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items())):
+        raise SessionError(f"{path}: counts must map names to counts >= 0")
+    cache = meta.get("cache")
+    if cache is not None and not (isinstance(cache, dict) and set(cache) == {"file", "sha256"}
+                                  and isinstance(cache["file"], str) and CACHE_FILE.fullmatch(cache["file"])
+                                  and isinstance(cache["sha256"], str) and cache["sha256"][:16] == cache["file"][3:19]):
+        raise SessionError(f"{path}: cache reference malformed: {cache!r}")
+
+
+def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
+    """The saved mirror and its metadata, validated (the parts that need no model)."""
+    path = Path(directory) / MIRROR_FILE
+    if not path.is_file():
+        raise SessionError(f"{directory}: no saved session ({MIRROR_FILE} missing)")
+    try:
+        saved, meta = mirror.load(path)
+    except MirrorFileError as exc:
+        raise SessionError(str(exc)) from None
+    meta["config"] = checked_config(path, meta.get("config"))
+    _check_meta(path, saved, meta)
+    return saved, meta
+
+
+def _read_cache(directory: Path, reference: dict, limit: int) -> dict[str, torch.Tensor]:
+    """The cache tensors named by the mirror file, checked against their sha256; a file larger
+    than the mirror's rows can need (`limit` bytes) is refused before it is read."""
+    path = directory / reference["file"]
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise SessionError(f"{path}: {size} bytes, more than the {limit} the saved context can need")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SessionError(f"{path}: cannot read the saved cache ({exc.strerror or exc})") from None
+    if hashlib.sha256(data).hexdigest() != reference["sha256"]:
+        raise SessionError(f"{path}: checksum mismatch: the saved cache was changed or damaged")
+    try:
+        return safetensors.torch.load(data)
+    except Exception as exc:  # the checksum matched a file safetensors cannot read: a forged pair
+        raise SessionError(f"{path}: not a readable cache file ({type(exc).__name__}: {exc})") from None
+
+
+def _cache_bytes(lm, rows: int) -> int:
+    """The most bytes a cache file for `rows` live rows of `lm` can take."""
+    item = torch.empty((), dtype=lm.dtype).element_size()
+    kv = 2 * lm.num_layers * lm.num_kv_heads * rows * lm.head_dim * item
+    return kv + 8 * rows + 4 * lm.vocab_size + 4 * lm.num_layers * lm.num_heads * rows + HEADER_SLACK
+
+
+def resume(lm, directory: str | Path) -> Brain:
+    """A Brain that continues the saved run exactly: the cache as it was saved (sessions from
+    before the cache file was saved: rebuilt from the mirror, as they were saved right after
+    a rebuild), the sampler, the tick, the policy's state."""
+    directory = Path(directory)
+    saved, meta = load(directory)
+    path = directory / MIRROR_FILE
+    if meta["model"] != lm.name:
+        raise SessionError(f"{directory}: saved with model {meta['model']!r}, not {lm.name!r}")
+    config = BrainConfig(**meta["config"])
+    if config.budget > lm.max_positions:
+        raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+    options = dict(capacity=cache_capacity(len(saved), config.budget, config.kv_store),
+                   score_layers=config.recorded_layers, brightness=steps.RULES[config.brightness].start,
+                   kv_format=config.kv_format, kv_store=config.kv_store)
+    try:
+        if meta.get("cache") is None:
+            state = StateManager.from_mirror(lm, saved, **options)
+        else:
+            tensors = _read_cache(directory, meta["cache"], _cache_bytes(lm, len(saved)))
+            state = StateManager.from_saved(lm, saved, tensors, **options)
+    except (ValueError, MirrorInvariantError, StateInvariantError) as exc:
+        if isinstance(exc, SessionError):
+            raise
+        raise SessionError(f"{directory}: the saved state does not fit {lm.name}: {exc}") from None
+    generator = torch.Generator()
+    try:
+        generator.set_state(torch.frombuffer(bytearray(meta["generator"]), dtype=torch.uint8))
+    except RuntimeError as exc:
+        raise SessionError(f"{path}: sampler state invalid ({exc})") from None
+    pending = meta.get("pending_input", [])  # sessions from before typed input: none
+    if not (isinstance(pending, list) and all(type(t) is int and 0 <= t < lm.vocab_size for t in pending)):
+        raise SessionError(f"{path}: pending input must be a list of token ids inside {lm.name}'s vocabulary")
+    brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending)
+    if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
+        try:
+            brain.policy.load_state(meta["policy"])
+        except ValueError as exc:
+            raise SessionError(f"{path}: {exc}") from None
+    brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})
+    return brain

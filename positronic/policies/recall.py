@@ -1,0 +1,199 @@
+"""Recall: evicted rows come back when the context asks for them, exactly as they were.
+
+No bounded cache of the field keeps a token once it is evicted. Here the ledger keeps every
+token and the RoPE position it held, and live positions keep the gaps evicted rows left, so
+an evicted row can be put back exactly where it was (StateManager's `restore` action).
+
+What comes back: when a row is evicted, its K/V in every layer are kept here as they were in
+the cache (keys rotated at the position it held, which is where it comes back), with the
+token the model predicted after it. A restore hands them to Step 4, which copies them into
+the gap after checking layer 0 against the token at its position. Recomputing them instead
+(seeing only today's compressed left context) costs the retrieval probe 2.64 nats over the
+full cache; the stored K/V cost 0.55 (bench/RESULTS.md, "Recall").
+
+When: every `every` ticks, and at once on the tick after a typed token came in (`wake`), the
+newest token's query scores the kept keys like live rows: an evicted row's would-be attention
+is exp(q·k − log Σ_live exp(q·k')), averaged over layers and heads like the live rows' scores
+(steps.scores). If the best row would get at least `threshold` times a live row's fair share
+(1 / live rows), it comes back with the evicted rows around it (up to `span` rows, nearest
+positions first: the text around a match is what makes it useful), and the policy frees as
+many more rows in the same tick. A row that came back cannot come back again for `cooldown`
+ticks after it is evicted again, so nothing flickers in and out.
+
+Memory: `capacity` evicted rows at most (oldest dropped first), each 2 × layers × kv_heads ×
+head_dim in the cache's dtype (SmolLM2 float32: 46 KB). Cost: scoring reads every kept key
+(one [rows × head_dim] × [head_dim × group] product per layer and kv head), hence `every`.
+
+    keys, values  [layers, kv_heads, rows, head_dim]  (the cache's dtype, on the CPU)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..util import DTYPES, is_int_list
+
+DEFAULT_THRESHOLD = 8.0  # × a live row's fair share of attention
+DEFAULT_SPAN = 16  # rows restored around the best match
+DEFAULT_CAPACITY = 2048  # evicted rows kept recallable (scoring them costs ~6% of a SmolLM2 CPU tick per 1000)
+DEFAULT_COOLDOWN = 64  # ticks before a restored row may come back again
+DEFAULT_EVERY = 1  # ticks between looks (and at once after typed input): the query that finds a fact comes at one token
+
+
+class Recall:
+    def __init__(self, *, threshold: float = DEFAULT_THRESHOLD, span: int = DEFAULT_SPAN,
+                 capacity: int = DEFAULT_CAPACITY, cooldown: int = DEFAULT_COOLDOWN, every: int = DEFAULT_EVERY):
+        self.threshold, self.span, self.capacity, self.cooldown, self.every = threshold, span, capacity, cooldown, every
+        self.ids: list[int] = []  # ledger id per kept row, in order of eviction
+        self.positions: list[int] = []
+        self.predicted: list[int] = []  # the model's next token after each kept row (ContextView.predicted)
+        self.keys: torch.Tensor | None = None  # [layers, kv_heads, rows, head_dim]
+        self.values: torch.Tensor | None = None
+        self.back_at: dict[int, int] = {}  # ledger id -> clock of its last restore
+        self.clock = 0  # plans so far
+        self.restored = 0  # rows brought back so far
+        self.awake = False  # look on the next plan whatever the clock says (typed input came in)
+        self._pending: tuple | None = None
+        self._before: tuple[int, bool] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def wake(self) -> None:
+        """Typed input came in: look at the next tick's query, off the `every` schedule."""
+        self.awake = True
+
+    # --- one tick ---------------------------------------------------------------------------
+
+    def choose(self, view) -> list[int]:
+        """Ledger ids to bring back this tick (nearest to the best match first), or []."""
+        self._before = (self.clock, self.awake)
+        self.clock += 1
+        due = self.awake or self.clock % self.every == 0
+        self.awake = False
+        if not due or not self.ids or view.query is None or view.log_norm is None:
+            return []
+        share = self.shares(view.query, view.log_norm)
+        best = int(share.argmax())
+        if float(share[best]) * len(view) < self.threshold:
+            return []
+        live = set(view.positions.tolist())
+        center = self.positions[best]
+        near = sorted((abs(p - center), p, i) for i, p in zip(self.ids, self.positions)
+                      if abs(p - center) <= self.span and p not in live
+                      and self.clock - self.back_at.get(i, -self.cooldown) >= self.cooldown)
+        return [i for _, _, i in near[: self.span]]
+
+    def shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
+        """[rows] float32: each kept row's would-be attention, averaged over layers and heads.
+        query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
+        layers, kv_heads, _, head_dim = self.keys.shape
+        if query.shape[0] != layers:
+            raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers "
+                             "(record every layer: StateManager(score_layers='all'))")
+        group = query.shape[1] // kv_heads
+        query = query.reshape(layers, kv_heads, group, head_dim).to(self.keys.dtype)
+        logits = self.keys @ query.transpose(-1, -2)  # [layers, kv_heads, rows, group]
+        logits = logits.float() - log_norm.reshape(layers, kv_heads, 1, group)
+        return logits.exp().mean(dim=(0, 1, 3))
+
+    def payload(self, ids: list[int]) -> dict:
+        """The restore action's own K/V for `ids` (see positronic.state.actions)."""
+        where = {i: k for k, i in enumerate(self.ids)}
+        index = torch.tensor([where[i] for i in ids], dtype=torch.long)
+        return {"keys": self.keys.index_select(2, index), "values": self.values.index_select(2, index),
+                "predicted": [self.predicted[where[i]] for i in ids]}
+
+    def plan(self, view, evicted_rows: list[int], restored: list[int]) -> None:
+        """What this tick's plan does (rows taken out, ids brought back); it takes effect at
+        `commit`, once the tick went through, and is dropped by `discard`. The evicted rows'
+        K/V are copied now, while the view's state is the cache's."""
+        rows = evicted_rows if evicted_rows and view.rows is not None else []
+        keys, values = view.rows(rows) if rows else (None, None)
+        self._pending = ([int(view.ledger_ids[r]) for r in rows], [int(view.positions[r]) for r in rows],
+                         [int(view.predicted[r]) for r in rows], keys, values, list(restored))
+
+    def commit(self) -> None:
+        if self._pending is None:
+            return
+        ids, positions, predicted, keys, values, restored = self._pending
+        self._pending = self._before = None
+        if restored:
+            back = set(restored)
+            self._keep([k for k, i in enumerate(self.ids) if i not in back])
+            self.back_at.update((i, self.clock) for i in restored)
+            self.restored += len(restored)
+        if ids:
+            self.ids += ids
+            self.positions += positions
+            self.predicted += predicted
+            empty = self.keys is None
+            self.keys = keys if empty else torch.cat([self.keys, keys], dim=2)
+            self.values = values if empty else torch.cat([self.values, values], dim=2)
+        if len(self.ids) > self.capacity:  # the oldest evictions go first
+            self._keep(range(len(self.ids) - self.capacity, len(self.ids)))
+        if len(self.back_at) > 2 * self.capacity:
+            self.back_at = {i: t for i, t in self.back_at.items() if self.clock - t < self.cooldown}
+
+    def _keep(self, kept) -> None:
+        kept = list(kept)
+        self.ids = [self.ids[k] for k in kept]
+        self.positions = [self.positions[k] for k in kept]
+        self.predicted = [self.predicted[k] for k in kept]
+        index = torch.tensor(kept, dtype=torch.long)
+        self.keys, self.values = self.keys.index_select(2, index), self.values.index_select(2, index)
+
+    def discard(self) -> None:
+        """The tick did not happen: forget its plan (and its clock tick)."""
+        if self._before is not None:
+            self.clock, self.awake = self._before
+        self._pending = self._before = None
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    VERSION_1 = {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}  # keys only
+
+    def state(self) -> dict:
+        """Plain data for a session: the kept rows, their K/V as raw bytes, the clocks."""
+        def raw(tensor):
+            return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        return {"ids": list(self.ids), "positions": list(self.positions), "predicted": list(self.predicted),
+                "shape": [] if self.keys is None else list(self.keys.shape),
+                "dtype": "float32" if self.keys is None else str(self.keys.dtype).removeprefix("torch."),
+                "keys": raw(self.keys), "values": raw(self.values),
+                "back_at": [[i, t] for i, t in self.back_at.items()],
+                "clock": self.clock, "restored": self.restored, "awake": self.awake}
+
+    def load_state(self, state: dict) -> None:
+        """Take a `state()` back; ValueError if anything is malformed (nothing changes then)."""
+        fields = {"ids", "positions", "predicted", "shape", "dtype", "keys", "values", "back_at", "clock",
+                  "restored", "awake"}
+        if isinstance(state, dict) and set(state) == self.VERSION_1 and type(state.get("clock")) is int \
+                and type(state.get("restored")) is int:
+            # a session from before rows came back with their own K/V: it kept keys only, so
+            # what it evicted cannot come back exactly; the index starts empty from here
+            state = {**self.__class__().state(), "clock": state["clock"], "restored": state["restored"]}
+        ok = (isinstance(state, dict) and set(state) == fields
+              and is_int_list(state["ids"]) and is_int_list(state["positions"]) and is_int_list(state["predicted"])
+              and len(state["ids"]) == len(state["positions"]) == len(state["predicted"])
+              and len(state["ids"]) <= self.capacity and is_int_list(state["shape"]) and state["dtype"] in DTYPES
+              and isinstance(state["keys"], bytes) and isinstance(state["values"], bytes)
+              and isinstance(state["back_at"], list) and all(is_int_list(p) and len(p) == 2 for p in state["back_at"])
+              and type(state["clock"]) is int and type(state["restored"]) is int and type(state["awake"]) is bool)
+        keys = values = None
+        if ok and (state["shape"] or state["keys"]):
+            shape, dtype = state["shape"], DTYPES[state["dtype"]]
+            size = torch.finfo(dtype).bits // 8
+            ok = (len(shape) == 4 and shape[2] == len(state["ids"]) and all(n > 0 for n in shape[:2] + shape[3:])
+                  and len(state["keys"]) == len(state["values"]) == size * shape[0] * shape[1] * shape[2] * shape[3])
+            if ok:
+                keys, values = (torch.frombuffer(bytearray(state[k]), dtype=torch.uint8).view(dtype).reshape(shape)
+                                for k in ("keys", "values"))
+                ok = bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
+        if not ok:
+            raise ValueError("recall: malformed saved state")
+        self.ids, self.positions, self.predicted = list(state["ids"]), list(state["positions"]), list(state["predicted"])
+        self.keys, self.values = keys, values
+        self.back_at = {i: t for i, t in state["back_at"]}
+        self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]
+        self._pending = self._before = None

@@ -1,0 +1,90 @@
+"""The `serve` command: `positronic serve --model … --port 8080` (positronic/server/app.py).
+
+Its maintenance and sampling options are the run's own definitions (`--policy`, `--budget`,
+`--sinks`, `--protect`, the llama.cpp aliases, …), taken from the run command's signature
+rather than copied, and they become a BrainConfig the way the run's do (`cli.brain_config`);
+only `--budget`'s default differs (a conversation needs more room than a first demo run).
+The server's own options follow. Nothing here imports the HTTP stack: the command line loads
+it only when the server starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+# the run's options a server takes as they are (besides --budget, whose default differs)
+RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
+               "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
+               "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "temperature", "top_k",
+               "top_p", "repetition_penalty", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
+SERVE_BUDGET = 512
+
+
+def _server_options(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8080, min=0, max=65535, help="Port to listen on (0: any free port, printed)."),
+    session_dir: Optional[Path] = typer.Option(None, help="Where idle sessions are checkpointed (default: "
+                                               "~/.cache/positronic/server-sessions/MODEL, or under $POSITRONIC_CACHE)."),
+    max_sessions: int = typer.Option(16, min=1, help="Sessions kept in memory (throwaway ones included); the least "
+                                     "recently used idle one is checkpointed to disk and freed to make room, "
+                                     "and resumed on its next request."),
+    idle_save: float = typer.Option(300.0, min=0.0, help="Checkpoint and free a session idle this many seconds "
+                                    "(0: only when room is needed, and at shutdown)."),
+    max_pending: int = typer.Option(64, min=1, help="Generation requests in the server at once, queued ones "
+                                    "included; more are refused with 429."),
+    max_body: int = typer.Option(1 << 20, min=1024, help="Largest request body in bytes (413 above)."),
+    max_tokens: int = typer.Option(4096, min=1, help="The most tokens one request may ask to generate."),
+    default_max_tokens: int = typer.Option(256, min=1, help="Tokens generated when a request gives no max_tokens."),
+) -> None:
+    """The serve command's own options: their definitions only (never called)."""
+
+
+def default_session_dir(model: str) -> Path:
+    """The checkpoint directory of a model's sessions: one per model, as a session resumes
+    only with the model it was saved with."""
+    from ..models import cache_root
+
+    return cache_root() / "server-sessions" / re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+
+
+def serve_command(run: Callable, brain_config: Callable) -> Callable:
+    """The `serve` command function, with `run`'s options (RUN_OPTIONS and --budget) and the
+    server's own as its signature; `brain_config(ctx, options)` makes the BrainConfig."""
+    shared = inspect.signature(run, eval_str=True).parameters
+    budget = copy.copy(shared["budget"].default)
+    budget.default, budget.help = SERVE_BUDGET, "Live context budget of each session: never exceeded after a tick."
+    parameters = [shared["ctx"]] + [shared[name].replace(default=budget) if name == "budget" else shared[name]
+                                    for name in shared if name in RUN_OPTIONS or name == "budget"]
+    parameters += list(inspect.signature(_server_options, eval_str=True).parameters.values())
+
+    def serve(ctx: typer.Context, **options) -> None:
+        """Serve the brain over HTTP until Ctrl-C or SIGTERM (sessions are saved on the way out)."""
+        from ..cli import UserError, set_threads, writable_directory
+        from ..brain.loop import check_budget
+        from ..models import load_model
+
+        config = brain_config(ctx, options)
+        directory = options["session_dir"] or default_session_dir(options["model"])
+        writable_directory(directory, "--session-dir")
+        if options["default_max_tokens"] > options["max_tokens"]:
+            raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
+                                     f"--max-tokens {options['max_tokens']}")
+        set_threads(options["threads"])
+        lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
+        check_budget(lm, config)
+        from .app import ServerSettings, serve_forever
+
+        settings = ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],
+                                  idle_save_s=options["idle_save"], max_pending=options["max_pending"],
+                                  max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
+                                  default_max_tokens=options["default_max_tokens"])
+        serve_forever(lm, config, settings, host=options["host"], port=options["port"])
+
+    serve.__signature__ = inspect.Signature(parameters)
+    return serve

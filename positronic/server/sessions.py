@@ -1,0 +1,395 @@
+"""The server's conversations: one brain per session, one model thread for all of them.
+
+    worker = ModelWorker()                      # every job that touches the model runs here, in order
+    pool = SessionPool(lm, worker, directory, max_sessions=16)
+    conversation = await pool.acquire("alice")  # in memory, resumed from disk, or new (brain None)
+    ... Turn(conversation, worker, reply).pieces() ...
+    pool.release(conversation)
+
+A session is a Conversation: its Brain and the input it has still to read. A request holds its
+conversation (an asyncio lock) from its first token read to its last token generated, so two
+requests of one session never interleave; requests of different sessions do, one brain step at
+a time on the one model thread, which never mixes states because a step is a call on one
+brain. A session's later request appends its new turn to the live brain; nothing is prefilled
+again.
+
+The pool keeps at most `max_sessions` conversations in memory (a request without a session
+gets a throwaway conversation that counts too). To make room, and when a session has been
+idle `idle_save_s`, the least recently used idle one is checkpointed with
+positronic/brain/session.py into `directory/ID/` and freed; its next request resumes it from there,
+token for token as if it had stayed. `close()` checkpoints every session (graceful shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..brain import session as sessions
+from ..brain.loop import Brain, BrainConfig, TickRecord
+from .text import Reply
+from ..state.manager import StateBrokenError
+
+log = logging.getLogger("positronic.server.app")
+
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TRANSCRIPT_SOURCES = ("prompt", "user", "generated")  # what was said; repairs and insertions are the brain's own
+MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
+
+
+class PoolFull(Exception):
+    """Every conversation slot is held by a request: nothing can be freed for another one."""
+
+
+class SessionUnusable(Exception):
+    """A checkpointed session that cannot be resumed (damaged, or saved with another model)."""
+
+
+class ClientGone(Exception):
+    """The client went away: the request's generation stops."""
+
+
+def check_session_id(value: str) -> str:
+    """`value` if it is a usable session id (1-64 of A-Z a-z 0-9 _ -: it names a directory),
+    else ValueError saying so."""
+    if not SESSION_ID.fullmatch(value):
+        raise ValueError(f"session id {value[:80]!r} must be 1 to 64 characters from A-Z a-z 0-9 _ -")
+    return value
+
+
+class ModelWorker:
+    """The one thread that runs the model: every job that touches a brain runs here, one at a
+    time, in the order submitted. A job whose awaiting request was cancelled before it started
+    never runs; one already running finishes (a brain step is never cut in half), and the
+    next request of its session waits for it (`barrier`) before it looks at the brain."""
+
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="positronic-model")
+        self.busy_s = 0.0  # seconds spent in jobs
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.wrap_future(self._executor.submit(self._timed, fn, *args))
+
+    def _timed(self, fn: Callable, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    async def barrier(self) -> None:
+        """Wait until every job submitted so far has run (the worker takes them in order)."""
+        await self.run(lambda: None)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class Conversation:
+    """One session's brain (None until its first request) and the forced tokens it still has
+    to read (a reply's closing, a completion's text); typed turns wait in the brain itself
+    (Brain.say). The methods that touch the brain run on the model worker; `on_tick` sees
+    every tick with its duration (the server's metrics)."""
+
+    def __init__(self, session_id: str | None, on_tick: Callable[[TickRecord, float], None] = lambda r, s: None):
+        self.id = session_id
+        self.brain: Brain | None = None
+        self.forced: deque[int] = deque()
+        self.on_tick = on_tick
+        self.lock = asyncio.Lock()
+        self.users = 0  # requests holding or waiting for the lock (plus an eviction in progress)
+        self.last_used = time.monotonic()
+        self.dirty = False  # changed since it was resumed or saved
+        self.evicted = False  # checkpointed and freed: a request that waited for it starts again
+        self.broken = False  # its state cannot be trusted: dropped, never saved
+
+    # -- on the model worker --------------------------------------------------------------
+
+    def start(self, lm, prompt_ids: list[int], config: BrainConfig) -> None:
+        """Prefill a fresh brain with the prompt (at most the budget: checked by the caller)."""
+        self.brain = Brain.start(lm, prompt_ids, config)
+        self.dirty = True
+
+    @property
+    def reading(self) -> bool:
+        """Input still to be added before a reply can be generated."""
+        return bool(self.forced) or bool(self.brain is not None and self.brain.pending_input)
+
+    def queue(self, forced: list[int] = (), turns: list[str] = ()) -> None:
+        """Queue `forced` ids, then each user turn (Brain.say: TurnRefused if one is too long;
+        check them first, as a refused one leaves the earlier ones queued)."""
+        self.forced.extend(forced)
+        for text in turns:
+            self.brain.say(text)
+
+    def read_one(self) -> TickRecord | None:
+        """Add the next queued input token (forced ones first: they come before the turns);
+        None, and no tick, when there is none."""
+        if not self.reading:
+            return None
+        return self._tick(self.forced[0] if self.forced else None, forced=bool(self.forced))
+
+    def settle(self) -> None:
+        """Read every queued input token (before a new turn is queued, and before a save)."""
+        while self.reading:
+            self.read_one()
+
+    def step(self, sampling: dict) -> TickRecord:
+        """Generate one token, with `sampling` (temperature, top_p) in place of the session's
+        own settings for this tick only: the session keeps (and saves) its own."""
+        if not sampling:
+            return self._tick(None)
+        own = self.brain.config
+        self.brain.config = dataclasses.replace(own, **sampling)
+        try:
+            return self._tick(None)
+        finally:
+            self.brain.config = own
+
+    def _tick(self, force: int | None, *, forced: bool = False) -> TickRecord:
+        start = time.perf_counter()
+        self.dirty = True
+        try:
+            record = self.brain.step(force)
+        except StateBrokenError:
+            self.broken = True
+            raise
+        if self.brain.state.broken:
+            self.broken = True
+            raise StateBrokenError(f"the session's state is broken: {self.brain.state.broken}")
+        if forced and not record.rebuilt:
+            self.forced.popleft()
+        self.on_tick(record, time.perf_counter() - start)
+        return record
+
+    def save(self, directory: Path, model_name: str) -> None:
+        """Checkpoint into `directory` (its input read first: only typed turns are saved pending)."""
+        self.settle()
+        sessions.save(directory, self.brain, model_name)
+        self.dirty = False
+
+    def last_token(self) -> int:
+        return self.brain.state.live_token_ids()[-1]
+
+    def describe(self) -> dict:
+        """The session's state for clients: counts, and its text (transcript and live)."""
+        return describe(self.brain.state.mirror, self.brain.tick, self.brain.config.budget)
+
+
+def describe(mirror, tick: int, budget: int) -> dict:
+    """A session's mirror in words: what was said (the ledger's prompt, user and generated
+    tokens, in order), what the brain holds now (the live rows), and the counts.
+    `transcript_tokens` counts what was said: the sum of the session's requests' usage
+    (prompt_tokens + completion_tokens), whatever the policy culled, repaired or recalled."""
+    entries = mirror.ledger.entries
+    said = [e for e in entries if e.source in TRANSCRIPT_SOURCES]
+    rows = len(mirror) if mirror.layers is None else len(mirror.layers)  # per layer: what the budget bounds
+    return {"tick": tick, "budget": budget, "live_length": rows, "ledger_tokens": len(entries),
+            "transcript_tokens": len(said),
+            "culled": mirror.ledger.count("culled"), "replaced": mirror.ledger.count("replaced"),
+            "transcript": "".join(e.text for e in said),
+            "live_text": "".join(mirror.live_texts())}
+
+
+class Turn:
+    """One request's part of a conversation: the input queued for it read, then its reply
+    generated, one worker job per token, so other sessions' requests step in between.
+    `pieces()` yields the reply's text as it becomes sendable; ClientGone when `gone()` says
+    the client left (checked before every token)."""
+
+    def __init__(self, conversation: Conversation, worker: ModelWorker, lm, *, max_tokens: int,
+                 stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False):
+        self.conversation, self.worker, self.lm = conversation, worker, lm
+        self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
+        self.ignore_eos = ignore_eos
+        self.reply: Reply | None = None
+
+    async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
+        conversation = self.conversation
+        while conversation.reading:
+            if gone is not None and await gone():
+                raise ClientGone()
+            await self.worker.run(conversation.read_one)
+        self.reply = reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
+                                   ignore_eos=self.ignore_eos)
+        failed = 0
+        while not reply.done:
+            if gone is not None and await gone():
+                raise ClientGone()
+            record = await self.worker.run(conversation.step, self.sampling)
+            if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
+                failed += 1
+                if failed >= MAX_FAILED_TICKS:
+                    raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
+                continue
+            failed = 0
+            piece = reply.add(record.token_id, stopped=record.stopped)
+            if piece:
+                yield piece
+
+
+class SessionPool:
+    """The conversations in memory, at most `max_sessions` of them; the rest checkpointed
+    under `directory`, one subdirectory per session id."""
+
+    def __init__(self, lm, worker: ModelWorker, directory: Path, *, max_sessions: int, idle_save_s: float = 0.0,
+                 on_tick: Callable[[TickRecord, float], None] = lambda r, s: None):
+        self.lm, self.worker, self.directory = lm, worker, Path(directory)
+        self.max_sessions, self.idle_save_s, self.on_tick = max_sessions, idle_save_s, on_tick
+        self._loaded: dict[str, Conversation] = {}
+        self._throwaway = 0  # throwaway conversations in use
+        self._admit = asyncio.Lock()  # one admission (eviction, resume) at a time
+        self.saved = 0  # checkpoints written
+        self.resumed = 0  # sessions brought back from disk
+        self.freed = 0  # sessions checkpointed and freed (room, idleness)
+
+    @property
+    def loaded(self) -> dict[str, Conversation]:
+        return self._loaded
+
+    @property
+    def in_use(self) -> int:
+        """Slots taken: sessions in memory plus throwaway conversations."""
+        return len(self._loaded) + self._throwaway
+
+    def path(self, session_id: str) -> Path:
+        return self.directory / session_id
+
+    async def acquire(self, session_id: str | None) -> Conversation:
+        """The conversation of `session_id` (None: a new throwaway one), held for this request
+        (waits while an earlier request of the session holds it). PoolFull when no slot can be
+        freed; SessionUnusable when its checkpoint cannot be resumed."""
+        if session_id is None:
+            async with self._admit:
+                await self._make_room()
+                self._throwaway += 1
+            conversation = Conversation(None, self.on_tick)
+            conversation.users = 1
+            await conversation.lock.acquire()
+            return conversation
+        while True:
+            conversation = self._loaded.get(session_id) or await self._admit_session(session_id)
+            conversation.users += 1
+            try:
+                await conversation.lock.acquire()
+            except BaseException:
+                conversation.users -= 1
+                raise
+            if not conversation.evicted:
+                try:  # a step that a cancelled request left running finishes first
+                    await self.worker.barrier()
+                except BaseException:
+                    self.release(conversation)
+                    raise
+                return conversation
+            conversation.lock.release()  # freed while this request waited: load it again
+            conversation.users -= 1
+
+    def release(self, conversation: Conversation) -> None:
+        """The request is done with it. A broken conversation is dropped (never saved: a
+        session's next request resumes from its last checkpoint, if it has one)."""
+        conversation.last_used = time.monotonic()
+        conversation.lock.release()
+        conversation.users -= 1
+        if conversation.id is None:
+            self._throwaway -= 1
+        elif conversation.broken and self._loaded.get(conversation.id) is conversation:
+            del self._loaded[conversation.id]
+            log.warning("session %s dropped: its state is broken", conversation.id)
+
+    async def _admit_session(self, session_id: str) -> Conversation:
+        async with self._admit:
+            if (conversation := self._loaded.get(session_id)) is not None:
+                return conversation  # admitted while this request waited
+            await self._make_room()
+            conversation = Conversation(session_id, self.on_tick)
+            path = self.path(session_id)
+            if (path / sessions.MIRROR_FILE).exists():
+                try:
+                    conversation.brain = await self.worker.run(sessions.resume, self.lm, path)
+                except sessions.SessionError as exc:
+                    raise SessionUnusable(f"session {session_id} cannot be resumed: {exc}") from None
+                self.resumed += 1
+            self._loaded[session_id] = conversation
+            return conversation
+
+    async def _make_room(self) -> None:
+        """Free slots until one is free: checkpoint and free the least recently used idle
+        conversations. PoolFull when every one is in use."""
+        skipped: set[str] = set()
+        while self.in_use >= self.max_sessions:
+            idle = [c for c in self._loaded.values() if c.users == 0 and c.id not in skipped]
+            if not idle:
+                raise PoolFull(f"all {self.max_sessions} sessions are in use (--max-sessions); try again later")
+            victim = min(idle, key=lambda c: c.last_used)
+            if not await self._evict(victim):
+                skipped.add(victim.id)
+
+    async def _evict(self, conversation: Conversation) -> bool:
+        """Checkpoint `conversation` (if it changed) and free it, once no request holds it.
+        False, and it stays, if the checkpoint cannot be written."""
+        conversation.users += 1
+        await conversation.lock.acquire()
+        try:
+            if conversation.evicted or self._loaded.get(conversation.id) is not conversation:
+                return True
+            if conversation.brain is not None and conversation.dirty and not conversation.broken:
+                try:
+                    await self.worker.run(conversation.save, self.path(conversation.id), self.lm.name)
+                except (OSError, StateBrokenError, ValueError) as exc:
+                    log.error("session %s could not be checkpointed: %s", conversation.id, exc)
+                    return False
+                self.saved += 1
+            conversation.evicted = True
+            del self._loaded[conversation.id]
+            self.freed += 1
+            return True
+        finally:
+            conversation.lock.release()
+            conversation.users -= 1
+
+    async def sweep(self) -> int:
+        """Checkpoint and free the sessions idle for `idle_save_s` (0: none); how many."""
+        if not self.idle_save_s:
+            return 0
+        now, freed = time.monotonic(), 0
+        for conversation in list(self._loaded.values()):
+            if conversation.users == 0 and now - conversation.last_used >= self.idle_save_s:
+                async with self._admit:
+                    if conversation.users == 0:
+                        freed += await self._evict(conversation)
+        return freed
+
+    async def close(self) -> int:
+        """Checkpoint every session in memory (each once its request is done) and free it;
+        how many checkpoints were written."""
+        before = self.saved
+        async with self._admit:
+            for conversation in list(self._loaded.values()):
+                await self._evict(conversation)
+        return self.saved - before
+
+    async def describe(self, session_id: str) -> dict | None:
+        """describe() of a session in memory or on disk; None if there is no such session."""
+        conversation = self._loaded.get(session_id)
+        if conversation is not None and conversation.brain is not None:
+            return await self.worker.run(conversation.describe)  # between two of its steps
+        path = self.path(session_id)
+        if not (path / sessions.MIRROR_FILE).exists():
+            return None
+
+        def load() -> dict:
+            saved, meta = sessions.load(path)
+            return describe(saved, meta["tick"], meta["config"]["budget"])
+
+        try:
+            return await self.worker.run(load)
+        except sessions.SessionError as exc:
+            raise SessionUnusable(f"session {session_id} cannot be read: {exc}") from None

@@ -1,0 +1,178 @@
+"""Text in and out of the server (positronic/server/app.py): a chat as token ids, a reply as text.
+
+    ChatFormat(lm).conversation(messages)   # a fresh context: BOS, the template's frame, every message
+    ChatFormat(lm).reply_end(last_token)    # what closes the assistant's reply before a new turn
+    Reply(lm, anchor, stops)                # generated ids -> the text a client may see so far
+
+A chat is written with the model's chat template, as positronic/brain/chat.py writes one user turn:
+the template's frame is encoded with its special tokens meant, each message's text is encoded
+literally (a special token typed into a message stays text). Without a usable template the
+plain form of chat.py is used: "\\nUser: …\\nAssistant:", and "\\nSystem: …" for a system
+message. A later turn of a running session is chat.user_turn's, so a session reads the same
+frame whether its turns came in one request or in several.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..brain import chat
+
+ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+_MARK = "POSITRONIC_MESSAGE_{}_7f3a"  # stands for message i's text while the template renders
+_REPLY = "POSITRONIC_REPLY_7f3a"
+
+
+class ChatFormat:
+    """Messages ({"role", "content": str}) as token ids for `lm` (a LoadedModel)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        self.frame = chat.turn_frame(lm.tokenizer)  # None: the plain form
+        self._closing = self._reply_closing() if self.frame is not None else ""
+
+    def literal(self, text: str) -> list[int]:
+        """Ids of `text` with any special token in it spelt out, never obeyed."""
+        return list(self.lm.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def conversation(self, messages: Sequence[dict]) -> list[int]:
+        """A fresh context for `messages`, ending with the assistant's prefix: BOS (unless the
+        template opens with it), the template's frame (and default system prompt, if it has
+        one) around each message's literal text."""
+        pieces = self._template_pieces(messages) if self.frame is not None else None
+        if pieces is None:
+            pieces = [(f"\n{ROLES[m['role']]}: ", m["content"].strip()) for m in messages]
+            pieces.append((chat.PLAIN_TURN[1], None))
+        ids = []
+        for frame, text in pieces:
+            ids += self.lm.encode(frame)
+            if text is not None:
+                ids += self.literal(text)
+        return ids if ids[:1] == [self.lm.bos_id] else [self.lm.bos_id] + ids
+
+    def _template_pieces(self, messages: Sequence[dict]) -> list[tuple[str, str | None]] | None:
+        """[(frame text, message text)] as the template renders `messages` plus the assistant's
+        prefix, or None when it cannot (the plain form is used)."""
+        marked = [{"role": "system" if m["role"] == "developer" else m["role"], "content": _MARK.format(i)}
+                  for i, m in enumerate(messages)]
+        try:
+            text = self.lm.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that cannot render this conversation
+            return None
+        if not isinstance(text, str):
+            return None
+        pieces = []
+        for i, message in enumerate(messages):
+            before, found, text = text.partition(_MARK.format(i))
+            if not found or _MARK.format(i) in text:
+                return None
+            pieces.append((before, message["content"].strip()))
+        pieces.append((text, None))
+        return pieces
+
+    def _reply_closing(self) -> str:
+        """The template's text after an assistant message (ChatML: "<|im_end|>\\n")."""
+        earlier = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _REPLY}]
+        try:
+            text = self.lm.tokenizer.apply_chat_template(earlier, tokenize=False)
+        except Exception:
+            return ""
+        return text.rpartition(_REPLY)[2] if isinstance(text, str) and _REPLY in text else ""
+
+    def reply_end(self, last_token: int) -> list[int]:
+        """The ids that close the assistant's reply before the next user turn, given the last
+        token of the context: the template's closing, less the end-of-turn token when the
+        model wrote it itself; none in the plain form."""
+        closing = self._closing
+        eos = self.lm.eos_id
+        if closing and eos is not None and last_token == eos:
+            end = self.lm.decode([eos])
+            closing = closing[len(end):] if closing.startswith(end) else closing
+        return self.lm.encode(closing) if closing else []
+
+    def user_turn(self, text: str, limit: int) -> list[int]:
+        """chat.user_turn: the ids of one more user turn (TurnRefused above `limit` tokens)."""
+        return chat.user_turn(self.lm, text, limit=limit)
+
+
+class StopScanner:
+    """Finds the first of a request's stop strings in text that arrives piece by piece; holds
+    back a tail that could still become one, so no part of a stop string is ever sent."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(the text now safe to send, whether a stop string was found: nothing after it counts)."""
+        text = self._held + text
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self._held = ""
+            return text[:min(found)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text comes."""
+        text, self._held = self._held, ""
+        return text
+
+
+class Reply:
+    """One request's generated text, token by token: decoded in context (after `anchor`, the
+    token before the reply, so a leading space survives), a trailing incomplete UTF-8
+    character held back until the next token completes it, the end-of-sequence token and the
+    stop strings ending it, `max_tokens` bounding it. `finish_reason` is "stop" or "length"
+    once it is done; `text` is everything sent. With `ignore_eos` the end-of-sequence token
+    is text like any other and only max_tokens (or a stop string) ends the reply."""
+
+    def __init__(self, lm, anchor: int, max_tokens: int, stops: Sequence[str] = (), *, ignore_eos: bool = False):
+        self.lm, self.anchor, self.max_tokens = lm, anchor, max_tokens
+        self.eos = None if ignore_eos else lm.eos_id
+        self.ids: list[int] = []  # generated, an end-of-sequence token that ends the reply excluded
+        self.tokens = 0  # generated, the end-of-sequence token included
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._prefix = lm.decode([anchor])
+        self._decoded = 0  # characters of the decoded reply passed on to the stop scanner
+        self._stops = StopScanner(stops)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token_id: int, *, stopped: bool = False) -> str:
+        """Take the next generated token; returns the text it makes sendable (maybe "").
+        `stopped`: the brain cannot go on (policy none at capacity with --at-capacity stop)."""
+        if self.done:
+            raise RuntimeError("the reply is already finished")
+        self.tokens += 1
+        if token_id == self.eos:
+            piece = self._finish("stop")
+        else:
+            self.ids.append(token_id)
+            decoded = self._decode()
+            ready = len(decoded) - (1 if decoded.endswith("\ufffd") else 0)
+            piece, hit = self._stops.push(decoded[self._decoded:ready])
+            self._decoded = max(self._decoded, ready)
+            if hit:
+                self.finish_reason = "stop"
+            elif stopped or self.tokens >= self.max_tokens:
+                piece += self._finish("length")
+        self.text += piece
+        return piece
+
+    def _decode(self) -> str:
+        full = self.lm.decode([self.anchor] + self.ids)
+        return full[len(self._prefix):] if full.startswith(self._prefix) else self.lm.decode(self.ids)
+
+    def _finish(self, reason: str) -> str:
+        """End the reply: what was held back (an incomplete character, a tail that could have
+        begun a stop string) is sent, up to a stop string it completes."""
+        self.finish_reason = reason
+        rest = self._decode()[self._decoded:] if self.ids else ""
+        self._decoded += len(rest)
+        piece, hit = self._stops.push(rest)
+        return piece if hit else piece + self._stops.flush()

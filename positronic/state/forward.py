@@ -1,0 +1,274 @@
+"""Every model forward the brain makes goes through `forward()`; attention is SDPA.
+
+Three choices make a forward over an edited cache correct:
+- explicit `position_ids`: rows carry recorded RoPE positions with gaps, so positions can
+  never be inferred from the cache length;
+- a mask built from positions, not row numbers: a query at position p sees exactly the rows
+  whose position is <= p. Live positions increase with the row, so for a prefill this is the
+  causal mask, and for a tick's forward it gives each inserted token its own left context
+  (the rows to its right, old or new, are hidden) while the new last token sees everything;
+- the new rows' K/V are written by the model itself, through `Cache.update`: after the live
+  rows (append) or into the gaps a splice opened (`SpliceCache.fill`).
+
+A ring store (cache.RingLayer) gives the model its rows in slot order, not row order: the
+mask is then laid out by slot (`slot_rows`), free slots hidden from every query, and the
+attention row is read back in row order. The newest token alone (a tick's forward) sees every
+live row, and its attention does not depend on their order: it needs no mask at all, or,
+after a batch eviction left free slots, one that hides their single run (`Ring.free`, two
+tensor ops: no slot map is built for it).
+
+The attention row that brightness and the eviction policies read is not taken from
+`output_attentions` (which forces eager attention in every layer): `AttentionRow` hooks the
+scored layers' attention modules and computes softmax(q·Kᵀ / √d) for the last fed token only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..kv.cache import SpliceCache
+from ..models.compat import with_cache
+
+PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
+HIDDEN = torch.iinfo(torch.long).max  # the key position of a free ring slot: no query sees it
+
+
+@dataclass
+class ForwardResult:
+    """predicted: [n] int64, the greedy next token after each fed token (argmax of its logits).
+    logits: [vocab] float32, the newest fed token's next-token logits.
+    attention: [scored layers, heads, rows] float32, the newest token's attention over every
+    cache row (None unless asked for).
+    query: [scored layers, heads, head_dim] float32, that token's query, rotated at its
+    position and multiplied by the attention scaling: query · key is the logit a key rotated
+    at its own position would get (recall scores evicted keys with it).
+    log_norm: [scored layers, heads] float32, log Σ exp(logits) over the cache rows: the
+    would-be attention of another key is exp(query · key - log_norm).
+    probe_logprobs: [probes] float32, log P(probe target | the probe's context), see `Probes`."""
+
+    predicted: torch.Tensor
+    logits: torch.Tensor
+    attention: torch.Tensor | None
+    probe_logprobs: torch.Tensor | None = None
+    query: torch.Tensor | None = None
+    log_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Scratch queries that ride along in a forward: what would the model predict after
+    token t placed at position p, given only the rows left of p? Each probe is fed after the
+    real tokens, writes its K/V into a scratch row past the live rows (which the caller then
+    discards), sees only the rows whose position is below its own (and itself), and is seen
+    by nobody. token_ids, positions, targets: [probes] each; the forward returns
+    log P(target | context, token)."""
+
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    targets: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, *,
+                    probes: int = 0) -> torch.Tensor:
+    """Additive mask [1, 1, queries, keys]: 0 where key position <= query position, else -inf-ish.
+
+    probes: the last `probes` queries are probes and the last `probes` keys their scratch rows
+    (in the same order): no query sees a scratch row but its own probe, and a probe sees
+    only the rows strictly left of its position (the row it stands in for is hidden)."""
+    hidden = key_positions[None, :] > query_positions[:, None]
+    if probes:
+        queries, keys = hidden.shape
+        hidden[:, keys - probes:] = True
+        probe_hidden = key_positions[None, :] >= query_positions[queries - probes:, None]
+        hidden[queries - probes:] |= probe_hidden
+        own = torch.arange(probes, device=hidden.device)
+        hidden[queries - probes + own, keys - probes + own] = False
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, torch.finfo(dtype).min)[None, None]
+
+
+def hidden_slots(used: int, free: range, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, 1, used] for one query that sees every used slot but the `free` ones."""
+    mask = torch.zeros((1, 1, 1, used), dtype=dtype, device=device)
+    mask[..., free.start : free.stop] = torch.finfo(dtype).min
+    return mask
+
+
+class AttentionRow:
+    """Records the last fed token's attention over every cache row on the chosen layers.
+
+    Forward hooks on those layers' attention modules keep that token's hidden state (the
+    attention's input); after the forward, `finish` recomputes its query in every layer
+    (q_proj, rotated at its position: all layers share the position, so one rotation) and
+    takes softmax(q·Kᵀ · scaling) against each layer's keys, all layers in one batched
+    product. The token must see every row (it is the newest), so no mask applies. Hooks live
+    only inside `record()`: the model is left as it was. Doing the work in the hooks, one layer
+    at a time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
+    """
+
+    def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
+                 slots: torch.Tensor | None = None):
+        self.model, self.layers = model, list(layers)
+        self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
+        self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> [1, hidden_size], the attention's input
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at the token's position
+        self.rows = self.queries = self.log_norms = None
+
+    @contextlib.contextmanager
+    def record(self, cache=None):
+        self.hidden, self.rotation = {}, None
+        handles = [self.model.model.layers[index].self_attn.register_forward_hook(self._hook, with_kwargs=True)
+                   for index in self.layers]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+        if self.layers and cache is not None:
+            self.finish(cache)
+
+    @torch.no_grad()
+    def _hook(self, module, args, kwargs, output) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        at = slice(self.query, self.query + 1 if self.query != -1 else None)
+        self.hidden[module.layer_idx] = hidden[0, at]
+        if self.rotation is None:
+            cos, sin = kwargs["position_embeddings"]
+            self.rotation = (cos[0, at], sin[0, at])  # [1, head_dim] each
+
+    @torch.no_grad()
+    def finish(self, cache) -> None:
+        """rows [layers, heads, rows], queries [layers, heads, head_dim] (scaled),
+        log_norms [layers, heads], all float32, in the order of `layers`."""
+        attention = [self.model.model.layers[index].self_attn for index in self.layers]
+        head_dim, scaling = attention[0].head_dim, attention[0].scaling
+        query = torch.stack([module.q_proj(self.hidden[index]) for module, index in zip(attention, self.layers)])
+        query = query.view(len(self.layers), -1, head_dim)  # [layers, heads, d]
+        cos, sin = self.rotation
+        query, _ = apply_rotary_pos_emb(query, query, cos, sin, unsqueeze_dim=0)
+        if self.slots is None:
+            keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
+        else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
+            used = cache.ring.used(self.keys)
+            keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
+        layers, kv_heads, rows, _ = keys.shape
+        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * scaling  # [L, kv, group, d]
+        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
+        if self.slots is not None:
+            scores = scores.index_select(-1, self.slots)  # free slots drop out here
+        self.rows = scores.softmax(dim=-1)
+        self.queries = grouped.reshape(layers, -1, head_dim)
+        self.log_norms = scores.logsumexp(dim=-1)
+
+    def result(self) -> torch.Tensor:
+        """[layers, heads, rows] float32, in the order of `layers`."""
+        return self.rows
+
+    def scaled_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scaled query [layers, heads, head_dim] and log-normaliser [layers, heads]."""
+        return self.queries, self.log_norms
+
+
+@torch.no_grad()
+def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
+            attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
+    """Feed `token_ids` at RoPE `positions` through the model over `cache`.
+
+    key_positions: the position of every cache row once this forward has written its rows
+    (the live rows after an append, or the whole spliced layout). The new rows are appended,
+    or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
+    record the newest token's attention row on these layers; it must be the newest row.
+    `probes` are fed after `token_ids`; their scratch rows come after the live rows (the
+    caller opens them with `fill` and drops them afterwards), their positions after
+    `key_positions`.
+    """
+    if len(token_ids) != len(positions) or not token_ids:
+        raise ValueError("forward needs one position per token, and at least one token")
+    probes = probes or Probes((), (), ())
+    device = lm.device
+    query = torch.tensor(list(positions) + list(probes.positions), dtype=torch.long, device=device)
+    keys = torch.tensor(list(key_positions) + list(probes.positions), dtype=torch.long, device=device)
+    newest = positions[-1] == max(key_positions)
+    if attention_layers and not newest:
+        raise ValueError("the attention row is recorded for the newest row only")
+    slots = None
+    if getattr(cache, "store", "splice") == "ring":
+        if probes:
+            raise ValueError("probes need the splice store: a ring keeps no scratch rows")
+        if len(key_positions) > cache.ring.capacity:
+            raise ValueError(f"{len(key_positions)} rows do not fit the ring's {cache.ring.capacity} slots: "
+                             "reserve them before the forward")
+        slots = cache.slot_index(len(key_positions)).to(device) if attention_layers else None
+        if len(token_ids) == 1 and newest:  # it sees every live row: only the free slots need hiding
+            free = cache.ring.free(len(key_positions))
+            mask = hidden_slots(cache.ring.used(len(key_positions)), free, lm.dtype, device) if free else None
+        else:
+            order = cache.slot_rows(len(key_positions)).to(device)  # the model sees the keys in this order
+            keys = keys[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
+            mask = visibility_mask(query, keys, lm.dtype)
+    else:
+        mask = (None if len(token_ids) == 1 and newest and not probes
+                else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
+    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions),
+                            slots=slots)
+    with recorder.record(cache):
+        out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
+                       position_ids=query[None], attention_mask=mask, **with_cache(cache), use_cache=True,
+                       logits_to_keep=0)
+    logits = out.logits[0]
+    probe_logprobs = None
+    if probes:
+        targets = torch.tensor(probes.targets, dtype=torch.long, device=device)
+        scored = logits[len(token_ids):].float().log_softmax(dim=-1)
+        probe_logprobs = scored.gather(1, targets[:, None])[:, 0].cpu()
+    query, log_norm = recorder.scaled_query() if attention_layers else (None, None)
+    return ForwardResult(predicted=logits[: len(token_ids)].argmax(dim=-1).cpu(),
+                         logits=logits[len(token_ids) - 1].float(),
+                         attention=recorder.result() if attention_layers else None, probe_logprobs=probe_logprobs,
+                         query=query, log_norm=log_norm)
+
+
+def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,
+            attention_layers: list[int] | None = None) -> ForwardResult:
+    """Append a long span in chunks (positions increasing). Returns every token's greedy
+    prediction, and the last token's logits and attention row."""
+    if cache.length:
+        raise ValueError("prefill starts from an empty cache")
+    predicted, result = [], None
+    for start in range(0, len(token_ids), PREFILL_CHUNK):
+        stop = min(start + PREFILL_CHUNK, len(token_ids))
+        last = stop == len(token_ids)
+        result = forward(lm, cache, token_ids[start:stop], positions[start:stop], positions[:stop],
+                         attention_layers=attention_layers if last else None)
+        predicted.append(result.predicted)
+    return ForwardResult(torch.cat(predicted), result.logits, result.attention, query=result.query,
+                         log_norm=result.log_norm)
+
+
+@torch.no_grad()
+def fresh_layer0_kv(lm, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's K/V computed from scratch: they depend only on token and position.
+
+    Returns keys, values: [1, kv_heads, rows, head_dim] in the model's dtype — what a fresh
+    prefill of `token_ids` at `positions` would store in layer 0.
+    """
+    model = lm.model.model
+    ids = torch.tensor([token_ids], dtype=torch.long, device=lm.device)
+    pos = torch.tensor([positions], dtype=torch.long, device=lm.device)
+    hidden = model.embed_tokens(ids)
+    layer = model.layers[0]
+    normed = layer.input_layernorm(hidden)
+    shape = (1, len(token_ids), -1, lm.head_dim)
+    keys = layer.self_attn.k_proj(normed).view(shape).transpose(1, 2)
+    values = layer.self_attn.v_proj(normed).view(shape).transpose(1, 2)
+    cos, sin = model.rotary_emb(hidden, pos)
+    _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
+    return keys, values

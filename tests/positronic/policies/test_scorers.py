@@ -1,0 +1,97 @@
+"""Scorers (positronic/policies/scorers.py) on their own: one value per live row each tick, keyed by
+ledger id where they keep state, so it follows a row through splices, forgets it once it is
+gone, and takes back a tick that did not happen. The policies built on them (which rows go)
+are tests/positronic/policies/test_policy.py."""
+
+import pytest
+
+from positronic import steps
+from positronic.brain.loop import BrainConfig
+from positronic.policies.scorers import AccumulatedScorer, BrightnessScorer, LastAccessScorer, RecencyScorer, Scorer
+
+
+def test_last_access_stamps_rows_above_the_mean_of_the_non_sinks_and_rows_seen_for_the_first_time(crafted_view):
+    scorer = LastAccessScorer(sinks=2)
+    view = crafted_view([5] * 6, [0] * 6)
+    assert scorer.values(view, [0.9, 0.5, 0.1, 0.1, 0.1, 0.1]) == [1] * 6, "first seen: accessed now"
+    # tick 2: the mean of the non-sink rows is 0.175 (the sinks' 0.9 would lift a plain mean to 0.35,
+    # above row 3's 0.3); rows 0, 3 and 5 are above it
+    assert scorer.values(view, [0.9, 0.1, 0.05, 0.3, 0.0, 0.35]) == [2, 1, 1, 2, 1, 2]
+    all_sinks = LastAccessScorer(sinks=10)  # no row besides the sinks: the mean of all rows
+    all_sinks.values(view, [0.0] * 6)
+    assert all_sinks.values(view, [0.2, 0.1, 0.1, 0.1, 0.1, 0.4]) == [2, 1, 1, 1, 1, 2]
+    with pytest.raises(ValueError, match="5 scores for 6 live rows"):
+        scorer.values(view, [0.1] * 5)
+
+
+def test_accumulated_scores_follow_a_row_through_a_splice_by_its_ledger_id(crafted_view):
+    scorer = AccumulatedScorer()
+    view = crafted_view([5] * 4, [0] * 4)  # ledger ids 0..3
+    assert scorer.values(view, [1.0, 2.0, 3.0, 4.0]) == [1.0, 2.0, 3.0, 4.0]
+    scorer.removing([1])
+    moved = crafted_view([5] * 4, [0] * 4)
+    moved.ledger_ids[:] = moved.ledger_ids.new_tensor([0, 2, 3, 9])  # row 1 culled, a new token 9 appended
+    assert scorer.values(moved, [0.5, 0.5, 0.5, 0.5]) == [1.5, 3.5, 4.5, 0.5]
+    assert 1 not in scorer.value, "a removed row is forgotten once it is gone"
+
+
+def test_a_row_a_failed_plan_meant_to_remove_keeps_its_value(crafted_view):
+    scorer = AccumulatedScorer()
+    view = crafted_view([5] * 3, [0] * 3)
+    scorer.values(view, [1.0, 1.0, 1.0])
+    scorer.removing([2])
+    assert scorer.values(view, [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0], "still live: the plan did not happen"
+
+
+def test_undo_takes_back_everything_since_the_snapshot(crafted_view):
+    scorer = LastAccessScorer(sinks=0)
+    view = crafted_view([5] * 3, [0] * 3)
+    scorer.values(view, [0.2, 0.3, 0.5])
+    saved = scorer.state()
+    scorer.snapshot()
+    scorer.values(view, [0.0, 0.0, 1.0])
+    scorer.removing([0])
+    scorer.undo()
+    assert scorer.state() == saved
+    scorer.undo()  # a second undo without a snapshot changes nothing
+    assert scorer.state() == saved
+
+
+def test_state_round_trips_and_malformed_state_is_refused_without_a_change(crafted_view):
+    scorer = AccumulatedScorer()
+    view = crafted_view([5] * 3, [0] * 3)
+    scorer.values(view, [0.25, 0.5, 1.0])
+    scorer.removing([2])
+    again = AccumulatedScorer()
+    again.load_state(scorer.state())
+    assert again.state() == scorer.state()
+    assert again.values(view, [1.0, 1.0, 1.0]) == scorer.values(view, [1.0, 1.0, 1.0]) == [1.25, 1.5, 2.0]
+    before = again.state()
+    for bad in [{}, {"ids": [1], "values": [], "clock": 1, "removing": []},
+                {"ids": [1], "values": ["x"], "clock": 1, "removing": []},
+                {"ids": [1], "values": [1.0], "clock": 1.5, "removing": []},
+                {"ids": [True], "values": [1.0], "clock": 1, "removing": []}]:
+        with pytest.raises(ValueError, match="AccumulatedScorer: malformed saved state"):
+            again.load_state(bad)
+        assert again.state() == before
+    with pytest.raises(ValueError, match="RecencyScorer keeps no state"):
+        RecencyScorer().load_state({"ids": []})
+    Scorer().load_state({})
+
+
+def test_recency_is_the_rope_position(crafted_view):
+    view = crafted_view([5] * 4, [0] * 4)
+    view.positions[:] = view.positions.new_tensor([0, 3, 7, 8])
+    assert RecencyScorer().values(view, [0.1] * 4) == [0.0, 3.0, 7.0, 8.0]
+
+
+def test_brightness_follows_the_configured_rule_and_its_settings(crafted_view):
+    view = crafted_view([5] * 4, [0] * 4, brightness=[10.0, 100.0, 200.0, 255.0])
+    scores = [0.7, 0.1, 0.1, 0.1]
+    slow = BrightnessScorer(BrainConfig(brightness="ttl", ttl_decay=1.0, ttl_gain=0.0))
+    fast = BrightnessScorer(BrainConfig(brightness="ttl", ttl_decay=50.0, ttl_gain=0.0))
+    assert slow.keeps_brightness and slow.values(view, scores) == steps.update_ttl(
+        [10.0, 100.0, 200.0, 255.0], scores, decay=1.0, gain=0.0)
+    assert fast.values(view, scores) != slow.values(view, scores)
+    vote = BrightnessScorer(BrainConfig(brightness="vote", sinks=1))
+    assert vote.values(view, scores) == steps.update_vote([10.0, 100.0, 200.0, 255.0], scores, sinks=1)

@@ -1,0 +1,48 @@
+"""`positronic serve` (positronic/server/cli.py): bad flags refused before a model loads, and a
+real server process that serves and saves its sessions on SIGTERM."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+
+from positronic.brain import session as sessions
+
+MODEL = "random:tiny"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cli):
+    assert run_cli("serve", "-m", "no-such-model-anywhere", "--kv-eviction", "1", "--policy", "h2o") == 2
+    assert "set the same thing" in capsys.readouterr().err
+    assert run_cli("serve", "-m", "no-such-model-anywhere", "--budget", "20") == 2
+    assert "budget 20" in capsys.readouterr().err
+    assert run_cli("serve", "-m", MODEL, "--max-tokens", "10", "--default-max-tokens", "20",
+                   "--session-dir", str(tmp_path)) == 2
+
+
+def test_positronic_serve_serves_and_saves_its_sessions_on_sigterm(tmp_path, chat):
+    command = [sys.executable, str(ROOT / "run.py"), "serve", "-m", MODEL, "--port", "0", "--budget", "64",
+               "--kv-sink-tokens", "2", "--session-dir", str(tmp_path), "-t", "1"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        url = None
+        for line in process.stderr:  # uvicorn names the port it got
+            if found := re.search(r"running on (http://\S+)", line):
+                url = found.group(1)
+                break
+        assert url, "the server never said where it runs"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        assert chat(client, "cli", "hello").choices[0].finish_reason == "length"
+        assert httpx.get(url + "/health").json()["budget"] == 64
+        process.terminate()
+        process.wait(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert (tmp_path / "cli" / "mirror.msgpack").exists()
+    assert sessions.load(tmp_path / "cli")[1]["config"]["sinks"] == 2  # the llama.cpp alias reached the brain

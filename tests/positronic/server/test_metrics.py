@@ -1,0 +1,94 @@
+"""The server's metrics (positronic/server/metrics.py): what GET /metrics counts after real
+requests, and the Prometheus exposition itself."""
+
+import re
+
+from positronic.brain.loop import TickRecord
+from positronic.server.metrics import Metrics
+
+MODEL = "random:tiny"
+GOOD = {"model": MODEL, "prompt": "ok", "max_tokens": 2}
+
+
+def test_metrics_count_tokens_requests_and_maintenance(tiny, tmp_path, live_server, server_settings, server_config, chat, metric):
+    with live_server(tiny, server_settings(tmp_path)) as server:
+        client = server.client()
+        first = client.completions.create(model=MODEL, prompt="count me", max_tokens=100, user="m",
+                                          extra_body={"ignore_eos": True})
+        second = chat(client, None, "and me", max_tokens=7, extra_body={"ignore_eos": True})
+        bad = server.post("/v1/completions", {**GOOD, "max_tokens": 0})
+        assert bad.status_code == 400
+        text = server.get("/metrics").text
+    generated = first.usage.completion_tokens + second.usage.completion_tokens
+    assert metric(text, "positronic_generated_tokens_total") == generated == 107
+    assert metric(text, "positronic_prompt_tokens_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert metric(text, "positronic_ticks_total") == generated  # prompts are prefilled, not ticked
+    assert metric(text, "positronic_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert metric(text, "positronic_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert metric(text, "positronic_evictions_total") >= 9 + 100 - server_config.budget  # 109 tokens in a 96 budget
+    assert metric(text, "positronic_repairs_total") == 0 and metric(text, "positronic_resurrections_total") == 0
+    assert metric(text, "positronic_live_length", session="m") == first.model_extra["positronic"]["live_length"] <= server_config.budget
+    assert metric(text, "positronic_budget", session="m") == server_config.budget
+    assert metric(text, "positronic_tokens_per_second") > 0
+    count = metric(text, "positronic_request_duration_seconds_count", endpoint="/v1/chat/completions")
+    assert count == 1 == metric(text, "positronic_request_duration_seconds_bucket", endpoint="/v1/chat/completions",
+                                le="+Inf")
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('positronic_request_duration_seconds_bucket{endpoint="/v1/completions"')]
+    assert buckets == sorted(buckets) and buckets[-1] == 2
+    assert "# TYPE positronic_request_duration_seconds histogram" in text
+    for line in text.splitlines():  # every sample line is NAME{LABELS} NUMBER
+        assert line.startswith("#") or re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+.\deInf]+',
+                                                    line), line
+
+
+def record(actions, rebuilt=False):
+    return TickRecord(tick=1, token_id=5, text="x", actions=actions, outcomes=[], live_length=10, brightness_min=0.0,
+                      brightness_mean=0.0, brightness_max=0.0, rebuilt=rebuilt)
+
+
+def test_ticks_count_evicted_rows_repairs_and_resurrections_but_nothing_of_a_failed_tick():
+    metrics = Metrics()
+    metrics.record_tick(record([{"action": "delete", "position": 3}, {"action": "delete", "position": 4},
+                                {"action": "replace_pair", "original_pos1": 6, "original_pos2": 7, "new_token_ids": [9]},
+                                {"action": "restore", "ledger_ids": [1, 2, 8], "token_ids": [4, 4, 4]},
+                                {"action": "add", "token_id": 5}]), 0.5)
+    metrics.record_tick(record([{"action": "delete", "position": 1}], rebuilt=True), 0.25)
+    metrics.record_reply(prompt_tokens=7, generated_tokens=3)
+    text = metrics.render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["positronic_ticks_total"] == 2 and values["positronic_tick_seconds_total"] == 0.75
+    assert (values["positronic_evictions_total"], values["positronic_repairs_total"],
+            values["positronic_resurrections_total"]) == (2, 1, 3), "the failed tick's delete is not counted"
+    assert (values["positronic_prompt_tokens_total"], values["positronic_generated_tokens_total"]) == (7, 3)
+    assert values["positronic_tokens_per_second"] == 2 / 0.75
+
+
+def test_the_latency_histogram_is_cumulative_with_sum_count_and_inf(metric):
+    metrics = Metrics()
+    for seconds in (0.01, 0.07, 0.3, 200.0):
+        metrics.record_request("/v1/completions", 200, seconds)
+    metrics.record_request("/v1/completions", 400, 0.02)
+    text = metrics.render(sessions={"a": (40, 96)}, session_states={"idle": 1}, session_events={"saved": 2},
+                          in_flight=1)
+    bucket = "positronic_request_duration_seconds_bucket"
+    assert metric(text, bucket, endpoint="/v1/completions", le="0.05") == 2
+    assert metric(text, bucket, endpoint="/v1/completions", le="0.1") == 3
+    assert metric(text, bucket, endpoint="/v1/completions", le="120.0") == 4
+    assert metric(text, bucket, endpoint="/v1/completions", le="+Inf") == 5
+    assert metric(text, "positronic_request_duration_seconds_count", endpoint="/v1/completions") == 5
+    assert metric(text, "positronic_request_duration_seconds_sum", endpoint="/v1/completions") == \
+        sum((0.01, 0.07, 0.3, 200.0, 0.02))
+    assert metric(text, "positronic_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert metric(text, "positronic_live_length", session="a") == 40 and metric(text, "positronic_budget", session="a") == 96
+    assert metric(text, "positronic_sessions", state="idle") == 1
+    assert metric(text, "positronic_sessions_saved_total") == 2 and metric(text, "positronic_requests_in_flight") == 1
+    assert metric(text, "positronic_tokens_per_second") == 0, "idle: no rate"
+
+
+def test_label_values_are_escaped_so_a_session_id_cannot_break_the_exposition(metric):
+    metrics = Metrics()
+    metrics.record_request('/v1/"odd"\\path\n', 200, 0.1)
+    text = metrics.render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    line = next(line for line in text.splitlines() if line.startswith("positronic_requests_total{"))
+    assert line == 'positronic_requests_total{endpoint="/v1/\\"odd\\"\\\\path",status="200"} 1'

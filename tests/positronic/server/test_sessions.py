@@ -1,0 +1,124 @@
+"""The server's sessions (positronic/server/sessions.py): a pool of at most max_sessions in
+memory, the least recently used checkpointed to disk and resumed exactly, idle ones freed."""
+
+import asyncio
+import time
+
+import pytest
+
+from positronic.brain.loop import Brain
+from positronic.server.sessions import (ModelWorker, PoolFull, SessionPool, SessionUnusable, check_session_id,
+                                        describe)
+
+
+def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_path, live_server, server_settings, chat, conversation, metric):
+    """With room for two sessions, a third checkpoints the least recently used one to disk;
+    it comes back on its next request, and after a restart, and says what it would have said
+    had it stayed in memory (the module's server, with room to spare, is the reference)."""
+    texts = ["first words", "second words", "third words", "fourth words"]
+    reference = conversation(live.client(), "ref-resume", texts)
+    small = server_settings(tmp_path, max_sessions=2)
+    with live_server(tiny, small) as server:
+        client = server.client()
+        history = []
+
+        def say(text):
+            content = chat(client, "s1", text, history=history).choices[0].message.content
+            history.extend([{"role": "user", "content": text}, {"role": "assistant", "content": content}])
+            return content
+
+        replies = [say(texts[0])]
+        chat(client, "s2", "another")
+        assert not (small.session_dir / "s1").exists()
+        chat(client, "s3", "and another")  # no room: s1 goes to disk
+        assert (small.session_dir / "s1" / "mirror.msgpack").exists()
+        assert "s1" not in server.server.pool.loaded
+        replies.append(say(texts[1]))  # back from disk (s2 goes)
+        assert "s1" in server.server.pool.loaded and (small.session_dir / "s2").exists()
+        replies.append(say(texts[2]))
+        metrics = server.get("/metrics").text
+        assert metric(metrics, "positronic_sessions_resumed_total") == 1
+        assert metric(metrics, "positronic_sessions_saved_total") == 2
+        live_sessions = server.get("/health").json()["sessions"]
+        assert live_sessions["in_memory"] <= 2
+    assert (small.session_dir / "s3").exists()  # the shutdown saved the sessions in memory
+    with live_server(tiny, small) as server:  # a restart: s1 resumes from its shutdown checkpoint
+        client = server.client()
+        replies.append(say(texts[3]))
+    assert replies == reference
+
+
+def test_idle_sessions_are_checkpointed_and_freed(tiny, tmp_path, live_server, server_settings, chat):
+    idle = server_settings(tmp_path, idle_save_s=0.2, sweep_every_s=0.05)
+    with live_server(tiny, idle) as server:
+        chat(server.client(), "sleepy", "zzz")
+        deadline = time.monotonic() + 10
+        while server.get("/health").json()["sessions"]["in_memory"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.get("/health").json()["sessions"]["in_memory"] == 0
+        assert (idle.session_dir / "sleepy" / "mirror.msgpack").exists()
+        assert server.get("/v1/sessions/sleepy").json()["transcript"].startswith("<s>\nUser: zzz")
+
+
+@pytest.mark.parametrize("good", ["a", "Z9", "my_session-1", "x" * 64])
+def test_a_session_id_names_a_directory_safely(good):
+    assert check_session_id(good) == good
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 65, "../etc", "a/b", "a b", "ä", ".", "a\n"])
+def test_a_session_id_that_could_escape_its_directory_is_refused(bad):
+    with pytest.raises(ValueError, match="must be 1 to 64 characters"):
+        check_session_id(bad)
+
+
+def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exactly(tiny, tmp_path, server_config):
+    """The pool on its own (no HTTP): room for one session; a second one checkpoints the first,
+    a third while the second is held is PoolFull, and the first comes back as it was."""
+
+    async def scenario():
+        worker = ModelWorker()
+        pool = SessionPool(tiny, worker, tmp_path, max_sessions=1)
+        try:
+            first = await pool.acquire("first")
+            await worker.run(first.start, tiny, [tiny.bos_id] + tiny.encode("hello"), server_config)
+            for _ in range(5):
+                await worker.run(first.step, {})
+            before = await worker.run(first.describe)
+            pool.release(first)
+            second = await pool.acquire("second")  # no room: "first" goes to disk
+            assert set(pool.loaded) == {"second"} and (pool.saved, pool.freed) == (1, 1)
+            assert first.evicted and (tmp_path / "first" / "mirror.msgpack").exists()
+            assert await pool.describe("first") == before, "described from its checkpoint"
+            with pytest.raises(PoolFull, match="all 1 sessions are in use"):
+                await pool.acquire("third")
+            with pytest.raises(PoolFull):
+                await pool.acquire(None)
+            pool.release(second)  # never started: nothing to save
+            again = await pool.acquire("first")
+            assert pool.resumed == 1 and pool.saved == 1 and again is not first
+            assert await worker.run(again.describe) == before
+            pool.release(again)
+            assert await pool.describe("nobody") is None
+            (tmp_path / "broken").mkdir()
+            (tmp_path / "broken" / "mirror.msgpack").write_bytes(b"not a mirror")
+            with pytest.raises(SessionUnusable, match="session broken cannot be resumed"):
+                await pool.acquire("broken")
+        finally:
+            worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_describe_says_what_was_said_and_what_the_brain_holds(tiny, server_config):
+    brain = Brain.start(tiny, [tiny.bos_id] + tiny.encode("ab"), server_config)
+    brain.say("cd")
+    for _ in range(6):
+        brain.step()
+    mirror = brain.state.mirror
+    described = describe(mirror, brain.tick, 96)
+    said = [e for e in mirror.ledger.entries if e.source in ("prompt", "user", "generated")]
+    assert [e.source for e in said][:3] == ["prompt"] * 3 and "user" in [e.source for e in said]
+    assert described["transcript"] == "".join(e.text for e in said) and described["transcript"].startswith("<s>ab")
+    assert described["transcript_tokens"] == len(said) == 9
+    assert described["live_text"] == "".join(mirror.live_texts()) and described["live_length"] == len(mirror)
+    assert (described["tick"], described["budget"], described["ledger_tokens"]) == (6, 96, len(mirror.ledger))
