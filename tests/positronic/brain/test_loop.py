@@ -462,7 +462,7 @@ def test_lines_on_stdin_of_a_no_tui_run_reach_the_ledger(tiny, tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
 
     def run(directory, *flags, stdin=b"hello\n\n" + b"z" * 200 + b"\nbye"):  # 24 + 22 typed tokens
         args = [sys.executable, "run.py", "--model", "random:tiny", "--no-tui", "--ticks", "60", "--session",

@@ -18,7 +18,7 @@ from positronic.brain.loop import Brain, BrainConfig
 from positronic.brain.runner import Runner
 from positronic.state.manager import StateBrokenError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class SignalInsideTick:

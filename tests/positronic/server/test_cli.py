@@ -12,7 +12,7 @@ import openai
 from positronic.brain import session as sessions
 
 MODEL = "random:tiny"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cli):

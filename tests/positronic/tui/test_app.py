@@ -462,7 +462,7 @@ def test_typing_into_the_live_view_of_a_real_run_and_ctrl_c_on_its_terminal(tiny
 
     from positronic.brain import session as sessions
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
     before = termios.tcgetattr(slave)
