@@ -1,4 +1,4 @@
-"""What the 4-bit cache formats save and what they cost (issue 16).
+"""What the 4-bit cache formats save and what they cost.
 
     python bench/kv_formats.py [--model smollm2] [--shapes smollm2 random:tinyllama] [--text FILE]
                                [--tokens 256] [--rotations 1 2 4 8]

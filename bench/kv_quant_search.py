@@ -1,4 +1,4 @@
-"""Which 4-bit KV format meets issue 16's targets? A search by fake quantisation (issue 16).
+"""Which 4-bit KV format meets the 4-bit cache's targets? A search by fake quantisation.
 
     python bench/kv_quant_search.py [--text FILE ...] [--offset 60000] [--tokens 1024]
                                     [--only NAME|=NAME ...] [--rotation-seed N] [--threads 1]
@@ -14,7 +14,7 @@ on when the other rows arrive, and one forward equals token-by-token decoding.
 Every candidate stores 4-bit codes; what differs is what the scales cover and any fixed
 transform. "bits/value" counts the codes and every per-row or per-group parameter (float16
 scale, zero point, the float16 values of kept channels), averaged over K and V; "vs f16" is
-bits/value / 16 (the issue's target: <= 0.3, i.e. <= 4.8 bits/value). Fixed tables (a
+bits/value / 16 (the target: <= 0.3, i.e. <= 4.8 bits/value). Fixed tables (a
 Hadamard matrix, per-channel factors: 30 x 3 x 64 numbers for SmolLM2) are per model, not
 per token, and are not counted.
 

@@ -1,4 +1,4 @@
-"""The retrieval probe at one budget: does a fact survive --filler tokens of text? (issue 13)
+"""The retrieval probe at one budget: does a fact survive --filler tokens of text?
 
     python bench/recall.py [TEXT ...] [--model smollm2] [--budget 256] [--filler 2000] [--at 0.05]
                            [--policies streaming scored h2o brightness brightness+recall] [--device cuda]
@@ -8,7 +8,7 @@ Per text file (default: texts/alice_ch1-2.txt) it builds `positronic eval`'s pro
 rest of the filler, the question; the answer "4817" teacher-forced), runs it through the full
 cache and each policy at --budget (a name ending in +recall runs with BrainConfig.recall on),
 and prints per run the answer's NLL in nats (sum over its tokens), Δ against the full cache
-(the issue's target: within 1 nat), the answer tokens' ranks, recalled (every rank 1) and ms
+(the target: within 1 nat), the answer tokens' ranks, recalled (every rank 1) and ms
 per token of the probe stream.
 """
 

@@ -11,7 +11,7 @@ so a noisy machine's drift hits both alike and the splice store's occasional pac
 every row (when its window reaches the end of the buffer) falls inside the measurement.
 Reported per store: the mean ms per tick over every measured tick (what a long run pays,
 pack-downs and eviction batches included) and the median of the rounds' means; `ring/splice`
-is the ratio of the means (issue 16's target: at most 1). `moved` counts rows the ring
+is the ratio of the means (the ring store's target: at most 1). `moved` counts rows the ring
 copied (0: evictions only moved its cursor), `packs` the splice store's pack-downs seen.
 """
 

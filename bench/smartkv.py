@@ -1,4 +1,4 @@
-"""SmartKV (issue 15): teacher-forced perplexity under a row budget.
+"""SmartKV: teacher-forced perplexity under a row budget.
 
     python bench/smartkv.py --text /work/heldout/frankenstein.txt              # quality table
     python bench/smartkv.py --text FILE --methods streaming smartkv --where smartkv streaming

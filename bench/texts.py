@@ -1,4 +1,4 @@
-"""The excerpt rule the quality benchmarks share (bench/RESULTS.md, issue 12 onwards)."""
+"""The excerpt rule the quality benchmarks share (every quality table in bench/RESULTS.md)."""
 
 from __future__ import annotations
 
