@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What this project checks and measures on a lent GPU, in one go (bench/RESULTS.md, "On an H100").
+# What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
 #   bash bench/gpu.sh OUTDIR [tests|bench|suite ...]     (default: all three)
 #

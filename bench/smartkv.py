@@ -4,7 +4,7 @@
     python bench/smartkv.py --text FILE --methods streaming smartkv --where smartkv streaming
                                                  # which tokens smartkv loses to streaming on
 
-**Quality.** BOS + --tokens tokens of the text (the excerpt rule of bench/RESULTS.md: from
+**Quality.** BOS + --tokens tokens of the text (the excerpt rule of bench/texts.py: from
 character --offset, starting after the first blank line) are teacher-forced one token per
 forward; the NLL of each next token is read from the logits before it is fed. Budgets are
 shares of --tokens (0.25 of 1024 -> 256). The brain's policies run through `positronic eval`'s

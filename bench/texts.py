@@ -1,4 +1,4 @@
-"""The excerpt rule the quality benchmarks share (every quality table in bench/RESULTS.md)."""
+"""The excerpt rule the quality benchmarks share (every quality table in bench/results/)."""
 
 from __future__ import annotations
 

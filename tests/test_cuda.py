@@ -1,6 +1,6 @@
 """The brain on a CUDA GPU: the invariants the CPU suite proves, checked where the tensors live
 on the device (index tensors, masks, the ring's free run, packed rows, per-layer rows).
-Skipped without a GPU — CI has none; bench/RESULTS.md records the runs on a lent H100.
+Skipped without a GPU — CI has none; bench/results/gpu.md records the runs on a lent GPU.
 
 Every run ends in `check(deep=True)`: the mirror's invariants, the cache's shape, and layer 0
 of the cache against a fresh computation of the live tokens at their recorded positions.

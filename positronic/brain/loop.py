@@ -58,19 +58,19 @@ class BrainConfig:
     # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
     # at 500 a row holds its brightness while it gets about its fair share of attention
     # (1/live at a budget of 256 rows) and fades otherwise. DESIGN's reference constants
-    # (2, 10) make attention almost irrelevant; 500 measured best (bench/RESULTS.md).
+    # (2, 10) make attention almost irrelevant; 500 measured best (bench/results/policies.md).
     ttl_decay: float = 2.0
     ttl_gain: float = 1000.0
     unit: int = 0  # brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
     score_layers: str | list[int] = "last"  # which layers' attention scores a row
-    # none (cull only) measured best; every repairer tried costs perplexity (bench/RESULTS.md)
+    # none (cull only) measured best; every repairer tried costs perplexity (bench/results/policies.md)
     repairer: str = "none"  # none | bridge | self | mlm:PATH
     repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
     bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
     # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
     # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
     # grows slowly after that, so repairing 8 pairs every 8th tick costs far less than one pair
-    # every tick (bench/RESULTS.md); the live length then moves between budget - 8 and budget.
+    # every tick (bench/results/decode.md); the live length then moves between budget - 8 and budget.
     repair_batch: int = 8
     temperature: float = 0.7
     top_k: int = 50

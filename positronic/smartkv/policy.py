@@ -101,7 +101,7 @@ class SmartKVPolicy:
     @staticmethod
     def default_window(budget: int) -> int:
         """Half the budget: the recent half of the context is what most attention goes to, and
-        the memory's other half holds what the gates rank highest (bench/RESULTS.md "SmartKV")."""
+        the memory's other half holds what the gates rank highest (bench/results/smartkv.md)."""
         return budget // 2
 
     @classmethod
