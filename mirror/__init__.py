@@ -1,6 +1,6 @@
 """Metadata side of the brain: the ledger of every token and the live map of cache rows.
 
-Pure Python; no torch. See README "State model".
+Pure Python; no torch. See docs/DESIGN.md §1 "The state model".
 """
 
 from .layer_rows import LayerRows, LayerRowsError
