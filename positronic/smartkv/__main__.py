@@ -40,8 +40,8 @@ def parser(prog: str = "positronic smartkv") -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     t.add_argument("--per-head", action="store_true",
-                   help="a lifespan and a gate output per kv head, not per layer: a SmartKVCache then keeps rows "
-                        "per kv head (the brain's --policy smartkv takes per-layer gates only)")
+                   help="a lifespan and a gate output per kv head, not per layer: SmartKVCache and the brain's "
+                        "--policy smartkv then keep rows per kv head")
     t.add_argument("--save-labels", type=Path, help="also write the training labels here (safetensors)")
     t.add_argument("--labels", type=Path, help="reuse training labels written by --save-labels (skips labelling)")
     return p
