@@ -33,7 +33,8 @@ from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.brain.runner import Runner  # noqa: E402
 from positronic.tui import app as tui  # noqa: E402
-from positronic.tui.app import frame, run_live, take_snapshot  # noqa: E402
+from positronic.tui.app import run_live, take_snapshot  # noqa: E402
+from positronic.tui.render import frame  # noqa: E402
 
 
 class TimedRunner(Runner):

@@ -19,7 +19,8 @@ from positronic.mirror import from_bytes, to_bytes
 from positronic.smartkv import GateSet, SmartKVCache
 from positronic.smartkv.policy import SmartKVPolicy
 from positronic.state.manager import FAULT_STAGES, StateManager
-from positronic.tui.app import frame, take_snapshot
+from positronic.tui.render import frame
+from positronic.tui.snapshot import take_snapshot
 from positronic.models import with_cache
 
 SINKS, WINDOW, BUDGET = 3, 6, 20  # memory: 11 rows per layer
