@@ -5,7 +5,7 @@ Servers run greedy (temperature 0) on the tiny random model, so a reply can be c
 for token with a brain run directly, or with the same conversation in another session. The
 server itself (LiveServer) and the request helpers are fixtures in tests/positronic/conftest.py;
 the session pool, the metrics, the chat text and `positronic serve` have their own modules
-(test_server_sessions.py, test_server_metrics.py, test_server_text.py, test_server_cli.py).
+(test_sessions.py, test_metrics.py, test_text.py, test_cli.py); streaming has test_streaming.py.
 """
 
 import json
@@ -54,34 +54,6 @@ def test_a_chat_reply_reads_the_conversation_in_the_chat_form(live, tiny, server
     assert response.choices[0].message.role == "assistant"
     assert response.usage.prompt_tokens == len(prompt)
     assert response.object == "chat.completion"
-
-
-def test_streaming_gives_the_same_text_in_openai_chunks(live, chat):
-    client = live.client()
-    whole = chat(client, None, "Stream me", max_tokens=14).choices[0].message.content
-    chunks = list(chat(client, None, "Stream me", max_tokens=14, stream=True,
-                       stream_options={"include_usage": True}))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals == ["length"]
-    assert chunks[-1].usage.completion_tokens == 14 and not chunks[-1].choices
-    text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="abc", max_tokens=9,
-                                                                         stream=True))
-    assert text == client.completions.create(model=MODEL, prompt="abc", max_tokens=9).choices[0].text
-
-
-def test_the_stream_is_server_sent_events_ending_with_done(live):
-    with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": "wire", "max_tokens": 5, "stream": True}) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
-        body = response.read().decode()
-    events = body.split("\n\n")
-    assert events[-1] == "" and events[-2] == "data: [DONE]"
-    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert all(e.startswith("data: ") for e in events[:-1])
-    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_stop_string_ends_the_reply_before_it(live):

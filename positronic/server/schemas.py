@@ -1,0 +1,126 @@
+"""What the server reads and how it refuses: the request bodies (pydantic models, strict:
+a number is not a string of one), their validation into OpenAI's error shape, and the
+checks on their fields that need no model or session (content parts, stop strings).
+
+A refusal is an `APIError`: its HTTP status and the body {"error": {"message", "type",
+"param", "code"}} that OpenAI's clients read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias")
+
+
+class APIError(Exception):
+    """A request the server refuses, with its HTTP status, in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+Number = Annotated[float, Field(strict=True)]  # a JSON number, not a string of one
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool = False
+
+
+class GenerationBody(BaseModel):
+    """What both generation endpoints take; other OpenAI fields are accepted and ignored,
+    except those in UNSUPPORTED (refused unless empty)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = 1
+    best_of: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = False  # vLLM's and llama.cpp's extension: generate max_tokens whatever comes
+
+
+class CompletionBody(GenerationBody):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class ChatBody(GenerationBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request's JSON body as `model`, or a 400 naming the first problem."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param,
+                       code="invalid_value" if param else "invalid_request") from None
+
+
+def message_text(message: Message, index: int) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages.{index}.content: only text parts are supported, not {part.type!r}",
+                           param=f"messages.{index}.content", code="invalid_value")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def stops_of(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop", code="invalid_value")
+    return [s for s in stops if s]

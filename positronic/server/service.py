@@ -1,0 +1,327 @@
+"""The endpoints' work (`BrainServer`): requests checked, conversations held, turns run,
+answers written; and the server's limits (`ServerSettings`). The routes that call it are in
+positronic/server/app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..brain.chat import TurnRefused, turn_limit
+from ..brain.loop import BrainConfig
+from .metrics import Metrics
+from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
+from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SessionPool, SessionUnusable, Turn,
+                       check_session_id)
+from .streaming import ChatWriter, CompletionWriter, EventStream, sse
+from .text import ChatFormat
+
+log = logging.getLogger("positronic.server.app")
+
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass
+class ServerSettings:
+    """The server's limits and where it keeps sessions (the brain's settings are a BrainConfig)."""
+
+    session_dir: Path
+    max_sessions: int = 16  # conversations in memory, throwaway ones included
+    idle_save_s: float = 300.0  # checkpoint and free a session idle this long (0: never)
+    max_pending: int = 64  # generation requests in the server at once
+    max_body_bytes: int = 1 << 20
+    max_tokens: int = 4096  # the most one request may generate
+    default_max_tokens: int = 256
+    sweep_every_s: float = 5.0  # how often idle sessions are looked for
+
+
+class BrainServer:
+    """The endpoints' work: requests checked, conversations held, turns run, answers written.
+    One per app; `start()`/`close()` in the app's lifespan."""
+
+    def __init__(self, lm, config: BrainConfig, settings: ServerSettings):
+        self.lm, self.config, self.settings = lm, config, settings
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.format = ChatFormat(lm)
+        self.worker = ModelWorker()
+        self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
+                                idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
+        self.in_flight = 0
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        """Graceful shutdown: every session checkpointed, then the model thread stopped."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        saved = await self.pool.close()
+        log.info("%d sessions checkpointed to %s", saved, self.settings.session_dir)
+        self.worker.close()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_every_s)
+            try:
+                await self.pool.sweep()
+            except Exception:  # never let the sweeper die silently: the next round tries again
+                log.exception("idle-session sweep failed")
+
+    # -- checks shared by both generation endpoints --
+
+    def check(self, body: GenerationBody) -> None:
+        if body.model != self.lm.name:
+            raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {self.lm.name!r}",
+                           param="model", code="model_not_found")
+        if body.n not in (None, 1) or body.best_of not in (None, 1):
+            name = "n" if body.n not in (None, 1) else "best_of"
+            raise APIError(400, f"{name}: only one choice per request is supported", param=name,
+                           code="invalid_value")
+        for name in UNSUPPORTED:
+            if (body.model_extra or {}).get(name) not in (None, False, 0, "", [], {}):
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
+
+    def max_tokens(self, value: int | None, name: str) -> int:
+        if value is None:
+            return self.settings.default_max_tokens
+        if value < 1:
+            raise APIError(400, f"{name} must be at least 1, got {value}", param=name, code="invalid_value")
+        if value > self.settings.max_tokens:
+            raise APIError(400, f"{name} {value} is above this server's limit of {self.settings.max_tokens}",
+                           param=name, code="invalid_value")
+        return value
+
+    @staticmethod
+    def session_id(request: Request, user: str | None) -> str | None:
+        header = request.headers.get(SESSION_HEADER)
+        if header is not None and user is not None and header != user:
+            raise APIError(400, f"the X-Session-Id header ({header!r}) and the user field ({user!r}) name "
+                                "different sessions", param="user", code="invalid_session_id")
+        value = header if header is not None else user
+        if value is None:
+            return None
+        try:
+            return check_session_id(value)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="user" if header is None else None, code="invalid_session_id") from None
+
+    def sampling(self, body: GenerationBody) -> dict:
+        return {name: getattr(body, name) for name in ("temperature", "top_p") if getattr(body, name) is not None}
+
+    def fresh_config(self, seed: int | None) -> BrainConfig:
+        return self.config if seed is None else dataclasses.replace(self.config, seed=seed)
+
+    def check_ids(self, ids: list[int]) -> None:
+        if any(not 0 <= token < self.lm.vocab_size for token in ids):
+            raise APIError(400, f"prompt: token ids must be in 0..{self.lm.vocab_size - 1}", param="prompt",
+                           code="invalid_value")
+
+    @staticmethod
+    def too_long(what: str, tokens: int, limit: int, why: str, param: str) -> APIError:
+        return APIError(400, f"{what} is {tokens} tokens, more than the {limit} {why}", param=param,
+                        code="context_length_exceeded")
+
+    # -- holding a conversation --
+
+    @contextlib.asynccontextmanager
+    async def admission(self):
+        """A place among the --max-pending requests, or 429."""
+        if self.in_flight >= self.settings.max_pending:
+            raise APIError(429, f"the server has {self.in_flight} requests in progress (--max-pending); "
+                                "try again later", type="rate_limit_error", code="too_many_requests")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str | None):
+        """The session's conversation, held for the request (429: no slot; 409: unusable)."""
+        try:
+            conversation = await self.pool.acquire(session_id)
+        except PoolFull as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="too_many_sessions") from None
+        except SessionUnusable as exc:
+            raise APIError(409, str(exc), param="user", code="session_unusable") from None
+        try:
+            yield conversation
+        finally:
+            self.pool.release(conversation)
+
+    async def settle(self, conversation: Conversation) -> None:
+        """Read what an earlier request left unread (it went away mid-turn), token by token."""
+        while conversation.reading:
+            await self.worker.run(conversation.read_one)
+
+    # -- preparing a turn: what the request adds to its conversation --
+
+    async def prepare_completion(self, conversation: Conversation, prompt, seed: int | None) -> int:
+        """Queue a completion's prompt: a fresh brain prefills BOS + the prompt; a running
+        session reads the prompt's tokens after its context. Returns the tokens added."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request is supported", param="prompt",
+                               code="invalid_value")
+            prompt = prompt[0]
+        ids = list(prompt) if isinstance(prompt, list) else self.lm.encode(prompt)
+        self.check_ids(ids)
+        if conversation.brain is None:
+            config = self.fresh_config(seed)
+            if not isinstance(prompt, list) or ids[:1] != [self.lm.bos_id]:
+                ids = [self.lm.bos_id] + ids
+            if len(ids) > config.budget:
+                raise self.too_long("the prompt", len(ids), config.budget, "of the context budget", "prompt")
+            await self.worker.run(conversation.start, self.lm, ids, config)
+            return len(ids)
+        limit = turn_limit(conversation.brain.config)
+        if len(ids) > limit:
+            raise self.too_long("the prompt", len(ids), limit, "a running session's prompt may add (the budget less "
+                                "the protected rows)", "prompt")
+        await self.settle(conversation)
+        conversation.queue(forced=ids)
+        return len(ids)
+
+    async def prepare_chat(self, conversation: Conversation, messages: list[Message], seed: int | None) -> int:
+        """Queue a chat's new part: a fresh brain prefills the whole conversation in the chat
+        template; a running session reads the user messages after the last assistant
+        message, each as a user turn, after closing its previous reply. Returns the tokens added."""
+        texts = [message_text(message, i) for i, message in enumerate(messages)]
+        if conversation.brain is None:
+            config = self.fresh_config(seed)
+            ids = self.format.conversation([{"role": m.role, "content": t} for m, t in zip(messages, texts)])
+            if len(ids) > config.budget:
+                raise self.too_long("the conversation", len(ids), config.budget, "of the context budget", "messages")
+            await self.worker.run(conversation.start, self.lm, ids, config)
+            return len(ids)
+        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        new = list(range(last + 1, len(messages)))
+        if not new or any(messages[i].role != "user" for i in new):
+            raise APIError(400, "messages: in a running session a request ends with its new user message(s) after "
+                                "the last assistant message (the session remembers the rest)", param="messages",
+                           code="invalid_value")
+        limit = turn_limit(conversation.brain.config)
+        try:
+            turns = [self.format.user_turn(texts[i], limit) for i in new]
+        except TurnRefused as exc:
+            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        await self.settle(conversation)
+        closing = self.format.reply_end(conversation.last_token())
+        conversation.queue(forced=closing, turns=[texts[i] for i in new])
+        return len(closing) + sum(map(len, turns))
+
+    # -- answers --
+
+    def extension(self, conversation: Conversation) -> dict:
+        """The session's state after the request (a field OpenAI clients ignore)."""
+        brain = conversation.brain
+        return {"session": conversation.id, "tick": brain.tick, "live_length": brain.state.rows_per_layer,
+                "budget": brain.config.budget, "ledger_tokens": len(brain.state.mirror.ledger)}
+
+    @staticmethod
+    def usage(prompt_tokens: int, turn: Turn) -> dict:
+        generated = turn.reply.tokens if turn.reply else 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated}
+
+    async def generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
+        """Both generation endpoints: check, hold the conversation, queue the input, then
+        answer at once (the whole reply) or as server-sent events."""
+        self.check(body)
+        if chat:
+            max_tokens = self.max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None
+                                         else body.max_tokens,
+                                         "max_completion_tokens" if body.max_completion_tokens is not None
+                                         else "max_tokens")
+        else:
+            max_tokens = self.max_tokens(body.max_tokens, "max_tokens")
+        stops = stops_of(body.stop)
+        session_id = self.session_id(request, body.user)
+        held = contextlib.AsyncExitStack()
+        try:
+            await held.enter_async_context(self.admission())
+            conversation = await held.enter_async_context(self.hold(session_id))
+            if chat:
+                prompt_tokens = await self.prepare_chat(conversation, body.messages, body.seed)
+            else:
+                prompt_tokens = await self.prepare_completion(conversation, body.prompt, body.seed)
+        except BaseException:
+            await held.aclose()
+            raise
+        turn = Turn(conversation, self.worker, self.lm, max_tokens=max_tokens, stops=stops,
+                    sampling=self.sampling(body), ignore_eos=body.ignore_eos)
+        writer = (ChatWriter if chat else CompletionWriter)(self.lm.name)
+        headers = {"X-Session-Id": session_id} if session_id else None
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(self.events(held, conversation, turn, writer, prompt_tokens, usage), headers=headers)
+        async with held:
+            try:
+                async for _ in turn.pieces(gone=request.is_disconnected):
+                    pass
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
+            finally:
+                self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
+            answer = writer.whole(turn.reply.text, turn.reply.finish_reason, self.usage(prompt_tokens, turn))
+            answer["positronic"] = self.extension(conversation)
+        return JSONResponse(answer, headers=headers)
+
+    async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn, writer,
+                     prompt_tokens: int, include_usage: bool):
+        """The reply as server-sent events: the opening chunk, a chunk per piece of text, the
+        closing chunk (finish reason, and the session's state), the usage chunk if asked,
+        `data: [DONE]`. An error after the first byte becomes an error event."""
+        try:
+            async with held:
+                try:
+                    if (opening := writer.opening()) is not None:
+                        yield sse(opening)
+                    async for piece in turn.pieces():
+                        yield sse(writer.piece(piece))
+                    closing = writer.closing(turn.reply.finish_reason)
+                    closing["positronic"] = self.extension(conversation)
+                    yield sse(closing)
+                    if include_usage:
+                        yield sse(writer.usage(self.usage(prompt_tokens, turn)))
+                finally:
+                    self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
+        except Exception as exc:
+            log.exception("a streamed request failed")
+            yield sse(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body())
+        yield sse("[DONE]")
+
+    # -- the other endpoints --
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.lm.name, "object": "model", "created": self.created, "owned_by": "positronic"}
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.lm.name, "budget": self.config.budget, "policy": self.config.policy,
+                "sessions": {"in_memory": len(self.pool.loaded), "slots_in_use": self.pool.in_use,
+                             "max": self.settings.max_sessions},
+                "requests_in_flight": self.in_flight, "max_pending": self.settings.max_pending}
+
+    def metrics_text(self) -> str:
+        live = {sid: (len(c.brain.state), c.brain.config.budget) for sid, c in self.pool.loaded.items()
+                if c.brain is not None}
+        states = {"in_memory": len(self.pool.loaded), "throwaway": self.pool.in_use - len(self.pool.loaded),
+                  "active": sum(1 for c in self.pool.loaded.values() if c.users)}
+        events = {"saved": self.pool.saved, "resumed": self.pool.resumed, "freed": self.pool.freed}
+        return self.metrics.render(sessions=live, session_states=states, session_events=events,
+                                   in_flight=self.in_flight)
+

@@ -1,0 +1,90 @@
+"""Answers on the wire: OpenAI's objects, whole (one JSON body) or as server-sent events
+(`data: {chunk}` per piece of text, then `data: [DONE]`).
+
+A writer per endpoint shapes the answer (`whole`, or `opening`/`piece`/`closing`/`usage`
+chunks); `EventStream` sends the chunks and closes their iterator however the response ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import anyio
+from fastapi.responses import StreamingResponse
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event in the OpenAI wire format."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose iterator is closed however the response ends (a client that
+    went away included), so the request lets go of its conversation at once."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+class CompletionWriter:
+    """/v1/completions answers: `text_completion` objects, whole or in chunks."""
+
+    def __init__(self, model: str):
+        self.model, self.id, self.created = model, f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def _object(self, text: str, finish_reason: str | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return {**self._object(text, finish_reason), "usage": usage}
+
+    def opening(self) -> dict | None:
+        return None
+
+    def piece(self, text: str) -> dict:
+        return self._object(text, None)
+
+    def closing(self, finish_reason: str) -> dict:
+        return self._object("", finish_reason)
+
+    def usage(self, usage: dict) -> dict:
+        return {**self._object("", None), "choices": [], "usage": usage}
+
+
+class ChatWriter:
+    """/v1/chat/completions answers: `chat.completion`, or `chat.completion.chunk`s."""
+
+    def __init__(self, model: str):
+        self.model, self.id, self.created = model, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def _chunk(self, delta: dict, finish_reason: str | None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish_reason}], "usage": usage}
+
+    def opening(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def piece(self, text: str) -> dict:
+        return self._chunk({"content": text}, None)
+
+    def closing(self, finish_reason: str) -> dict:
+        return self._chunk({}, finish_reason)
+
+    def usage(self, usage: dict) -> dict:
+        return {**self._chunk({}, None), "choices": [], "usage": usage}
+
