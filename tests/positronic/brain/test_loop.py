@@ -292,7 +292,7 @@ def test_ctrl_c_while_starting_exits_130_with_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "load_model", interrupted)
+    monkeypatch.setattr(cli.run, "load_model", interrupted)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--model", "random:tiny", "--no-tui", "--ticks", "2"])
     assert exit_info.value.code == 130

@@ -4,8 +4,9 @@ the official openai client and with raw HTTP (httpx) for the wire format and the
 Servers run greedy (temperature 0) on the tiny random model, so a reply can be compared token
 for token with a brain run directly, or with the same conversation in another session. The
 server itself (LiveServer) and the request helpers are fixtures in tests/positronic/conftest.py;
-the session pool, the metrics, the chat text and `positronic serve` have their own modules
-(test_sessions.py, test_metrics.py, test_text.py, test_cli.py); streaming has test_streaming.py.
+the session pool, the metrics, the chat text and the streamed answers have their own modules
+(test_sessions.py, test_metrics.py, test_text.py, test_streaming.py), `positronic serve` is
+tested in tests/positronic/cli/test_serve.py.
 """
 
 import json

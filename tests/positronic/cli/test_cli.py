@@ -1,4 +1,4 @@
-"""The command line's conventions (positronic/cli.py): help, version, short flags, no tick
+"""The command line's conventions (positronic/cli/): help, version, short flags, no tick
 limit, threads, a `run` subcommand, and flags that would be silently lost are refused."""
 
 import os
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("args", [["-h"], ["--help"], ["run", "-h"], ["eval", "-h"], ["replay", "--help"]])

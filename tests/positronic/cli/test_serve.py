@@ -1,4 +1,4 @@
-"""`positronic serve` (positronic/server/cli.py): bad flags refused before a model loads, and a
+"""`positronic serve` (positronic/cli/serve.py): bad flags refused before a model loads, and a
 real server process that serves and saves its sessions on SIGTERM."""
 
 import re

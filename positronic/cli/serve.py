@@ -1,8 +1,8 @@
-"""The `serve` command: `positronic serve --model … --port 8080` (positronic/server/app.py).
+"""The serve command: `positronic serve --model … --port 8080` (positronic/server/app.py).
 
 Its maintenance and sampling options are the run's own definitions (`--policy`, `--budget`,
 `--sinks`, `--protect`, the llama.cpp aliases, …), taken from the run command's signature
-rather than copied, and they become a BrainConfig the way the run's do (`cli.brain_config`);
+rather than copied, and they become a BrainConfig the way the run's do (`common.brain_config`);
 only `--budget`'s default differs (a conversation needs more room than a first demo run).
 The server's own options follow. Nothing here imports the HTTP stack: the command line loads
 it only when the server starts.
@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import typer
+
+from ..brain.loop import check_budget
+from ..models import load_model
+from .common import UserError, set_threads, writable_directory
 
 # the run's options a server takes as they are (besides --budget, whose default differs)
 RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
@@ -65,20 +69,16 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
 
     def serve(ctx: typer.Context, **options) -> None:
         """Serve the brain over HTTP until Ctrl-C or SIGTERM (sessions are saved on the way out)."""
-        from ..cli import UserError, set_threads, writable_directory
-        from ..brain.loop import check_budget
-        from ..models import load_model
-
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
         writable_directory(directory, "--session-dir")
         if options["default_max_tokens"] > options["max_tokens"]:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
-                                     f"--max-tokens {options['max_tokens']}")
+                            f"--max-tokens {options['max_tokens']}")
         set_threads(options["threads"])
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
         check_budget(lm, config)
-        from .app import ServerSettings, serve_forever
+        from ..server.app import ServerSettings, serve_forever
 
         settings = ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],
                                   idle_save_s=options["idle_save"], max_pending=options["max_pending"],

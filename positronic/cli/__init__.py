@@ -1,0 +1,109 @@
+"""Command line: `positronic` / `python run.py`.
+
+    python run.py --ticks 200                      # generate with the embedded model
+    python run.py --model tinyllama --ticks 10000  # the live view when stdout is a terminal
+    python run.py --session runs/a --ticks 500     # checkpoint every --save-every ticks
+    python run.py --session runs/a --resume --ticks 500
+
+Errors in flags, files or models print one line on stderr and exit with code 2.
+
+The commands: run.py (the default command), eval.py, serve.py; what they share (errors, flag
+checks, the BrainConfig of their options) is in common.py. Each subcommand imports its work
+only when it runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import click
+import typer
+
+try:  # typer >= 0.24 vendors click: its usage errors are not click's
+    from typer.exceptions import TyperException as _TyperError
+except ImportError:  # pragma: no cover - older typer
+    _TyperError = click.ClickException
+
+from ..brain import session as sessions
+from ..models import ModelError
+from ..state.manager import StateBrokenError
+from .common import UserError, brain_config
+from .eval import eval_command
+from .run import DEFAULT_PROMPT, run_plain  # noqa: F401  (for the bench scripts)
+from .run import run as run_command  # not `run`: that name stays the submodule's
+from .serve import serve_command
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Positronic Brain: a model that generates forever inside a fixed KV budget. "
+                       "With no command: a run (the options below); `positronic run --help` shows the same.")
+app.callback(invoke_without_command=True)(run_command)  # what `positronic` with no command does
+
+# Subcommands register here, each importing its module only when run.
+
+
+app.command("run", help="Run the brain (what `positronic` with no command does).")(run_command)
+
+
+@app.command()
+def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")) -> None:
+    """Show what a captured tick does: its actions, and the text before and after."""
+    from ..fixtures import print_replay
+
+    print_replay(file)
+
+
+app.command("eval")(eval_command)
+
+
+@app.command("smartkv", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help="SmartKV gates: `positronic smartkv train --model smollm2 --text T --heldout H --out G.safetensors` "
+                  "(`positronic smartkv train -h` for every option).")
+def smartkv_command(ctx: typer.Context) -> None:
+    from ..smartkv.__main__ import main as smartkv_main
+
+    code = smartkv_main(list(ctx.args))
+    if code:
+        raise typer.Exit(code)
+
+
+app.command("serve", help="Serve the brain over HTTP: an OpenAI-compatible API, one brain per session "
+                          "(positronic/server/app.py).")(serve_command(run_command, brain_config))
+
+
+def entry() -> None:
+    """The process entry point (`run.py`, the `positronic` command): `main`, and then Ctrl-C is
+    ignored. The work is done and saved by then, and a Ctrl-C while the interpreter tears down
+    (unloading torch takes a moment) would otherwise turn a finished run's exit status into
+    "killed by SIGINT". Not for in-process callers: it changes the process's SIGINT handling."""
+    try:
+        main()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one clear line and exit code 2 for anything the user can fix."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # click turned a Ctrl-C (e.g. while the model loads) into a return code
+            print("interrupted", file=sys.stderr)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except (typer.Exit, click.exceptions.Exit) as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, click.exceptions.Abort, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)  # e.g. Ctrl-C while the model loads: no traceback
+        sys.exit(130)
+    except (_TyperError, click.ClickException) as exc:
+        print(f"error: {' '.join(exc.format_message().split())}", file=sys.stderr)
+        sys.exit(2)
+    except (UserError, ModelError, sessions.SessionError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except StateBrokenError as exc:  # not the user's doing, and nothing was saved
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,120 @@
+"""What the commands share: the user's errors (one line, exit code 2), the checks on flags
+and output directories, and the BrainConfig a command's options make (`run`'s and `serve`'s,
+which reuses them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import typer
+
+from ..brain.loop import BrainConfig
+
+DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, exit code 2."""
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("positronic-brain")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            number = "unknown (not installed)"
+        print(f"positronic-brain {number}")
+        raise typer.Exit()
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads (default: torch's choice, one per core)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+
+FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}
+
+
+def given_flags(ctx: typer.Context) -> set[str]:
+    """The parameters the command line set (not defaults)."""
+    # by name: typer may bring its own copy of click, with its own ParameterSource enum
+    return {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+
+
+def refuse_conflicting_aliases(ctx: typer.Context) -> None:
+    """UserError when a llama.cpp alias and the flag it stands for are both given: one of
+    them would silently lose."""
+    given = given_flags(ctx)
+    both = [f"--{alias.replace('_', '-')} and --{flag}" for alias, flag in FLAG_ALIASES.items()
+            if alias in given and flag in given]
+    if both:
+        raise UserError(f"{'; '.join(both)} set the same thing: give one of them")
+
+
+def refuse_changed_settings(ctx: typer.Context, config: BrainConfig, saved: dict) -> None:
+    """UserError if a flag given on the command line with --resume differs from the saved
+    run's setting: a resumed run keeps its settings, and silently ignoring the flag would hide
+    that."""
+    given = given_flags(ctx)
+    given |= {FLAG_ALIASES[name] for name in given if name in FLAG_ALIASES}
+    changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (saved: {saved[name]})"
+               for name in sorted(given) if name in saved and getattr(config, name) != saved[name]]
+    if changed:
+        raise UserError("a resumed run keeps the settings it was saved with; these flags differ: "
+                        + ", ".join(changed) + " (start a new --session to change them)")
+
+
+def writable_directory(path: Path, flag: str) -> None:
+    """UserError unless `path` is, or can be created as, a writable directory. Creates nothing:
+    a run that stops on a bad flag leaves no trace."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"cannot use {flag} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot use {flag} {path}: {existing} is not writable")
+
+
+def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
+    """The validated BrainConfig of a command's options (`run`'s, and `serve`'s, which reuses
+    them): the llama.cpp aliases mapped onto their flags, an alias given with its flag refused;
+    settings the command has no option for keep the library's defaults."""
+    refuse_conflicting_aliases(ctx)
+    policy, sinks, protect = llama_cpp_aliases(options["policy"], options["sinks"], options["protect"],
+                                               options.get("kv_eviction"), options.get("kv_sink_tokens"),
+                                               options.get("kv_protected_tokens"))
+    names = {f.name for f in dataclasses.fields(BrainConfig)}
+    config = BrainConfig(**{name: value for name, value in options.items() if name in names}
+                         | dict(policy=policy, sinks=sinks, protect=protect))
+    config.validate()
+    return config
+
+
+def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,
+                      kv_protected_tokens: int | None) -> tuple[str, int, int]:
+    """Map llama.cpp's --kv-eviction/--kv-sink-tokens/--kv-protected-tokens onto our flags,
+    with llama.cpp's validation."""
+    if kv_eviction is not None:
+        modes = {0: "none", 1: "streaming", 2: "scored"}
+        if kv_eviction not in modes:
+            raise UserError(f"--kv-eviction must be 0 (none), 1 (streaming) or 2 (scored), got {kv_eviction}")
+        policy = modes[kv_eviction]
+    if kv_sink_tokens is not None:
+        if not 0 <= kv_sink_tokens <= 256:
+            raise UserError(f"--kv-sink-tokens must be in 0..256, got {kv_sink_tokens}")
+        sinks = kv_sink_tokens
+    if kv_protected_tokens is not None:
+        if kv_protected_tokens < 0:
+            raise UserError(f"--kv-protected-tokens must be >= 0, got {kv_protected_tokens}")
+        protect = kv_protected_tokens
+    return policy, sinks, protect
+

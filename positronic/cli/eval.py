@@ -1,0 +1,67 @@
+"""The eval command (`positronic eval`): perplexity through a bounded cache per policy and
+budget, or with --generate the quality of freely generated text. The work is in
+positronic/evaluate/, imported only when the command runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import DEFAULTS, UserError, set_threads, writable_directory
+
+
+def eval_command(
+    model: str = typer.Option("smollm2", "-m", "--model", help="Model, as for the run command."),
+    text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
+    budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
+    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: brightness, streaming, scored, h2o, none; smartkv on request)."),
+    max_tokens: int = typer.Option(1024, help="Text tokens to score."),
+    out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot (with --generate: generation.csv/.json, texts/, side_by_side.md)."),
+    segments: int = typer.Option(8, help="Perplexity segments reported per run."),
+    sinks: int = typer.Option(4, min=0, max=256, help="Attention-sink rows never evicted."),
+    protect: int = typer.Option(0, min=0, help="Protected prefix rows."),
+    at_capacity: str = typer.Option(DEFAULTS.at_capacity, help="Policy none when full: stop | shift (as for the run command)."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
+    probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe, from the whole --text (default: max budget + 128, cut to the text; a text shorter than an explicit N is refused, and so is a probe longer than the model's positions)."),
+    probe_at: float = typer.Option(0.0, help="Where the probe's fact goes: the fraction 0..1 of the filler before it (0: first, 1: right before the question); never inside the sink/protected rows (shifted past them)."),
+    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none and smartkv with recall on (rows POLICY+recall)."),
+    smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+    repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
+    repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
+    generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),
+    prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
+    seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
+    kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
+) -> None:
+    """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
+    with --generate N, the quality of N freely generated tokens instead."""
+    writable_directory(out, "--out")
+    set_threads(threads)
+    if generate is not None:
+        if recall:
+            raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
+        if kv_store != "splice":
+            raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
+        from ..evaluate.generation import main as generation_main
+
+        report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
+                                 prompt_tokens=prompt_tokens, seed=seed, out=out, sinks=sinks, protect=protect,
+                                 at_capacity=at_capacity, device=device, dtype=dtype, repairer=repairer,
+                                 repair_batch=repair_batch, kv_format=kv_format)
+        if any(run.error for run in report.runs + ([report.reference] if report.reference else [])):
+            raise typer.Exit(1)  # a run ended on a tick that failed twice: its files are written, but say so
+        return
+    from ..evaluate import main as evaluate_main
+
+    evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
+                  segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
+                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
+                  repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates,
+                  kv_store=kv_store)

@@ -1,0 +1,194 @@
+"""The run command (`positronic`, `positronic run`, `python run.py`): its options, their
+checks, and a run with the live view or plain progress."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..brain import session as sessions
+from ..brain.chat import LineReader
+from ..brain.loop import Brain, TickRecord
+from ..brain.runner import Runner, RunResult, summary
+from ..models import load_model
+from .common import (DEFAULTS, UserError, brain_config, given_flags, refuse_changed_settings, set_threads, show_version,
+                     writable_directory)
+
+DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
+
+
+def run(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."),
+    model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir or hub id | random:tinyllama | random:tiny"),
+    ticks: int = typer.Option(300, "-n", "--ticks", min=-1, help="Ticks (generated tokens) to run; -1: no limit (Ctrl-C ends the run)."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
+    recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py)."),
+    policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer, or each kv head with per-head gates, keeps its own gate-ranked rows; docs/smartkv.md)."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
+    budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
+    sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
+    protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
+    window: Optional[int] = typer.Option(None, min=0, help="Most recent rows never culled (default: 32; policy smartkv: half the budget)."),
+    brightness: str = typer.Option(DEFAULTS.brightness, help="Brightness rule: ttl | vote."),
+    ttl_decay: float = typer.Option(DEFAULTS.ttl_decay, min=0.0, help="ttl rule: brightness lost per tick."),
+    ttl_gain: float = typer.Option(DEFAULTS.ttl_gain, min=0.0, help="ttl rule: brightness gained per unit of attention (what counts is gain/decay)."),
+    unit: int = typer.Option(DEFAULTS.unit, min=0, help="Brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)."),
+    repairer: str = typer.Option(DEFAULTS.repairer, help="none (cull only) | bridge (keep the pair's best token when it beats culling) | self (the model's guess) | mlm:PATH."),
+    repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self, bridge: exactly 1)."),
+    bridge_margin: float = typer.Option(DEFAULTS.bridge_margin, help="Bridge repairer: nats by which keeping a token must beat culling the pair."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
+    top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
+    top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
+    repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
+    seed: int = typer.Option(0, "-s", "--seed", help="Sampling seed."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
+    repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="Brightness policy: rows freed at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
+    refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
+    refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+    events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
+    session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
+    save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started), and/or over an existing --events file."),
+    no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
+    read_input: Optional[bool] = typer.Option(None, "--input/--no-input", help="Read lines typed while the agent runs as user turns: on the live view's input line when stdin is a terminal, else line by line from stdin (default: on, except --no-tui with stdin a terminal)."),
+    kv_eviction: Optional[int] = typer.Option(None, help="llama.cpp alias: 0 = none, 1 = streaming, 2 = scored."),
+    kv_sink_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --sinks (0-256)."),
+    kv_protected_tokens: Optional[int] = typer.Option(None, help="llama.cpp alias of --protect (>= 0)."),
+    at_capacity: str = typer.Option(DEFAULTS.at_capacity, help="Policy none, cache full: stop | shift (llama.cpp context shift)."),
+    capture: Optional[Path] = typer.Option(None, help="Save chosen ticks as .pt fixtures into this directory."),
+    capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
+    kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
+    kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
+) -> None:
+    """Run the brain (the default command)."""
+    if ctx.invoked_subcommand is not None:
+        given = sorted(given_flags(ctx) - {"version"})
+        if given:  # they would be silently ignored: the subcommand has its own options
+            raise UserError(f"options before `{ctx.invoked_subcommand}` belong to a run ({', '.join('--' + name.replace('_', '-') for name in given)}); "
+                            f"give {ctx.invoked_subcommand}'s options "
+                            f"after it (e.g. `run.py {ctx.invoked_subcommand} --model …`)")
+        return
+    if ticks == 0:
+        raise UserError("--ticks must be at least 1, or -1 for no limit")
+    if prompt is not None and prompt_file is not None:
+        raise UserError("give --prompt or --prompt-file, not both")
+    if resume and session is None:
+        raise UserError("--resume needs --session DIR")
+    if resume and pin:
+        raise UserError("--pin marks prompt text at the start of a run; a resumed run keeps the pins it has")
+    if overwrite and ((session is None and events is None) or resume):
+        raise UserError("--overwrite needs --session DIR or --events FILE and starts a new run: it cannot go with --resume")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read --prompt-file {prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    config = brain_config(ctx, ctx.params)
+    # outputs are checked before the model loads, not found unwritable after the work
+    if events is not None:
+        writable_directory(events.parent, "--events")
+        if events.exists() and not (resume or overwrite):
+            raise UserError(f"--events {events} already exists; replace it with --overwrite, or choose another file "
+                            "(a --resume appends to it)")
+    if session is not None:
+        writable_directory(session, "--session")
+        saved = session / sessions.MIRROR_FILE
+        if saved.exists() and not (resume or overwrite):
+            raise UserError(f"--session {session} already holds a saved run; continue it with --resume, "
+                            "replace it with --overwrite, or choose another directory")
+        if resume:
+            refuse_changed_settings(ctx, config, sessions.load(session)[1]["config"])
+    live = not (no_tui or not sys.stdout.isatty())
+    typing, fd = input_source(read_input, live)
+    inputs = queue.SimpleQueue() if typing else None
+    if typing == "lines":  # read from now on (while the model loads too); stopped when the command ends
+        ctx.call_on_close(LineReader(fd, inputs).start().close)
+    set_threads(threads)
+    if live:
+        from ..tui.app import loading
+    with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
+        lm = load_model(model, device=device, dtype=dtype)
+        if resume:
+            brain = sessions.resume(lm, session)
+        else:
+            text = DEFAULT_PROMPT if prompt is None else prompt
+            prompt_ids = [lm.bos_id] + lm.encode(text)
+            brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
+            if overwrite and session is not None:  # at once, so that a resume after a crash cannot continue the old run
+                sessions.save(session, brain, lm.name)
+    if capture is not None:
+        from ..fixtures import Capture
+
+        brain.observers.append(Capture(capture, lm, capture_ticks))
+    runner = Runner(brain, lm.name, None if ticks == -1 else ticks, events=events, append_events=resume, session=session,
+                    save_every=save_every, inputs=inputs)
+    if not live:
+        result = run_plain(brain, lm, runner, show_prompt=not resume)
+    else:
+        from ..tui.app import run_live
+
+        result = run_live(brain, lm, runner, show_prompt=not resume, keys=fd if typing == "keys" else None)
+    if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
+        raise typer.Exit(128 + int(result.signal or signal.SIGINT))
+
+
+def input_source(read_input: bool | None, live: bool) -> tuple[str | None, int | None]:
+    """How typed input reaches the run, and stdin's file descriptor: "keys" (the live view's
+    input line: stdin is a terminal), "lines" (stdin read line by line: a pipe or a file; a
+    terminal only with --input under --no-tui, where a background run reading it would be
+    stopped), or None (--no-input, or no usable stdin)."""
+    if read_input is False or os.name != "posix":
+        return None, None
+    try:
+        fd = sys.stdin.fileno()
+        terminal = os.isatty(fd)
+    except (AttributeError, OSError, ValueError):  # no stdin, or one without a descriptor (pytest's)
+        return None, None
+    if terminal and live:
+        return "keys", fd
+    if terminal and not read_input:
+        return None, None
+    return "lines", fd
+
+
+
+def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResult:
+    """Stream the generated text to stdout, a progress line to stderr every tenth of the run,
+    then the summary."""
+    out, err = sys.stdout, sys.stderr
+    if show_prompt:
+        out.write(lm.decode(brain.state.live_token_ids()[1:]))
+    every = max(1, (runner.ticks or 1000) // 10)
+
+    def on_tick(record: TickRecord, result: RunResult) -> None:
+        out.write(record.text)
+        out.flush()
+        if result.ticks % every == 0 or result.ticks == runner.ticks:
+            err.write(progress_line(brain, record, result, runner.ticks) + "\n")
+
+    result = runner.run(on_tick)
+    out.write("\n" + summary(brain, lm, result) + "\n")
+    return result
+
+
+def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: int) -> str:
+    c = brain.counts
+    union = f" per layer, {record.live_tokens} tokens" if record.live_tokens != record.live_length else ""
+    return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}{union}  "
+            f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
+            f"rebuilds {c['rebuilds']}  "
+            f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
+
