@@ -8,8 +8,8 @@ import pytest
 
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.tui.records import ActionRecorder
-from positronic.tui.render import INPUT_HINT, frame, legend, render_context, render_header, render_histogram, \
-    render_input
+from positronic.tui.render import (INPUT_HINT, frame, legend, render_context, render_header, render_histogram,
+                                   render_input)
 from positronic.tui.snapshot import take_snapshot
 from positronic.tui.style import (CONTRAST_FLOOR_AT, LEVELS, PANEL_BG, RECALL_BG, REPAIR_BG, REPAIR_HIGHLIGHT_TICKS,
                                   SINK_BG, USER_BG, VIRIDIS, contrast, token_style, viridis)
