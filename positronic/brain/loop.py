@@ -11,7 +11,6 @@ tick number and its brightness reach the StateManager as arguments of `apply`.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -23,16 +22,11 @@ import torch
 from positronic import steps
 
 from . import chat
-from ..kv import formats as kv_formats
-from ..policies import repairers
+from .config import BrainConfig, check_budget  # noqa: F401  (BrainConfig is imported from here too)
 from ..state.actions import loggable
-from ..policies.base import DEFAULT_WINDOW, POLICIES, make_policy
-from ..kv.cache import check_store
+from ..policies.base import POLICIES, make_policy
 from ..state.manager import StateManager, default_capacity
 from ..text import rows_matching, span_texts
-
-
-MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 
 
 def cache_capacity(context_length: int, budget: int, kv_store: str = "splice") -> int:
@@ -42,127 +36,6 @@ def cache_capacity(context_length: int, budget: int, kv_store: str = "splice") -
     that it packs its rows down less often)."""
     rows = max(context_length, budget)
     return rows if kv_store == "ring" else default_capacity(rows)
-
-
-@dataclass
-class BrainConfig:
-    """Every setting of a run; saved with a session, so resuming needs nothing else."""
-
-    policy: str = "brightness"  # maintenance policy (see positronic/policies/base.py)
-    at_capacity: str = "shift"  # policy none when the cache is full: shift (llama.cpp's context shift) | stop
-    budget: int = 500  # target live length
-    sinks: int = 4  # attention-sink rows never culled
-    protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
-    window: int | None = None  # most recent rows never culled; None: the policy's default (Policy.default_window)
-    brightness: str = "ttl"  # rule: ttl | vote
-    # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
-    # at 500 a row holds its brightness while it gets about its fair share of attention
-    # (1/live at a budget of 256 rows) and fades otherwise. DESIGN's reference constants
-    # (2, 10) make attention almost irrelevant; 500 measured best (bench/results/policies.md).
-    ttl_decay: float = 2.0
-    ttl_gain: float = 1000.0
-    unit: int = 0  # brightness policy: rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
-    score_layers: str | list[int] = "last"  # which layers' attention scores a row
-    # none (cull only) measured best; every repairer tried costs perplexity (bench/results/policies.md)
-    repairer: str = "none"  # none | bridge | self | mlm:PATH
-    repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
-    bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
-    # brightness policy: pairs taken at once when the budget is reached (1 = one pair per tick).
-    # On a CPU a forward with k new tokens costs about k single-token forwards for k <= 3 and
-    # grows slowly after that, so repairing 8 pairs every 8th tick costs far less than one pair
-    # every tick (bench/results/decode.md); the live length then moves between budget - 8 and budget.
-    repair_batch: int = 8
-    temperature: float = 0.7
-    top_k: int = 50
-    top_p: float = 0.95
-    repetition_penalty: float = 1.1
-    penalty_window: int = 64  # recent tokens the repetition penalty looks at
-    seed: int = 0
-    # evicted chunks come back when the newest token's query matches them (positronic/policies/recall.py)
-    recall: bool = False
-    refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
-    refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
-    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 | int4h (positronic/kv/formats.py)
-    kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only: cache.RingLayer)
-    gates: str = ""  # policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model
-
-    def __post_init__(self):
-        if self.window is None:
-            policy = POLICIES.get(self.policy)
-            self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
-
-    @property
-    def recorded_layers(self):
-        """Layers whose attention row (and query) each forward records: the scored ones, or
-        every layer with recall, whose signal comes from the few heads that look things up,
-        wherever they are (the last layer alone does not find an evicted fact)."""
-        return "all" if self.recall else self.score_layers
-
-    @property
-    def scored_layers(self):
-        """`score_layers`, as an index into the recorded layers."""
-        return self.score_layers if self.recall else "all"
-
-    @property
-    def unit_rows(self) -> int:
-        """Rows per unit: `unit`, or with 0 a pair when a repairer is set, else one row."""
-        return self.unit or (1 if self.repairer == "none" else 2)
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting."""
-        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
-            raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
-                             f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
-        for name in ("sinks", "protect", "window", "top_k", "penalty_window", "refresh_every", "refresh_kl"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
-        if self.at_capacity not in ("stop", "shift"):
-            raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
-        if self.brightness not in steps.RULES:
-            raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
-        repairers.check_spec(self.repairer)
-        kv_formats.check_format(self.kv_format)
-        check_store(self.kv_store)
-        if self.kv_store == "ring" and self.policy != "streaming":  # only it evicts the oldest window rows
-            raise ValueError(f"the ring store serves only the streaming policy, not {self.policy} "
-                             "(choose --policy streaming or --kv-store splice)")
-        if self.kv_store == "ring" and self.kv_format != "float":
-            raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
-                             "(choose --kv-format float or --kv-store splice)")
-        if self.unit < 0:
-            raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
-        if self.repairer != "none" and self.unit not in (0, 2):
-            raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
-                             "(use --repairer none with other units)")
-        for name in ("ttl_decay", "ttl_gain", "bridge_margin"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
-            raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
-        if self.repair_batch < 1:
-            raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
-        if self.repairer in ("self", "bridge") and self.repair_tokens != 1:
-            raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
-                             "(--repair-tokens applies to --repairer mlm:PATH)")
-        POLICIES[self.policy].check(self)
-        if self.gates and not POLICIES[self.policy].per_layer:
-            raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-
-def check_budget(lm, config: BrainConfig) -> None:
-    """ValueError for settings that cannot run on `lm`, before anything is allocated (a budget
-    beyond the model's positions would only fail hundreds of ticks in)."""
-    config.validate()
-    if config.budget > lm.max_positions:
-        raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
 
 
 def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[int]:

@@ -1,0 +1,277 @@
+"""A run's settings: typed parts, each with its defaults and its own checks, and the one flat
+record (`BrainConfig`) that the CLI, the server and saved sessions speak.
+
+The parts are where a setting is defined: its default lives on the part, `BrainConfig`'s field of
+the same name takes it from there, and the part's `check` raises ValueError naming the first bad
+value. Rules that tie settings of different parts together (a ring store needs the streaming
+policy; a repairer needs pairs; the budget must leave rows to evict) are in `BrainConfig.validate`
+and nowhere else. The record stays flat because it is a wire format: sessions saved by earlier
+versions hold exactly these names, and `BrainConfig(**saved)` must keep reading them.
+
+    config = BrainConfig(policy="streaming", budget=256, temperature=0)
+    config.sampling   # Sampling(temperature=0, top_k=50, top_p=0.95, ...), frozen
+    config.memory     # Memory(budget=256, sinks=4, protect=0, window=..., ...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from positronic import steps
+
+from ..kv import formats as kv_formats
+from ..kv.cache import check_store
+from ..policies import repairers
+from ..policies.base import DEFAULT_WINDOW, POLICIES
+
+MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
+
+# The budget's default, per entry point (one place, three audiences): the library keeps the
+# design's reference budget; a first `run` is small so that maintenance is at work within its
+# 300 ticks; a served conversation needs more room than a demo.
+BUDGET = 500
+RUN_BUDGET = 128
+SERVE_BUDGET = 512
+
+
+def _nonnegative(part, *names: str) -> None:
+    for name in names:
+        if getattr(part, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(part, name)}")
+
+
+def _finite_nonnegative(part, *names: str) -> None:
+    for name in names:
+        if not (getattr(part, name) >= 0 and math.isfinite(getattr(part, name))):
+            raise ValueError(f"{name} must be a finite number >= 0, got {getattr(part, name)}")
+
+
+class Part:
+    """A frozen group of settings, built from (and checked for) a BrainConfig."""
+
+    @classmethod
+    def of(cls, config: "BrainConfig"):
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad setting of this part."""
+
+
+@dataclass(frozen=True)
+class Sampling(Part):
+    """Step 1: how the next token is drawn (temperature <= 1e-3 is greedy)."""
+
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    penalty_window: int = 64  # recent tokens the repetition penalty looks at
+    seed: int = 0
+
+    def check(self) -> None:
+        _nonnegative(self, "top_k", "penalty_window")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass(frozen=True)
+class Memory(Part):
+    """The live context: its budget, the rows no policy may evict, how rows are scored and
+    stored, and when the cache is rebuilt from the mirror."""
+
+    budget: int = BUDGET  # target live length: never exceeded after a tick
+    sinks: int = 4  # attention-sink rows never culled
+    protect: int = 0  # protected prefix (e.g. a system prompt), counted from row 0
+    window: int | None = None  # most recent rows never culled; None: the policy's default
+    score_layers: str | list[int] = "last"  # which layers' attention scores a row
+    # evicted chunks come back when the newest token's query matches them (positronic/policies/recall.py)
+    recall: bool = False
+    kv_format: str = "float"  # cache rows: float (the model's dtype) | int4 | fp4 | int4h (positronic/kv/formats.py)
+    kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only)
+    refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
+    refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+
+    def check(self) -> None:
+        _nonnegative(self, "sinks", "protect", "window", "refresh_every", "refresh_kl")
+        kv_formats.check_format(self.kv_format)
+        check_store(self.kv_store)
+
+
+@dataclass(frozen=True)
+class Brightness(Part):
+    """The brightness policy's scorer and eviction units."""
+
+    # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
+    # at 500 a row holds its brightness while it gets about its fair share of attention
+    # (1/live at a budget of 256 rows) and fades otherwise. The design's reference constants
+    # (2, 10) make attention almost irrelevant; 500 measured best (bench/results/policies.md).
+    brightness: str = "ttl"  # rule: ttl | vote
+    ttl_decay: float = 2.0
+    ttl_gain: float = 1000.0
+    unit: int = 0  # rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
+    # Rows freed at once when the budget is reached (1 = one per tick). On a CPU a forward with
+    # k new tokens costs about k single-token forwards for k <= 3 and grows slowly after that, so
+    # freeing 8 rows every 8th tick costs far less than one every tick (bench/results/policies.md);
+    # the live length then moves between budget - 8 and budget.
+    repair_batch: int = 8
+
+    def check(self) -> None:
+        if self.brightness not in steps.RULES:
+            raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
+        if self.unit < 0:
+            raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
+        _finite_nonnegative(self, "ttl_decay", "ttl_gain")
+        if self.repair_batch < 1:
+            raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
+
+
+@dataclass(frozen=True)
+class Repair(Part):
+    """What replaces an evicted pair: none (cull only, measured best: every repairer tried costs
+    perplexity, bench/results/policies.md) | bridge | self | mlm:PATH."""
+
+    repairer: str = "none"
+    repair_tokens: int = 1  # tokens a repairer may propose per pair (self: exactly 1)
+    bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
+
+    def check(self) -> None:
+        repairers.check_spec(self.repairer)
+        _finite_nonnegative(self, "bridge_margin")
+        if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
+            raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
+        if self.repairer in ("self", "bridge") and self.repair_tokens != 1:
+            raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
+                             "(--repair-tokens applies to --repairer mlm:PATH)")
+
+
+@dataclass(frozen=True)
+class ContextShift(Part):
+    """Policy none: what happens when the cache is full."""
+
+    at_capacity: str = "shift"  # shift (llama.cpp's context shift) | stop
+
+    def check(self) -> None:
+        if self.at_capacity not in ("stop", "shift"):
+            raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
+
+
+@dataclass(frozen=True)
+class SmartKVGates(Part):
+    """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model."""
+
+    gates: str = ""
+
+
+PARTS = (Sampling, Memory, Brightness, Repair, ContextShift, SmartKVGates)
+
+
+def _default(part: type[Part], name: str):
+    return next(f.default for f in fields(part) if f.name == name)
+
+
+@dataclass
+class BrainConfig:
+    """Every setting of a run, flat; saved with a session, so resuming needs nothing else.
+    Defaults and checks come from the parts above (`sampling`, `memory`, ... return them)."""
+
+    policy: str = "brightness"  # maintenance policy (positronic/policies/)
+    at_capacity: str = _default(ContextShift, "at_capacity")
+    budget: int = _default(Memory, "budget")
+    sinks: int = _default(Memory, "sinks")
+    protect: int = _default(Memory, "protect")
+    window: int | None = _default(Memory, "window")
+    brightness: str = _default(Brightness, "brightness")
+    ttl_decay: float = _default(Brightness, "ttl_decay")
+    ttl_gain: float = _default(Brightness, "ttl_gain")
+    unit: int = _default(Brightness, "unit")
+    score_layers: str | list[int] = _default(Memory, "score_layers")
+    repairer: str = _default(Repair, "repairer")
+    repair_tokens: int = _default(Repair, "repair_tokens")
+    bridge_margin: float = _default(Repair, "bridge_margin")
+    repair_batch: int = _default(Brightness, "repair_batch")
+    temperature: float = _default(Sampling, "temperature")
+    top_k: int = _default(Sampling, "top_k")
+    top_p: float = _default(Sampling, "top_p")
+    repetition_penalty: float = _default(Sampling, "repetition_penalty")
+    penalty_window: int = _default(Sampling, "penalty_window")
+    seed: int = _default(Sampling, "seed")
+    recall: bool = _default(Memory, "recall")
+    refresh_every: int = _default(Memory, "refresh_every")
+    refresh_kl: float = _default(Memory, "refresh_kl")
+    kv_format: str = _default(Memory, "kv_format")
+    kv_store: str = _default(Memory, "kv_store")
+    gates: str = _default(SmartKVGates, "gates")
+
+    def __post_init__(self):
+        if self.window is None:
+            policy = POLICIES.get(self.policy)
+            self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling.of(self)
+
+    @property
+    def memory(self) -> Memory:
+        return Memory.of(self)
+
+    @property
+    def brightness_rule(self) -> Brightness:
+        return Brightness.of(self)
+
+    @property
+    def repair(self) -> Repair:
+        return Repair.of(self)
+
+    @property
+    def recorded_layers(self):
+        """Layers whose attention row (and query) each forward records: the scored ones, or
+        every layer with recall, whose signal comes from the few heads that look things up,
+        wherever they are (the last layer alone does not find an evicted fact)."""
+        return "all" if self.recall else self.score_layers
+
+    @property
+    def scored_layers(self):
+        """`score_layers`, as an index into the recorded layers."""
+        return self.score_layers if self.recall else "all"
+
+    @property
+    def unit_rows(self) -> int:
+        """Rows per unit: `unit`, or with 0 a pair when a repairer is set, else one row."""
+        return self.unit or (1 if self.repairer == "none" else 2)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting: each part's own checks, then the
+        rules that tie parts together (the only place such rules live)."""
+        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
+            raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
+                             f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        for part in PARTS:
+            part.of(self).check()
+        if self.kv_store == "ring" and self.policy != "streaming":  # only it evicts the oldest window rows
+            raise ValueError(f"the ring store serves only the streaming policy, not {self.policy} "
+                             "(choose --policy streaming or --kv-store splice)")
+        if self.kv_store == "ring" and self.kv_format != "float":
+            raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
+                             "(choose --kv-format float or --kv-store splice)")
+        if self.repairer != "none" and self.unit not in (0, 2):
+            raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
+                             "(use --repairer none with other units)")
+        POLICIES[self.policy].check(self)
+        if self.gates and not POLICIES[self.policy].per_layer:
+            raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
+
+
+def check_budget(lm, config: BrainConfig) -> None:
+    """ValueError for settings that cannot run on `lm`, before anything is allocated (a budget
+    beyond the model's positions would only fail hundreds of ticks in)."""
+    config.validate()
+    if config.budget > lm.max_positions:
+        raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")

@@ -1,0 +1,81 @@
+"""Settings: typed parts define the defaults and their own checks; BrainConfig is the flat record
+sessions save, and its validate() holds every rule that ties parts together
+(positronic/brain/config.py)."""
+
+import dataclasses
+
+import pytest
+
+from positronic.brain.config import (BUDGET, PARTS, Brightness, BrainConfig, ContextShift, Memory, Repair, Sampling,
+                                     SmartKVGates)
+
+
+def test_every_field_of_the_record_is_defined_by_exactly_one_part_with_the_same_default():
+    """One place for defaults: the record's defaults are the parts' (policy aside, which names
+    the part that applies), and no setting belongs to two parts."""
+    owners: dict[str, type] = {}
+    for part in PARTS:
+        for field in dataclasses.fields(part):
+            assert field.name not in owners, f"{field.name} is in {owners.get(field.name)} and {part}"
+            owners[field.name] = part
+    record = {field.name: field.default for field in dataclasses.fields(BrainConfig)}
+    assert set(record) - set(owners) == {"policy"}
+    assert set(owners) <= set(record)
+    for name, part in owners.items():
+        assert record[name] == next(f.default for f in dataclasses.fields(part) if f.name == name), name
+    assert BrainConfig().budget == BUDGET
+
+
+def test_parts_read_the_record_and_are_frozen():
+    config = BrainConfig(policy="streaming", budget=256, temperature=0.0, top_k=7, seed=3, repairer="none")
+    assert config.sampling == Sampling(temperature=0.0, top_k=7, seed=3)
+    assert config.memory.budget == 256 and config.memory.window == config.window
+    assert config.repair == Repair()
+    assert config.brightness_rule == Brightness()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sampling.temperature = 1.0  # a part is a snapshot; the record is what a run changes
+
+
+def test_a_saved_flat_record_reads_back_unchanged():
+    config = BrainConfig(policy="h2o", budget=96, sinks=2, window=20, top_p=0.5, kv_format="int4")
+    assert BrainConfig(**dataclasses.asdict(config)) == config
+
+
+@pytest.mark.parametrize("part, bad, message", [
+    (Sampling, {"temperature": -1.0}, "temperature must be >= 0"),
+    (Sampling, {"top_p": 0.0}, "top_p must be in (0, 1]"),
+    (Sampling, {"top_k": -1}, "top_k must be >= 0"),
+    (Sampling, {"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    (Memory, {"sinks": -1, "window": 8}, "sinks must be >= 0"),
+    (Memory, {"kv_format": "int3", "window": 8}, "int3"),
+    (Memory, {"kv_store": "heap", "window": 8}, "heap"),
+    (Brightness, {"brightness": "glow"}, "unknown brightness rule 'glow'"),
+    (Brightness, {"ttl_gain": float("inf")}, "ttl_gain must be a finite number >= 0"),
+    (Brightness, {"repair_batch": 0}, "repair_batch must be >= 1"),
+    (Repair, {"repair_tokens": 17}, "repair_tokens must be in 1..16"),
+    (Repair, {"repairer": "self", "repair_tokens": 2}, "the self repairer proposes exactly 1 token"),
+    (ContextShift, {"at_capacity": "wrap"}, "at_capacity must be 'stop' or 'shift'"),
+])
+def test_each_part_refuses_its_own_bad_values_and_the_record_reports_them(part, bad, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        part(**bad).check()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        BrainConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"policy": "h2o", "kv_store": "ring"}, "the ring store serves only the streaming policy"),
+    ({"policy": "streaming", "kv_store": "ring", "kv_format": "int4"}, "the ring store keeps float rows"),
+    ({"repairer": "self", "unit": 3}, "the self repairer replaces pairs: it needs unit 2"),
+    ({"policy": "streaming", "gates": "g.safetensors"}, "--gates applies to policy smartkv"),
+    ({"budget": 20, "window": 16}, "budget 20 leaves no room to cull"),
+    ({"policy": "nope"}, "unknown policy 'nope'"),
+])
+def test_rules_across_parts_are_checked_by_the_record(settings, message):
+    with pytest.raises(ValueError, match=message):
+        BrainConfig(**settings).validate()
+
+
+def test_the_defaults_are_valid_and_smartkv_gates_default_to_the_shipped_ones():
+    BrainConfig().validate()
+    assert SmartKVGates().gates == ""
