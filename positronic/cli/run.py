@@ -15,6 +15,7 @@ import typer
 
 from ..brain import session as sessions
 from ..brain.chat import LineReader
+from ..brain.config import BUDGET, RUN_BUDGET
 from ..brain.loop import Brain, TickRecord
 from ..brain.runner import Runner, RunResult, summary
 from ..models import load_model
@@ -35,7 +36,7 @@ def run(
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py)."),
     policy: str = typer.Option("brightness", help="Maintenance policy: brightness | streaming | scored | h2o | none | smartkv (each layer, or each kv head with per-head gates, keeps its own gate-ranked rows; docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
-    budget: int = typer.Option(128, "-c", "--budget", help="Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is 500)."),
+    budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
     window: Optional[int] = typer.Option(None, min=0, help="Most recent rows never culled (default: 32; policy smartkv: half the budget)."),

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import typer
 
-from ..brain.loop import check_budget
+from ..brain.config import SERVE_BUDGET, check_budget
 from ..models import load_model
 from .common import UserError, set_threads, writable_directory
 
@@ -27,7 +27,6 @@ RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "t
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
                "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "temperature", "top_k",
                "top_p", "repetition_penalty", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
-SERVE_BUDGET = 512
 
 
 def _server_options(
