@@ -69,7 +69,7 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
         "pending_input": list(brain.pending_input),  # typed input not fed yet
     }
     path = directory / MIRROR_FILE
-    mirror.save(path, brain.state.mirror, meta)
+    mirror.write_atomic(path, brain.state.mirror.to_bytes(meta))  # mirror.save, from the read-only view
     for stale in directory.glob("kv-*.safetensors"):
         if stale.name != cache_name:
             stale.unlink(missing_ok=True)

@@ -36,6 +36,7 @@ from ..brain import session as sessions
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .text import Reply
 from ..state.manager import StateBrokenError
+from ..state.readonly import MirrorView
 
 log = logging.getLogger("positronic.server.app")
 
@@ -183,18 +184,18 @@ class Conversation:
         return describe(self.brain.state.mirror, self.brain.tick, self.brain.config.budget)
 
 
-def describe(mirror, tick: int, budget: int) -> dict:
+def describe(mirror: MirrorView, tick: int, budget: int) -> dict:
     """A session's mirror in words: what was said (the ledger's prompt, user and generated
     tokens, in order), what the brain holds now (the live rows), and the counts.
     `transcript_tokens` counts what was said: the sum of the session's requests' usage
     (prompt_tokens + completion_tokens), whatever the policy culled, repaired or recalled."""
-    entries = mirror.ledger.entries
-    said = [e for e in entries if e.source in TRANSCRIPT_SOURCES]
+    ledger = mirror.ledger  # a MirrorView's: columns read at list speed
+    said = [text for source, text in zip(ledger.column("source"), ledger.column("text")) if source in TRANSCRIPT_SOURCES]
     rows = len(mirror) if mirror.layers is None else len(mirror.layers)  # per layer: what the budget bounds
-    return {"tick": tick, "budget": budget, "live_length": rows, "ledger_tokens": len(entries),
+    return {"tick": tick, "budget": budget, "live_length": rows, "ledger_tokens": len(ledger),
             "transcript_tokens": len(said),
-            "culled": mirror.ledger.count("culled"), "replaced": mirror.ledger.count("replaced"),
-            "transcript": "".join(e.text for e in said),
+            "culled": ledger.count("culled"), "replaced": ledger.count("replaced"),
+            "transcript": "".join(said),
             "live_text": "".join(mirror.live_texts())}
 
 
@@ -387,7 +388,7 @@ class SessionPool:
 
         def load() -> dict:
             saved, meta = sessions.load(path)
-            return describe(saved, meta["tick"], meta["config"]["budget"])
+            return describe(MirrorView(saved), meta["tick"], meta["config"]["budget"])
 
         try:
             return await self.worker.run(load)

@@ -49,6 +49,7 @@ from ..kv import formats as kv_formats, rope
 from .actions import ActionError, validate
 from ..kv.cache import SpliceCache, check_store
 from .forward import Probes, fresh_layer0_kv, forward, prefill
+from .readonly import CacheView, MirrorView
 from ..kv.centres import key_centres
 from ..text import span_texts
 
@@ -384,15 +385,16 @@ class StateManager:
     # --- reads (copies or read-only views) ----------------------------------------------
 
     @property
-    def mirror(self) -> Mirror:
-        """The mirror, for reading (sessions save it, the live view draws it). Only
-        StateManager changes it; `tests/test_one_writer.py` holds every other module to that."""
-        return self._mirror
+    def mirror(self) -> MirrorView:
+        """A read-only view of the mirror (sessions save it, the live view draws it): any write
+        through it raises ReadOnlyError. Only StateManager changes the mirror (`_mirror`)."""
+        return MirrorView(self._mirror)
 
     @property
-    def cache(self) -> SpliceCache:
-        """The cache, for reading (the model reads it inside StateManager's forwards)."""
-        return self._cache
+    def cache(self) -> CacheView:
+        """A read-only view of the cache (lengths, memory, layers; their tensors come out
+        cloned). The model reads and writes the real one (`_cache`) inside StateManager's forwards."""
+        return CacheView(self._cache)
 
     def __len__(self) -> int:
         return len(self._mirror)

@@ -10,6 +10,7 @@ import torch
 from positronic import mirror
 from positronic.brain import session as sessions
 from positronic.brain.loop import Brain, BrainConfig
+from positronic.state.readonly import MirrorView
 
 
 def test_a_session_saved_before_the_new_settings_resumes_with_the_values_it_ran_with(tiny, tmp_path):
@@ -251,7 +252,7 @@ def test_a_save_killed_between_its_two_files_leaves_the_previous_checkpoint_whol
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # the mirror file is never written: the new cache file is
-    monkeypatch.setattr(sessions.mirror, "save", killed)
+    monkeypatch.setattr(MirrorView, "to_bytes", killed)
     with pytest.raises(KeyboardInterrupt):
         sessions.save(tmp_path, brain, tiny.name)
     monkeypatch.undo()

@@ -333,7 +333,7 @@ def test_check_tolerance_follows_the_format(tiny, name, layer0_oracle):
     fresh = layer0_oracle(tiny, sm.live_token_ids(), sm.positions())[0]
     ratio = ((keys - fresh).abs() / PACKED[name].error_bound(keys)).max()
     assert 0.3 < float(ratio) <= 1.0 + 1e-3, "one rounding: within one bound (float noise aside)"
-    layer = sm.cache.layers[0]
+    layer = sm._cache.layers[0]
     for store in (layer.codes, layer.scales):  # swap rows 5 and 6 behind the mirror's back
         store.key_buffer[:, :, [layer.start + 5, layer.start + 6]] = store.key_buffer[:, :, [layer.start + 6, layer.start + 5]]
     with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):
@@ -676,15 +676,15 @@ def test_int4h_check_tolerance_and_what_it_catches(tiny, layer0_oracle):
         sm.check(deep=True, tolerance=1e-4)
     keys, values = sm.layer_kv(0)
     fresh_keys, fresh_values = layer0_oracle(tiny, sm.live_token_ids(), sm.positions())
-    layer = sm.cache.layers[0]
+    layer = sm._cache.layers[0]
     positions = torch.tensor(sm.positions())
     ratio = ((keys - fresh_keys).abs() / Int4H().error_bound(layer.coded_keys(keys, positions))).max()
     assert 0.02 < float(ratio) <= 1.0, "within the bound"
     assert float(((values - fresh_values).abs() / Int4H().error_bound(layer.coded_values(values))).max()) <= 1.0
-    sm.cache.set_positions(sm.positions()[:5] + [sm.positions()[6], sm.positions()[5]] + sm.positions()[7:])
+    sm._cache.set_positions(sm.positions()[:5] + [sm.positions()[6], sm.positions()[5]] + sm.positions()[7:])
     with pytest.raises(StateInvariantError, match="row positions"):
         sm.check()
-    sm.cache.set_positions(sm.positions())
+    sm._cache.set_positions(sm.positions())
     for store in (layer.codes, layer.scales, layer.zeros):  # swap rows 5 and 6 behind the mirror's back
         store.key_buffer[:, :, [layer.start + 5, layer.start + 6]] = store.key_buffer[:, :, [layer.start + 6, layer.start + 5]]
     with pytest.raises(StateInvariantError, match="layer 0 differs from a fresh prefill"):

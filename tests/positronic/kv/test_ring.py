@@ -101,7 +101,7 @@ def test_check_after_the_ring_wraps_and_its_cursor_is_checked(tiny):
         seen.add(brain.state.mirror.ring.cursor)
     brain.state.check(deep=True)
     state = brain.state
-    state.mirror.ring = Ring(state.mirror.ring.sinks, state.mirror.ring.capacity,
+    state._mirror.ring = Ring(state.mirror.ring.sinks, state.mirror.ring.capacity,
                              state.mirror.ring.sinks + (state.mirror.ring.cursor - state.mirror.ring.sinks + 1)
                              % state.mirror.ring.window)
     with pytest.raises(AssertionError, match="ring"):
