@@ -36,7 +36,7 @@ def test_teacher_forced_streaming_scores_the_text_as_the_splice_store_does(tiny,
 
 def test_sampled_streaming_makes_the_same_tokens_and_logits_without_moving_a_row(tiny):
     splice, ring = brains(tiny)
-    layer = ring.state.cache.layers[0]
+    layer = ring.state._cache.layers[0]  # the real buffers (the view's tensors are clones)
     buffers = (layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr())
     cursors = []
     for _ in range(200):
