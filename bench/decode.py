@@ -59,7 +59,7 @@ from positronic import StateManager, load_model  # noqa: E402
 from positronic.state import manager as state_manager  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import with_cache  # noqa: E402
-from positronic.policies.base import POLICIES  # noqa: E402
+from positronic.policies import POLICIES  # noqa: E402
 from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED  # noqa: E402
 

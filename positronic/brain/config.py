@@ -23,7 +23,7 @@ from positronic import steps
 from ..kv import formats as kv_formats
 from ..kv.cache import check_store
 from ..policies import repairers
-from ..policies.base import DEFAULT_WINDOW, POLICIES
+from ..policies import DEFAULT_WINDOW, POLICIES
 
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 

@@ -6,7 +6,9 @@ the newest token's attention (2a); the policy updates brightness (2b), picks wha
 the context is at or over budget (3a–3b) and asks its repairer for replacements (3c–3d);
 everything becomes one action list with the add last (3e); `apply` (4) runs the one forward
 that leaves the next tick's logits and attention row. The policy sees a read-only view; the
-tick number and its brightness reach the StateManager as arguments of `apply`.
+tick number and its brightness reach the StateManager as arguments of `apply`. The policy's
+plan carries its next state; it becomes current only when `apply` went through (the tick
+commits), so a failed or interrupted tick leaves the policy as it was.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from positronic import steps
 from . import chat
 from .config import BrainConfig, check_budget  # noqa: F401  (BrainConfig is imported from here too)
 from ..state.actions import loggable
-from ..policies.base import POLICIES, make_policy
+from ..policies import POLICIES, make_policy
 from ..state.manager import StateManager, default_capacity
 from ..text import rows_matching, span_texts
 
@@ -163,7 +165,7 @@ class Brain:
             report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
             if report.rebuilt:
                 raise RuntimeError(f"pruning the prompt to the budget failed: {report.error}")
-            brain.policy.receive(None)  # the pruned prompt rows become recallable
+            brain.policy.commit(plan.next)  # e.g. the pruned prompt rows become recallable
             if len(prompt_ids) - 1 in pinned:
                 state.pin([len(state) - 1])
         return brain
@@ -183,7 +185,6 @@ class Brain:
 
         self.tick += 1
         sampler = self.generator.get_state()
-        planning = False
         try:
             view = sm.view(keys=cfg.recall or self.policy.reads_keys)
             # Step 1
@@ -202,8 +203,7 @@ class Brain:
             # a per-layer policy scores rows itself (the attention row covers layer rows, not live rows)
             scores = [] if sm.per_layer else steps.scores(sm.last_attention, cfg.scored_layers)
             lap("attention")
-            planning = True
-            plan = self.policy.plan(view, scores, seconds)
+            plan = self.policy.plan(view, scores, seconds, typed=source == "user")
             clock = time.perf_counter()
             # Step 3e and Step 4
             actions = steps.consolidate(token_id, plan.actions)
@@ -213,20 +213,15 @@ class Brain:
                               add_source=source)
         except BaseException:
             # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick
-            # count, the sampler and the policy's per-row state go back to where they were and a
-            # saved session resumes exactly
+            # count and the sampler go back to where they were (the policy's next state was
+            # never committed) and a saved session resumes exactly
             self.tick -= 1
             self.generator.set_state(sampler)
-            if planning:
-                self.policy.undo()
             raise
-        if source == "user" and not report.rebuilt:
-            self._pending.popleft()
-            if self.policy.recall is not None:  # recall looks at what was typed first
-                self.policy.recall.wake()
-        if report.rebuilt:  # the tick failed and changed nothing: nor does the policy keep it
-            self.policy.undo()
-        self.policy.receive(report.probe_logprobs)
+        if not report.rebuilt:  # the tick commits: the policy's next state becomes current
+            self.policy.commit(plan.next, report.probe_logprobs)
+            if source == "user":
+                self._pending.popleft()
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")

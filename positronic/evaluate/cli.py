@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..policies.base import POLICIES
+from ..policies import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 from .report import progress_bars, table, table_console, write_outputs
 from .stream import EvalError, make_config

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..brain.loop import Brain, BrainConfig
-from ..policies.base import POLICIES
+from ..policies import POLICIES
 
 
 class EvalError(ValueError):

@@ -9,7 +9,7 @@ import torch
 
 from ..kv import formats as kv_formats
 from ..brain.loop import BrainConfig
-from ..policies.base import POLICIES
+from ..policies import POLICIES
 from .probe import PROBE_ANSWER, PROBE_FACT, PROBE_QUESTION, ProbeResult, probe_stream, run_probe
 from .stream import EvalError, make_config, perplexity, reference_config, run_stream, segment_bounds
 

@@ -1,0 +1,53 @@
+"""Maintenance policies: what to take out of the context each tick (docs/policies.md).
+
+One module per policy on the shared framework of base.py (scorer, unit, window, batch; the one
+selector and protected-rows rule; the plan → commit protocol):
+
+    brightness  the halo rules (ttl / vote), pairs, repaired by the run's repairer
+    streaming   sinks + recent window; the oldest middle rows go (StreamingLLM, --kv-eviction 1)
+    scored      the least recently attended rows go (llama.cpp --kv-eviction 2)
+    h2o         the rows with the least accumulated attention go (Heavy-Hitter Oracle)
+    none        never evict: at capacity stop, or do llama.cpp's context shift
+    smartkv     per-layer rows: each layer keeps its own gate-ranked memory (registered by
+                positronic/smartkv/policy.py, which imports this package, never the other way)
+
+`POLICIES` maps a name to its class; `register` adds one (a class with `name`, `check`,
+`window`, `batch`, `default_window`, `per_layer`, `plan`, `prune`, `commit`, `state`,
+`load_state`); the CLI's --policy choices and `BrainConfig.validate` read it.
+"""
+
+from __future__ import annotations
+
+from .base import DEFAULT_WINDOW, Policy, PolicyPlan, batch_size, pinned_rows, recent_window
+from .brightness import BrightnessPolicy
+from .h2o import H2OPolicy
+from .none import NoEvictionPolicy
+from .scored import ScoredPolicy
+from .streaming import StreamingPolicy
+
+POLICIES: dict[str, type] = {}
+
+
+def register(policy: type) -> type:
+    """Make `policy` available as `--policy <policy.name>` (usable as a class decorator)."""
+    if POLICIES.get(policy.name, policy) is not policy:
+        raise ValueError(f"policy {policy.name!r} is already registered")
+    POLICIES[policy.name] = policy
+    return policy
+
+
+for _policy in (BrightnessPolicy, StreamingPolicy, ScoredPolicy, H2OPolicy, NoEvictionPolicy):
+    register(_policy)
+
+
+def make_policy(name: str, lm, config):
+    """The policy `name` for a run of `lm` with `config`."""
+    try:
+        return POLICIES[name](lm, config)
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+
+
+__all__ = ["DEFAULT_WINDOW", "POLICIES", "BrightnessPolicy", "H2OPolicy", "NoEvictionPolicy", "Policy", "PolicyPlan",
+           "ScoredPolicy", "StreamingPolicy", "batch_size", "make_policy", "pinned_rows",
+           "recent_window", "register"]

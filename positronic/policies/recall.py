@@ -29,6 +29,8 @@ head_dim in the cache's dtype (SmolLM2 float32: 46 KB). Cost: scoring reads ever
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..util import DTYPES, is_int_list
@@ -40,7 +42,47 @@ DEFAULT_COOLDOWN = 64  # ticks before a restored row may come back again
 DEFAULT_EVERY = 1  # ticks between looks (and at once after typed input): the query that finds a fact comes at one token
 
 
+@dataclass
+class Lookup:
+    """One tick of recall, made by `Recall.look` and current only at `Recall.adopt` (once the
+    tick went through): the clocks after the tick, the ledger ids it brings back (nearest to
+    the best match first) and the rows it evicts, copied while the view is the cache's."""
+
+    clock: int
+    awake: bool
+    back: list[int] = field(default_factory=list)
+    evicted: tuple = ()  # (ledger ids, positions, predicted, keys, values) of the rows this tick takes out
+
+    def fit(self, room: int) -> None:
+        """Bring back at most `room` rows (the rows the tick freed beyond what it needed)."""
+        if self.back:
+            self.back = self.back[: max(0, room)]
+
+
+class NoRecall:
+    """Recall off: looks at nothing, brings nothing back, keeps nothing (a policy's stand-in)."""
+
+    def look(self, view, *, typed: bool = False) -> Lookup:
+        return Lookup(0, False)
+
+    def idle(self) -> Lookup:
+        return Lookup(0, False)
+
+    def settle(self, lookup, view, gone, actions, outcomes) -> None:
+        pass
+
+    def adopt(self, lookup) -> None:
+        pass
+
+
+NO_RECALL = NoRecall()
+
+
 class Recall:
+    """The index of evicted rows (see the module docstring). A policy consults it each tick:
+    `look` (what comes back), `settle` (the restore action; the rows this tick evicts), and
+    the Brain's commit hands the tick's `Lookup` to `adopt`."""
+
     def __init__(self, *, threshold: float = DEFAULT_THRESHOLD, span: int = DEFAULT_SPAN,
                  capacity: int = DEFAULT_CAPACITY, cooldown: int = DEFAULT_COOLDOWN, every: int = DEFAULT_EVERY):
         self.threshold, self.span, self.capacity, self.cooldown, self.every = threshold, span, capacity, cooldown, every
@@ -53,36 +95,52 @@ class Recall:
         self.clock = 0  # plans so far
         self.restored = 0  # rows brought back so far
         self.awake = False  # look on the next plan whatever the clock says (typed input came in)
-        self._pending: tuple | None = None
-        self._before: tuple[int, bool] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def wake(self) -> None:
-        """Typed input came in: look at the next tick's query, off the `every` schedule."""
+        """Typed input came in (outside a tick): look at the next tick's query, off the `every`
+        schedule. Within a tick, `look(typed=True)` does this as part of the tick's state."""
         self.awake = True
 
     # --- one tick ---------------------------------------------------------------------------
 
-    def choose(self, view) -> list[int]:
-        """Ledger ids to bring back this tick (nearest to the best match first), or []."""
-        self._before = (self.clock, self.awake)
-        self.clock += 1
-        due = self.awake or self.clock % self.every == 0
-        self.awake = False
+    def look(self, view, *, typed: bool = False) -> Lookup:
+        """This tick's lookup: the ledger ids to bring back (nearest to the best match first, or
+        none). `typed`: the tick adds a typed token, so the next tick looks whatever the clock."""
+        lookup = Lookup(self.clock + 1, typed)
+        due = self.awake or lookup.clock % self.every == 0
         if not due or not self.ids or view.query is None or view.log_norm is None:
-            return []
+            return lookup
         share = self.shares(view.query, view.log_norm)
         best = int(share.argmax())
         if float(share[best]) * len(view) < self.threshold:
-            return []
+            return lookup
         live = set(view.positions.tolist())
         center = self.positions[best]
         near = sorted((abs(p - center), p, i) for i, p in zip(self.ids, self.positions)
                       if abs(p - center) <= self.span and p not in live
-                      and self.clock - self.back_at.get(i, -self.cooldown) >= self.cooldown)
-        return [i for _, _, i in near[: self.span]]
+                      and lookup.clock - self.back_at.get(i, -self.cooldown) >= self.cooldown)
+        lookup.back = [i for _, _, i in near[: self.span]]
+        return lookup
+
+    def idle(self) -> Lookup:
+        """A tick that does not look (a bulk prune): the clocks stay, nothing comes back."""
+        return Lookup(self.clock, self.awake)
+
+    def settle(self, lookup: Lookup, view, gone: list[int], actions: list[dict], outcomes: list) -> None:
+        """After the policy chose its rows: the restore action for `lookup.back` (appended to
+        `actions`), and the K/V of the rows `gone` copied into the lookup now, while the view's
+        state is the cache's."""
+        if lookup.back:
+            actions.append({"action": "restore", "ledger_ids": lookup.back, **self.payload(lookup.back)})
+            outcomes.append(((), f"recalled {len(lookup.back)}"))
+        rows = gone if gone and view.rows is not None else []
+        if rows:
+            keys, values = view.rows(rows)
+            lookup.evicted = ([int(view.ledger_ids[r]) for r in rows], [int(view.positions[r]) for r in rows],
+                              [int(view.predicted[r]) for r in rows], keys, values)
 
     def shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
         """[rows] float32: each kept row's would-be attention, averaged over layers and heads.
@@ -104,26 +162,18 @@ class Recall:
         return {"keys": self.keys.index_select(2, index), "values": self.values.index_select(2, index),
                 "predicted": [self.predicted[where[i]] for i in ids]}
 
-    def plan(self, view, evicted_rows: list[int], restored: list[int]) -> None:
-        """What this tick's plan does (rows taken out, ids brought back); it takes effect at
-        `commit`, once the tick went through, and is dropped by `discard`. The evicted rows'
-        K/V are copied now, while the view's state is the cache's."""
-        rows = evicted_rows if evicted_rows and view.rows is not None else []
-        keys, values = view.rows(rows) if rows else (None, None)
-        self._pending = ([int(view.ledger_ids[r]) for r in rows], [int(view.positions[r]) for r in rows],
-                         [int(view.predicted[r]) for r in rows], keys, values, list(restored))
-
-    def commit(self) -> None:
-        if self._pending is None:
-            return
-        ids, positions, predicted, keys, values, restored = self._pending
-        self._pending = self._before = None
+    def adopt(self, lookup: Lookup) -> None:
+        """The tick of `lookup` went through: its clocks stand, the rows it brought back leave
+        the index, the rows it evicted join it (the oldest go beyond `capacity`)."""
+        self.clock, self.awake = lookup.clock, lookup.awake
+        restored = lookup.back
         if restored:
             back = set(restored)
             self._keep([k for k, i in enumerate(self.ids) if i not in back])
             self.back_at.update((i, self.clock) for i in restored)
             self.restored += len(restored)
-        if ids:
+        if lookup.evicted:
+            ids, positions, predicted, keys, values = lookup.evicted
             self.ids += ids
             self.positions += positions
             self.predicted += predicted
@@ -142,12 +192,6 @@ class Recall:
         self.predicted = [self.predicted[k] for k in kept]
         index = torch.tensor(kept, dtype=torch.long)
         self.keys, self.values = self.keys.index_select(2, index), self.values.index_select(2, index)
-
-    def discard(self) -> None:
-        """The tick did not happen: forget its plan (and its clock tick)."""
-        if self._before is not None:
-            self.clock, self.awake = self._before
-        self._pending = self._before = None
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -196,4 +240,3 @@ class Recall:
         self.keys, self.values = keys, values
         self.back_at = {i: t for i, t in state["back_at"]}
         self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]
-        self._pending = self._before = None

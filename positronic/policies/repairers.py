@@ -56,7 +56,8 @@ class BridgeRepairer:
     the pair, scored log P(r | left): the row left of the pair probed in its own place. A
     candidate must beat culling by `margin` nats to be proposed (a repair frees one row
     where a cull frees two, so it has to earn its place). `request(view, pairs)` returns the
-    probes; `receive(logprobs)` takes their log-probabilities; `propose(view, pair)` returns
+    probes and what they ask; `adopt(asked, logprobs)` takes their log-probabilities once
+    the tick that ran them went through; `propose(view, pair)` returns
     the best candidate of a scored pair, or nothing (cull). Scores are keyed by the ledger
     ids of the pair and its right neighbour, so they follow the rows through splices and are
     dropped if any of the three is gone.
@@ -70,7 +71,6 @@ class BridgeRepairer:
         self.margin = margin
         self.refused = {i for i in (lm.bos_id, lm.eos_id) if i is not None}
         self.scores: dict[tuple[int, int, int], dict[int, float]] = {}
-        self._asked: list[tuple[tuple[int, int, int], int]] = []  # (key, candidate) per probe
 
     def _key(self, view, pair: tuple[int, ...]) -> tuple[int, int, int] | None:
         p1, p2 = pair[0], pair[-1]
@@ -79,7 +79,8 @@ class BridgeRepairer:
         ids = view.ledger_ids
         return int(ids[p1]), int(ids[p2]), int(ids[p2 + 1])
 
-    def request(self, view, pairs) -> Probes | None:
+    def request(self, view, pairs) -> tuple[Probes | None, list[tuple[tuple[int, int, int], int]]]:
+        """The probes for `pairs` and, per probe, the (key, candidate) it scores."""
         tokens, positions, targets, asked = [], [], [], []
         for pair in pairs:
             key = self._key(view, pair)
@@ -99,17 +100,16 @@ class BridgeRepairer:
             positions.append(int(view.positions[p1 - 1]))
             targets.append(target)
             asked.append((key, self.CULL))
-        self._asked = asked
-        return Probes(tuple(tokens), tuple(positions), tuple(targets)) if tokens else None
+        return (Probes(tuple(tokens), tuple(positions), tuple(targets)) if tokens else None), asked
 
-    def receive(self, logprobs: list[float] | None) -> None:
-        """The probes' log-probabilities (None: the tick failed, nothing was scored)."""
+    def adopt(self, asked: list[tuple[tuple[int, int, int], int]], logprobs: list[float] | None) -> None:
+        """The log-probabilities of the probes `asked` (None: nothing was scored, the scores stay)."""
         if logprobs is None:
             return
         scores: dict[tuple[int, int, int], dict[int, float]] = {}
-        for (key, candidate), logprob in zip(self._asked, logprobs):
+        for (key, candidate), logprob in zip(asked, logprobs):
             scores.setdefault(key, {})[candidate] = logprob
-        self.scores, self._asked = scores, []
+        self.scores = scores
 
     def state(self) -> dict:
         """The scores of the last probes (they drive the next batch's choices), as plain data."""
@@ -125,7 +125,7 @@ class BridgeRepairer:
         scores: dict[tuple[int, int, int], dict[int, float]] = {}
         for a, b, c, candidate, logprob in rows:
             scores.setdefault((a, b, c), {})[candidate] = logprob
-        self.scores, self._asked = scores, []
+        self.scores = scores
 
     def propose(self, view, pair: tuple[int, int]) -> list[int]:
         scored = self.scores.get(self._key(view, pair))

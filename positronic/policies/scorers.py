@@ -13,29 +13,36 @@ Step 2a) into `values`, one float per row in cache order; the policy's one selec
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from positronic import steps
 
 from ..util import is_int_list
 
 
 class Scorer:
-    """Base: `values(view, scores)` once per tick; `removing(ledger_ids)` tells it which rows
-    the tick's plan takes out (a scorer with per-row state forgets them once they are gone)."""
+    """Base: `plan(view, scores)` once per tick returns the values and the scorer's state after
+    the tick, which becomes current only at `adopt` (once the tick went through); nothing
+    changes while it plans. `removing(next, ledger_ids)` tells that next state which rows the
+    tick's plan takes out (a scorer with per-row state forgets them once they are gone)."""
 
     keeps_brightness = False  # True: the values are stored as the rows' new brightness
 
-    def values(self, view, scores: list[float]) -> list[float]:
+    def plan(self, view, scores: list[float]) -> tuple[list[float], object]:
+        """One value per live row in cache order, and the next state (None: it keeps none)."""
         raise NotImplementedError
 
-    def removing(self, ledger_ids: list[int]) -> None:
-        """The plan of this tick takes these rows out (if the tick goes through)."""
+    def values(self, view, scores: list[float]) -> list[float]:
+        """`plan` and `adopt` at once: the values of a tick that is taken to go through."""
+        values, next = self.plan(view, scores)
+        self.adopt(next)
+        return values
 
-    def snapshot(self) -> None:
-        """A tick's plan starts: remember the state, for `undo`."""
+    def removing(self, next, ledger_ids: list[int]) -> None:
+        """The tick of `next` takes these rows out (if it goes through)."""
 
-    def undo(self) -> None:
-        """The tick since the last `snapshot` did not happen (it failed or was interrupted):
-        forget what it observed, so that running it again does not count it twice."""
+    def adopt(self, next) -> None:
+        """The tick whose plan returned `next` went through: its state becomes current."""
 
     def state(self) -> dict:
         """The per-row state as plain data (msgpack-able), for a session checkpoint."""
@@ -48,7 +55,8 @@ class Scorer:
 
 
 class BrightnessScorer(Scorer):
-    """Brightness from attention with a rule of `steps.RULES`; new rows start at the rule's start."""
+    """Brightness from attention with a rule of `steps.RULES`; new rows start at the rule's start.
+    The state is the rows' brightness, kept in the mirror (the plan's values go to Step 4)."""
 
     keeps_brightness = True
 
@@ -56,62 +64,72 @@ class BrightnessScorer(Scorer):
         self.rule = steps.RULES[config.brightness]
         self.options = {option: getattr(config, setting) for option, setting in self.rule.settings}
 
-    def values(self, view, scores):
-        return self.rule.update(view.brightness.tolist(), scores, **self.options)
+    def plan(self, view, scores):
+        return self.rule.update(view.brightness.tolist(), scores, **self.options), None
 
 
 class RecencyScorer(Scorer):
     """A row's RoPE position: the oldest middle rows go first."""
 
-    def values(self, view, scores):
-        return [float(p) for p in view.positions.tolist()]
+    def plan(self, view, scores):
+        return [float(p) for p in view.positions.tolist()], None
+
+
+@dataclass
+class Keyed:
+    """A keyed scorer's state: a number per ledger id, the ticks so far, and the rows the last
+    tick took out (forgotten at the next plan, once they are really gone)."""
+
+    value: dict[int, float] = field(default_factory=dict)
+    clock: int = 0
+    removing: list[int] = field(default_factory=list)
 
 
 class KeyedScorer(Scorer):
-    """A number per row, keyed by ledger id. Rows a plan removes are forgotten at the next
-    call, once they are really gone: a tick that failed changed nothing, and its rows keep
-    what the scorer knew before it (`undo` takes back the failed tick's observation)."""
+    """A number per row, keyed by ledger id, so it follows a row through every splice. A plan
+    works on its own copy of the numbers (one dict copy a tick): a tick that failed or was
+    interrupted never adopts it, and running it again does not count it twice."""
 
     def __init__(self):
-        self.value: dict[int, float] = {}
-        self.clock = 0  # calls so far (one per tick)
-        self._removing: list[int] = []
-        self._before: tuple[dict[int, float], int, list[int]] | None = None
+        self.current = Keyed()
 
-    def values(self, view, scores):
+    @property
+    def value(self) -> dict[int, float]:
+        return self.current.value
+
+    @property
+    def clock(self) -> int:
+        return self.current.clock
+
+    def plan(self, view, scores):
         ids = view.ledger_ids.tolist()
         if len(scores) != len(ids):
             raise ValueError(f"{len(scores)} scores for {len(ids)} live rows")
-        self.clock += 1
-        if self._removing:
+        value, clock = dict(self.current.value), self.current.clock + 1
+        if self.current.removing:
             live = set(ids)
-            for ledger_id in self._removing:
+            for ledger_id in self.current.removing:
                 if ledger_id not in live:
-                    self.value.pop(ledger_id, None)
-            self._removing = []
-        self.observe(ids, scores)
-        if len(self.value) > 2 * len(ids) + 64:  # rows that left some other way: never grows unbounded
+                    value.pop(ledger_id, None)
+        self.observe(value, clock, ids, scores)
+        if len(value) > 2 * len(ids) + 64:  # rows that left some other way: never grows unbounded
             live = set(ids)
-            self.value = {k: v for k, v in self.value.items() if k in live}
-        return [self.value[i] for i in ids]
+            value = {k: v for k, v in value.items() if k in live}
+        return [value[i] for i in ids], Keyed(value, clock)
 
-    def removing(self, ledger_ids):
-        self._removing = list(ledger_ids)
+    def removing(self, next, ledger_ids):
+        next.removing = list(ledger_ids)
 
-    def snapshot(self):
-        self._before = (dict(self.value), self.clock, list(self._removing))  # O(rows), small next to a forward
+    def adopt(self, next):
+        self.current = next
 
-    def undo(self):
-        if self._before is not None:
-            self.value, self.clock, self._removing = self._before
-            self._before = None
-
-    def observe(self, ids: list[int], scores: list[float]) -> None:
+    def observe(self, value: dict[int, float], clock: int, ids: list[int], scores: list[float]) -> None:
+        """Update `value` (the next state's own dict) with tick `clock`'s scores."""
         raise NotImplementedError
 
     def state(self):
         return {"ids": list(self.value), "values": list(self.value.values()), "clock": self.clock,
-                "removing": list(self._removing)}
+                "removing": list(self.current.removing)}
 
     def load_state(self, state):
         if not (isinstance(state, dict) and set(state) == {"ids", "values", "clock", "removing"}
@@ -119,8 +137,7 @@ class KeyedScorer(Scorer):
                 and isinstance(state["values"], list) and len(state["values"]) == len(state["ids"])
                 and all(type(v) in (int, float) for v in state["values"])):
             raise ValueError(f"{type(self).__name__}: malformed saved state")
-        self.value = dict(zip(state["ids"], state["values"]))
-        self.clock, self._removing, self._before = state["clock"], list(state["removing"]), None
+        self.current = Keyed(dict(zip(state["ids"], state["values"])), state["clock"], list(state["removing"]))
 
 
 class LastAccessScorer(KeyedScorer):
@@ -133,20 +150,18 @@ class LastAccessScorer(KeyedScorer):
         super().__init__()
         self.sinks = sinks
 
-    def observe(self, ids, scores):
+    def observe(self, value, clock, ids, scores):
         rest = scores[self.sinks:] or scores
         threshold = sum(rest) / len(rest)
-        value, now = self.value, self.clock
         for ledger_id, score in zip(ids, scores):
             if score > threshold or ledger_id not in value:
-                value[ledger_id] = now
+                value[ledger_id] = clock
 
 
 class AccumulatedScorer(KeyedScorer):
     """The sum of a row's scores over every tick since it entered. Older rows have had more
     ticks to accumulate; that bias is H2O's own (the recent window protects the youngest)."""
 
-    def observe(self, ids, scores):
-        value = self.value
+    def observe(self, value, clock, ids, scores):
         for ledger_id, score in zip(ids, scores):
             value[ledger_id] = value.get(ledger_id, 0.0) + score

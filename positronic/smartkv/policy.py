@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..policies import PolicyPlan, register
 from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
 from .rows import Memories
@@ -52,8 +53,10 @@ def load_gates(spec: str, lm) -> GateSet:
     return gates
 
 
+@register
 class SmartKVPolicy:
-    """Per-layer memories of gate-ranked tokens (see the module docstring)."""
+    """Per-layer memories of gate-ranked tokens (see the module docstring). A plan's next
+    state is (memories, offered, new scores); `commit` makes it current."""
 
     name = "smartkv"
     per_layer = True  # the Brain gives the state per-layer rows
@@ -74,7 +77,6 @@ class SmartKVPolicy:
         self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
-        self._pending: tuple | None = None  # (memory, offered, new scores) of the last plan, until its tick went through
         self._forget_at = 0  # scores kept before the next pass that forgets dropped tokens' scores
 
     @staticmethod
@@ -114,7 +116,7 @@ class SmartKVPolicy:
 
     # --- a tick ---------------------------------------------------------------------------
 
-    def plan(self, view, scores, seconds: dict[str, float]):
+    def plan(self, view, scores, seconds: dict[str, float], *, typed: bool = False):
         """One `drop` action for this tick's token (Step 1's token is added after it)."""
         return self._plan(view, seconds)
 
@@ -124,8 +126,6 @@ class SmartKVPolicy:
         return self._plan(view, {})
 
     def _plan(self, view, seconds: dict[str, float]):
-        from ..policies.base import PolicyPlan
-
         clock = time.perf_counter()
         ids, positions = view.ledger_ids.tolist(), view.positions.tolist()
         window_start = max(self.keep, len(ids) - (self.config.window - 1))  # rows still in the window after the add
@@ -142,7 +142,7 @@ class SmartKVPolicy:
             for lane, gone in enumerate(dropped.tolist()):
                 if gone >= 0:
                     drops[lane].append(gone)
-        self._pending = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
+        next = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
         actions, outcomes = [], []
         if drops[0]:
             rows = view.rows.lane_rows([sorted(d) for d in drops])
@@ -152,7 +152,7 @@ class SmartKVPolicy:
             outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per {unit}"
                                  + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every {unit}" if gone else "")))
         seconds["select"] = time.perf_counter() - scored
-        return PolicyPlan(actions, outcomes)
+        return PolicyPlan(actions, outcomes, next=next)
 
     def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
         """Scores of `needed` tokens not scored yet, and with them of every unscored window token
@@ -176,20 +176,16 @@ class SmartKVPolicy:
 
     # --- after the tick -------------------------------------------------------------------
 
-    def undo(self) -> None:
-        """The tick of the last plan did not happen: its memory changes and scores are forgotten."""
-        self._pending = None
-
-    def receive(self, probe_logprobs) -> None:
-        """The tick of the last plan went through: its memories stand."""
-        if self._pending is not None:
-            self.memory, self.offered, fresh = self._pending
-            self.scores.update(fresh)
-            self._pending = None
-            if len(self.scores) > self._forget_at:  # forget tokens every lane dropped, now and then
-                held = set(self.memory.held_ids())
-                self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
-                self._forget_at = 2 * (len(self.scores) + self.config.window)
+    def commit(self, next, probe_logprobs=None) -> None:
+        """The tick of the plan that returned `next` went through: its memories stand."""
+        if next is None:
+            return
+        self.memory, self.offered, fresh = next
+        self.scores.update(fresh)
+        if len(self.scores) > self._forget_at:  # forget tokens every lane dropped, now and then
+            held = set(self.memory.held_ids())
+            self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
+            self._forget_at = 2 * (len(self.scores) + self.config.window)
 
     # --- sessions -------------------------------------------------------------------------
 

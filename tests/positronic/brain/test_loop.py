@@ -11,7 +11,7 @@ from positronic import mirror as mirror_pkg
 from positronic import steps
 from positronic.brain import session as sessions
 from positronic.brain.loop import Brain, BrainConfig
-from positronic.policies.base import make_policy
+from positronic.policies import make_policy
 from positronic.state.manager import StateManager
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step"

@@ -1,10 +1,10 @@
-"""The policy framework (positronic/policies/base.py, positronic/policies/scorers.py) on crafted states and in real runs."""
+"""The policy framework (positronic/policies/, positronic/policies/scorers.py) on crafted states and in real runs."""
 
 import pytest
 import torch
 
 from positronic.brain.loop import Brain, BrainConfig
-from positronic.policies.base import (POLICIES, H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
+from positronic.policies import (POLICIES, H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
                                make_policy, recent_window)
 from positronic.brain.runner import Runner
 from positronic.state.manager import ContextView, StateManager
@@ -24,6 +24,13 @@ def config(policy: str, budget: int, **kw) -> BrainConfig:
 def deleted(plan) -> list[int]:
     assert all(a["action"] == "delete" for a in plan.actions)
     return sorted(a["position"] for a in plan.actions)
+
+
+def committed(policy, view, scores):
+    """A plan whose tick went through: its next state becomes the policy's (as the Brain does)."""
+    plan = policy.plan(view, scores, {})
+    policy.commit(plan.next)
+    return plan
 
 
 def add(sm, token_id: int = 42) -> None:
@@ -71,7 +78,7 @@ def test_policies_plan_from_the_view_alone(tiny):
             with pytest.raises(ValueError, match="99 scores for 100 live rows"):
                 policy.plan(view_of(ids), scores_with(99), {})
     scored = make_policy("scored", tiny, config("scored", 100))
-    assert deleted(scored.plan(view_of(ids), scores_with(100, low=[50, 60]), {})) == list(range(4, 11))
+    assert deleted(committed(scored, view_of(ids), scores_with(100, low=[50, 60]))) == list(range(4, 11))
     assert scored.last_access(ids[70]) == 1 and scored.last_access(70) is None, "keyed by the view's ledger ids"
     h2o = make_policy("h2o", tiny, config("h2o", 100))
     assert deleted(h2o.plan(view_of(ids), scores_with(100, low=[50, 60]), {})) == [4, 5, 6, 7, 8, 50, 60]
@@ -121,10 +128,10 @@ def test_scored_evicts_the_least_recently_accessed_rows(tiny):
     for tick in range(1, 5):
         length = len(sm)
         low = [] if tick == 1 else never_again + (once_more if tick > 2 else [])
-        assert deleted(policy.plan(sm.view(), scores_with(length, low=low), {})) == []
+        assert deleted(committed(policy, sm.view(), scores_with(length, low=low))) == []
         add(sm)
     # tick 5, cache full (100 rows): rows 20 and 21 are unattended now but were accessed at tick 4
-    plan = policy.plan(sm.view(), scores_with(100, low=never_again + once_more + [20, 21]), {})
+    plan = committed(policy, sm.view(), scores_with(100, low=never_again + once_more + [20, 21]))
     assert deleted(plan) == sorted(never_again + once_more)
     ids = list(sm.mirror.live.ledger_ids)
     kept_id = ids[70]
@@ -132,7 +139,7 @@ def test_scored_evicts_the_least_recently_accessed_rows(tiny):
     sm.apply(plan.actions + [{"action": "add", "token_id": 42}])
     assert sm.mirror.live.ledger_ids.index(kept_id) == 70 - 7, "the row moved down"
     assert policy.last_access(kept_id) == 5, "its access time follows it (keyed by ledger id)"
-    policy.plan(sm.view(), scores_with(len(sm)), {})
+    committed(policy, sm.view(), scores_with(len(sm)))
     assert policy.last_access(ids[12]) is None, "evicted rows are forgotten"
     assert policy.last_access(kept_id) == 6
 
@@ -170,11 +177,11 @@ def test_h2o_keeps_heavy_hitters_and_accumulates_attention(tiny):
     sm = state(tiny, 99)
     policy = make_policy("h2o", tiny, config("h2o", 100))
     first = scores_with(99, high=[4, 5, 6, 7, 8, 9, 10], low=range(40, 47))
-    assert deleted(policy.plan(sm.view(), first, {})) == []
+    assert deleted(committed(policy, sm.view(), first)) == []
     heavy_id = sm.mirror.live.ledger_ids[5]
     add(sm)
     second = scores_with(100)
-    rows = deleted(policy.plan(sm.view(), second, {}))
+    rows = deleted(committed(policy, sm.view(), second))
     assert rows == list(range(40, 47)), "the lightest rows go, not the oldest"
     assert policy.accumulated(heavy_id) == pytest.approx(first[5] + second[5])
     streaming = make_policy("streaming", tiny, config("streaming", 100))

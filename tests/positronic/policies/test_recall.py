@@ -68,11 +68,11 @@ def test_recall_brings_back_the_evicted_rows_the_query_matches_and_nothing_else(
     view = sm.view(keys=True)
     before_keys = torch.stack([layer.keys[0] for layer in sm.cache.layers])
     recall = Recall(threshold=8.0, span=5, cooldown=5, every=1)
-    recall.choose(view)
+    lookup = recall.look(view)
     evicted = [10, 11, 12, 13, 14, 30]
-    recall.plan(view, evicted, [])
+    recall.settle(lookup, view, evicted, [], [])
     sm.apply([{"action": "delete", "position": r} for r in evicted] + [{"action": "add", "token_id": 8}])
-    recall.commit()
+    recall.adopt(lookup)
     assert recall.ids == [int(view.ledger_ids[r]) for r in evicted]
     # a query that matches row 12's key on every head (and a live context that does not)
     key = recall.keys[:, :, 2].float()  # row 12's keys as it was evicted: [layers, kv_heads, d]
@@ -80,18 +80,19 @@ def test_recall_brings_back_the_evicted_rows_the_query_matches_and_nothing_else(
     group = view.query.shape[1] // key.shape[1]
     query = key.repeat_interleave(group, dim=1) * 4.0
     later = dataclasses.replace(sm.view(keys=True), query=query, log_norm=torch.zeros_like(view.log_norm))
-    chosen = recall.choose(later)
+    chosen = recall.look(later).back
     assert chosen[0] == int(view.ledger_ids[12]) and set(chosen) <= {int(view.ledger_ids[r]) for r in (10, 11, 12, 13, 14)}
     assert len(chosen) == 5, "up to span rows around the match, not row 30 (18 positions away)"
     # a query that scores every row alike: an evicted row would get a live row's share
     quiet = dataclasses.replace(later, query=query * 0.0, log_norm=torch.full_like(view.log_norm, math.log(len(later))))
-    assert recall.choose(quiet) == [], "no match above the threshold: nothing comes back"
-    recall.plan(later, [], chosen)
-    recall.discard()
-    assert len(recall) == 6, "a tick that did not happen changes nothing"
-    recall.choose(later)
-    recall.plan(later, [], chosen)
-    recall.commit()
+    assert recall.look(quiet).back == [], "no match above the threshold: nothing comes back"
+    lookup, actions, outcomes = recall.look(later), [], []
+    recall.settle(lookup, later, [], actions, outcomes)
+    assert [a["action"] for a in actions] == ["restore"] and actions[0]["ledger_ids"] == chosen
+    assert len(recall) == 6, "a tick that did not happen (its lookup never adopted) changes nothing"
+    lookup = recall.look(later)
+    recall.settle(lookup, later, [], [], [])
+    recall.adopt(lookup)
     assert recall.ids == [int(view.ledger_ids[30])] and recall.restored == 5
 
 
@@ -184,17 +185,31 @@ def test_recall_looks_every_few_ticks_and_at_once_after_typed_input(tiny):
     sm, _ = culled(tiny, [])
     view = sm.view(keys=True)
     recall = Recall(threshold=8.0, span=3, every=4)
-    recall.choose(view)
-    recall.plan(view, [12], [])
+    lookup = recall.look(view)
+    recall.settle(lookup, view, [12], [], [])
     sm.apply([{"action": "delete", "position": 12}, {"action": "add", "token_id": 8}])
-    recall.commit()
+    recall.adopt(lookup)
     query = recall.keys[:, :, 0].float().repeat_interleave(view.query.shape[1] // recall.keys.shape[1], dim=1) * 4
     matching = dataclasses.replace(sm.view(keys=True), query=query, log_norm=torch.zeros_like(view.log_norm))
-    looks = [bool(recall.choose(matching)) for _ in range(8)]  # plans 2..9 (the first was plan 1)
+
+    def looked(typed=False):
+        """One tick's look; the tick goes through without bringing anything back (the clock moves on)."""
+        lookup = recall.look(matching, typed=typed)
+        found = lookup.back
+        lookup.fit(0)
+        recall.adopt(lookup)
+        return found
+
+    looks = [bool(looked()) for _ in range(8)]  # plans 2..9 (the first was plan 1)
     assert looks == [False, False, True, False, False, False, True, False], "a look at plans 4 and 8"
     recall.wake()
-    assert recall.choose(matching) == [int(view.ledger_ids[12])], "typed input: the next plan looks off schedule"
-    assert recall.choose(matching) == [], "and then the schedule again"
+    assert looked() == [int(view.ledger_ids[12])], "typed input: the next plan looks off schedule"
+    assert looked() == [], "and then the schedule again"
+    assert looked() == [int(view.ledger_ids[12])], "plan 12: on schedule"
+    assert looked(typed=True) == [] and recall.awake, "a tick that adds a typed token wakes recall as it commits"
+    assert looked() == [int(view.ledger_ids[12])] and looked() == []
+    recall.look(matching, typed=True)
+    assert not recall.awake, "not before"
 
 
 def test_restores_go_into_the_event_log_as_ids_and_the_shape_of_their_kv(tiny):

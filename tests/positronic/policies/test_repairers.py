@@ -135,17 +135,18 @@ def test_bridge_probes_each_candidate_and_the_cull_and_proposes_only_what_beats_
     lm = SimpleNamespace(bos_id=1, eos_id=2)
     view = crafted_view([1, 10, 11, 12, 13, 14], [20, 2, 22, 23, 24, 25])  # the slot's prediction is EOS
     repairer = BridgeRepairer(lm, margin=0.5)
-    probes = repairer.request(view, [(2, 3), (0, 1), (4, 5)])  # (0, 1): no left row; (4, 5): no right neighbour
+    probes, asked = repairer.request(view, [(2, 3), (0, 1), (4, 5)])  # (0, 1): no left row; (4, 5): no right neighbour
     assert (probes.token_ids, probes.positions, probes.targets) == ((11, 12, 10), (2, 2, 1), (13, 13, 13)), \
         "the pair's own tokens at the pair's position (EOS refused), then the left row in its place (the cull)"
-    repairer.receive([-3.0, -1.0, -1.6])
+    assert repairer.scores == {}, "asking changes nothing: the answers come with the tick that ran the probes"
+    repairer.adopt(asked, [-3.0, -1.0, -1.6])
     assert repairer.propose(view, (2, 3)) == [12], "-1.0 beats the cull's -1.6 by more than 0.5"
     assert repairer.propose(view, (4, 5)) == [] and repairer.propose(view, (1, 2)) == [], "no scores: cull"
     saved = repairer.state()
     again = BridgeRepairer(lm, margin=0.7)
     again.load_state(saved)
     assert again.scores == repairer.scores and again.propose(view, (2, 3)) == [], "-1.0 is not 0.7 above -1.6"
-    repairer.receive(None)  # a failed tick scored nothing and forgets nothing
+    repairer.adopt(asked, None)  # a tick that ran no probes scored nothing and forgets nothing
     assert repairer.propose(view, (2, 3)) == [12]
     moved = crafted_view([1, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25])
     moved.ledger_ids[4] = 9  # the right neighbour is another token now: the scores do not apply

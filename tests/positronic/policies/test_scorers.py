@@ -1,6 +1,6 @@
 """Scorers (positronic/policies/scorers.py) on their own: one value per live row each tick, keyed by
 ledger id where they keep state, so it follows a row through splices, forgets it once it is
-gone, and takes back a tick that did not happen. The policies built on them (which rows go)
+gone, and change only when a tick's next state is adopted (a tick that did not happen never is). The policies built on them (which rows go)
 are tests/positronic/policies/test_policy.py."""
 
 import pytest
@@ -27,8 +27,10 @@ def test_last_access_stamps_rows_above_the_mean_of_the_non_sinks_and_rows_seen_f
 def test_accumulated_scores_follow_a_row_through_a_splice_by_its_ledger_id(crafted_view):
     scorer = AccumulatedScorer()
     view = crafted_view([5] * 4, [0] * 4)  # ledger ids 0..3
-    assert scorer.values(view, [1.0, 2.0, 3.0, 4.0]) == [1.0, 2.0, 3.0, 4.0]
-    scorer.removing([1])
+    values, next = scorer.plan(view, [1.0, 2.0, 3.0, 4.0])
+    assert values == [1.0, 2.0, 3.0, 4.0]
+    scorer.removing(next, [1])
+    scorer.adopt(next)
     moved = crafted_view([5] * 4, [0] * 4)
     moved.ledger_ids[:] = moved.ledger_ids.new_tensor([0, 2, 3, 9])  # row 1 culled, a new token 9 appended
     assert scorer.values(moved, [0.5, 0.5, 0.5, 0.5]) == [1.5, 3.5, 4.5, 0.5]
@@ -38,30 +40,32 @@ def test_accumulated_scores_follow_a_row_through_a_splice_by_its_ledger_id(craft
 def test_a_row_a_failed_plan_meant_to_remove_keeps_its_value(crafted_view):
     scorer = AccumulatedScorer()
     view = crafted_view([5] * 3, [0] * 3)
-    scorer.values(view, [1.0, 1.0, 1.0])
-    scorer.removing([2])
-    assert scorer.values(view, [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0], "still live: the plan did not happen"
+    _, next = scorer.plan(view, [1.0, 1.0, 1.0])
+    scorer.removing(next, [2])
+    scorer.adopt(next)
+    assert scorer.values(view, [1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0], "still live: the removal did not happen"
 
 
-def test_undo_takes_back_everything_since_the_snapshot(crafted_view):
+def test_a_plan_that_is_not_adopted_changes_nothing(crafted_view):
     scorer = LastAccessScorer(sinks=0)
     view = crafted_view([5] * 3, [0] * 3)
     scorer.values(view, [0.2, 0.3, 0.5])
     saved = scorer.state()
-    scorer.snapshot()
-    scorer.values(view, [0.0, 0.0, 1.0])
-    scorer.removing([0])
-    scorer.undo()
+    _, next = scorer.plan(view, [0.0, 0.0, 1.0])
+    scorer.removing(next, [0])
     assert scorer.state() == saved
-    scorer.undo()  # a second undo without a snapshot changes nothing
+    scorer.plan(view, [0.0, 0.0, 1.0])  # a second plan of the same tick starts from the same state
     assert scorer.state() == saved
+    scorer.adopt(next)
+    assert scorer.state() != saved and scorer.clock == 2 and scorer.state()["removing"] == [0]
 
 
 def test_state_round_trips_and_malformed_state_is_refused_without_a_change(crafted_view):
     scorer = AccumulatedScorer()
     view = crafted_view([5] * 3, [0] * 3)
-    scorer.values(view, [0.25, 0.5, 1.0])
-    scorer.removing([2])
+    _, next = scorer.plan(view, [0.25, 0.5, 1.0])
+    scorer.removing(next, [2])
+    scorer.adopt(next)
     again = AccumulatedScorer()
     again.load_state(scorer.state())
     assert again.state() == scorer.state()
