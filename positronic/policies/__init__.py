@@ -8,6 +8,7 @@ selector and protected-rows rule; the plan → commit protocol):
     scored      the least recently attended rows go (llama.cpp --kv-eviction 2)
     h2o         the rows with the least accumulated attention go (Heavy-Hitter Oracle)
     none        never evict: at capacity stop, or do llama.cpp's context shift
+    random      uniformly random selectable rows go, drawn from the run's seed (the baseline papers report)
     smartkv     per-layer rows: each layer keeps its own gate-ranked memory (registered by
                 positronic/smartkv/policy.py, which imports this package, never the other way)
 
@@ -22,6 +23,7 @@ from .base import DEFAULT_WINDOW, Policy, PolicyPlan, batch_size, pinned_rows, r
 from .brightness import BrightnessPolicy
 from .h2o import H2OPolicy
 from .none import NoEvictionPolicy
+from .random import RandomPolicy
 from .scored import ScoredPolicy
 from .streaming import StreamingPolicy
 
@@ -36,7 +38,7 @@ def register(policy: type) -> type:
     return policy
 
 
-for _policy in (BrightnessPolicy, StreamingPolicy, ScoredPolicy, H2OPolicy, NoEvictionPolicy):
+for _policy in (BrightnessPolicy, StreamingPolicy, ScoredPolicy, H2OPolicy, NoEvictionPolicy, RandomPolicy):
     register(_policy)
 
 
@@ -49,5 +51,5 @@ def make_policy(name: str, lm, config):
 
 
 __all__ = ["DEFAULT_WINDOW", "POLICIES", "BrightnessPolicy", "H2OPolicy", "NoEvictionPolicy", "Policy", "PolicyPlan",
-           "ScoredPolicy", "StreamingPolicy", "batch_size", "make_policy", "pinned_rows",
+           "RandomPolicy", "ScoredPolicy", "StreamingPolicy", "batch_size", "make_policy", "pinned_rows",
            "recent_window", "register"]
