@@ -366,3 +366,17 @@ def test_pins_that_do_not_occur_or_leave_no_room_are_refused(tiny):
         Brain.start(tiny, prompt, config("brightness", 64), pins=["xyz"])
     with pytest.raises(ValueError, match="120 pinned rows leave the brightness policy no room to evict at budget 64"):
         Brain.start(tiny, prompt, config("brightness", 64), pins=["abc "])
+
+
+@pytest.mark.parametrize("name", ["brightness", "scored", "h2o"])
+def test_a_plan_changes_nothing_until_it_is_committed(tiny, name):
+    """The protocol: `plan` returns the actions and the policy's next state (scorer values,
+    recall's lookup with the evicted rows' K/V); the policy is what it was until `commit`, so
+    the same tick planned twice is the same plan."""
+    policy = make_policy(name, tiny, config(name, 100, recall=True))
+    view, scores = state(tiny, 100).view(keys=True), scores_with(100, low=[50, 60])
+    before = policy.state()
+    first, second = policy.plan(view, scores, {}), policy.plan(view, scores, {})
+    assert first.actions == second.actions and len(first.actions) == 7 and policy.state() == before
+    policy.commit(first.next)
+    assert policy.state() != before and len(policy.recall) == 7, "the evicted rows are recallable once committed"
