@@ -37,6 +37,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def nan_fill(monkeypatch):
+    """The NaN-fill test mode for one test (positronic/kv/buffers.py): every cache buffer
+    allocated meanwhile starts as NaN (integers: their largest value), so a read of a row
+    nobody wrote shows. `make test` also runs the cache suites with POSITRONIC_NAN_FILL=1."""
+    monkeypatch.setenv("POSITRONIC_NAN_FILL", "1")
+
+
 @pytest.fixture(scope="session")
 def eval_text() -> str:
     """A short English text for `positronic eval` and friends (~190 SmolLM2 tokens, ~750 bytes)."""

@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from positronic.mirror import Ring
 
-from . import formats as kv_formats, triton_kernel as kv_triton, rope
+from . import buffers, formats as kv_formats, triton_kernel as kv_triton, rope
 
 DEFAULT_CAPACITY = 256
 STORES = ("splice", "ring")
@@ -255,7 +255,7 @@ class SpliceLayer(OneSequenceLayer):
 
     @staticmethod
     def _empty(like: torch.Tensor, capacity: int) -> torch.Tensor:
-        return torch.empty((1, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype, device=like.device)
+        return buffers.empty((1, like.shape[1], capacity, like.shape[-1]), like.dtype, like.device)
 
     def _check_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         want = (1, self.key_buffer.shape[1], self.key_buffer.shape[3])
@@ -282,8 +282,8 @@ class _Scratch:
         b = self.buffer
         if b is None or b.shape[2] < rows.shape[2] or b.shape[1] != rows.shape[1] or b.shape[3] != rows.shape[3] \
                 or b.dtype != rows.dtype or b.device != rows.device:
-            self.buffer = b = torch.empty((1, rows.shape[1], max(rows.shape[2], 64), rows.shape[3]),
-                                          dtype=rows.dtype, device=rows.device)
+            self.buffer = b = buffers.empty((1, rows.shape[1], max(rows.shape[2], 64), rows.shape[3]),
+                                            rows.dtype, rows.device)
         held = b[:, :, : rows.shape[2]]
         held.copy_(rows)
         return held
@@ -633,6 +633,7 @@ class RingLayer(OneSequenceLayer):
         self._write_rows: torch.Tensor | None = None  # live rows the next update() fills
         self._write_slots: torch.Tensor | None = None  # their slots (SpliceCache.fill maps them once for all layers)
         self.moved_rows = 0  # rows copied by splices and growth since creation (0 while streaming)
+        self.seen = 0  # slots 0..seen-1 hold a written row or zeros: what a forward may read (see _clear_free)
 
     @property
     def capacity(self) -> int:
@@ -671,11 +672,14 @@ class RingLayer(OneSequenceLayer):
         rows = torch.full((self.ring.used(length),), -1, dtype=torch.long, device=self.device)
         return rows.index_copy_(0, self.slot_index(length), torch.arange(length, device=self.device))
 
-    lazy_initialization = SpliceLayer.lazy_initialization
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        SpliceLayer.lazy_initialization(self, key_states, value_states)
+        self.seen = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store new rows [1, kv_heads, n, head_dim] in their slots: the rows `fill()` named, or
-        after the live rows. Returns the used slots' keys and values, in slot order."""
+        after the live rows. Returns the used slots' keys and values, in slot order (the free
+        ones among them hold written rows or zeros, never garbage: `_clear_free`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         SpliceLayer._check_rows(self, key_states, value_states)
@@ -692,7 +696,29 @@ class RingLayer(OneSequenceLayer):
         self.key_buffer.index_copy_(2, where, key_states)
         self.value_buffer.index_copy_(2, where, value_states)
         used = self.ring.used(self.length)
+        if used > self.seen:
+            self._clear_free(used)
         return self.key_buffer[:, :, :used], self.value_buffer[:, :, :used]
+
+    def _clear_free(self, used: int) -> None:
+        """Zero the free slots among 0..used-1 that were never written, once.
+
+        The model attends over every used slot and the mask hides the free ones (`forward`,
+        `slot_rows`), but a mask does not make garbage harmless: a masked score is the key's
+        product plus the mask, and a masked weight of 0 still multiplies the value, so one NaN
+        or inf in a free slot (which a new buffer may hold) makes the whole output NaN. A free
+        slot that held a row before (an evicted one) is finite already; one that never did (a
+        resumed or rebuilt ring laid out from a cursor past the sinks, a cursor moved back over
+        slots never reached) is zeroed here, before the first read that includes it. Live slots
+        are always written before they are read (appended, filled, or moved), so only the free
+        run needs this, and only while `used` passes the slots seen so far: a streaming tick
+        does no tensor op for it."""
+        free = self.ring.free(self.length)
+        first, end = max(free.start, self.seen), min(free.stop, used)
+        if first < end:
+            self.key_buffer[:, :, first:end].zero_()
+            self.value_buffer[:, :, first:end].zero_()
+        self.seen = used
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         appended = 0 if self._write_rows is not None else query_length
@@ -711,6 +737,7 @@ class RingLayer(OneSequenceLayer):
         if ring.capacity != self.capacity and self.is_initialized:
             self.key_buffer = SpliceLayer._empty(self.key_buffer, ring.capacity)
             self.value_buffer = SpliceLayer._empty(self.value_buffer, ring.capacity)
+            self.seen = 0
         self.ring = ring
 
     # --- row edits -------------------------------------------------------------------------
@@ -752,6 +779,8 @@ class RingLayer(OneSequenceLayer):
         elif plan.grow and self.is_initialized:
             self.key_buffer = SpliceLayer._empty(self.key_buffer, plan.ring.capacity)
             self.value_buffer = SpliceLayer._empty(self.value_buffer, plan.ring.capacity)
+        if plan.grow:
+            self.seen = 0  # a new buffer: the kept rows were copied in, the rest is unwritten
         self.ring, self.length = plan.ring, plan.length
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from . import formats as kv_formats
+from . import buffers, formats as kv_formats
 
 try:  # Triton ships with CUDA builds of torch; CPU builds (and this project's CI) have none
     import triton
@@ -58,7 +58,7 @@ def decode_pair(key_codes: torch.Tensor, key_scales: torch.Tensor, value_codes: 
     [2, 1, kv_heads, length, head_dim] tensor (as `PackedSpliceLayer._decoded` returns them).
     """
     _, heads, length, words = key_codes.shape
-    out = torch.empty((2, 1, heads, length, words * 8), dtype=dtype, device=key_codes.device)
+    out = buffers.empty((2, 1, heads, length, words * 8), dtype, key_codes.device)  # every element written below
     if length:
         table = kv_formats.on_device(levels, key_codes.device)
         for codes, scales, rows in ((key_codes, key_scales, out[0]), (value_codes, value_scales, out[1])):

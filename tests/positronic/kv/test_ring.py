@@ -140,6 +140,60 @@ def test_a_session_saved_mid_ring_resumes_into_the_same_slots_and_goes_on_exactl
         StateManager.from_mirror(tiny, resumed.state.mirror)
 
 
+def test_a_resumed_wrapped_ring_reads_no_slot_it_never_wrote(tiny, tmp_path, nan_fill):
+    """The resumed ring is laid out from a cursor past the sinks, with free slots between the
+    newest window row and the oldest: never written after the resume, yet among the slots the
+    attention reads (masked). Each new buffer starts as NaN here: a masked NaN still poisons
+    the softmax, so the logits stay finite only if those slots were made harmless."""
+    brain = mid_ring(tiny)
+    while not brain.state.mirror.ring.free(len(brain.state)):
+        brain.step()
+    sessions.save(tmp_path / "s", brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    for _ in range(20):
+        resumed.step()
+        assert bool(torch.isfinite(resumed.state.next_logits).all())
+    resumed.state.check(deep=True)
+
+
+def used_slots_after(cache, rows):
+    """What attention reads after appending `rows` [1, kv_heads, n, head_dim] to every layer."""
+    return [layer.update(rows, rows) for layer in cache.layers]
+
+
+def test_free_slots_among_the_used_ones_hold_written_rows_or_zeros(nan_fill):
+    """Every way free slots join the slots a forward reads: a ring laid out from a recorded
+    cursor (a resume or a rebuild), a cursor moved back by an insertion before the longest run,
+    growth. New buffers are NaN here: each returned slot must be finite, and the free ones
+    that were never written zero."""
+    rows = torch.randn(1, 2, 18, 8)
+    cache = SpliceCache(num_layers=2, max_cache_len=20, store="ring", sinks=4)
+    cache.set_ring(Ring(4, 20, 9))
+    for keys, values in used_slots_after(cache, rows):
+        assert keys.shape[2] == 20 and bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+        free = list(cache.ring.free(18))
+        assert free == [7, 8] and not keys[:, :, free].any() and not values[:, :, free].any()
+
+    cache = SpliceCache(num_layers=2, max_cache_len=20, store="ring", sinks=4)
+    used_slots_after(cache, rows[:, :, :10])
+    cache.splice([(0, 0, 4), (4, 5, 6)], 11)  # one row inserted at row 4: the cursor goes back to slot 19
+    assert cache.ring.cursor == 19 and list(cache.ring.free(11)) == list(range(10, 19))
+    with cache.fill(torch.tensor([4])):
+        for layer in cache.layers:
+            keys, values = layer.update(rows[:, :, :1], rows[:, :, :1])
+            assert keys.shape[2] == 20 and bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+    # later reads do not clear again (a streaming tick does no tensor op), and stay finite
+    cache.crop(-1)
+    for keys, values in used_slots_after(cache, rows[:, :, :1]):
+        assert bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+
+    cache.splice([(0, 0, 11)], 30)  # growth: a new, larger buffer with every kept row copied in
+    with cache.fill(torch.arange(11, 30)):
+        for layer in cache.layers:
+            keys, values = layer.update(torch.randn(1, 2, 19, 8), torch.randn(1, 2, 19, 8))
+            assert bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+
+
 def test_a_splice_session_file_carries_no_ring(tiny, tmp_path):
     brain, _ = brains(tiny)
     sessions.save(tmp_path / "s", brain, tiny.name)
