@@ -193,9 +193,18 @@ class Brain:
                 token_id = self._pending[0]
             elif force is None:
                 recent = view.token_ids[-cfg.penalty_window:].tolist() if cfg.penalty_window else ()
-                token_id = steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
+
+                def draw() -> int:
+                    return steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                         top_p=cfg.top_p, repetition_penalty=cfg.repetition_penalty,
                                         recent_ids=recent, generator=self.generator).token_id
+                try:
+                    token_id = draw()
+                except steps.NonFiniteLogits:  # the cache held garbage: recompute it from the mirror, draw again
+                    sm.rebuild()
+                    self.counts["rebuilds"] += 1
+                    view = sm.view(keys=cfg.recall or self.policy.reads_keys)
+                    token_id = draw()
             else:
                 token_id = force
             lap("sample")

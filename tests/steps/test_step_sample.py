@@ -164,3 +164,86 @@ def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would():
         values, ids = _largest(probs, count)
         full_values, full_ids = torch.sort(probs, descending=True, stable=True)
         assert torch.equal(values, full_values[:count]) and torch.equal(ids, full_ids[:count])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_nan_or_inf_logits_are_refused_by_name_before_drawing(bad, temperature):
+    from positronic.steps import NonFiniteLogits
+
+    logits = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    logits[2] = bad
+    generator = torch.Generator().manual_seed(5)
+    before = generator.get_state()
+    with pytest.raises(NonFiniteLogits, match="logits"):
+        sample(logits, temperature=temperature, generator=generator)
+    assert torch.equal(generator.get_state(), before), "nothing was drawn"
+    with pytest.raises(NonFiniteLogits):
+        sample(torch.full((4,), -math.inf), temperature=temperature)
+    with pytest.raises(ValueError):  # a NonFiniteLogits is a ValueError
+        sample(torch.full((3,), math.nan, dtype=torch.float16))
+
+
+def test_minus_inf_logits_are_tokens_that_are_never_drawn():
+    logits = torch.tensor([-math.inf, 1.0, -math.inf, 1.5])
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 1e300}, {"top_p": 0.5}):
+        assert set(draws(logits, n=100, **kwargs)) <= {1, 3}
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45, 1e-8])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    logits = torch.tensor([0.3, 2.0, 1.0, 2.0 - 1e-6])
+    assert set(draws(logits, n=50, top_p=top_p, temperature=1.0)) == {1}
+    assert set(draws(logits, n=50, top_p=top_p, top_k=2, temperature=5.0)) == {1}
+
+
+@pytest.mark.parametrize("temperature", [1.0001e-3, 2e-3])
+def test_a_tiny_temperature_draws_the_largest_even_when_dividing_overflows(temperature):
+    logits = torch.tensor([1e36, -3e38, 3e38, 2.9e38])  # / 1e-3 is inf in float32
+    assert set(draws(logits, n=50, temperature=temperature)) == {2}
+    assert set(draws(torch.tensor([1.0, 40.0, 39.9]), n=50, temperature=temperature)) == {1}
+
+
+@pytest.mark.parametrize("temperature", [1e6, 1e30, 1e300, math.inf])
+def test_a_huge_temperature_draws_uniformly_from_the_finite_logits(temperature):
+    logits = torch.tensor([5.0, -math.inf, -5.0, 0.0])
+    seen = draws(logits, n=600, temperature=temperature)
+    counts = [seen.count(i) for i in range(4)]
+    assert counts[1] == 0 and all(150 < c < 250 for c in (counts[0], counts[2], counts[3]))
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e300, math.inf])
+def test_an_extreme_repetition_penalty_leaves_a_finite_distribution(penalty):
+    logits = torch.tensor([0.0, 2.0, -1.0, 1.0])
+    s = sample(logits, temperature=1.0, repetition_penalty=penalty, recent_ids=[0, 1, 2],
+               generator=torch.Generator().manual_seed(0))
+    assert all(math.isfinite(p) for _, p in s.top) and 0 <= s.token_id < 4
+
+
+def test_a_brain_whose_cache_turned_to_nan_rebuilds_it_from_the_mirror_and_goes_on(tiny):
+    """Garbage in the cache makes the next logits NaN: the brain's tick does not draw a token
+    from them (nor crash in torch), it rebuilds the state from the mirror and draws from the
+    recomputed logits; if those are still not finite, the tick fails by name and did not happen."""
+    from positronic.brain.loop import Brain, BrainConfig
+    from positronic.steps import NonFiniteLogits
+
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), BrainConfig(policy="streaming", budget=48, seed=3))
+    brain.step()
+    for layer in brain.state.cache.layers:  # a row that turned to garbage
+        layer.value_buffer[:, :, layer.start + 5] = math.nan
+    brain.step()  # its forward read the NaN row
+    assert not bool(torch.isfinite(brain.state.next_logits).all())
+    record = brain.step()
+    assert 0 <= record.token_id < tiny.vocab_size and not record.rebuilt and record.tick == 3
+    assert brain.counts["rebuilds"] == 1
+    assert bool(torch.isfinite(brain.state.next_logits).all())
+    brain.state.check(deep=True)
+    for _ in range(5):
+        brain.step()
+    assert brain.counts["rebuilds"] == 1
+
+    brain.state.next_logits[7] = math.nan  # a rebuild that does not help: the tick fails by name
+    brain.state.rebuild = lambda: None
+    with pytest.raises(NonFiniteLogits):
+        brain.step()
+    assert brain.tick == 8 and brain.counts["rebuilds"] == 2
