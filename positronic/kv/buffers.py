@@ -34,6 +34,12 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return buffer
 
 
+def rows_like(like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A new buffer [1, kv_heads, capacity, width] for rows shaped, typed and placed like `like`
+    [..., kv_heads, n, width]."""
+    return empty((1, like.shape[1], capacity, like.shape[-1]), like.dtype, like.device)
+
+
 def garbage(dtype: torch.dtype):
     """What the NaN-fill mode writes into a new buffer of `dtype`."""
     if dtype.is_floating_point or dtype.is_complex:
