@@ -287,15 +287,9 @@ class StateManager:
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                       kv_format=kv_format, kv_store=kv_store)
         rows, cached = len(mirror), manager.rows_per_layer
-        if kv_format == "int4h":  # its parts as stored (decoding and encoding again is not exact there)
-            groups = kv_formats.PACKED["int4h"].groups(lm.head_dim)
-            row = (lm.num_layers, lm.num_kv_heads, cached)
-            rows_saved = {f"{side}_{part}": (row + (width,), dtype) for side in ("key", "value")
-                          for part, width, dtype in (("codes", lm.head_dim // kv_formats.CODES_PER_WORD, torch.int32),
-                                                     ("scales", groups, torch.float16), ("zeros", groups, torch.uint8))}
-        else:
-            rows_saved = {side: ((lm.num_layers, lm.num_kv_heads, cached, lm.head_dim), lm.dtype)
-                          for side in ("keys", "values")}
+        # the format's own tensors (float, int4, fp4: keys and values; int4h: its parts as stored)
+        rows_saved = {name: (shape[:2] + (cached,) + shape[2:], dtype) for name, (shape, dtype)
+                      in manager._cache.saved_parts(lm.num_kv_heads, lm.head_dim, lm.dtype).items()}
         expected = {
             **rows_saved,
             "predicted": ((rows,), torch.int64),
@@ -323,22 +317,10 @@ class StateManager:
         requantized = tensors.get("requantized", torch.zeros(rows, dtype=torch.int64))
         if rows and not bool(((requantized >= 0) & (requantized <= 60)).all()):
             raise ValueError("saved re-rotation counts must lie in 0..60")
-        if kv_format == "int4h" and rows and not (bool((tensors["key_zeros"] <= 15).all() & (tensors["value_zeros"] <= 15).all())
-                                                  and bool((tensors["key_scales"] >= 0).all() & (tensors["value_scales"] >= 0).all())):
-            raise ValueError("saved int4h zero points must lie in 0..15 and scales be >= 0")
-        device = lm.device
+        if rows:
+            manager._cache.check_saved({name: tensors[name] for name in rows_saved})
         manager._cache.set_positions(manager._mirror.live.positions)
-        for index in range(lm.num_layers):
-            if kv_format == "int4h":
-                layer = manager._cache.layers[index]
-                layer.lazy_initialization(torch.empty(1, lm.num_kv_heads, 0, lm.head_dim, dtype=lm.dtype, device=device),
-                                          None)
-                layer.write_encoded([(tensors[f"key_{part}"][index : index + 1].to(device),
-                                      tensors[f"value_{part}"][index : index + 1].to(device))
-                                     for part in ("codes", "scales", "zeros")])
-            else:
-                manager._cache.update(tensors["keys"][index : index + 1].to(device),
-                                      tensors["values"][index : index + 1].to(device), index)
+        manager._cache.load({name: tensors[name] for name in rows_saved}, lm.dtype, lm.device)
         manager._predicted = predicted.tolist()
         manager._requantized = requantized.tolist()
         for name in NEWEST:
@@ -360,17 +342,7 @@ class StateManager:
         saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
         if kv_formats.packed(self.kv_format):
             saved["requantized"] = torch.tensor(self._requantized, dtype=torch.int64)
-        if self.kv_format == "int4h":
-            layers = self._cache.layers
-            for index, name in enumerate(("codes", "scales", "zeros")):  # the order of Int4HLayer.parts
-                saved[f"key_{name}"] = torch.cat([layer.parts[index].keys for layer in layers]).cpu().contiguous()
-                saved[f"value_{name}"] = torch.cat([layer.parts[index].values for layer in layers]).cpu().contiguous()
-        elif len(self):
-            saved["keys"] = torch.cat([layer.keys for layer in self._cache.layers]).cpu().contiguous()
-            saved["values"] = torch.cat([layer.values for layer in self._cache.layers]).cpu().contiguous()
-        else:
-            empty = torch.empty(self.lm.num_layers, self.lm.num_kv_heads, 0, self.lm.head_dim, dtype=self.lm.dtype)
-            saved["keys"], saved["values"] = empty, empty.clone()
+        saved.update(self._cache.saved(self.lm.num_kv_heads, self.lm.head_dim, self.lm.dtype))
         for name in NEWEST:
             if getattr(self, name) is not None:
                 saved[name] = getattr(self, name).detach().float().cpu().contiguous()
