@@ -325,7 +325,7 @@ class StateManager:
         manager._requantized = requantized.tolist()
         for name in NEWEST:
             if name in tensors:
-                setattr(manager, name, tensors[name].to(device))
+                setattr(manager, name, tensors[name].to(lm.device))
         manager.check(deep=True)
         return manager
 
