@@ -240,12 +240,12 @@ class RingLayer(OneSequenceLayer):
     def apply(self, plan: RingPlan) -> None:
         if plan.moves is not None and self.is_initialized:
             source, target = plan.moves
-            buffers = []
+            moved = []
             for buffer in (self.key_buffer, self.value_buffer):
                 rows = buffer.index_select(2, source)  # gathered first: moves may overlap
                 into = buffers.rows_like(buffer, plan.ring.capacity) if plan.grow else buffer
-                buffers.append(into.index_copy_(2, target, rows))
-            self.key_buffer, self.value_buffer = buffers
+                moved.append(into.index_copy_(2, target, rows))
+            self.key_buffer, self.value_buffer = moved
             self.moved_rows += len(source)
         elif plan.grow and self.is_initialized:
             self.key_buffer = buffers.rows_like(self.key_buffer, plan.ring.capacity)
