@@ -196,3 +196,43 @@ def test_construction_errors_are_clear():
         SpliceCache()
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         SpliceCache(num_layers=2, max_cache_len=0)
+
+
+@pytest.mark.parametrize("kv_format, store", [("float", "splice"), ("float", "ring"), ("int4", "splice"),
+                                              ("fp4", "splice"), ("int4h", "splice")])
+def test_each_layer_type_saves_its_rows_and_loads_them_back_as_they_were(tiny, kv_format, store):
+    """A session's tensors come from the layer type (`saved_parts`, `saved`) and go back into
+    an empty cache of the same type (`load`): the same tensors again, the same rows read."""
+    config, heads, head_dim = tiny.model.config, tiny.num_kv_heads, tiny.head_dim
+
+    def cache():
+        made = SpliceCache(config, max_cache_len=12, kv_format=kv_format, store=store, sinks=2)
+        made.set_positions(range(30))
+        return made
+
+    old = cache()
+    keys, values = torch.randn(1, heads, 20, head_dim), torch.randn(1, heads, 20, head_dim)
+    for index in range(len(old.layers)):
+        old.update(keys, values, index)
+    old.splice([(0, 0, 2), (7, 2, 13)], 15)  # a ring's cursor moves: rows saved in row order go back to its slots
+    old.set_positions(list(range(2)) + list(range(7, 20)))
+    saved = old.saved(heads, head_dim, torch.float32)
+    parts = old.saved_parts(heads, head_dim, torch.float32)
+    assert set(saved) == set(parts)
+    for name, (shape, dtype) in parts.items():
+        assert tuple(saved[name].shape) == shape[:2] + (15,) + shape[2:] and saved[name].dtype == dtype
+    old.check_saved(saved)
+    new = cache()
+    if store == "ring":
+        new.set_ring(old.ring)
+    else:
+        new.set_positions(list(range(2)) + list(range(7, 20)))
+    new.load(saved, torch.float32, "cpu")
+    again = new.saved(heads, head_dim, torch.float32)
+    assert all(torch.equal(saved[name], again[name]) for name in saved)
+    for a, b in zip(old.layers, new.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    if kv_format == "int4h":
+        bad = dict(saved, key_zeros=saved["key_zeros"].clone().fill_(16))
+        with pytest.raises(ValueError, match="zero points"):
+            old.check_saved(bad)
