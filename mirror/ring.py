@@ -1,6 +1,6 @@
 """Where a ring store keeps each live row: the slot mapping, in pure Python.
 
-A ring store (positronic/kv/cache.py, `RingLayer`) has `capacity` slots. Live rows 0..sinks-1
+A ring store (positronic/kv/ring.py, `RingLayer`) has `capacity` slots. Live rows 0..sinks-1
 (the attention sinks) sit in slots 0..sinks-1 for good; the other rows, the window, sit in the
 remaining slots as a ring that wraps modulo `capacity - sinks`, starting at the `cursor` (the
 slot of the oldest window row):

@@ -2,7 +2,7 @@
 
 A Llama layer's keys share a large common part: a few channels hold a big value of the same
 sign for almost every token (before RoPE; after it, that part turns with the position). int4h
-subtracts it before quantizing (kv_formats.Int4H, cache.Int4HLayer), so the 16 levels of a
+subtracts it before quantizing (kv_formats.Int4H, int4h.Int4HLayer), so the 16 levels of a
 group are spent on what differs between tokens. The centre is a property of the model, not of
 the text: one prefill of the package's own text (texts/alice_ch1-2.txt, public domain) gives
 it, once per loaded model and device.

@@ -186,7 +186,7 @@ def hadamard(n: int) -> torch.Tensor:
 class Int4H:
     """`int4h`: keys stored before RoPE and centred, K and V Hadamard-rotated, asymmetric int4
     per group of 32 values. The codec works on *coded rows* c (what the cache has already made
-    of a key or value row, see cache.Int4HLayer):
+    of a key or value row, see int4h.Int4HLayer):
 
         keys:    c = H (R(-p) k - m)      R(p): RoPE to position p, m: the layer's key centre
         values:  c = H v                  H: `hadamard(head_dim)`

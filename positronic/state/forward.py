@@ -10,7 +10,7 @@ Three choices make a forward over an edited cache correct:
 - the new rows' K/V are written by the model itself, through `Cache.update`: after the live
   rows (append) or into the gaps a splice opened (`SpliceCache.fill`).
 
-A ring store (cache.RingLayer) gives the model its rows in slot order, not row order: the
+A ring store (kv.ring.RingLayer) gives the model its rows in slot order, not row order: the
 mask is then laid out by slot (`slot_rows`), free slots hidden from every query, and the
 attention row is read back in row order. The newest token alone (a tick's forward) sees every
 live row, and its attention does not depend on their order: it needs no mask at all, or,

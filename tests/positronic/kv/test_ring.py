@@ -1,4 +1,4 @@
-"""The ring store (positronic/kv/cache.py RingLayer, kv_store="ring"): streaming on it is the
+"""The ring store (positronic/kv/ring.py RingLayer, kv_store="ring"): streaming on it is the
 streaming of the splice store, without moving a row."""
 
 import pytest
