@@ -1,4 +1,4 @@
-"""4-bit KV storage (issue 16): the INT4 and FP4 codecs, the packed cache layer, and the
+"""4-bit KV storage: the INT4 and FP4 codecs, the packed cache layer, and the
 brain running on them; then the same for int4h (section 5).
 
 Reference for every packed-cache edit: the float cache doing the same edits, its rows
