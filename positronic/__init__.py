@@ -10,7 +10,7 @@ from .state.actions import ActionError
 from .kv.cache import SpliceCache, SpliceLayer
 from .models import LoadedModel, ModelError, ModelNotAvailable, load_model, with_cache
 from .smartkv import GateSet, SmartKVCache
-from .state.manager import ApplyReport, InjectedFault, StateInvariantError, StateManager
+from .state import ApplyReport, InjectedFault, StateInvariantError, StateManager
 
 __all__ = [
     "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",

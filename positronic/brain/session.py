@@ -36,7 +36,7 @@ from positronic import steps
 from positronic.mirror import MirrorFileError, MirrorInvariantError
 
 from .loop import Brain, BrainConfig, cache_capacity
-from ..state.manager import StateInvariantError, StateManager
+from ..state import StateInvariantError, StateManager
 
 MIRROR_FILE = "mirror.msgpack"
 CACHE_FILE = re.compile(r"kv-[0-9a-f]{16}\.safetensors")

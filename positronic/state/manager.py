@@ -35,7 +35,6 @@ properties, and hand their decisions back as arguments of `apply()`.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -46,28 +45,20 @@ from positronic.mirror import Insertion, LayerRows, Layout, Mirror, plan_layout,
 from positronic.steps.attention import layer_indices
 
 from ..kv import formats as kv_formats, rope
-from .actions import ActionError, validate
 from ..kv.cache import SpliceCache, check_store
-from .forward import Probes, fresh_layer0_kv, forward, prefill
-from .readonly import CacheView, MirrorView
 from ..kv.centres import key_centres
 from ..text import span_texts
-
-
-class StateInvariantError(AssertionError):
-    """The cache and the mirror disagree."""
+from . import checks, persistence
+from .actions import ActionError, validate
+from .faults import NO_FAULTS, Fault
+from .forward import Probes, forward, prefill
+from .readonly import CacheView, MirrorView
+from .view import ContextView, RowReader, snapshot
 
 
 class StateBrokenError(RuntimeError):
     """The cache could not be rebuilt from the mirror after a failed edit: the state cannot be
     used (or saved) until `rebuild()` succeeds."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised on purpose by `inject_fault`, to test recovery."""
-
-
-FAULT_STAGES = ("splice", "rotate", "forward", "mid-forward", "commit")
 
 
 @dataclass
@@ -83,114 +74,6 @@ class ApplyReport:
     error: str | None = None
     seconds: float = 0.0
     probe_logprobs: list[float] | None = None  # one per probe asked for (see forward.Probes)
-
-
-@dataclass(frozen=True)
-class ContextView:
-    """A read-only snapshot of the live context for policies and repairers (fresh tensors:
-    changing them changes nothing). All [rows], in cache order.
-
-    predicted: the model's greedy next token after each row, computed by the forward that
-    wrote the row (the predict service a repairer uses: what the model expects at a slot).
-    """
-
-    token_ids: torch.Tensor
-    ledger_ids: torch.Tensor
-    positions: torch.Tensor
-    brightness: torch.Tensor
-    predicted: torch.Tensor
-    pinned: torch.Tensor | None = None  # bool [rows]
-    # with view(keys=True): the newest row's query / log-normaliser (see forward.ForwardResult),
-    # and `rows`, which copies live rows' K/V out while the state is as this view saw it
-    query: torch.Tensor | None = None
-    log_norm: torch.Tensor | None = None
-    rows: "RowReader | None" = None
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-
-class RowReader:
-    """Copies of live rows' K/V in every layer, for the view it came with: reading after the
-    state changed (an edit, a rebuild) raises, so a view never mixes two states."""
-
-    def __init__(self, manager: "StateManager"):
-        self._manager, self._version = manager, manager._version
-
-    def __call__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values: [layers, kv_heads, len(rows), head_dim] on the CPU, in the cache's dtype
-        (keys rotated at the rows' positions)."""
-        self._refuse_if_stale()
-        if self._manager.per_layer:
-            raise ValueError("layers keep different rows: read them by ledger id (layer_rows)")
-        layers = self._manager._cache.layers
-        index = torch.tensor(rows, dtype=torch.long, device=self._manager.lm.device)
-        keys = torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu()
-        values = torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu()
-        return keys, values
-
-    def layer_rows(self, ledger_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [layers, kv_heads, n, head_dim] (on the CPU, float32; keys rotated at
-        their positions) of tokens every lane holds, per-layer (or per-head) rows or not, each
-        kv head's from its own rows; ValueError if a lane lacks one."""
-        self._refuse_if_stale()
-        manager = self._manager
-        device = manager.lm.device
-        layers, heads = manager._mirror.layers, manager.lanes_per_layer
-        keys, values = [], []
-        for index, layer in enumerate(manager._cache.layers):
-            layer_keys, layer_values = [], []
-            for lane in range(index * heads, (index + 1) * heads):
-                held = manager._mirror.live.ledger_ids if layers is None else layers.rows[lane]
-                where = {ledger_id: row for row, ledger_id in enumerate(held)}
-                if missing := [i for i in ledger_ids if i not in where]:
-                    raise ValueError(f"lane {lane} does not hold ledger ids {missing[:5]}")
-                rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
-                head = slice(None) if heads == 1 else slice(lane - index * heads, lane - index * heads + 1)
-                layer_keys.append(layer.keys[0, head].index_select(1, rows))
-                layer_values.append(layer.values[0, head].index_select(1, rows))
-            keys.append(torch.cat(layer_keys))
-            values.append(torch.cat(layer_values))
-        return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
-
-    def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
-        """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`
-        (a lane's ids ascend with its rows, as ids are handed out in position order);
-        ValueError if a lane does not hold one."""
-        self._refuse_if_stale()
-        layers = self._manager._mirror.layers
-        if layers is None or len(ledger_ids) != layers.num_layers:
-            raise ValueError(f"rows by lane need per-layer rows and one id list per lane, got {len(ledger_ids)}")
-        found = []
-        for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids)):
-            rows = [bisect.bisect_left(held, ledger_id) for ledger_id in wanted]
-            if any(row == len(held) or held[row] != ledger_id for row, ledger_id in zip(rows, wanted)):
-                raise ValueError(f"lane {lane} does not hold all of ledger ids {wanted[:5]}")
-            found.append(rows)
-        return found
-
-    def _refuse_if_stale(self) -> None:
-        if self._manager._version != self._version:
-            raise ValueError("this view is stale: the state changed after it was taken")
-
-
-NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
-
-
-def rounding_bounds(requantized):
-    """How far a 4-bit key re-rotated `requantized` times (int or int tensor) may lie from
-    the exact key, in rounding bounds of its present scale (kv_formats.PackedFormat.error_bound):
-    2^(r+1) - 1, so 1, 3, 7, 15 ... A re-rotation turns the error it had (at most sqrt(2)
-    times larger per element, measured against a scale at least 1/sqrt(2) of the old one:
-    2x) and rounds again (+1): F(r) = 2 F(r-1) + 1, F(0) = 1. A worst case; measured on
-    SmolLM2's keys: 2.3, 3.4, 5.4, 9.6 bounds after 1, 2, 4, 8 (bench/kv_formats.py). Values
-    are never re-rotated: 1."""
-    return 2 ** (requantized + 1) - 1
-
-
-def lane_counts(lm) -> tuple[int, int]:
-    """The lane counts per-layer rows may have: one per layer, or one per kv head of each layer."""
-    return lm.num_layers, lm.num_layers * lm.num_kv_heads
 
 
 def default_capacity(rows: int) -> int:
@@ -234,7 +117,7 @@ class StateManager:
         self.rotated_rows = 0
         self._edits = 0
         self._version = 0  # any change to the cache (edit, rebuild) moves it on: stale views refuse
-        self._fault: str | None = None
+        self._faults = NO_FAULTS  # test-only fault injection (faults.py): hooks that do nothing
         self._broken: str | None = None  # why the cache no longer matches the mirror
 
     # --- construction -------------------------------------------------------------------
@@ -277,57 +160,8 @@ class StateManager:
         saves its rows decoded (`tensors`) and encodes them again here: in float32 that gives back
         the same codes and scales (kv_formats.PackedFormat.decode); int4h saves its codes. A ring store's rows are
         saved in row order and go back into the slots the mirror records (its cursor)."""
-        mirror.check(lm.max_positions)
-        if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
-            raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
-        if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers not in lane_counts(lm)):
-            raise ValueError(f"per-layer rows for {mirror.layers.num_layers} lanes need the float kv_format and "
-                             f"a model with as many layers, or layers times kv heads ({lm.name}: {lm.num_layers} "
-                             f"layers of {lm.num_kv_heads} kv heads, {kv_format})")
-        manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
-                      kv_format=kv_format, kv_store=kv_store)
-        rows, cached = len(mirror), manager.rows_per_layer
-        # the format's own tensors (float, int4, fp4: keys and values; int4h: its parts as stored)
-        rows_saved = {name: (shape[:2] + (cached,) + shape[2:], dtype) for name, (shape, dtype)
-                      in manager._cache.saved_parts(lm.num_kv_heads, lm.head_dim, lm.dtype).items()}
-        expected = {
-            **rows_saved,
-            "predicted": ((rows,), torch.int64),
-            "next_logits": ((lm.vocab_size,), torch.float32),
-            "last_attention": ((len(manager.attention_layers), lm.num_heads, cached), torch.float32),
-            "last_query": ((len(manager.attention_layers), lm.num_heads, lm.head_dim), torch.float32),
-            "last_log_norm": ((len(manager.attention_layers), lm.num_heads), torch.float32),
-            "requantized": ((rows,), torch.int64),  # 4-bit formats only
-        }
-        if unknown := sorted(set(tensors) - set(expected)):
-            raise ValueError(f"unknown saved tensors: {unknown}")
-        for name, (shape, dtype) in expected.items():
-            tensor = tensors.get(name)
-            if tensor is None and (name in NEWEST or name == "requantized"):
-                continue  # the last edit did not write the newest row; a float cache rounds nothing
-            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
-                raise ValueError(f"saved tensor {name!r} is {found}, expected {shape} {dtype} for {rows} live rows"
-                                 + (f" ({cached} per layer)" if cached != rows else ""))
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"saved tensor {name!r} holds non-finite values")
-        predicted = tensors["predicted"]
-        if rows and not bool(((predicted >= 0) & (predicted < lm.vocab_size)).all()):
-            raise ValueError("saved predictions lie outside the vocabulary")
-        requantized = tensors.get("requantized", torch.zeros(rows, dtype=torch.int64))
-        if rows and not bool(((requantized >= 0) & (requantized <= 60)).all()):
-            raise ValueError("saved re-rotation counts must lie in 0..60")
-        if rows:
-            manager._cache.check_saved({name: tensors[name] for name in rows_saved})
-        manager._cache.set_positions(manager._mirror.live.positions)
-        manager._cache.load({name: tensors[name] for name in rows_saved}, lm.dtype, lm.device)
-        manager._predicted = predicted.tolist()
-        manager._requantized = requantized.tolist()
-        for name in NEWEST:
-            if name in tensors:
-                setattr(manager, name, tensors[name].to(lm.device))
-        manager.check(deep=True)
-        return manager
+        return persistence.from_saved(cls, lm, mirror, tensors, capacity=capacity, score_layers=score_layers,
+                                      brightness=brightness, kv_format=kv_format, kv_store=kv_store)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What `from_saved` needs besides the mirror, as CPU copies:
@@ -338,15 +172,7 @@ class StateManager:
         next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
         last_log_norm float32 when the last edit left them; with a 4-bit format requantized
         [rows] int64 (how often each key was re-rotated, for the deep check's tolerance)."""
-        self._refuse_if_broken("save")
-        saved = {"predicted": torch.tensor(self._predicted, dtype=torch.int64)}
-        if kv_formats.packed(self.kv_format):
-            saved["requantized"] = torch.tensor(self._requantized, dtype=torch.int64)
-        saved.update(self._cache.saved(self.lm.num_kv_heads, self.lm.head_dim, self.lm.dtype))
-        for name in NEWEST:
-            if getattr(self, name) is not None:
-                saved[name] = getattr(self, name).detach().float().cpu().contiguous()
-        return saved
+        return persistence.tensors(self)
 
     def _new_cache(self, capacity: int, store: str = "splice", sinks: int = 0) -> SpliceCache:
         """A cache in this state's format (int4h: with the model's key centres, kv_centres.py)."""
@@ -393,6 +219,11 @@ class StateManager:
         return len(self._mirror.layers) if self.per_layer else len(self._mirror)
 
     @property
+    def version(self) -> int:
+        """Moves on with every change to the cache (an edit, a rebuild): a view taken before is stale."""
+        return self._version
+
+    @property
     def broken(self) -> str | None:
         """Why the state is unusable (a rebuild failed), or None."""
         return self._broken
@@ -430,20 +261,8 @@ class StateManager:
 
     def view(self, *, keys: bool = False) -> ContextView:
         """A read-only snapshot; `keys`: with the newest query and a reader of rows' K/V."""
-        mirror = self._mirror
-        entries = mirror.ledger.entries
-
-        def copy(tensor):
-            return None if tensor is None or not keys else tensor.detach().clone().cpu()
-        return ContextView(
-            token_ids=torch.tensor(mirror.live_token_ids(), dtype=torch.long),
-            ledger_ids=torch.tensor(mirror.live.ledger_ids, dtype=torch.long),
-            positions=torch.tensor(mirror.live.positions, dtype=torch.long),
-            brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
-            predicted=torch.tensor(self._predicted, dtype=torch.long),
-            pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
-            query=copy(self.last_query), log_norm=copy(self.last_log_norm),
-            rows=RowReader(self) if keys else None)
+        rows = RowReader(self, self._cache, self._mirror) if keys else None
+        return snapshot(self, self._mirror, self._predicted, keys=keys, rows=rows)
 
     # --- coupled operations -------------------------------------------------------------
 
@@ -560,7 +379,8 @@ class StateManager:
                 insertions.append(Insertion(pair[0], tuple(action["new_token_ids"]), "repair", replaces=pair))
         if plan.restored:
             insertions += self._restorations(plan.restored, set(deleted))
-        stored = self._stored_rows(plan.stored)
+        stored = checks.checked_stored_rows(self.lm, self.kv_format, self._cache.layers[0], self._mirror.ledger,
+                                             plan.stored)
         insertions += [Insertion(len(self), (action["token_id"],), add_source) for action in plan.adds]
         if probes:
             if self.kv_store == "ring":
@@ -606,76 +426,6 @@ class StateManager:
                           positions=tuple(p for p, _, _ in group), restores=tuple(i for _, i, _ in group))
                 for row, group in sorted(groups.items())]
 
-    def _stored_rows(self, stored: dict) -> dict:
-        """Restored rows' own K/V checked against the model: the shape of a cache row, and
-        layer 0 equal to a fresh computation of the token at its position (layer 0 depends on
-        nothing else), so K/V recorded for another token or position are refused."""
-        if not stored:
-            return {}
-        ledger = self._mirror.ledger
-        ids = list(stored)
-        shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
-        for ledger_id in ids:
-            keys, values, _ = stored[ledger_id]
-            if tuple(keys.shape) != shape:
-                raise ActionError(f"restore: ledger id {ledger_id}'s K/V are {tuple(keys.shape)} per row, "
-                                  f"the model's cache rows are {shape} (layers, kv_heads, head_dim)")
-        keys = torch.stack([stored[i][0] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
-        values = torch.stack([stored[i][1] for i in ids], dim=2).to(self.lm.device, self.lm.dtype)
-        fresh_keys, fresh_values = fresh_layer0_kv(self.lm, [ledger[i].token_id for i in ids],
-                                                   [ledger[i].position for i in ids])
-        # a 4-bit key may have been re-rotated once before it was recorded (more is rare)
-        found = [self._layer0_excess(keys[0], fresh_keys[0], requantized=1,
-                                     positions=[ledger[i].position for i in ids]),
-                 self._layer0_excess(values[0], fresh_values[0])]
-        if worst := max((f for f in found if f is not None), default=None):
-            raise ActionError(f"restore: the given K/V differ from the tokens' own at their positions in layer 0 "
-                              f"by {worst[0]:.2e}: they were recorded for other tokens or positions")
-        return {i: (keys[:, :, k], values[:, :, k], stored[i][2]) for k, i in enumerate(ids)}
-
-    def _layer0_tolerance(self) -> float:
-        """What float arithmetic alone may change in a layer-0 row (a batched forward against
-        a fresh one)."""
-        return 1e-4 if self.lm.dtype == torch.float32 else 2e-2
-
-    def layer0_tolerance(self, rows: torch.Tensor, requantized: torch.Tensor | int = 0,
-                         positions=None) -> torch.Tensor | float:
-        """How far cache rows [..., n, head_dim] (as read: decoded) may lie from a fresh
-        computation of layer 0, per element: the float tolerance, plus with a 4-bit kv_format
-        the format's rounding bound of each row (a tensor [..., n, 1]) times
-
-            int4 / fp4: `rounding_bounds(requantized)` (an int, or [n] per row)
-            int4h:      1 + requantized (re-rotation is exact; a restored row was rounded once
-                        before), the bound of the row's coded form: keys at `positions` [n],
-                        values with `positions` None (kv_formats.Int4H.error_bound)."""
-        codec = kv_formats.packed(self.kv_format)
-        if codec is None:
-            return self._layer0_tolerance()
-        requantized = torch.as_tensor(requantized, dtype=torch.float32, device=rows.device).reshape(-1, 1)
-        if self.kv_format == "int4h":
-            layer = self._cache.layers[0]
-            as_cached = rows.reshape(1, layer.kv_heads, -1, layer.head_dim)
-            coded = (layer.coded_values(as_cached) if positions is None
-                     else layer.coded_keys(as_cached, torch.as_tensor(positions, dtype=torch.long)))
-            bound = codec.error_bound(coded).reshape(*rows.shape[:-1], 1)
-            return self._layer0_tolerance() + (1 + requantized) * bound
-        return self._layer0_tolerance() + rounding_bounds(requantized) * codec.error_bound(rows)
-
-    def _layer0_excess(self, cached: torch.Tensor, fresh: torch.Tensor, tolerance: float | None = None,
-                       requantized: torch.Tensor | int = 0, positions=None) -> tuple[float, float] | None:
-        """(error, tolerance) at the element of `cached` that lies farthest beyond its
-        tolerance from `fresh` (both [..., rows, head_dim]), or None when all are within.
-        `tolerance`: one number for every element instead of `layer0_tolerance`; keys pass
-        their `positions`."""
-        if not cached.numel():
-            return None
-        allowed = self.layer0_tolerance(cached, requantized, positions) if tolerance is None else tolerance
-        error = (cached.float() - fresh.float()).abs()
-        allowed = torch.as_tensor(allowed, dtype=torch.float32, device=error.device).expand_as(error)
-        worst = int((error - allowed).argmax())
-        error, allowed = error.flatten()[worst].item(), allowed.flatten()[worst].item()
-        return (error, allowed) if error > allowed else None
-
     def _edit(self, deleted: list[int], insertions: list[Insertion], *, tick: int | None,
               brightness: list[float] | None = None, probes: Probes | None = None,
               stored: dict | None = None) -> ApplyReport:
@@ -689,7 +439,7 @@ class StateManager:
 
         def write_and_commit():
             report.probe_logprobs = self._write(layout, probes, stored or {})
-            self._fault_point("commit")
+            self._faults.point("commit")
             self._mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness,
                                 ring=self._cache.ring)
             report.rotated_rows = self._rotated(layout)
@@ -716,7 +466,7 @@ class StateManager:
 
         def write_and_commit():
             self._write_layers(layout, runs, length, kept.rows, adds)
-            self._fault_point("commit")
+            self._faults.point("commit")
             mirror.splice(layout, texts, tick=tick, brightness=self.new_brightness, live_brightness=brightness,
                           layer_drops=drops)
             report.rotated_rows = self._rotated(layout)
@@ -757,13 +507,13 @@ class StateManager:
             self._cache.reserve(layout.length)  # a ring lays out its mask before the prefill: room first
         # int4h reads every key at its row's position (a moved row's re-rotation), probes' scratch rows included
         self._cache.set_positions(layout.positions, probes.positions if scratch else ())
-        self._fault_point("splice")
+        self._faults.point("splice")
         if layout.moved is not None:
             first = layout.moved
             cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor(layout.old_positions[first:]),
                                      torch.tensor(layout.positions[first:]))
             self._cache.rotate_keys(first, cos, sin)
-        self._fault_point("rotate")
+        self._faults.point("rotate")
         predicted, requantized = [0] * layout.length, [0] * layout.length
         for old, new, count in layout.kept:
             predicted[new : new + count] = predicted_before[old : old + count]
@@ -777,7 +527,7 @@ class StateManager:
             self._copy_rows(known)
             for row, (_, _, token_id) in known.items():
                 predicted[row] = token_id
-                requantized[row] = 1  # what _stored_rows allowed it
+                requantized[row] = 1  # what checked_stored_rows allowed it
         fed = [(row, token_id) for row, token_id in zip(layout.new_rows, layout.new_token_ids) if row not in known]
         newest = bool(fed) and fed[-1][0] == layout.length - 1
         if layout.deleted or layout.new_rows or layout.moved is not None:  # the last forward is history
@@ -792,7 +542,7 @@ class StateManager:
             else:
                 gaps = torch.tensor(rows + list(range(layout.length, layout.length + scratch)), dtype=torch.long,
                                     device=self.lm.device)
-                with self._cache.fill(gaps), self._fault_in_forward():
+                with self._cache.fill(gaps), self._faults.forward():
                     result = forward(self.lm, self._cache, token_ids, positions,
                                      list(layout.positions), attention_layers=self.attention_layers if newest else None,
                                      probes=probes if scratch else None)
@@ -804,7 +554,7 @@ class StateManager:
                 predicted[row] = token_id
             if newest:
                 self._take_newest(result)
-        self._fault_point("forward")
+        self._faults.point("forward")
         self._predicted, self._requantized = predicted, requantized
         return probe_logprobs
 
@@ -815,7 +565,7 @@ class StateManager:
         one forward writes the added token into the last row of every layer."""
         mirror = self._mirror
         self._cache.splice_layers(runs, length)
-        self._fault_point("splice")
+        self._faults.point("splice")
         new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
                         for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
         if layout.moved is not None:  # the union's positions were packed down: follow them
@@ -829,7 +579,7 @@ class StateManager:
                 # [lanes, rows, head_dim]: one lane (a layer) rotates every head alike
                 layer.rotate_keys(0, cos[0] if heads == 1 else cos, sin[0] if heads == 1 else sin)
                 # unmoved rows get an identity rotation: exact
-        self._fault_point("rotate")
+        self._faults.point("rotate")
         predicted = [0] * layout.length
         for old, new, count in layout.kept:
             predicted[new:new + count] = self._predicted[old:old + count]
@@ -838,12 +588,12 @@ class StateManager:
             position = layout.positions[layout.new_rows[0]]
             key_positions = [new_position[i] for i in kept_ids[0]] + [position]  # layer 0's: only their count matters
             with self._cache.fill(torch.tensor([length - 1], dtype=torch.long, device=self.lm.device)), \
-                    self._fault_in_forward():
+                    self._faults.forward():
                 result = forward(self.lm, self._cache, adds, [position], key_positions,
                                  attention_layers=self.attention_layers)
             predicted[layout.new_rows[0]] = int(result.predicted[0])
             self._take_newest(result)
-        self._fault_point("forward")
+        self._faults.point("forward")
         self._predicted, self._requantized = predicted, [0] * layout.length
 
     def _copy_rows(self, known: dict) -> None:
@@ -919,11 +669,8 @@ class StateManager:
         """
         if self.next_logits is None:
             raise ValueError("no next-token logits: the last operation did not write the last row")
-        scratch = self._new_cache(len(self) + 1)
-        scratch.set_positions(self.positions())
-        fresh = prefill(self.lm, scratch, self.live_token_ids(), self.positions()).logits
-        log_fresh, log_spliced = fresh.log_softmax(-1), self.next_logits.log_softmax(-1)
-        return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
+        return checks.divergence(self.lm, self._new_cache(len(self) + 1), self.live_token_ids(), self.positions(),
+                                 self.next_logits)
 
     # --- invariants ---------------------------------------------------------------------
 
@@ -933,79 +680,14 @@ class StateManager:
         the live tokens at their recorded positions, element by element within `tolerance`
         (default: `layer0_tolerance`, which a 4-bit kv_format widens by its rounding bound, for
         keys as often as they were re-rotated)."""
-        if self._broken:
-            raise StateInvariantError(self._broken)
-        self._mirror.check(self.lm.max_positions)
-        rows, cached = len(self._mirror), self.rows_per_layer
-        if self._cache.length != cached or len(self._predicted) != rows or len(self._requantized) != rows:
-            raise StateInvariantError(f"cache holds {self._cache.length} rows ({len(self._predicted)} predictions) "
-                                      f"but the mirror {cached} per layer ({rows} live)")
-        rings = {getattr(layer, "ring", None) for layer in self._cache.layers}
-        if rings != {self._mirror.ring}:
-            raise StateInvariantError(f"the mirror records the ring {self._mirror.ring}, the cache's layers hold {rings}")
-        if self._cache.positions is not None and cached:  # int4h rotates every key to these when it reads it
-            held = self._cache.positions.tensor
-            if held is None or len(held) < cached or held[:cached].tolist() != self.positions():
-                raise StateInvariantError("the cache's row positions (where int4h rotates its keys to) differ from "
-                                          "the mirror's")
-        shape = (1, self.lm.num_kv_heads, cached, self.lm.head_dim)
-        for index, layer in enumerate(self._cache.layers):
-            if layer.length != cached or (cached and (tuple(layer.keys.shape) != shape or tuple(layer.values.shape) != shape)):
-                raise StateInvariantError(f"layer {index} holds {layer.length} rows "
-                                          f"({None if layer.keys is None else tuple(layer.keys.shape)}), expected {shape}")
-        if deep and rows:
-            layer = self._cache.layers[0]
-            token_ids, positions, requantized = self.live_token_ids(), self.positions(), self._requantized
-            fresh_keys, fresh_values = fresh_layer0_kv(self.lm, token_ids, positions)  # [1, kv_heads, live, head_dim]
-            found = []
-            heads = self.lanes_per_layer
-            for lane in range(heads):  # layer 0's lanes, each with its own rows
-                head = slice(None) if heads == 1 else slice(lane, lane + 1)
-                rows_of = self._mirror.layer_rows_of(lane) if self.per_layer else list(range(rows))
-                index = torch.tensor(rows_of, dtype=torch.long, device=fresh_keys.device)
-                found += [self._layer0_excess(layer.keys[:, head], fresh_keys[:, head].index_select(2, index), tolerance,
-                                              torch.tensor([requantized[r] for r in rows_of]),
-                                              [positions[r] for r in rows_of]),
-                          self._layer0_excess(layer.values[:, head], fresh_values[:, head].index_select(2, index),
-                                              tolerance)]
-            if worst := max((f for f in found if f is not None), default=None):
-                error, allowed = worst
-                raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {allowed:.2g})")
-
-    # --- fault injection (tests) --------------------------------------------------------
+        checks.check(self, self._cache, self._mirror, self._predicted, self._requantized, deep=deep,
+                     tolerance=tolerance)
 
     def inject_fault(self, stage: str) -> None:
-        """Make the next edit raise InjectedFault at `stage`: after the splice, after the
-        re-rotation, after the forward, half-way through the forward (in the middle layer,
-        after some layers wrote their rows), or just before the mirror commits."""
-        if stage not in FAULT_STAGES:
-            raise ValueError(f"unknown fault stage {stage!r}; choose from {', '.join(FAULT_STAGES)}")
-        self._fault = stage
-
-    def _fault_point(self, stage: str) -> None:
-        if self._fault == stage:
-            self._fault = None
-            raise InjectedFault(f"fault injected at stage {stage!r}")
-
-    def _fault_in_forward(self):
-        """A hook that raises in the middle layer when the 'mid-forward' fault is armed."""
-        if self._fault != "mid-forward":
-            return contextlib.nullcontext()
-        self._fault = None
-        middle = self.lm.model.model.layers[self.lm.num_layers // 2]
-
-        def explode(module, args):
-            raise InjectedFault("fault injected half-way through the forward")
-
-        @contextlib.contextmanager
-        def armed():
-            handle = middle.register_forward_pre_hook(explode)
-            try:
-                yield
-            finally:
-                handle.remove()
-
-        return armed()
+        """Tests: make the next edit raise InjectedFault at `stage` (faults.FAULT_STAGES): after
+        the splice, after the re-rotation, after the forward, half-way through the forward (in
+        the middle layer, after some layers wrote their rows), or just before the mirror commits."""
+        self._faults = Fault(self.lm, stage)
 
     def _texts(self, layout: Layout) -> list[str]:
         """Each new token's text, decoded as a span after the token left of its group."""

@@ -12,7 +12,7 @@ import uvicorn
 
 from positronic.brain.loop import BrainConfig
 from positronic.server.app import ServerSettings, create_app
-from positronic.state.manager import ContextView
+from positronic.state import ContextView
 
 
 def _crafted_view(token_ids, predicted, brightness=None) -> ContextView:

@@ -22,7 +22,7 @@ from positronic.kv.centres import key_centres
 from positronic.kv.formats import (FP4, PACKED, ROW_SCALED, Int4, Int4H, _lookup_nibbles, byte_table, bytes_per_token,
                                    hadamard, lookup, pack, unpack)
 from positronic.brain.loop import Brain, BrainConfig
-from positronic.state.manager import FAULT_STAGES, StateInvariantError, rounding_bounds
+from positronic.state import FAULT_STAGES, StateInvariantError, rounding_bounds
 from positronic.models import with_cache
 
 FORMATS = sorted(ROW_SCALED)  # one scale per row; int4h has its own tests (section 5)

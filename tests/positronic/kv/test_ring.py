@@ -10,7 +10,7 @@ from positronic.kv.cache import SpliceCache
 from positronic.evaluate import make_config, run_stream
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.mirror import Ring
-from positronic.state.manager import FAULT_STAGES, StateManager
+from positronic.state import FAULT_STAGES, StateManager
 from positronic.models import with_cache
 
 PROMPT = list(range(10, 30))

@@ -7,7 +7,7 @@ from positronic.brain.loop import Brain, BrainConfig
 from positronic.policies import (POLICIES, H2OPolicy, NoEvictionPolicy, ScoredPolicy, StreamingPolicy, batch_size,
                                make_policy, recent_window)
 from positronic.brain.runner import Runner
-from positronic.state.manager import ContextView, StateManager
+from positronic.state import ContextView, StateManager
 
 
 def state(lm, rows: int) -> StateManager:

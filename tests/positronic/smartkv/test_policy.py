@@ -18,7 +18,7 @@ from positronic.brain.loop import Brain, BrainConfig
 from positronic.mirror import from_bytes, to_bytes
 from positronic.smartkv import GateSet, SmartKVCache
 from positronic.smartkv.policy import SmartKVPolicy
-from positronic.state.manager import FAULT_STAGES, StateManager
+from positronic.state import FAULT_STAGES, StateManager
 from positronic.tui.render import frame
 from positronic.tui.snapshot import take_snapshot
 from positronic.models import with_cache

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from positronic import mirror as mirror_pkg
 from positronic.state.actions import ActionError
-from positronic.state.manager import FAULT_STAGES, StateBrokenError, StateManager
+from positronic.state import FAULT_STAGES, StateBrokenError, StateManager
 
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."

@@ -1,0 +1,117 @@
+"""What policies, repairers and tools read of the state: a `ContextView` snapshot (fresh
+tensors: changing them changes nothing) and, with it, a `RowReader` that copies live rows'
+K/V out for as long as the state is as the view saw it."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ContextView:
+    """A read-only snapshot of the live context for policies and repairers (fresh tensors:
+    changing them changes nothing). All [rows], in cache order.
+
+    predicted: the model's greedy next token after each row, computed by the forward that
+    wrote the row (the predict service a repairer uses: what the model expects at a slot).
+    """
+
+    token_ids: torch.Tensor
+    ledger_ids: torch.Tensor
+    positions: torch.Tensor
+    brightness: torch.Tensor
+    predicted: torch.Tensor
+    pinned: torch.Tensor | None = None  # bool [rows]
+    # with view(keys=True): the newest row's query / log-normaliser (see forward.ForwardResult),
+    # and `rows`, which copies live rows' K/V out while the state is as this view saw it
+    query: torch.Tensor | None = None
+    log_norm: torch.Tensor | None = None
+    rows: "RowReader | None" = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class RowReader:
+    """Copies of live rows' K/V in every layer, for the view it came with: reading after the
+    state changed (an edit, a rebuild) raises, so a view never mixes two states.
+    `state` is the StateManager (its version and lane counts); `cache`, `mirror` its blades."""
+
+    def __init__(self, state, cache, mirror):
+        self._state, self._version = state, state.version
+        self._cache, self._mirror = cache, mirror
+
+    def __call__(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values: [layers, kv_heads, len(rows), head_dim] on the CPU, in the cache's dtype
+        (keys rotated at the rows' positions)."""
+        self._refuse_if_stale()
+        if self._state.per_layer:
+            raise ValueError("layers keep different rows: read them by ledger id (layer_rows)")
+        layers = self._cache.layers
+        index = torch.tensor(rows, dtype=torch.long, device=self._state.lm.device)
+        keys = torch.stack([layer.keys[0].index_select(1, index) for layer in layers]).cpu()
+        values = torch.stack([layer.values[0].index_select(1, index) for layer in layers]).cpu()
+        return keys, values
+
+    def layer_rows(self, ledger_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [layers, kv_heads, n, head_dim] (on the CPU, float32; keys rotated at
+        their positions) of tokens every lane holds, per-layer (or per-head) rows or not, each
+        kv head's from its own rows; ValueError if a lane lacks one."""
+        self._refuse_if_stale()
+        device = self._state.lm.device
+        layers, heads = self._mirror.layers, self._state.lanes_per_layer
+        keys, values = [], []
+        for index, layer in enumerate(self._cache.layers):
+            layer_keys, layer_values = [], []
+            for lane in range(index * heads, (index + 1) * heads):
+                held = self._mirror.live.ledger_ids if layers is None else layers.rows[lane]
+                where = {ledger_id: row for row, ledger_id in enumerate(held)}
+                if missing := [i for i in ledger_ids if i not in where]:
+                    raise ValueError(f"lane {lane} does not hold ledger ids {missing[:5]}")
+                rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
+                head = slice(None) if heads == 1 else slice(lane - index * heads, lane - index * heads + 1)
+                layer_keys.append(layer.keys[0, head].index_select(1, rows))
+                layer_values.append(layer.values[0, head].index_select(1, rows))
+            keys.append(torch.cat(layer_keys))
+            values.append(torch.cat(layer_values))
+        return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
+
+    def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
+        """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`
+        (a lane's ids ascend with its rows, as ids are handed out in position order);
+        ValueError if a lane does not hold one."""
+        self._refuse_if_stale()
+        layers = self._mirror.layers
+        if layers is None or len(ledger_ids) != layers.num_layers:
+            raise ValueError(f"rows by lane need per-layer rows and one id list per lane, got {len(ledger_ids)}")
+        found = []
+        for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids)):
+            rows = [bisect.bisect_left(held, ledger_id) for ledger_id in wanted]
+            if any(row == len(held) or held[row] != ledger_id for row, ledger_id in zip(rows, wanted)):
+                raise ValueError(f"lane {lane} does not hold all of ledger ids {wanted[:5]}")
+            found.append(rows)
+        return found
+
+    def _refuse_if_stale(self) -> None:
+        if self._state.version != self._version:
+            raise ValueError("this view is stale: the state changed after it was taken")
+
+
+def snapshot(state, mirror, predicted: list[int], *, keys: bool, rows: RowReader | None) -> ContextView:
+    """The ContextView of `state` (a StateManager) whose mirror is `mirror` and whose rows'
+    predictions are `predicted`; `keys`: with the newest query and log-normaliser."""
+    entries = mirror.ledger.entries
+
+    def copy(tensor):
+        return None if tensor is None or not keys else tensor.detach().clone().cpu()
+    return ContextView(
+        token_ids=torch.tensor(mirror.live_token_ids(), dtype=torch.long),
+        ledger_ids=torch.tensor(mirror.live.ledger_ids, dtype=torch.long),
+        positions=torch.tensor(mirror.live.positions, dtype=torch.long),
+        brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
+        predicted=torch.tensor(predicted, dtype=torch.long),
+        pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
+        query=copy(state.last_query), log_norm=copy(state.last_log_norm), rows=rows)
