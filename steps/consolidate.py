@@ -1,56 +1,24 @@
-"""Step 3e: merge the repair actions and the generated token into one action list."""
+"""Step 3e: the generated token and the policy's actions become the tick's one `Edit`."""
 from __future__ import annotations
 
+from positronic.state.edit import Bounds, Edit
 
-def consolidate(add_token_id: int | None, repair_actions: list[dict]) -> list[dict]:
-    """Return the tick's action list: the position-editing actions (copied, in the given
-    order; Step 4 sorts them), then the `add` of the generated token if there is one.
 
-    Raises ValueError if two actions touch the same row, naming both, or if an action is not a
-    `replace_pair` / `delete` / `restore` / `drop`. Full type and range checks are Step 4's job; this step only
-    guarantees the actions are independent of each other.
+def consolidate(add_token_id: int | None, repair_actions: list[dict], bounds: Bounds) -> Edit:
+    """Return the tick's Edit: the policy's actions (in the given order; the Edit orders them
+    for Step 4), then the `add` of the generated token if there is one, checked once against
+    `bounds` (the state's: StateManager.bounds).
+
+    Raises ActionError (a ValueError) naming the first action that is refused and why (two
+    actions touching the same row name each other), ValueError if a policy action adds a
+    token (the generated token is the tick's only add) or `add_token_id` is not an int or None.
     """
-    owner: dict[int, dict] = {}
-    edits: list[dict] = []
     for action in repair_actions:
-        for row in _rows(action):
-            if row in owner:
-                raise ValueError(f"row {row} is touched by two actions: {owner[row]!r} and {action!r}")
-            owner[row] = action
-        # Copy so later steps can never edit the caller's dicts (or id lists) behind its back.
-        edits.append({k: _copy(v) for k, v in action.items()})
+        if isinstance(action, dict) and action.get("action") == "add":
+            raise ValueError(f"consolidate takes only replace_pair, delete, restore and drop actions, got {action!r}")
+    actions = list(repair_actions)
     if add_token_id is not None:
         if isinstance(add_token_id, bool) or not isinstance(add_token_id, int):
             raise ValueError(f"add_token_id must be an int or None, got {add_token_id!r}")
-        edits.append({"action": "add", "token_id": add_token_id})
-    return edits
-
-
-def _rows(action: dict) -> range:
-    kind = action.get("action") if isinstance(action, dict) else None
-    try:
-        if kind == "delete":
-            return range(_pos(action["position"]), action["position"] + 1)
-        if kind == "replace_pair":
-            p1, p2 = _pos(action["original_pos1"]), _pos(action["original_pos2"])
-            if p1 >= p2:
-                raise ValueError(f"original_pos1 must be < original_pos2 in {action!r}")
-            return range(p1, p2 + 1)
-        if kind == "restore":
-            return range(0)  # inserts between rows, touches none
-        if kind == "drop":
-            return range(0)  # names rows per layer (a per-layer state), not live rows
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed action {action!r}: {exc!r}") from None
-    raise ValueError(f"consolidate takes only replace_pair, delete, restore and drop actions, got {action!r}")
-
-
-def _copy(value):
-    """Lists copied down to their items (a drop's rows are a list per layer)."""
-    return [_copy(v) for v in value] if isinstance(value, list) else value
-
-
-def _pos(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError(f"position must be an int >= 0, got {value!r}")
-    return value
+        actions.append({"action": "add", "token_id": add_token_id})
+    return Edit.from_actions(actions, bounds)  # copies the actions: later steps never edit the caller's dicts

@@ -161,8 +161,8 @@ class Brain:
         if long:
             view = state.view(keys=config.recall or brain.policy.reads_keys)
             plan = brain.policy.prune(view, steps.scores(state.last_attention, config.scored_layers), config.budget - 1)
-            actions = steps.consolidate(prompt_ids[-1], plan.actions)
-            report = state.apply(actions, tick=0, brightness=plan.brightness, add_source="prompt")
+            edit = steps.consolidate(prompt_ids[-1], plan.actions, state.bounds)
+            report = state.apply(edit, tick=0, brightness=plan.brightness, add_source="prompt")
             if report.rebuilt:
                 raise RuntimeError(f"pruning the prompt to the budget failed: {report.error}")
             brain.policy.commit(plan.next)  # e.g. the pruned prompt rows become recallable
@@ -215,10 +215,11 @@ class Brain:
             plan = self.policy.plan(view, scores, seconds, typed=source == "user")
             clock = time.perf_counter()
             # Step 3e and Step 4
-            actions = steps.consolidate(token_id, plan.actions)
+            edit = steps.consolidate(token_id, plan.actions, sm.bounds)
+            actions = list(edit.actions)  # the wire format, for observers and the tick's record
             for observer in self.observers:
                 observer.before_apply(self, actions, brightness=plan.brightness)
-            report = sm.apply(actions, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
+            report = sm.apply(edit, tick=self.tick, brightness=plan.brightness, probes=plan.probes,
                               add_source=source)
         except BaseException:
             # Ctrl-C (or a failure) before the tick was applied: it did not happen, so the tick

@@ -18,7 +18,15 @@ def lane_counts(lm) -> tuple[int, int]:
 
 def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: int = 0, score_layers="last",
                brightness: float = 255.0, kv_format: str = "float", kv_store: str = "splice"):
-    """See StateManager.from_saved (`cls`: the StateManager class)."""
+    """A `cls` (StateManager) resumed from a saved mirror and the cache it described (`tensors()`
+    of the state that was saved): the rows are loaded, not recomputed, so the run goes on
+    exactly as it would have. Raises ValueError naming what does not fit (a shape, a dtype, a
+    token outside the vocabulary) before anything is allocated, and StateInvariantError if
+    layer 0 does not match a fresh computation of the mirror's tokens at their positions. An
+    int4 or fp4 cache saves its rows decoded (`tensors`) and encodes them again here: in
+    float32 that gives back the same codes and scales (kv_formats.PackedFormat.decode); int4h
+    saves its codes. A ring store's rows are saved in row order and go back into the slots
+    the mirror records (its cursor)."""
     mirror.check(lm.max_positions)
     if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
         raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
@@ -73,7 +81,14 @@ def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: i
 
 
 def tensors(manager) -> dict[str, torch.Tensor]:
-    """See StateManager.tensors."""
+    """What `from_saved` needs besides the mirror, as CPU copies:
+    keys, values [layers, kv_heads, rows, head_dim] (model dtype; an int4 or fp4 cache's rows
+    decoded), or for int4h its rows as stored: key_ and value_codes int32 [layers, kv_heads,
+    rows, head_dim // 8], _scales float16 and _zeros uint8 [layers, kv_heads, rows, groups];
+    predicted [rows] int64;
+    next_logits [vocab], last_attention [scored layers, heads, rows], last_query and
+    last_log_norm float32 when the last edit left them; with a 4-bit format requantized
+    [rows] int64 (how often each key was re-rotated, for the deep check's tolerance)."""
     manager._refuse_if_broken("save")
     lm, cache = manager.lm, manager._cache
     saved = {"predicted": torch.tensor(manager._predicted, dtype=torch.int64)}

@@ -1,6 +1,7 @@
 """What policies, repairers and tools read of the state: a `ContextView` snapshot (fresh
 tensors: changing them changes nothing) and, with it, a `RowReader` that copies live rows'
-K/V out for as long as the state is as the view saw it."""
+K/V out for as long as the state is as the view saw it; `StateReads`, the StateManager's
+read-only accessors (counts, copies, the view itself)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import bisect
 from dataclasses import dataclass
 
 import torch
+
+from ..kv import formats as kv_formats
 
 
 @dataclass(frozen=True)
@@ -115,3 +118,75 @@ def snapshot(state, mirror, predicted: list[int], *, keys: bool, rows: RowReader
         predicted=torch.tensor(predicted, dtype=torch.long),
         pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
         query=copy(state.last_query), log_norm=copy(state.last_log_norm), rows=rows)
+
+
+class StateReads:
+    """The StateManager's reads: counts, copies and views, nothing that changes the state.
+    (A StateManager holds `lm`, `kv_format`, its blades `_cache` and `_mirror`, and per live
+    row `_predicted`.)"""
+
+    def __len__(self) -> int:
+        return len(self._mirror)
+
+    @property
+    def per_layer(self) -> bool:
+        """True when layers keep different rows (`split_layers`): the live map is the union."""
+        return self._mirror.layers is not None
+
+    @property
+    def lanes(self) -> int:
+        """Units that keep their own rows: the layers, or with per-head rows layers × kv heads
+        (lane = layer * kv_heads + head); 0 while every layer holds the same rows."""
+        return self._mirror.layers.num_layers if self.per_layer else 0
+
+    @property
+    def lanes_per_layer(self) -> int:
+        """1 (a lane per layer, or no lanes at all) or the kv heads (per-head rows)."""
+        return max(1, self.lanes // self.lm.num_layers)
+
+    @property
+    def rows_per_layer(self) -> int:
+        """Rows each layer's cache holds (the live length, unless layers keep different rows)."""
+        return len(self._mirror.layers) if self.per_layer else len(self._mirror)
+
+    @property
+    def version(self) -> int:
+        """Moves on with every change to the cache (an edit, a rebuild): a view taken before is stale."""
+        return self._version
+
+    @property
+    def broken(self) -> str | None:
+        """Why the state is unusable (a rebuild failed), or None."""
+        return self._broken
+
+    @property
+    def edits(self) -> int:
+        """Coupled edits (applied layouts) since this manager was created."""
+        return self._edits
+
+    def live_token_ids(self) -> list[int]:
+        return self._mirror.live_token_ids()
+
+    def positions(self) -> list[int]:
+        return self._mirror.positions()
+
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer `index`'s live keys and values, [1, kv_heads, rows, head_dim]
+        (decoded, with a 4-bit kv_format)."""
+        layer = self._cache.layers[index]
+        return layer.keys.clone(), layer.values.clone()
+
+    def memory_bytes(self) -> int:
+        """Bytes the cache holds: K/V buffers (4-bit: codes and scales), spare rows and scratch."""
+        return self._cache.memory_bytes()
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one live token takes in this state's kv_format (every layer's K and V)."""
+        lm = self.lm
+        return kv_formats.bytes_per_token(self.kv_format, layers=lm.num_layers, kv_heads=lm.num_kv_heads,
+                                          head_dim=lm.head_dim, dtype=lm.dtype)
+
+    def view(self, *, keys: bool = False) -> ContextView:
+        """A read-only snapshot; `keys`: with the newest query and a reader of rows' K/V."""
+        rows = RowReader(self, self._cache, self._mirror) if keys else None
+        return snapshot(self, self._mirror, self._predicted, keys=keys, rows=rows)

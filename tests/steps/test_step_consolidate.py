@@ -1,32 +1,42 @@
+"""Step 3e (steps/consolidate.py): the generated token and the policy's actions become one
+Edit, checked once (its checks in full: tests/positronic/state/test_edit.py)."""
+
 import pytest
 
+from positronic.state.actions import ActionError
+from positronic.state.edit import Bounds, Edit
 from positronic.steps.consolidate import consolidate
+
+BOUNDS = Bounds(live_length=16, vocab_size=50, max_length=64)
 
 REPLACE = {"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": [9]}
 DELETE = {"action": "delete", "position": 10}
 
 
 def test_edits_first_in_order_then_add():
-    out = consolidate(7, [DELETE, REPLACE])
-    assert out == [DELETE, REPLACE, {"action": "add", "token_id": 7}]
+    out = consolidate(7, [DELETE, REPLACE], BOUNDS)
+    assert isinstance(out, Edit) and out.bounds == BOUNDS
+    assert list(out.actions) == [DELETE, REPLACE, {"action": "add", "token_id": 7}]
+    assert out.deletes == (10,) and out.replacements[0].rows == (4, 5) and out.adds == (7,)
 
 
 def test_no_add():
-    assert consolidate(None, [REPLACE]) == [REPLACE]
-    assert consolidate(None, []) == []
-    assert consolidate(3, []) == [{"action": "add", "token_id": 3}]
+    assert list(consolidate(None, [REPLACE], BOUNDS).actions) == [REPLACE]
+    assert list(consolidate(None, [], BOUNDS).actions) == []
+    assert list(consolidate(3, [], BOUNDS).actions) == [{"action": "add", "token_id": 3}]
 
 
 def test_output_is_a_copy():
-    out = consolidate(1, [REPLACE])
-    out[0]["new_token_ids"].append(5)
-    out[0]["original_pos1"] = 0
+    out = consolidate(1, [REPLACE], BOUNDS)
+    out.actions[0]["new_token_ids"].append(5)
+    out.actions[0]["original_pos1"] = 0
     assert REPLACE == {"action": "replace_pair", "original_pos1": 4, "original_pos2": 5, "new_token_ids": [9]}
+    assert out.replacements[0].rows == (4, 5) and out.replacements[0].token_ids == (9,), "the edit is fixed once built"
 
 
 def test_adjacent_non_overlapping_pairs_are_fine():
     other = {**REPLACE, "original_pos1": 6, "original_pos2": 7}
-    assert len(consolidate(None, [REPLACE, other, {"action": "delete", "position": 3}])) == 3
+    assert len(consolidate(None, [REPLACE, other, {"action": "delete", "position": 3}], BOUNDS)) == 3
 
 
 @pytest.mark.parametrize(
@@ -39,20 +49,21 @@ def test_adjacent_non_overlapping_pairs_are_fine():
     ],
 )
 def test_conflict_names_both_actions(second):
-    with pytest.raises(ValueError, match="touched by two actions") as err:
-        consolidate(1, [REPLACE, second])
-    assert repr(REPLACE) in str(err.value) and repr(second) in str(err.value)
+    with pytest.raises(ActionError, match="is already edited by action 0") as err:
+        consolidate(1, [REPLACE, second], BOUNDS)
+    assert str(err.value).startswith(f"action 1 ({second['action']}): ")
 
 
 def test_repeated_delete_conflicts():
-    with pytest.raises(ValueError, match="row 10"):
-        consolidate(None, [DELETE, dict(DELETE)])
+    with pytest.raises(ValueError, match="position=10 is already edited by action 0"):
+        consolidate(None, [DELETE, dict(DELETE)], BOUNDS)
 
 
-def test_rows_inside_a_non_adjacent_pair_count_as_touched():
+def test_a_non_adjacent_pair_is_refused():
+    """Rows inside a wide pair would be neither kept in place nor replaced: the pair itself is refused."""
     wide = {"action": "replace_pair", "original_pos1": 4, "original_pos2": 7, "new_token_ids": [1]}
-    with pytest.raises(ValueError, match="row 6"):
-        consolidate(None, [wide, {"action": "delete", "position": 6}])
+    with pytest.raises(ValueError, match="not adjacent rows"):
+        consolidate(None, [wide, {"action": "delete", "position": 6}], BOUNDS)
 
 
 @pytest.mark.parametrize(
@@ -71,10 +82,10 @@ def test_rows_inside_a_non_adjacent_pair_count_as_touched():
 )
 def test_malformed_actions_raise(bad):
     with pytest.raises(ValueError):
-        consolidate(1, [bad])
+        consolidate(1, [bad], BOUNDS)
 
 
 @pytest.mark.parametrize("token", [True, 1.0, "3"])
 def test_bad_add_token_raises(token):
     with pytest.raises(ValueError, match="add_token_id"):
-        consolidate(token, [])
+        consolidate(token, [], BOUNDS)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from positronic import mirror as mirror_pkg
 from positronic.state.actions import ActionError
-from positronic.state import FAULT_STAGES, StateBrokenError, StateManager
+from positronic.state import FAULT_STAGES, Edit, StateBrokenError, StateManager
 
 
 PROMPT = "The old lighthouse keeper climbed the spiral stairs every night, counting each step as the storm grew louder."
@@ -178,7 +178,7 @@ BAD_LISTS = [
      "original_pos1=5 must be below original_pos2=4"),
     ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 4, "new_token_ids": [5]}],
      "original_pos1=4 must be below original_pos2=4"),
-    # the issue-14 case: rows 5 and 6 lie inside the "pair" and delete(5) would touch one of them
+    # a wide "pair": rows 5 and 6 lie inside it and delete(5) would touch one of them
     ([{"action": "replace_pair", "original_pos1": 4, "original_pos2": 7, "new_token_ids": [300 % 512]},
       {"action": "delete", "position": 5}],
      r"action 0 \(replace_pair\): original_pos1=4 and original_pos2=7 are not adjacent rows"),
@@ -207,6 +207,23 @@ def test_bad_action_list_is_refused_and_changes_nothing(tiny, actions, message):
     after = snapshot(sm)
     assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
     assert all(torch.equal(a, b) for la, lb in zip(after[2], before[2]) for a, b in zip(la, lb))
+
+
+def test_an_edit_applies_as_its_action_list_does_and_only_to_a_state_of_its_bounds(tiny):
+    """An Edit is checked once, for the state's bounds: applied, it does what its action list
+    does; applied to a state of other bounds (here one row longer) it is refused untouched."""
+    actions = [{"action": "replace_pair", "original_pos1": 3, "original_pos2": 4, "new_token_ids": [40, 41, 43]},
+               {"action": "delete", "position": 7}, {"action": "add", "token_id": 42}]
+    by_list, by_edit = (StateManager.from_tokens(tiny, list(range(1, 11))) for _ in range(2))
+    edit = Edit.from_actions(actions, by_edit.bounds)
+    by_list.apply(actions)
+    assert by_edit.apply(edit).applied == 3
+    assert by_edit.live_token_ids() == by_list.live_token_ids() and by_edit.positions() == by_list.positions()
+    torch.testing.assert_close(by_edit.next_logits, by_list.next_logits, rtol=0, atol=0)
+    before = snapshot(by_edit)
+    with pytest.raises(ActionError, match="the edit was checked for a state of"):
+        by_edit.apply(edit)  # the state is one row longer now
+    assert snapshot(by_edit)[:2] == before[:2] and snapshot(by_edit)[3] == before[3]
 
 
 # --- 6. fault injection ---------------------------------------------------------------------
