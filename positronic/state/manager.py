@@ -1,7 +1,8 @@
 """StateManager: the only code that changes the KV cache or the mirror.
 
-Every change, from a whole tick to one deleted row, is one `Layout` (mirror/layout.py)
-applied to both blades from the same arguments:
+A tick's change comes as one `Edit` (edit.py: an action list checked once). Every change,
+from a whole tick to one deleted row, is one `Layout` (mirror/layout.py) applied to both
+blades from the same arguments, by the way the layers hold rows (rows.py: shared or per lane):
 
     1. plan      the rows afterwards and their RoPE positions (pure; nothing touched yet)
     2. splice    the cache moves its surviving rows into place, opening gaps for new tokens
