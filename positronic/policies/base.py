@@ -154,14 +154,17 @@ class Policy:
         seconds["score"] = (now := time.perf_counter()) - clock
         recall = self.recall_part
         lookup = recall.look(view, typed=typed) if repair else recall.idle()
-        seconds["recall"] = (clock := time.perf_counter()) - now
+        clock = time.perf_counter()
+        recalling = self.recall is not None  # the stand-in's calls are not recall's time
+        seconds["recall"] = clock - now if recalling else 0.0
         count = need(len(values) + len(lookup.back))
         actions, outcomes, gone = self.free(view, values, count, repair=repair)
         if count:  # rows that could not be freed are not brought back (the budget is hard)
             lookup.fit(freed_rows(actions) - need(len(values)))
         now = time.perf_counter()
         recall.settle(lookup, view, gone, actions, outcomes)
-        seconds["recall"] += time.perf_counter() - now
+        if recalling:
+            seconds["recall"] += time.perf_counter() - now
         self.scorer.removing(scored, [int(view.ledger_ids[row]) for row in gone])
         probes, asked = self.next_probes(view, values, gone, count) if count and repair else (None, None)
         seconds["select"] = time.perf_counter() - clock
