@@ -1,5 +1,4 @@
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -144,10 +143,15 @@ def test_invalid_size_raises(size):
         select_units([1.0] * 10, 1, size=size)
 
 
-def test_ten_thousand_rows_is_fast():
+def test_ten_thousand_rows_pick_what_a_brute_force_search_picks():
+    """At a long context the heap-based selector still takes the lowest pair first, then the
+    lowest pair that does not overlap it (its speed is measured by bench/decode.py's "choose"
+    share, not here: a timed unit test fails on a loaded machine)."""
     rng = random.Random(0)
     b = [rng.uniform(0, 255) for _ in range(10_000)]
-    t0 = time.perf_counter()
-    for _ in range(10):
-        select_units(b, 2, sinks=4, protect=100, window=32)
-    assert (time.perf_counter() - t0) / 10 < 0.05
+    free = range(100, 10_000 - 32)
+    pairs = sorted((max(b[r], b[r + 1]), r) for r in free if r + 1 in free)
+    first = pairs[0][1]
+    second = next(r for _, r in pairs if r + 1 < first or r > first + 1)
+    assert sorted(select_units(b, 2, sinks=4, protect=100, window=32)) == sorted([(first, first + 1),
+                                                                                 (second, second + 1)])
