@@ -38,7 +38,7 @@ keeps it; a filler too short for that is refused. The filler is taken from the w
 (the default, the largest budget + 128 so that every bounded cache has had to evict, is cut
 to the text), and so is a probe stream longer than the model's positions.
 Recorded per run: the answer's NLL in nats (sum over its tokens), the full cache's answer NLL
-and the difference `delta` ("Δ nats vs full"; the issue's target: within 1 nat over the
+and the difference `delta` ("Δ nats vs full"; the target: within 1 nat over the
 4-digit answer), the rank of each answer token under the next-token distribution, and
 `recalled` = every answer token ranked first (greedy decoding would reproduce the code).
 

@@ -101,7 +101,7 @@ def test_layer0_matches_fresh_prefill_after_random_edits(smol, layer0_oracle):
     assert sm.rotated_rows > 0, "the edits should have needed at least one re-rotation"
 
 
-# --- 2. incremental decode parity (seed 001) ------------------------------------------------
+# --- 2. incremental decode parity ----------------------------------------------------------
 
 
 def test_incremental_decode_matches_one_forward(smol, fresh_logits):
