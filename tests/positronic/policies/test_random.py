@@ -8,7 +8,7 @@ from positronic.brain import session as sessions
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.policies import POLICIES, make_policy
 from positronic.state.actions import loggable
-from positronic.state.manager import ContextView
+from positronic.state import ContextView
 
 PROMPT = list(range(10, 30))
 
