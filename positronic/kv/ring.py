@@ -137,13 +137,8 @@ class RingLayer(OneSequenceLayer):
         return rows.index_copy_(0, self.slot_index(length), torch.arange(length, device=self.device))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """New K/V buffers of `capacity` slots shaped like the first rows."""
-        if key_states.shape[0] != 1:
-            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = buffers.rows_like(key_states, self.capacity)
-        self.value_buffer = buffers.rows_like(value_states, self.capacity)
-        self.is_initialized = True
+        """New K/V buffers of `capacity` slots, none written yet."""
+        super().lazy_initialization(key_states, value_states)
         self.seen = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -54,6 +54,16 @@ class OneSequenceLayer(CacheLayerMixin):
     cache_name = "SpliceCache"  # named in the refusals
     length: int
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New float K/V buffers of `capacity` rows (or slots) shaped like the first rows
+        (a packed layer keeps its rows in parts and overrides this)."""
+        if key_states.shape[0] != 1:
+            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.key_buffer = buffers.rows_like(key_states, self.capacity)
+        self.value_buffer = buffers.rows_like(value_states, self.capacity)
+        self.is_initialized = True
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -179,15 +189,6 @@ class SpliceLayer(OneSequenceLayer):
     def values(self) -> torch.Tensor | None:
         """Live values [1, kv_heads, length, head_dim] (a view of the buffer)."""
         return None if self.value_buffer is None else self.value_buffer[:, :, self.start : self.start + self.length]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """New K/V buffers of `capacity` rows shaped like the first rows."""
-        if key_states.shape[0] != 1:
-            raise ValueError(f"SpliceCache holds one sequence; got a batch of {key_states.shape[0]}")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer = buffers.rows_like(key_states, self.capacity)
-        self.value_buffer = buffers.rows_like(value_states, self.capacity)
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store new rows [1, kv_heads, n, head_dim]: into the rows `fill()` named, or after
