@@ -1,23 +1,57 @@
-"""The attention function the loaded models run: PyTorch's scaled_dot_product_attention with
-grouped-query attention kept even when a mask is given.
+"""The attention functions the loaded models run, and the tap that reads each layer's query
+and keys as the model itself computed them.
 
-transformers' own "sdpa" path passes `enable_gqa` to SDPA only when there is no mask (its
-CUDA kernels fall back to the slow path with both); with a mask it first copies every key and
-value head `heads / kv_heads` times (`repeat_kv`). On a CPU, PyTorch's kernels take both, and
-the copy is what a masked forward pays: for SmolLM2 (9 query heads on 3 kv heads) a masked
-tick over 1,024 rows costs ~1 ms more, the whole price of the ring store's free-slot mask and
-of every inserted-token forward. So models on a CPU run `ATTENTION` (registered with
-transformers' AttentionInterface, with transformers' SDPA mask builder); on a GPU they keep
-"sdpa". Same arithmetic either way (tests compare logits with plain transformers).
+On a CPU: PyTorch's scaled_dot_product_attention with grouped-query attention kept even when a
+mask is given. transformers' own "sdpa" path passes `enable_gqa` to SDPA only when there is no
+mask (its CUDA kernels fall back to the slow path with both); with a mask it first copies every
+key and value head `heads / kv_heads` times (`repeat_kv`). On a CPU, PyTorch's kernels take
+both, and the copy is what a masked forward pays: for SmolLM2 (9 query heads on 3 kv heads) a
+masked tick over 1,024 rows costs ~1 ms more. On a GPU: transformers' own "sdpa" function,
+called unchanged. Same arithmetic either way (tests compare logits with plain transformers).
+
+Both are registered under names of their own so that one `Tap` can read what every family's
+attention module hands its attention function: the query and keys after the family's own
+projections (fused qkv, biases), norms (Qwen3's q/k RMSNorm) and RoPE. The brain's attention
+row and SmartKV's labels read them there, so no code here re-implements any family's attention.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-ATTENTION = "positronic_sdpa"
+ATTENTION = "positronic_sdpa"  # CPU: grouped SDPA under a mask too
+ATTENTION_CUDA = "positronic_sdpa_cuda"  # GPU: transformers' "sdpa", with the tap
+
+# (module, query [batch, heads, q, head_dim], key / value [batch, kv_heads, k, head_dim], scaling)
+TapFunction = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+_TAP: contextvars.ContextVar[tuple[frozenset[int] | None, TapFunction] | None] = contextvars.ContextVar(
+    "positronic_attention_tap", default=None)
+
+
+@contextlib.contextmanager
+def tap(function: TapFunction, layers=None):
+    """While active, every forward calls `function(module, query, key, value, scaling)` in each
+    attention layer whose `layer_idx` is in `layers` (None: every layer), before attending.
+    query and keys are post-RoPE, as the model attends with them; key/value hold every row the
+    layer attends over (the cache's and the new ones)."""
+    token = _TAP.set((None if layers is None else frozenset(layers), function))
+    try:
+        yield
+    finally:
+        _TAP.reset(token)
+
+
+def _see(module, query, key, value, scaling) -> None:
+    active = _TAP.get()
+    if active is not None and (active[0] is None or module.layer_idx in active[0]):
+        active[1](module, query, key, value, module.scaling if scaling is None else scaling)
 
 
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -26,6 +60,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """query [batch, heads, q, head_dim], key / value [batch, kv_heads, k, head_dim], mask
     broadcastable to [batch, heads, q, k] (additive or boolean) or None -> output
     [batch, q, heads, head_dim] (transformers' attention-function contract; no weights)."""
+    _see(module, query, key, value, scaling)
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:  # no mask over several queries: a plain causal prefill
@@ -36,10 +71,18 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
+def tapped_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own "sdpa" attention function, with the tap."""
+    _see(module, query, key, value, kwargs.get("scaling"))
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, grouped_sdpa)
+AttentionInterface.register(ATTENTION_CUDA, tapped_sdpa)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_CUDA, sdpa_mask)
 
 
 def for_device(device: torch.device) -> str:
     """The attention implementation a model on `device` runs."""
-    return ATTENTION if device.type == "cpu" else "sdpa"
+    return ATTENTION if device.type == "cpu" else ATTENTION_CUDA

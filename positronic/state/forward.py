@@ -18,8 +18,8 @@ after a batch eviction left free slots, one that hides their single run (`Ring.f
 tensor ops: no slot map is built for it).
 
 The attention row that brightness and the eviction policies read is not taken from
-`output_attentions` (which forces eager attention in every layer): `AttentionRow` hooks the
-scored layers' attention modules and computes softmax(q·Kᵀ / √d) for the last fed token only.
+`output_attentions` (which forces eager attention in every layer): `AttentionRow` taps the
+scored layers' query and computes softmax(q·Kᵀ / √d) for the last fed token only.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..kv.cache import SpliceCache
+from ..models import attention
 from ..models.compat import with_cache
 
 PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
@@ -104,13 +104,12 @@ def hidden_slots(used: int, free: range, dtype: torch.dtype, device) -> torch.Te
 class AttentionRow:
     """Records the last fed token's attention over every cache row on the chosen layers.
 
-    Forward hooks on those layers' attention modules keep that token's hidden state (the
-    attention's input); after the forward, `finish` recomputes its query in every layer
-    (q_proj, rotated at its position: all layers share the position, so one rotation) and
-    takes softmax(q·Kᵀ · scaling) against each layer's keys, all layers in one batched
-    product. The token must see every row (it is the newest), so no mask applies. Hooks live
-    only inside `record()`: the model is left as it was. Doing the work in the hooks, one layer
-    at a time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
+    While `record()` is active, the attention tap (models/attention.py) keeps that token's
+    query in each chosen layer, exactly as the model attends with it: after the family's own
+    projections, norms and RoPE. After the forward, `finish` takes softmax(q·Kᵀ · scaling)
+    against each layer's keys, all layers in one batched product. The token must see every row
+    (it is the newest), so no mask applies. Doing the work inside the forward, one layer at a
+    time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
     """
 
     def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
@@ -118,49 +117,43 @@ class AttentionRow:
         self.model, self.layers = model, list(layers)
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
-        self.hidden: dict[int, torch.Tensor] = {}  # layer -> [1, hidden_size], the attention's input
-        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at the token's position
+        self.captured: dict[int, torch.Tensor] = {}  # layer -> [heads, head_dim], the token's rotated query
+        self.scaling: float | None = None
         self.rows = self.queries = self.log_norms = None
 
     @contextlib.contextmanager
     def record(self, cache=None):
-        self.hidden, self.rotation = {}, None
-        handles = [self.model.model.layers[index].self_attn.register_forward_hook(self._hook, with_kwargs=True)
-                   for index in self.layers]
-        try:
+        self.captured, self.scaling = {}, None
+        if not self.layers:
             yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-        if self.layers and cache is not None:
+            return
+        with attention.tap(self._see, self.layers):
+            yield self
+        if cache is not None:
             self.finish(cache)
 
-    @torch.no_grad()
-    def _hook(self, module, args, kwargs, output) -> None:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        at = slice(self.query, self.query + 1 if self.query != -1 else None)
-        self.hidden[module.layer_idx] = hidden[0, at]
-        if self.rotation is None:
-            cos, sin = kwargs["position_embeddings"]
-            self.rotation = (cos[0, at], sin[0, at])  # [1, head_dim] each
+    def _see(self, module, query, key, value, scaling) -> None:
+        at = self.query if self.query >= 0 else query.shape[2] + self.query
+        self.captured[module.layer_idx] = query[0, :, at].detach()
+        self.scaling = scaling
 
     @torch.no_grad()
     def finish(self, cache) -> None:
         """rows [layers, heads, rows], queries [layers, heads, head_dim] (scaled),
         log_norms [layers, heads], all float32, in the order of `layers`."""
-        attention = [self.model.model.layers[index].self_attn for index in self.layers]
-        head_dim, scaling = attention[0].head_dim, attention[0].scaling
-        query = torch.stack([module.q_proj(self.hidden[index]) for module, index in zip(attention, self.layers)])
-        query = query.view(len(self.layers), -1, head_dim)  # [layers, heads, d]
-        cos, sin = self.rotation
-        query, _ = apply_rotary_pos_emb(query, query, cos, sin, unsqueeze_dim=0)
+        missing = [index for index in self.layers if index not in self.captured]
+        if missing:
+            raise RuntimeError(f"layers {missing} did not call the attention function: the model must run "
+                               f"{attention.ATTENTION!r} or {attention.ATTENTION_CUDA!r}")
+        query = torch.stack([self.captured[index] for index in self.layers])  # [layers, heads, d]
+        head_dim = query.shape[-1]
         if self.slots is None:
             keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
         else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
             used = cache.ring.used(self.keys)
             keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
         layers, kv_heads, rows, _ = keys.shape
-        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * scaling  # [L, kv, group, d]
+        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * self.scaling  # [L, kv, group, d]
         scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
         if self.slots is not None:
             scores = scores.index_select(-1, self.slots)  # free slots drop out here
@@ -257,18 +250,19 @@ def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
 def fresh_layer0_kv(lm, token_ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's K/V computed from scratch: they depend only on token and position.
 
+    The model's own first decoder layer writes them into a scratch DynamicCache (whatever the
+    family's projections, biases and norms); the rest of the model is not run.
     Returns keys, values: [1, kv_heads, rows, head_dim] in the model's dtype — what a fresh
     prefill of `token_ids` at `positions` would store in layer 0.
     """
+    from transformers import DynamicCache
+
     model = lm.model.model
     ids = torch.tensor([token_ids], dtype=torch.long, device=lm.device)
     pos = torch.tensor([positions], dtype=torch.long, device=lm.device)
     hidden = model.embed_tokens(ids)
-    layer = model.layers[0]
-    normed = layer.input_layernorm(hidden)
-    shape = (1, len(token_ids), -1, lm.head_dim)
-    keys = layer.self_attn.k_proj(normed).view(shape).transpose(1, 2)
-    values = layer.self_attn.v_proj(normed).view(shape).transpose(1, 2)
-    cos, sin = model.rotary_emb(hidden, pos)
-    _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)
-    return keys, values
+    scratch = DynamicCache(config=lm.model.config)
+    mask = visibility_mask(pos[0], pos[0], hidden.dtype)  # only K/V are read; any valid mask does
+    model.layers[0](hidden, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(hidden, pos),
+                    use_cache=True, **with_cache(scratch))
+    return scratch.layers[0].keys, scratch.layers[0].values

@@ -27,7 +27,7 @@ def logits(lm, implementation: str, ids, positions, mask):
 
 def test_cpu_models_run_the_grouped_attention(tiny_gqa):
     assert tiny_gqa.model.config._attn_implementation == attention.ATTENTION
-    assert attention.for_device(torch.device("cuda")) == "sdpa"
+    assert attention.for_device(torch.device("cuda")) == attention.ATTENTION_CUDA  # transformers' sdpa, tapped
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -42,3 +42,24 @@ def test_the_same_logits_as_transformers_sdpa(tiny_gqa, masked):
     ours = logits(tiny_gqa, attention.ATTENTION, ids, positions, mask)
     theirs = logits(tiny_gqa, "sdpa", ids, positions, mask)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    tapped = logits(tiny_gqa, attention.ATTENTION_CUDA, ids, positions, mask)  # what a GPU runs
+    torch.testing.assert_close(tapped, theirs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", [attention.ATTENTION, attention.ATTENTION_CUDA])
+def test_the_tap_sees_each_chosen_layers_rotated_query_and_keys_and_nothing_outside(tiny_gqa, implementation):
+    ids, seen = [1, 40, 41, 42], []
+    tiny_gqa.model.set_attn_implementation(implementation)
+    try:
+        with attention.tap(lambda module, q, k, v, scaling: seen.append((module.layer_idx, q, k, scaling)), [1]):
+            with torch.no_grad():
+                tiny_gqa.model(torch.tensor([ids]))
+        with torch.no_grad():  # outside the tap: nothing is recorded
+            tiny_gqa.model(torch.tensor([ids]))
+    finally:
+        tiny_gqa.model.set_attn_implementation(attention.for_device(tiny_gqa.device))
+    assert [s[0] for s in seen] == [1]
+    _, query, key, scaling = seen[0]
+    assert query.shape == (1, tiny_gqa.num_heads, 4, tiny_gqa.head_dim)
+    assert key.shape == (1, tiny_gqa.num_kv_heads, 4, tiny_gqa.head_dim)
+    assert scaling == tiny_gqa.head_dim ** -0.5
