@@ -245,7 +245,7 @@ def weight_channel_norms(lm) -> torch.Tensor:
 def pre_rope_channel_rms(lm, ids: list[int]) -> torch.Tensor:
     """[layers, kv_heads, head_dim]: root-mean-square of each pre-RoPE key channel over `ids`
     (their mean is positronic.kv.centres.compute_key_centres)."""
-    from positronic.smartkv.cache import KeyUnrotator
+    from positronic.smartkv.labels import KeyUnrotator
 
     cache = DynamicCache(config=lm.model.config)
     lm.model(input_ids=torch.tensor([ids], device=lm.device), **with_cache(cache), use_cache=True)
@@ -306,7 +306,7 @@ def candidates(lm, rotation_seed: int = 0, calibration: list[int] | None = None)
             return out
         return f
 
-    from positronic.smartkv.cache import KeyUnrotator
+    from positronic.smartkv.labels import KeyUnrotator
 
     unrotator = KeyUnrotator.for_config(lm.model.config)
     inv_freq = unrotator.inv_freq.to(lm.device)

@@ -57,32 +57,13 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from ..kv import rope
 from ..kv.cache import OneSequenceLayer
 from .gates import GateSet, kv_heads
-from .labels import LifespanRule
+from .labels import KeyUnrotator, LifespanRule
 from .rows import RowBook
 
 PRUNE_MODES = ("auto", "manual")
 LOG4 = float(np.log(4.0))
-
-
-class KeyUnrotator:
-    """Undo RoPE on stored keys: [1, kv_heads, q, head_dim] at positions [q] -> [q, kv_heads * head_dim]
-    float32, the layout of `k_proj`'s output (what the gates were trained on)."""
-
-    def __init__(self, inv_freq: torch.Tensor):
-        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
-
-    @staticmethod
-    def for_config(config) -> "KeyUnrotator":
-        """From a Llama config: the inverse frequencies its rotary embedding uses (pure rotations only)."""
-        return KeyUnrotator(rope.inv_freq_for_config(config))
-
-    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope.rotation(self.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))
-        plain = rope.rotate(keys.to(torch.float32), cos.to(keys.device), sin.to(keys.device))
-        return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
 
 
 def value_log_norms(values: torch.Tensor, lanes: int) -> torch.Tensor:

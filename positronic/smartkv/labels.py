@@ -11,10 +11,13 @@ Lifespan (the definition the gates learn; docs/smartkv.md):
     Per kv head (`groups` = kv heads): the max runs over the query heads that share one kv
     head, and each kv head gets its own lifespan, for a cache that keeps rows per kv head.
 
-Where the numbers come from: one prefill per window of text with eager attention, the model's
-own attention matrices read in a forward hook and reduced at once (a window never holds more
-than one layer's [heads, L, L] matrix), and the keys taken before RoPE from `k_proj` (all kv
-heads concatenated: [kv_heads * head_dim]), which is what the cache un-rotates and scores.
+Where the numbers come from: one prefill per window of text. The attention tap
+(models/attention.py) hands over each layer's query and keys exactly as the model attends with
+them (after whatever projections, biases and q/k norms its family has, and RoPE); the layer's
+attention matrix softmax(q·kᵀ·scaling) under the causal mask is formed there and reduced at
+once (a window never holds more than one layer's [heads, L, L] matrix). The keys are stored
+un-rotated (`KeyUnrotator`: all kv heads concatenated, [kv_heads * head_dim]), which is what
+the cache un-rotates and scores — for a Llama, k_proj's output.
 
 Windows: BOS + `window - 1` text tokens. Only tokens with a whole horizon after them inside
 the window are labelled (positions 1 .. window - 1 - horizon), so no label is cut short by the
@@ -28,6 +31,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ..kv import rope
+from ..models import attention
 
 
 @dataclass(frozen=True)
@@ -139,47 +145,58 @@ class LabelSet:
         return LabelSet(keys=keys, labels=labels, rule=LifespanRule(**meta["rule"]), texts=meta["texts"])
 
 
+class KeyUnrotator:
+    """Undo RoPE on stored keys: [1, kv_heads, q, head_dim] at positions [q] -> [q, kv_heads * head_dim]
+    float32, the key before RoPE (a Llama's k_proj output): what the gates are trained on and score."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+
+    @staticmethod
+    def for_config(config) -> "KeyUnrotator":
+        """From a model config: the inverse frequencies its rotary embedding uses (pure rotations only)."""
+        return KeyUnrotator(rope.inv_freq_for_config(config))
+
+    def __call__(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope.rotation(self.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))
+        plain = rope.rotate(keys.to(torch.float32), cos.to(keys.device), sin.to(keys.device))
+        return plain[0].transpose(0, 1).reshape(keys.shape[2], -1)
+
+
 class LabelRecorder:
-    """Hooks on every attention module of a Llama: while active, each forward leaves, per
-    layer, the labelled keys' pre-RoPE vectors and lifespans of the current window.
+    """Taps every attention layer: while active, each forward of one window (no cache) leaves,
+    per layer, the labelled keys' pre-RoPE vectors and lifespans of the current window."""
 
-    The model must run eager attention (the hook reads the attention weights the module
-    returns); `label_windows` switches it and back.
-    """
-
-    def __init__(self, model, rule: LifespanRule, groups: int = 1):
-        self.layers = model.model.layers
+    def __init__(self, model, rule: LifespanRule, groups: int = 1, unrotate: KeyUnrotator | None = None):
+        self.num_layers = model.config.num_hidden_layers
         self.rule, self.groups = rule, groups
+        self.unrotate = unrotate or KeyUnrotator.for_config(model.config)
         self.first = self.count = 0
-        self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.spans: list[torch.Tensor | None] = [None] * len(self.layers)
-        self._handles = []
+        self.keys: list[torch.Tensor | None] = [None] * self.num_layers
+        self.spans: list[torch.Tensor | None] = [None] * self.num_layers
+        self._tap = None
 
     def __enter__(self):
-        for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            self._handles.append(attn.k_proj.register_forward_hook(self._keys_hook(index)))
-            self._handles.append(attn.register_forward_hook(self._attention_hook(index)))
+        self._tap = attention.tap(self._see)
+        self._tap.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._tap.__exit__(*exc)
+        self._tap = None
 
-    def _keys_hook(self, index: int):
-        def hook(module, inputs, output):  # output: [1, L, kv_heads * head_dim], before RoPE
-            self.keys[index] = output[0, self.first:self.first + self.count].detach().to(torch.float32).clone()
-        return hook
-
-    def _attention_hook(self, index: int):
-        def hook(module, inputs, output):  # output: (attn_output, attn_weights [1, heads, L, L])
-            weights = output[1]
-            if weights is None:
-                raise RuntimeError("the attention module returned no weights: the model must use eager attention")
-            self.spans[index] = lifespans(weights[0].to(torch.float32), self.rule, self.first, self.count,
-                                          self.groups).T  # [count, groups]
-        return hook
+    @torch.no_grad()
+    def _see(self, module, query, key, value, scaling) -> None:
+        """query [1, heads, L, d], key [1, kv_heads, L, d]: the window's own rows, rotated at 0 .. L-1."""
+        index, length = module.layer_idx, key.shape[2]
+        positions = torch.arange(self.first, self.first + self.count)
+        self.keys[index] = self.unrotate(key[:, :, self.first:self.first + self.count], positions).clone()
+        heads, kv_heads = query.shape[1], key.shape[1]
+        q = query[0].to(torch.float32).view(kv_heads, heads // kv_heads, length, -1)  # repeat_kv's grouping
+        logits = (q @ key[0].to(torch.float32).transpose(-1, -2)[:, None]) * scaling  # [kv, group, L, L]
+        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+        weights = logits.masked_fill(causal, float("-inf")).softmax(dim=-1).view(heads, length, length)
+        self.spans[index] = lifespans(weights, self.rule, self.first, self.count, self.groups).T  # [count, groups]
 
 
 def windows(ids: list[int], rule: LifespanRule) -> list[tuple[int, list[int]]]:
@@ -194,7 +211,7 @@ def label_text(lm, text: str, rule: LifespanRule, *, max_tokens: int | None = No
                on_window=None, per_head: bool = False) -> LabelSet:
     """Labels of every token of `text` that a window covers with a whole horizon.
 
-    lm: a positronic.models.LoadedModel (Llama). max_tokens: read only the first this many
+    lm: a positronic.models.LoadedModel. max_tokens: read only the first this many
     text tokens. on_window(): called after each window (progress). per_head: a lifespan per
     kv head, not per layer. Returns a LabelSet with one entry per labelled token, in text order.
     """
@@ -203,23 +220,18 @@ def label_text(lm, text: str, rule: LifespanRule, *, max_tokens: int | None = No
     if not spans:
         raise ValueError(f"text {name or ''} has {len(ids)} tokens; a window needs {rule.window - 1}")
     model = lm.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
     keys: list[list[torch.Tensor]] = [[] for _ in range(lm.num_layers)]
     labels: list[list[torch.Tensor]] = [[] for _ in range(lm.num_layers)]
-    try:
-        with LabelRecorder(model, rule, lm.num_kv_heads if per_head else 1) as recorder:
-            recorder.first, recorder.count = 1, rule.labelled_per_window
-            for _, chunk in spans:
-                window = torch.tensor([[lm.bos_id] + chunk], device=lm.device)
-                model.model(input_ids=window, use_cache=False)  # the base model: no logits needed
-                for l in range(lm.num_layers):
-                    keys[l].append(recorder.keys[l])
-                    labels[l].append(log4(recorder.spans[l] + 1))
-                if on_window is not None:
-                    on_window()
-    finally:
-        model.set_attn_implementation(previous)
+    with LabelRecorder(model, rule, lm.num_kv_heads if per_head else 1, KeyUnrotator(lm.inv_freq)) as recorder:
+        recorder.first, recorder.count = 1, rule.labelled_per_window
+        for _, chunk in spans:
+            window = torch.tensor([[lm.bos_id] + chunk], device=lm.device)
+            model.model(input_ids=window, use_cache=False)  # the base model: no logits needed
+            for l in range(lm.num_layers):
+                keys[l].append(recorder.keys[l])
+                labels[l].append(log4(recorder.spans[l] + 1))
+            if on_window is not None:
+                on_window()
     return LabelSet(keys=[torch.cat(k) for k in keys], labels=[torch.cat(y) for y in labels], rule=rule,
                     texts=[name] if name else [])
 

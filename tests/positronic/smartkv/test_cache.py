@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from positronic.smartkv import GateFileError, GateSet, SmartKVCache
-from positronic.smartkv.cache import KeyUnrotator
+from positronic.smartkv.labels import KeyUnrotator
 from positronic.smartkv.rows import RowBook
 from positronic.models import with_cache
 

@@ -4,6 +4,7 @@ windows that label every token once."""
 import pytest
 import torch
 
+from positronic.models import attention
 from positronic.smartkv.labels import LifespanRule, lifespans, log4, windows
 
 
@@ -37,3 +38,33 @@ def test_windows_label_every_token_once_with_a_whole_horizon():
         assert len(chunk) == rule.window - 1 and chunk[0] == ids[start]
     with pytest.raises(ValueError):
         LifespanRule(horizon=9, window=10)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_labels_are_eager_attentions_lifespans_and_keys_are_what_k_proj_wrote(tiny, per_head):
+    """The tap-built labels against the model's own eager attention weights and k_proj's
+    output, read with hooks the plain transformers way."""
+    from positronic.smartkv.labels import label_text
+
+    rule = LifespanRule(horizon=8, threshold=1.5, window=24)
+    text = "the lamp was trimmed twice a night; the keeper wrote in his log " * 2
+    labelset = label_text(tiny, text, rule, per_head=per_head)
+    model, ids = tiny.model, tiny.encode(text)
+    start, chunk = windows(ids, rule)[0]
+    captured = {}
+    handles = [layer.self_attn.k_proj.register_forward_hook(
+        lambda m, i, o, l=l: captured.__setitem__(l, o[0])) for l, layer in enumerate(model.model.layers)]
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([[tiny.bos_id] + chunk]), output_attentions=True)
+    finally:
+        model.set_attn_implementation(attention.for_device(tiny.device))
+        for handle in handles:
+            handle.remove()
+    count = rule.labelled_per_window
+    groups = tiny.num_kv_heads if per_head else 1
+    for l in range(tiny.num_layers):
+        torch.testing.assert_close(labelset.keys[l][:count], captured[l][1:1 + count], atol=1e-5, rtol=1e-5)
+        expected = log4(lifespans(out.attentions[l][0], rule, 1, count, groups).T + 1)
+        torch.testing.assert_close(labelset.labels[l][:count], expected)
