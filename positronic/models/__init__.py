@@ -1,29 +1,32 @@
 """Loading the causal LMs Positronic Brain runs on (DESIGN.md §7).
 
-`load_model(name)` returns a `LoadedModel`: an eval-mode Llama-family model with SDPA
-attention (on a CPU through attention.py, which keeps grouped-query attention under a mask;
-the attention row the brain reads comes from a hook, see forward.py), its tokenizer and the
-shape facts the cache code needs.
+`load_model(name)` returns a `LoadedModel`: an eval-mode causal LM of a family splicing is
+proven for (Llama, Mistral, Qwen2, Qwen3, Phi-3; checks.py) with SDPA attention registered under
+names of ours (attention.py: on a CPU grouped-query attention kept under a mask; everywhere a
+tap that reads each layer's query and keys, which the attention row and SmartKV use), its
+tokenizer and the shape facts the cache code needs.
 Names: "smollm2" (embedded GGUF, converted once to a safetensors cache), "tinyllama", a local
-directory or hub id, "random:tinyllama" / "random:tiny" (random weights, built-in tokenizer).
-Failures are `ModelError`s whose message is one line.
+directory, a .gguf file or a hub id, "random:tinyllama" / "random:tiny" and one "random:<family>"
+per family (random weights, built-in tokenizer). Failures are `ModelError`s whose message is one line.
 
     loading.py        load_model, LoadedModel, name / device / dtype resolution, the hub
-    random_models.py  random weights and the byte tokenizer
-    smollm2.py        the embedded GGUF and its safetensors cache
-    checks.py         what a model must be for exact splicing; ModelError
-    attention.py      the CPU attention function (SDPA, grouped-query under a mask too)
+    random_models.py  random weights and the byte tokenizer; each family's tiny config
+    smollm2.py        the embedded GGUF
+    gguf.py           any GGUF file, converted once into a safetensors cache
+    checks.py         what a model must be for exact splicing; ModelError; the position limit
+    attention.py      the attention functions and their tap
     compat.py         with_cache: the keyword a Cache goes under in this transformers version
 """
 
 from .compat import cache_keyword, with_cache
-from .checks import SUPPORTED_ROPE_TYPES, ModelError, ModelNotAvailable, check_config, check_model
+from .checks import FAMILIES, SUPPORTED_ROPE_TYPES, ModelError, ModelNotAvailable, check_config, check_model, position_limit
 from .loading import DTYPE_NAMES, TINYLLAMA_ID, LoadedModel, load_model
-from .random_models import RANDOM_SHAPES, byte_tokenizer
-from .smollm2 import SMOLLM2_CACHE_NAME, SMOLLM2_DIST, cache_root, smollm2_cache, smollm2_gguf
+from .random_models import FAMILY_SHAPES, RANDOM_SHAPES, byte_tokenizer, random_config, random_names
+from .gguf import cache_root, gguf_cache
+from .smollm2 import SMOLLM2_CACHE_NAME, SMOLLM2_DIST, smollm2_cache, smollm2_gguf
 
 __all__ = [
-    "DTYPE_NAMES", "RANDOM_SHAPES", "SMOLLM2_CACHE_NAME", "SMOLLM2_DIST", "SUPPORTED_ROPE_TYPES", "TINYLLAMA_ID",
+    "DTYPE_NAMES", "FAMILIES", "FAMILY_SHAPES", "RANDOM_SHAPES", "SMOLLM2_CACHE_NAME", "SMOLLM2_DIST", "SUPPORTED_ROPE_TYPES", "TINYLLAMA_ID",
     "LoadedModel", "ModelError", "ModelNotAvailable", "byte_tokenizer", "cache_keyword", "cache_root", "check_config",
-    "check_model", "load_model", "smollm2_cache", "smollm2_gguf", "with_cache",
+    "check_model", "gguf_cache", "load_model", "position_limit", "random_config", "random_names", "smollm2_cache", "smollm2_gguf", "with_cache",
 ]

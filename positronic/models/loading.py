@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..util import DTYPES, error_line, quiet_transformers
 from . import attention
-from .checks import ModelError, ModelNotAvailable, check_config, check_model
-from .random_models import random_model
+from .checks import ModelError, ModelNotAvailable, check_config, check_model, position_limit
+from .random_models import random_model, random_names
+from .gguf import gguf_cache
 from .smollm2 import smollm2_cache
 
 TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -55,16 +56,18 @@ class LoadedModel:
 def load_model(name: str = "smollm2", device: str | None = None,
                dtype: str | torch.dtype | None = None) -> LoadedModel:
     """Load model `name` onto `device` (default: cuda if available, else cpu) in `dtype`
-    (default: float16 on cuda, float32 on cpu) and return it as a `LoadedModel`."""
+    (default: float16 on cuda, float32 on cpu; "auto": the checkpoint's own dtype) and return
+    it as a `LoadedModel`."""
     dev = _resolve_device(device)
-    dt = _resolve_dtype(dtype, dev)
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    dt = None if auto else _resolve_dtype(dtype, dev)
     with quiet_transformers():
         if name.startswith("random:"):
-            model, tokenizer = random_model(name.removeprefix("random:"), dev, dt)
+            model, tokenizer = random_model(name.removeprefix("random:"), dev, dt or _resolve_dtype(None, dev))
         else:
             source, local_only = _resolve_source(name)
             model, tokenizer = _pretrained(name, source, local_only, dev, dt)
-    return _wrap(name, model, tokenizer, dev, dt)
+    return _wrap(name, model, tokenizer, dev, model.dtype)
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -88,7 +91,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device) -> torch.
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPE_NAMES:
         return DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
-    raise ModelError(f"bad dtype {dtype!r}: expected float16, bfloat16 or float32")
+    raise ModelError(f"bad dtype {dtype!r}: expected auto, float16, bfloat16 or float32")
 
 
 
@@ -100,15 +103,20 @@ def _resolve_source(name: str) -> tuple[str, bool]:
     if name == "tinyllama":
         return TINYLLAMA_ID, False
     path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"GGUF file {name!r} does not exist or is not a regular file")
+        return str(gguf_cache(path)), True
     if path.is_dir():
         return str(path), True
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/", "~")):
         return name, False
-    raise ModelError(f"unknown model {name!r}: expected smollm2, tinyllama, random:tinyllama, "
-                     "random:tiny, a local directory or a hub id like org/name")
+    raise ModelError(f"unknown model {name!r}: expected smollm2, tinyllama, {', '.join(random_names())}, "
+                     "a local directory, a .gguf file or a hub id like org/name")
 
 
-def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt: torch.dtype):
+def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt: torch.dtype | None):
+    """The model and tokenizer at `source`, in `dt` (None: the checkpoint's own dtype, "auto")."""
     error, reached = None, False
     for local_files_only in [True] if local_only else [True, False]:
         if not local_files_only:
@@ -119,8 +127,9 @@ def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt:
             config = transformers.AutoConfig.from_pretrained(source, local_files_only=local_files_only)
             check_config(config)
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
-            model = LlamaForCausalLM.from_pretrained(source, local_files_only=local_files_only,
-                                                     dtype=dt, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,
+                                                         dtype=dt or _checkpoint_dtype(config, dev),
+                                                         attn_implementation="sdpa")
             return model.to(dev), tokenizer
         except ModelError:
             raise
@@ -133,6 +142,15 @@ def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt:
         f"model {name!r} ({source}) is not in the local Hugging Face cache and the hub {hub}: "
         f"on a networked machine run `hf download {source}` (or pass a local "
         "directory); the embedded model `smollm2` works offline")
+
+
+def _checkpoint_dtype(config, dev: torch.device) -> torch.dtype:
+    """--dtype auto: the dtype the checkpoint's config names (a bf16 checkpoint stays bf16), or
+    the device's default where it names none."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = DTYPE_NAMES.get(named.lower().removeprefix("torch."))
+    return named if named in (torch.float16, torch.bfloat16, torch.float32) else _resolve_dtype(None, dev)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -157,10 +175,11 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> LoadedModel:
-    check_model(name, model, tokenizer)
+    check_config(model.config)  # before anything runs the model
     config, rotary = model.config, model.model.rotary_emb
     model.eval().requires_grad_(False)
     model.set_attn_implementation(attention.for_device(dev))
+    check_model(name, model, tokenizer)
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id
     if bos is None:
         raise ModelError(f"model {name!r} has no BOS token id")
@@ -172,6 +191,6 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> Lo
         num_layers=config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        vocab_size=config.vocab_size, max_positions=config.max_position_embeddings,
+        vocab_size=config.vocab_size, max_positions=position_limit(config),
         bos_id=int(bos), eos_id=None if eos is None else int(eos),
         inv_freq=rotary.inv_freq.detach().to("cpu", torch.float32).clone())
