@@ -70,7 +70,7 @@ def _layer0_by_prefill(lm, token_ids: list[int], positions: list[int]) -> tuple[
     prefill of `token_ids` at `positions` into a DynamicCache: the model's own forward, none of
     the project's code (check(deep=True) uses forward.fresh_layer0_kv, so that helper cannot
     judge it). Layer 0's K/V depend only on token and position, so the mask does not matter."""
-    cache = DynamicCache(config=lm.model.config)
+    cache = DynamicCache()  # no config: a sliding-window model's would keep only its window
     with torch.inference_mode():
         lm.model(input_ids=torch.tensor([token_ids], device=lm.device),
                  position_ids=torch.tensor([positions], device=lm.device), **with_cache(cache), use_cache=True)

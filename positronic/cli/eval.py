@@ -29,7 +29,7 @@ def eval_command(
     recall: bool = typer.Option(False, "--recall", help="Also run every policy but none and smartkv with recall on (rows POLICY+recall)."),
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
     generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),

@@ -18,7 +18,7 @@ from ..brain.chat import LineReader
 from ..brain.config import BUDGET, RUN_BUDGET
 from ..brain.loop import Brain, TickRecord
 from ..brain.runner import Runner, RunResult, summary
-from ..models import load_model
+from ..models import load_model, random_names
 from ..policies import POLICIES
 from .common import (DEFAULTS, UserError, brain_config, given_flags, refuse_changed_settings, set_threads, show_version,
                      writable_directory)
@@ -29,7 +29,8 @@ DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived a
 def run(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."),
-    model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir or hub id | random:tinyllama | random:tiny"),
+    model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir, a .gguf file (converted once "
+                              f"into the cache) or a hub id | random weights: {' | '.join(random_names())}"),
     ticks: int = typer.Option(300, "-n", "--ticks", min=-1, help="Ticks (generated tokens) to run; -1: no limit (Ctrl-C ends the run)."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
@@ -58,7 +59,7 @@ def run(
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),

@@ -30,7 +30,7 @@ _CENTRES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 def compute_key_centres(lm, token_ids: list[int]) -> torch.Tensor:
     """The mean pre-RoPE key of every layer and kv head over `token_ids` (one prefill at
     positions 0..n-1): float32 [layers, kv_heads, head_dim] on the model's device."""
-    cache = DynamicCache(config=lm.model.config)
+    cache = DynamicCache()  # no config: a sliding-window model's would keep only its window
     lm.model(input_ids=torch.tensor([token_ids], device=lm.device), **with_cache(cache), use_cache=True)
     positions = torch.arange(len(token_ids))
     cos, sin = rope.rotation(lm.inv_freq, positions, torch.zeros_like(positions))

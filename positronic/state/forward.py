@@ -261,7 +261,7 @@ def fresh_layer0_kv(lm, token_ids: list[int], positions: list[int]) -> tuple[tor
     ids = torch.tensor([token_ids], dtype=torch.long, device=lm.device)
     pos = torch.tensor([positions], dtype=torch.long, device=lm.device)
     hidden = model.embed_tokens(ids)
-    scratch = DynamicCache(config=lm.model.config)
+    scratch = DynamicCache()  # no config: a sliding-window model's would keep only its window
     mask = visibility_mask(pos[0], pos[0], hidden.dtype)  # only K/V are read; any valid mask does
     model.layers[0](hidden, attention_mask=mask, position_ids=pos, position_embeddings=model.rotary_emb(hidden, pos),
                     use_cache=True, **with_cache(scratch))

@@ -99,3 +99,13 @@ def test_the_process_entry_ignores_ctrl_c_once_the_work_is_done():
             "print(status, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "0 True", out.stderr[-500:]
+
+
+def test_dtype_auto_and_a_family_model_run(capsys, run_cli):
+    assert run_cli("-h") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "auto: the checkpoint's own dtype" in out and ".gguf file" in out and "random:qwen3" in out
+    assert run_cli("--model", "random:qwen3", "--dtype", "auto", "--ticks", "3", "-c", "64", "--no-tui", "--no-input") == 0
+    assert "ticks 3 in" in capsys.readouterr().out
+    assert run_cli("-m", "random:qwen3", "--dtype", "int8", "-n", "3", "--no-tui", "--no-input") == 2
+    assert "bad dtype 'int8': expected auto" in capsys.readouterr().err

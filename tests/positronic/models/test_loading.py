@@ -55,3 +55,74 @@ def test_bad_dtype_and_device_are_refused(one_line_error):
     assert "bad device" in one_line_error(ModelError, "random:tiny", device="banana")
     if not torch.cuda.is_available():
         assert "CUDA" in one_line_error(ModelError, "random:tiny", device="cuda")
+
+
+def _saved(lm, directory):
+    lm.model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_dtype_auto_keeps_the_checkpoint_dtype(tmp_path):
+    half = _saved(load_model("random:qwen3", device="cpu", dtype="bfloat16"), tmp_path / "bf16")
+    loaded = load_model(half, device="cpu", dtype="auto")
+    assert loaded.dtype == torch.bfloat16, "a bf16 checkpoint stays bf16"
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert load_model(half, device="cpu", dtype="AUTO").dtype == torch.bfloat16
+    asked = load_model(half, device="cpu", dtype="float32")
+    assert asked.dtype == torch.float32 and {p.dtype for p in asked.model.parameters()} == {torch.float32}
+    full = _saved(load_model("random:qwen3", device="cpu", dtype="float32"), tmp_path / "fp32")
+    assert load_model(full, device="cpu", dtype="auto").dtype == torch.float32
+
+
+def test_dtype_auto_of_a_random_model_is_the_device_default():
+    assert load_model("random:tiny", device="cpu", dtype="auto").dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", sorted(models.FAMILY_SHAPES))
+def test_each_family_round_trips_through_a_local_directory(family, tmp_path):
+    original = load_model(f"random:{family}", device="cpu", dtype="float32")
+    loaded = load_model(_saved(original, tmp_path), device="cpu", dtype="auto")
+    assert type(loaded.model) is type(original.model), "loaded as its own family's class"
+    assert loaded.dtype == torch.float32
+    facts = lambda lm: (lm.num_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.vocab_size, lm.bos_id,
+                        lm.max_positions)
+    assert facts(loaded) == facts(original)
+    assert torch.equal(loaded.inv_freq, original.inv_freq)
+    assert loaded.encode("round trip") == original.encode("round trip")
+    ids = torch.tensor([[original.bos_id, *original.encode("round trip")]])
+    assert torch.equal(loaded.model(ids).logits, original.model(ids).logits)
+
+
+@pytest.mark.slow
+def test_a_gguf_file_loads_like_the_embedded_model_and_converts_once(smol, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("POSITRONIC_CACHE", str(tmp_path))
+    gguf = str(models.smollm2_gguf())
+    capfd.readouterr()
+    lm = load_model(gguf, device="cpu")
+    assert "converting" in capfd.readouterr().err
+    (converted,) = tmp_path.glob("gguf-*")  # in $POSITRONIC_CACHE, not the user's cache
+    assert lm.name == gguf and lm.dtype == torch.float32
+    assert (lm.vocab_size, lm.num_layers, lm.num_kv_heads, lm.head_dim, lm.bos_id, lm.eos_id) == \
+        (smol.vocab_size, smol.num_layers, smol.num_kv_heads, smol.head_dim, smol.bos_id, smol.eos_id)
+    assert lm.encode("Hello world") == smol.encode("Hello world")
+    ids = torch.tensor([[smol.bos_id, *smol.encode("The capital of France is")]])
+    with torch.inference_mode():
+        got, want = lm.model(ids).logits[0], smol.model(ids).logits[0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), "every row, the last one the first generated token's"
+    assert got[-1].argmax() == want[-1].argmax()
+
+    stamp = {f.name: f.stat().st_mtime_ns for f in converted.iterdir()}
+    again = load_model(gguf, device="cpu")
+    assert "converting" not in capfd.readouterr().err, "the second load reads the converted directory"
+    assert {f.name: f.stat().st_mtime_ns for f in converted.iterdir()} == stamp
+    assert again.encode("Hello world") == lm.encode("Hello world")
+
+
+def test_a_missing_or_unreadable_gguf_file_is_refused(tmp_path, one_line_error):
+    missing = str(tmp_path / "x.gguf")
+    assert "does not exist or is not a regular file" in one_line_error(ModelError, missing, device="cpu")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a GGUF file\n" * 8)
+    message = one_line_error(ModelError, str(bad), device="cpu")
+    assert "cannot read GGUF file" in message and "bad.gguf" in message
