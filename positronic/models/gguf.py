@@ -42,12 +42,15 @@ def gguf_cache(gguf: Path, name: str | None = None, *, stamp: dict | None = None
         return target
     try:
         config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        head_dim = _stated_head_dim(gguf)
     except Exception as e:  # not a GGUF transformers can read: one line, not a traceback
         raise ModelError(f"cannot read GGUF file {str(gguf)!r}: {error_line(e)}") from None
+    if head_dim is not None:  # transformers reads no head width for qwen2/qwen3: the class default (128) stood
+        config.head_dim = head_dim
     check_config(config)
     print(f"converting {label or gguf.name} GGUF to safetensors (one time)…", file=sys.stderr, flush=True)
     with quiet_transformers(progress=True):
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
     def write(tmp: Path) -> None:
@@ -61,3 +64,13 @@ def gguf_cache(gguf: Path, name: str | None = None, *, stamp: dict | None = None
 
     atomic_write_dir(target, write)
     return target
+
+
+def _stated_head_dim(gguf: Path) -> int | None:
+    """The head width the file states (`<arch>.attention.key_length`, which llama.cpp writes when
+    the model's config names a head_dim, as Qwen3's does), or None where it states none."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    stated = fields.get(f"{fields['general.architecture'].contents()}.attention.key_length")
+    return None if stated is None else int(stated.contents())

@@ -213,12 +213,12 @@ class GateSet:
 
 
 def kv_heads(config) -> int:
-    """The kv heads of a transformers Llama config."""
+    """The kv heads of a transformers model config."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def key_shape(config) -> tuple[int, int]:
-    """(layers, kv_heads * head_dim) of a transformers Llama config."""
+    """(layers, kv_heads * head_dim) of a transformers model config."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads(config) * head_dim

@@ -263,3 +263,28 @@ def test_each_tiny_config_matches_its_real_model_in_what_splicing_depends_on(nam
     assert facts["tie_word_embeddings"] == real["tie_word_embeddings"]
     real_ratio = None if real["sliding_window"] is None else real["sliding_window"] / real["max_position_embeddings"]
     assert facts["window_ratio"] == pytest.approx(real_ratio, abs=0.01) if real_ratio else facts["window_ratio"] is None
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_server_chats_with_the_models_own_template_and_continues_a_session(name, tmp_path, live_server,
+                                                                                server_settings):
+    """A family model whose tokenizer has a chat template (ChatML, as Qwen's): the server writes
+    the conversation with it and a session's second turn continues the first."""
+    from positronic.server.text import ChatFormat
+
+    lm = load_model(f"random:{name}", device="cpu", dtype="float32")
+    lm.tokenizer.chat_template = CHATML
+    written = lm.decode(ChatFormat(lm).conversation([{"role": "user", "content": "hi"}]))
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in written
+    with live_server(lm, server_settings(tmp_path)) as server:
+        client, history = server.client(), []
+        for text in ("hello there", "and again"):
+            history.append({"role": "user", "content": text})
+            reply = client.chat.completions.create(model=lm.name, messages=history, max_tokens=6, user="s1")
+            assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        assert reply.usage.prompt_tokens > 0

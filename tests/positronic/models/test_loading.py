@@ -126,3 +126,31 @@ def test_a_missing_or_unreadable_gguf_file_is_refused(tmp_path, one_line_error):
     bad.write_bytes(b"this is not a GGUF file\n" * 8)
     message = one_line_error(ModelError, str(bad), device="cpu")
     assert "cannot read GGUF file" in message and "bad.gguf" in message
+
+
+def test_a_hub_id_loads_from_the_local_hugging_face_cache_offline(tmp_path):
+    """What a user who ran `hf download Qwen/Qwen3-0.6B` has: the model under the hub cache's
+    models--org--name/snapshots/<commit>/ layout. `run.py --model org/name` finds it there with
+    the hub unreachable (HF_HUB_OFFLINE=1), in a fresh process that reads HF_HUB_CACHE."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someorg--tiny-qwen3"
+    _saved(load_model("random:qwen3", device="cpu"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    root = Path(__file__).resolve().parents[3]
+    result = subprocess.run([sys.executable, str(root / "run.py"), "--model", "someorg/tiny-qwen3", "--ticks", "3",
+                             "-c", "64", "--no-tui", "--no-input"], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "[3/3] tick 3" in result.stderr
+    missing = subprocess.run([sys.executable, str(root / "run.py"), "--model", "someorg/absent", "--ticks", "3",
+                              "--no-tui", "--no-input"], capture_output=True, text=True, env=env, timeout=300,
+                             cwd=tmp_path)
+    assert missing.returncode != 0 and "hf download someorg/absent" in missing.stderr
+    assert "Traceback" not in missing.stderr
