@@ -9,6 +9,7 @@ A refusal is an `APIError`: its HTTP status and the body {"error": {"message", "
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from fastapi import Request
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
+MAX_DEPTH = 64  # JSON nesting a body may have (a chat body needs 5: messages.N.content.N.text)
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: JSON's "\ud800" escape, not valid Unicode
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias")
 
 
@@ -85,15 +88,75 @@ class ChatBody(GenerationBody):
     max_completion_tokens: StrictInt | None = None
 
 
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested too deeply (more than {MAX_DEPTH} levels of arrays and "
+                         "objects)", code="invalid_json")
+
+
+def check_json(data) -> None:
+    """400 for what JSON parses but no text or field may hold: nesting deeper than MAX_DEPTH,
+    and a lone surrogate (a "\\ud800" escape without its pair) in any string or field name,
+    which no tokenizer can read and no response can echo. The walks are iterative (no recursion
+    limit): a quick one over the containers, then, only if it found something, one that names
+    the first problem in the body's order."""
+    search = SURROGATE.search
+    level, depth, found = [data], 0, False
+    while level and not found:  # one level of nesting at a time
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        inner = []
+        for value in level:
+            if type(value) is dict:
+                if any(map(search, value)):
+                    found = True
+                    break
+                value = value.values()
+            for item in value:
+                kind = type(item)
+                if kind is str:
+                    if search(item):
+                        found = True
+                        break
+                elif kind is list or kind is dict:
+                    inner.append(item)
+            if found:
+                break
+        level = inner
+    if not found:
+        return
+    todo = [(data, ())]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            if (found := search(value)) is not None:
+                raise _surrogate(path, found.group(), "contains")
+        elif isinstance(value, (dict, list)):
+            items = list(value.items() if isinstance(value, dict) else enumerate(value))
+            for key, _ in items:
+                if isinstance(key, str) and (found := search(key)) is not None:
+                    raise _surrogate(path, found.group(), "has a field name that contains")
+            todo.extend((item, path + (key,)) for key, item in reversed(items))
+
+
+def _surrogate(path: tuple, char: str, what: str) -> APIError:
+    name = ".".join(map(str, path)) or None
+    return APIError(400, f"{name or 'the request body'}: {what} a lone surrogate (U+{ord(char):04X}); text must be "
+                         "valid Unicode", param=name, code="invalid_value")
+
+
 async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     """The request's JSON body as `model`, or a 400 naming the first problem."""
     raw = await request.body()
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -1,0 +1,73 @@
+"""Requests the server must refuse with a 400 in OpenAI's error shape (never a 500): text
+that is not valid Unicode, bodies nested too deeply, chat messages without content, sampling
+values outside what the API allows; and sampling values at the edges of what it allows,
+which must still give a well-formed stream.
+
+Bodies are sent as raw bytes where JSON can say what Python's json.dumps would not write
+(a lone surrogate escape, a number that overflows to inf, NaN).
+"""
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "random:tiny"
+GOOD = {"model": MODEL, "prompt": "ok", "max_tokens": 2}
+
+
+def post_raw(live, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(live.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+
+
+def error_of(response: httpx.Response, status: int = 400) -> dict:
+    """The OpenAI-shaped error of `response`, checked."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+def still_serving(live) -> None:
+    assert live.post("/v1/completions", GOOD).status_code == 200
+    assert live.get("/health").json()["sessions"]["slots_in_use"] == 0
+
+
+# -- text that is not Unicode, bodies too deep ---------------------------------------------------
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions",
+     b'{"model": "random:tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions",
+     b'{"model": "random:tiny", "max_tokens": 2, "user": "sur", "messages": [{"role": "user", "content": "ok"}, '
+     b'{"role": "assistant", "content": "fine"}, {"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages.2.content.0.text"),
+    ("/v1/completions", b'{"model": "random:tiny", "max_tokens": 2, "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"model": "random:tiny", "max_tokens": 2, "prompt": ["\\udfff"]}', "prompt.0"),
+    ("/v1/completions", b'{"model": "random:tiny", "max_tokens": 2, "prompt": "ok", "stop": "\\ud800"}', "stop"),
+])
+def test_a_lone_surrogate_is_refused_naming_its_field(live, path, raw, param):
+    error = error_of(post_raw(live, path, raw))
+    assert error["param"] == param and error["code"] == "invalid_value"
+    assert error["message"].startswith(f"{param}: contains a lone surrogate (U+D")
+    assert "valid Unicode" in error["message"]
+    still_serving(live)
+
+
+def test_a_surrogate_pair_is_one_character_and_welcome(live):
+    response = post_raw(live, "/v1/completions", b'{"model": "random:tiny", "max_tokens": 2, "prompt": "\\ud83d\\ude00"}')
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 5  # BOS + the emoji's 4 UTF-8 bytes
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"model": "random:tiny", "prompt": "ok", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"model": "random:tiny", "prompt": "ok", "extra": ' + b'{"a": ' * 500 + b"1" + b"}" * 500 + b"}",
+])
+def test_a_body_nested_too_deeply_is_refused(live, raw):
+    error = error_of(post_raw(live, "/v1/completions", raw))
+    assert "nested too deeply" in error["message"] and error["code"] == "invalid_json"
+    still_serving(live)
