@@ -167,16 +167,25 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def message_text(message: Message, index: int) -> str:
-    """A message's content as text: a string, or its text parts joined."""
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
+    """A message's content as text: a string ("" is fine), or its text parts joined; a 400
+    naming `messages.N.content` when it has none (missing, null, no parts) or a part is not text."""
+    param = f"messages.{index}.content"
+    content = message.content
+    if content is None or content == []:
+        got = ("missing" if "content" not in message.model_fields_set else "null" if content is None
+               else "an empty list")
+        raise APIError(400, f"{param}: a message needs its content (a string, or a list of text parts), got {got}",
+                       param=param, code="invalid_value")
+    if isinstance(content, str):
+        return content
     texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"messages.{index}.content: only text parts are supported, not {part.type!r}",
-                           param=f"messages.{index}.content", code="invalid_value")
+    for i, part in enumerate(content):
+        if part.type != "text":
+            raise APIError(400, f"{param}: only text parts are supported, not {part.type!r}", param=param,
+                           code="invalid_value")
+        if part.text is None:
+            raise APIError(400, f"{param}.{i}.text: a text part needs its text", param=f"{param}.{i}.text",
+                           code="invalid_value")
         texts.append(part.text)
     return "".join(texts)
 

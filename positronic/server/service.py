@@ -247,6 +247,9 @@ class BrainServer:
         else:
             max_tokens = self.max_tokens(body.max_tokens, "max_tokens")
         stops = stops_of(body.stop)
+        if chat:  # every message's content checked before a session is touched
+            for i, message in enumerate(body.messages):
+                message_text(message, i)
         session_id = self.session_id(request, body.user)
         held = contextlib.AsyncExitStack()
         try:

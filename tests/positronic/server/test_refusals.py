@@ -71,3 +71,46 @@ def test_a_body_nested_too_deeply_is_refused(live, raw):
     error = error_of(post_raw(live, "/v1/completions", raw))
     assert "nested too deeply" in error["message"] and error["code"] == "invalid_json"
     still_serving(live)
+
+
+# -- chat messages without content ---------------------------------------------------------------
+
+CHAT = {"model": MODEL, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("message, index, got", [
+    ({"role": "user"}, 0, "missing"),
+    ({"role": "user", "content": None}, 0, "null"),
+    ({"role": "user", "content": []}, 0, "an empty list"),
+    ({"role": "system"}, 0, "missing"),
+])
+def test_a_message_without_content_is_refused_naming_it(live, message, index, got):
+    error = error_of(live.post("/v1/chat/completions", {**CHAT, "messages": [message]}))
+    assert error["param"] == f"messages.{index}.content" and error["code"] == "invalid_value"
+    assert error["message"].startswith(f"messages.{index}.content: ") and got in error["message"]
+    still_serving(live)
+
+
+def test_a_message_without_content_anywhere_in_the_history_is_refused(live):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    error = error_of(live.post("/v1/chat/completions", {**CHAT, "messages": messages}))
+    assert error["param"] == "messages.2.content"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]
+    error = error_of(live.post("/v1/chat/completions", {**CHAT, "messages": parts}))
+    assert error["param"] == "messages.0.content.1.text"
+
+
+def test_a_refused_message_leaves_its_session_as_it_was(live):
+    first = live.post("/v1/chat/completions", {**CHAT, "user": "contentless",
+                                               "messages": [{"role": "user", "content": "hello"}]})
+    assert first.status_code == 200
+    before = live.get("/v1/sessions/contentless").json()
+    error_of(live.post("/v1/chat/completions", {**CHAT, "user": "contentless", "messages": [{"role": "user"}]}))
+    assert live.get("/v1/sessions/contentless").json() == before
+
+
+def test_an_empty_string_is_content(live):
+    response = live.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
