@@ -55,8 +55,8 @@ class GenerationBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: Number | None = Field(None, ge=0, le=2)
-    top_p: Number | None = Field(None, gt=0, le=1)
+    temperature: Number | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # 1e999 parses as inf
+    top_p: Number | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None

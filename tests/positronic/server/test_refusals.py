@@ -114,3 +114,46 @@ def test_an_empty_string_is_content(live):
     response = live.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}]})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# -- sampling values ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", b"1e999"), ("temperature", b"-1e999"), ("temperature", b"NaN"), ("temperature", b"Infinity"),
+    ("temperature", b"-0.5"), ("temperature", b"2.0001"), ("temperature", b'"1"'), ("temperature", b"true"),
+    ("top_p", b"1e999"), ("top_p", b"-Infinity"), ("top_p", b"NaN"), ("top_p", b"0"), ("top_p", b"-1e-300"),
+    ("top_p", b"1.0000001"), ("top_p", b"[0.5]"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_sampling_value_outside_the_api_range_is_refused_naming_it(live, field, value, stream):
+    raw = (b'{"model": "random:tiny", "prompt": "ok", "max_tokens": 2, "stream": ' + json.dumps(stream).encode()
+           + b', "' + field.encode() + b'": ' + value + b"}")
+    error = error_of(post_raw(live, "/v1/completions", raw))
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+    if value in (b"1e999", b"-1e999", b"NaN", b"Infinity", b"-Infinity"):
+        assert "finite" in error["message"]
+
+
+def read_stream(response: httpx.Response) -> tuple[list[dict], str]:
+    """The JSON events of a completed stream and its text; fails unless it is well formed:
+    `data: ` lines, each a JSON chunk, ending with `data: [DONE]`."""
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in response.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert all(event.startswith("data: ") for event in events)
+    assert not any("error" in chunk for chunk in chunks), chunks
+    return chunks, "".join(chunk["choices"][0]["text"] for chunk in chunks)
+
+
+@pytest.mark.parametrize("sampling", [
+    {"top_p": 1e-300}, {"temperature": 1e-30}, {"temperature": 2}, {"temperature": 2, "top_p": 1e-300},
+    {"temperature": 1e-30, "top_p": 1e-300}, {"temperature": 0.0011, "top_p": 5e-324}, {"temperature": 0, "top_p": 1},
+])
+def test_sampling_at_the_edges_of_the_range_streams_a_whole_reply(live, sampling):
+    body = {"model": MODEL, "prompt": "edge", "max_tokens": 24, "stream": True, "ignore_eos": True, **sampling}
+    chunks, text = read_stream(live.post("/v1/completions", body))
+    assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["positronic"]["tick"] == 24  # every token generated, none failed
+    whole = live.post("/v1/completions", {**body, "stream": False})
+    assert whole.status_code == 200 and whole.json()["choices"][0]["text"]
