@@ -21,7 +21,7 @@ from ..brain.loop import BrainConfig
 from .metrics import Metrics
 from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SessionPool, SessionUnusable, Turn,
-                       check_session_id)
+                       check_session_id, evicts_nothing)
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
 from .text import ChatFormat
 
@@ -132,6 +132,31 @@ class BrainServer:
         return APIError(400, f"{what} is {tokens} tokens, more than the {limit} {why}", param=param,
                         code="context_length_exceeded")
 
+    @staticmethod
+    def prompt_limit(config: BrainConfig) -> tuple[int, str]:
+        """The most tokens a fresh brain may prefill, and why: the budget, less the row of the
+        reply's first token when nothing is ever evicted (policy none with at_capacity stop)."""
+        if evicts_nothing(config):
+            return config.budget - 1, ("of the context budget less one row for the reply (policy none with "
+                                       "at_capacity stop evicts nothing)")
+        return config.budget, "of the context budget"
+
+    def check_room(self, conversation: Conversation, adding: int, param: str) -> None:
+        """A session that evicts nothing (policy none, at_capacity stop) takes a request only if
+        its input and the reply's first token fit under its budget; else a 400 and the session
+        stays as it was. Other policies make room themselves, tick by tick."""
+        brain = conversation.brain
+        if not evicts_nothing(brain.config):
+            return
+        held = brain.state.rows_per_layer + len(conversation.forced) + len(brain.pending_input)  # unread counts
+        budget = brain.config.budget
+        if held + adding + 1 > budget:
+            name = f"session {conversation.id!r}" if conversation.id else "the session"
+            raise APIError(400, f"{name} is full: it holds {held} of its {budget} rows and this request adds "
+                                f"{adding} more, plus one for the reply; under policy none with at_capacity stop "
+                                "nothing is evicted, so the session can take no more (start a new session)",
+                           param=param, code="context_length_exceeded")
+
     # -- holding a conversation --
 
     @contextlib.asynccontextmanager
@@ -181,14 +206,16 @@ class BrainServer:
             config = self.fresh_config(seed)
             if not isinstance(prompt, list) or ids[:1] != [self.lm.bos_id]:
                 ids = [self.lm.bos_id] + ids
-            if len(ids) > config.budget:
-                raise self.too_long("the prompt", len(ids), config.budget, "of the context budget", "prompt")
+            limit, why = self.prompt_limit(config)
+            if len(ids) > limit:
+                raise self.too_long("the prompt", len(ids), limit, why, "prompt")
             await self.worker.run(conversation.start, self.lm, ids, config)
             return len(ids)
         limit = turn_limit(conversation.brain.config)
         if len(ids) > limit:
             raise self.too_long("the prompt", len(ids), limit, "a running session's prompt may add (the budget less "
                                 "the protected rows)", "prompt")
+        self.check_room(conversation, len(ids), "prompt")
         await self.settle(conversation)
         conversation.queue(forced=ids)
         return len(ids)
@@ -201,8 +228,9 @@ class BrainServer:
         if conversation.brain is None:
             config = self.fresh_config(seed)
             ids = self.format.conversation([{"role": m.role, "content": t} for m, t in zip(messages, texts)])
-            if len(ids) > config.budget:
-                raise self.too_long("the conversation", len(ids), config.budget, "of the context budget", "messages")
+            limit, why = self.prompt_limit(config)
+            if len(ids) > limit:
+                raise self.too_long("the conversation", len(ids), limit, why, "messages")
             await self.worker.run(conversation.start, self.lm, ids, config)
             return len(ids)
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
@@ -216,8 +244,9 @@ class BrainServer:
             turns = [self.format.user_turn(texts[i], limit) for i in new]
         except TurnRefused as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
-        await self.settle(conversation)
+        await self.settle(conversation)  # input an earlier request left unread (already accepted)
         closing = self.format.reply_end(conversation.last_token())
+        self.check_room(conversation, len(closing) + sum(map(len, turns)), "messages")
         conversation.queue(forced=closing, turns=[texts[i] for i in new])
         return len(closing) + sum(map(len, turns))
 

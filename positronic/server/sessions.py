@@ -57,6 +57,12 @@ class ClientGone(Exception):
     """The client went away: the request's generation stops."""
 
 
+def evicts_nothing(config: BrainConfig) -> bool:
+    """Whether a brain under `config` never makes room (policy none with at_capacity stop): its
+    live length only grows, so the server admits no input it has no room for."""
+    return config.policy == "none" and config.at_capacity == "stop"
+
+
 def check_session_id(value: str) -> str:
     """`value` if it is a usable session id (1-64 of A-Z a-z 0-9 _ -: it names a directory),
     else ValueError saying so."""
@@ -155,6 +161,10 @@ class Conversation:
             self.brain.config = own
 
     def _tick(self, force: int | None, *, forced: bool = False) -> TickRecord:
+        config = self.brain.config
+        if evicts_nothing(config) and self.brain.state.rows_per_layer >= config.budget:
+            # the server admits no more than fits (BrainServer.check_room): never a tick past the budget
+            raise RuntimeError(f"the session is full ({config.budget} rows) and its policy evicts nothing")
         start = time.perf_counter()
         self.dirty = True
         try:
