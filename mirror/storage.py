@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -163,13 +164,19 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     write that fails or is killed leaves at most a `NAME.*.tmp` file, which `stale_temporaries`
     finds."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk: name the file (a bare "[Errno 28]" says nothing of which)
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -186,9 +193,43 @@ def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> N
     write_atomic(path, to_bytes(mirror, meta))
 
 
+MAX_MIRROR_BYTES = 1 << 31  # 2 GiB: tens of millions of ledger tokens; beyond, a file is not a mirror
+
+
+class TooLarge(OSError):
+    """A file (or what a device or pipe yields) larger than the caller reads."""
+
+
+def read_bounded(path: str | os.PathLike, limit: int, *, regular: bool = True) -> bytes:
+    """The bytes of `path`, at most `limit` of them: TooLarge past that, without reading more
+    than limit + 1. The checks follow what is opened (a symlink to /dev/zero is the device):
+    `regular` refuses anything but a regular file (OSError), since a device or a FIFO states
+    no size a check could trust."""
+    # O_NONBLOCK: opening a FIFO waits for a writer; this way it opens at once and is refused
+    fd = os.open(path, os.O_RDONLY | (os.O_NONBLOCK if regular else 0))
+    try:
+        info = os.fstat(fd)
+        if regular and not stat.S_ISREG(info.st_mode):
+            raise OSError(f"not a regular file ({stat.filemode(info.st_mode)[0]!r} type)")
+        if stat.S_ISREG(info.st_mode) and info.st_size > limit:
+            raise TooLarge(f"{info.st_size} bytes, more than the {limit} read")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"more than the {limit} bytes read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load(path: str | os.PathLike) -> tuple[Mirror, dict]:
     try:
-        data = Path(path).read_bytes()
+        data = read_bounded(path, MAX_MIRROR_BYTES)
     except OSError as exc:
         raise MirrorFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
     return from_bytes(data, source=str(path))

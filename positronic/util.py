@@ -7,6 +7,7 @@
     DTYPES                  the dtype names the project writes into files and accepts back
     quiet_transformers      transformers without its log lines and progress bars
     atomic_write_dir        build a directory beside its place, fsync it, rename it in
+    read_text_file          a user's text file (--prompt-file, --text), read with a bound
 
 Writing a single file atomically is `positronic.mirror.write_atomic` (temporary file, fsync,
 rename): the mirror package has no torch and no dependency on this one, so it keeps its own.
@@ -24,6 +25,22 @@ import torch
 import transformers
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_TEXT_BYTES = 64 << 20  # a text file a command reads: 64 MiB is ~15M tokens, past every model's positions
+
+
+def read_text_file(path: Path, flag: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of `path` (a file, or a pipe such as /dev/stdin), at most `limit` bytes
+    read whatever it is (/dev/zero stops there): OSError with a one-line message naming `flag`."""
+    from positronic.mirror import TooLarge, read_bounded
+
+    try:
+        return read_bounded(path, limit, regular=False).decode("utf-8")
+    except TooLarge as exc:
+        raise OSError(f"cannot read {flag} {path}: {exc}") from None
+    except OSError as exc:
+        raise OSError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise OSError(f"cannot read {flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def one_line(text: str, limit: int = 300) -> str:

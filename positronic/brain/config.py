@@ -25,6 +25,9 @@ from ..kv.cache import check_store
 from ..policies import repairers
 from ..policies import DEFAULT_WINDOW, POLICIES
 
+# a penalty divides (or multiplies) a logit: past these, one token's logit leaves every other
+# token's behind by more than float16 can hold, and the setting only means "never" or "always"
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 
 # The budget's default, per entry point (one place, three audiences): the library keeps the
@@ -71,12 +74,14 @@ class Sampling(Part):
 
     def check(self) -> None:
         _nonnegative(self, "top_k", "penalty_window")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _finite_nonnegative(self, "temperature")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN fails too
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}] (1 = off), got {self.repetition_penalty}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in 0..2**63-1, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -261,6 +266,10 @@ class BrainConfig:
         if self.kv_store == "ring" and self.kv_format != "float":
             raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
                              "(choose --kv-format float or --kv-store splice)")
+        evictable = self.budget - max(self.sinks, self.protect) - self.window
+        if self.unit > evictable:
+            raise ValueError(f"unit {self.unit} is more rows than the policy can ever cull at budget {self.budget} "
+                             f"(budget - max(sinks, protect) - window = {evictable})")
         if self.repairer != "none" and self.unit not in (0, 2):
             raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
                              "(use --repairer none with other units)")

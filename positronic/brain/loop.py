@@ -14,6 +14,7 @@ commits), so a failed or interrupted tick leaves the policy as it was.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -103,13 +104,16 @@ class Brain:
     """A StateManager plus the policy that drives it, tick after tick."""
 
     def __init__(self, state: StateManager, config: BrainConfig, *, tick: int = 0,
-                 generator_state: torch.Tensor | None = None, pending_input: Sequence[int] = ()):
+                 generator_state: torch.Tensor | None = None, pending_input: Sequence[int] = (),
+                 run_id: str | None = None):
         check_budget(state.lm, config)
         if state.kv_format != config.kv_format:
             raise ValueError(f"the state stores its cache as {state.kv_format}, the settings say {config.kv_format}")
         if state.kv_store != config.kv_store:
             raise ValueError(f"the state keeps its cache in the {state.kv_store} store, the settings say {config.kv_store}")
         self.state, self.config, self.tick = state, config, tick
+        # names this run in its session and event log: an events file is appended to only by its run
+        self.run_id = run_id or uuid.uuid4().hex
         self.policy = make_policy(config.policy, state.lm, config)
         if self.policy.per_layer:
             state.split_layers(self.policy.heads)  # a no-op for a resumed state that has them
@@ -149,6 +153,9 @@ class Brain:
         """
         config = config or BrainConfig()
         check_budget(lm, config)
+        if len(prompt_ids) > lm.max_positions:  # before any work: a 10 MB prompt fails at once
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens, more than {lm.name}'s {lm.max_positions} "
+                             "positions (a prompt must fit them; it is then pruned to the budget)")
         pinned = pinned_rows(lm, prompt_ids, pins, config)
         start = steps.RULES[config.brightness].start
         long = len(prompt_ids) > config.budget

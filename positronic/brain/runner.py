@@ -61,8 +61,22 @@ def event_header(brain: Brain, model_name: str, *, resumed: bool) -> dict:
     """The record that opens each invocation's part of an event log: what produced the tick
     records after it (their `tick` counts on from this record's)."""
     return {"record": "header", "schema": EVENTS_SCHEMA, "tick": brain.tick, "resumed": resumed,
-            "model": model_name, "config": dataclasses.asdict(brain.config),
+            "run_id": brain.run_id, "model": model_name, "config": dataclasses.asdict(brain.config),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def events_run_id(path: Path) -> str | None:
+    """The run id in the header that opens the event log at `path`, or None when its first line
+    is not such a header (another file, a log from before run ids, an empty file)."""
+    try:
+        with open(path, "rb") as file:
+            first = file.readline(1 << 16)
+        record = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    if isinstance(record, dict) and record.get("record") == "header" and isinstance(record.get("run_id"), str):
+        return record["run_id"]
+    return None
 
 
 def trim_events(path: Path, tick: int) -> None:
@@ -140,6 +154,8 @@ class Runner:
 
     def _run(self, on_tick, stops: StopRequests) -> RunResult:
         result, brain = RunResult(), self.brain
+        if self.events:
+            self.events.parent.mkdir(parents=True, exist_ok=True)  # checked writable before the model loaded
         if self.events and self.append_events:
             trim_events(self.events, brain.tick)
         # line-buffered, so `tail -f` shows every tick as it happens

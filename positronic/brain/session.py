@@ -23,6 +23,7 @@ is left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -40,12 +41,44 @@ from ..state import StateInvariantError, StateManager
 
 MIRROR_FILE = "mirror.msgpack"
 CACHE_FILE = re.compile(r"kv-[0-9a-f]{16}\.safetensors")
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+LOCK_FILE = ".lock"
 MAX_TICK = 2**53  # beyond this a tick is not an exact JSON number in the event log
 HEADER_SLACK = 1 << 20  # bytes a cache file may hold besides its tensors (the safetensors header)
 
 
 class SessionError(ValueError):
     """A session directory that cannot be saved to or resumed from."""
+
+
+class SessionLocked(SessionError):
+    """Another process (a run, a server) is using the session directory."""
+
+
+@contextlib.contextmanager
+def locked(directory: str | Path, who: str = "a run"):
+    """Hold `directory` (created if needed) for this process: a second run or server on it
+    gets SessionLocked at once instead of racing this one's saves. An advisory lock
+    (flock on DIRECTORY/.lock, which names the holder): the kernel drops it when the
+    process ends, killed or not, so a crash never leaves the directory locked."""
+    import fcntl
+    import os
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise SessionLocked(f"{directory} is in use by {holder}: one run or server per session directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{who} (pid {os.getpid()})\n".encode(), 0)
+        yield directory
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
@@ -67,6 +100,7 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
         "policy": brain.policy.state(),
         "cache": {"file": cache_name, "sha256": digest},
         "pending_input": list(brain.pending_input),  # typed input not fed yet
+        "run_id": brain.run_id,
     }
     path = directory / MIRROR_FILE
     mirror.write_atomic(path, brain.state.mirror.to_bytes(meta))  # mirror.save, from the read-only view
@@ -129,6 +163,9 @@ def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
     counts = meta.get("counts", {})
     if not (isinstance(counts, dict) and all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items())):
         raise SessionError(f"{path}: counts must map names to counts >= 0")
+    run_id = meta.get("run_id")
+    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        raise SessionError(f"{path}: run id malformed: {run_id!r}")
     cache = meta.get("cache")
     if cache is not None and not (isinstance(cache, dict) and set(cache) == {"file", "sha256"}
                                   and isinstance(cache["file"], str) and CACHE_FILE.fullmatch(cache["file"])
@@ -155,10 +192,9 @@ def _read_cache(directory: Path, reference: dict, limit: int) -> dict[str, torch
     than the mirror's rows can need (`limit` bytes) is refused before it is read."""
     path = directory / reference["file"]
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise SessionError(f"{path}: {size} bytes, more than the {limit} the saved context can need")
-        data = path.read_bytes()
+        data = mirror.read_bounded(path, limit)
+    except mirror.TooLarge as exc:
+        raise SessionError(f"{path}: {exc}: more than the saved context can need") from None
     except OSError as exc:
         raise SessionError(f"{path}: cannot read the saved cache ({exc.strerror or exc})") from None
     if hashlib.sha256(data).hexdigest() != reference["sha256"]:
@@ -209,7 +245,8 @@ def resume(lm, directory: str | Path) -> Brain:
     pending = meta.get("pending_input", [])  # sessions from before typed input: none
     if not (isinstance(pending, list) and all(type(t) is int and 0 <= t < lm.vocab_size for t in pending)):
         raise SessionError(f"{path}: pending input must be a list of token ids inside {lm.name}'s vocabulary")
-    brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending)
+    brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending,
+                  run_id=meta.get("run_id"))  # sessions saved before run ids get a new one
     if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
         try:
             brain.policy.load_state(meta["policy"])

@@ -96,7 +96,18 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
     config = BrainConfig(**{name: value for name, value in options.items() if name in names}
                          | dict(policy=policy, sinks=sinks, protect=protect))
     config.validate()
+    if "window" in given_flags(ctx) and not takes_window(policy):
+        raise UserError(f"--window sets the recent rows of policies brightness and smartkv; policy {policy} keeps "
+                        "llama.cpp's recent window, max(32, live length / 4) (leave --window out)")
     return config
+
+
+def takes_window(policy: str) -> bool:
+    """Whether `policy` reads the configured --window (its class defines `window` itself,
+    not the llama.cpp rule of the shared base)."""
+    from ..policies import POLICIES
+
+    return "window" in vars(POLICIES.get(policy, object))
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,

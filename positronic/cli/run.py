@@ -17,9 +17,10 @@ from ..brain import session as sessions
 from ..brain.chat import LineReader
 from ..brain.config import BUDGET, RUN_BUDGET
 from ..brain.loop import Brain, TickRecord
-from ..brain.runner import Runner, RunResult, summary
+from ..brain.runner import Runner, RunResult, events_run_id, summary
 from ..models import load_model, random_names
 from ..policies import POLICIES
+from ..util import read_text_file
 from .common import (DEFAULTS, UserError, brain_config, given_flags, refuse_changed_settings, set_threads, show_version,
                      writable_directory)
 
@@ -94,11 +95,14 @@ def run(
         raise UserError("--pin marks prompt text at the start of a run; a resumed run keeps the pins it has")
     if overwrite and ((session is None and events is None) or resume):
         raise UserError("--overwrite needs --session DIR or --events FILE and starts a new run: it cannot go with --resume")
+    if resume and (prompt is not None or prompt_file is not None):
+        raise UserError("--prompt/--prompt-file start a run; a resumed run goes on from its saved context "
+                        "(type a line to add a user turn, or start a new --session)")
     if prompt_file is not None:
         try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read --prompt-file {prompt_file}: {getattr(exc, 'strerror', None) or exc}") from None
+            prompt = read_text_file(prompt_file, "--prompt-file")
+        except OSError as exc:
+            raise UserError(str(exc)) from None
     config = brain_config(ctx, ctx.params)
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
@@ -106,6 +110,11 @@ def run(
         if events.exists() and not (resume or overwrite):
             raise UserError(f"--events {events} already exists; replace it with --overwrite, or choose another file "
                             "(a --resume appends to it)")
+    if capture is not None:
+        writable_directory(capture, "--capture")
+        if config.kv_store == "ring":
+            raise UserError("--capture records ticks of the splice store (a fixture replays splices); "
+                            "the ring store has none: leave out --capture or --kv-store ring")
     if session is not None:
         writable_directory(session, "--session")
         saved = session / sessions.MIRROR_FILE
@@ -113,7 +122,12 @@ def run(
             raise UserError(f"--session {session} already holds a saved run; continue it with --resume, "
                             "replace it with --overwrite, or choose another directory")
         if resume:
-            refuse_changed_settings(ctx, config, sessions.load(session)[1]["config"])
+            meta = sessions.load(session)[1]
+            refuse_changed_settings(ctx, config, meta["config"])
+            if events is not None and events.exists() and events_run_id(events) != meta.get("run_id"):
+                raise UserError(f"--events {events} is not this session's event log (its header names another run, "
+                                "or none): a resumed run appends only to its own; choose another file")
+        ctx.with_resource(sessions.locked(session, "run.py"))  # held until the command ends
     live = not (no_tui or not sys.stdout.isatty())
     typing, fd = input_source(read_input, live)
     inputs = queue.SimpleQueue() if typing else None

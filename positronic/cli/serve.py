@@ -66,7 +66,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                     for name in shared if name in RUN_OPTIONS or name == "budget"]
     parameters += list(inspect.signature(_server_options, eval_str=True).parameters.values())
 
-    def serve(ctx: typer.Context, **options) -> None:
+    def serve(ctx: typer.Context, **options) -> int:
         """Serve the brain over HTTP until Ctrl-C or SIGTERM (sessions are saved on the way out)."""
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
@@ -83,7 +83,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   idle_save_s=options["idle_save"], max_pending=options["max_pending"],
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"])
-        serve_forever(lm, config, settings, host=options["host"], port=options["port"])
+        return serve_forever(lm, config, settings, host=options["host"], port=options["port"])  # exit status
 
     serve.__signature__ = inspect.Signature(parameters)
     return serve

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..policies import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
+from ..util import read_text_file
 from .report import progress_bars, table, table_console, write_outputs
 from .stream import EvalError, make_config
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
@@ -15,10 +16,7 @@ from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, ev
 def read_text(path: Path | None) -> tuple[str, str]:
     """(text, its display name); OSError/EvalError with one-line messages."""
     path = Path(path) if path is not None else DEFAULT_TEXT
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OSError(f"cannot read --text {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = read_text_file(path, "--text")
     if not text.strip():
         raise EvalError(f"--text {path} is empty")
     return text, path.name

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 
 from fastapi import FastAPI, Request
@@ -181,12 +182,45 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings) -> FastAPI:
 
 
 def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: str = "127.0.0.1",
-                  port: int = 8080) -> None:
-    """Run the server until Ctrl-C or SIGTERM; sessions are checkpointed on the way out."""
+                  port: int = 8080) -> int:
+    """Run the server until Ctrl-C or SIGTERM; sessions are checkpointed on the way out. The
+    exit status: 0, or 1 when a session could not be checkpointed (lost) or the shutdown failed."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     print(f"serving {lm.name} (policy {config.policy}, budget {config.budget}, at most {settings.max_sessions} "
           f"sessions in memory; checkpoints in {settings.session_dir})", flush=True)
-    uvicorn.run(create_app(lm, config, settings), host=host, port=port, timeout_graceful_shutdown=10,
-                log_level="info")
+    app = create_app(lm, config, settings)
+    # uvicorn re-raises the signal that stopped it once it has shut down (SIGTERM then kills the
+    # process): caught here for a moment, so that lost sessions can still decide the exit status
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
+    try:
+        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")
+    except KeyboardInterrupt:  # Ctrl-C, re-raised the same way
+        if status := exit_status(app.state.server):
+            return status
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if status := exit_status(app.state.server):
+        return status
+    if terminated:  # a clean stop by SIGTERM ends as one, as it did before
+        signal.raise_signal(signal.SIGTERM)
+    return 0
+
+
+def exit_status(server: BrainServer) -> int:
+    """0 after a clean shutdown; 1, with a line on stderr, if sessions were lost or the shutdown
+    did not finish."""
+    import sys
+
+    if server.lost:
+        print(f"error: {len(server.lost)} sessions could not be checkpointed to {server.settings.session_dir} and "
+              f"are lost: {', '.join(sorted(server.lost))}", file=sys.stderr, flush=True)
+        return 1
+    if not server.closed:
+        print("error: the server did not shut down cleanly (its sessions may not be checkpointed)", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0

@@ -10,6 +10,7 @@
     positronic_evictions_total, positronic_repairs_total, positronic_resurrections_total
     positronic_live_length{session}, positronic_budget{session}   each session in memory
     positronic_sessions{state}, positronic_sessions_saved_total, …_resumed_total, …_freed_total
+    positronic_session_save_failures_total         checkpoints that could not be written
     positronic_requests_in_flight
 """
 
@@ -112,7 +113,7 @@ class Metrics:
         return count / busy if busy > 0 else 0.0
 
     def render(self, *, sessions: dict[str, tuple[int, int]], session_states: dict[str, int],
-               session_events: dict[str, int], in_flight: int) -> str:
+               session_events: dict[str, int], in_flight: int, save_failures: int = 0) -> str:
         """The exposition text. `sessions`: id -> (live length, budget) of each session in
         memory; `session_states`: count per state; `session_events`: saved/resumed/freed counts."""
         out: list[str] = []
@@ -148,6 +149,8 @@ class Metrics:
                [({"state": state}, n) for state, n in sorted(session_states.items())])
         for event, n in sorted(session_events.items()):
             family(f"positronic_sessions_{event}_total", "counter", f"Sessions {event}.", [({}, n)])
+        family("positronic_session_save_failures_total", "counter", "Session checkpoints that could not be written.",
+               [({}, save_failures)])
         family("positronic_requests_in_flight", "gauge", "Generation requests in the server, queued included.",
                [({}, in_flight)])
         return "\n".join(out) + "\n"

@@ -20,8 +20,8 @@ from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
 from .metrics import Metrics
 from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
-from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SessionPool, SessionUnusable, Turn,
-                       check_session_id, evicts_nothing)
+from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, SessionPool, SessionUnusable,
+                       Turn, check_session_id, evicts_nothing)
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
 from .text import ChatFormat
 
@@ -58,6 +58,8 @@ class BrainServer:
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.in_flight = 0
         self._sweeper: asyncio.Task | None = None
+        self.closed = False  # close() ran to its end
+        self.lost: dict[str, str] = {}  # sessions close() could not checkpoint (id -> why)
 
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -66,9 +68,13 @@ class BrainServer:
         """Graceful shutdown: every session checkpointed, then the model thread stopped."""
         if self._sweeper is not None:
             self._sweeper.cancel()
-        saved = await self.pool.close()
+        saved, self.lost = await self.pool.close()
         log.info("%d sessions checkpointed to %s", saved, self.settings.session_dir)
+        if self.lost:
+            log.error("%d sessions could not be checkpointed to %s and are lost: %s", len(self.lost),
+                      self.settings.session_dir, "; ".join(f"{sid} ({why})" for sid, why in sorted(self.lost.items())))
         self.worker.close()
+        self.closed = True
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -178,6 +184,8 @@ class BrainServer:
             conversation = await self.pool.acquire(session_id)
         except PoolFull as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="too_many_sessions") from None
+        except SaveFailed as exc:  # the server's storage, not the client's load: 507, and it is logged
+            raise APIError(507, str(exc), type="server_error", code="session_save_failed") from None
         except SessionUnusable as exc:
             raise APIError(409, str(exc), param="user", code="session_unusable") from None
         try:
@@ -345,7 +353,7 @@ class BrainServer:
     def health(self) -> dict:
         return {"status": "ok", "model": self.lm.name, "budget": self.config.budget, "policy": self.config.policy,
                 "sessions": {"in_memory": len(self.pool.loaded), "slots_in_use": self.pool.in_use,
-                             "max": self.settings.max_sessions},
+                             "max": self.settings.max_sessions, "unsaved": sorted(self.pool.unsaved)},
                 "requests_in_flight": self.in_flight, "max_pending": self.settings.max_pending}
 
     def metrics_text(self) -> str:
@@ -355,5 +363,5 @@ class BrainServer:
                   "active": sum(1 for c in self.pool.loaded.values() if c.users)}
         events = {"saved": self.pool.saved, "resumed": self.pool.resumed, "freed": self.pool.freed}
         return self.metrics.render(sessions=live, session_states=states, session_events=events,
-                                   in_flight=self.in_flight)
+                                   in_flight=self.in_flight, save_failures=self.pool.save_failures)
 

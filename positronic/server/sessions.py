@@ -18,6 +18,9 @@ gets a throwaway conversation that counts too). To make room, and when a session
 idle `idle_save_s`, the least recently used idle one is checkpointed with
 positronic/brain/session.py into `directory/ID/` and freed; its next request resumes it from there,
 token for token as if it had stayed. `close()` checkpoints every session (graceful shutdown).
+A checkpoint that cannot be written is logged (session and file) and counted; the session stays
+in memory (tried again when room is needed, and at close, which returns the sessions it lost),
+and a request that needed its slot gets SaveFailed, not an endless PoolFull.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before
 
 class PoolFull(Exception):
     """Every conversation slot is held by a request: nothing can be freed for another one."""
+
+
+class SaveFailed(Exception):
+    """No slot can be freed because the idle sessions that could make room cannot be
+    checkpointed (the session directory is unwritable, the disk full): not the client's doing."""
 
 
 class SessionUnusable(Exception):
@@ -260,6 +268,8 @@ class SessionPool:
         self.saved = 0  # checkpoints written
         self.resumed = 0  # sessions brought back from disk
         self.freed = 0  # sessions checkpointed and freed (room, idleness)
+        self.save_failures = 0  # checkpoints that could not be written
+        self.unsaved: dict[str, str] = {}  # id -> why its last checkpoint failed (still in memory)
 
     @property
     def loaded(self) -> dict[str, Conversation]:
@@ -338,6 +348,10 @@ class SessionPool:
         while self.in_use >= self.max_sessions:
             idle = [c for c in self._loaded.values() if c.users == 0 and c.id not in skipped]
             if not idle:
+                if skipped:  # slots idle sessions hold, which cannot be checkpointed: no retry helps soon
+                    failed = "; ".join(f"session {sid}: {self.unsaved.get(sid, 'not saved')}" for sid in sorted(skipped))
+                    raise SaveFailed(f"no session slot can be freed: the idle sessions holding them could not be "
+                                     f"checkpointed to the server's session directory ({failed})")
                 raise PoolFull(f"all {self.max_sessions} sessions are in use (--max-sessions); try again later")
             victim = min(idle, key=lambda c: c.last_used)
             if not await self._evict(victim):
@@ -352,12 +366,17 @@ class SessionPool:
             if conversation.evicted or self._loaded.get(conversation.id) is not conversation:
                 return True
             if conversation.brain is not None and conversation.dirty and not conversation.broken:
+                path = self.path(conversation.id)
                 try:
-                    await self.worker.run(conversation.save, self.path(conversation.id), self.lm.name)
-                except (OSError, StateBrokenError, ValueError) as exc:
-                    log.error("session %s could not be checkpointed: %s", conversation.id, exc)
+                    await self.worker.run(conversation.save, path, self.lm.name)
+                except Exception as exc:  # whatever it is, the session stays in memory, and it is said
+                    self.save_failures += 1
+                    self.unsaved[conversation.id] = f"{type(exc).__name__}: {exc}"
+                    log.error("session %s could not be checkpointed to %s: %s: %s", conversation.id,
+                              path / sessions.MIRROR_FILE, type(exc).__name__, exc)
                     return False
                 self.saved += 1
+            self.unsaved.pop(conversation.id, None)
             conversation.evicted = True
             del self._loaded[conversation.id]
             self.freed += 1
@@ -378,14 +397,16 @@ class SessionPool:
                         freed += await self._evict(conversation)
         return freed
 
-    async def close(self) -> int:
-        """Checkpoint every session in memory (each once its request is done) and free it;
-        how many checkpoints were written."""
+    async def close(self) -> tuple[int, dict[str, str]]:
+        """Checkpoint every session in memory (each once its request is done) and free it: how
+        many checkpoints were written, and the sessions that could not be (id -> why), lost
+        when the process ends."""
         before = self.saved
         async with self._admit:
             for conversation in list(self._loaded.values()):
                 await self._evict(conversation)
-        return self.saved - before
+        lost = {sid: self.unsaved.get(sid, "not saved") for sid in self._loaded}
+        return self.saved - before, lost
 
     async def describe(self, session_id: str) -> dict | None:
         """describe() of a session in memory or on disk; None if there is no such session."""

@@ -25,6 +25,7 @@ import torch
 
 from .gates import DEFAULT_DEPTH, DEFAULT_HIDDEN, Gate, GateSet, spearman
 from .labels import LabelSet, LifespanRule, label_text, window_count
+from ..util import read_text_file
 
 
 @dataclass(frozen=True)
@@ -258,10 +259,7 @@ def report_table(report: TrainReport, heldout_name: str):
 
 
 def _read(path) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OSError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = read_text_file(Path(path), "text")
     if not text.strip():
         raise ValueError(f"{path} is empty")
     return text

@@ -142,8 +142,8 @@ class StateManager(StateReads):
     def from_mirror(cls, lm, mirror: Mirror, *, capacity: int = 0, score_layers="last",
                     brightness: float = 255.0, kv_format: str = "float", kv_store: str = "splice") -> "StateManager":
         """Resume from a saved mirror: the cache is recomputed from its live rows (with a ring
-        store, into the slots the mirror records)."""
-        mirror.check(lm.max_positions)
+        store, into the slots the mirror records). ValueError if its rows do not fit `lm`."""
+        persistence.check_fits(lm, mirror)
         manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                       kv_format=kv_format, kv_store=kv_store)
         manager.rebuild(count=False)

@@ -16,6 +16,14 @@ def lane_counts(lm) -> tuple[int, int]:
     return lm.num_layers, lm.num_layers * lm.num_kv_heads
 
 
+def check_fits(lm, mirror) -> None:
+    """ValueError unless `mirror`'s live rows fit `lm`: positions within its limit, token ids
+    inside its vocabulary (a mirror saved with another model must not reach the embedding)."""
+    mirror.check(lm.max_positions)
+    if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
+        raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
+
+
 def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: int = 0, score_layers="last",
                brightness: float = 255.0, kv_format: str = "float", kv_store: str = "splice"):
     """A `cls` (StateManager) resumed from a saved mirror and the cache it described (`tensors()`
@@ -27,9 +35,7 @@ def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: i
     float32 that gives back the same codes and scales (kv_formats.PackedFormat.decode); int4h
     saves its codes. A ring store's rows are saved in row order and go back into the slots
     the mirror records (its cursor)."""
-    mirror.check(lm.max_positions)
-    if any(not 0 <= t < lm.vocab_size for t in mirror.live_token_ids()):
-        raise ValueError(f"a live token id lies outside {lm.name}'s vocabulary 0..{lm.vocab_size - 1}")
+    check_fits(lm, mirror)
     if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers not in lane_counts(lm)):
         raise ValueError(f"per-layer rows for {mirror.layers.num_layers} lanes need the float kv_format and "
                          f"a model with as many layers, or layers times kv heads ({lm.name}: {lm.num_layers} "

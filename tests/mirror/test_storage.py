@@ -2,6 +2,7 @@
 exactly, replace atomically, and refuse damaged, foreign or inconsistent files with one clear error."""
 
 import hashlib
+import os
 
 import pytest
 
@@ -104,3 +105,28 @@ def test_a_write_killed_before_its_rename_leaves_the_old_file_and_a_temporary_st
     stale = mirror.stale_temporaries(path)
     assert len(stale) == 1 and stale[0].read_bytes() == b"new" and stale[0].name.startswith("session.msgpack.")
     assert mirror.stale_temporaries(tmp_path / "other.msgpack") == [], "only the temporaries of that file"
+
+
+def test_bounded_reads_follow_what_is_opened(tmp_path):
+    from positronic.mirror import TooLarge, read_bounded
+
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 10)
+    assert read_bounded(small, 10) == b"x" * 10
+    with pytest.raises(TooLarge, match="10 bytes, more than the 9 read"):
+        read_bounded(small, 9)
+    link = tmp_path / "zero"
+    link.symlink_to("/dev/zero")  # st_size 0 on the device: a size check alone passes it
+    with pytest.raises(OSError, match="not a regular file"):
+        read_bounded(link, 1 << 20)
+    with pytest.raises(TooLarge, match="more than the 4096 bytes read"):
+        read_bounded(link, 4096, regular=False)  # a pipe or device may be read, never without bound
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):  # opened at once, not waiting for a writer
+        read_bounded(fifo, 10)
+
+
+def test_a_failed_atomic_write_names_its_file(tmp_path):
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/missing/file: No such file or directory"):
+        mirror.write_atomic(tmp_path / "missing" / "file", b"data")

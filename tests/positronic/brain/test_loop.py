@@ -57,9 +57,12 @@ def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys, run_cli)
 
 
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, capsys, run_cli):
-    common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--prompt", PROMPT, "--save-every", "50"]
-    assert run_cli("--ticks", "100", "--session", str(tmp_path / "straight"), *common) == 0
-    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), *common) == 0
+    common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--save-every", "50"]
+    assert run_cli("--ticks", "100", "--session", str(tmp_path / "straight"), "--prompt", PROMPT, *common) == 0
+    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--prompt", PROMPT, *common) == 0
+    # a prompt starts a run: with --resume it would be ignored, so it is refused
+    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--resume", "--prompt", PROMPT, *common) == 2
+    assert "--prompt/--prompt-file start a run" in capsys.readouterr().err
     assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--resume", *common) == 0
     straight, meta_a = mirror_pkg.load(tmp_path / "straight" / "mirror.msgpack")
     split, meta_b = mirror_pkg.load(tmp_path / "split" / "mirror.msgpack")

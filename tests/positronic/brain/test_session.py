@@ -294,3 +294,48 @@ def test_a_session_from_before_typed_input_resumes_with_none_pending(tiny, tmp_p
     del meta["pending_input"]
     mirror.save(path, saved, meta)
     assert sessions.resume(tiny, tmp_path).pending_input == ()
+
+
+def test_an_old_session_whose_tokens_lie_outside_the_model_is_refused_not_crashed(tiny, tmp_path):
+    """A cache-less (rebuilt-on-resume) session relabelled to a model with a smaller vocabulary:
+    its token ids are checked before the rebuild feeds them to the embedding (an IndexError before)."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    stream(brain, 5)
+    path = sessions.save(tmp_path, brain, tiny.name)
+    saved, meta = mirror.load(path)
+    del meta["cache"]
+    columns = mirror.storage.to_columns(saved)
+    columns["ledger"]["token_id"] = [600 + t for t in columns["ledger"]["token_id"]]  # beyond random:tiny's 512
+    path.write_bytes(mirror.storage.msgpack.packb({"format": "positronic-mirror", "version": 1, **columns,
+                                                   "meta": meta}, use_bin_type=True))
+    with pytest.raises(sessions.SessionError, match="outside random:tiny's vocabulary"):
+        sessions.resume(tiny, tmp_path)
+
+
+def test_a_cache_file_that_is_a_device_is_refused_without_reading_it(tiny, tmp_path):
+    """A kv-*.safetensors symlinked to /dev/zero states size 0: what is opened is checked (a
+    regular file, at most the bytes the context can need), never read until memory runs out."""
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    sessions.save(tmp_path, brain, tiny.name)
+    cache = next(tmp_path.glob("kv-*.safetensors"))
+    cache.unlink()
+    cache.symlink_to("/dev/zero")
+    with pytest.raises(sessions.SessionError, match="not a regular file"):
+        sessions.resume(tiny, tmp_path)
+
+
+def test_a_run_id_names_the_run_in_its_session_and_survives_resumes(tiny, tmp_path):
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    other = Brain.start(tiny, [tiny.bos_id] + list(range(10, 40)), BrainConfig(budget=48))
+    assert re.fullmatch(r"[0-9a-f]{32}", brain.run_id) and brain.run_id != other.run_id
+    sessions.save(tmp_path, brain, tiny.name)
+    assert sessions.resume(tiny, tmp_path).run_id == brain.run_id
+
+
+def test_one_process_at_a_time_holds_a_session_directory(tmp_path):
+    with sessions.locked(tmp_path / "s", "run.py"):
+        with pytest.raises(sessions.SessionLocked, match=r"in use by run.py \(pid \d+\)"):
+            with sessions.locked(tmp_path / "s"):
+                pass
+    with sessions.locked(tmp_path / "s"):  # released with its holder
+        pass

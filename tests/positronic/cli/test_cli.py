@@ -1,6 +1,7 @@
 """The command line's conventions (positronic/cli/): help, version, short flags, no tick
 limit, threads, a `run` subcommand, and flags that would be silently lost are refused."""
 
+import json
 import os
 import signal
 import subprocess
@@ -109,3 +110,79 @@ def test_dtype_auto_and_a_family_model_run(capsys, run_cli):
     assert "ticks 3 in" in capsys.readouterr().out
     assert run_cli("-m", "random:qwen3", "--dtype", "int8", "-n", "3", "--no-tui", "--no-input") == 2
     assert "bad dtype 'int8': expected auto" in capsys.readouterr().err
+
+
+# --- nonsense refused before the model loads, with one line naming it --------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "8", "--policy", "streaming"], "--window sets the recent rows of policies brightness and smartkv"),
+    (["--unit", "1000", "-c", "64"], "unit 1000 is more rows than the policy can ever cull"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0"),
+    (["--repetition-penalty", "inf"], "repetition_penalty must be in [0.01, 100.0]"),
+    (["--repetition-penalty", "1e-30"], "repetition_penalty must be in [0.01, 100.0]"),
+    (["-s", "-1"], "seed must be in 0..2**63-1"),
+    (["-s", str(2**64)], "seed must be in 0..2**63-1"),
+    (["--capture", "/dev/null"], "cannot use --capture /dev/null: /dev/null is not a directory"),
+    (["--kv-store", "ring", "--policy", "streaming", "--capture", "CAPTURE"], "the ring store has none"),
+    (["--prompt-file", "/dev/zero"], "cannot read --prompt-file /dev/zero: more than the 67108864 bytes read"),
+])
+def test_nonsense_is_refused_with_one_line_before_the_model_loads(args, message, tmp_path, capsys, run_cli,
+                                                                  monkeypatch):
+    import positronic.cli.run as run_module
+
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    args = [str(tmp_path / "c") if a == "CAPTURE" else a for a in args]
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_a_window_for_a_policy_that_reads_it_is_taken(run_cli, capsys):
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "--window", "8", "--ticks", "2", "-c", "64") == 0
+
+
+def test_a_prompt_beyond_the_models_positions_fails_before_any_prefill(tmp_path, capsys, run_cli):
+    """random:tiny has 512 positions: a 2,000-byte prompt (a token a byte) is refused at once,
+    not after prefilling and decoding every token (a 10 MB file took minutes)."""
+    text = tmp_path / "long.txt"
+    text.write_text("word " * 400)
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "--prompt-file", str(text)) == 2
+    assert "the prompt is 2001 tokens, more than random:tiny's 512 positions" in capsys.readouterr().err
+
+
+def test_events_in_a_directory_that_does_not_exist_yet_are_written_there(tmp_path, run_cli):
+    events = tmp_path / "new" / "dir" / "events.jsonl"
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "--ticks", "3", "-c", "64", "--events", str(events)) == 0
+    assert len(events.read_text().splitlines()) == 4  # the header and three ticks
+
+
+def test_a_resume_appends_only_to_its_own_event_log(tmp_path, capsys, run_cli):
+    """An events file that is not the session's own (a notes file, another run's log) is
+    refused and left as it was; the session's own log goes on."""
+    session, own, other = tmp_path / "s", tmp_path / "own.jsonl", tmp_path / "other.jsonl"
+    base = ["-m", "random:tiny", "--no-tui", "--no-input", "-c", "64", "--ticks", "4"]
+    assert run_cli(*base, "--session", str(session), "--events", str(own)) == 0
+    assert run_cli(*base, "--session", str(tmp_path / "t"), "--events", str(other)) == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for foreign in (notes, other):
+        before = foreign.read_bytes()
+        assert run_cli(*base, "--session", str(session), "--resume", "--events", str(foreign)) == 2
+        assert "is not this session's event log" in capsys.readouterr().err
+        assert foreign.read_bytes() == before
+    assert run_cli(*base, "--session", str(session), "--resume", "--events", str(own)) == 0
+    records = [json.loads(line) for line in own.read_text().splitlines()]
+    headers = [r for r in records if r.get("record") == "header"]
+    assert len(headers) == 2 and headers[0]["run_id"] == headers[1]["run_id"]
+    assert [r["tick"] for r in records if r.get("record") != "header"] == list(range(1, 9))
+
+
+def test_a_second_run_on_a_session_in_use_is_refused(tmp_path, capsys, run_cli):
+    from positronic.brain import session as sessions
+
+    with sessions.locked(tmp_path / "s", "another run"):
+        assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "--ticks", "2", "-c", "64",
+                       "--session", str(tmp_path / "s")) == 2
+    assert "is in use by another run (pid" in capsys.readouterr().err

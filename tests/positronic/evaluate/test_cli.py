@@ -24,6 +24,7 @@ def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys, eval_text, run_cli
 @pytest.mark.parametrize("args,message", [
     (["--policy", "lru"], "unknown policy 'lru'"),
     (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
+    (["--text", "/dev/zero"], "cannot read --text /dev/zero: more than the 67108864 bytes read"),  # not without bound
     (["--budget", "20"], "budget 20"),
     (["--max-tokens", "1"], "--max-tokens must be >= 2"),
     (["--probe-at", "1.5"], "--probe-at must be a fraction in 0..1, got 1.5"),
