@@ -23,7 +23,11 @@ Bad requests get a 4xx JSON body in OpenAI's error shape, {"error": {"message", 
 "param", "code"}}: bad JSON or fields (400), an unknown model (404), a prompt or turn over
 the budget (400, context_length_exceeded), a bad session id (400), a body over --max-body
 (413), more than --max-pending requests or every session slot busy (429), a checkpoint that
-cannot be resumed (409). A client that disconnects stops its request's generation.
+cannot be resumed (409); the server's own trouble is a 5xx in the same shape: shutting down (503),
+no slot freeable because idle sessions cannot be checkpointed (507). A client that disconnects
+stops its request's generation. A shutdown (GracefulServer) cuts streams at their next token with
+a final error event, lets whole replies finish within the graceful period, and checkpoints only
+what clients received.
 
 The parts: the request bodies and the error shape (schemas.py), the answers whole or as
 server-sent events (streaming.py), the work behind the endpoints (service.py: BrainServer),
@@ -37,6 +41,7 @@ import logging
 import signal
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,6 +55,8 @@ from .sessions import SessionUnusable, check_session_id
 log = logging.getLogger("positronic.server.app")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+GRACEFUL_S = 10  # seconds a shutdown waits for the requests in flight (uvicorn's timeout_graceful_shutdown)
+STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start
 
 
 # -- middleware -------------------------------------------------------------------------------
@@ -86,8 +93,8 @@ class BodyLimit:
 class RequestMetrics:
     """Counts every request by endpoint and status, and its latency to the last byte sent."""
 
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, server: BrainServer | None = None):
+        self.app, self.metrics, self.server = app, metrics, server
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -102,9 +109,13 @@ class RequestMetrics:
                 status = message["status"]
             await send(message)
 
+        if self.server is not None:
+            self.server.open_requests += 1  # until its last byte is sent: a shutdown waits for it
         try:
             await self.app(scope, receive, sending)
         finally:
+            if self.server is not None:
+                self.server.open_requests -= 1
             self.metrics.record_request(endpoint, status, time.perf_counter() - start)
 
 
@@ -177,32 +188,44 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings) -> FastAPI:
         return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=server.metrics)
+    app.add_middleware(RequestMetrics, metrics=server.metrics, server=server)
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that tells the app's BrainServer when its shutdown begins (before it waits for
+    the requests in flight), so streams are cut cleanly and new requests refused at once
+    (BrainServer.begin_shutdown); the rest of the shutdown is uvicorn's."""
+
+    async def shutdown(self, sockets=None) -> None:
+        server = getattr(getattr(self.config.app, "state", None), "server", None)
+        if isinstance(server, BrainServer):
+            server.begin_shutdown()
+        await super().shutdown(sockets)
 
 
 def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: str = "127.0.0.1",
                   port: int = 8080) -> int:
     """Run the server until Ctrl-C or SIGTERM; sessions are checkpointed on the way out. The
     exit status: 0, or 1 when a session could not be checkpointed (lost) or the shutdown failed."""
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     print(f"serving {lm.name} (policy {config.policy}, budget {config.budget}, at most {settings.max_sessions} "
           f"sessions in memory; checkpoints in {settings.session_dir})", flush=True)
     app = create_app(lm, config, settings)
+    server = GracefulServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_S,
+                                           log_level="info"))
     # uvicorn re-raises the signal that stopped it once it has shut down (SIGTERM then kills the
     # process): caught here for a moment, so that lost sessions can still decide the exit status
     terminated: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
     try:
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=10, log_level="info")
-    except KeyboardInterrupt:  # Ctrl-C, re-raised the same way
-        if status := exit_status(app.state.server):
-            return status
-        raise
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised the same way: a stop like any other (as uvicorn.run has it)
+        pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        return STARTUP_FAILURE  # uvicorn said why (the port taken, ...)
     if status := exit_status(app.state.server):
         return status
     if terminated:  # a clean stop by SIGTERM ends as one, as it did before

@@ -20,14 +20,15 @@ from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
 from .metrics import Metrics
 from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
-from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, SessionPool, SessionUnusable,
-                       Turn, check_session_id, evicts_nothing)
+from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, ServerStopping, SessionPool,
+                       SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
 from .text import ChatFormat
 
 log = logging.getLogger("positronic.server.app")
 
 SESSION_HEADER = "x-session-id"
+CLOSE_WAIT_S = 5.0  # how long close() waits for the answers in flight to be sent
 
 
 @dataclass
@@ -60,15 +61,39 @@ class BrainServer:
         self._sweeper: asyncio.Task | None = None
         self.closed = False  # close() ran to its end
         self.lost: dict[str, str] = {}  # sessions close() could not checkpoint (id -> why)
+        self.stopping = False  # the shutdown has begun: streams are cut, new requests refused
+        self.open_requests = 0  # HTTP requests not yet answered to their last byte (app.RequestMetrics)
 
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
+    def begin_shutdown(self) -> None:
+        """The shutdown begins (app.GracefulServer calls this before uvicorn waits for the
+        requests in flight): a stream is cut at its next token, after every token generated
+        has been sent, with a final error event; a whole (non-streamed) reply in flight goes
+        on to its end and is answered; a new generation request gets 503."""
+        if not self.stopping:
+            self.stopping = True
+            log.info("shutting down: streams in flight are cut at their next token, replies in flight finish, "
+                     "new requests are refused")
+
+    def is_stopping(self) -> bool:
+        return self.stopping
+
     async def close(self) -> None:
-        """Graceful shutdown: every session checkpointed, then the model thread stopped."""
+        """Graceful shutdown: every session checkpointed, then the model thread stopped. A
+        session whose request is still running here was cancelled by uvicorn (its graceful
+        shutdown timed out): its client did not get the whole reply, so it is not checkpointed
+        (reported as lost). The answers still being sent are waited for (CLOSE_WAIT_S)."""
+        self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        saved, self.lost = await self.pool.close()
+        # cut: marked as uvicorn cancelled them, or still held now (their request was cancelled)
+        cut = {c.id for c in self.pool.loaded.values() if c.cut or c.lock.locked()}
+        saved, self.lost = await self.pool.close(cut)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self.open_requests and time.monotonic() < deadline:  # e.g. a 503 for a cancelled request
+            await asyncio.sleep(0.01)
         log.info("%d sessions checkpointed to %s", saved, self.settings.session_dir)
         if self.lost:
             log.error("%d sessions could not be checkpointed to %s and are lost: %s", len(self.lost),
@@ -272,9 +297,26 @@ class BrainServer:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated}
 
+    @staticmethod
+    def shutting_down(message: str) -> APIError:
+        return APIError(503, message, type="server_error", code="server_shutting_down")
+
     async def generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
         """Both generation endpoints: check, hold the conversation, queue the input, then
-        answer at once (the whole reply) or as server-sent events."""
+        answer at once (the whole reply) or as server-sent events. A request that uvicorn
+        cancels (its graceful shutdown timed out) is answered 503."""
+        try:
+            return await self._generate(request, body, chat)
+        except asyncio.CancelledError:
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
+            log.warning("a request was cancelled by the shutdown before its reply was finished")
+            return self.shutting_down("the server shut down before the reply was finished; the session does not "
+                                      "keep it").response()
+
+    async def _generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
+        if self.stopping:
+            raise self.shutting_down("the server is shutting down; try again once it is back")
         self.check(body)
         if chat:
             max_tokens = self.max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None
@@ -292,6 +334,8 @@ class BrainServer:
         try:
             await held.enter_async_context(self.admission())
             conversation = await held.enter_async_context(self.hold(session_id))
+            if self.stopping:  # it waited for its session while the shutdown began
+                raise self.shutting_down("the server is shutting down; try again once it is back")
             if chat:
                 prompt_tokens = await self.prepare_chat(conversation, body.messages, body.seed)
             else:
@@ -312,6 +356,9 @@ class BrainServer:
                     pass
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it
+            except asyncio.CancelledError:  # only uvicorn's shutdown cancels a whole reply (a client that
+                conversation.cut = True     # leaves is polled): marked before the session is let go
+                raise
             finally:
                 self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
             answer = writer.whole(turn.reply.text, turn.reply.finish_reason, self.usage(prompt_tokens, turn))
@@ -322,21 +369,33 @@ class BrainServer:
                      prompt_tokens: int, include_usage: bool):
         """The reply as server-sent events: the opening chunk, a chunk per piece of text, the
         closing chunk (finish reason, and the session's state), the usage chunk if asked,
-        `data: [DONE]`. An error after the first byte becomes an error event."""
+        `data: [DONE]`. An error after the first byte becomes an error event; so does the
+        shutdown, at the next token, once every token generated has been sent (the session
+        keeps just those)."""
         try:
             async with held:
                 try:
                     if (opening := writer.opening()) is not None:
                         yield sse(opening)
-                    async for piece in turn.pieces():
+                    async for piece in turn.pieces(stop=self.is_stopping):
                         yield sse(writer.piece(piece))
                     closing = writer.closing(turn.reply.finish_reason)
                     closing["positronic"] = self.extension(conversation)
                     yield sse(closing)
                     if include_usage:
                         yield sse(writer.usage(self.usage(prompt_tokens, turn)))
+                except asyncio.CancelledError:
+                    if self.stopping:  # uvicorn's shutdown timed out on this stream (not a client leaving)
+                        conversation.cut = True
+                    raise
                 finally:
                     self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
+        except ServerStopping:
+            if turn.reply is not None and (rest := turn.reply.cut()):
+                yield sse(writer.piece(rest))
+            generated = turn.reply.tokens if turn.reply else 0
+            yield sse(self.shutting_down(f"the server is shutting down: the reply was cut after {generated} tokens "
+                                         "(all sent; the session keeps them)").body())
         except Exception as exc:
             log.exception("a streamed request failed")
             yield sse(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body())

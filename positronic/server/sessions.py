@@ -65,6 +65,10 @@ class ClientGone(Exception):
     """The client went away: the request's generation stops."""
 
 
+class ServerStopping(Exception):
+    """The server is shutting down: the request's generation stops at a token boundary."""
+
+
 def evicts_nothing(config: BrainConfig) -> bool:
     """Whether a brain under `config` never makes room (policy none with at_capacity stop): its
     live length only grows, so the server admits no input it has no room for."""
@@ -124,6 +128,7 @@ class Conversation:
         self.dirty = False  # changed since it was resumed or saved
         self.evicted = False  # checkpointed and freed: a request that waited for it starts again
         self.broken = False  # its state cannot be trusted: dropped, never saved
+        self.cut = False  # the shutdown cancelled a reply of its before the client got it: not saved at close
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -221,7 +226,8 @@ class Turn:
     """One request's part of a conversation: the input queued for it read, then its reply
     generated, one worker job per token, so other sessions' requests step in between.
     `pieces()` yields the reply's text as it becomes sendable; ClientGone when `gone()` says
-    the client left (checked before every token)."""
+    the client left, ServerStopping when `stop()` says the server is shutting down (both
+    checked before every token)."""
 
     def __init__(self, conversation: Conversation, worker: ModelWorker, lm, *, max_tokens: int,
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False):
@@ -230,11 +236,14 @@ class Turn:
         self.ignore_eos = ignore_eos
         self.reply: Reply | None = None
 
-    async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[str]:
+    async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None,
+                     stop: Callable[[], bool] | None = None) -> AsyncIterator[str]:
         conversation = self.conversation
         while conversation.reading:
             if gone is not None and await gone():
                 raise ClientGone()
+            if stop is not None and stop():
+                raise ServerStopping()
             await self.worker.run(conversation.read_one)
         self.reply = reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
                                    ignore_eos=self.ignore_eos)
@@ -242,6 +251,8 @@ class Turn:
         while not reply.done:
             if gone is not None and await gone():
                 raise ClientGone()
+            if stop is not None and stop():
+                raise ServerStopping()
             record = await self.worker.run(conversation.step, self.sampling)
             if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
                 failed += 1
@@ -397,15 +408,23 @@ class SessionPool:
                         freed += await self._evict(conversation)
         return freed
 
-    async def close(self) -> tuple[int, dict[str, str]]:
+    async def close(self, cut: set[str] = frozenset()) -> tuple[int, dict[str, str]]:
         """Checkpoint every session in memory (each once its request is done) and free it: how
         many checkpoints were written, and the sessions that could not be (id -> why), lost
-        when the process ends."""
-        before = self.saved
+        when the process ends. The sessions in `cut` are not checkpointed: a reply of theirs
+        was cut before its client got it, and a checkpoint keeps only what clients received
+        (their last checkpoint, if any, stays)."""
+        before, lost = self.saved, {}
         async with self._admit:
             for conversation in list(self._loaded.values()):
+                if conversation.id in cut:
+                    why = "the shutdown cut a reply before its client got it all"
+                    log.error("session %s is not checkpointed: %s (its last checkpoint, if any, stays)",
+                              conversation.id, why)
+                    lost[conversation.id] = why
+                    continue
                 await self._evict(conversation)
-        lost = {sid: self.unsaved.get(sid, "not saved") for sid in self._loaded}
+        lost.update({sid: self.unsaved.get(sid, "not saved") for sid in self._loaded if sid not in lost})
         return self.saved - before, lost
 
     async def describe(self, session_id: str) -> dict | None:

@@ -7,12 +7,16 @@ chunks); `EventStream` sends the chunks and closes their iterator however the re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 
 import anyio
 from fastapi.responses import StreamingResponse
+
+log = logging.getLogger("positronic.server.app")
 
 
 def sse(data: dict | str) -> str:
@@ -30,6 +34,13 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when its graceful shutdown times out (a client that
+            # leaves is not this: Starlette ends that stream itself): the stream is cut, and
+            # the server's close() does not checkpoint its session. No traceback for it.
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()
+            log.warning("a stream was cancelled by the shutdown before its reply was finished")
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()

@@ -164,6 +164,19 @@ class Reply:
         self.text += piece
         return piece
 
+    def cut(self) -> str:
+        """The reply stops here, unfinished (the server is shutting down): what was held back (an
+        incomplete character, a tail that could have begun a stop string) is sent, so the
+        client has every token generated. Its finish_reason stays None."""
+        if self.done:
+            return ""
+        rest = self._decode()[self._decoded:] if self.ids else ""
+        self._decoded += len(rest)
+        piece, hit = self._stops.push(rest)
+        piece = piece if hit else piece + self._stops.flush()
+        self.text += piece
+        return piece
+
     def _decode(self) -> str:
         full = self.lm.decode([self.anchor] + self.ids)
         return full[len(self._prefix):] if full.startswith(self._prefix) else self.lm.decode(self.ids)
