@@ -3,6 +3,7 @@ model as a `LoadedModel` with the shape facts the cache code needs."""
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
@@ -47,10 +48,22 @@ class LoadedModel:
         """Token ids of `text`, with no special tokens added (the caller adds BOS itself)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without encoding it: no token covers more
+        characters than its longest vocabulary entry (a byte-level entry spells one byte per
+        character, a SentencePiece one at least its text). A 10 MB prompt is known too long at
+        once, where encoding it first took tens of seconds."""
+        return -(-len(text) // _longest_entry(self.tokenizer))
+
     def decode(self, ids: list[int]) -> str:
         """The text of a whole span of ids, decoded at once, special tokens included."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_entry(tokenizer) -> int:
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 def load_model(name: str = "smollm2", device: str | None = None,

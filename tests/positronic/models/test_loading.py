@@ -154,3 +154,13 @@ def test_a_hub_id_loads_from_the_local_hugging_face_cache_offline(tmp_path):
                              cwd=tmp_path)
     assert missing.returncode != 0 and "hf download someorg/absent" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("text", ["hello world", " " * 300, "\n\n\n" * 50, "ééé 漢字 🙂" * 20, "<|im_start|>" * 9,
+                                  "abc" * 1000, "".join(chr(i) for i in range(32, 3000))])
+def test_fewest_tokens_never_exceeds_the_real_count(smol, tiny, text):
+    """What `run` checks a prompt with before encoding it: a lower bound, for a BPE tokenizer
+    (SmolLM2's) and the byte tokenizer alike."""
+    for lm in (smol, tiny):
+        assert 1 <= lm.fewest_tokens(text) <= len(lm.encode(text))
+    assert tiny.fewest_tokens("x" * 6_000_000) == 1_000_000  # the longest entry, "<rNNN>", is 6 characters
