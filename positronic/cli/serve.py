@@ -74,6 +74,10 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         if options["default_max_tokens"] > options["max_tokens"]:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
+        from ..brain import session as sessions
+
+        # one server per session directory, and no run.py in one of its sessions: held until the command ends
+        ctx.with_resource(sessions.locked(directory, "positronic serve"))
         set_threads(options["threads"])
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
         check_budget(lm, config)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from positronic.brain import session as sessions
 
@@ -22,6 +23,16 @@ def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cl
     assert "budget 20" in capsys.readouterr().err
     assert run_cli("serve", "-m", MODEL, "--max-tokens", "10", "--default-max-tokens", "20",
                    "--session-dir", str(tmp_path)) == 2
+
+
+def test_a_second_server_on_a_session_dir_in_use_is_refused_before_loading_a_model(tmp_path, capsys, run_cli,
+                                                                                   monkeypatch):
+    import positronic.cli.serve as serve_module
+
+    monkeypatch.setattr(serve_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with sessions.locked(tmp_path, "positronic serve"):
+        assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path)) == 2
+    assert "is in use by positronic serve (pid" in capsys.readouterr().err
 
 
 def test_positronic_serve_serves_and_saves_its_sessions_on_sigterm(tmp_path, chat):
