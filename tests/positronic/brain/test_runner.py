@@ -129,11 +129,15 @@ def signal_moment(rng, process, events: Path, done: int, ticks: int) -> None:
         time.sleep(0.005)
 
 
+SOAK_STOPS = int(os.environ.get("POSITRONIC_SOAK_STOPS", "8"))  # the long form: POSITRONIC_SOAK_STOPS=40
+
+
 def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stream(tmp_path):
     """A run stopped again and again at random moments by Ctrl-C or SIGKILL (during start-up,
     mid-run, mid-save), resumed each time, ends with the same tokens, edits and event log
-    as a run that was never interrupted. Bounded: 8 interruptions, then it runs to the end."""
-    ticks, common = 400, ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
+    as a run that was never interrupted. Bounded: 8 interruptions (POSITRONIC_SOAK_STOPS), then
+    it runs to the end; the outcome of each is printed (pytest -s shows it)."""
+    ticks, common = max(400, 50 * SOAK_STOPS), ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
     straight = tmp_path / "straight.jsonl"
     subprocess.run(cli("--ticks", str(ticks), "--events", str(straight), *common), check=True,
                    capture_output=True, timeout=300)
@@ -148,7 +152,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
         process = subprocess.Popen(args + (["--resume"] if saved.exists() else ["--overwrite"]),  # a log of a run killed before its first save
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=interruptible)
-        if len(stops) < 8:  # then it runs to the end
+        if len(stops) < SOAK_STOPS:  # then it runs to the end
             signal_moment(rng, process, events, done, ticks)
             number = rng.choice([signal.SIGINT, signal.SIGKILL])
             process.send_signal(number)
@@ -160,4 +164,8 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
     assert tokens(events) == tokens(straight)
     codes = {code for _, code in stops}
     assert codes <= {0, 130, -signal.SIGKILL}, stops  # 0: the run ended before the signal came
-    assert len(stops) == 8
+    assert len(stops) == SOAK_STOPS
+    kinds = {(signal.Signals(number).name, code) for number, code in stops}
+    print(f"soak: {ticks} ticks, {len(stops)} stops: "
+          + ", ".join(f"{name}->{code}: {sum(1 for n, c in stops if (signal.Signals(n).name, c) == (name, code))}"
+                      for name, code in sorted(kinds)) + "; event log equal to the uninterrupted run's")
