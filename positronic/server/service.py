@@ -88,8 +88,10 @@ class BrainServer:
         self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        # cut: marked as uvicorn cancelled them, or still held now (their request was cancelled)
-        cut = {c.id for c in self.pool.loaded.values() if c.cut or c.lock.locked()}
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper  # an eviction it had begun lets its session go
+        # cut: marked as uvicorn cancelled them, or still held by a request now (it was cancelled)
+        cut = {c.id for c in self.pool.loaded.values() if c.cut or (c.lock.locked() and not c.evicting)}
         saved, self.lost = await self.pool.close(cut)
         deadline = time.monotonic() + CLOSE_WAIT_S
         while self.open_requests and time.monotonic() < deadline:  # e.g. a 503 for a cancelled request

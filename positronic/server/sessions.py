@@ -129,6 +129,7 @@ class Conversation:
         self.evicted = False  # checkpointed and freed: a request that waited for it starts again
         self.broken = False  # its state cannot be trusted: dropped, never saved
         self.cut = False  # the shutdown cancelled a reply of its before the client got it: not saved at close
+        self.evicting = False  # held by an eviction (a checkpoint being written), not by a request
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -373,6 +374,7 @@ class SessionPool:
         False, and it stays, if the checkpoint cannot be written."""
         conversation.users += 1
         await conversation.lock.acquire()
+        conversation.evicting = True
         try:
             if conversation.evicted or self._loaded.get(conversation.id) is not conversation:
                 return True
@@ -393,6 +395,7 @@ class SessionPool:
             self.freed += 1
             return True
         finally:
+            conversation.evicting = False
             conversation.lock.release()
             conversation.users -= 1
 
