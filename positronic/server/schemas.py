@@ -160,10 +160,20 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
+        errors = exc.errors()
+        # a field of several forms gets an error per form, each naming the form it tried
+        # ("prompt.list[int].1"): the deepest of the first field's names where it went wrong
+        field = errors[0]["loc"][:1]
+        error = max((e for e in errors if e["loc"][:1] == field),
+                    key=lambda e: len([p for p in e["loc"] if not _union_member(p)]))
+        param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
         raise APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param,
                        code="invalid_value" if param else "invalid_request") from None
+
+
+def _union_member(part) -> bool:
+    """Whether a pydantic error location part names a union's member type, not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
 
 
 def message_text(message: Message, index: int) -> str:

@@ -157,3 +157,16 @@ def test_sampling_at_the_edges_of_the_range_streams_a_whole_reply(live, sampling
     assert chunks[-1]["positronic"]["tick"] == 24  # every token generated, none failed
     whole = live.post("/v1/completions", {**body, "stream": False})
     assert whole.status_code == 200 and whole.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {**GOOD, "prompt": 3}, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, "a"]}, "prompt.0"),  # as a list of strings, its first is wrong
+    ("/v1/completions", {**GOOD, "stop": 3}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": 3}]}]},
+     "messages.0.content.0.type"),
+])
+def test_a_field_of_several_forms_is_named_without_the_form_tried(live, path, body, param):
+    error = error_of(live.post(path, body))
+    assert error["param"] == param and error["message"].startswith(f"{param}: ")
