@@ -4,23 +4,18 @@ import signal
 import sys
 
 if __name__ == "__main__":
+    # Importing torch and transformers takes seconds. A Ctrl-C then must be a clean stop, but
+    # an exception raised inside a library's import can surface as another error (numpy's lazy
+    # attributes under transformers' import wrapper gave a traceback) or abort native code, so
+    # the imports are not interrupted: the Ctrl-C is noted and the command ends as they finish.
     interrupted = []
-
-    def _interrupt(number, frame):  # importing torch takes seconds: a Ctrl-C then is a clean stop too
-        interrupted.append(number)
-        raise KeyboardInterrupt
-
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.SIG_IGN:  # a background job that ignores Ctrl-C keeps ignoring it
-        signal.signal(signal.SIGINT, _interrupt)
-    try:
-        from positronic.cli import entry
-    except BaseException:
-        # a KeyboardInterrupt raised inside a library's import can come out as another error
-        # (numpy's lazy attributes, then transformers' import wrapper): the Ctrl-C is what happened
-        if interrupted:
-            print("interrupted", file=sys.stderr)
-            sys.exit(130)
-        raise
+        signal.signal(signal.SIGINT, lambda number, frame: interrupted.append(number))
+    from positronic.cli import entry
+
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     signal.signal(signal.SIGINT, previous)
     entry()

@@ -153,6 +153,10 @@ class Brain:
         """
         config = config or BrainConfig()
         check_budget(lm, config)
+        if config.policy == "none" and config.at_capacity == "stop" and len(prompt_ids) >= config.budget:
+            raise ValueError(f"the prompt is {len(prompt_ids)} tokens and fills the budget of {config.budget}: policy "
+                             "none with at_capacity stop evicts nothing, so no token could be generated (raise "
+                             "--budget, or use --at-capacity shift or another policy)")
         if len(prompt_ids) > lm.max_positions:  # before any work: a 10 MB prompt fails at once
             raise ValueError(f"the prompt is {len(prompt_ids)} tokens, more than {lm.name}'s {lm.max_positions} "
                              "positions (a prompt must fit them; it is then pruned to the budget)")

@@ -111,19 +111,19 @@ def in_our_code(process) -> bool:
         return True
 
 
-def signal_moment(rng, process, events: Path, done: int, ticks: int) -> None:
+def signal_moment(rng, process, events: Path, done: int, ticks: int, span: int) -> None:
     """Return at a random moment of the run: a quarter of the time during start-up (a random
     fraction of a second after run.py began importing), else once the log shows a random tick
-    in the first half of what is left. Counted in ticks, not seconds, so every signal lands
-    before the run can end however fast or loaded the machine is (time-based delays failed
-    both ways)."""
+    among the next `span` (at most half of what is left). Counted in ticks, not seconds, so
+    every signal lands before the run can end however fast or loaded the machine is
+    (time-based delays failed both ways); `span` leaves ticks for every stop to come."""
     if rng.random() < 0.25:
         deadline = time.monotonic() + 60
         while process.poll() is None and not in_our_code(process) and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(rng.uniform(0.0, 1.0))
         return
-    target = done + rng.randint(1, max(1, (ticks - done) // 2))
+    target = done + rng.randint(1, max(1, min(span, (ticks - done) // 2)))
     deadline = time.monotonic() + 120
     while process.poll() is None and logged_tick(events) < target and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -153,7 +153,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=interruptible)
         if len(stops) < SOAK_STOPS:  # then it runs to the end
-            signal_moment(rng, process, events, done, ticks)
+            signal_moment(rng, process, events, done, ticks, span=ticks // (2 * SOAK_STOPS))
             number = rng.choice([signal.SIGINT, signal.SIGKILL])
             process.send_signal(number)
             stops.append((number, process.wait(timeout=120)))

@@ -380,3 +380,14 @@ def test_a_plan_changes_nothing_until_it_is_committed(tiny, name):
     assert first.actions == second.actions and len(first.actions) == policy.due(100) and policy.state() == before
     policy.commit(first.next)
     assert policy.state() != before and len(policy.recall) == policy.due(100), "the evicted rows are recallable once committed"
+
+
+def test_none_stop_refuses_a_prompt_that_leaves_no_room_to_generate(tiny):
+    """A prompt of the whole budget under policy none with at_capacity stop: the first tick
+    would add a row past the budget (65 at 64), so the start is refused, naming the way out."""
+    cfg = BrainConfig(policy="none", budget=48, at_capacity="stop", seed=1)
+    with pytest.raises(ValueError, match="fills the budget of 48: policy none with at_capacity stop evicts nothing"):
+        Brain.start(tiny, [tiny.bos_id] + list(range(10, 57)), cfg)
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 56)), cfg)  # 47 rows: one token fits
+    record = brain.step()
+    assert record.stopped and len(brain.state) == 48
