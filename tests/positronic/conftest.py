@@ -1,8 +1,12 @@
 """Fixtures shared by the test modules of positronic/ (the folder's own modules)."""
 
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -152,3 +156,22 @@ def conversation():
 def metric():
     """metric(text, name, **labels) -> the value of one sample in a Prometheus exposition."""
     return _metric
+
+
+def _serve_process(*args: str) -> tuple[subprocess.Popen, str]:
+    """`run.py serve -m random:tiny --port 0 ARGS` as a process of its own, and the URL uvicorn
+    says it runs on (its stderr is read up to that line; the caller reads the rest)."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, str(root / "run.py"), "serve", "-m", "random:tiny", "--port", "0", *args]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=root)
+    for line in process.stderr:  # uvicorn names the port it got
+        if found := re.search(r"running on (http://\S+)", line):
+            return process, found.group(1)
+    process.kill()
+    raise AssertionError("the server never said where it runs")
+
+
+@pytest.fixture(scope="session")
+def serve_process():
+    """serve_process(*args) -> (process, url): a real `serve` process on a free port."""
+    return _serve_process

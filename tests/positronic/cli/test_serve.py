@@ -1,10 +1,6 @@
 """`positronic serve` (positronic/cli/serve.py): bad flags refused before a model loads, and a
 real server process that serves and saves its sessions on SIGTERM."""
 
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import openai
@@ -13,7 +9,6 @@ import pytest
 from positronic.brain import session as sessions
 
 MODEL = "random:tiny"
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cli):
@@ -35,17 +30,9 @@ def test_a_second_server_on_a_session_dir_in_use_is_refused_before_loading_a_mod
     assert "is in use by positronic serve (pid" in capsys.readouterr().err
 
 
-def test_positronic_serve_serves_and_saves_its_sessions_on_sigterm(tmp_path, chat):
-    command = [sys.executable, str(ROOT / "run.py"), "serve", "-m", MODEL, "--port", "0", "--budget", "64",
-               "--kv-sink-tokens", "2", "--session-dir", str(tmp_path), "-t", "1"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+def test_positronic_serve_serves_and_saves_its_sessions_on_sigterm(tmp_path, chat, serve_process):
+    process, url = serve_process("--budget", "64", "--kv-sink-tokens", "2", "--session-dir", str(tmp_path), "-t", "1")
     try:
-        url = None
-        for line in process.stderr:  # uvicorn names the port it got
-            if found := re.search(r"running on (http://\S+)", line):
-                url = found.group(1)
-                break
-        assert url, "the server never said where it runs"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         assert chat(client, "cli", "hello").choices[0].finish_reason == "length"
         assert httpx.get(url + "/health").json()["budget"] == 64

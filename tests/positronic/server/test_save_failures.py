@@ -9,11 +9,8 @@ path under a regular file.
 
 import asyncio
 import logging
-import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
@@ -23,7 +20,6 @@ from positronic.server.app import exit_status
 from positronic.server.sessions import ModelWorker, PoolFull, SaveFailed, SessionPool
 
 MODEL = "random:tiny"
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def unwritable(tmp_path: Path) -> Path:
@@ -104,18 +100,10 @@ def test_a_clean_shutdown_exits_0(tiny, tmp_path, live_server, server_settings):
     assert server.server.lost == {} and exit_status(server.server) == 0
 
 
-def test_positronic_serve_exits_1_when_it_cannot_save_its_sessions(tmp_path, chat):
+def test_positronic_serve_exits_1_when_it_cannot_save_its_sessions(tmp_path, chat, serve_process):
     sessions = tmp_path / "sessions"
-    command = [sys.executable, str(ROOT / "run.py"), "serve", "-m", MODEL, "--port", "0", "--budget", "64",
-               "--session-dir", str(sessions), "-t", "1"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    process, url = serve_process("--budget", "64", "--session-dir", str(sessions), "-t", "1")
     try:
-        url = None
-        for line in process.stderr:  # uvicorn names the port it got
-            if found := re.search(r"running on (http://\S+)", line):
-                url = found.group(1)
-                break
-        assert url, "the server never said where it runs"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         assert chat(client, "doomed", "hello").choices[0].finish_reason == "length"
         shutil.rmtree(sessions, ignore_errors=True)  # nothing saved yet: it may not exist
