@@ -142,8 +142,8 @@ def run(
             brain = sessions.resume(lm, session)
         else:
             text = DEFAULT_PROMPT if prompt is None else prompt
-            if lm.fewest_tokens(text) + 1 > lm.max_positions:  # before encoding it: that alone can take minutes
-                raise UserError(f"the prompt is at least {lm.fewest_tokens(text)} tokens, more than {lm.name}'s "
+            if (fewest := lm.fewest_tokens(text)) + 1 > lm.max_positions:  # before encoding: that alone took minutes
+                raise UserError(f"the prompt is at least {fewest} tokens, more than {lm.name}'s "
                                 f"{lm.max_positions} positions (a prompt must fit them; it is then pruned to the budget)")
             prompt_ids = [lm.bos_id] + lm.encode(text)
             brain = Brain.start(lm, prompt_ids, config, pins=pin or ())

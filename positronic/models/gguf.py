@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,8 +19,6 @@ from .checks import ModelError, check_config
 
 def cache_root() -> Path:
     """$POSITRONIC_CACHE, or ~/.cache/positronic."""
-    import os
-
     return Path(os.environ.get("POSITRONIC_CACHE") or Path.home() / ".cache" / "positronic")
 
 

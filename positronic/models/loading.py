@@ -117,8 +117,6 @@ def _resolve_source(name: str) -> tuple[str, bool]:
         return TINYLLAMA_ID, False
     path = Path(name).expanduser()
     if name.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise ModelError(f"GGUF file {name!r} does not exist or is not a regular file")
         return str(gguf_cache(path)), True
     if path.is_dir():
         return str(path), True
@@ -188,11 +186,10 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> LoadedModel:
-    check_config(model.config)  # before anything runs the model
-    config, rotary = model.config, model.model.rotary_emb
     model.eval().requires_grad_(False)
     model.set_attn_implementation(attention.for_device(dev))
-    check_model(name, model, tokenizer)
+    check_model(name, model, tokenizer)  # the config first, before its probe runs the model
+    config, rotary = model.config, model.model.rotary_emb
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id
     if bos is None:
         raise ModelError(f"model {name!r} has no BOS token id")
