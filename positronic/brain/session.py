@@ -81,9 +81,11 @@ def locked(directory: str | Path, who: str = "a run"):
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
+def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None = None) -> Path:
     """Checkpoint `brain` into `directory` (created if needed) without changing it; atomic.
-    Refuses a broken state (StateBrokenError): a state that cannot be trusted is never saved."""
+    Refuses a broken state (StateBrokenError): a state that cannot be trusted is never saved.
+    `note`: what the caller keeps beside the run, in the same atomic write (the server's
+    answer to the session's last request), given back by `restore`."""
     directory = Path(directory)
     tensors = brain.state.tensors()
     directory.mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,8 @@ def save(directory: str | Path, brain: Brain, model_name: str) -> Path:
         "pending_input": list(brain.pending_input),  # typed input not fed yet
         "run_id": brain.run_id,
     }
+    if note is not None:
+        meta["note"] = note
     path = directory / MIRROR_FILE
     mirror.write_atomic(path, brain.state.mirror.to_bytes(meta))  # mirror.save, from the read-only view
     for stale in directory.glob("kv-*.safetensors"):
@@ -167,6 +171,8 @@ def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
     if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         raise SessionError(f"{path}: run id malformed: {run_id!r}")
     cache = meta.get("cache")
+    if "note" in meta and not isinstance(meta["note"], dict):
+        raise SessionError(f"{path}: note malformed: {type(meta['note']).__name__}, not a map")
     if cache is not None and not (isinstance(cache, dict) and set(cache) == {"file", "sha256"}
                                   and isinstance(cache["file"], str) and CACHE_FILE.fullmatch(cache["file"])
                                   and isinstance(cache["sha256"], str) and cache["sha256"][:16] == cache["file"][3:19]):
@@ -216,6 +222,11 @@ def resume(lm, directory: str | Path) -> Brain:
     """A Brain that continues the saved run exactly: the cache as it was saved (sessions from
     before the cache file was saved: rebuilt from the mirror, as they were saved right after
     a rebuild), the sampler, the tick, the policy's state."""
+    return restore(lm, directory)[0]
+
+
+def restore(lm, directory: str | Path) -> tuple[Brain, dict | None]:
+    """resume(), and the note saved with the checkpoint (None if it has none)."""
     directory = Path(directory)
     saved, meta = load(directory)
     path = directory / MIRROR_FILE
@@ -253,4 +264,4 @@ def resume(lm, directory: str | Path) -> Brain:
         except ValueError as exc:
             raise SessionError(f"{path}: {exc}") from None
     brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})
-    return brain
+    return brain, meta.get("note")

@@ -44,6 +44,10 @@ def _server_options(
     max_body: int = typer.Option(1 << 20, min=1024, help="Largest request body in bytes (413 above)."),
     max_tokens: int = typer.Option(4096, min=1, help="The most tokens one request may ask to generate."),
     default_max_tokens: int = typer.Option(256, min=1, help="Tokens generated when a request gives no max_tokens."),
+    checkpoint_each_request: bool = typer.Option(
+        True, "--checkpoint-each-request/--checkpoint-when-idle",
+        help="Write a session to disk at the end of each request, before its answer's last byte (a kill loses "
+             "no answered turn; about one tick's time per request), or only when it is freed and at shutdown."),
 ) -> None:
     """The serve command's own options: their definitions only (never called)."""
 
@@ -86,7 +90,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         settings = ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],
                                   idle_save_s=options["idle_save"], max_pending=options["max_pending"],
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
-                                  default_max_tokens=options["default_max_tokens"])
+                                  default_max_tokens=options["default_max_tokens"],
+                                  checkpoint_each_request=options["checkpoint_each_request"])
         return serve_forever(lm, config, settings, host=options["host"], port=options["port"])  # exit status
 
     serve.__signature__ = inspect.Signature(parameters)

@@ -217,7 +217,12 @@ def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: st
     # uvicorn re-raises the signal that stopped it once it has shut down (SIGTERM then kills the
     # process): caught here for a moment, so that lost sessions can still decide the exit status
     terminated: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
+
+    def on_sigterm(sig, frame):  # uvicorn's own handler replaces this one while it runs
+        terminated.append(sig)
+        server.should_exit = True  # a SIGTERM before uvicorn took over: it stops as soon as it starts
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C, re-raised the same way: a stop like any other (as uvicorn.run has it)

@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
+from . import answers
 from .metrics import Metrics
 from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, ServerStopping, SessionPool,
@@ -43,6 +45,7 @@ class ServerSettings:
     max_tokens: int = 4096  # the most one request may generate
     default_max_tokens: int = 256
     sweep_every_s: float = 5.0  # how often idle sessions are looked for
+    checkpoint_each_request: bool = True  # write a session through to disk before each answer's last byte
 
 
 class BrainServer:
@@ -287,11 +290,51 @@ class BrainServer:
 
     # -- answers --
 
-    def extension(self, conversation: Conversation) -> dict:
-        """The session's state after the request (a field OpenAI clients ignore)."""
+    def extension(self, conversation: Conversation, turn: Turn) -> dict:
+        """The session's state after the request (a field OpenAI clients ignore): its counts,
+        whether its checkpoint holds this reply, and for a retried request (Idempotency-Key)
+        whether the reply was replayed (nothing generated) or a cut one continued."""
         brain = conversation.brain
-        return {"session": conversation.id, "tick": brain.tick, "live_length": brain.state.rows_per_layer,
-                "budget": brain.config.budget, "ledger_tokens": len(brain.state.mirror.ledger)}
+        state = {"session": conversation.id, "tick": brain.tick, "live_length": brain.state.rows_per_layer,
+                 "budget": brain.config.budget, "ledger_tokens": len(brain.state.mirror.ledger),
+                 "checkpointed": conversation.id is not None and not conversation.dirty}
+        if turn.retried:
+            state["retried"] = "replayed" if turn.generated == 0 else "continued"
+        return state
+
+    async def checkpoint(self, conversation: Conversation, answer: answers.Answer | None, turn: Turn) -> None:
+        """The request is done with its session: its keyed answer records the reply, and the
+        session is written through to disk (checkpoint_each_request) before the answer's last
+        byte, so a client that got its whole answer knows the checkpoint holds it. Not when a
+        shutdown cancelled the request (`cut`: its client never got the reply)."""
+        if answer is not None:
+            answer.reply = turn.reply
+        if not self.settings.checkpoint_each_request or conversation.id is None or conversation.cut:
+            return
+        with anyio.CancelScope(shield=True):  # a client that left does not stop the write
+            await self.pool.checkpoint(conversation)
+
+    async def begin_turn(self, conversation: Conversation, body: GenerationBody, chat: bool, key: str | None,
+                         max_tokens: int, stops: list[str]) -> tuple[Turn, answers.Answer | None, int]:
+        """The request's turn, its keyed answer and the tokens its input added: a retried key
+        (answers.py) takes up its earlier reply instead of queueing the input again."""
+        options = dict(max_tokens=max_tokens, stops=stops, sampling=self.sampling(body), ignore_eos=body.ignore_eos)
+        if key is not None:
+            print_ = answers.fingerprint(body, chat)
+            if (answer := conversation.answers.find(key, print_)) is not None:
+                reply = conversation.answers.resumed_reply(self.lm, max_tokens, stops, body.ignore_eos)
+                turn = Turn(conversation, self.worker, self.lm, reply=reply, retried=True, **options)
+                return turn, answer, answer.prompt_tokens
+        if chat:
+            prompt_tokens = await self.prepare_chat(conversation, body.messages, body.seed)
+        else:
+            prompt_tokens = await self.prepare_completion(conversation, body.prompt, body.seed)
+        if key is None:
+            conversation.answers.forget()
+            answer = None
+        else:
+            answer = conversation.answers.begin(key, print_, prompt_tokens)
+        return Turn(conversation, self.worker, self.lm, **options), answer, prompt_tokens
 
     @staticmethod
     def usage(prompt_tokens: int, turn: Turn) -> dict:
@@ -332,26 +375,23 @@ class BrainServer:
             for i, message in enumerate(body.messages):
                 message_text(message, i)
         session_id = self.session_id(request, body.user)
+        key = answers.check_key(request.headers.get(answers.HEADER), session_id)
         held = contextlib.AsyncExitStack()
         try:
             await held.enter_async_context(self.admission())
             conversation = await held.enter_async_context(self.hold(session_id))
             if self.stopping:  # it waited for its session while the shutdown began
                 raise self.shutting_down("the server is shutting down; try again once it is back")
-            if chat:
-                prompt_tokens = await self.prepare_chat(conversation, body.messages, body.seed)
-            else:
-                prompt_tokens = await self.prepare_completion(conversation, body.prompt, body.seed)
+            turn, answer, prompt_tokens = await self.begin_turn(conversation, body, chat, key, max_tokens, stops)
         except BaseException:
             await held.aclose()
             raise
-        turn = Turn(conversation, self.worker, self.lm, max_tokens=max_tokens, stops=stops,
-                    sampling=self.sampling(body), ignore_eos=body.ignore_eos)
         writer = (ChatWriter if chat else CompletionWriter)(self.lm.name)
         headers = {"X-Session-Id": session_id} if session_id else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self.events(held, conversation, turn, writer, prompt_tokens, usage), headers=headers)
+            return EventStream(self.events(held, conversation, turn, answer, writer, prompt_tokens, usage),
+                               headers=headers)
         async with held:
             try:
                 async for _ in turn.pieces(gone=request.is_disconnected):
@@ -362,27 +402,31 @@ class BrainServer:
                 conversation.cut = True     # leaves is polled): marked before the session is let go
                 raise
             finally:
-                self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
-            answer = writer.whole(turn.reply.text, turn.reply.finish_reason, self.usage(prompt_tokens, turn))
-            answer["positronic"] = self.extension(conversation)
-        return JSONResponse(answer, headers=headers)
+                self.metrics.record_reply(0 if turn.retried else prompt_tokens, turn.generated)
+                await self.checkpoint(conversation, answer, turn)
+            whole = writer.whole(turn.reply.text, turn.reply.finish_reason, self.usage(prompt_tokens, turn))
+            whole["positronic"] = self.extension(conversation, turn)
+        return JSONResponse(whole, headers=headers)
 
-    async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn, writer,
-                     prompt_tokens: int, include_usage: bool):
+    async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn,
+                     answer: answers.Answer | None, writer, prompt_tokens: int, include_usage: bool):
         """The reply as server-sent events: the opening chunk, a chunk per piece of text, the
-        closing chunk (finish reason, and the session's state), the usage chunk if asked,
-        `data: [DONE]`. An error after the first byte becomes an error event; so does the
-        shutdown, at the next token, once every token generated has been sent (the session
-        keeps just those)."""
+        closing chunk (finish reason, and the session's state: checkpointed by then), the usage
+        chunk if asked, `data: [DONE]`. An error after the first byte becomes an error event; so
+        does the shutdown, at the next token, once every token generated has been sent (the
+        session keeps just those, and a retry with its Idempotency-Key continues the reply)."""
         try:
             async with held:
+                checkpointed = False
                 try:
                     if (opening := writer.opening()) is not None:
                         yield sse(opening)
                     async for piece in turn.pieces(stop=self.is_stopping):
                         yield sse(writer.piece(piece))
+                    await self.checkpoint(conversation, answer, turn)
+                    checkpointed = True
                     closing = writer.closing(turn.reply.finish_reason)
-                    closing["positronic"] = self.extension(conversation)
+                    closing["positronic"] = self.extension(conversation, turn)
                     yield sse(closing)
                     if include_usage:
                         yield sse(writer.usage(self.usage(prompt_tokens, turn)))
@@ -391,7 +435,9 @@ class BrainServer:
                         conversation.cut = True
                     raise
                 finally:
-                    self.metrics.record_reply(prompt_tokens, turn.reply.tokens if turn.reply else 0)
+                    self.metrics.record_reply(0 if turn.retried else prompt_tokens, turn.generated)
+                    if not checkpointed:
+                        await self.checkpoint(conversation, answer, turn)
         except ServerStopping:
             if turn.reply is not None and (rest := turn.reply.cut()):
                 yield sse(writer.piece(rest))

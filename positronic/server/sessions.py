@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..brain import session as sessions
 from ..brain.loop import Brain, BrainConfig, TickRecord
+from .answers import Answers
 from .text import Reply
 from ..state.manager import StateBrokenError
 from ..state.readonly import MirrorView
@@ -130,6 +131,7 @@ class Conversation:
         self.broken = False  # its state cannot be trusted: dropped, never saved
         self.cut = False  # the shutdown cancelled a reply of its before the client got it: not saved at close
         self.evicting = False  # held by an eviction (a checkpoint being written), not by a request
+        self.answers = Answers()  # the answer to its last keyed request (answers.py), checkpointed with it
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -195,9 +197,10 @@ class Conversation:
         return record
 
     def save(self, directory: Path, model_name: str) -> None:
-        """Checkpoint into `directory` (its input read first: only typed turns are saved pending)."""
+        """Checkpoint into `directory` (its input read first: only typed turns are saved pending),
+        with its answers in the same atomic write."""
         self.settle()
-        sessions.save(directory, self.brain, model_name)
+        sessions.save(directory, self.brain, model_name, note=self.answers.note())
         self.dirty = False
 
     def last_token(self) -> int:
@@ -228,42 +231,62 @@ class Turn:
     generated, one worker job per token, so other sessions' requests step in between.
     `pieces()` yields the reply's text as it becomes sendable; ClientGone when `gone()` says
     the client left, ServerStopping when `stop()` says the server is shutting down (both
-    checked before every token)."""
+    checked before every token). `reply`: a reply begun earlier (a retried request, answers.py):
+    its text so far comes first, then generation goes on (nothing, if it is finished)."""
 
     def __init__(self, conversation: Conversation, worker: ModelWorker, lm, *, max_tokens: int,
-                 stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False):
+                 stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
+                 reply: Reply | None = None, retried: bool = False):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
         self.ignore_eos = ignore_eos
-        self.reply: Reply | None = None
+        self.reply = reply
+        self.earlier_tokens = reply.tokens if reply is not None else 0  # generated before this request
+        self.retried = retried  # it takes up an earlier request's answer (an Idempotency-Key sent again)
+
+    @property
+    def generated(self) -> int:
+        """Tokens this request generated (a retry's earlier part not counted)."""
+        return (self.reply.tokens if self.reply is not None else 0) - self.earlier_tokens
 
     async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None,
                      stop: Callable[[], bool] | None = None) -> AsyncIterator[str]:
         conversation = self.conversation
-        while conversation.reading:
-            if gone is not None and await gone():
-                raise ClientGone()
-            if stop is not None and stop():
-                raise ServerStopping()
-            await self.worker.run(conversation.read_one)
-        self.reply = reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
-                                   ignore_eos=self.ignore_eos)
-        failed = 0
+        if self.reply is None:
+            while conversation.reading:
+                if gone is not None and await gone():
+                    raise ClientGone()
+                if stop is not None and stop():
+                    raise ServerStopping()
+                await self.worker.run(conversation.read_one)
+            self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
+                               ignore_eos=self.ignore_eos)
+        elif self.reply.text:
+            yield self.reply.text
+        reply, failed = self.reply, 0
         while not reply.done:
             if gone is not None and await gone():
                 raise ClientGone()
             if stop is not None and stop():
                 raise ServerStopping()
-            record = await self.worker.run(conversation.step, self.sampling)
+            record, piece = await self.worker.run(self._next_token)
             if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
                 failed += 1
                 if failed >= MAX_FAILED_TICKS:
                     raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
                 continue
             failed = 0
-            piece = reply.add(record.token_id, stopped=record.stopped)
             if piece:
                 yield piece
+
+    def _next_token(self) -> tuple[TickRecord, str]:
+        """On the model worker: one tick, and its token taken into the reply in the same job, so
+        that a token the brain took is always the reply's (a request cancelled while the job
+        runs, by a client leaving, loses the text's piece but not the token: a retry sends it)."""
+        record = self.conversation.step(self.sampling)
+        if record.rebuilt:
+            return record, ""
+        return record, self.reply.add(record.token_id, stopped=record.stopped)
 
 
 class SessionPool:
@@ -346,8 +369,9 @@ class SessionPool:
             path = self.path(session_id)
             if (path / sessions.MIRROR_FILE).exists():
                 try:
-                    conversation.brain = await self.worker.run(sessions.resume, self.lm, path)
-                except sessions.SessionError as exc:
+                    conversation.brain, note = await self.worker.run(sessions.restore, self.lm, path)
+                    conversation.answers = Answers.from_note(note, self.lm.vocab_size)
+                except (sessions.SessionError, ValueError) as exc:
                     raise SessionUnusable(f"session {session_id} cannot be resumed: {exc}") from None
                 self.resumed += 1
             self._loaded[session_id] = conversation
@@ -378,18 +402,8 @@ class SessionPool:
         try:
             if conversation.evicted or self._loaded.get(conversation.id) is not conversation:
                 return True
-            if conversation.brain is not None and conversation.dirty and not conversation.broken:
-                path = self.path(conversation.id)
-                try:
-                    await self.worker.run(conversation.save, path, self.lm.name)
-                except Exception as exc:  # whatever it is, the session stays in memory, and it is said
-                    self.save_failures += 1
-                    self.unsaved[conversation.id] = f"{type(exc).__name__}: {exc}"
-                    log.error("session %s could not be checkpointed to %s: %s: %s", conversation.id,
-                              path / sessions.MIRROR_FILE, type(exc).__name__, exc)
-                    return False
-                self.saved += 1
-            self.unsaved.pop(conversation.id, None)
+            if not await self.checkpoint(conversation):
+                return False
             conversation.evicted = True
             del self._loaded[conversation.id]
             self.freed += 1
@@ -398,6 +412,24 @@ class SessionPool:
             conversation.evicting = False
             conversation.lock.release()
             conversation.users -= 1
+
+    async def checkpoint(self, conversation: Conversation) -> bool:
+        """Checkpoint `conversation` if it changed since its last one (a broken one never is);
+        False, said in the log and counted, if it cannot be written: it stays in memory."""
+        if conversation.brain is None or not conversation.dirty or conversation.broken:
+            return True
+        path = self.path(conversation.id)
+        try:
+            await self.worker.run(conversation.save, path, self.lm.name)
+        except Exception as exc:  # whatever it is, the session stays in memory, and it is said
+            self.save_failures += 1
+            self.unsaved[conversation.id] = f"{type(exc).__name__}: {exc}"
+            log.error("session %s could not be checkpointed to %s: %s: %s", conversation.id,
+                      path / sessions.MIRROR_FILE, type(exc).__name__, exc)
+            return False
+        self.saved += 1
+        self.unsaved.pop(conversation.id, None)
+        return True
 
     async def sweep(self) -> int:
         """Checkpoint and free the sessions idle for `idle_save_s` (0: none); how many."""

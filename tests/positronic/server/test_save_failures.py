@@ -75,7 +75,9 @@ def test_a_request_whose_slot_cannot_be_freed_gets_507_and_the_shutdown_reports_
     with caplog.at_level(logging.ERROR, logger="positronic.server.app"):
         with live_server(tiny, settings) as server:
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
-            assert server.post("/v1/completions", {**body, "user": "keeper"}).status_code == 200
+            kept = server.post("/v1/completions", {**body, "user": "keeper"})
+            # answered (the reply is whole), and told that the session's checkpoint does not hold it
+            assert kept.status_code == 200 and kept.json()["positronic"]["checkpointed"] is False
             for _ in range(2):  # each request tries again, and each is told why
                 refused = server.post("/v1/completions", {**body, "user": "other"})
                 assert refused.status_code == 507, refused.text
@@ -83,7 +85,8 @@ def test_a_request_whose_slot_cannot_be_freed_gets_507_and_the_shutdown_reports_
                 assert set(error) == {"message", "type", "param", "code"}
                 assert (error["type"], error["code"]) == ("server_error", "session_save_failed")
                 assert "session keeper" in error["message"] and "checkpointed" in error["message"]
-            assert metric(server.get("/metrics").text, "positronic_session_save_failures_total") == 2
+            # the write-through at the end of keeper's request, then one per refused request
+            assert metric(server.get("/metrics").text, "positronic_session_save_failures_total") == 3
             assert server.get("/health").json()["sessions"]["unsaved"] == ["keeper"]
             assert server.post("/v1/completions", {**body, "user": "keeper"}).status_code == 200  # it goes on
     brain_server = server.server
@@ -102,7 +105,8 @@ def test_a_clean_shutdown_exits_0(tiny, tmp_path, live_server, server_settings):
 
 def test_positronic_serve_exits_1_when_it_cannot_save_its_sessions(tmp_path, chat, serve_process):
     sessions = tmp_path / "sessions"
-    process, url = serve_process("--budget", "64", "--session-dir", str(sessions), "-t", "1")
+    process, url = serve_process("--budget", "64", "--session-dir", str(sessions), "-t", "1",
+                                 "--checkpoint-when-idle")  # so that the session is first saved at the shutdown
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         assert chat(client, "doomed", "hello").choices[0].finish_reason == "length"

@@ -17,7 +17,7 @@ def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_p
     had it stayed in memory (the module's server, with room to spare, is the reference)."""
     texts = ["first words", "second words", "third words", "fourth words"]
     reference = conversation(live.client(), "ref-resume", texts)
-    small = server_settings(tmp_path, max_sessions=2)
+    small = server_settings(tmp_path, max_sessions=2, checkpoint_each_request=False)  # saved only to make room
     with live_server(tiny, small) as server:
         client = server.client()
         history = []
