@@ -18,6 +18,8 @@ the budget as in a run: the policy evicts, repairs, recalls; replies end at max_
 end-of-sequence token (unless `ignore_eos`, as in vLLM and llama.cpp) or a stop string.
 `temperature` and `top_p` apply to the request's own tokens; `seed` to a brain the request
 creates.
+Every answer is written through to its session's checkpoint before its last byte, and a request
+sent again with the same Idempotency-Key header is answered exactly once (answers.py).
 
 Bad requests get a 4xx JSON body in OpenAI's error shape, {"error": {"message", "type",
 "param", "code"}}: bad JSON or fields (400), an unknown model (404), a prompt or turn over
@@ -30,8 +32,9 @@ a final error event, lets whole replies finish within the graceful period, and c
 what clients received.
 
 The parts: the request bodies and the error shape (schemas.py), the answers whole or as
-server-sent events (streaming.py), the work behind the endpoints (service.py: BrainServer),
-the conversations (sessions.py), chat text and stop strings (text.py), metrics (metrics.py).
+server-sent events (streaming.py), retried requests (answers.py), the work behind the
+endpoints (service.py: BrainServer), the conversations (sessions.py), chat text and stop
+strings (text.py), metrics (metrics.py).
 """
 
 from __future__ import annotations
