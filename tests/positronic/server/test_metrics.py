@@ -1,7 +1,10 @@
 """The server's metrics (positronic/server/metrics.py): what GET /metrics counts after real
-requests, and the Prometheus exposition itself."""
+requests, the Prometheus exposition itself (read back with prometheus_client's own parser),
+the token-timing histograms, and one server's numbers kept apart from another's."""
 
 import re
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from positronic.brain.loop import TickRecord
 from positronic.server.metrics import Metrics
@@ -18,7 +21,9 @@ def test_metrics_count_tokens_requests_and_maintenance(tiny, tmp_path, live_serv
         second = chat(client, None, "and me", max_tokens=7, extra_body={"ignore_eos": True})
         bad = server.post("/v1/completions", {**GOOD, "max_tokens": 0})
         assert bad.status_code == 400
-        text = server.get("/metrics").text
+        scrape = server.get("/metrics")
+    text = scrape.text
+    assert scrape.headers["content-type"].startswith("text/plain; version=")  # the text format, not OpenMetrics
     generated = first.usage.completion_tokens + second.usage.completion_tokens
     assert metric(text, "positronic_generated_tokens_total") == generated == 107
     assert metric(text, "positronic_prompt_tokens_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
@@ -88,7 +93,53 @@ def test_the_latency_histogram_is_cumulative_with_sum_count_and_inf(metric):
 
 def test_label_values_are_escaped_so_a_session_id_cannot_break_the_exposition(metric):
     metrics = Metrics()
-    metrics.record_request('/v1/"odd"\\path\n', 200, 0.1)
-    text = metrics.render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    odd = '/v1/"odd"\\path\n'
+    metrics.record_request(odd, 200, 0.1)
+    metrics.record_request("/v1/completions", 200, 0.1)
+    text = metrics.render(sessions={odd: (1, 2)}, session_states={}, session_events={}, in_flight=0)
     line = next(line for line in text.splitlines() if line.startswith("positronic_requests_total{"))
-    assert line == 'positronic_requests_total{endpoint="/v1/\\"odd\\"\\\\path",status="200"} 1'
+    assert line == 'positronic_requests_total{endpoint="/v1/\\"odd\\"\\\\path\\n",status="200"} 1.0'
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("positronic_requests_total", (("endpoint", odd), ("status", "200")))] == 1, "read back whole"
+    assert samples[("positronic_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+    assert samples[("positronic_live_length", (("session", odd),))] == 1
+
+
+def test_time_to_first_token_and_inter_token_latency_are_histograms_from_the_start(metric):
+    text = Metrics().render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    for name in ("positronic_time_to_first_token_seconds", "positronic_inter_token_latency_seconds"):
+        assert f"# TYPE {name} histogram" in text
+        assert metric(text, name + "_count") == 0 == metric(text, name + "_bucket", le="+Inf")
+
+
+def test_first_token_and_inter_token_observations_are_counted_and_bucketed(metric):
+    metrics = Metrics()
+    for seconds in (0.02, 0.3, 4.0):  # a GPU's prefill, a CPU's, a long queue
+        metrics.record_first_token(seconds)
+    for seconds in (0.008, 0.012, 0.09, 0.11, 3.0):  # GPU-speed and CPU-speed tokens, a stall
+        metrics.record_inter_token(seconds)
+    text = metrics.render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    first, gap = "positronic_time_to_first_token_seconds", "positronic_inter_token_latency_seconds"
+    assert metric(text, first + "_count") == 3 and metric(text, first + "_sum") == 0.02 + 0.3 + 4.0
+    assert [metric(text, first + "_bucket", le=le) for le in ("0.025", "0.25", "0.5", "5.0", "+Inf")] == [1, 1, 2, 3, 3]
+    assert metric(text, gap + "_count") == 5 and metric(text, gap + "_sum") == sum((0.008, 0.012, 0.09, 0.11, 3.0))
+    assert [metric(text, gap + "_bucket", le=le) for le in ("0.01", "0.02", "0.1", "0.15", "2.5", "+Inf")] == \
+        [1, 2, 3, 4, 4, 5], "GPU and CPU speeds fall in buckets of their own"
+
+
+def test_two_servers_metrics_do_not_share_values(metric):
+    busy, quiet = Metrics(), Metrics()
+    busy.record_tick(record([{"action": "delete", "position": 3}]), 0.1)
+    busy.record_reply(prompt_tokens=4, generated_tokens=2)
+    busy.record_request("/v1/completions", 200, 0.5)
+    busy.record_first_token(0.2)
+    busy.record_inter_token(0.05)
+    text = quiet.render(sessions={}, session_states={}, session_events={}, in_flight=0)
+    for name in ("positronic_ticks_total", "positronic_evictions_total", "positronic_generated_tokens_total",
+                 "positronic_prompt_tokens_total", "positronic_time_to_first_token_seconds_count",
+                 "positronic_inter_token_latency_seconds_count"):
+        assert metric(text, name) == 0, name
+    assert "positronic_requests_total{" not in text
+    assert metric(busy.render(sessions={}, session_states={}, session_events={}, in_flight=0),
+                  "positronic_ticks_total") == 1
