@@ -11,6 +11,7 @@ it only when the server starts.
 from __future__ import annotations
 
 import copy
+import enum
 import inspect
 import re
 from pathlib import Path
@@ -27,6 +28,14 @@ RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "t
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
                "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "temperature", "top_k",
                "top_p", "repetition_penalty", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
+
+
+class LogLevel(str, enum.Enum):
+    """uvicorn's log levels."""
+    critical, error, warning, info, debug = "critical", "error", "warning", "info", "debug"
+
+
+ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")  # what a browser sends in Origin: no path, no slash
 
 
 def _server_options(
@@ -48,6 +57,16 @@ def _server_options(
         True, "--checkpoint-each-request/--checkpoint-when-idle",
         help="Write a session to disk at the end of each request, before its answer's last byte (a kill loses "
              "no answered turn; about one tick's time per request), or only when it is freed and at shutdown."),
+    api_key: Optional[str] = typer.Option(
+        None, envvar="POSITRONIC_API_KEY", metavar="KEY",
+        help="Require `Authorization: Bearer KEY` on every request but GET /health (401 without it). The "
+             "environment variable keeps the key out of the process list."),
+    cors_origin: Optional[list[str]] = typer.Option(
+        None, metavar="ORIGIN",
+        help="A browser origin allowed to call the server (https://host[:port]; repeatable; *: any). None: no "
+             "CORS headers."),
+    log_level: LogLevel = typer.Option(LogLevel.info, case_sensitive=False, help="Log level of uvicorn and the "
+                                       "server (the address it runs on is printed at every level)."),
 ) -> None:
     """The serve command's own options: their definitions only (never called)."""
 
@@ -58,6 +77,17 @@ def default_session_dir(model: str) -> Path:
     from ..models import cache_root
 
     return cache_root() / "server-sessions" / re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+
+
+def check_access(api_key: str | None, origins: list[str]) -> None:
+    """UserError for a key no client could send in a header, or an origin no browser sends
+    (the key itself is never printed)."""
+    if api_key is not None and not (api_key and all("!" <= c <= "~" for c in api_key)):
+        raise UserError("--api-key (or $POSITRONIC_API_KEY) must be printable ASCII without spaces, and not empty")
+    for origin in origins:
+        if not ORIGIN.fullmatch(origin):
+            raise UserError(f"--cors-origin {origin!r} is not an origin: scheme://host[:port] without a path "
+                            "(https://example.com), or *")
 
 
 def serve_command(run: Callable, brain_config: Callable) -> Callable:
@@ -78,6 +108,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         if options["default_max_tokens"] > options["max_tokens"]:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
+        check_access(options["api_key"], options["cors_origin"] or [])
         from ..brain import session as sessions
 
         # one server per session directory, and no run.py in one of its sessions: held until the command ends
@@ -92,7 +123,9 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"],
                                   checkpoint_each_request=options["checkpoint_each_request"])
-        return serve_forever(lm, config, settings, host=options["host"], port=options["port"])  # exit status
+        return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
+                             api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
+                             log_level=options["log_level"].value)
 
     serve.__signature__ = inspect.Signature(parameters)
     return serve

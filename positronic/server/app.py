@@ -2,10 +2,16 @@
 
     POST /v1/completions        text in, text out; "stream": true for server-sent events
     POST /v1/chat/completions   messages in, the assistant's reply out (the model's chat template)
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served (with max_model_len: the context budget)
     GET  /v1/sessions/{id}      a session's counts, transcript and live text (an extension)
+    POST /tokenize              a prompt or chat as the ids a fresh session prefills (tokens.py)
+    POST /detokenize            ids back to text
     GET  /health                liveness, sessions, requests in flight
     GET  /metrics               Prometheus text (positronic/server/metrics.py)
+
+With an API key (`serve --api-key`, or $POSITRONIC_API_KEY) every request but GET /health needs
+`Authorization: Bearer KEY`, else 401 before anything else runs (ApiKey); CORS headers are sent
+only for the origins given with --cors-origin.
 
 Each conversation is a brain of its own (positronic/server/sessions.py): the session id is the
 request's `user` field or its `X-Session-Id` header (1-64 of A-Z a-z 0-9 _ -); a request with
@@ -34,22 +40,28 @@ what clients received.
 The parts: the request bodies and the error shape (schemas.py), the answers whole or as
 server-sent events (streaming.py), retried requests (answers.py), the work behind the
 endpoints (service.py: BrainServer), the conversations (sessions.py), chat text and stop
-strings (text.py), metrics (metrics.py).
+strings (text.py), metrics (metrics.py), the tokenizer endpoints (tokens.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import signal
+import sys
 import time
+from collections.abc import Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..brain.loop import BrainConfig
+from . import tokens
 from .metrics import Metrics
 from .schemas import APIError, ChatBody, CompletionBody, read_body
 from .service import BrainServer, ServerSettings
@@ -57,7 +69,8 @@ from .sessions import SessionUnusable, check_session_id
 
 log = logging.getLogger("positronic.server.app")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+             "/metrics")
 GRACEFUL_S = 10  # seconds a shutdown waits for the requests in flight (uvicorn's timeout_graceful_shutdown)
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start
 
@@ -122,8 +135,33 @@ class RequestMetrics:
             self.metrics.record_request(endpoint, status, time.perf_counter() - start)
 
 
-def create_app(lm, config: BrainConfig, settings: ServerSettings) -> FastAPI:
-    """The ASGI app serving `lm` (a LoadedModel) with the brain settings `config`."""
+class ApiKey:
+    """Lets a request in only with `Authorization: Bearer KEY` (GET /health needs none); any
+    other is answered 401 before the app sees it. The key is never logged nor echoed."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        # digests compared, not the keys: compare_digest's time then tells nothing of the key's length
+        self.digest = hashlib.sha256(key.encode()).digest()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/health") or self.allows(scope):
+            return await self.app(scope, receive, send)
+        response = APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY`",
+                            code="invalid_api_key").response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def allows(self, scope) -> bool:
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(key.strip()).digest(), self.digest)
+
+
+def create_app(lm, config: BrainConfig, settings: ServerSettings, *, api_key: str | None = None,
+               cors_origins: Sequence[str] = ()) -> FastAPI:
+    """The ASGI app serving `lm` (a LoadedModel) with the brain settings `config`; with
+    `api_key`, requests must carry it (ApiKey); `cors_origins` ("*": any) may call it from a
+    browser (none: no CORS headers)."""
     server = BrainServer(lm, config, settings)
 
     @contextlib.asynccontextmanager
@@ -182,15 +220,30 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"no session {session_id!r}", code="session_not_found")
         return {"id": session_id, "object": "session", **state}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return tokens.tokenize(server, await read_body(request, tokens.TokenizeBody))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return tokens.detokenize(server, await read_body(request, tokens.DetokenizeBody))
+
     @app.get("/health")
     async def health():
         return server.health()
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(server.metrics_text(), media_type=server.metrics.content_type)
 
+    # the last added runs first: every request is counted; a browser's preflight needs no key,
+    # and a 401 carries the CORS headers that let the page read it; then the key, then the body
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Session-Id"])
     app.add_middleware(RequestMetrics, metrics=server.metrics, server=server)
     return app
 
@@ -206,17 +259,31 @@ class GracefulServer(uvicorn.Server):
             server.begin_shutdown()
         await super().shutdown(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # uvicorn names its address at INFO only; above that it is said here, so that a server on
+        # --port 0 can always be found (clients look for "running on http://…" on stderr)
+        if self.started and not logging.getLogger("uvicorn.error").isEnabledFor(logging.INFO):
+            host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
+            print(f"positronic serve running on http://{f'[{host}]' if ':' in host else host}:{port}",
+                  file=sys.stderr, flush=True)
 
-def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: str = "127.0.0.1",
-                  port: int = 8080) -> int:
+
+def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8080,
+                  api_key: str | None = None, cors_origins: Sequence[str] = (), log_level: str = "info") -> int:
     """Run the server until Ctrl-C or SIGTERM; sessions are checkpointed on the way out. The
-    exit status: 0, or 1 when a session could not be checkpointed (lost) or the shutdown failed."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    exit status: 0, or 1 when a session could not be checkpointed (lost) or the shutdown failed.
+    `log_level` (critical, error, warning, info, debug) is uvicorn's and the positronic loggers'; other libraries
+    log at INFO at most."""
+    level = getattr(logging, log_level.upper())
+    logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s:     %(message)s")
+    logging.getLogger("positronic").setLevel(level)
     print(f"serving {lm.name} (policy {config.policy}, budget {config.budget}, at most {settings.max_sessions} "
-          f"sessions in memory; checkpoints in {settings.session_dir})", flush=True)
-    app = create_app(lm, config, settings)
+          f"sessions in memory; checkpoints in {settings.session_dir}"
+          f"{'; an API key is required' if api_key is not None else ''})", flush=True)
+    app = create_app(lm, config, settings, api_key=api_key, cors_origins=cors_origins)
     server = GracefulServer(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_S,
-                                           log_level="info"))
+                                           log_level=log_level))
     # uvicorn re-raises the signal that stopped it once it has shut down (SIGTERM then kills the
     # process): caught here for a moment, so that lost sessions can still decide the exit status
     terminated: list[int] = []
@@ -244,8 +311,6 @@ def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: st
 def exit_status(server: BrainServer) -> int:
     """0 after a clean shutdown; 1, with a line on stderr, if sessions were lost or the shutdown
     did not finish."""
-    import sys
-
     if server.lost:
         print(f"error: {len(server.lost)} sessions could not be checkpointed to {server.settings.session_dir} and "
               f"are lost: {', '.join(sorted(server.lost))}", file=sys.stderr, flush=True)

@@ -455,7 +455,8 @@ class BrainServer:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
-        return {"id": self.lm.name, "object": "model", "created": self.created, "owned_by": "positronic"}
+        return {"id": self.lm.name, "object": "model", "created": self.created, "owned_by": "positronic",
+                "max_model_len": self.config.budget}  # vLLM's name for the context a request may fill
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.lm.name, "budget": self.config.budget, "policy": self.config.policy,

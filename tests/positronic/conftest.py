@@ -48,10 +48,11 @@ def _metric(text: str, name: str, **labels) -> float:
 
 class LiveServer:
     """create_app served by uvicorn in a thread, on a port of its own; stopping it is a
-    graceful shutdown (the app's lifespan checkpoints its sessions)."""
+    graceful shutdown (the app's lifespan checkpoints its sessions). `app_options` go to
+    create_app (api_key, cors_origins)."""
 
-    def __init__(self, lm, settings: ServerSettings, config: BrainConfig = SERVER_CONFIG):
-        self.app = create_app(lm, config, settings)
+    def __init__(self, lm, settings: ServerSettings, config: BrainConfig = SERVER_CONFIG, **app_options):
+        self.app = create_app(lm, config, settings, **app_options)
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
@@ -120,8 +121,9 @@ def server_config() -> BrainConfig:
 
 @pytest.fixture(scope="session")
 def live_server():
-    """live_server(lm, settings, config=server_config) -> a LiveServer context manager: the app
-    served by uvicorn on a free local port (client(), post(), get(), metric(), .server)."""
+    """live_server(lm, settings, config=server_config, **app_options) -> a LiveServer context
+    manager: the app served by uvicorn on a free local port (client(), post(), get(), metric(),
+    .server); app_options go to create_app (api_key, cors_origins)."""
     return LiveServer
 
 
