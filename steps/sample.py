@@ -1,15 +1,20 @@
 """Step 1: turn the newest next-token logits into one sampled token.
 
-Pure function: the caller owns the generator, so a seeded run is reproducible.
+Pure function: the caller owns the generator, so a seeded run is reproducible. The run and
+the server both sample here, through transformers' logits processors and warpers.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 GREEDY_BELOW = 1e-3  # temperatures at or below this mean argmax
 # above this every finite float32 logit divides to ~0 (a uniform draw among the finite ones), and
@@ -31,8 +36,8 @@ class NonFiniteLogits(ValueError):
 class Sample:
     """The sampled token and the top-20 candidates (id, probability), most likely first.
 
-    `top` is the distribution after repetition penalty and temperature but before
-    top-k / top-p filtering, so it shows what the model wanted, not what survived.
+    `top` is the distribution after the penalties, the bias and temperature but before
+    top-k / top-p / min-p filtering, so it shows what the model wanted, not what survived.
     """
 
     token_id: int
@@ -45,70 +50,109 @@ def sample(
     temperature: float = 0.7,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
     recent_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
 ) -> Sample:
-    """Sample one token id from `logits` (shape [vocab], any float dtype).
+    """Sample one token id from `logits` (shape [vocab], any float dtype), through
+    transformers' logits processors, in vLLM's order:
 
-    - temperature <= 1e-3: greedy, ties to the lowest id.
-    - top_k: keep the k most likely tokens (0 = off).
-    - top_p: keep the smallest most-likely set whose probability reaches top_p (1.0 = off);
-      applied after top_k, on the renormalised survivors; never empties the set.
-    - repetition_penalty (CTRL / Hugging Face): for each distinct id in `recent_ids`,
-      a positive logit is divided by the penalty, a non-positive one multiplied.
-    - generator: a CPU `torch.Generator`; the same seed gives the same token.
+    1. the bias, then penalties on the tokens of `recent_ids`:
+       - logit_bias {token id: bias} added (transformers' SequenceBiasLogitsProcessor);
+       - repetition_penalty (CTRL / transformers' RepetitionPenaltyLogitsProcessor): for each
+         distinct id, a positive logit is divided by the penalty, a negative one multiplied;
+       - presence_penalty, frequency_penalty (OpenAI's): a logit loses `presence` once if its
+         token occurs, and `frequency` per occurrence (OccurrencePenalty);
+       - logit_bias {token id: bias} added (transformers' SequenceBiasLogitsProcessor);
+    2. temperature <= 1e-3: greedy (argmax of the penalised logits, ties to the lowest id);
+       else divided by the temperature (TemperatureLogitsWarper);
+    3. top_k (0 = off), then top_p (1.0 = off), then min_p (0 = off: a token is kept if its
+       probability is at least min_p times the most likely one's): transformers' warpers,
+       each keeping at least the most likely token, so the set is never empty.
+
+    generator: a CPU `torch.Generator`; the same seed gives the same token.
 
     Raises NonFiniteLogits if `logits` hold NaN or +inf or nothing finite (before drawing: the
-    generator is untouched), ValueError for bad arguments. Never returns a token from an empty
-    candidate set: the most likely token always survives top_k and top_p.
+    generator is untouched), ValueError for bad arguments.
     """
-    _validate(logits, temperature, top_k, top_p, repetition_penalty)
+    _validate(logits, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty)
     # One small vector per tick: float32 on the CPU avoids float16 overflow/rounding in
     # softmax and lets a CPU generator drive the draw whatever device the model is on.
-    x = logits.detach().to("cpu", torch.float32).clone()
-    vocab = x.numel()
+    x = logits.detach().to("cpu", torch.float32).clone()[None]  # [1, vocab]: the processors take a batch
+    vocab = x.shape[-1]
     top_logit = x.max()  # NaN if any is NaN
     if not bool(torch.isfinite(top_logit)):
         raise NonFiniteLogits(f"the logits hold {'NaN' if bool(x.isnan().any()) else 'inf or no finite value'}: "
                               f"their largest is {float(top_logit)}")
-
-    if recent_ids and repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(int(i) for i in recent_ids)), dtype=torch.long)
-        if ids[0] < 0 or ids[-1] >= vocab:
-            raise ValueError(f"recent_ids must lie in [0, {vocab}), got {ids.tolist()}")
-        picked = x[ids]
-        penalised = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
-        # a penalty beyond float32's range: a positive logit divided stays the largest float32
-        # (not inf), a zero times an infinite penalty stays 0 (not NaN)
-        x[ids] = penalised.nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max, neginf=-math.inf)
+    recent = torch.tensor([int(i) for i in recent_ids], dtype=torch.long)[None]  # [1, n]
+    if recent.numel() and (int(recent.min()) < 0 or int(recent.max()) >= vocab):
+        raise ValueError(f"recent_ids must lie in [0, {vocab}), got {sorted(set(recent[0].tolist()))}")
+    x = _penalised(x, recent, repetition_penalty, presence_penalty, frequency_penalty, logit_bias or {})
+    x = x - x.max()  # the largest is 0: no temperature can overflow it, and softmax is exact at the top
 
     greedy = temperature <= GREEDY_BELOW
-    probs = torch.softmax(x if greedy else x / min(temperature, TEMPERATURE_CAP), dim=-1)
+    tempered = x if greedy else TemperatureLogitsWarper(float(min(temperature, TEMPERATURE_CAP)))(recent, x)
+    probs = torch.softmax(tempered[0], dim=-1)
     # Only the candidates that can matter are sorted (a full sort of a 50k vocabulary is
-    # ~5 ms, a tenth of a decode step): the top 20 for the record, top_k when it is on.
-    wanted = vocab if (not greedy and not top_k) else max(TOP_N, 0 if greedy else top_k)
-    if not greedy and bool(probs[0].isnan()):  # a logit divided by a small temperature overflowed to inf
-        probs = torch.softmax((x - top_logit) / temperature, dim=-1)  # the largest is 0: only -inf can come out
-    sorted_probs, order = _largest(probs, wanted)
-    top = [(int(i), float(p)) for i, p in zip(order[:TOP_N], sorted_probs[:TOP_N])]
-
+    # ~5 ms, a tenth of a decode step): the top 20 for the record.
+    sorted_probs, order = _largest(probs, TOP_N)
+    top = [(int(i), float(p)) for i, p in zip(order, sorted_probs)]
     if greedy:
         # argmax on the logits, not the probabilities: softmax can round distinct
         # large logits to the same probability.
-        return Sample(token_id=int(torch.argmax(x)), top=top)
-
-    keep = sorted_probs.clone()
+        return Sample(token_id=int(torch.argmax(x[0])), top=top)
+    warpers = LogitsProcessorList()
     if top_k:
-        keep[top_k:] = 0.0
+        warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
-        keep = keep / keep.sum()
-        before = torch.cumsum(keep, dim=-1) - keep  # mass of strictly more likely tokens
-        # the most likely token stays whatever top_p is (a top_p below float32's smallest
-        # number rounds to 0 in this comparison, and its `before`, 0, would reach it)
-        keep[1:][before[1:] >= top_p] = 0.0
-    pick = torch.multinomial(keep, 1, generator=generator)
-    return Sample(token_id=int(order[pick]), top=top)
+        warpers.append(TopPLogitsWarper(float(top_p)))
+    if min_p > 0.0:
+        warpers.append(MinPLogitsWarper(float(min_p)))
+    kept = torch.softmax(warpers(recent, tempered)[0], dim=-1)
+    return Sample(token_id=int(torch.multinomial(kept, 1, generator=generator)), top=top)
+
+
+class OccurrencePenalty(LogitsProcessor):
+    """OpenAI's presence and frequency penalties: a token's logit loses `presence` if it occurs
+    in `input_ids` and `frequency` for each time it does (transformers has no such processor)."""
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores).scatter_add_(1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _bias(pairs: tuple[tuple[int, float], ...]) -> SequenceBiasLogitsProcessor:
+    """One processor per bias (it builds a [vocab] tensor on its first call): a run or a
+    session keeps its bias, so the tensor is built once."""
+    return SequenceBiasLogitsProcessor([[[token], bias] for token, bias in pairs])
+
+
+def _penalised(x: Tensor, recent: Tensor, repetition: float, presence: float, frequency: float,
+               logit_bias: Mapping[int, float]) -> Tensor:
+    """Step 1's penalties and bias on x [1, vocab]. A bias id outside the vocabulary is a
+    ValueError. Penalties so extreme that they leave no finite logit are not applied (a
+    token must remain drawable); one beyond float32 leaves the largest float32, not inf."""
+    processors = LogitsProcessorList()
+    if logit_bias:  # first, as in vLLM: a penalty weighs against a favoured token too
+        if bad := [t for t in logit_bias if not 0 <= t < x.shape[-1]]:
+            raise ValueError(f"logit_bias token ids must lie in [0, {x.shape[-1]}), got {sorted(bad)}")
+        processors.append(_bias(tuple(sorted((int(t), float(b)) for t, b in logit_bias.items()))))
+    if recent.numel() and repetition != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(float(repetition)))
+    if recent.numel() and (presence or frequency):
+        processors.append(OccurrencePenalty(presence, frequency))
+    if not processors:
+        return x
+    out = processors(recent, x.clone()).nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max, neginf=-math.inf)
+    return out if bool(torch.isfinite(out.max())) else x
 
 
 def _largest(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -123,7 +167,8 @@ def _largest(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
     return values[:count], ids[order[:count]]
 
 
-def _validate(logits: Tensor, temperature, top_k, top_p, repetition_penalty) -> None:
+def _validate(logits: Tensor, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+              frequency_penalty) -> None:
     if not isinstance(logits, Tensor) or logits.dim() != 1 or logits.numel() == 0:
         raise ValueError("logits must be a non-empty 1-D tensor [vocab]")
     if not logits.is_floating_point():
@@ -134,5 +179,10 @@ def _validate(logits: Tensor, temperature, top_k, top_p, repetition_penalty) -> 
         raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     if not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")

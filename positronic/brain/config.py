@@ -28,6 +28,8 @@ from ..policies import DEFAULT_WINDOW, POLICIES
 # a penalty divides (or multiplies) a logit: past these, one token's logit leaves every other
 # token's behind by more than float16 can hold, and the setting only means "never" or "always"
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's range
+BIAS_LIMIT = 100.0  # a logit bias: OpenAI's range (-100 bans a token, 100 all but forces it)
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 
 # The budget's default, per entry point (one place, three audiences): the library keeps the
@@ -36,6 +38,29 @@ MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; boun
 BUDGET = 500
 RUN_BUDGET = 128
 SERVE_BUDGET = 512
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """{token id: bias} from "ID:BIAS,ID:BIAS" (the form a BrainConfig keeps: a session saves
+    it as a string); ValueError naming an entry that is not an id >= 0 with a bias in
+    [-100, 100], or an id given twice."""
+    bias: dict[int, float] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        token, _, value = entry.partition(":")
+        try:
+            token_id, amount = int(token), float(value)
+        except ValueError:
+            raise ValueError(f"logit_bias entry {entry!r} is not ID:BIAS") from None
+        if token_id < 0 or not -BIAS_LIMIT <= amount <= BIAS_LIMIT or token_id in bias:
+            raise ValueError(f"logit_bias entry {entry!r}: the id must be >= 0 and given once, the bias in "
+                             f"[-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
+        bias[token_id] = amount
+    return bias
+
+
+def logit_bias_text(bias: dict[int, float]) -> str:
+    """The BrainConfig form of {token id: bias}: sorted, so equal biases are equal strings."""
+    return ",".join(f"{token}:{amount!r}" for token, amount in sorted(bias.items()))
 
 
 def _nonnegative(part, *names: str) -> None:
@@ -69,14 +94,29 @@ class Sampling(Part):
     top_k: int = 50
     top_p: float = 0.95
     repetition_penalty: float = 1.1
-    penalty_window: int = 64  # recent tokens the repetition penalty looks at
+    penalty_window: int = 64  # recent tokens the penalties look at
     seed: int = 0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the top one (0 = off)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from a token in the penalty window
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the penalty window
+    logit_bias: str = ""  # "ID:BIAS,ID:BIAS" (logit_bias_text), added to those tokens' logits
+
+    @property
+    def bias(self) -> dict[int, float]:
+        """logit_bias as {token id: bias}."""
+        return parse_logit_bias(self.logit_bias)
 
     def check(self) -> None:
         _nonnegative(self, "top_k", "penalty_window")
         _finite_nonnegative(self, "temperature")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {getattr(self, name)}")
+        self.bias  # raises ValueError naming a malformed entry
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:  # NaN fails too
             raise ValueError(f"repetition_penalty must be in [{low}, {high}] (1 = off), got {self.repetition_penalty}")
@@ -205,6 +245,10 @@ class BrainConfig:
     repetition_penalty: float = _default(Sampling, "repetition_penalty")
     penalty_window: int = _default(Sampling, "penalty_window")
     seed: int = _default(Sampling, "seed")
+    min_p: float = _default(Sampling, "min_p")
+    presence_penalty: float = _default(Sampling, "presence_penalty")
+    frequency_penalty: float = _default(Sampling, "frequency_penalty")
+    logit_bias: str = _default(Sampling, "logit_bias")
     recall: bool = _default(Memory, "recall")
     refresh_every: int = _default(Memory, "refresh_every")
     refresh_kl: float = _default(Memory, "refresh_kl")
@@ -284,3 +328,5 @@ def check_budget(lm, config: BrainConfig) -> None:
     config.validate()
     if config.budget > lm.max_positions:
         raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+    if outside := sorted(t for t in config.sampling.bias if t >= lm.vocab_size):
+        raise ValueError(f"logit_bias names token ids {outside} outside {lm.name}'s vocabulary of {lm.vocab_size}")

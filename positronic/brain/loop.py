@@ -207,7 +207,9 @@ class Brain:
 
                 def draw() -> int:
                     return steps.sample(sm.next_logits, temperature=cfg.temperature, top_k=cfg.top_k,
-                                        top_p=cfg.top_p, repetition_penalty=cfg.repetition_penalty,
+                                        top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                                        presence_penalty=cfg.presence_penalty,
+                                        frequency_penalty=cfg.frequency_penalty, logit_bias=cfg.sampling.bias,
                                         recent_ids=recent, generator=self.generator).token_id
                 try:
                     token_id = draw()

@@ -120,7 +120,8 @@ def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None
 # Settings added after sessions were first saved, with the values those runs used: a session
 # saved before them resumes exactly as it would have gone on, not with today's defaults.
 BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0, "recall": False,
-                       "kv_format": "float", "gates": "", "kv_store": "splice"}
+                       "kv_format": "float", "gates": "", "kv_store": "splice", "min_p": 0.0,
+                       "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": ""}
 
 
 def checked_config(path: Path, config) -> dict:

@@ -5,6 +5,7 @@ which reuses them)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 from pathlib import Path
 
@@ -94,12 +95,24 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
                                                options.get("kv_protected_tokens"))
     names = {f.name for f in dataclasses.fields(BrainConfig)}
     config = BrainConfig(**{name: value for name, value in options.items() if name in names}
-                         | dict(policy=policy, sinks=sinks, protect=protect))
+                         | dict(policy=policy, sinks=sinks, protect=protect, logit_bias=logit_bias_option(options)))
     config.validate()
     if "window" in given_flags(ctx) and not takes_window(policy):
         raise UserError(f"--window sets the recent rows of policies brightness and smartkv; policy {policy} keeps "
                         "llama.cpp's recent window, max(32, live length / 4) (leave --window out)")
     return config
+
+
+def logit_bias_option(options: dict) -> str:
+    """--logit-bias's entries (ID:BIAS, or llama.cpp's ID+BIAS / ID-BIAS) as a BrainConfig's
+    logit_bias; UserError naming a malformed one."""
+    from ..brain.config import logit_bias_text, parse_logit_bias
+
+    entries = [re.sub(r"^(\d+)([+-])", r"\1:\2", entry.strip()) for entry in options.get("logit_bias") or ()]
+    try:
+        return logit_bias_text(parse_logit_bias(",".join(entries)))
+    except ValueError as exc:
+        raise UserError(f"--logit-bias: {exc}") from None
 
 
 def takes_window(policy: str) -> bool:

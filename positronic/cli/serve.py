@@ -27,7 +27,7 @@ from .common import UserError, set_threads, writable_directory
 RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
                "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "temperature", "top_k",
-               "top_p", "repetition_penalty", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
+               "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "refresh_every", "refresh_kl", "device", "dtype", "threads")
 
 
 class LogLevel(str, enum.Enum):

@@ -113,18 +113,18 @@ class Answers:
             self.recent.append(self.last.key)
             self.last, self._saved = None, None
 
-    def resumed_reply(self, lm, max_tokens: int, stops: list[str], ignore_eos: bool) -> Reply | None:
+    def resumed_reply(self, lm, max_tokens: int, stops: list[str], ignore_eos: bool,
+                      stop_ids: set[int]) -> Reply | None:
         """The last answer's reply as a retry continues it: a checkpointed reply is rebuilt by
         taking its tokens again (the retry repeats the request: the same max_tokens, stops)."""
         answer = self.last
         if answer.reply is None and self._saved is not None:
             saved = self._saved
+            reply = Reply(lm, saved["anchor"], max_tokens, stops, ignore_eos=ignore_eos, stop_ids=stop_ids)
             if saved["finish_reason"] is not None:
-                reply = Reply(lm, saved["anchor"], max_tokens, stops, ignore_eos=ignore_eos)
                 reply.ids, reply.tokens = list(saved["ids"]), saved["tokens"]
                 reply.text, reply.finish_reason = saved["text"], saved["finish_reason"]
             else:
-                reply = Reply(lm, saved["anchor"], max_tokens, stops, ignore_eos=ignore_eos)
                 for token_id in saved["ids"]:
                     reply.add(token_id)
             answer.reply, self._saved = reply, None

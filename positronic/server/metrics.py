@@ -145,6 +145,10 @@ class Metrics:
         """The gap between two consecutive generated tokens of one reply."""
         self.inter_token.observe(seconds)
 
+    def record_token(self, first: bool, seconds: float) -> None:
+        """A generated token: the request's first (seconds since the request arrived) or a later one."""
+        (self.record_first_token if first else self.record_inter_token)(seconds)
+
     def tokens_per_second(self) -> float:
         """Ticks per second of stepping over the last RATE_WINDOW_S (0 when idle)."""
         horizon = time.monotonic() - RATE_WINDOW_S

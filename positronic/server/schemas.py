@@ -20,7 +20,11 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_DEPTH = 64  # JSON nesting a body may have (a chat body needs 5: messages.N.content.N.text)
 SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: JSON's "\ud800" escape, not valid Unicode
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo")
+# fields OpenAI clients may send that change nothing here (docs/server.md lists them); any other
+# field this server does not implement is refused with 400 naming it, unless it is empty
+# (null, false, 0, "", [] or {}: "off")
+IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 
 
 class APIError(Exception):
@@ -43,20 +47,35 @@ class APIError(Exception):
 Number = Annotated[float, Field(strict=True)]  # a JSON number, not a string of one
 
 
+class ResponseFormat(BaseModel):
+    """Only plain text: a JSON mode or schema is refused by name (nothing here constrains output)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: StrictBool = False
 
 
 class GenerationBody(BaseModel):
-    """What both generation endpoints take; other OpenAI fields are accepted and ignored,
-    except those in UNSUPPORTED (refused unless empty)."""
+    """What both generation endpoints take. A field not defined here is refused (400 naming
+    it) unless it is empty or in IGNORED (BrainServer.check): nothing is silently ignored.
+    The sampling fields go to steps/sample.py, the run's own sampler."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: Number | None = Field(None, ge=0, le=2, allow_inf_nan=False)  # 1e999 parses as inf
     top_p: Number | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's: -1 (or 0) is off
+    min_p: Number | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: Number | None = Field(None, ge=0.01, le=100, allow_inf_nan=False)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's: token ids that end the reply
+    response_format: ResponseFormat | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None

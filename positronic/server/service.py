@@ -21,7 +21,8 @@ from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
 from . import answers
 from .metrics import Metrics
-from .schemas import UNSUPPORTED, APIError, GenerationBody, Message, message_text, stops_of
+from ..brain.config import logit_bias_text
+from .schemas import IGNORED, APIError, GenerationBody, Message, message_text, stops_of
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, ServerStopping, SessionPool,
                        SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
@@ -124,8 +125,8 @@ class BrainServer:
             name = "n" if body.n not in (None, 1) else "best_of"
             raise APIError(400, f"{name}: only one choice per request is supported", param=name,
                            code="invalid_value")
-        for name in UNSUPPORTED:
-            if (body.model_extra or {}).get(name) not in (None, False, 0, "", [], {}):
+        for name, value in (body.model_extra or {}).items():
+            if name not in IGNORED and value not in (None, False, 0, "", [], {}):
                 raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
 
     def max_tokens(self, value: int | None, name: str) -> int:
@@ -153,7 +154,29 @@ class BrainServer:
             raise APIError(400, str(exc), param="user" if header is None else None, code="invalid_session_id") from None
 
     def sampling(self, body: GenerationBody) -> dict:
-        return {name: getattr(body, name) for name in ("temperature", "top_p") if getattr(body, name) is not None}
+        """The request's sampling fields as BrainConfig settings for its own tokens (the
+        session's own settings stay); 400 for a token id outside the vocabulary."""
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+        sampling = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+        if sampling.get("top_k") == -1:
+            sampling["top_k"] = 0  # vLLM's "off"
+        if body.logit_bias is not None:
+            bias = {}
+            for key, amount in body.logit_bias.items():
+                if not (key.isascii() and key.isdigit() and int(key) < self.lm.vocab_size):
+                    raise APIError(400, f"logit_bias: {key[:40]!r} is not a token id in 0..{self.lm.vocab_size - 1}",
+                                   param="logit_bias", code="invalid_value")
+                bias[int(key)] = float(amount)
+            sampling["logit_bias"] = logit_bias_text(bias)
+        return sampling
+
+    def stop_ids(self, body: GenerationBody) -> set[int]:
+        ids = set(body.stop_token_ids or ())
+        if any(not 0 <= token < self.lm.vocab_size for token in ids):
+            raise APIError(400, f"stop_token_ids: token ids must be in 0..{self.lm.vocab_size - 1}",
+                           param="stop_token_ids", code="invalid_value")
+        return ids
 
     def fresh_config(self, seed: int | None) -> BrainConfig:
         return self.config if seed is None else dataclasses.replace(self.config, seed=seed)
@@ -315,14 +338,15 @@ class BrainServer:
             await self.pool.checkpoint(conversation)
 
     async def begin_turn(self, conversation: Conversation, body: GenerationBody, chat: bool, key: str | None,
-                         max_tokens: int, stops: list[str]) -> tuple[Turn, answers.Answer | None, int]:
-        """The request's turn, its keyed answer and the tokens its input added: a retried key
-        (answers.py) takes up its earlier reply instead of queueing the input again."""
-        options = dict(max_tokens=max_tokens, stops=stops, sampling=self.sampling(body), ignore_eos=body.ignore_eos)
+                         options: dict) -> tuple[Turn, answers.Answer | None, int]:
+        """The request's turn (`options`: Turn's reply settings), its keyed answer and the tokens
+        its input added: a retried key (answers.py) takes up its earlier reply instead of
+        queueing the input again."""
         if key is not None:
             print_ = answers.fingerprint(body, chat)
             if (answer := conversation.answers.find(key, print_)) is not None:
-                reply = conversation.answers.resumed_reply(self.lm, max_tokens, stops, body.ignore_eos)
+                reply = conversation.answers.resumed_reply(self.lm, options["max_tokens"], options["stops"],
+                                                           options["ignore_eos"], options["stop_ids"])
                 turn = Turn(conversation, self.worker, self.lm, reply=reply, retried=True, **options)
                 return turn, answer, answer.prompt_tokens
         if chat:
@@ -360,6 +384,7 @@ class BrainServer:
                                       "keep it").response()
 
     async def _generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
+        arrived = time.perf_counter()
         if self.stopping:
             raise self.shutting_down("the server is shutting down; try again once it is back")
         self.check(body)
@@ -370,7 +395,9 @@ class BrainServer:
                                          else "max_tokens")
         else:
             max_tokens = self.max_tokens(body.max_tokens, "max_tokens")
-        stops = stops_of(body.stop)
+        options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=self.sampling(body),
+                       ignore_eos=body.ignore_eos, stop_ids=self.stop_ids(body), on_token=self.metrics.record_token,
+                       started=arrived)
         if chat:  # every message's content checked before a session is touched
             for i, message in enumerate(body.messages):
                 message_text(message, i)
@@ -382,7 +409,7 @@ class BrainServer:
             conversation = await held.enter_async_context(self.hold(session_id))
             if self.stopping:  # it waited for its session while the shutdown began
                 raise self.shutting_down("the server is shutting down; try again once it is back")
-            turn, answer, prompt_tokens = await self.begin_turn(conversation, body, chat, key, max_tokens, stops)
+            turn, answer, prompt_tokens = await self.begin_turn(conversation, body, chat, key, options)
         except BaseException:
             await held.aclose()
             raise

@@ -31,7 +31,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -236,13 +236,18 @@ class Turn:
 
     def __init__(self, conversation: Conversation, worker: ModelWorker, lm, *, max_tokens: int,
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
-                 reply: Reply | None = None, retried: bool = False):
+                 stop_ids: Collection[int] = (), reply: Reply | None = None, retried: bool = False,
+                 on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
-        self.ignore_eos = ignore_eos
+        self.ignore_eos, self.stop_ids = ignore_eos, stop_ids
         self.reply = reply
         self.earlier_tokens = reply.tokens if reply is not None else 0  # generated before this request
         self.retried = retried  # it takes up an earlier request's answer (an Idempotency-Key sent again)
+        # each generated token: whether it is the request's first, and the seconds since the request
+        # began (the first) or since the token before (the metrics' time to first token, inter-token latency)
+        self.on_token = on_token
+        self.started = time.perf_counter() if started is None else started  # perf_counter() when the request came
 
     @property
     def generated(self) -> int:
@@ -260,10 +265,10 @@ class Turn:
                     raise ServerStopping()
                 await self.worker.run(conversation.read_one)
             self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
-                               ignore_eos=self.ignore_eos)
+                               ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
         elif self.reply.text:
             yield self.reply.text
-        reply, failed = self.reply, 0
+        reply, failed, last = self.reply, 0, None
         while not reply.done:
             if gone is not None and await gone():
                 raise ClientGone()
@@ -275,7 +280,9 @@ class Turn:
                 if failed >= MAX_FAILED_TICKS:
                     raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
                 continue
-            failed = 0
+            failed, now = 0, time.perf_counter()
+            self.on_token(last is None, now - (self.started if last is None else last))
+            last = now
             if piece:
                 yield piece
 

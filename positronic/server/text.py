@@ -14,7 +14,7 @@ frame whether its turns came in one request or in several.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..brain import chat
 
@@ -126,12 +126,15 @@ class Reply:
     character held back until the next token completes it, the end-of-sequence token and the
     stop strings ending it, `max_tokens` bounding it. `finish_reason` is "stop" or "length"
     once it is done; `text` is everything sent. With `ignore_eos` the end-of-sequence token
-    is text like any other and only max_tokens (or a stop string) ends the reply."""
+    is text like any other and only max_tokens (or a stop string) ends the reply. A token of
+    `stop_ids` (vLLM's stop_token_ids) ends it as end-of-sequence does, out of its text."""
 
-    def __init__(self, lm, anchor: int, max_tokens: int, stops: Sequence[str] = (), *, ignore_eos: bool = False):
+    def __init__(self, lm, anchor: int, max_tokens: int, stops: Sequence[str] = (), *, ignore_eos: bool = False,
+                 stop_ids: Collection[int] = ()):
         self.lm, self.anchor, self.max_tokens = lm, anchor, max_tokens
-        self.eos = None if ignore_eos else lm.eos_id
-        self.ids: list[int] = []  # generated, an end-of-sequence token that ends the reply excluded
+        # the tokens that end the reply and are not part of its text: end-of-sequence, stop_token_ids
+        self.enders = set(stop_ids) | (set() if ignore_eos else {lm.eos_id})
+        self.ids: list[int] = []  # generated, the token that ends the reply (end-of-sequence, a stop id) excluded
         self.tokens = 0  # generated, the end-of-sequence token included
         self.text = ""
         self.finish_reason: str | None = None
@@ -149,7 +152,7 @@ class Reply:
         if self.done:
             raise RuntimeError("the reply is already finished")
         self.tokens += 1
-        if token_id == self.eos:
+        if token_id in self.enders:
             piece = self._finish("stop")
         else:
             self.ids.append(token_id)

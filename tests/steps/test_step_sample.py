@@ -94,8 +94,38 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p, allowed):
 
 
 def test_top_p_boundary_is_inclusive():
-    # Equal logits give exactly 0.25 each: two tokens already reach 0.5, so a third is not kept.
-    assert set(draws(torch.zeros(4), n=600, temperature=1.0, top_p=0.5)) == {0, 1}
+    # Equal logits give exactly 0.25 each: two tokens already reach 0.5, so a third is not kept
+    # (which two of the equal four is transformers' TopPLogitsWarper's sort order)
+    assert len(set(draws(torch.zeros(4), n=600, temperature=1.0, top_p=0.5))) == 2
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_top():
+    # probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps p >= 0.25, min_p 0.25 keeps p >= 0.125
+    assert set(draws(PROBS, n=600, temperature=1.0, min_p=0.5)) == {0, 1}
+    assert set(draws(PROBS, n=600, temperature=1.0, min_p=0.25)) == {0, 1, 2}
+    assert set(draws(PROBS, n=50, temperature=1.0, min_p=1.0)) == {0}  # the most likely always stays
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.tensor([2.0, 1.0, 0.0, 0.0])
+    # token 0 occurs twice: 2.0 - 0.5 (presence) - 2 * 0.4 (frequency) = 0.7 < 1.0
+    s = sample(logits, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.4, recent_ids=[0, 0, 2],
+               generator=torch.Generator().manual_seed(0))
+    expected = torch.softmax(torch.tensor([0.7, 1.0, -0.9, 0.0]), dim=-1)
+    assert dict(s.top) == pytest.approx({i: float(p) for i, p in enumerate(expected)})
+    assert sample(logits, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.4,
+                  recent_ids=[0, 0]).token_id == 1
+    # a negative penalty favours what occurred: 0.0 + 2.5 = 2.5 > 2.0
+    assert sample(logits, temperature=0.0, presence_penalty=-2.5, recent_ids=[3]).token_id == 3
+
+
+def test_logit_bias_adds_to_the_logits_and_minus_100_bans():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    assert sample(logits, temperature=0.0, logit_bias={0: -100.0}).token_id == 1
+    assert sample(logits, temperature=0.0, logit_bias={2: 2.5}).token_id == 2
+    assert 0 not in set(draws(logits, n=300, temperature=1.5, logit_bias={0: -100.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        sample(logits, logit_bias={3: 1.0})
 
 
 def test_top_p_applies_to_top_k_survivors():
@@ -142,6 +172,10 @@ def test_input_logits_are_not_modified():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"recent_ids": [5], "repetition_penalty": 1.2}, "recent_ids"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"presence_penalty": float("inf")}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(kwargs, name):

@@ -35,6 +35,10 @@ def test_metrics_count_tokens_requests_and_maintenance(tiny, tmp_path, live_serv
     assert metric(text, "positronic_live_length", session="m") == first.model_extra["positronic"]["live_length"] <= server_config.budget
     assert metric(text, "positronic_budget", session="m") == server_config.budget
     assert metric(text, "positronic_tokens_per_second") > 0
+    # each reply's first token is timed from its request's arrival, each later one from the token before
+    assert metric(text, "positronic_time_to_first_token_seconds_count") == 2
+    assert metric(text, "positronic_inter_token_latency_seconds_count") == generated - 2
+    assert 0 < metric(text, "positronic_time_to_first_token_seconds_sum") < 60
     count = metric(text, "positronic_request_duration_seconds_count", endpoint="/v1/chat/completions")
     assert count == 1 == metric(text, "positronic_request_duration_seconds_bucket", endpoint="/v1/chat/completions",
                                 le="+Inf")
