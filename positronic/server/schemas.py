@@ -16,11 +16,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+MAX_TOP = 20  # alternatives a token's logprobs may list (OpenAI's limit)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_DEPTH = 64  # JSON nesting a body may have (a chat body needs 5: messages.N.content.N.text)
 SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: JSON's "\ud800" escape, not valid Unicode
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo")
 # fields OpenAI clients may send that change nothing here (docs/server.md lists them); any other
 # field this server does not implement is refused with 400 naming it, unless it is empty
 # (null, false, 0, "", [] or {}: "off")
@@ -88,6 +88,8 @@ class GenerationBody(BaseModel):
 
 class CompletionBody(GenerationBody):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)  # the alternatives to list per token
+    echo: StrictBool = False  # the prompt before the reply, in the text (and its tokens in logprobs)
 
 
 class ContentPart(BaseModel):
@@ -105,6 +107,8 @@ class Message(BaseModel):
 class ChatBody(GenerationBody):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
 
 
 def _too_deep() -> APIError:

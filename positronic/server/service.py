@@ -20,11 +20,12 @@ from fastapi.responses import JSONResponse, Response
 from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
 from . import answers
+from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs, of_prompt
 from .metrics import Metrics
 from ..brain.config import logit_bias_text
 from .schemas import IGNORED, APIError, GenerationBody, Message, message_text, stops_of
-from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, SaveFailed, ServerStopping, SessionPool,
-                       SessionUnusable, Turn, check_session_id, evicts_nothing)
+from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, Prepared, SaveFailed, ServerStopping,
+                       SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
 from .text import ChatFormat
 
@@ -191,14 +192,33 @@ class BrainServer:
         return APIError(400, f"{what} is {tokens} tokens, more than the {limit} {why}", param=param,
                         code="context_length_exceeded")
 
-    @staticmethod
-    def prompt_limit(config: BrainConfig) -> tuple[int, str]:
-        """The most tokens a fresh brain may prefill, and why: the budget, less the row of the
-        reply's first token when nothing is ever evicted (policy none with at_capacity stop)."""
+    def prompt_limit(self, config: BrainConfig) -> tuple[int, str]:
+        """The most tokens a fresh brain may take, and why: the model's positions (a prompt
+        past the budget is pruned to it by the session's policy, as `run` does), or the budget
+        less the row of the reply's first token when nothing is ever evicted (policy none with
+        at_capacity stop)."""
         if evicts_nothing(config):
             return config.budget - 1, ("of the context budget less one row for the reply (policy none with "
                                        "at_capacity stop evicts nothing)")
-        return config.budget, "of the context budget"
+        return self.lm.max_positions, f"positions of {self.lm.name} (a longer prompt cannot be read at all)"
+
+    async def begin_session(self, conversation: Conversation, ids: list[int], config: BrainConfig,
+                            echo: int | None) -> Prepared:
+        """A fresh brain on `ids`. Past the budget the policy prunes the prompt (Brain.start);
+        with `echo` (the alternatives to list) it prefills the budget's worth instead, their
+        log-probabilities exact (a plain forward), and reads the rest token by token, each
+        teacher-forced through the bounded cache."""
+        if echo is None or len(ids) <= config.budget:
+            await self.worker.run(conversation.start, self.lm, ids, config)
+            pruned = len(ids) - conversation.brain.state.rows_per_layer
+            echoed = [] if echo is None else await self.worker.run(of_prompt, self.lm, ids, echo)
+            return Prepared(len(ids), echoed, pruned, "exact")
+        head = ids[:config.budget]
+        await self.worker.run(conversation.start, self.lm, head, config)
+        conversation.queue(forced=ids[config.budget:])
+        echoed = await self.worker.run(of_prompt, self.lm, head, echo)
+        return Prepared(len(ids), echoed, 0, f"exact for the first {len(head)} prompt tokens, then teacher-forced "
+                                             "through the session's bounded cache")
 
     def check_room(self, conversation: Conversation, adding: int, param: str) -> None:
         """A session that evicts nothing (policy none, at_capacity stop) takes a request only if
@@ -253,9 +273,11 @@ class BrainServer:
 
     # -- preparing a turn: what the request adds to its conversation --
 
-    async def prepare_completion(self, conversation: Conversation, prompt, seed: int | None) -> int:
+    async def prepare_completion(self, conversation: Conversation, prompt, seed: int | None,
+                                 echo: int | None = None) -> Prepared:
         """Queue a completion's prompt: a fresh brain prefills BOS + the prompt; a running
-        session reads the prompt's tokens after its context. Returns the tokens added."""
+        session reads the prompt's tokens after its context. With `echo`, the prompt tokens'
+        log-probabilities where they are prefilled (a running session's: Turn.read)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise APIError(400, "prompt: one prompt per request is supported", param="prompt",
@@ -265,13 +287,15 @@ class BrainServer:
         self.check_ids(ids)
         if conversation.brain is None:
             config = self.fresh_config(seed)
+            sent = len(ids)
             if not isinstance(prompt, list) or ids[:1] != [self.lm.bos_id]:
                 ids = [self.lm.bos_id] + ids
             limit, why = self.prompt_limit(config)
             if len(ids) > limit:
                 raise self.too_long("the prompt", len(ids), limit, why, "prompt")
-            await self.worker.run(conversation.start, self.lm, ids, config)
-            return len(ids)
+            prepared = await self.begin_session(conversation, ids, config, echo)
+            prepared.echoed = prepared.echoed[len(ids) - sent:]  # the tokens the client sent (not a BOS added)
+            return prepared
         limit = turn_limit(conversation.brain.config)
         if len(ids) > limit:
             raise self.too_long("the prompt", len(ids), limit, "a running session's prompt may add (the budget less "
@@ -279,7 +303,7 @@ class BrainServer:
         self.check_room(conversation, len(ids), "prompt")
         await self.settle(conversation)
         conversation.queue(forced=ids)
-        return len(ids)
+        return Prepared(len(ids), [], 0, "teacher-forced through the session's bounded cache")
 
     async def prepare_chat(self, conversation: Conversation, messages: list[Message], seed: int | None) -> int:
         """Queue a chat's new part: a fresh brain prefills the whole conversation in the chat
@@ -292,8 +316,7 @@ class BrainServer:
             limit, why = self.prompt_limit(config)
             if len(ids) > limit:
                 raise self.too_long("the conversation", len(ids), limit, why, "messages")
-            await self.worker.run(conversation.start, self.lm, ids, config)
-            return len(ids)
+            return await self.begin_session(conversation, ids, config, None)
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         new = list(range(last + 1, len(messages)))
         if not new or any(messages[i].role != "user" for i in new):
@@ -309,20 +332,25 @@ class BrainServer:
         closing = self.format.reply_end(conversation.last_token())
         self.check_room(conversation, len(closing) + sum(map(len, turns)), "messages")
         conversation.queue(forced=closing, turns=[texts[i] for i in new])
-        return len(closing) + sum(map(len, turns))
+        return Prepared(len(closing) + sum(map(len, turns)))
 
     # -- answers --
 
     def extension(self, conversation: Conversation, turn: Turn) -> dict:
         """The session's state after the request (a field OpenAI clients ignore): its counts,
-        whether its checkpoint holds this reply, and for a retried request (Idempotency-Key)
-        whether the reply was replayed (nothing generated) or a cut one continued."""
+        whether its checkpoint holds this reply, for a retried request (Idempotency-Key)
+        whether the reply was replayed (nothing generated) or a cut one continued, prompt tokens
+        the policy pruned at once, and how echoed log-probabilities were computed."""
         brain = conversation.brain
         state = {"session": conversation.id, "tick": brain.tick, "live_length": brain.state.rows_per_layer,
                  "budget": brain.config.budget, "ledger_tokens": len(brain.state.mirror.ledger),
                  "checkpointed": conversation.id is not None and not conversation.dirty}
         if turn.retried:
             state["retried"] = "replayed" if turn.generated == 0 else "continued"
+        if turn.prepared.pruned:
+            state["pruned_prompt_tokens"] = turn.prepared.pruned
+        if turn.echo and turn.logprobs is not None:
+            state["logprobs"] = turn.prepared.how
         return state
 
     async def checkpoint(self, conversation: Conversation, answer: answers.Answer | None, turn: Turn) -> None:
@@ -338,33 +366,61 @@ class BrainServer:
             await self.pool.checkpoint(conversation)
 
     async def begin_turn(self, conversation: Conversation, body: GenerationBody, chat: bool, key: str | None,
-                         options: dict) -> tuple[Turn, answers.Answer | None, int]:
-        """The request's turn (`options`: Turn's reply settings), its keyed answer and the tokens
-        its input added: a retried key (answers.py) takes up its earlier reply instead of
-        queueing the input again."""
+                         options: dict) -> tuple[Turn, answers.Answer | None]:
+        """The request's turn (`options`: Turn's reply settings; `turn.prepared`: what its input
+        did) and its keyed answer: a retried key (answers.py) takes up its earlier reply instead
+        of queueing the input again."""
         if key is not None:
             print_ = answers.fingerprint(body, chat)
             if (answer := conversation.answers.find(key, print_)) is not None:
                 reply = conversation.answers.resumed_reply(self.lm, options["max_tokens"], options["stops"],
                                                            options["ignore_eos"], options["stop_ids"])
                 turn = Turn(conversation, self.worker, self.lm, reply=reply, retried=True, **options)
-                return turn, answer, answer.prompt_tokens
+                turn.prepared = Prepared(answer.prompt_tokens)
+                return turn, answer
         if chat:
-            prompt_tokens = await self.prepare_chat(conversation, body.messages, body.seed)
+            prepared = await self.prepare_chat(conversation, body.messages, body.seed)
         else:
-            prompt_tokens = await self.prepare_completion(conversation, body.prompt, body.seed)
+            echo = options["logprobs"] if options["echo"] else None
+            prepared = await self.prepare_completion(conversation, body.prompt, body.seed, echo)
         if key is None:
             conversation.answers.forget()
             answer = None
         else:
-            answer = conversation.answers.begin(key, print_, prompt_tokens)
-        return Turn(conversation, self.worker, self.lm, **options), answer, prompt_tokens
+            answer = conversation.answers.begin(key, print_, prepared.tokens)
+        turn = Turn(conversation, self.worker, self.lm, **options)
+        turn.prepared = prepared
+        return turn, answer
 
     @staticmethod
-    def usage(prompt_tokens: int, turn: Turn) -> dict:
-        generated = turn.reply.tokens if turn.reply else 0
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                "total_tokens": prompt_tokens + generated}
+    def usage(turn: Turn) -> dict:
+        prompt_tokens, generated = turn.prepared.tokens, turn.reply.tokens if turn.reply else 0
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+        if turn.prepared.pruned:  # the policy pruned a prompt past the budget (also in the positronic field)
+            usage["prompt_tokens_pruned"] = turn.prepared.pruned
+        return usage
+
+    def logprob_options(self, body: GenerationBody, chat: bool, key: str | None) -> tuple[int | None, bool]:
+        """(the alternatives to list per token, None: no logprobs; whether to echo the prompt)."""
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+            top, echo = (body.top_logprobs or 0) if body.logprobs else None, False
+        else:
+            top, echo = body.logprobs, body.echo
+        if key is not None and (top is not None or echo):
+            raise APIError(400, "logprobs and echo cannot be combined with an Idempotency-Key (a replayed answer does "
+                                "not keep them)", param="logprobs" if top is not None else "echo",
+                           code="invalid_value")
+        return top, echo
+
+    def echo_text(self, prompt) -> str:
+        """The prompt as echo returns it: its text (token ids decoded)."""
+        prompt = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else prompt
+        return prompt if isinstance(prompt, str) else self.lm.decode(list(prompt))
+
+    def logprobs_of(self, chat: bool, entries: list[TokenLogprob], offset: int = 0) -> dict:
+        return chat_logprobs(self.lm, entries) if chat else completion_logprobs(self.lm, entries, offset)
 
     @staticmethod
     def shutting_down(message: str) -> APIError:
@@ -395,29 +451,31 @@ class BrainServer:
                                          else "max_tokens")
         else:
             max_tokens = self.max_tokens(body.max_tokens, "max_tokens")
-        options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=self.sampling(body),
-                       ignore_eos=body.ignore_eos, stop_ids=self.stop_ids(body), on_token=self.metrics.record_token,
-                       started=arrived)
         if chat:  # every message's content checked before a session is touched
             for i, message in enumerate(body.messages):
                 message_text(message, i)
         session_id = self.session_id(request, body.user)
         key = answers.check_key(request.headers.get(answers.HEADER), session_id)
+        top, echo = self.logprob_options(body, chat, key)
+        options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=self.sampling(body),
+                       ignore_eos=body.ignore_eos, stop_ids=self.stop_ids(body), on_token=self.metrics.record_token,
+                       started=arrived, logprobs=top, echo=echo)
         held = contextlib.AsyncExitStack()
         try:
             await held.enter_async_context(self.admission())
             conversation = await held.enter_async_context(self.hold(session_id))
             if self.stopping:  # it waited for its session while the shutdown began
                 raise self.shutting_down("the server is shutting down; try again once it is back")
-            turn, answer, prompt_tokens = await self.begin_turn(conversation, body, chat, key, options)
+            turn, answer = await self.begin_turn(conversation, body, chat, key, options)
         except BaseException:
             await held.aclose()
             raise
         writer = (ChatWriter if chat else CompletionWriter)(self.lm.name)
         headers = {"X-Session-Id": session_id} if session_id else None
+        echoed = self.echo_text(body.prompt) if echo else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self.events(held, conversation, turn, answer, writer, prompt_tokens, usage),
+            return EventStream(self.events(held, conversation, turn, answer, writer, usage, chat, echoed),
                                headers=headers)
         async with held:
             try:
@@ -429,19 +487,30 @@ class BrainServer:
                 conversation.cut = True     # leaves is polled): marked before the session is let go
                 raise
             finally:
-                self.metrics.record_reply(0 if turn.retried else prompt_tokens, turn.generated)
+                self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
                 await self.checkpoint(conversation, answer, turn)
-            whole = writer.whole(turn.reply.text, turn.reply.finish_reason, self.usage(prompt_tokens, turn))
+            entries = (turn.prepared.echoed + turn.read if echo else []) + turn.entries
+            logprobs = self.logprobs_of(chat, entries) if turn.logprobs is not None else None
+            text = (echoed or "") + turn.reply.text
+            whole = writer.whole(text, turn.reply.finish_reason, self.usage(turn), logprobs)
             whole["positronic"] = self.extension(conversation, turn)
         return JSONResponse(whole, headers=headers)
 
     async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn,
-                     answer: answers.Answer | None, writer, prompt_tokens: int, include_usage: bool):
+                     answer: answers.Answer | None, writer, include_usage: bool, chat: bool, echoed: str | None):
         """The reply as server-sent events: the opening chunk, a chunk per piece of text, the
         closing chunk (finish reason, and the session's state: checkpointed by then), the usage
         chunk if asked, `data: [DONE]`. An error after the first byte becomes an error event; so
         does the shutdown, at the next token, once every token generated has been sent (the
-        session keeps just those, and a retry with its Idempotency-Key continues the reply)."""
+        session keeps just those, and a retry with its Idempotency-Key continues the reply).
+        With echo the prompt comes first, in a chunk of its own; with logprobs each chunk
+        carries its tokens' (a token whose text was held back rides with the next chunk)."""
+        listed = turn.logprobs is not None
+        sent, offset = 0, 0  # entries sent; characters sent (a completion's text_offset)
+
+        def logprobs(entries: list[TokenLogprob]) -> dict | None:
+            return self.logprobs_of(chat, entries, offset) if listed else None
+
         try:
             async with held:
                 checkpointed = False
@@ -449,20 +518,28 @@ class BrainServer:
                     if (opening := writer.opening()) is not None:
                         yield sse(opening)
                     async for piece in turn.pieces(stop=self.is_stopping):
-                        yield sse(writer.piece(piece))
+                        if echoed is not None:  # the prompt was read by now (its logprobs too)
+                            yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
+                            offset, echoed = len(echoed), None
+                        new, sent = turn.entries[sent:], len(turn.entries)
+                        yield sse(writer.piece(piece, logprobs(new)))
+                        offset += len(piece)
+                    if echoed is not None:
+                        yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
                     await self.checkpoint(conversation, answer, turn)
                     checkpointed = True
-                    closing = writer.closing(turn.reply.finish_reason)
+                    closing = writer.closing(turn.reply.finish_reason,
+                                             logprobs(turn.entries[sent:]) if sent < len(turn.entries) else None)
                     closing["positronic"] = self.extension(conversation, turn)
                     yield sse(closing)
                     if include_usage:
-                        yield sse(writer.usage(self.usage(prompt_tokens, turn)))
+                        yield sse(writer.usage(self.usage(turn)))
                 except asyncio.CancelledError:
                     if self.stopping:  # uvicorn's shutdown timed out on this stream (not a client leaving)
                         conversation.cut = True
                     raise
                 finally:
-                    self.metrics.record_reply(0 if turn.retried else prompt_tokens, turn.generated)
+                    self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
                     if not checkpointed:
                         await self.checkpoint(conversation, answer, turn)
         except ServerStopping:

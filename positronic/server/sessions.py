@@ -35,9 +35,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from ..brain import session as sessions
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
+from .logprobs import TokenLogprob, of_logits
 from .text import Reply
 from ..state.manager import StateBrokenError
 from ..state.readonly import MirrorView
@@ -226,18 +229,34 @@ def describe(mirror: MirrorView, tick: int, budget: int) -> dict:
             "live_text": "".join(mirror.live_texts())}
 
 
+@dataclasses.dataclass
+class Prepared:
+    """What a request's input did to its session: the tokens it added, their log-probabilities
+    where echo asked and they were prefilled, how many of them the policy pruned at once (a
+    fresh prompt past the budget), and how echoed log-probabilities were computed."""
+
+    tokens: int
+    echoed: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    pruned: int = 0
+    how: str = "exact"
+
+
 class Turn:
     """One request's part of a conversation: the input queued for it read, then its reply
     generated, one worker job per token, so other sessions' requests step in between.
     `pieces()` yields the reply's text as it becomes sendable; ClientGone when `gone()` says
     the client left, ServerStopping when `stop()` says the server is shutting down (both
     checked before every token). `reply`: a reply begun earlier (a retried request, answers.py):
-    its text so far comes first, then generation goes on (nothing, if it is finished)."""
+    its text so far comes first, then generation goes on (nothing, if it is finished).
+    `logprobs` (the alternatives to list per token; None: none asked) fills `entries` with each
+    generated token's log-probability (logprobs.py); with `echo`, `read` gets the tokens read
+    for it (a running session's prompt, teacher-forced through its cache) the same way."""
 
     def __init__(self, conversation: Conversation, worker: ModelWorker, lm, *, max_tokens: int,
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
                  stop_ids: Collection[int] = (), reply: Reply | None = None, retried: bool = False,
-                 on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None):
+                 on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None,
+                 logprobs: int | None = None, echo: bool = False):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
         self.ignore_eos, self.stop_ids = ignore_eos, stop_ids
@@ -248,6 +267,10 @@ class Turn:
         # began (the first) or since the token before (the metrics' time to first token, inter-token latency)
         self.on_token = on_token
         self.started = time.perf_counter() if started is None else started  # perf_counter() when the request came
+        self.logprobs, self.echo = logprobs, echo
+        self.read: list[TokenLogprob] = []  # the input tokens read for this request (with echo)
+        self.entries: list[TokenLogprob] = []  # the reply's tokens (with logprobs)
+        self.prepared = Prepared(0)  # what its input did (BrainServer.begin_turn)
 
     @property
     def generated(self) -> int:
@@ -263,7 +286,7 @@ class Turn:
                     raise ClientGone()
                 if stop is not None and stop():
                     raise ServerStopping()
-                await self.worker.run(conversation.read_one)
+                await self.worker.run(self._read_one)
             self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
                                ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
         elif self.reply.text:
@@ -290,10 +313,29 @@ class Turn:
         """On the model worker: one tick, and its token taken into the reply in the same job, so
         that a token the brain took is always the reply's (a request cancelled while the job
         runs, by a client leaving, loses the text's piece but not the token: a retry sends it)."""
+        logits = self.conversation.brain.state.next_logits if self.logprobs is not None else None
         record = self.conversation.step(self.sampling)
         if record.rebuilt:
             return record, ""
-        return record, self.reply.add(record.token_id, stopped=record.stopped)
+        kept = len(self.reply.ids)
+        piece = self.reply.add(record.token_id, stopped=record.stopped)
+        if logits is not None and len(self.reply.ids) > kept:  # a token of the text (not the one ending it)
+            self.entries.append(self._entry(logits, record.token_id))
+        return record, piece
+
+    def _read_one(self) -> None:
+        """On the model worker: the next input token read (Conversation.read_one), with its
+        log-probability under the context before it when `echo` asks for it."""
+        conversation = self.conversation
+        logits = conversation.brain.state.next_logits if self.echo else None
+        record = conversation.read_one()
+        if logits is not None and record is not None and not record.rebuilt:
+            self.read.append(self._entry(logits, record.token_id))
+
+    def _entry(self, logits, token_id: int) -> TokenLogprob:
+        if not bool(torch.isfinite(logits).all()):  # the tick rebuilt the cache and drew from new logits
+            return TokenLogprob(token_id, None)
+        return of_logits(logits, token_id, self.logprobs or 0)
 
 
 class SessionPool:

@@ -52,21 +52,21 @@ class CompletionWriter:
     def __init__(self, model: str):
         self.model, self.id, self.created = model, f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def _object(self, text: str, finish_reason: str | None) -> dict:
+    def _object(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return {**self._object(text, finish_reason), "usage": usage}
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+        return {**self._object(text, finish_reason, logprobs), "usage": usage}
 
     def opening(self) -> dict | None:
         return None
 
-    def piece(self, text: str) -> dict:
-        return self._object(text, None)
+    def piece(self, text: str, logprobs: dict | None = None) -> dict:
+        return self._object(text, None, logprobs)
 
-    def closing(self, finish_reason: str) -> dict:
-        return self._object("", finish_reason)
+    def closing(self, finish_reason: str, logprobs: dict | None = None) -> dict:
+        return self._object("", finish_reason, logprobs)
 
     def usage(self, usage: dict) -> dict:
         return {**self._object("", None), "choices": [], "usage": usage}
@@ -78,23 +78,23 @@ class ChatWriter:
     def __init__(self, model: str):
         self.model, self.id, self.created = model, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def _chunk(self, delta: dict, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                              "finish_reason": finish_reason}], "usage": usage}
 
     def opening(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def piece(self, text: str) -> dict:
-        return self._chunk({"content": text}, None)
+    def piece(self, text: str, logprobs: dict | None = None) -> dict:
+        return self._chunk({"content": text}, None, logprobs)
 
-    def closing(self, finish_reason: str) -> dict:
-        return self._chunk({}, finish_reason)
+    def closing(self, finish_reason: str, logprobs: dict | None = None) -> dict:
+        return self._chunk({}, finish_reason, logprobs)
 
     def usage(self, usage: dict) -> dict:
         return {**self._chunk({}, None), "choices": [], "usage": usage}

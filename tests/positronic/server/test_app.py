@@ -224,9 +224,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "ok"}], "max_to
     ("/v1/completions", {**GOOD, "temperature": 3}, {}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {**GOOD, "top_p": 0}, {}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {**GOOD, "n": 2}, {}, 400, "n", "invalid_value"),
-    ("/v1/completions", {**GOOD, "logprobs": 3}, {}, 400, "logprobs", "unsupported"),
+    ("/v1/completions", {**GOOD, "suffix": "and so on"}, {}, 400, "suffix", "unsupported"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop", "invalid_value"),
-    ("/v1/completions", {**GOOD, "prompt": "x" * 200}, {}, 400, "prompt", "context_length_exceeded"),
+    # past the model's 512 positions (a prompt past the budget alone is pruned, not refused)
+    ("/v1/completions", {**GOOD, "prompt": "x" * 600}, {}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, {}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {**GOOD, "user": "a/b"}, {}, 400, "user", "invalid_session_id"),
@@ -239,7 +240,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "ok"}], "max_to
      "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400,
      "messages.0.content", "invalid_value"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "y" * 200}]}, {}, 400, "messages",
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "y" * 600}]}, {}, 400, "messages",
      "context_length_exceeded"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, {}, 400, "max_completion_tokens", "invalid_value"),
 ])

@@ -213,8 +213,9 @@ def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_p
             else:
                 serve.wait_url()
                 time.sleep(rng.uniform(0.05, 1.5))
+            before = set(serve.directory.glob("*/*.tmp"))  # left by earlier kills, until a session's next save
             code = serve.kill(number)
-            temporaries = len(list(serve.directory.glob("*/*.tmp")))  # a checkpoint cut mid-write
+            temporaries = len(set(serve.directory.glob("*/*.tmp")) - before)  # a checkpoint this kill cut mid-write
             kills.append((when, signal.Signals(number).name, code, temporaries))
             serve.start()
         serve.wait_url()
