@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over the brain (`positronic serve`).
 
-    POST /v1/completions        text in, text out; "stream": true for server-sent events
+    POST /v1/completions        text in, text out; "stream": true for server-sent events;
+                                logprobs and echo (logprobs.py)
     POST /v1/chat/completions   messages in, the assistant's reply out (the model's chat template)
     GET  /v1/models             the one model served (with max_model_len: the context budget)
     GET  /v1/sessions/{id}      a session's counts, transcript and live text (an extension)
@@ -16,7 +17,7 @@ only for the origins given with --cors-origin.
 Each conversation is a brain of its own (positronic/server/sessions.py): the session id is the
 request's `user` field or its `X-Session-Id` header (1-64 of A-Z a-z 0-9 _ -); a request with
 neither gets a fresh brain that is thrown away after it. A session's first request prefills its
-prompt (at most the budget); each later one appends only its new part to the live brain: for a
+prompt (pruned to the budget by the policy if longer); each later one appends only its new part to the live brain: for a
 chat, the messages after the last assistant message (user messages: earlier ones are the
 session's own memory and are not read again), for a completion, its prompt text, at most a
 turn's limit (the budget less the protected rows, chat.turn_limit). Generation goes on inside
@@ -28,8 +29,8 @@ Every answer is written through to its session's checkpoint before its last byte
 sent again with the same Idempotency-Key header is answered exactly once (answers.py).
 
 Bad requests get a 4xx JSON body in OpenAI's error shape, {"error": {"message", "type",
-"param", "code"}}: bad JSON or fields (400), an unknown model (404), a prompt or turn over
-the budget (400, context_length_exceeded), a bad session id (400), a body over --max-body
+"param", "code"}}: bad JSON or fields (400), an unknown model (404), a prompt past the
+model's positions or a turn over its limit (400, context_length_exceeded), a bad session id (400), a body over --max-body
 (413), more than --max-pending requests or every session slot busy (429), a checkpoint that
 cannot be resumed (409); the server's own trouble is a 5xx in the same shape: shutting down (503),
 no slot freeable because idle sessions cannot be checkpointed (507). A client that disconnects
