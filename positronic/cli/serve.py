@@ -71,6 +71,18 @@ def _server_options(
     """The serve command's own options: their definitions only (never called)."""
 
 
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pyproject.toml's [serve] extra
+
+
+def require_serve_extra() -> None:
+    """UserError naming what to install when the HTTP stack is missing (the core install does
+    not bring it), before anything slow happens."""
+    import importlib.util
+
+    if missing := [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]:
+        raise UserError(f"positronic serve needs {', '.join(missing)}: pip install 'positronic-brain[serve]'")
+
+
 def default_session_dir(model: str) -> Path:
     """The checkpoint directory of a model's sessions: one per model, as a session resumes
     only with the model it was saved with."""
@@ -102,6 +114,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
 
     def serve(ctx: typer.Context, **options) -> int:
         """Serve the brain over HTTP until Ctrl-C or SIGTERM (sessions are saved on the way out)."""
+        require_serve_extra()
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
         writable_directory(directory, "--session-dir")

@@ -81,7 +81,12 @@ def write_outputs(report: EvalReport, out: Path, *, smooth: int | None = None) -
             "reference": _run_json(report.reference) if report.reference else None,
             "runs": [_run_json(run) for run in report.runs]}
     paths["json"].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    plot(report, paths["png"], smooth=smooth)
+    try:
+        plot(report, paths["png"], smooth=smooth)
+    except ModuleNotFoundError as exc:  # matplotlib is the [eval] extra: the tables are written, the plot said missing
+        del paths["png"]
+        print(f"note: no plot written ({exc.name} is not installed: pip install 'positronic-brain[eval]')",
+              file=sys.stderr)
     return paths
 
 
