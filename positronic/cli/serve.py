@@ -53,6 +53,10 @@ def _server_options(
     max_body: int = typer.Option(1 << 20, min=1024, help="Largest request body in bytes (413 above)."),
     max_tokens: int = typer.Option(4096, min=1, help="The most tokens one request may ask to generate."),
     default_max_tokens: int = typer.Option(256, min=1, help="Tokens generated when a request gives no max_tokens."),
+    history_edits: str = typer.Option(
+        "refuse", help="A chat request whose earlier messages differ from its session's (an edited or regenerated "
+                       "message): refuse (409 history_mismatch) | rebuild (start the session again from the request's "
+                       "messages)."),
     checkpoint_each_request: bool = typer.Option(
         True, "--checkpoint-each-request/--checkpoint-when-idle",
         help="Write a session to disk at the end of each request, before its answer's last byte (a kill loses "
@@ -115,6 +119,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
     def serve(ctx: typer.Context, **options) -> int:
         """Serve the brain over HTTP until Ctrl-C or SIGTERM (sessions are saved on the way out)."""
         require_serve_extra()
+        if options["history_edits"] not in ("refuse", "rebuild"):
+            raise UserError(f"--history-edits must be refuse or rebuild, got {options['history_edits']!r}")
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
         writable_directory(directory, "--session-dir")
@@ -135,7 +141,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   idle_save_s=options["idle_save"], max_pending=options["max_pending"],
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"],
-                                  checkpoint_each_request=options["checkpoint_each_request"])
+                                  checkpoint_each_request=options["checkpoint_each_request"],
+                                  history_edits=options["history_edits"])
         return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
                              api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
                              log_level=options["log_level"].value)

@@ -147,6 +147,8 @@ class Answers:
         if note is None:
             return answers  # a session saved before keyed answers, or by a run
         saved = note.get("answers")
+        if saved is None:
+            return answers
         if not (isinstance(saved, dict) and set(saved) == {"last", "recent"}):
             raise ValueError("the session's answer record is malformed")
         recent = saved["recent"]

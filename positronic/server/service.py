@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ..brain.chat import TurnRefused, turn_limit
 from ..brain.loop import BrainConfig
 from . import answers
+from .history import History
 from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs, of_prompt
 from .metrics import Metrics
 from ..brain.config import logit_bias_text
@@ -48,6 +49,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     sweep_every_s: float = 5.0  # how often idle sessions are looked for
     checkpoint_each_request: bool = True  # write a session through to disk before each answer's last byte
+    history_edits: str = "refuse"  # a chat whose earlier messages differ from its session's: refuse (409) | rebuild
 
 
 class BrainServer:
@@ -310,19 +312,33 @@ class BrainServer:
         template; a running session reads the user messages after the last assistant
         message, each as a user turn, after closing its previous reply. Returns the tokens added."""
         texts = [message_text(message, i) for i, message in enumerate(messages)]
-        if conversation.brain is None:
-            config = self.fresh_config(seed)
-            ids = self.format.conversation([{"role": m.role, "content": t} for m, t in zip(messages, texts)])
-            limit, why = self.prompt_limit(config)
-            if len(ids) > limit:
-                raise self.too_long("the conversation", len(ids), limit, why, "messages")
-            return await self.begin_session(conversation, ids, config, None)
+        said = [(m.role, t) for m, t in zip(messages, texts)]
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         new = list(range(last + 1, len(messages)))
-        if not new or any(messages[i].role != "user" for i in new):
+        if conversation.brain is not None and (not new or any(messages[i].role != "user" for i in new)):
             raise APIError(400, "messages: in a running session a request ends with its new user message(s) after "
                                 "the last assistant message (the session remembers the rest)", param="messages",
                            code="invalid_value")
+        if conversation.brain is not None and (at := conversation.history.differs(said[:last + 1])) is not None:
+            if self.settings.history_edits != "rebuild":
+                name = f"session {conversation.id!r}" if conversation.id else "the session"
+                raise APIError(409, f"messages.{at}: the conversation's earlier messages differ from {name}'s (an "
+                                    "edited or regenerated message?); send the history as the session answered it, or "
+                                    "only the new message(s), or start a new session (a server run with "
+                                    "--history-edits rebuild starts the session again from the messages instead)",
+                               param=f"messages.{at}", code="history_mismatch")
+            await self.settle(conversation)  # what it was reading goes with it
+            conversation.brain, conversation.history = None, History(None)
+            log.info("session %s starts again from a request's edited history", conversation.id)
+        if conversation.brain is None:
+            config = self.fresh_config(seed)
+            ids = self.format.conversation([{"role": role, "content": text} for role, text in said])
+            limit, why = self.prompt_limit(config)
+            if len(ids) > limit:
+                raise self.too_long("the conversation", len(ids), limit, why, "messages")
+            prepared = await self.begin_session(conversation, ids, config, None)
+            conversation.history = History(said)
+            return prepared
         limit = turn_limit(conversation.brain.config)
         try:
             turns = [self.format.user_turn(texts[i], limit) for i in new]
@@ -332,6 +348,7 @@ class BrainServer:
         closing = self.format.reply_end(conversation.last_token())
         self.check_room(conversation, len(closing) + sum(map(len, turns)), "messages")
         conversation.queue(forced=closing, turns=[texts[i] for i in new])
+        conversation.history.said([said[i] for i in new])
         return Prepared(len(closing) + sum(map(len, turns)))
 
     # -- answers --
@@ -360,6 +377,8 @@ class BrainServer:
         shutdown cancelled the request (`cut`: its client never got the reply)."""
         if answer is not None:
             answer.reply = turn.reply
+        if turn.reply is not None and turn.chat:
+            conversation.history.replied(turn.reply.text, again=turn.retried)
         if not self.settings.checkpoint_each_request or conversation.id is None or conversation.cut:
             return
         with anyio.CancelScope(shield=True):  # a client that left does not stop the write
@@ -459,7 +478,7 @@ class BrainServer:
         top, echo = self.logprob_options(body, chat, key)
         options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=self.sampling(body),
                        ignore_eos=body.ignore_eos, stop_ids=self.stop_ids(body), on_token=self.metrics.record_token,
-                       started=arrived, logprobs=top, echo=echo)
+                       started=arrived, logprobs=top, echo=echo, chat=chat)
         held = contextlib.AsyncExitStack()
         try:
             await held.enter_async_context(self.admission())

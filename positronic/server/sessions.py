@@ -40,6 +40,7 @@ import torch
 from ..brain import session as sessions
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
+from .history import History
 from .logprobs import TokenLogprob, of_logits
 from .text import Reply
 from ..state.manager import StateBrokenError
@@ -135,6 +136,7 @@ class Conversation:
         self.cut = False  # the shutdown cancelled a reply of its before the client got it: not saved at close
         self.evicting = False  # held by an eviction (a checkpoint being written), not by a request
         self.answers = Answers()  # the answer to its last keyed request (answers.py), checkpointed with it
+        self.history = History(None)  # a chat session's messages (history.py), checkpointed with it
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -203,7 +205,7 @@ class Conversation:
         """Checkpoint into `directory` (its input read first: only typed turns are saved pending),
         with its answers in the same atomic write."""
         self.settle()
-        sessions.save(directory, self.brain, model_name, note=self.answers.note())
+        sessions.save(directory, self.brain, model_name, note={**self.answers.note(), "history": self.history.note()})
         self.dirty = False
 
     def last_token(self) -> int:
@@ -256,7 +258,7 @@ class Turn:
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
                  stop_ids: Collection[int] = (), reply: Reply | None = None, retried: bool = False,
                  on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None,
-                 logprobs: int | None = None, echo: bool = False):
+                 logprobs: int | None = None, echo: bool = False, chat: bool = False):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
         self.ignore_eos, self.stop_ids = ignore_eos, stop_ids
@@ -267,7 +269,7 @@ class Turn:
         # began (the first) or since the token before (the metrics' time to first token, inter-token latency)
         self.on_token = on_token
         self.started = time.perf_counter() if started is None else started  # perf_counter() when the request came
-        self.logprobs, self.echo = logprobs, echo
+        self.logprobs, self.echo, self.chat = logprobs, echo, chat
         self.read: list[TokenLogprob] = []  # the input tokens read for this request (with echo)
         self.entries: list[TokenLogprob] = []  # the reply's tokens (with logprobs)
         self.prepared = Prepared(0)  # what its input did (BrainServer.begin_turn)
@@ -420,6 +422,7 @@ class SessionPool:
                 try:
                     conversation.brain, note = await self.worker.run(sessions.restore, self.lm, path)
                     conversation.answers = Answers.from_note(note, self.lm.vocab_size)
+                    conversation.history = History.from_note((note or {}).get("history"))
                 except (sessions.SessionError, ValueError) as exc:
                     raise SessionUnusable(f"session {session_id} cannot be resumed: {exc}") from None
                 self.resumed += 1

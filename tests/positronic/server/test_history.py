@@ -1,0 +1,67 @@
+"""A chat request's earlier messages are checked against its session's history
+(positronic/server/history.py): the history as the session answered it (or its last
+messages, or none) goes on; an edited or regenerated message is refused with 409, or, with
+history_edits="rebuild", starts the session again from the request's messages."""
+
+MODEL = "random:tiny"
+
+
+def ask(server, session, messages, max_tokens=6):
+    return server.post("/v1/chat/completions", {"model": MODEL, "user": session, "messages": messages,
+                                                "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def talk(server, session, texts) -> list[dict]:
+    """The messages of a session that said each of `texts` in turn, sending its whole history."""
+    history = []
+    for text in texts:
+        history.append({"role": "user", "content": text})
+        answer = ask(server, session, history)
+        assert answer.status_code == 200, answer.text
+        history.append({"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]})
+    return history
+
+
+def test_the_history_as_answered_its_last_messages_or_none_go_on(live):
+    history = talk(live, "h1", ["one", "two"])
+    assert ask(live, "h1", history + [{"role": "user", "content": "three"}]).status_code == 200
+    assert ask(live, "h1", [{"role": "user", "content": "four"}]).status_code == 200  # only the new message
+    assert ask(live, "h1", history[2:] + [{"role": "user", "content": "five"}]).status_code == 409  # "three" is missing
+
+
+def test_an_edited_or_regenerated_message_is_refused_and_the_session_is_untouched(live):
+    history = talk(live, "h2", ["alpha", "beta"])
+    before = live.get("/v1/sessions/h2").json()
+    edited = [dict(m) for m in history]
+    edited[0]["content"] = "ALPHA"
+    regenerated = [dict(m) for m in history]
+    regenerated[3]["content"] += " (again)"
+    for messages, at in ((edited, 0), (regenerated, 3)):
+        refused = ask(live, "h2", messages + [{"role": "user", "content": "gamma"}])
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("history_mismatch", f"messages.{at}")
+    assert live.get("/v1/sessions/h2").json() == before
+
+
+def test_with_rebuild_an_edited_history_starts_the_session_again(tiny, tmp_path, live_server, server_settings):
+    with live_server(tiny, server_settings(tmp_path, history_edits="rebuild")) as server:
+        history = talk(server, "h3", ["first", "second"])
+        edited = [dict(m) for m in history] + [{"role": "user", "content": "third"}]
+        edited[2]["content"] = "SECOND"
+        rebuilt = ask(server, "h3", edited)
+        fresh = ask(server, "h3-fresh", edited)  # a new session given the same messages
+        assert rebuilt.status_code == fresh.status_code == 200
+        assert rebuilt.json()["choices"] == fresh.json()["choices"]
+        said = [server.get(f"/v1/sessions/{s}").json() for s in ("h3", "h3-fresh")]
+        assert said[0]["transcript"] == said[1]["transcript"] and said[0]["tick"] == said[1]["tick"]
+
+
+def test_the_history_is_checkpointed_with_the_session(tiny, tmp_path, live_server, server_settings):
+    settings = server_settings(tmp_path)
+    with live_server(tiny, settings) as server:
+        history = talk(server, "h4", ["kept"])
+    with live_server(tiny, settings) as server:  # resumed from its checkpoint
+        edited = [{"role": "user", "content": "changed"}, history[1], {"role": "user", "content": "next"}]
+        assert ask(server, "h4", edited).status_code == 409
+        assert ask(server, "h4", history + [{"role": "user", "content": "next"}]).status_code == 200
