@@ -19,6 +19,7 @@ import hashlib
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import msgpack
@@ -158,6 +159,11 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
     return mirror
 
 
+# Fault injection for the kill soaks (tests/positronic/server/test_kill_soak.py): seconds a write
+# waits, its data on disk, before the rename that publishes it, so that kills land mid-write.
+WRITE_DELAY_S = float(os.environ.get("POSITRONIC_TEST_WRITE_DELAY_S") or 0)
+
+
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` so that a reader sees the old file or the new one, never half of one, and
     the new one is on disk when this returns (temporary file beside it, fsync, rename). A
@@ -173,6 +179,8 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if WRITE_DELAY_S:
+            time.sleep(WRITE_DELAY_S)
         os.replace(tmp, path)
     except OSError as exc:  # a full disk: name the file (a bare "[Errno 28]" says nothing of which)
         Path(tmp).unlink(missing_ok=True)

@@ -33,6 +33,9 @@ KILLS = int(os.environ.get("POSITRONIC_SERVER_SOAK_KILLS", "4"))
 SEED = int(os.environ.get("POSITRONIC_SERVER_SOAK_SEED", "11"))  # the kills' moments and the clients' faults
 TURNS = max(6, KILLS * 3 // 2)  # requests per client: the kills land among them
 CONFIG = BrainConfig(budget=96, temperature=0.0, seed=0)  # serve's defaults, but these
+# the first kills: one of each kind (the suite's short form makes only these four)
+PLAN = [("checkpoint", signal.SIGKILL), ("traffic", signal.SIGTERM), ("start-up", signal.SIGKILL),
+        ("traffic", signal.SIGKILL)]
 SERVE_ARGS = ("--budget", "96", "--temperature", "0", "--seed", "0", "--max-sessions", "2", "-t", "1")
 
 
@@ -161,8 +164,11 @@ class Serve:
         log = self.logs / f"serve-{self.starts}.log"
         command = [sys.executable, str(ROOT / "run.py"), "serve", "-m", MODEL, "--port", "0", "--session-dir",
                    str(self.directory), *SERVE_ARGS]
+        # each checkpoint file waits 20 ms on disk before its rename (mirror.storage.WRITE_DELAY_S):
+        # long enough that a kill aimed at a checkpoint lands in the middle of one
+        env = {**os.environ, "POSITRONIC_TEST_WRITE_DELAY_S": "0.02"}
         with open(log, "w") as err:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
         self.log = log
 
     def wait_url(self, timeout: float = 120) -> None:
@@ -199,23 +205,25 @@ def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_p
     talking.start()
     try:
         while len(kills) < KILLS and talking.is_alive():
+            stale = set(serve.directory.glob("*/*.tmp"))  # left by earlier kills, until a session's next save
             moment = rng.random()
             number = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
             when = "start-up" if moment < 0.2 else "checkpoint" if moment < 0.4 else "traffic"
-            if moment < 0.2:  # during start-up (the model loading, uvicorn starting)
+            if len(kills) < len(PLAN):  # the suite's few kills cover every kind
+                when, number = PLAN[len(kills)]
+            if when == "start-up":  # the model loading, uvicorn starting
                 time.sleep(rng.uniform(0.0, 4.0))
-            elif moment < 0.4:  # while a checkpoint is being written (its temporary file exists)
+            elif when == "checkpoint":  # while a checkpoint file is being written: killed in the middle
                 serve.wait_url()
                 number = signal.SIGKILL
-                deadline = time.monotonic() + 5
-                while not any(serve.directory.glob("*/*.tmp")) and time.monotonic() < deadline:
+                deadline = time.monotonic() + 10
+                while not set(serve.directory.glob("*/*.tmp")) - stale and time.monotonic() < deadline:
                     pass
             else:
                 serve.wait_url()
                 time.sleep(rng.uniform(0.05, 1.5))
-            before = set(serve.directory.glob("*/*.tmp"))  # left by earlier kills, until a session's next save
             code = serve.kill(number)
-            temporaries = len(set(serve.directory.glob("*/*.tmp")) - before)  # a checkpoint this kill cut mid-write
+            temporaries = len(set(serve.directory.glob("*/*.tmp")) - stale)  # a checkpoint this kill cut mid-write
             kills.append((when, signal.Signals(number).name, code, temporaries))
             serve.start()
         serve.wait_url()
@@ -233,6 +241,7 @@ def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_p
         assert client.answers == ref.answers, client.session
     assert said == expected
     codes = {code for _, _, code, _ in kills}
+    assert sum(1 for *_, cut in kills if cut) >= 1, kills  # the checkpoint kill did cut a write
     assert codes <= {-signal.SIGKILL, -signal.SIGTERM}, kills  # a SIGTERM never loses a session (exit 1)
     kinds = sorted({(w, n, c) for w, n, c, _ in kills})
     print(f"server soak: {len(kills)} kills (" + ", ".join(f"{w} {n}->{c}: {sum(1 for k in kills if k[:3] == (w, n, c))}"
