@@ -2,7 +2,7 @@
 model on the same tasks and weights.
 
     python bench/lm_eval_server.py                           # the embedded SmolLM2, budget 2048
-    python bench/lm_eval_server.py --budget 32 --write       # a budget below the prompts, recorded
+    python bench/lm_eval_server.py --budget 48 --fewshot 8 --write   # prompts past the budget, recorded
 
 lm-eval is not a dependency of the project: it runs in a virtualenv of its own
 (bench/.lm-eval-venv, made on first use: torch 2.13.0 CPU, then `lm-eval[hf,api]`; or
@@ -47,6 +47,7 @@ dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
+fewshot_split: test
 output_type: multiple_choice
 doc_to_text: "The opposite of {{{{word}}}} is"
 doc_to_choice: "{{{{choices}}}}"
@@ -64,6 +65,7 @@ dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
+fewshot_split: test
 output_type: generate_until
 doc_to_text: "Numbers: {{{{numbers}}}},"
 doc_to_target: "{{{{answer}}}}"
@@ -129,11 +131,12 @@ def start_server(model: str, budget: int, sessions: Path, threads: int) -> tuple
     raise SystemExit("serve did not start in 300 s")
 
 
-def evaluate(python: str, model_name: str, model_args: str, tasks: Path, out: Path, limit: int | None) -> dict:
+def evaluate(python: str, model_name: str, model_args: str, tasks: Path, out: Path, limit: int | None,
+             fewshot: int) -> dict:
     """lm_eval's results for both tasks: {task: (metric, value)}."""
     command = [python, "-m", "lm_eval", "--model", model_name, "--model_args", model_args, "--tasks",
                "positronic_antonyms,positronic_counting", "--include_path", str(tasks), "--output_path", str(out),
-               "--batch_size", "1", "--device", "cpu"]
+               "--batch_size", "1", "--device", "cpu", "--num_fewshot", str(fewshot)]
     if limit:
         command += ["--limit", str(limit)]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -154,6 +157,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=2048, help="the server's context budget")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    parser.add_argument("--fewshot", type=int, default=0, help="examples before each item (longer prompts: "
+                        "with 8, about 100 tokens, past a small budget)")
     parser.add_argument("--lm-eval-python", default=None, help="an interpreter with lm-eval installed")
     parser.add_argument("--write", action="store_true", help=f"append the table to {RESULTS.relative_to(ROOT)}")
     args = parser.parse_args()
@@ -175,15 +180,15 @@ def main() -> None:
             served = evaluate(python, "local-completions",
                               f"base_url={url}/v1/completions,model={args.model},tokenizer={weights},"
                               "tokenized_requests=True,num_concurrent=1,max_retries=1,max_length=4096",
-                              tasks, scratch / "served", args.limit)
+                              tasks, scratch / "served", args.limit, args.fewshot)
         finally:
             process.terminate()
             process.wait(60)
         reference = evaluate(python, "hf", f"pretrained={weights},dtype=float32,add_bos_token=True",
-                             tasks, scratch / "hf", args.limit)
+                             tasks, scratch / "hf", args.limit, args.fewshot)
     load = os.getloadavg()
     rows = [("positronic serve (local-completions)", served), ("lm-eval hf", reference)]
-    lines = [f"model {args.model}, server budget {args.budget}, {args.limit or 'all'} items per task "
+    lines = [f"model {args.model}, server budget {args.budget}, {args.fewshot}-shot, {args.limit or 'all'} items per task "
              f"({len(ANTONYMS)} antonyms, {len(SEQUENCES)} counting); {platform.machine()} {os.cpu_count()} cores, load "
              f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", "",
              "| lm-eval model | antonyms acc (loglikelihood) | counting exact match (generate_until) | wall s |",
@@ -195,7 +200,8 @@ def main() -> None:
     print("\n".join(lines))
     if args.write:
         with open(RESULTS, "a") as f:
-            f.write(f"\n## {time.strftime('%Y-%m-%d')}: `python bench/lm_eval_server.py --budget {args.budget}`\n\n"
+            f.write(f"\n## {time.strftime('%Y-%m-%d')}: `python bench/lm_eval_server.py --budget {args.budget} "
+                    f"--fewshot {args.fewshot}`\n\n"
                     + "\n".join(lines) + "\n")
 
 
