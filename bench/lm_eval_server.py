@@ -41,13 +41,16 @@ ANTONYMS = [("hot", "cold"), ("up", "down"), ("big", "small"), ("day", "night"),
             ("left", "right"), ("first", "last"), ("true", "false"), ("love", "hate")]
 SEQUENCES = [(start, step) for step in (1, 2) for start in range(1, 11)]  # "3, 4, 5, 6," -> 7
 
-MC_TASK = """task: positronic_antonyms
-dataset_path: json
+# what both tasks share: a local JSON-lines file ({data}), its items both the test and the few-shot pool
+TASK_HEAD = """dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
 fewshot_split: test
+"""
+
+MC_TASK = """task: positronic_antonyms
 output_type: multiple_choice
 doc_to_text: "The opposite of {{{{word}}}} is"
 doc_to_choice: "{{{{choices}}}}"
@@ -60,12 +63,6 @@ metric_list:
 """
 
 GEN_TASK = """task: positronic_counting
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-fewshot_split: test
 output_type: generate_until
 doc_to_text: "Numbers: {{{{numbers}}}},"
 doc_to_target: "{{{{answer}}}}"
@@ -97,8 +94,9 @@ def write_tasks(directory: Path) -> None:
         for start, step in SEQUENCES:
             numbers = [start + step * k for k in range(4)]
             f.write(json.dumps({"numbers": ", ".join(map(str, numbers)), "answer": str(numbers[-1] + step)}) + "\n")
-    (directory / "antonyms.yaml").write_text(MC_TASK.format(data=directory / "antonyms.jsonl"))
-    (directory / "counting.yaml").write_text(GEN_TASK.format(data=directory / "counting.jsonl"))
+    for name, task in (("antonyms", MC_TASK), ("counting", GEN_TASK)):
+        (directory / f"{name}.yaml").write_text(TASK_HEAD.format(data=directory / f"{name}.jsonl")
+                                                 + task.replace("{{{{", "{{").replace("}}}}", "}}"))
 
 
 def lm_eval_python(given: str | None) -> str:
