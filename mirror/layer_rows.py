@@ -8,7 +8,8 @@ so each layer's rows are a subsequence of the union's). Row i of layer l's cache
 `rows[l][i]`; its position is the union's position of that ledger id.
 
 It changes only as a whole, with the Layout of the union (Mirror.splice): a tick drops some
-rows in some layers and appends the tick's new tokens to every layer.
+rows in some layers, takes some tokens back into some layers (recall) and appends the tick's
+new tokens to every layer.
 
 A "layer" here is a *lane*: a layer, or with per-head rows one kv head of a layer (lane =
 layer * kv_heads + head). Nothing in this module depends on which: the state says how many
@@ -60,17 +61,20 @@ class LayerRows:
         """Ledger ids held by at least one layer."""
         return set(self.counts)
 
-    def after(self, drops: list[list[int]], new_ids: list[int]) -> "LayerRows":
+    def after(self, drops: list[list[int]], new_ids: list[int], inserts: list[list[int]] | None = None) -> "LayerRows":
         """The rows once each layer l has dropped its rows `drops[l]` (row numbers in that
-        layer) and every layer has appended `new_ids`. LayerRowsError if a drop is out of range
-        or the layers would end with different lengths."""
-        if len(drops) != self.num_layers:
-            raise LayerRowsError(f"{len(drops)} drop lists for {self.num_layers} layers")
-        if len({len(dropped) for dropped in drops}) != 1:
+        layer), taken back the ledger ids `inserts[l]` (tokens it does not hold; each goes in
+        at its place in position order, which is ledger-id order here) and appended `new_ids`
+        like every layer. LayerRowsError if a drop is out of range, a token is taken back
+        twice, or the layers would end with different lengths."""
+        inserts = inserts or [[] for _ in self.rows]
+        if len(drops) != self.num_layers or len(inserts) != self.num_layers:
+            raise LayerRowsError(f"{len(drops)} drop lists and {len(inserts)} insert lists for {self.num_layers} layers")
+        if len({len(dropped) - len(taken) for dropped, taken in zip(drops, inserts)}) != 1:
             raise LayerRowsError("the layers would hold different numbers of rows: they drop "
-                                 f"{sorted({len(dropped) for dropped in drops})}")
+                                 f"{sorted({len(d) - len(t) for d, t in zip(drops, inserts)})} more than they take back")
         rows, counts = [], dict(self.counts)
-        for l, (layer, dropped) in enumerate(zip(self.rows, drops)):
+        for l, (layer, dropped, taken) in enumerate(zip(self.rows, drops, inserts)):
             if len(set(dropped)) != len(dropped) or any(not 0 <= row < len(layer) for row in dropped):
                 raise LayerRowsError(f"layer {l}: dropped rows {sorted(dropped)} are repeated or out of "
                                      f"range 0..{len(layer) - 1}")
@@ -80,6 +84,12 @@ class LayerRows:
                 counts[ledger_id] -= 1
                 if not counts[ledger_id]:
                     del counts[ledger_id]
+            if taken:
+                if len(set(taken)) != len(taken) or set(taken) & set(kept):
+                    raise LayerRowsError(f"layer {l}: ledger ids {sorted(taken)} are taken back twice or already held")
+                kept = sorted(kept + list(taken))  # ids ascend with position under per-layer rows
+                for ledger_id in taken:
+                    counts[ledger_id] = counts.get(ledger_id, 0) + 1
             kept.extend(new_ids)
             rows.append(kept)
         for ledger_id in new_ids:

@@ -39,7 +39,7 @@ class Mirror:
 
     def splice(self, layout: Layout, texts: list[str], *, tick: int, brightness: float,
                live_brightness: list[float] | None = None, layer_drops: list[list[int]] | None = None,
-               ring: Ring | None = None) -> list[int]:
+               layer_inserts: list[list[int]] | None = None, ring: Ring | None = None) -> list[int]:
         """Apply a whole Layout (see layout.py): deleted rows' entries retire (or become
         replaced by the tokens inserted in their place), the new tokens get ledger entries
         starting at `brightness` (a replacement starts at the brightest of the rows it
@@ -49,9 +49,10 @@ class Mirror:
         the new ledger ids. Everything that could refuse is checked before the first change,
         and a failure after it (or an interrupt) undoes what was changed: all or nothing.
 
-        With per-layer rows, `layer_drops[l]` lists the rows (of layer l) that layer drops; the
-        layout is the union's: it must delete exactly the tokens no layer holds any more and
-        only append new tokens, which every layer appends too.
+        With per-layer rows, `layer_drops[l]` lists the rows (of layer l) that layer drops and
+        `layer_inserts[l]` the ledger ids it takes back (recall); the layout is the union's: it
+        must delete exactly the tokens no layer holds any more, restore exactly the taken-back
+        tokens no layer held, and otherwise only append new tokens, which every layer appends too.
 
         `ring`: a ring store's slots after the edit (the cache's own, so both record the same
         cursor); required exactly when the mirror has a ring.
@@ -63,14 +64,18 @@ class Mirror:
         if (layer_drops is None) != (self.layers is None):
             raise ValueError("per-layer drops go with per-layer rows, and only with them")
         if self.layers is not None:
-            if any(insertion.at != len(live) or insertion.restores or insertion.replaces
+            if any(insertion.replaces or (insertion.at != len(live) and not insertion.restores)
                    for insertion, _ in layout.groups):
-                raise ValueError("per-layer rows take appended new tokens only (no insertion, repair or restore)")
-            placeholders = [-1 - k for k in range(len(layout.new_token_ids))]
-            layers_after = self.layers.after(layer_drops, placeholders)  # LayerRowsError: nothing changed yet
+                raise ValueError("per-layer rows take appended new tokens and restores only (no insertion or repair)")
+            appended = [insertion for insertion, _ in layout.groups if not insertion.restores]
+            placeholders = [-1 - k for k in range(sum(len(insertion.token_ids) for insertion in appended))]
+            layers_after = self.layers.after(layer_drops, placeholders, layer_inserts)  # LayerRowsError: nothing changed yet
             gone = {live[row] for row in layout.deleted}
             if self.layers.held() - layers_after.held() != gone:
                 raise ValueError("the layout must delete exactly the tokens that no layer holds any more")
+            back = {i for insertion, _ in layout.groups for i in insertion.restores}
+            if layers_after.held() - self.layers.held() - set(placeholders) != back:
+                raise ValueError("the layout must restore exactly the tokens taken back that no layer held")
         if live_brightness is not None and len(live_brightness) != len(live):
             raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")
         if (ring is None) != (self.ring is None):
@@ -99,7 +104,8 @@ class Mirror:
         try:
             new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
             if layers_after is not None:
-                self.layers = layers_after.renamed({-1 - k: ledger_id for k, ledger_id in enumerate(new_ids)})
+                added = [i for i in new_ids if i not in back]
+                self.layers = layers_after.renamed({-1 - k: ledger_id for k, ledger_id in enumerate(added)})
             self.ring = ring
             return new_ids
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was

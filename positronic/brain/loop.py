@@ -51,8 +51,6 @@ def pinned_rows(lm, prompt_ids: list[int], pins, config: BrainConfig) -> list[in
             raise ValueError(f"--pin {needle!r} does not occur in the prompt")
         rows.update(found)
     policy = POLICIES[config.policy]
-    if rows and policy.per_layer:
-        raise ValueError(f"--pin: policy {config.policy} keeps different rows in each layer and has no pins")
     if rows and policy.name != "none":
         room = config.budget - max(config.sinks, config.protect) - policy.window(config, config.budget) - policy.batch(config)
         if len(rows) > room:

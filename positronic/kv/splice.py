@@ -278,6 +278,13 @@ class SpliceLayer(OneSequenceLayer):
                     buffer[:, head, dst : dst + count].copy_(held[:, head, src - low : src - low + count])
         self.start, self.length = anchor, length
 
+    def put_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Write given K/V [len(heads), n, head_dim] into live `rows` (int64 [n]) of the kv heads
+        `heads` alone: a recalled row taken back by some lanes (per-head rows) and not others."""
+        where = rows.to(self.key_buffer.device) + self.start
+        for buffer, given in ((self.key_buffer, keys), (self.value_buffer, values)):
+            buffer[0, heads].index_copy_(1, where, given.to(buffer.dtype))
+
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + rows by cos/sin [rows, head_dim], or
         [kv_heads, rows, head_dim] when each head holds other tokens (float32, see rope.rotate)."""

@@ -24,9 +24,17 @@ on), through that layer's gate (`GateSet.score`), plus log4 of its value norm th
 leave the window, together with every other unscored window token, so the gates run once per
 layer every `window` ticks on `window` keys (read from the cache through the view).
 
+Pins: a pinned token stays in every lane. It never competes for a memory: when it leaves the
+window (or is pinned after it left, when every lane still holds it) every memory gives up a
+row for it, and when it is unpinned it competes again.
+
+Recall (`--recall`, recall.py): a token some lanes dropped comes back into the lanes whose
+query looks for it, with its own K/V, in place of their weakest memory rows.
+
 Like SmartKVCache (cache.py) for a plain `model.generate`; this is the same layout inside the
-brain's tick, mirror, sessions and live view. Not with recall, a repairer, pins or a 4-bit
-kv_format (each needs every layer to hold the same rows).
+brain's tick, mirror, sessions and live view. Not with a repairer (it replaces pairs of rows
+every layer holds) or a 4-bit kv_format (int4h keeps one RoPE position per row for every
+layer; int4/fp4 have no per-lane splice).
 """
 
 from __future__ import annotations
@@ -36,9 +44,11 @@ from pathlib import Path
 
 import torch
 
-from ..policies import PolicyPlan, register
+from ..policies import PolicyPlan, pinned_rows, register
+from ..policies.recall import DEFAULT_THRESHOLD
 from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
+from .recall import LaneRecall
 from .rows import Memories
 
 
@@ -61,8 +71,8 @@ class SmartKVPolicy:
     name = "smartkv"
     per_layer = True  # the Brain gives the state per-layer rows
     reads_keys = True  # the plan reads window tokens' keys (view(keys=True))
-    recall = None
     repairer = None
+    recall_threshold = DEFAULT_THRESHOLD  # × a lane's fair share of attention (recall.py)
     value_norms = True  # scores add log4 of the value norms (a session saved before them resumes without)
 
     def __init__(self, lm, config):
@@ -75,7 +85,9 @@ class SmartKVPolicy:
         self.horizon = self.gates.horizon
         self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
         self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
+        self.recall = LaneRecall(self.heads, threshold=self.recall_threshold) if config.recall else None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
+        self.pinned_out: frozenset[int] = frozenset()  # pinned tokens out of the window: in every lane, in no memory
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
         self._forget_at = 0  # scores kept before the next pass that forgets dropped tokens' scores
 
@@ -86,8 +98,6 @@ class SmartKVPolicy:
     @classmethod
     def check(cls, config) -> None:
         """ValueError for settings SmartKV cannot run with."""
-        if getattr(config, "recall", False):
-            raise ValueError("policy smartkv: recall needs every layer to hold the same rows (choose another policy)")
         if config.repairer != "none":
             raise ValueError("policy smartkv drops rows per layer: it takes no repairer (--repairer none)")
         if config.kv_format != "float":
@@ -118,14 +128,14 @@ class SmartKVPolicy:
 
     def plan(self, view, scores, seconds: dict[str, float], *, typed: bool = False):
         """One `drop` action for this tick's token (Step 1's token is added after it)."""
-        return self._plan(view, seconds)
+        return self._plan(view, seconds, look=True, typed=typed)
 
     def prune(self, view, scores, target: int):
         """A prompt longer than the budget: every layer down to `target` rows at once (the
         bulk prune: the older prompt tokens are offered to the memories in position order)."""
-        return self._plan(view, {})
+        return self._plan(view, {}, look=False)
 
-    def _plan(self, view, seconds: dict[str, float]):
+    def _plan(self, view, seconds: dict[str, float], *, look: bool, typed: bool = False):
         clock = time.perf_counter()
         ids, positions = view.ledger_ids.tolist(), view.positions.tolist()
         window_start = max(self.keep, len(ids) - (self.config.window - 1))  # rows still in the window after the add
@@ -135,24 +145,81 @@ class SmartKVPolicy:
         seconds["score"] = (scored := time.perf_counter()) - clock
         memory = self.memory.copy()
         drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per lane
-        for row in leaving:
-            ledger_id, position = ids[row], positions[row]
-            # ranked at the step whose token pushes this one out of the window (as SmartKVCache does)
-            dropped = memory.offer(ledger_id, position, scores[ledger_id], now=position + self.config.window)
+
+        def dropping(dropped) -> None:
             for lane, gone in enumerate(dropped.tolist()):
                 if gone >= 0:
                     drops[lane].append(gone)
-        next = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh)
+
+        pinned = self._pins(view, memory, scores, dropping)
+        for row in leaving:
+            ledger_id, position = ids[row], positions[row]
+            # ranked at the step whose token pushes this one out of the window (as SmartKVCache does)
+            now = position + self.config.window
+            if ledger_id in pinned:  # it stays in every lane, outside the memory, which gives up a row
+                dropping(memory.shrink(now))
+            else:
+                dropping(memory.offer(ledger_id, position, scores[ledger_id], now=now))
+        lookup = self._recall(view, memory, drops, scores, [ids[row] for row in leaving if ids[row] not in pinned],
+                              pinned, look=look, typed=typed)
+        seconds["select"] = (now := time.perf_counter()) - scored
+        out = frozenset(i for i in pinned if i <= max([self.offered] + [ids[row] for row in leaving]))
+        next = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh, lookup, out)
         actions, outcomes = [], []
-        if drops[0]:
+        unit = "layer" if self.heads == 1 else "kv head"
+        if any(drops):
             rows = view.rows.lane_rows([sorted(d) for d in drops])
             actions.append({"action": "drop", "rows": rows})
             gone = set.intersection(*(set(d) for d in drops)) if drops else set()
-            unit = "layer" if self.heads == 1 else "kv head"
             outcomes.append(((), f"{len(drops[0])} row{'s' * (len(drops[0]) != 1)} dropped per {unit}"
                                  + (f", {len(gone)} token{'s' * (len(gone) != 1)} from every {unit}" if gone else "")))
-        seconds["select"] = time.perf_counter() - scored
+        if lookup is not None and lookup.back:
+            actions.append(self.recall.restore_action(lookup))
+            taking = len({lane for lanes in lookup.lanes.values() for lane in lanes})
+            outcomes.append(((), f"recalled {len(lookup.back)} into {taking} {unit}{'s' * (taking != 1)}"))
+        seconds["recall"] = time.perf_counter() - now if self.recall is not None else 0.0
         return PolicyPlan(actions, outcomes, next=next)
+
+    def _pins(self, view, memory: Memories, scores: dict, dropping) -> set[int]:
+        """The pinned tokens (ledger ids past the kept rows). A token pinned after it left the
+        window leaves every memory (each shrinks by one; the state pins only tokens every
+        lane holds); an unpinned one that had left it competes again (each grows by one)."""
+        ids = view.ledger_ids.tolist()
+        pinned = {ids[row] for row in pinned_rows(view) if row >= self.keep}
+        for ledger_id in sorted(pinned - self.pinned_out):
+            if ledger_id <= self.offered:
+                memory.remove(ledger_id)
+        where = {ledger_id: row for row, ledger_id in enumerate(ids)}
+        for ledger_id in sorted(self.pinned_out - pinned):
+            memory.grow()
+            if ledger_id in where:
+                position = int(view.positions[where[ledger_id]])
+                dropping(memory.offer(ledger_id, position, scores[ledger_id], now=int(view.positions[-1]) + 1))
+        return pinned
+
+    def _recall(self, view, memory: Memories, drops: list[list[int]], scores: dict, leaving: list[int],
+                pinned: set[int], *, look: bool, typed: bool):
+        """Recall's part of the tick (None without recall): the lookup, and for each token it
+        brings back, the weakest memory row of each lane taking it joins that lane's drops
+        (every lane keeps as many rows). The window-leavers' K/V are copied into the lookup."""
+        if self.recall is None:
+            return None
+        lookup = self.recall.idle()
+        if look and memory.count == memory.size:  # until the memories are full no lane has dropped anything
+            # a token a lane drops this tick is not taken back by it in the same tick
+            # (and a pinned token is in every lane)
+            held = [set(memory.ids[lane, : memory.count].tolist()) | set(drops[lane]) | pinned
+                    for lane in range(memory.layers)]
+            # with full memories every lane holds the budget's rows (kept rows, window, memory);
+            # a lane takes back at most half its memory at once
+            lookup = self.recall.look_lanes(view, held, self.config.budget, max(1, memory.size // 2), typed=typed)
+        now = int(view.positions[-1]) + 1
+        for ledger_id in lookup.back:
+            for lane in lookup.lanes[ledger_id]:
+                taken = [i for i in lookup.back if lane in lookup.lanes[i]]
+                drops[lane].append(memory.take_back(lane, ledger_id, self.recall.scores[ledger_id][lane], now, keep=taken))
+        self.recall.capture(lookup, view, leaving, scores)
+        return lookup
 
     def _score(self, reader, needed: list[int], ids: list[int], positions: list[int]) -> dict[int, list[float]]:
         """Scores of `needed` tokens not scored yet, and with them of every unscored window token
@@ -180,34 +247,48 @@ class SmartKVPolicy:
         """The tick of the plan that returned `next` went through: its memories stand."""
         if next is None:
             return
-        self.memory, self.offered, fresh = next
+        self.memory, self.offered, fresh, lookup, self.pinned_out = next
+        if lookup is not None:
+            self.recall.adopt(lookup)
         self.scores.update(fresh)
         if len(self.scores) > self._forget_at:  # forget tokens every lane dropped, now and then
             held = set(self.memory.held_ids())
-            self.scores = {i: s for i, s in self.scores.items() if i in held or i > self.offered}
+            self.scores = {i: s for i, s in self.scores.items()
+                           if i in held or i > self.offered or i in self.pinned_out}
             self._forget_at = 2 * (len(self.scores) + self.config.window)
 
     # --- sessions -------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
-                "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
+        state = {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
+                 "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
+        state |= {"pinned": sorted(self.pinned_out)} if self.pinned_out else {}
+        return state | ({"recall": self.recall.state()} if self.recall is not None else {})
 
     def load_state(self, state: dict) -> None:
         layers = self.memory.layers
         try:
-            ok = (isinstance(state, dict) and set(state) - {"value_norms"} == {"memory", "offered", "scores"}
+            recall = {"recall"} if self.recall is not None else set()
+            pinned = state.get("pinned", []) if isinstance(state, dict) else None
+            size = self.size - len(pinned) if isinstance(pinned, list) else 0
+            ok = (isinstance(state, dict) and set(state) - {"value_norms", "pinned"} == {"memory", "offered", "scores"} | recall
+                  and isinstance(pinned, list) and all(type(i) is int for i in pinned) and size >= 1
                   and type(state.get("value_norms", False)) is bool
                   and type(state["offered"]) is int and len(state["memory"]) == layers
                   and len({len(entries) for entries in state["memory"]}) == 1
-                  and all(len(entries) <= self.size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
+                  and all(len(entries) <= size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
                                                             for e in entries) for entries in state["memory"])
                   and all(type(i) is int and len(v) == layers for i, v in state["scores"]))
         except TypeError:
             ok = False
         if not ok:
-            raise ValueError("policy smartkv: malformed saved state")
-        self.memory = Memories.from_entries(state["memory"], self.size, self.horizon)
+            raise ValueError("policy smartkv: malformed saved state" + (
+                " (or saved without recall)" if self.recall is not None and isinstance(state, dict)
+                and "recall" not in state else ""))
+        if self.recall is not None:
+            self.recall.load_state(state["recall"])
+        self.memory = Memories.from_entries(state["memory"], size, self.horizon)
+        self.pinned_out = frozenset(pinned)
         self.offered = state["offered"]
         self.scores = {i: [float(x) for x in v] for i, v in state["scores"]}
         self.value_norms = state.get("value_norms", False)  # saved before value norms: scored without

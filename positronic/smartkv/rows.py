@@ -84,6 +84,66 @@ class Memories:
             array[won, at[won]] = array[won, self.size]
         return dropped
 
+    def take_back(self, layer: int, token_id: int, score: float, now: int, keep=()) -> int:
+        """Put a token back into `layer`'s full memory in place of its weakest token (not one
+        of the ids `keep`): recall found it in use, so its lifespan starts afresh at `now`.
+        Returns the id dropped."""
+        if self.count < self.size:
+            raise ValueError("a token comes back only into a full memory (it replaces the weakest)")
+        ranks = self.weights[layer, : self.size] * np.maximum(FLOOR * self.horizon,
+                                                              self.positions[layer, : self.size] - (now - self.horizon))
+        if keep:
+            ranks = np.where(np.isin(self.ids[layer, : self.size], list(keep)), np.inf, ranks)
+        at = int(ranks.argmin())
+        dropped = int(self.ids[layer, at])
+        self.scores[layer, at], self.weights[layer, at] = score, 4.0 ** float(score)
+        self.positions[layer, at], self.ids[layer, at] = now, token_id
+        return dropped
+
+    def shrink(self, now: int) -> np.ndarray:
+        """One token less in every layer's memory (a pinned token left the window and stays in
+        every layer outside it). Returns int64 [layers]: the id each layer drops, its weakest,
+        when the memory was full; -1 while it had room."""
+        dropped = np.full(self.layers, -1)
+        if self.size < 2:
+            raise ValueError("pins would leave no long-term memory")
+        if self.count == self.size:
+            ranks = self.weights[:, : self.size] * np.maximum(FLOOR * self.horizon,
+                                                              self.positions[:, : self.size] - (now - self.horizon))
+            at = ranks.argmin(axis=1)
+            dropped = self.ids[self._layers, at].copy()
+            for array in (self.weights, self.positions, self.scores, self.ids):
+                array[self._layers, at] = array[:, self.size - 1]  # the last held token fills the gap
+            self.count -= 1
+        self._resize(self.size - 1)
+        return dropped
+
+    def remove(self, token_id: int) -> None:
+        """Take a token every layer holds out of every memory, which shrinks by one (it was
+        pinned: it stays in every layer outside the memory)."""
+        at = [np.flatnonzero(self.ids[layer, : self.count] == token_id) for layer in range(self.layers)]
+        if any(len(found) != 1 for found in at):
+            raise ValueError(f"token {token_id} is not in every layer's memory")
+        at = np.array([found[0] for found in at])
+        for array in (self.weights, self.positions, self.scores, self.ids):
+            array[self._layers, at] = array[:, self.count - 1]
+        self.count -= 1
+        self._resize(self.size - 1)
+
+    def grow(self) -> None:
+        """Room for one more token in every memory (an unpinned token competes again)."""
+        self._resize(self.size + 1)
+
+    def _resize(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("pins would leave no long-term memory")
+        for name in ("weights", "positions", "scores", "ids"):
+            array = getattr(self, name)
+            resized = np.zeros((self.layers, size + 1), dtype=array.dtype)
+            resized[:, : self.count] = array[:, : self.count]
+            setattr(self, name, resized)
+        self.size = size
+
     def copy(self) -> "Memories":
         twin = Memories(self.layers, self.size, self.horizon)
         for name in ("weights", "positions", "scores", "ids"):

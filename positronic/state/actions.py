@@ -12,6 +12,9 @@ Actions are plain dicts (DESIGN §3):
        Step 4 recomputes the K/V in the tick's forward, seeing only today's left context):
        'keys', 'values': tensors [layers, kv_heads, len(ledger_ids), head_dim]
        'predicted':     [int, ...] the greedy next token each row's forward gave (ContextView.predicted)
+       per-layer rows (SmartKV): also 'lanes': [[int, ...] per ledger id], the lanes that take
+       each token back (a lane holds it nowhere else; K/V are then required). Every lane ends
+       with as many rows: a lane takes back as many tokens as its drop names more rows.
 Positions are live rows before the tick's edits. A whole list is checked before anything
 is touched, once, when it becomes an `Edit` (edit.py); then position edits run in strictly
 descending order of their highest row (so no edit moves a row a later edit refers to) and
@@ -27,7 +30,7 @@ SCHEMA = {
     "restore": ("ledger_ids",),
     "drop": ("rows",),
 }
-OPTIONAL = {"restore": ("keys", "values", "predicted")}  # all of them or none
+OPTIONAL = {"restore": ("keys", "values", "predicted", "lanes")}  # K/V: all of them or none; lanes: per-layer rows
 
 
 class ActionError(ValueError):
@@ -39,7 +42,8 @@ def loggable(action: dict) -> dict:
     shape (`"stored": [layers, kv_heads, rows, head_dim]`), everything else is as given."""
     if action.get("action") != "restore" or "keys" not in action:
         return dict(action)
-    return {"action": "restore", "ledger_ids": list(action["ledger_ids"]), "stored": list(action["keys"].shape)}
+    logged = {"action": "restore", "ledger_ids": list(action["ledger_ids"]), "stored": list(action["keys"].shape)}
+    return logged | ({"lanes": [list(lanes) for lanes in action["lanes"]]} if "lanes" in action else {})
 
 
 def rows_of(action: dict) -> tuple[int, ...]:

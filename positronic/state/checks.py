@@ -127,12 +127,13 @@ def divergence(lm, scratch, token_ids: list[int], positions: list[int], next_log
     return float((log_fresh.exp() * (log_fresh - log_spliced)).sum())
 
 
-def checked_stored_rows(lm, kv_format: str, layer0, ledger, stored: dict) -> dict:
+def checked_stored_rows(lm, kv_format: str, layer0, ledger, stored: dict, live: dict[int, int] | None = None) -> dict:
     """Restored rows' own K/V (ledger id -> (keys, values [layers, kv_heads, head_dim],
     predicted)) checked against the model: the shape of a cache row, and layer 0 equal to a
     fresh computation of the token at its position (layer 0 depends on nothing else), so K/V
     recorded for another token or position are refused (ActionError). Returns
-    them in the model's dtype and device."""
+    them in the model's dtype and device. `live`: ledger id -> position of tokens still live
+    (per-layer rows: a lane takes back a token that other lanes hold)."""
     if not stored:
         return {}
     ids = list(stored)
@@ -144,7 +145,9 @@ def checked_stored_rows(lm, kv_format: str, layer0, ledger, stored: dict) -> dic
                         f"the model's cache rows are {shape} (layers, kv_heads, head_dim)")
     keys = torch.stack([stored[i][0] for i in ids], dim=2).to(lm.device, lm.dtype)
     values = torch.stack([stored[i][1] for i in ids], dim=2).to(lm.device, lm.dtype)
-    positions = [ledger[i].position for i in ids]
+    positions = [(live or {}).get(i, ledger[i].position) for i in ids]
+    if None in positions:
+        raise ActionError(f"restore: ledger id {ids[positions.index(None)]} has no recorded position")
     fresh_keys, fresh_values = fresh_layer0_kv(lm, [ledger[i].token_id for i in ids], positions)
     # a 4-bit key may have been re-rotated once before it was recorded (more is rare)
     found = [layer0_excess(lm, kv_format, layer0, keys[0], fresh_keys[0], requantized=1, positions=positions),

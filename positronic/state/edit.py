@@ -71,6 +71,15 @@ class Edit:
     stored: Mapping[int, StoredRow] = field(default_factory=lambda: MappingProxyType({}))
     drops: tuple[tuple[int, ...], ...] | None = None
     adds: tuple[int, ...] = ()
+    lanes: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))  # restored id -> lanes
+
+    def lane_inserts(self) -> list[list[int]]:
+        """Per-layer states: the ledger ids each lane takes back (ascending)."""
+        inserts: list[list[int]] = [[] for _ in range(self.bounds.layers[0])]
+        for ledger_id in sorted(self.lanes):
+            for lane in self.lanes[ledger_id]:
+                inserts[lane].append(ledger_id)
+        return inserts
 
     @classmethod
     def from_actions(cls, actions, bounds: Bounds) -> "Edit":
@@ -118,6 +127,7 @@ def _validate(actions, bounds: Bounds) -> Edit:
     stored: dict[int, StoredRow] = {}
     final_length = live_length if layers is None else layers[1]
     deletes, replacements, adds, drops = [], [], [], None
+    lanes: dict[int, tuple[int, ...]] = {}  # per-layer states: restored ledger id -> the lanes taking it
     for index, action in enumerate(actions):
         name = action.get("action") if isinstance(action, dict) else None
         where = f"action {index} ({name})" if isinstance(name, str) else f"action {index}"
@@ -131,8 +141,8 @@ def _validate(actions, bounds: Bounds) -> Edit:
             fail(f"unknown action {name!r}; expected one of {', '.join(SCHEMA)}")
         if layers is None and name == "drop":
             fail("drop names rows per layer: this state keeps the same rows in every layer (use delete)")
-        if layers is not None and name not in ("add", "drop"):
-            fail("a per-layer state (layers keep different rows) takes add and drop actions only")
+        if layers is not None and name not in ("add", "drop", "restore"):
+            fail("a per-layer state (layers keep different rows) takes add, drop and restore actions only")
         expected = set(SCHEMA[name]) | set(OPTIONAL.get(name, ())) | {"action"}
         if unknown := sorted(set(map(str, action)) - expected):
             fail(f"unknown key(s) {', '.join(unknown)}")
@@ -167,17 +177,25 @@ def _validate(actions, bounds: Bounds) -> Edit:
                 if ledger_id in restored:
                     fail(f"ledger id {ledger_id} is already restored by action {restored[ledger_id]}")
                 restored[ledger_id] = index
-            final_length += len(ids)
-            given = [key for key in OPTIONAL["restore"] if key in action]
+            given = [key for key in OPTIONAL["restore"] if key in action and key != "lanes"]
             if given:
-                if len(given) != len(OPTIONAL["restore"]):
+                if len(given) != len(OPTIONAL["restore"]) - 1:
                     fail(f"keys, values and predicted come together (got only {', '.join(given)})")
                 stored.update(_stored_rows(action, ids, vocab_size, fail))
+            if layers is None:
+                if "lanes" in action:
+                    fail("lanes name the lanes of a per-layer state: this state keeps the same rows in every layer")
+                final_length += len(ids)
+            else:
+                if not given:
+                    fail("a per-layer state takes rows back with their own K/V (keys, values, predicted)")
+                if "lanes" not in action:
+                    fail("a per-layer state's restore names the lanes that take each token back (lanes)")
+                lanes.update(_restore_lanes(action["lanes"], ids, layers[0], fail))
         elif name == "drop":
             if drops is not None:
                 fail("one drop action per list (it names every layer's rows)")
             drops = _layer_drops(action["rows"], layers, fail)
-            final_length -= len(drops[0])
         elif name == "delete":
             deletes.append(row("position"))
             seen[deletes[-1]] = index
@@ -196,6 +214,8 @@ def _validate(actions, bounds: Bounds) -> Edit:
                 token("new_token_ids item", token_id)
             replacements.append(Replacement((pos1, pos2), tuple(new_ids)))
             final_length += len(new_ids) - 2
+    if layers is not None:
+        final_length += _lane_balance(drops, lanes, layers[0])
     if final_length < 1:
         raise ActionError(f"the action list would leave the context empty ({live_length} rows before)")
     if final_length > bounds.max_length:
@@ -207,7 +227,8 @@ def _validate(actions, bounds: Bounds) -> Edit:
                 bounds=bounds, final_length=final_length, deletes=tuple(sorted(deletes, reverse=True)),
                 replacements=tuple(sorted(replacements, key=lambda r: r.rows, reverse=True)),
                 restores=tuple(restored), stored=MappingProxyType(stored),
-                drops=None if drops is None else tuple(map(tuple, drops)), adds=tuple(adds))
+                drops=None if drops is None else tuple(map(tuple, drops)), adds=tuple(adds),
+                lanes=MappingProxyType(lanes))
 
 
 def _copy(value):
@@ -227,10 +248,30 @@ def _layer_drops(rows, layers: tuple[int, int], fail) -> list[list[int]]:
             fail(f"layer {layer}: rows must be ints in 0..{length - 1}, got {dropped!r}")
         if len(set(dropped)) != len(dropped):
             fail(f"layer {layer}: a row is dropped twice in {dropped!r}")
-    if len({len(dropped) for dropped in rows}) != 1:
-        fail(f"every layer must drop as many rows (got {sorted({len(d) for d in rows})}): "
-             "the layers keep the same length")
     return [list(dropped) for dropped in rows]
+
+
+def _restore_lanes(lanes, ids: list[int], count: int, fail) -> dict[int, tuple[int, ...]]:
+    """A per-layer restore's lanes: one non-empty list of distinct lanes per ledger id."""
+    if not isinstance(lanes, list) or len(lanes) != len(ids) or not all(isinstance(l, list) and l for l in lanes):
+        fail(f"lanes must be {len(ids)} non-empty lists of lanes (one per ledger id), got {lanes!r}")
+    for ledger_id, taking in zip(ids, lanes):
+        if not all(is_int(lane) and 0 <= lane < count for lane in taking) or len(set(taking)) != len(taking):
+            fail(f"ledger id {ledger_id}: lanes must be distinct ints in 0..{count - 1}, got {taking!r}")
+    return {ledger_id: tuple(sorted(taking)) for ledger_id, taking in zip(ids, lanes)}
+
+
+def _lane_balance(drops: list[list[int]] | None, lanes: dict[int, tuple[int, ...]], count: int) -> int:
+    """Rows each lane gains (negative: loses) by the drop and the restores; ActionError unless
+    every lane ends with as many rows."""
+    change = [0 if drops is None else -len(dropped) for dropped in (drops or [[]] * count)]
+    for taking in lanes.values():
+        for lane in taking:
+            change[lane] += 1
+    if len(set(change)) != 1:
+        raise ActionError(f"every lane must end with as many rows: the drop and the restores change them by "
+                          f"{sorted(set(change))} (a lane takes back as many tokens as it drops more rows)")
+    return change[0]
 
 
 def _stored_rows(action: dict, ids: list[int], vocab_size: int, fail) -> dict[int, StoredRow]:

@@ -248,8 +248,17 @@ class StateManager(StateReads):
         self._version += 1
 
     def pin(self, rows: list[int]) -> None:
-        """Pin live rows: no policy evicts or repairs them (they stay pinned until `unpin`)."""
-        self._mirror.set_pinned(self._rows(rows), True)
+        """Pin live rows: no policy evicts or repairs them (they stay pinned until `unpin`).
+        With per-layer rows only tokens every lane holds can be pinned (ValueError otherwise)."""
+        rows = self._rows(rows)
+        if self.per_layer:
+            everywhere = self._mirror.layers.num_layers
+            live = self._mirror.live.ledger_ids
+            if partial := [row for row in rows if 0 <= row < len(live)
+                           and self._mirror.layers.counts.get(live[row], 0) != everywhere]:
+                raise ValueError(f"rows {partial[:5]} are held by some lanes only (the policy dropped them in others): "
+                                 "only a token every lane holds can be pinned")
+        self._mirror.set_pinned(rows, True)
 
     def unpin(self, rows: list[int]) -> None:
         self._mirror.set_pinned(self._rows(rows), False)
@@ -290,8 +299,11 @@ class StateManager(StateReads):
         if self.per_layer:
             if probes:
                 raise ValueError("probes need every layer to hold the same rows")
-            rows = self._lanes(edit.drops or [[] for _ in range(self.lanes)], list(edit.adds), add_source)
-            stored = {}
+            live = dict(zip(self._mirror.live.ledger_ids, self._mirror.live.positions)) if edit.stored else None
+            stored = checks.checked_stored_rows(self.lm, self.kv_format, self._cache.layers[0], self._mirror.ledger,
+                                                 edit.stored, live)
+            rows = self._lanes(edit.drops or [[] for _ in range(self.lanes)], list(edit.adds), add_source,
+                               edit.lane_inserts(), stored)
         else:
             deleted = edit.deleted_rows()
             restored = row_plans.restorations(self._mirror, edit.restores, set(deleted)) if edit.restores else []
@@ -326,9 +338,10 @@ class StateManager(StateReads):
     def _shared(self, deleted: list[int], insertions: list[Insertion]) -> SharedRows:
         return SharedRows(self._mirror, deleted, insertions, self.lm.max_positions)
 
-    def _lanes(self, drops, adds: list[int], source: str) -> LaneRows:
+    def _lanes(self, drops, adds: list[int], source: str, inserts: list[list[int]] | None = None,
+               stored: dict | None = None) -> LaneRows:
         return LaneRows(self._mirror, [list(d) for d in drops], adds, source, self.lm.max_positions,
-                        self.lanes_per_layer)
+                        self.lanes_per_layer, inserts, stored)
 
     def _edit(self, rows: SharedRows | LaneRows, *, tick: int | None, brightness: list[float] | None = None,
               probes: Probes | None = None, stored: dict | None = None) -> ApplyReport:
@@ -384,7 +397,7 @@ class StateManager(StateReads):
                 requantized[row] += layout.old_positions[row] != layout.positions[row]
         known = {row: stored[ledger_id] for insertion, part in layout.groups
                  for row, ledger_id in zip(layout.new_rows[part], insertion.restores) if ledger_id in stored}
-        if known:
+        if known and not self.per_layer:  # LaneRows copied them into their lanes as it spliced
             row_plans.copy_rows(self._cache, known)
             for row, (_, _, token_id) in known.items():
                 predicted[row] = token_id

@@ -3,8 +3,9 @@
     SharedRows  every layer holds the live rows (any kv_format, splice or ring store): the
                 cache moves them as the layout says and re-rotates keys whose position moved
     LaneRows    lanes (layers, or the kv heads of each layer) keep different rows (a per-layer
-                policy: SmartKV): each lane closes up over the rows it drops, and the new
-                token is appended in every lane
+                policy: SmartKV): each lane closes up over the rows it drops, takes recalled
+                rows back into gaps with their stored K/V, and the new token is appended in
+                every lane
 
 The StateManager runs either through the same stages (manager._write): `splice`, `rotate`,
 one forward into the rows `gaps` names (keys at `key_positions`), then `commit` to the mirror.
@@ -68,27 +69,52 @@ class SharedRows:
 
 
 class LaneRows:
-    """Lanes keep different rows: lane l drops its rows drops[l], then every lane appends
-    `adds` (at most one token). A token no lane holds any more leaves the live map (the
-    union), which the layout describes; each lane's own rows move by its own runs."""
+    """Lanes keep different rows: lane l drops its rows drops[l], takes back the ledger ids
+    inserts[l] (recall: their own K/V, `stored`, copied into that lane alone), then every lane
+    appends `adds` (at most one token). A token no lane holds any more leaves the live map (the
+    union) and a token taken back that no lane held rejoins it, which the layout describes;
+    each lane's own rows move by its own runs."""
 
     changed = True  # the newest row's attention covered the lanes' old rows: always history
 
     def __init__(self, mirror: Mirror, drops: list[list[int]], adds: list[int], source: str, limit: int,
-                 lanes_per_layer: int):
-        kept = mirror.layers.after(drops, [])  # LayerRowsError (a ValueError): nothing touched yet
-        deleted = [row for row, ledger_id in enumerate(mirror.live.ledger_ids) if ledger_id not in kept.counts]
-        insertions = [Insertion(len(mirror), (token_id,), source) for token_id in adds]
+                 lanes_per_layer: int, inserts: list[list[int]] | None = None, stored: dict | None = None):
+        inserts = inserts or [[] for _ in drops]
+        kept = mirror.layers.after(drops, [], inserts)  # LayerRowsError (a ValueError): nothing touched yet
+        live = mirror.live.ledger_ids
+        deleted = [row for row, ledger_id in enumerate(live) if ledger_id not in kept.counts]
+        rejoining = tuple(sorted(set(kept.counts) - set(live)))
+        insertions = restorations(mirror, rejoining, set(deleted)) if rejoining else []
+        insertions += [Insertion(len(mirror), (token_id,), source) for token_id in adds]
         self.layout = layout = plan_layout(mirror.live.positions, deleted, insertions, limit)
-        self.drops, self.kept_ids, self.heads = drops, kept.rows, lanes_per_layer
-        self.runs = [runs_without(len(mirror.layers), dropped) for dropped in drops]
-        self.length = len(mirror.layers) - len(drops[0]) + len(adds)  # rows per lane afterwards
+        self.drops, self.inserts, self.kept_ids, self.heads = drops, inserts, kept.rows, lanes_per_layer
+        self.stored = stored or {}
+        old_rows = mirror.layers.rows
+        self.runs = [runs_without(len(old), dropped) if not taken else lane_moves(old, ids)
+                     for old, dropped, taken, ids in zip(old_rows, drops, inserts, kept.rows)]
+        self.length = len(kept.rows[0]) + len(adds)  # rows per lane afterwards
         self.new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
-                             for k, ledger_id in enumerate(mirror.live.ledger_ids[old:old + count])}
-        self.old_position = dict(zip(mirror.live.ledger_ids, mirror.live.positions)) if layout.moved is not None else {}
+                             for k, ledger_id in enumerate(live[old:old + count])}
+        for insertion, part in layout.groups:
+            self.new_position.update(zip(insertion.restores, (layout.positions[row] for row in layout.new_rows[part])))
+        self.old_position = {}
+        if layout.moved is not None:  # a restored row's stored key is rotated at the position it held
+            self.old_position = dict(zip(live, mirror.live.positions))
+            self.old_position.update((i, mirror.ledger[i].position) for i in rejoining)
 
     def splice(self, cache, scratch: int, probe_positions=()) -> None:
         cache.splice_layers(self.runs, self.length)
+        heads = self.heads
+        for lane, taken in enumerate(self.inserts):
+            if not taken:
+                continue
+            layer, head = divmod(lane, heads)
+            rows = self.kept_ids[lane]
+            at = [rows.index(ledger_id) for ledger_id in taken]
+            keys = torch.stack([self.stored[i][0][layer] for i in taken], dim=1)  # [kv_heads, n, head_dim]
+            values = torch.stack([self.stored[i][1][layer] for i in taken], dim=1)
+            kv = slice(None) if heads == 1 else slice(head, head + 1)
+            cache.layers[layer].put_rows(torch.tensor(at, dtype=torch.long), keys[kv], values[kv], kv)
 
     def rotate(self, cache, inv_freq: torch.Tensor) -> None:
         """Where the union's positions were packed down, each lane re-rotates its own rows."""
@@ -113,7 +139,23 @@ class LaneRows:
         return [self.new_position[i] for i in self.kept_ids[0]] + [self.layout.positions[-1]]
 
     def commit(self, mirror: Mirror, cache, texts: list[str], **stamp) -> None:
-        mirror.splice(self.layout, texts, layer_drops=self.drops, **stamp)
+        mirror.splice(self.layout, texts, layer_drops=self.drops, layer_inserts=self.inserts, **stamp)
+
+
+def lane_moves(old: list[int], new: list[int]) -> list[tuple[int, int, int]]:
+    """Runs (old_row, new_row, count) that take a lane from ledger ids `old` to `new` (the
+    survivors in order, with gaps where new ones go in)."""
+    where = {ledger_id: row for row, ledger_id in enumerate(old)}
+    runs: list[list[int]] = []
+    for row, ledger_id in enumerate(new):
+        source = where.get(ledger_id)
+        if source is None:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == row:
+            runs[-1][2] += 1
+        else:
+            runs.append([source, row, 1])
+    return [tuple(run) for run in runs]
 
 
 def texts(decode, mirror: Mirror, layout: Layout) -> list[str]:

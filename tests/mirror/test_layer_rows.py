@@ -57,6 +57,35 @@ def test_splice_retires_what_no_layer_holds_and_appends_the_new_token_to_every_l
     assert mirror.live.ledger_ids == [0, 1, 2, 4, 5, 6, 7, 8] and mirror.live.positions[-1] == 15
 
 
+def test_a_layer_takes_tokens_back_in_position_order_and_drops_as_many_more():
+    layers = LayerRows([[0, 1, 2, 3], [0, 2, 4, 5]])
+    after = layers.after([[1, 3], [3]], [9], [[1 + 3], []])
+    assert after.rows == [[0, 2, 4, 9], [0, 2, 4, 9]] and after.occupancy([1, 3, 4, 5]) == [0, 0, 2, 0]
+    with pytest.raises(LayerRowsError, match="different numbers"):
+        layers.after([[1], [3]], [], [[4], []])
+    with pytest.raises(LayerRowsError, match="already held"):
+        layers.after([[1, 3], [3]], [], [[2], []])
+
+
+def test_a_token_no_layer_held_rejoins_the_live_map_at_its_position():
+    mirror = per_layer_mirror([[0, 1, 2, 4, 5, 6, 7], [0, 1, 3, 4, 5, 6, 7]], count=8)
+    mirror.splice(plan_layout(mirror.live.positions, [3], [], 10_000), [], tick=1, brightness=1.0,
+                  layer_drops=[[1], [2]])  # token 3 (position 6) leaves the union
+    assert mirror.ledger[3].state == "culled" and mirror.ledger[3].position == 6
+    assert mirror.layers.rows == [[0, 2, 4, 5, 6, 7], [0, 1, 4, 5, 6, 7]]
+    back = Insertion(2, (103,), "prompt", positions=(6,), restores=(3,))
+    layout = plan_layout(mirror.live.positions, [2], [back, Insertion(7, (55,), "generated")], 10_000)
+    restore_only = plan_layout(mirror.live.positions, [], [back, Insertion(7, (55,), "generated")], 10_000)
+    with pytest.raises(ValueError, match="restore exactly the tokens"):  # no layer takes token 3 back
+        mirror.splice(restore_only, ["t3", "x"], tick=2, brightness=1.0, layer_drops=[[], []], layer_inserts=[[], []])
+    new_ids = mirror.splice(layout, ["t3", "x"], tick=2, brightness=1.0, layer_drops=[[1], []],
+                            layer_inserts=[[3], []])  # layer 0 takes token 3 back in place of token 2
+    mirror.check()
+    assert new_ids == [3, 8] and mirror.ledger[3].state == "live" and mirror.ledger[2].state == "culled"
+    assert mirror.layers.rows == [[0, 3, 4, 5, 6, 7, 8], [0, 1, 4, 5, 6, 7, 8]]
+    assert mirror.live.ledger_ids == [0, 1, 3, 4, 5, 6, 7, 8] and mirror.live.positions[2] == 6
+
+
 def test_a_splice_that_fails_leaves_the_layers_and_the_ledger_as_they_were():
     mirror = per_layer_mirror([[0, 1, 2, 3], [0, 1, 2, 3]], count=4)
     before = to_bytes(mirror)
@@ -68,7 +97,7 @@ def test_a_splice_that_fails_leaves_the_layers_and_the_ledger_as_they_were():
         mirror.splice(layout, ["x"], tick=1, brightness=1.0, layer_drops=[[1], []])
     with pytest.raises(ValueError, match="only with them"):
         mirror.splice(layout, ["x"], tick=1, brightness=1.0)
-    with pytest.raises(ValueError, match="appended new tokens only"):
+    with pytest.raises(ValueError, match="appended new tokens and restores only"):
         mirror.splice(plan_layout(mirror.live.positions, [], [Insertion(1, (55,), "inserted")], 10_000), ["x"],
                       tick=1, brightness=1.0, layer_drops=[[], []])
     assert to_bytes(mirror) == before

@@ -216,7 +216,7 @@ def test_step4_refuses_what_a_per_layer_state_cannot_take(tiny, gate_file):
     state, before = brain.state, to_bytes(brain.state.mirror)
     rows = state.rows_per_layer
     for actions, message in (
-        ([{"action": "delete", "position": 5}], "add and drop actions only"),
+        ([{"action": "delete", "position": 5}], "add, drop and restore actions only"),
         ([{"action": "drop", "rows": [[4], []]}], "as many rows"),
         ([{"action": "drop", "rows": [[rows]] * 2}], "out of range|rows must be ints"),
         ([{"action": "drop", "rows": [[4]]}], "one per layer"),
@@ -231,7 +231,6 @@ def test_step4_refuses_what_a_per_layer_state_cannot_take(tiny, gate_file):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"recall": True}, "recall"),
     ({"repairer": "bridge", "unit": 2}, "repairer"),
     ({"kv_format": "int4"}, "float kv_format"),
     ({"budget": SINKS + WINDOW + 4, "window": 20}, "budget|memory"),
@@ -242,7 +241,7 @@ def test_settings_smartkv_cannot_run_with_are_refused(gate_file, changes, messag
         config(gate_file, **changes).validate()
 
 
-def test_gates_of_another_model_or_pins_are_refused(tiny, gate_file, tmp_path):
+def test_gates_of_another_model_are_refused(tiny, gate_file, tmp_path):
     other = tmp_path / "other.safetensors"
     GateSet.new(3, 32).save(other)
     with pytest.raises(ValueError, match="this model has 2 layers"):
@@ -251,8 +250,6 @@ def test_gates_of_another_model_or_pins_are_refused(tiny, gate_file, tmp_path):
     GateSet.for_config(tiny.model.config, header={"lifespan": {"horizon": 0}}).save(no_horizon)
     with pytest.raises(ValueError, match="smartkv: the gates' lifespan horizon must be a positive integer, got 0"):
         Brain.start(tiny, text_ids(tiny, 10), config(gate_file, gates=str(no_horizon)))
-    with pytest.raises(ValueError, match="no pins"):
-        Brain.start(tiny, [tiny.bos_id] + tiny.encode("a pinned fact here"), config(gate_file), pins=["fact"])
     with pytest.raises(ValueError, match="applies to policy smartkv"):
         BrainConfig(policy="h2o", gates=str(gate_file)).validate()
 

@@ -80,17 +80,39 @@ def test_a_per_layer_state_takes_add_and_one_drop_of_as_many_rows_in_every_layer
                     **LIMITS, layers=layers)
     assert plan.drops == ((0, 5), (3, 1)) and plan.final_length == 6 - 2 + 1 and plan.edits == []
     for actions, message in [
-        ([{"action": "delete", "position": 1}], "takes add and drop actions only"),
+        ([{"action": "delete", "position": 1}], "takes add, drop and restore actions only"),
         ([{"action": "drop", "rows": [[1]]}], "rows must be a list of 2 lists"),
         ([{"action": "drop", "rows": [[1], [6]]}], r"layer 1: rows must be ints in 0\.\.5"),
         ([{"action": "drop", "rows": [[1, 1], [2, 3]]}], "layer 0: a row is dropped twice"),
-        ([{"action": "drop", "rows": [[1], [2, 3]]}], "every layer must drop as many rows"),
+        ([{"action": "drop", "rows": [[1], [2, 3]]}], "every lane must end with as many rows"),
         ([{"action": "drop", "rows": [[1], [2]]}, {"action": "drop", "rows": [[3], [4]]}], "one drop action per list"),
         ([{"action": "drop", "rows": [list(range(6)), list(range(6))]}], "would leave the context empty"),
         ([{"action": "add", "token_id": 1}, {"action": "add", "token_id": 2}], "adds at most one token per edit"),
     ]:
         with pytest.raises(ActionError, match=message):
             validate(actions, **LIMITS, layers=layers)
+
+
+def test_a_per_layer_restore_names_its_lanes_and_keeps_every_lane_as_long():
+    """A lane that takes a token back drops one more row: lane 1 takes 20 back and drops two."""
+    layers = (2, 6)
+    kv = {"keys": torch.randn(2, 1, 1, 4), "values": torch.randn(2, 1, 1, 4), "predicted": [3]}
+    restore = {"action": "restore", "ledger_ids": [20], "lanes": [[1]], **kv}
+    plan = validate([{"action": "drop", "rows": [[0], [3, 1]]}, restore, {"action": "add", "token_id": 4}],
+                    **LIMITS, layers=layers)
+    assert plan.lane_inserts() == [[], [20]] and plan.final_length == 6 - 1 + 1 and set(plan.stored) == {20}
+    for actions, message in [
+        ([{"action": "drop", "rows": [[0], [1]]}, restore], "every lane must end with as many rows"),
+        ([{"action": "drop", "rows": [[0], [3, 1]]}, {**restore, "lanes": [[1, 1]]}], "lanes must be distinct ints"),
+        ([{"action": "drop", "rows": [[0], [3, 1]]}, {**restore, "lanes": [[2]]}], r"lanes must be distinct ints in 0\.\.1"),
+        ([{"action": "drop", "rows": [[0], [3, 1]]}, {**restore, "lanes": []}], "lanes must be 1 non-empty lists"),
+        ([{"action": "restore", "ledger_ids": [20], "lanes": [[1]]}], "with their own K/V"),
+        ([{"action": "restore", "ledger_ids": [20], **kv}], "names the lanes"),
+    ]:
+        with pytest.raises(ActionError, match=message):
+            validate(actions, **LIMITS, layers=layers)
+    with pytest.raises(ActionError, match="lanes name the lanes of a per-layer state"):
+        validate([restore], **LIMITS)
 
 
 def test_an_edit_keeps_typed_parts_and_gives_the_layout_inputs():

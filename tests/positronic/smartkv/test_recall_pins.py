@@ -1,0 +1,132 @@
+"""SmartKV with recall and pins: a token some lanes dropped comes back into the lanes that look
+for it, exactly as it was; a pinned token stays in every lane.
+
+Exactness is checked as in test_policy.py: after every tick the brain's logits equal a plain
+transformers forward over exactly the positions each lane holds (`Reference`), so a restored
+row that came back with other K/V, at another position or into another lane, would show."""
+
+import pytest
+import torch
+
+from positronic.brain import session as sessions
+from positronic.brain.loop import Brain
+from positronic.mirror import to_bytes
+from positronic.smartkv.policy import SmartKVPolicy
+from positronic.state.actions import ActionError
+
+from .test_policy import BUDGET, Reference, config, head_gate_file, layer_positions, text_ids  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def eager_recall(monkeypatch):
+    """A lane wants a token at its fair share (the default asks 8×; the tiny random model's
+    attention is flat, its best dropped token gets about 1.05× a fair share)."""
+    monkeypatch.setattr(SmartKVPolicy, "recall_threshold", 1.0)
+
+
+def run_checked(lm, brain, ids, start: int) -> list[dict]:
+    """Force ids[start:] one per tick, checking every tick's logits against the reference over
+    each lane's rows; returns the restore actions."""
+    reference = Reference(lm, ids[:start])
+    restores = []
+    for n in range(start, len(ids)):
+        record = brain.step(force=ids[n])
+        assert not record.rebuilt, record.error
+        assert record.live_length == min(n + 1, BUDGET)
+        restores += [a for a in record.actions if a["action"] == "restore"]
+        kept = layer_positions(brain.state)
+        before = [[p for p in lane if p != n] for lane in kept]
+        torch.testing.assert_close(brain.state.next_logits, reference.step(before, ids[n], n), atol=1e-4, rtol=1e-4)
+    return restores
+
+
+def test_dropped_tokens_come_back_into_the_lanes_that_want_them_exactly(tiny, head_gate_file, eager_recall):
+    ids = text_ids(tiny, 90, seed=31)
+    brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True))
+    restores = run_checked(tiny, brain, ids, 15)
+    assert restores, "recall should bring tokens back"
+    lanes = brain.state.lanes
+    assert any(len(taking) < lanes for action in restores for taking in action["lanes"]), \
+        "some token should come back into some lanes only"
+    assert brain.policy.recall.restored == sum(len(a["ledger_ids"]) for a in restores)
+    brain.state.check(deep=True)
+
+
+def test_recall_off_keeps_what_it_kept_before(tiny, head_gate_file):
+    """Recall is additive: without it the same run drops what it always dropped (no restore)."""
+    ids = text_ids(tiny, 60, seed=32)
+    brain = Brain.start(tiny, ids[:15], config(head_gate_file))
+    assert run_checked(tiny, brain, ids, 15) == []
+
+
+def test_a_session_with_recall_and_pins_resumes_exactly(tiny, head_gate_file, eager_recall, tmp_path):
+    settings = config(head_gate_file, recall=True, temperature=0.9)
+    prompt = [tiny.bos_id] + tiny.encode("x y z the key is 42 and more words follow here now")
+
+    def fresh():
+        return Brain.start(tiny, prompt, settings, pins=["42"])
+
+    straight = fresh()
+    expected = [straight.step().token_id for _ in range(40)]
+    brain = fresh()
+    got = [brain.step().token_id for _ in range(23)]
+    sessions.save(tmp_path / "s", brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    assert layer_positions(resumed.state) == layer_positions(brain.state)
+    assert resumed.policy.state().keys() == brain.policy.state().keys() >= {"recall", "pinned"}
+    got += [resumed.step().token_id for _ in range(17)]
+    assert got == expected
+    assert straight.policy.recall.restored > 0
+
+
+def test_a_pinned_token_stays_in_every_lane(tiny, head_gate_file):
+    prompt = [tiny.bos_id] + tiny.encode("a b c the secret is 7 then d e f g")
+    brain = Brain.start(tiny, prompt, config(head_gate_file), pins=["secret"])
+    pinned = [i for i in brain.state.mirror.live.ledger_ids if brain.state.mirror.ledger[i].pinned]
+    assert pinned
+    for token in text_ids(tiny, 60, seed=33)[1:]:
+        record = brain.step(force=token)
+        assert not record.rebuilt and record.live_length <= BUDGET
+    rows = brain.state.mirror.layers.rows
+    assert all(set(pinned) <= set(lane) for lane in rows), "every lane keeps the pinned tokens"
+    assert brain.policy.memory.size == brain.policy.size - len(pinned)
+    brain.state.check(deep=True)
+
+
+def test_only_a_token_every_lane_holds_can_be_pinned_and_an_unpinned_one_competes_again(tiny, head_gate_file):
+    brain = Brain.start(tiny, text_ids(tiny, 15, seed=34), config(head_gate_file))
+    for token in text_ids(tiny, 40, seed=35)[1:]:
+        brain.step(force=token)
+    state = brain.state
+    lanes, live = state.lanes, state.mirror.live.ledger_ids
+    counts = state.mirror.layers.counts
+    partial = next(row for row, i in enumerate(live) if counts[i] < lanes)
+    before = to_bytes(state.mirror)
+    with pytest.raises(ValueError, match="held by some lanes only"):
+        state.pin([partial])
+    assert to_bytes(state.mirror) == before
+    everywhere = next(row for row, i in enumerate(live)
+                      if counts[i] == lanes and row >= brain.policy.keep and i <= brain.policy.offered)
+    state.pin([everywhere])
+    brain.step(force=5)
+    assert brain.policy.memory.size == brain.policy.size - 1 and len(brain.policy.pinned_out) == 1
+    state.unpin([state.mirror.live.ledger_ids.index(live[everywhere])])
+    brain.step(force=6)
+    assert brain.policy.memory.size == brain.policy.size and not brain.policy.pinned_out
+    state.check(deep=True)
+
+
+def test_a_restore_into_a_lane_that_holds_the_token_is_refused(tiny, head_gate_file):
+    brain = Brain.start(tiny, text_ids(tiny, 30, seed=36), config(head_gate_file))
+    state = brain.state
+    held = state.mirror.live.ledger_ids[-2]  # in the window: every lane holds it
+    keys, values = state.view(keys=True).rows.layer_rows([held])
+    before = to_bytes(state.mirror)
+    restore = {"action": "restore", "ledger_ids": [held], "lanes": [[0]], "keys": keys, "values": values,
+               "predicted": [1]}
+    with pytest.raises(ValueError, match="already held"):
+        state.apply([{"action": "drop", "rows": [[4, 5]] + [[4]] * (state.lanes - 1)}, restore])
+    with pytest.raises(ActionError, match="end with as many rows"):
+        state.apply([restore])
+    assert to_bytes(state.mirror) == before
+    state.check(deep=True)
