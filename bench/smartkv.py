@@ -17,7 +17,8 @@ token first and attends to the at most `budget` rows it holds then.
 
 Rows per budget: streaming / scored / h2o / brightness (the brain, each policy's defaults),
 smartkv (SmartKVCache: sinks + window + long-term memory ranked by the trained per-layer
-gates), smartkv-brain (the same through the brain: it must match smartkv), smartkv-keys (the same
+gates), smartkv-brain (the same through the brain: it must match smartkv), smartkv+recall (the
+brain's smartkv with recall: dropped tokens come back into the lanes that look for them), smartkv-keys (the same
 gates, memory ranked by their predicted lifespan alone, without the value norms: what the
 value norms buy), smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
@@ -30,6 +31,7 @@ streaming smartkv --smartkv`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -49,7 +51,7 @@ from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
 
 BRAIN_POLICIES = ("streaming", "scored", "h2o", "brightness")
-METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv", "smartkv-keys", "smartkv-random", "smartkv-shared",
+METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "smartkv", "smartkv-keys", "smartkv-random", "smartkv-shared",
            "smartkv-stream")
 
 
@@ -130,6 +132,7 @@ def quality(args, lm) -> None:
             if args.window is not None:
                 brain_config.window = args.window
             brain_runs.append(("smartkv-brain", brain_config))
+            brain_runs.append(("smartkv+recall", dataclasses.replace(brain_config, recall=True)))
         for name, brain_config in brain_runs:
             if wanted and name not in wanted:
                 continue

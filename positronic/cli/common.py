@@ -94,9 +94,21 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
                                                options.get("kv_eviction"), options.get("kv_sink_tokens"),
                                                options.get("kv_protected_tokens"))
     names = {f.name for f in dataclasses.fields(BrainConfig)}
-    config = BrainConfig(**{name: value for name, value in options.items() if name in names}
-                         | dict(policy=policy, sinks=sinks, protect=protect, logit_bias=logit_bias_option(options)))
+    settings = ({name: value for name, value in options.items() if name in names}
+                | dict(policy=policy, sinks=sinks, protect=protect, logit_bias=logit_bias_option(options)))
+    given, choice = given_flags(ctx), None
+    if "model" in options and not ({"policy", "kv_eviction"} & given) and not options.get("resume"):
+        from ..brain.defaults import default_policy
+
+        choice = default_policy(options["model"], BrainConfig(**settings | dict(policy=policy)),
+                                window=options.get("window"))
+        recall = options["recall"] if "recall" in given else choice.recall
+        policy = choice.policy
+        settings |= dict(policy=policy, recall=recall)
+    config = BrainConfig(**settings)
     config.validate()
+    if choice is not None:  # said by the command once the model loaded, not above an error about anything else
+        ctx.meta["policy_note"] = f"positronic: {choice.note}"
     if "window" in given_flags(ctx) and not takes_window(policy):
         raise UserError(f"--window sets the recent rows of policies brightness and smartkv; policy {policy} keeps "
                         "llama.cpp's recent window, max(32, live length / 4) (leave --window out)")

@@ -26,7 +26,7 @@ def eval_command(
     probe: bool = typer.Option(True, "--probe/--no-probe", help="Run the retrieval probe too."),
     probe_filler: Optional[int] = typer.Option(None, help="Filler tokens in the probe, from the whole --text (default: max budget + 128, cut to the text; a text shorter than an explicit N is refused, and so is a probe longer than the model's positions)."),
     probe_at: float = typer.Option(0.0, help="Where the probe's fact goes: the fraction 0..1 of the filler before it (0: first, 1: right before the question); never inside the sink/protected rows (shifted past them)."),
-    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none and smartkv with recall on (rows POLICY+recall)."),
+    recall: bool = typer.Option(False, "--recall", help="Also run every policy but none with recall on (rows POLICY+recall)."),
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),

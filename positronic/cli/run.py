@@ -37,7 +37,7 @@ def run(
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py)."),
-    policy: str = typer.Option("brightness", help=f"Maintenance policy: {' | '.join(POLICIES)} (docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
+    policy: str = typer.Option("brightness", show_default=False, help=f"Maintenance policy: {' | '.join(POLICIES)} (default: smartkv with recall where SmartKV gates exist for the model, as for smollm2, else brightness; docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
     budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
@@ -159,12 +159,17 @@ def run(
         brain.observers.append(Capture(capture, lm, capture_ticks))
     runner = Runner(brain, lm.name, None if ticks == -1 else ticks, events=events, append_events=resume, session=session,
                     save_every=save_every, inputs=inputs)
+    note = ctx.meta.get("policy_note")  # which default policy, and why (brain_config)
     if not live:
+        if note:
+            print(note, file=sys.stderr)
         result = run_plain(brain, lm, runner, show_prompt=not resume)
     else:
         from ..tui.app import run_live
 
         result = run_live(brain, lm, runner, show_prompt=not resume, keys=fd if typing == "keys" else None)
+        if note:  # after the view, where it stays on the screen
+            print(note, file=sys.stderr)
     if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
         raise typer.Exit(128 + int(result.signal or signal.SIGINT))
 

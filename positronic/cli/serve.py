@@ -135,6 +135,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         set_threads(options["threads"])
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
         check_budget(lm, config)
+        if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
+            typer.echo(note, err=True)
         from ..server.app import ServerSettings, serve_forever
 
         settings = ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],

@@ -58,9 +58,8 @@ class EvalReport:
 
 
 def recallable(policy: str) -> bool:
-    """Whether `--recall` adds a POLICY+recall run: not for `none` (it evicts nothing) nor for a
-    per-layer policy (recall restores rows into every layer alike)."""
-    return policy != "none" and not POLICIES[policy].per_layer
+    """Whether `--recall` adds a POLICY+recall run: not for `none` (it evicts nothing)."""
+    return policy != "none"
 
 
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
@@ -73,8 +72,8 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
-    filler before it). `recall`: every policy that can recall (not `none`, not a per-layer
-    policy such as smartkv) also runs with recall on. `gates`: smartkv's gate file.
+    filler before it). `recall`: every policy that can recall (not `none`) also runs with
+    recall on. `gates`: smartkv's gate file.
     `kv_format`: how every run, the reference included, stores its cache rows. `kv_store`:
     where the policies' runs keep them (ring: streaming only); the full-cache reference
     keeps the splice store (it never evicts, so a ring would change nothing).

@@ -36,6 +36,7 @@ class LaneLookup(Lookup):
     """A Lookup that also says which lanes take each token back (ledger id -> lanes)."""
 
     lanes: dict[int, list[int]] = field(default_factory=dict)
+    forget: bool = False  # the positions were packed since the index was filled: its keys are stale
 
 
 class LaneRecall(Recall):
@@ -82,6 +83,11 @@ class LaneRecall(Recall):
         this tick's drops; rows: rows per lane (a fair share is 1 / rows); room: tokens a lane
         may take back at once (each replaces one of its memory's)."""
         lookup = LaneLookup(self.clock + 1, typed)
+        if self.positions and int(view.positions[-1]) <= max(self.positions):
+            # the state packed its positions (past the model's limit): indexed keys are rotated
+            # at positions the tokens no longer hold, so the index starts again
+            lookup.forget = True
+            return lookup
         due = self.awake or lookup.clock % self.every == 0
         if not due or not self.ids or view.query is None or view.log_norm is None:
             return lookup
@@ -121,6 +127,9 @@ class LaneRecall(Recall):
         cooldown (they stay indexed: other lanes may still want them), the tokens that left
         the window join the index (the oldest go beyond `capacity`)."""
         self.clock, self.awake = lookup.clock, lookup.awake
+        if getattr(lookup, "forget", False):
+            self.ids, self.positions, self.predicted, self.keys, self.values = [], [], [], None, None
+            self.scores, self.back_at = {}, {}
         if lookup.back:
             self.back_at.update((i, self.clock) for i in lookup.back)
             self.restored += len(lookup.back)

@@ -130,3 +130,18 @@ def test_a_restore_into_a_lane_that_holds_the_token_is_refused(tiny, head_gate_f
         state.apply([restore])
     assert to_bytes(state.mirror) == before
     state.check(deep=True)
+
+
+def test_past_the_position_limit_recall_starts_its_index_again(tiny, head_gate_file, eager_recall):
+    """Packing moves the live positions down; indexed keys are rotated at the old ones, so the
+    index is emptied and every restore after it still passes layer 0's check."""
+    brain = Brain.start(tiny, text_ids(tiny, 20, seed=37), config(head_gate_file, recall=True))
+    restored_before_packing = None
+    for token in text_ids(tiny, tiny.max_positions + 60, seed=38)[1:]:
+        record = brain.step(force=token)
+        assert not record.rebuilt, record.error
+        if restored_before_packing is None and max(brain.state.positions()) < brain.tick:
+            restored_before_packing = brain.policy.recall.restored
+    assert max(brain.state.positions()) < tiny.max_positions < brain.tick
+    assert brain.policy.recall.restored > restored_before_packing > 0, "recall works before and after packing"
+    brain.state.check(deep=True)

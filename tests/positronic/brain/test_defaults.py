@@ -1,0 +1,29 @@
+"""The default policy: SmartKV with recall where gates exist for the model, brightness otherwise."""
+
+from positronic.brain.config import BrainConfig
+from positronic.brain.defaults import default_policy
+
+
+def test_a_model_with_shipped_gates_gets_smartkv_with_recall():
+    choice = default_policy("smollm2", BrainConfig(budget=256))
+    assert (choice.policy, choice.recall) == ("smartkv", True)
+    assert "best measured" in choice.note
+
+
+def test_a_model_without_gates_keeps_a_gate_free_policy_and_is_told_how_to_train_gates():
+    choice = default_policy("random:tiny", BrainConfig(budget=256))
+    assert (choice.policy, choice.recall) == ("brightness", False)
+    assert "positronic smartkv train --model random:tiny" in choice.note and "--gates" in choice.note
+
+
+def test_gates_given_make_smartkv_the_default_for_any_model():
+    """Even where SmartKV then cannot run: the gates asked for it, so its error is shown, not hidden
+    behind another policy."""
+    assert default_policy("random:tiny", BrainConfig(budget=256, gates="g.safetensors")).policy == "smartkv"
+
+
+def test_settings_smartkv_cannot_take_keep_the_gate_free_default_and_say_why():
+    for settings, reason in [({"kv_format": "int4"}, "float kv_format"), ({"repairer": "bridge", "unit": 2}, "repairer"),
+                             ({"kv_store": "ring"}, "ring store")]:
+        choice = default_policy("smollm2", BrainConfig(budget=256, **settings))
+        assert choice.policy == "brightness" and reason in choice.note, settings
