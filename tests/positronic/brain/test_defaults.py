@@ -1,13 +1,14 @@
-"""The default policy: SmartKV with recall where gates exist for the model, brightness otherwise."""
+"""The default policy: SmartKV where gates exist for the model, brightness otherwise."""
 
 from positronic.brain.config import BrainConfig
 from positronic.brain.defaults import default_policy
 
 
-def test_a_model_with_shipped_gates_gets_smartkv_with_recall():
+def test_a_model_with_shipped_gates_gets_smartkv_and_recall_as_asked():
     choice = default_policy("smollm2", BrainConfig(budget=256))
-    assert (choice.policy, choice.recall) == ("smartkv", True)
+    assert (choice.policy, choice.recall) == ("smartkv", False)
     assert "best measured" in choice.note
+    assert default_policy("smollm2", BrainConfig(budget=256, recall=True)).recall is True
 
 
 def test_a_model_without_gates_keeps_a_gate_free_policy_and_is_told_how_to_train_gates():
