@@ -84,6 +84,7 @@ class PressSpec:
     note: str = ""
     wrap: Callable[[object], object] | None = None
     masked: bool = False  # rows stay in the cache and are masked per head (AdaKV): count unmasked ones
+    decoder: str = "DecodingPress"  # the kvpress decoding press it runs in (CAMPress is one of its own)
 
 
 def _kvpress():
@@ -146,6 +147,12 @@ def _presses() -> dict[str, PressSpec]:
                                        interval=16, sinks=f"{SINKS} (n_sink of ExpectedAttention)",
                                        note="CriticalKV over ExpectedAttention without value norms, N=16 as "
                                        "ExpectedAttention"),
+        "cam_streaming": PressSpec(lambda: kp.StreamingLLMPress(n_sink=SINKS), decoder="CAMPress",
+                                   sinks=f"{SINKS} (n_sink)",
+                                   note="CAMPress (kvpress's own decoding press, in place of DecodingPress) over "
+                                   "StreamingLLM: each evicted row's value is merged into the next 32 kept rows "
+                                   "with probability from its cumulative attention (Bernoulli, torch seed 0); "
+                                   "CAMPress sorts the kept indices, so the temporal order stays"),
         "adakv_expected": PressSpec(lambda: kp.ExpectedAttentionPress(n_sink=SINKS), interval=16,
                                     wrap=lambda p: kp.AdaKVPress(p), masked=True, sinks=f"{SINKS} (n_sink)",
                                     note="AdaKV head-wise budgets over ExpectedAttention: rows stay in the "
@@ -155,7 +162,7 @@ def _presses() -> dict[str, PressSpec]:
 
 
 MAIN = ("full", "streaming", "streaming-ordered", "knorm", "tova", "snapkv", "expected_attention", "keydiff", "observed_attention")
-EXTRA = ("random", "cur", "lagkv", "critical_expected", "adakv_expected")
+EXTRA = ("random", "cur", "lagkv", "critical_expected", "cam_streaming", "adakv_expected")
 NOT_IN_DECODING = {  # kvpress 0.5.5 presses that cannot run here, and why
     "LeverageScorePress, NonCausalAttnPress, CompactorPress": "assert keys == queries: prefill only",
     "QFilterPress, KVzapPress, ExpectedAttentionStatsPress, DuoAttentionPress":
@@ -226,7 +233,8 @@ class Runner:
             base = spec.make()
             if spec.wrap is not None:
                 base = spec.wrap(base)
-            press = kp.DecodingPress(base_press=base, compression_interval=spec.interval, target_size=target)
+            press = getattr(kp, spec.decoder)(base_press=base, compression_interval=spec.interval, target_size=target)
+        torch.manual_seed(0)  # CAMPress's Bernoulli merge draws use the global generator
         cache = DynamicCache()
         layers = [layer.self_attn for layer in model.model.layers]
         losses, widest, widest_mean, rows_sum = [], 0, 0.0, 0.0
@@ -249,7 +257,8 @@ class Runner:
         return {"ppl": math.exp(mean), "mean_nll": mean, "max_rows_attended": widest,
                 "max_rows_attended_mean_over_heads": widest_mean,
                 "mean_rows_attended": rows_sum / len(losses), "seconds": seconds,
-                "interval": spec.interval if press else None, "target_size": target,
+                "decoder": spec.decoder if press else None, "interval": spec.interval if press else None,
+                "target_size": target,
                 "press": repr(press.base_press) if press else None, "attn_implementation": spec.attn,
                 "sinks": spec.sinks, "note": spec.note}
 
@@ -357,17 +366,26 @@ def main(argv=None) -> int:
                     results[t, budget, name] = json.loads(path.read_text())
                     print(f"  {label}: reused {path.name}", file=sys.stderr, flush=True)
                     continue
-                print(f"  {label} ...", file=sys.stderr, flush=True)
+                claim = path.with_name(f".{path.stem}.running")  # several processes can share one --out
                 try:
-                    row = runner.run(specs[name], ids, budget, label)
-                except Exception as e:  # a press that cannot run in decoding gets a row saying why
-                    row = {"error": f"{type(e).__name__}: {e}"}
-                    print(f"  {label}: FAILED {row['error']}", file=sys.stderr, flush=True)
-                row.update({"text": text.file, "offset": text.offset, "tokens": args.tokens, "budget": budget,
-                            "method": name, "threads": torch.get_num_threads(), **info})
-                results[t, budget, name] = row
-                path.write_text(json.dumps(row, indent=1))
-                if "ppl" in row:
+                    os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    print(f"  {label}: running in another process ({claim.name}), skipped", file=sys.stderr)
+                    continue
+                try:
+                    print(f"  {label} ...", file=sys.stderr, flush=True)
+                    try:
+                        row = runner.run(specs[name], ids, budget, label)
+                    except Exception as e:  # a press that cannot run in decoding gets a row saying why
+                        row = {"error": f"{type(e).__name__}: {e}"}
+                        print(f"  {label}: FAILED {row['error']}", file=sys.stderr, flush=True)
+                    row.update({"text": text.file, "offset": text.offset, "tokens": args.tokens, "budget": budget,
+                                "method": name, "threads": torch.get_num_threads(), **info})
+                    results[t, budget, name] = row
+                    path.write_text(json.dumps(row, indent=1))
+                finally:
+                    claim.unlink(missing_ok=True)
+                if "ppl" in row and (t, None, "full") in results:
                     full = results[t, None, "full"]["ppl"]
                     print(f"  {label}: ppl {row['ppl']:.3f} x{row['ppl'] / full:.3f}  max rows "
                           f"{row['max_rows_attended']}  {row['seconds']:.0f} s", file=sys.stderr, flush=True)
