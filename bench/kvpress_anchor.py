@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import inspect
 import json
 import math
 import os
@@ -243,8 +244,8 @@ class Runner:
             for n in range(len(ids) - 1):
                 most, mean_rows = self._rows_attended(cache, layers, spec.masked)
                 widest, widest_mean, rows_sum = max(widest, most), max(widest_mean, mean_rows), rows_sum + mean_rows
-                out = model(input_ids=torch.tensor([[ids[n]]]), past_key_values=cache,
-                            position_ids=torch.tensor([[n]]), use_cache=True)
+                out = model(input_ids=torch.tensor([[ids[n]]]), position_ids=torch.tensor([[n]]),
+                            use_cache=True, **_with_cache(model, cache))
                 losses.append(float(torch.log_softmax(out.logits[0, -1].float(), -1)[ids[n + 1]].neg()))
                 if (n + 1) % 256 == 0:
                     print(f"    {label}: {n + 1}/{len(ids) - 1} tokens, ppl so far "
@@ -277,6 +278,14 @@ class Runner:
                 most, mean = held - min(per_head), held - sum(per_head) / len(per_head)
             widest, widest_mean = max(widest, most + 1), max(widest_mean, mean + 1)
         return widest, widest_mean
+
+
+def _with_cache(model, cache) -> dict:
+    """{keyword: cache} for this venv's transformers (positronic.models.with_cache's rule; the
+    project is not importable here): `cache` where the forward takes it, else `past_key_values`."""
+    takes = inspect.signature(type(model.model).forward).parameters
+    return {"cache" if "cache" in takes else "past_key_values": cache}
+
 
 class _null:
     def __enter__(self):
