@@ -21,7 +21,8 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
       the index, copying evicted rows' K/V);
   (e) with --policies: a maintained tick of each policy with its own defaults (smartkv: the
       gates shipped for the model, else untrained ones, which cost what trained ones do; a
-      window of half the budget), timed as the mean over whole maintenance cycles after one
+      window of half the budget; smartkv+recall: the same with recall on and its index filled
+      with the first --recall ROWS, default 2048), timed as the mean over whole maintenance cycles after one
       untimed cycle (a policy's eviction batch; for smartkv its window, since its gates score
       the window's tokens in one batch each time the window turns over);
   (f) with --smartkv: `model.generate` with a SmartKVCache of `context` rows, as streaming (4
@@ -221,7 +222,9 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
                              recall=bool(recall_rows))
         warm = 0
     else:
-        config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "")
+        policy = policy.removesuffix("+recall")
+        config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "",
+                             recall=bool(recall_rows))
         warm = cycle = maintenance_cycle(config)
         ticks = -(-ticks // cycle) * cycle
     brain = Brain.start(lm, ids, config)
@@ -274,9 +277,11 @@ def main() -> None:
     parser.add_argument("--recall", type=int, nargs="*", default=[], metavar="ROWS",
                         help="also run (d): (c) with culling and recall on, its index holding ROWS evicted rows "
                              "(each given size; cut to the model's positions)")
-    parser.add_argument("--policies", nargs="*", default=[], choices=[p for p in POLICIES if p != "none"],
-                        metavar="POLICY", help="also run (e): a maintained tick of each policy with its own "
-                        f"defaults ({', '.join(p for p in POLICIES if p != 'none')})")
+    parser.add_argument("--policies", nargs="*", default=[], choices=[p for p in POLICIES if p != "none"]
+                        + ["smartkv+recall"], metavar="POLICY",
+                        help="also run (e): a maintained tick of each policy with its own defaults "
+                        f"({', '.join(p for p in POLICIES if p != 'none')}; smartkv+recall: with recall on, its "
+                        "index holding the first --recall ROWS, default 2048)")
     parser.add_argument("--smartkv", action="store_true",
                         help="also run (f): generate with a SmartKVCache, as streaming (no gates) and with gates")
     args = parser.parse_args()
@@ -284,7 +289,7 @@ def main() -> None:
     hf = default_model(lm)
     import transformers
 
-    smart = "smartkv" in args.policies or args.smartkv
+    smart = bool({"smartkv", "smartkv+recall"} & set(args.policies)) or args.smartkv
     shipped = lm.name in SHIPPED
     gates = None
     if smart:  # untrained gates where none are shipped: they cost what trained ones do
@@ -319,7 +324,9 @@ def main() -> None:
             window = POLICIES["smartkv"].default_window(context)  # smartkv: timed over whole windows
             cycle_ticks = window + -(-args.ticks // window) * window
             smart_fits = context + cycle_ticks + 1 <= lm.max_positions
-            policies = [p for p in args.policies if p != "smartkv" or smart_fits]
+            policies = [p for p in args.policies if not p.startswith("smartkv") or smart_fits]
+            # smartkv+recall: its index filled by a longer prompt (pruned at the start), within the positions
+            index_rows = min(args.recall[0] if args.recall else 2048, lm.max_positions - context - cycle_ticks - 1)
             cache_runs = args.smartkv and smart_fits
             if not smart_fits and smart:
                 print(f"{context:>7} smartkv skipped: a window of warm-up and the timed windows go beyond the "
@@ -332,7 +339,8 @@ def main() -> None:
                 runs = [Timing(hf_generate(lm, hf, ids, args.ticks)[0]), Timing(loop_plain(lm, ids, args.ticks))]
                 runs += [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
                          for batch, repairer, rows in variants]
-                runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file) for p in policies]
+                runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file,
+                                         recall_rows=index_rows if p.endswith("+recall") else 0) for p in policies]
                 if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):
@@ -375,6 +383,8 @@ def comparisons(context: int, names: list[str], rounds: list[list[Timing]]) -> N
     """SmartKV against streaming, where both ran: the brain's tick and the cache in generate
     (the median over rounds of each round's ratio)."""
     pairs = [("(e) policy smartkv", "(e) policy streaming", "brain --policy smartkv / --policy streaming"),
+             ("(e) policy smartkv+recall", "(e) policy streaming", "brain --policy smartkv --recall / --policy streaming"),
+             ("(e) policy smartkv+recall", "(e) policy smartkv", "brain --policy smartkv --recall / --policy smartkv"),
              ("(f) hf-generate + SmartKVCache gates", "(f) hf-generate + SmartKVCache streaming",
               "SmartKVCache with gates / streaming, in generate")]
     for first, second, label in pairs:

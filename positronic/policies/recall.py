@@ -195,16 +195,24 @@ class Recall:
 
     # --- sessions ---------------------------------------------------------------------------
 
+    def _rows(self) -> tuple:
+        """(ids, positions, predicted, keys, values) of the kept rows, oldest first."""
+        return self.ids, self.positions, self.predicted, self.keys, self.values
+
+    def _set_rows(self, ids: list[int], positions: list[int], predicted: list[int], keys, values) -> None:
+        self.ids, self.positions, self.predicted, self.keys, self.values = ids, positions, predicted, keys, values
+
     VERSION_1 = {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}  # keys only
 
     def state(self) -> dict:
         """Plain data for a session: the kept rows, their K/V as raw bytes, the clocks."""
         def raw(tensor):
             return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        return {"ids": list(self.ids), "positions": list(self.positions), "predicted": list(self.predicted),
-                "shape": [] if self.keys is None else list(self.keys.shape),
-                "dtype": "float32" if self.keys is None else str(self.keys.dtype).removeprefix("torch."),
-                "keys": raw(self.keys), "values": raw(self.values),
+        ids, positions, predicted, keys, values = self._rows()
+        return {"ids": list(ids), "positions": list(positions), "predicted": list(predicted),
+                "shape": [] if keys is None else list(keys.shape),
+                "dtype": "float32" if keys is None else str(keys.dtype).removeprefix("torch."),
+                "keys": raw(keys), "values": raw(values),
                 "back_at": [[i, t] for i, t in self.back_at.items()],
                 "clock": self.clock, "restored": self.restored, "awake": self.awake}
 
@@ -236,7 +244,6 @@ class Recall:
                 ok = bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
         if not ok:
             raise ValueError("recall: malformed saved state")
-        self.ids, self.positions, self.predicted = list(state["ids"]), list(state["positions"]), list(state["predicted"])
-        self.keys, self.values = keys, values
+        self._set_rows(list(state["ids"]), list(state["positions"]), list(state["predicted"]), keys, values)
         self.back_at = {i: t for i, t in state["back_at"]}
         self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]

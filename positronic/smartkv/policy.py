@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 
 from ..policies import PolicyPlan, pinned_rows, register
-from ..policies.recall import DEFAULT_THRESHOLD
 from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
 from .recall import LaneRecall
@@ -72,7 +71,8 @@ class SmartKVPolicy:
     per_layer = True  # the Brain gives the state per-layer rows
     reads_keys = True  # the plan reads window tokens' keys (view(keys=True))
     repairer = None
-    recall_threshold = DEFAULT_THRESHOLD  # × a lane's fair share of attention (recall.py)
+    recall_share = 1.0  # a lane wants a token it lacks at this share of its attention (recall.py)
+    recall_hold = 16  # ticks a token taken back cannot be dropped (recall.py)
     value_norms = True  # scores add log4 of the value norms (a session saved before them resumes without)
 
     def __init__(self, lm, config):
@@ -85,7 +85,7 @@ class SmartKVPolicy:
         self.horizon = self.gates.horizon
         self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
         self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
-        self.recall = LaneRecall(self.heads, threshold=self.recall_threshold) if config.recall else None
+        self.recall = LaneRecall(self.heads, share=self.recall_share) if config.recall else None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.pinned_out: frozenset[int] = frozenset()  # pinned tokens out of the window: in every lane, in no memory
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
@@ -210,14 +210,14 @@ class SmartKVPolicy:
             # (and a pinned token is in every lane)
             held = [set(memory.ids[lane, : memory.count].tolist()) | set(drops[lane]) | pinned
                     for lane in range(memory.layers)]
-            # with full memories every lane holds the budget's rows (kept rows, window, memory);
             # a lane takes back at most half its memory at once
-            lookup = self.recall.look_lanes(view, held, self.config.budget, max(1, memory.size // 2), typed=typed)
+            lookup = self.recall.look_lanes(view, held, max(1, memory.size // 2), typed=typed)
         now = int(view.positions[-1]) + 1
         for ledger_id in lookup.back:
             for lane in lookup.lanes[ledger_id]:
                 taken = [i for i in lookup.back if lane in lookup.lanes[i]]
-                drops[lane].append(memory.take_back(lane, ledger_id, self.recall.scores[ledger_id][lane], now, keep=taken))
+                drops[lane].append(memory.take_back(lane, ledger_id, self.recall.scores[ledger_id][lane], now, keep=taken,
+                                                      hold=self.recall_hold))
         self.recall.capture(lookup, view, leaving, scores)
         return lookup
 
@@ -276,7 +276,7 @@ class SmartKVPolicy:
                   and type(state.get("value_norms", False)) is bool
                   and type(state["offered"]) is int and len(state["memory"]) == layers
                   and len({len(entries) for entries in state["memory"]}) == 1
-                  and all(len(entries) <= size and all(len(e) == 3 and type(e[1]) is int and type(e[2]) is int
+                  and all(len(entries) <= size and all(len(e) in (3, 4) and all(type(x) is int for x in e[1:])
                                                             for e in entries) for entries in state["memory"])
                   and all(type(i) is int and len(v) == layers for i, v in state["scores"]))
         except TypeError:

@@ -1,4 +1,4 @@
-"""Recall under SmartKV: a token a lane dropped comes back into the lanes that look for it.
+"""Recall under SmartKV: a token lanes dropped comes back into them when one looks for it.
 
 The shared-rows recall (positronic/policies/recall.py) keeps a row's K/V when the row is
 evicted. Under SmartKV a token leaves lanes one by one, each when its own memory prefers
@@ -7,17 +7,23 @@ it: when it leaves the window (`capture`). From then on it can come back into an
 dropped it, exactly as it was (keys rotated at its position, which is where it comes back).
 
 When: as the shared recall (every `every` ticks, at once after typed input), the newest
-token's query scores the indexed keys in each lane: a lane's would-be attention to a token
-is exp(q·k - log Σ_lane exp(q·k')), averaged over the query heads of the lane (a kv head's
-group, or all heads of a layer). A lane *wants* a token it does not hold when that share is
-at least `threshold` times its fair share (1 / rows per lane). The best such token comes
-back into the lanes that want it, with up to `span` indexed tokens nearest to it (the text
-around a match is what makes it useful), into those same lanes where they are missing; each
-lane then drops as many of its weakest memory rows, so every lane keeps the same count.
+token's query scores the indexed keys in each lane: a lane's would-be share of a token is
+exp(q·k - log Σ_lane exp(q·k')), averaged over the query heads of the lane (a kv head's
+group, or all heads of a layer), against the rows the lane holds. A token comes back when a
+lane lacking it would give it at least `share` of the attention it gives all its own rows
+(1: as much as all of them together). It comes back with up to `span` indexed tokens nearest
+to it (the text around a match is what makes it useful), into every lane that lacks each of
+them: which heads will read a fact is not known when the question starts. Each lane then drops
+as many of its weakest memory rows, so every lane keeps the same count.
 
-A token taken back starts a fresh lifespan in the lanes that took it (its rank's age is
-counted from now: the query just showed it is in use), so the next offer does not push it
-out again at once; `cooldown` ticks keep it from coming back again soon after.
+A token taken back is held for a few ticks (the policy's `recall_hold`: no offer drops it,
+else a fact the gates predicted little use for is the weakest again at once), then ranks by
+its own score with a lifespan counted from its return. For `cooldown` ticks it does not come
+back into the same lane again (other lanes may still take it).
+
+The index is a ring: `keys`/`values` are allocated once for `capacity` tokens and a token
+leaving the window is written into the next slot (over the oldest when full), so a tick
+copies only its own rows.
 
     keys, values  [layers, kv_heads, rows, head_dim]  (float32, on the CPU)
 """
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policies.recall import Lookup, Recall
+from ..util import is_int_list
 
 
 @dataclass
@@ -44,10 +51,15 @@ class LaneRecall(Recall):
     `scores`: each indexed token's gate score per lane (what its rank starts from when it
     comes back)."""
 
-    def __init__(self, heads: int, **settings):
+    def __init__(self, heads: int, share: float = 1.0, **settings):
         super().__init__(**settings)
         self.heads = heads  # lanes per layer: 1, or the kv heads
+        self.share = share  # what a lane lacking a token would give it, of all it gives its own rows
         self.scores: dict[int, list[float]] = {}
+        # (ledger id, lane) -> clock of its last restore into that lane: the cooldown is per
+        # lane, so a token one lane took back can still come back into the others
+        self.lane_back_at: dict[tuple[int, int], int] = {}
+        self.next = 0  # the ring's next slot: keys/values hold `capacity` rows, the first len(ids) filled
 
     def idle(self) -> LaneLookup:
         return LaneLookup(self.clock, self.awake)
@@ -66,22 +78,23 @@ class LaneRecall(Recall):
     def lane_shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
         """[lanes, rows] float32: each indexed token's would-be attention in each lane.
         query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
-        layers, kv_heads, _, head_dim = self.keys.shape
+        keys = self.keys[:, :, : len(self.ids)]  # the filled slots (a view)
+        layers, kv_heads, _, head_dim = keys.shape
         if query.shape[0] != layers:
             raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers")
         group = query.shape[1] // kv_heads
-        grouped = query.reshape(layers, kv_heads, group, head_dim).to(self.keys.dtype)
-        logits = (self.keys @ grouped.transpose(-1, -2)).float()  # [layers, kv_heads, rows, group]
+        grouped = query.reshape(layers, kv_heads, group, head_dim).to(keys.dtype)
+        logits = (keys @ grouped.transpose(-1, -2)).float()  # [layers, kv_heads, rows, group]
         shares = (logits - log_norm.reshape(layers, kv_heads, 1, group)).exp()
         if self.heads == 1:  # a lane is a layer: every head of it
             return shares.mean(dim=(1, 3))
         return shares.mean(dim=3).reshape(layers * kv_heads, -1)
 
-    def look_lanes(self, view, held: list[set[int]], rows: int, room: int, *, typed: bool = False) -> Lookup:
+    def look_lanes(self, view, held: list[set[int]], room: int, *, typed: bool = False) -> Lookup:
         """This tick's lookup: `back` (ledger ids, nearest to the best match first) and
         `lanes` (ledger id -> the lanes taking it back). held[l]: the ids lane l holds after
-        this tick's drops; rows: rows per lane (a fair share is 1 / rows); room: tokens a lane
-        may take back at once (each replaces one of its memory's)."""
+        this tick's drops; room: tokens a lane may take back at once (each replaces one of its
+        memory's)."""
         lookup = LaneLookup(self.clock + 1, typed)
         if self.positions and int(view.positions[-1]) <= max(self.positions):
             # the state packed its positions (past the model's limit): indexed keys are rotated
@@ -98,18 +111,21 @@ class LaneRecall(Recall):
             found = [index[i] for i in ids if i in index]
             if found:
                 missing[lane, found] = False
-        wanted = (shares * rows >= self.threshold) & missing
-        if not bool(wanted.any()):
+        # a lane lacking a token would give it `share` of all the attention it gives the rows it
+        # holds (its would-be share before renormalising: 1 = as much as all of them together)
+        lost = (shares * missing).amax(dim=0)
+        best = int(lost.argmax())
+        if float(lost[best]) < self.share:
             return lookup
-        best = int(shares.masked_fill(~wanted, -1.0).amax(dim=0).argmax())
-        lanes = wanted[:, best].nonzero().flatten().tolist()
         center = self.positions[best]
         near = sorted((abs(p - center), p, i) for i, p in zip(self.ids, self.positions)
-                      if abs(p - center) <= self.span
-                      and lookup.clock - self.back_at.get(i, -self.cooldown) >= self.cooldown)
-        taken = dict.fromkeys(lanes, 0)
-        for _, _, ledger_id in near[: self.span]:
-            taking = [lane for lane in lanes if ledger_id not in held[lane] and taken[lane] < room]
+                      if abs(p - center) <= self.span)[: self.span]
+        # the text around the match comes back into every lane that lacks it, as the shared
+        # recall brings it back into every layer: which heads will read it is not known yet
+        taken = [0] * len(held)
+        for _, _, ledger_id in near:
+            taking = [lane for lane in range(len(held)) if ledger_id not in held[lane] and taken[lane] < room
+                      and lookup.clock - self.lane_back_at.get((ledger_id, lane), -self.cooldown) >= self.cooldown]
             for lane in taking:
                 taken[lane] += 1
             if taking:
@@ -128,34 +144,65 @@ class LaneRecall(Recall):
         the window join the index (the oldest go beyond `capacity`)."""
         self.clock, self.awake = lookup.clock, lookup.awake
         if getattr(lookup, "forget", False):
-            self.ids, self.positions, self.predicted, self.keys, self.values = [], [], [], None, None
-            self.scores, self.back_at = {}, {}
+            self._set_rows([], [], [], None, None)
+            self.scores, self.lane_back_at = {}, {}
         if lookup.back:
-            self.back_at.update((i, self.clock) for i in lookup.back)
+            self.lane_back_at.update(((i, lane), self.clock) for i in lookup.back for lane in lookup.lanes[i])
             self.restored += len(lookup.back)
         if lookup.evicted:
-            ids, positions, predicted, keys, values, scores = lookup.evicted
-            self.ids += ids
-            self.positions += positions
-            self.predicted += predicted
+            *rows, scores = lookup.evicted
+            self._write(*rows)
             self.scores.update(scores)
-            empty = self.keys is None
-            self.keys = keys if empty else torch.cat([self.keys, keys], dim=2)
-            self.values = values if empty else torch.cat([self.values, values], dim=2)
-        if len(self.ids) > self.capacity:
-            self._keep(range(len(self.ids) - self.capacity, len(self.ids)))
-            kept = set(self.ids)
-            self.scores = {i: s for i, s in self.scores.items() if i in kept}
-        if len(self.back_at) > 2 * self.capacity:
-            self.back_at = {i: t for i, t in self.back_at.items() if self.clock - t < self.cooldown}
+        if len(self.lane_back_at) > 2 * self.capacity:
+            self.lane_back_at = {k: t for k, t in self.lane_back_at.items() if self.clock - t < self.cooldown}
+
+    def _write(self, ids: list[int], positions: list[int], predicted: list[int], keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+        """Index tokens in their slots: the next free ones, then over the oldest (a ring, so
+        nothing is copied but the new rows)."""
+        if self.keys is None:
+            layers, kv_heads, _, head_dim = keys.shape
+            self.keys = keys.new_empty(layers, kv_heads, self.capacity, head_dim)
+            self.values = values.new_empty(layers, kv_heads, self.capacity, values.shape[-1])
+        ids, positions, predicted = ids[-self.capacity:], positions[-self.capacity:], predicted[-self.capacity:]
+        keys, values = keys[:, :, -self.capacity:], values[:, :, -self.capacity:]
+        slots = [(self.next + k) % self.capacity for k in range(len(ids))]
+        for slot, ledger_id, position, prediction in zip(slots, ids, positions, predicted):
+            if slot < len(self.ids):  # the oldest token leaves the index
+                self.scores.pop(self.ids[slot], None)
+                self.ids[slot], self.positions[slot], self.predicted[slot] = ledger_id, position, prediction
+            else:
+                self.ids.append(ledger_id), self.positions.append(position), self.predicted.append(prediction)
+        index = torch.tensor(slots, dtype=torch.long)
+        self.keys.index_copy_(2, index, keys.to(self.keys.dtype))
+        self.values.index_copy_(2, index, values.to(self.values.dtype))
+        self.next = (self.next + len(ids)) % self.capacity
 
     # --- sessions ---------------------------------------------------------------------------
 
+    def _rows(self) -> tuple:
+        """The indexed tokens oldest first, their K/V copied out of the ring."""
+        if self.keys is None:
+            return [], [], [], None, None
+        full = len(self.ids) == self.capacity
+        order = [*range(self.next, self.capacity), *range(self.next)] if full else list(range(len(self.ids)))
+        index = torch.tensor(order, dtype=torch.long)
+        return ([self.ids[k] for k in order], [self.positions[k] for k in order], [self.predicted[k] for k in order],
+                self.keys.index_select(2, index), self.values.index_select(2, index))
+
+    def _set_rows(self, ids, positions, predicted, keys, values) -> None:
+        self.ids, self.positions, self.predicted, self.keys, self.values, self.next = [], [], [], None, None, 0
+        if keys is not None:
+            self._write(ids, positions, predicted, keys, values)
+
     def state(self) -> dict:
-        return {"index": super().state(), "scores": [[i, list(s)] for i, s in self.scores.items()]}
+        return {"index": super().state(), "scores": [[i, list(s)] for i, s in self.scores.items()],
+                "lane_back_at": [[i, lane, t] for (i, lane), t in self.lane_back_at.items()]}
 
     def load_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"index", "scores"} or not isinstance(state["scores"], list):
+        if not isinstance(state, dict) or set(state) != {"index", "scores", "lane_back_at"} \
+                or not isinstance(state["scores"], list) or not isinstance(state["lane_back_at"], list) \
+                or not all(is_int_list(item) and len(item) == 3 for item in state["lane_back_at"]):
             raise ValueError("recall: malformed saved state")
         scores = {}
         for item in state["scores"]:
@@ -163,7 +210,9 @@ class LaneRecall(Recall):
                     and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1])):
                 raise ValueError("recall: malformed saved state")
             scores[item[0]] = [float(x) for x in item[1]]
-        super().load_state(state["index"])
-        if set(scores) != set(self.ids):
+        index = state["index"]
+        if not isinstance(index, dict) or not is_int_list(index.get("ids")) or set(scores) != set(index["ids"]):
             raise ValueError("recall: malformed saved state (scores do not match the index)")
+        super().load_state(index)
         self.scores = scores
+        self.lane_back_at = {(i, lane): t for i, lane, t in state["lane_back_at"]}

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FLOOR = 1e-3  # a token past its horizon keeps a thousandth of its predicted lifespan: it goes first
+HELD = 1e300  # the rank of a token held after recall took it back: above any rank, below "never" (inf)
 
 
 class Memories:
@@ -55,17 +56,31 @@ class Memories:
         self.size, self.horizon, self.count = size, horizon, 0
         self.weights, self.positions, self.scores = (np.zeros((layers, size + 1)) for _ in range(3))
         self.ids = np.zeros((layers, size + 1), dtype=np.int64)
+        self.until = np.zeros((layers, size + 1))  # a token taken back is not dropped before this step
         self._layers = np.arange(layers)
+
+    NAMES = ("weights", "positions", "scores", "ids", "until")
 
     @property
     def layers(self) -> int:
         return self.ids.shape[0]
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return tuple(getattr(self, name) for name in self.NAMES)
+
+    def _ranks(self, now: int, slots: slice) -> np.ndarray:
+        """[layers, slots] each token's rank at step `now` (see the module docstring); a token
+        held (taken back less than its hold ago) ranks above every token not held (if all are
+        held, the oldest goes first: their ranks tie)."""
+        ranks = self.weights[:, slots] * np.maximum(FLOOR * self.horizon, self.positions[:, slots] - (now - self.horizon))
+        return np.where(self.until[:, slots] > now, HELD, ranks)
 
     def offer(self, token_id, position: int, scores, now: int) -> np.ndarray:
         """Offer a token (its id: one, or one per layer; scores: one per layer) at step `now`.
         Returns int64 [layers]: the id each layer drops, the weakest held or the token itself
         (-1 while the memory has room: nothing is dropped)."""
         column = self.count if self.count < self.size else self.size
+        self.until[:, column] = 0
         self.scores[:, column] = scores
         self.weights[:, column] = [4.0 ** float(score) for score in scores]
         self.positions[:, column], self.ids[:, column] = position, token_id
@@ -73,31 +88,33 @@ class Memories:
             self.count += 1
             return np.full(self.layers, -1)
         # 4**score * max(FLOOR, 1 - age / horizon), times horizon: the steps of the horizon left
-        ranks = self.weights * np.maximum(FLOOR * self.horizon, self.positions - (now - self.horizon))
+        ranks = self._ranks(now, slice(None))
         at = ranks.argmin(axis=1)
         lowest = ranks[self._layers, at][:, None]
         if (np.count_nonzero(ranks == lowest, axis=1) > 1).any():  # ties: the oldest goes
             at = np.where(ranks == lowest, self.positions, np.inf).argmin(axis=1)
         dropped = self.ids[self._layers, at]
         won = np.flatnonzero(at < self.size)
-        for array in (self.weights, self.positions, self.scores, self.ids):
+        for array in self._arrays():
             array[won, at[won]] = array[won, self.size]
         return dropped
 
-    def take_back(self, layer: int, token_id: int, score: float, now: int, keep=()) -> int:
+    def take_back(self, layer: int, token_id: int, score: float, now: int, keep=(), hold: int = 0) -> int:
         """Put a token back into `layer`'s full memory in place of its weakest token (not one
-        of the ids `keep`): recall found it in use, so its lifespan starts afresh at `now`.
+        of the ids `keep`, nor one still held): recall found it in use, so it is held until
+        step `now + hold` (a fact the gates predicted little use for would otherwise be the
+        weakest again at the next offer, and leave before the question that called it back is
+        answered), then ranks by its own score with a lifespan that started at `now`.
         Returns the id dropped."""
         if self.count < self.size:
             raise ValueError("a token comes back only into a full memory (it replaces the weakest)")
-        ranks = self.weights[layer, : self.size] * np.maximum(FLOOR * self.horizon,
-                                                              self.positions[layer, : self.size] - (now - self.horizon))
+        ranks = self._ranks(now, slice(None, self.size))[layer]
         if keep:
             ranks = np.where(np.isin(self.ids[layer, : self.size], list(keep)), np.inf, ranks)
         at = int(ranks.argmin())
         dropped = int(self.ids[layer, at])
         self.scores[layer, at], self.weights[layer, at] = score, 4.0 ** float(score)
-        self.positions[layer, at], self.ids[layer, at] = now, token_id
+        self.positions[layer, at], self.ids[layer, at], self.until[layer, at] = now, token_id, now + hold
         return dropped
 
     def shrink(self, now: int) -> np.ndarray:
@@ -108,11 +125,9 @@ class Memories:
         if self.size < 2:
             raise ValueError("pins would leave no long-term memory")
         if self.count == self.size:
-            ranks = self.weights[:, : self.size] * np.maximum(FLOOR * self.horizon,
-                                                              self.positions[:, : self.size] - (now - self.horizon))
-            at = ranks.argmin(axis=1)
+            at = self._ranks(now, slice(None, self.size)).argmin(axis=1)
             dropped = self.ids[self._layers, at].copy()
-            for array in (self.weights, self.positions, self.scores, self.ids):
+            for array in self._arrays():
                 array[self._layers, at] = array[:, self.size - 1]  # the last held token fills the gap
             self.count -= 1
         self._resize(self.size - 1)
@@ -125,7 +140,7 @@ class Memories:
         if any(len(found) != 1 for found in at):
             raise ValueError(f"token {token_id} is not in every layer's memory")
         at = np.array([found[0] for found in at])
-        for array in (self.weights, self.positions, self.scores, self.ids):
+        for array in self._arrays():
             array[self._layers, at] = array[:, self.count - 1]
         self.count -= 1
         self._resize(self.size - 1)
@@ -137,7 +152,7 @@ class Memories:
     def _resize(self, size: int) -> None:
         if size < 1:
             raise ValueError("pins would leave no long-term memory")
-        for name in ("weights", "positions", "scores", "ids"):
+        for name in self.NAMES:
             array = getattr(self, name)
             resized = np.zeros((self.layers, size + 1), dtype=array.dtype)
             resized[:, : self.count] = array[:, : self.count]
@@ -146,7 +161,7 @@ class Memories:
 
     def copy(self) -> "Memories":
         twin = Memories(self.layers, self.size, self.horizon)
-        for name in ("weights", "positions", "scores", "ids"):
+        for name in self.NAMES:
             setattr(twin, name, getattr(self, name).copy())
         twin.count = self.count
         return twin
@@ -155,8 +170,10 @@ class Memories:
         return self.ids[:, : self.count].ravel().tolist()
 
     def entries(self) -> list[list[list]]:
-        """Per layer, [score, position, id] of every token held, by slot (a session's record)."""
+        """Per layer, [score, position, id] of every token held, by slot (a session's record),
+        and a 4th item, the step it is held until, for a token taken back and still held."""
         return [[[float(self.scores[layer, slot]), int(self.positions[layer, slot]), int(self.ids[layer, slot])]
+                 + ([int(self.until[layer, slot])] if self.until[layer, slot] else [])
                  for slot in range(self.count)] for layer in range(self.layers)]
 
     @staticmethod
@@ -164,10 +181,11 @@ class Memories:
         """From `entries()` (every layer the same count, at most `size`)."""
         memory = Memories(len(entries), size, horizon)
         for layer, held in enumerate(entries):
-            for slot, (score, position, token_id) in enumerate(held):
+            for slot, (score, position, token_id, *until) in enumerate(held):
                 memory.scores[layer, slot], memory.weights[layer, slot] = float(score), 4.0 ** float(score)
                 memory.positions[layer, slot] = position
                 memory.ids[layer, slot] = token_id
+                memory.until[layer, slot] = until[0] if until else 0
         memory.count = len(entries[0]) if entries else 0
         return memory
 

@@ -19,9 +19,10 @@ from .test_policy import BUDGET, Reference, config, head_gate_file, layer_positi
 
 @pytest.fixture
 def eager_recall(monkeypatch):
-    """A lane wants a token at its fair share (the default asks 8×; the tiny random model's
+    """A token comes back when a lane lacking it would give it a fair share of its attention
+    (1 / BUDGET; the default asks for as much as all its rows: the tiny random model's
     attention is flat, its best dropped token gets about 1.05× a fair share)."""
-    monkeypatch.setattr(SmartKVPolicy, "recall_threshold", 1.0)
+    monkeypatch.setattr(SmartKVPolicy, "recall_share", 1.0 / BUDGET)
 
 
 def run_checked(lm, brain, ids, start: int) -> list[dict]:
@@ -40,7 +41,7 @@ def run_checked(lm, brain, ids, start: int) -> list[dict]:
     return restores
 
 
-def test_dropped_tokens_come_back_into_the_lanes_that_want_them_exactly(tiny, head_gate_file, eager_recall):
+def test_dropped_tokens_come_back_into_the_lanes_that_lack_them_exactly(tiny, head_gate_file, eager_recall):
     ids = text_ids(tiny, 90, seed=31)
     brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True))
     restores = run_checked(tiny, brain, ids, 15)

@@ -100,3 +100,39 @@ def test_row_book_refuses_an_empty_layout():
     for bad in ((1, 0, 4, 0), (1, -1, 4, 4), (0, 1, 4, 4)):
         with pytest.raises(ValueError):
             RowBook(*bad)
+
+
+def test_a_token_taken_back_is_held_for_its_hold_then_competes_with_its_own_score():
+    """Recall brings back a token the gates scored low (a fact's digits): it must not be the
+    weakest again at the next offer, or it leaves before the question that called it back is
+    answered; once its hold is over it competes like any other."""
+    from positronic.smartkv.rows import Memories
+
+    memory = Memories(layers=2, size=4, horizon=100)
+    for token in range(4):
+        memory.offer(token, position=token, scores=[1.0, 1.0], now=token + 1)
+    dropped = memory.take_back(0, 99, score=-2.0, now=5, hold=10)  # the lowest score anyone has
+    assert dropped in range(4) and 99 in memory.ids[0, :4]
+    for token in range(10, 14):  # held until step 15: four stronger newcomers do not push it out
+        memory.offer(token, position=token, scores=[1.0, 1.0], now=token + 1)
+        assert 99 in memory.ids[0, :4]
+    assert 99 not in memory.ids[1, :4]  # only layer 0 took it back
+    memory.offer(20, position=20, scores=[1.0, 1.0], now=21)  # the hold is over: the weakest goes
+    assert 99 not in memory.ids[0, :4]
+    saved = Memories.from_entries(memory.entries(), 4, 100)
+    assert saved.entries() == memory.entries()
+
+
+def test_a_held_token_survives_a_session():
+    from positronic.smartkv.rows import Memories
+
+    memory = Memories(layers=1, size=3, horizon=50)
+    for token in range(3):
+        memory.offer(token, position=token, scores=[0.5], now=token + 1)
+    memory.take_back(0, 42, score=-3.0, now=4, hold=20)
+    entries = memory.entries()
+    assert [e for e in entries[0] if e[2] == 42] == [[-3.0, 4, 42, 24]]
+    resumed = Memories.from_entries(entries, 3, 50)
+    for twin in (memory, resumed):
+        twin.offer(7, position=7, scores=[2.0], now=8)
+    assert resumed.entries() == memory.entries() and 42 in resumed.ids[0, :3]

@@ -1,0 +1,112 @@
+"""LaneRecall: its index, a ring of preallocated slots that keeps the newest `capacity` tokens,
+scores them by ledger id whatever slot they sit in and saves them oldest first; and its rule,
+what comes back and into which lanes."""
+
+import pytest
+import torch
+
+from positronic.smartkv.recall import LaneLookup, LaneRecall
+from positronic.state.view import ContextView
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
+
+
+def leaving(recall: LaneRecall, first: int, count: int, generator: torch.Generator):
+    """`count` tokens (ledger ids from `first`) leave the window in one tick; their K/V."""
+    ids = list(range(first, first + count))
+    keys = torch.randn(LAYERS, KV_HEADS, count, HEAD_DIM, generator=generator)
+    values = torch.randn(LAYERS, KV_HEADS, count, HEAD_DIM, generator=generator)
+    lookup = LaneLookup(recall.clock + 1, False)
+    lookup.evicted = (ids, [i + 1000 for i in ids], [i % 7 for i in ids], keys, values,
+                      {i: [float(i), -float(i)] for i in ids})
+    recall.adopt(lookup)
+    return keys, values
+
+
+def by_id(recall: LaneRecall, query: torch.Tensor, log_norm: torch.Tensor) -> dict:
+    shares = recall.lane_shares(query, log_norm)
+    return {ledger_id: shares[:, k] for k, ledger_id in enumerate(recall.ids)}
+
+
+def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_first():
+    generator = torch.Generator().manual_seed(0)
+    recall = LaneRecall(KV_HEADS, capacity=5)
+    keys, values = zip(*(leaving(recall, first, 3, generator) for first in range(100, 112, 3)))
+    keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # 12 tokens, ids 100..111
+
+    ids, positions, predicted, kept_keys, kept_values = recall._rows()
+    assert ids == list(range(107, 112))  # the oldest seven went
+    assert positions == [i + 1000 for i in ids] and predicted == [i % 7 for i in ids]
+    assert torch.equal(kept_keys, keys[:, :, 7:]) and torch.equal(kept_values, values[:, :, 7:])
+    assert sorted(recall.scores) == ids
+    assert recall.keys.shape[2] == 5  # preallocated: nothing grew
+    assert recall.payload([109])["keys"].equal(keys[:, :, 9:10])
+
+    saved = recall.state()
+    assert saved["index"]["ids"] == ids
+    resumed = LaneRecall(KV_HEADS, capacity=5)
+    resumed.load_state(saved)
+    query, log_norm = torch.randn(LAYERS, 2 * KV_HEADS, HEAD_DIM, generator=generator), torch.zeros(LAYERS, 2 * KV_HEADS)
+    before, after = by_id(recall, query, log_norm), by_id(resumed, query, log_norm)
+    assert before.keys() == after.keys() and all(torch.allclose(before[i], after[i]) for i in before)
+
+    # both go on alike: the next tokens overwrite the same (oldest) tokens
+    twin = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    leaving(recall, 112, 2, twin[0])
+    leaving(resumed, 112, 2, twin[1])
+    assert recall._rows()[0] == resumed._rows()[0] == [109, 110, 111, 112, 113]
+    assert all(torch.equal(a, b) for a, b in zip(recall._rows()[3:], resumed._rows()[3:]))
+
+
+def test_a_saved_index_whose_scores_do_not_match_is_refused_and_changes_nothing():
+    generator = torch.Generator().manual_seed(0)
+    recall = LaneRecall(KV_HEADS, capacity=5)
+    leaving(recall, 100, 3, generator)
+    saved = recall.state()
+    saved["scores"] = saved["scores"][:-1]
+    target = LaneRecall(KV_HEADS, capacity=5)
+    leaving(target, 500, 2, generator)
+    before = target.state()
+    with pytest.raises(ValueError, match="scores do not match"):
+        target.load_state(saved)
+    after = target.state()
+    assert after["index"]["ids"] == before["index"]["ids"] == [500, 501]
+    assert after["index"]["keys"] == before["index"]["keys"]
+
+
+def view_with_query(query: torch.Tensor, log_norm: torch.Tensor, newest: int) -> ContextView:
+    """The live context as a policy sees it, reduced to what recall reads: the newest position,
+    query and log-normaliser (no live rows are read)."""
+    empty = torch.zeros(1, dtype=torch.long)
+    return ContextView(token_ids=empty, ledger_ids=empty, positions=torch.tensor([newest]), brightness=empty,
+                       predicted=empty, query=query, log_norm=log_norm)
+
+
+def test_a_token_comes_back_into_every_lane_lacking_it_when_one_lane_would_read_it_above_all_it_holds():
+    """4 lanes (2 layers x 2 kv heads). A lane's would-be share of a token it lacks is
+    exp(q.k - its log-normaliser): 1 means as much attention as all the rows it holds
+    together. At that share (recall_share) the token comes back, with its indexed neighbours,
+    into every lane lacking each of them; below it, or for a token every lane holds, nothing."""
+    recall = LaneRecall(KV_HEADS, capacity=8, share=1.0, span=2)
+    d = HEAD_DIM
+    keys = torch.zeros(LAYERS, KV_HEADS, 3, d)  # tokens 10, 11 (positions 1010, 1011) and 20 (1500)
+    keys[0, 0, 2, 0] = 1.0  # token 20: lane 0 (layer 0, kv head 0) reads it
+    keys[1, 1, 0, 1] = 1.0  # token 10: lane 3 (layer 1, kv head 1) reads it
+    lookup = LaneLookup(1, False)
+    lookup.evicted = ([10, 11, 20], [1010, 1011, 1500], [0, 0, 0], keys, keys.clone(),
+                      {i: [0.0] * 4 for i in (10, 11, 20)})
+    recall.adopt(lookup)
+    log_norm = torch.full((LAYERS, 2 * KV_HEADS), 5.0)  # an unread token gets exp(-5): nothing
+
+    def look(share_20: float, share_10: float, held: list[set[int]]) -> LaneLookup:
+        query = torch.zeros(LAYERS, 2 * KV_HEADS, d)  # 2 query heads per kv head, both alike
+        query[0, :2, 0] = 5.0 + torch.tensor(share_20).log()
+        query[1, 2:, 1] = 5.0 + torch.tensor(share_10).log()
+        return recall.look_lanes(view_with_query(query, log_norm, 2000), held, room=4)
+
+    nobody = [set(), set(), set(), set()]
+    assert look(share_20=0.9, share_10=1e-6, held=nobody).back == []  # below: nothing comes back
+    assert look(share_20=1e-6, share_10=3.0, held=[{10, 11}] * 4).back == []  # every lane holds it
+    back = look(share_20=1e-6, share_10=1.5, held=[{10}, {10}, set(), set()])
+    # into the lanes lacking each: 10 into lanes 2 and 3, its neighbour 11 into all four
+    assert back.back == [10, 11] and back.lanes == {10: [2, 3], 11: [0, 1, 2, 3]}
