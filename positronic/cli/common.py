@@ -101,10 +101,9 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
         from ..brain.defaults import default_policy
 
         choice = default_policy(options["model"], BrainConfig(**settings | dict(policy=policy)),
-                                window=options.get("window"))
-        recall = options["recall"] if "recall" in given else choice.recall
+                                window=options.get("window"), recall=options["recall"] if "recall" in given else None)
         policy = choice.policy
-        settings |= dict(policy=policy, recall=recall)
+        settings |= dict(policy=policy, recall=choice.recall)
     config = BrainConfig(**settings)
     config.validate()
     if choice is not None:  # said by the command once the model loaded, not above an error about anything else

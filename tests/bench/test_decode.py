@@ -10,30 +10,33 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_decode_bench_prints_the_table_for_every_run():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
                           "64", "--ticks", "8", "--repeats", "1", "--batches", "1", "4", "--repairers", "none", "bridge",
-                          "--recall", "32", "--policies", "streaming", "smartkv", "brightness", "--smartkv"],
+                          "--recall", "32", "--policies", "streaming", "smartkv", "smartkv+recall", "brightness",
+                          "--smartkv"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip().startswith("64 (")]
     names = ["(a) hf-generate (sdpa)", "(b) loop, maintenance off", "(c) maintenance on, batch 1, none",
              "(c) maintenance on, batch 1, bridge", "(c) maintenance on, batch 4, none",
              "(c) maintenance on, batch 4, bridge", "(d) (c) + recall, 32 in index", "(d) (c) + recall, 32 in index",
-             "(e) policy streaming", "(e) policy smartkv", "(e) policy brightness",
+             "(e) policy streaming", "(e) policy smartkv", "(e) policy smartkv+recall", "(e) policy brightness",
              "(f) hf-generate + SmartKVCache streaming",
              "(f) hf-generate + SmartKVCache gates"]
     assert len(lines) == len(names) and all(name in line for name, line in zip(names, lines))
     rows = [line.split() for line in lines]
     for row in rows:
         assert any(cell.endswith("x") for cell in row), row  # the ratio against generate
-    for row in rows[2:11]:
+    for row in rows[2:12]:
         shares = [float(cell[:-1]) for cell in row if cell.endswith("%")]
         extra = "bridge" in row or "recall," in row
         assert len(shares) == (5 if extra else 4), row  # apply, step4 (+ repair's or recall's extra), recall, choose
         assert all(0 <= s <= 100 for s in shares[:2])
-        assert (shares[-2] > 0) == ("recall," in row), "recall's own share only where recall runs"
+        recalls = "recall," in row or "smartkv+recall" in row
+        assert (shares[-2] > 0) == recalls, "recall's own share only where recall runs"
         assert 0 < shares[-1] < 100, "every policy spends something choosing rows"
-    streaming_cache, gated_cache = ([cell for cell in row if cell.endswith("%")] for row in rows[11:])
+    streaming_cache, gated_cache = ([cell for cell in row if cell.endswith("%")] for row in rows[12:])
     assert streaming_cache == [] and len(gated_cache) == 1 and 0 < float(gated_cache[0][:-1]) < 100  # gate scoring
     assert "smartkv gates: untrained" in out  # random:tiny has no shipped gates: said, not hidden
-    for label in ("brain --policy smartkv / --policy streaming: x", "SmartKVCache with gates / streaming, in generate: x"):
+    for label in ("brain --policy smartkv / --policy streaming: x", "brain --policy smartkv --recall / --policy streaming: x",
+                  "SmartKVCache with gates / streaming, in generate: x"):
         assert float(out.split(label)[1].split()[0]) > 0
 
 

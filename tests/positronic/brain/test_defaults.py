@@ -4,17 +4,20 @@ from positronic.brain.config import BrainConfig
 from positronic.brain.defaults import default_policy
 
 
-def test_a_model_with_shipped_gates_gets_smartkv_and_recall_as_asked():
+def test_a_model_with_shipped_gates_gets_smartkv_with_recall_unless_recall_is_turned_off():
     choice = default_policy("smollm2", BrainConfig(budget=256))
-    assert (choice.policy, choice.recall) == ("smartkv", False)
-    assert "best measured" in choice.note
-    assert default_policy("smollm2", BrainConfig(budget=256, recall=True)).recall is True
+    assert (choice.policy, choice.recall) == ("smartkv", True)
+    assert "policy smartkv with recall: the best measured" in choice.note
+    off = default_policy("smollm2", BrainConfig(budget=256), recall=False)
+    assert (off.policy, off.recall) == ("smartkv", False) and "--no-recall" in off.note
+    assert default_policy("smollm2", BrainConfig(budget=256), recall=True).recall is True
 
 
 def test_a_model_without_gates_keeps_a_gate_free_policy_and_is_told_how_to_train_gates():
     choice = default_policy("random:tiny", BrainConfig(budget=256))
     assert (choice.policy, choice.recall) == ("brightness", False)
     assert "positronic smartkv train --model random:tiny" in choice.note and "--gates" in choice.note
+    assert default_policy("random:tiny", BrainConfig(budget=256), recall=True).recall is True
 
 
 def test_gates_given_make_smartkv_the_default_for_any_model():

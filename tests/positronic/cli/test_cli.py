@@ -186,3 +186,12 @@ def test_a_second_run_on_a_session_in_use_is_refused(tmp_path, capsys, run_cli):
         assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "--ticks", "2", "-c", "64",
                        "--session", str(tmp_path / "s")) == 2
     assert "is in use by another run (pid" in capsys.readouterr().err
+
+
+def test_the_default_policy_is_smartkv_with_recall_where_gates_ship_and_no_recall_turns_recall_off(capsys, run_cli):
+    for flags, said in [((), "positronic: policy smartkv with recall: the best measured for smollm2"),
+                        (("--no-recall",), "positronic: policy smartkv without recall (--no-recall)")]:
+        assert run_cli("--model", "smollm2", "-n", "3", "-p", "Hi", "-c", "48", "--no-tui", "--no-input", *flags) == 0
+        captured = capsys.readouterr()
+        assert said in captured.err
+        assert "policy smartkv" in captured.out
