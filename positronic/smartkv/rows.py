@@ -68,12 +68,13 @@ class Memories:
     def _arrays(self) -> tuple[np.ndarray, ...]:
         return tuple(getattr(self, name) for name in self.NAMES)
 
-    def _ranks(self, now: int, slots: slice) -> np.ndarray:
-        """[layers, slots] each token's rank at step `now` (see the module docstring); a token
-        held (taken back less than its hold ago) ranks above every token not held (if all are
-        held, the oldest goes first: their ranks tie)."""
-        ranks = self.weights[:, slots] * np.maximum(FLOOR * self.horizon, self.positions[:, slots] - (now - self.horizon))
-        return np.where(self.until[:, slots] > now, HELD, ranks)
+    def _ranks(self, now: int, slots: slice, layers: slice | int = slice(None)) -> np.ndarray:
+        """[layers, slots] (or [slots] for one layer) each token's rank at step `now` (see the
+        module docstring); a token held (taken back less than its hold ago) ranks above every
+        token not held (if all are held, the oldest goes first: their ranks tie)."""
+        at = (layers, slots)
+        ranks = self.weights[at] * np.maximum(FLOOR * self.horizon, self.positions[at] - (now - self.horizon))
+        return np.where(self.until[at] > now, HELD, ranks)
 
     def offer(self, token_id, position: int, scores, now: int) -> np.ndarray:
         """Offer a token (its id: one, or one per layer; scores: one per layer) at step `now`.
@@ -108,7 +109,7 @@ class Memories:
         Returns the id dropped."""
         if self.count < self.size:
             raise ValueError("a token comes back only into a full memory (it replaces the weakest)")
-        ranks = self._ranks(now, slice(None, self.size))[layer]
+        ranks = self._ranks(now, slice(None, self.size), layer)  # one layer's: a restore touches one lane at a time
         if keep:
             ranks = np.where(np.isin(self.ids[layer, : self.size], list(keep)), np.inf, ranks)
         at = int(ranks.argmin())
