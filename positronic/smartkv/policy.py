@@ -42,6 +42,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..policies import PolicyPlan, pinned_rows, register
@@ -208,16 +209,22 @@ class SmartKVPolicy:
         if look and memory.count == memory.size:  # until the memories are full no lane has dropped anything
             # a token a lane drops this tick is not taken back by it in the same tick
             # (and a pinned token is in every lane)
-            held = [set(memory.ids[lane, : memory.count].tolist()) | set(drops[lane]) | pinned
-                    for lane in range(memory.layers)]
+            width = max(map(len, drops))
+            also = np.full((memory.layers, width + len(pinned)), -1, dtype=np.int64)
+            for lane, dropped in enumerate(drops):
+                also[lane, : len(dropped)] = dropped
+            also[:, width:] = sorted(pinned)
+            held = np.concatenate([memory.ids[:, : memory.count], also], axis=1)
             # a lane takes back at most half its memory at once
             lookup = self.recall.look_lanes(view, held, max(1, memory.size // 2), typed=typed)
         now = int(view.positions[-1]) + 1
+        taking: dict[int, list[int]] = {}  # lane -> the ids it takes back, in lookup order
         for ledger_id in lookup.back:
             for lane in lookup.lanes[ledger_id]:
-                taken = [i for i in lookup.back if lane in lookup.lanes[i]]
-                drops[lane].append(memory.take_back(lane, ledger_id, self.recall.scores[ledger_id][lane], now, keep=taken,
-                                                      hold=self.recall_hold))
+                taking.setdefault(lane, []).append(ledger_id)
+        for lane, back in taking.items():
+            drops[lane] += memory.take_back(lane, back, [self.recall.scores[i][lane] for i in back], now,
+                                            hold=self.recall_hold)
         self.recall.capture(lookup, view, leaving, scores)
         return lookup
 

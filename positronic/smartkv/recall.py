@@ -23,15 +23,20 @@ back into the same lane again (other lanes may still take it).
 
 The index is a ring: `keys`/`values` are allocated once for `capacity` tokens and a token
 leaving the window is written into the next slot (over the oldest when full), so a tick
-copies only its own rows.
+copies only its own rows. Keys are kept as columns: one query against every indexed key is
+then a [group, head_dim] x [head_dim, rows] product, which the CPU does in half the time of
+the [rows, head_dim] x [head_dim, group] one (it reads every key each tick: this is recall's
+main cost).
 
-    keys, values  [layers, kv_heads, rows, head_dim]  (float32, on the CPU)
+    keys    [layers, kv_heads, head_dim, capacity]  (float32, on the CPU)
+    values  [layers, kv_heads, capacity, head_dim]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..policies.recall import Lookup, Recall
@@ -78,23 +83,23 @@ class LaneRecall(Recall):
     def lane_shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
         """[lanes, rows] float32: each indexed token's would-be attention in each lane.
         query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
-        keys = self.keys[:, :, : len(self.ids)]  # the filled slots (a view)
-        layers, kv_heads, _, head_dim = keys.shape
+        keys = self.keys[..., : len(self.ids)]  # the filled slots (a view): [layers, kv_heads, head_dim, rows]
+        layers, kv_heads, head_dim, _ = keys.shape
         if query.shape[0] != layers:
             raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers")
         group = query.shape[1] // kv_heads
         grouped = query.reshape(layers, kv_heads, group, head_dim).to(keys.dtype)
-        logits = (keys @ grouped.transpose(-1, -2)).float()  # [layers, kv_heads, rows, group]
-        shares = (logits - log_norm.reshape(layers, kv_heads, 1, group)).exp()
+        logits = (grouped @ keys).float()  # [layers, kv_heads, group, rows]
+        shares = logits.sub_(log_norm.reshape(layers, kv_heads, group, 1)).exp_()
         if self.heads == 1:  # a lane is a layer: every head of it
-            return shares.mean(dim=(1, 3))
-        return shares.mean(dim=3).reshape(layers * kv_heads, -1)
+            return shares.mean(dim=(1, 2))
+        return shares.mean(dim=2).reshape(layers * kv_heads, -1)
 
-    def look_lanes(self, view, held: list[set[int]], room: int, *, typed: bool = False) -> Lookup:
+    def look_lanes(self, view, held: np.ndarray, room: int, *, typed: bool = False) -> Lookup:
         """This tick's lookup: `back` (ledger ids, nearest to the best match first) and
-        `lanes` (ledger id -> the lanes taking it back). held[l]: the ids lane l holds after
-        this tick's drops; room: tokens a lane may take back at once (each replaces one of its
-        memory's)."""
+        `lanes` (ledger id -> the lanes taking it back). held: int64 [lanes, n], the ledger
+        ids each lane holds after this tick's drops (-1: none); room: tokens a lane may take
+        back at once (each replaces one of its memory's)."""
         lookup = LaneLookup(self.clock + 1, typed)
         if self.positions and int(view.positions[-1]) <= max(self.positions):
             # the state packed its positions (past the model's limit): indexed keys are rotated
@@ -105,38 +110,53 @@ class LaneRecall(Recall):
         if not due or not self.ids or view.query is None or view.log_norm is None:
             return lookup
         shares = self.lane_shares(view.query, view.log_norm)  # [lanes, index rows]
-        index = {ledger_id: k for k, ledger_id in enumerate(self.ids)}
-        missing = torch.ones_like(shares, dtype=torch.bool)
-        for lane, ids in enumerate(held):
-            found = [index[i] for i in ids if i in index]
-            if found:
-                missing[lane, found] = False
+        if float(shares.max()) < self.share:
+            return lookup  # no lane would give any indexed token that much, held or not (most ticks)
+        missing = self._missing(held)  # [lanes, index rows]
         # a lane lacking a token would give it `share` of all the attention it gives the rows it
         # holds (its would-be share before renormalising: 1 = as much as all of them together)
-        lost = (shares * missing).amax(dim=0)
+        lost = (shares * torch.from_numpy(missing)).amax(dim=0)
         best = int(lost.argmax())
         if float(lost[best]) < self.share:
             return lookup
-        center = self.positions[best]
-        near = sorted((abs(p - center), p, i) for i, p in zip(self.ids, self.positions)
-                      if abs(p - center) <= self.span)[: self.span]
+        positions = np.asarray(self.positions)
+        distance = np.abs(positions - positions[best])
+        near = [slot for slot in np.lexsort((positions, distance)) if distance[slot] <= self.span][: self.span]
         # the text around the match comes back into every lane that lacks it, as the shared
         # recall brings it back into every layer: which heads will read it is not known yet
-        taken = [0] * len(held)
-        for _, _, ledger_id in near:
-            taking = [lane for lane in range(len(held)) if ledger_id not in held[lane] and taken[lane] < room
-                      and lookup.clock - self.lane_back_at.get((ledger_id, lane), -self.cooldown) >= self.cooldown]
-            for lane in taking:
-                taken[lane] += 1
+        taken = np.zeros(len(held), dtype=np.int64)
+        for slot in near:
+            ledger_id = self.ids[slot]
+            taking = [lane for lane in np.flatnonzero(missing[:, slot] & (taken < room)).tolist()
+                      if lookup.clock - self.lane_back_at.get((ledger_id, lane), -self.cooldown) >= self.cooldown]
+            taken[taking] += 1
             if taking:
                 lookup.back.append(ledger_id)
                 lookup.lanes[ledger_id] = taking
         return lookup
 
+    def _missing(self, held: np.ndarray) -> np.ndarray:
+        """bool [lanes, index rows]: which indexed tokens each lane lacks (held: see look_lanes)."""
+        ids = np.asarray(self.ids, dtype=np.int64)
+        order = np.argsort(ids)
+        ordered = ids[order]
+        at = np.searchsorted(ordered, held).clip(max=len(ids) - 1)
+        lanes, columns = np.nonzero(ordered[at] == held)
+        missing = np.ones((len(held), len(ids)), dtype=bool)
+        missing[lanes, order[at[lanes, columns]]] = False
+        return missing
+
     def restore_action(self, lookup: Lookup) -> dict:
         """The restore action for `lookup.back` (their own K/V, the lanes taking each back)."""
         return {"action": "restore", "ledger_ids": list(lookup.back),
                 "lanes": [list(lookup.lanes[i]) for i in lookup.back], **self.payload(lookup.back)}
+
+    def payload(self, ids: list[int]) -> dict:
+        """The restore action's own K/V for `ids` (rows: keys back from the ring's columns)."""
+        where = {i: k for k, i in enumerate(self.ids)}
+        index = torch.tensor([where[i] for i in ids], dtype=torch.long)
+        return {"keys": self.keys.index_select(3, index).transpose(2, 3), "values": self.values.index_select(2, index),
+                "predicted": [self.predicted[where[i]] for i in ids]}
 
     def adopt(self, lookup: Lookup) -> None:
         """The tick went through: its clocks stand, the tokens it brought back start their
@@ -162,7 +182,7 @@ class LaneRecall(Recall):
         nothing is copied but the new rows)."""
         if self.keys is None:
             layers, kv_heads, _, head_dim = keys.shape
-            self.keys = keys.new_empty(layers, kv_heads, self.capacity, head_dim)
+            self.keys = keys.new_empty(layers, kv_heads, head_dim, self.capacity)
             self.values = values.new_empty(layers, kv_heads, self.capacity, values.shape[-1])
         ids, positions, predicted = ids[-self.capacity:], positions[-self.capacity:], predicted[-self.capacity:]
         keys, values = keys[:, :, -self.capacity:], values[:, :, -self.capacity:]
@@ -174,7 +194,7 @@ class LaneRecall(Recall):
             else:
                 self.ids.append(ledger_id), self.positions.append(position), self.predicted.append(prediction)
         index = torch.tensor(slots, dtype=torch.long)
-        self.keys.index_copy_(2, index, keys.to(self.keys.dtype))
+        self.keys.index_copy_(3, index, keys.transpose(2, 3).to(self.keys.dtype))
         self.values.index_copy_(2, index, values.to(self.values.dtype))
         self.next = (self.next + len(ids)) % self.capacity
 
@@ -188,7 +208,7 @@ class LaneRecall(Recall):
         order = [*range(self.next, self.capacity), *range(self.next)] if full else list(range(len(self.ids)))
         index = torch.tensor(order, dtype=torch.long)
         return ([self.ids[k] for k in order], [self.positions[k] for k in order], [self.predicted[k] for k in order],
-                self.keys.index_select(2, index), self.values.index_select(2, index))
+                self.keys.index_select(3, index).transpose(2, 3).contiguous(), self.values.index_select(2, index))
 
     def _set_rows(self, ids, positions, predicted, keys, values) -> None:
         self.ids, self.positions, self.predicted, self.keys, self.values, self.next = [], [], [], None, None, 0

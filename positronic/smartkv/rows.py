@@ -100,22 +100,23 @@ class Memories:
             array[won, at[won]] = array[won, self.size]
         return dropped
 
-    def take_back(self, layer: int, token_id: int, score: float, now: int, keep=(), hold: int = 0) -> int:
-        """Put a token back into `layer`'s full memory in place of its weakest token (not one
-        of the ids `keep`, nor one still held): recall found it in use, so it is held until
-        step `now + hold` (a fact the gates predicted little use for would otherwise be the
-        weakest again at the next offer, and leave before the question that called it back is
-        answered), then ranks by its own score with a lifespan that started at `now`.
-        Returns the id dropped."""
+    def take_back(self, layer: int, token_ids: list[int], scores: list[float], now: int, hold: int = 0) -> list[int]:
+        """Put tokens back into `layer`'s full memory, each in place of its weakest token (not
+        one taken back now, nor one still held): recall found them in use, so each is held
+        until step `now + hold` (a fact the gates predicted little use for would otherwise be
+        the weakest again at the next offer, and leave before the question that called it
+        back is answered), then ranks by its own score with a lifespan that started at `now`.
+        Returns the ids dropped, one per token."""
         if self.count < self.size:
             raise ValueError("a token comes back only into a full memory (it replaces the weakest)")
         ranks = self._ranks(now, slice(None, self.size), layer)  # one layer's: a restore touches one lane at a time
-        if keep:
-            ranks = np.where(np.isin(self.ids[layer, : self.size], list(keep)), np.inf, ranks)
-        at = int(ranks.argmin())
-        dropped = int(self.ids[layer, at])
-        self.scores[layer, at], self.weights[layer, at] = score, 4.0 ** float(score)
-        self.positions[layer, at], self.ids[layer, at], self.until[layer, at] = now, token_id, now + hold
+        dropped = []
+        for token_id, score in zip(token_ids, scores):
+            at = int(ranks.argmin())
+            dropped.append(int(self.ids[layer, at]))
+            self.scores[layer, at], self.weights[layer, at] = score, 4.0 ** float(score)
+            self.positions[layer, at], self.ids[layer, at], self.until[layer, at] = now, token_id, now + hold
+            ranks[at] = np.inf  # the next token taken back does not displace this one
         return dropped
 
     def shrink(self, now: int) -> np.ndarray:

@@ -65,38 +65,50 @@ class RowReader:
         kv head's from its own rows; ValueError if a lane lacks one."""
         self._refuse_if_stale()
         device = self._state.lm.device
-        layers, heads = self._mirror.layers, self._state.lanes_per_layer
+        lanes, heads = self._mirror.layers, self._state.lanes_per_layer
+        if lanes is None:  # every lane holds the live rows
+            where = {ledger_id: row for row, ledger_id in enumerate(self._mirror.live.ledger_ids)}
+            if missing := [i for i in ledger_ids if i not in where]:
+                raise ValueError(f"the live rows do not hold ledger ids {missing[:5]}")
+            found = [[where[i] for i in ledger_ids]]
+        else:
+            found = [self._lane_rows(lane, held, ledger_ids) for lane, held in enumerate(lanes.rows)]
         keys, values = [], []
+        if all(rows == found[0] for rows in found):
+            # the same rows in every lane (the window's tokens, or shared rows): one read a layer
+            rows = torch.tensor(found[0], dtype=torch.long, device=device)
+            for layer in self._cache.layers:
+                keys.append(layer.keys[0][:, rows])  # indexing, not index_select: half the time on a buffer's view
+                values.append(layer.values[0][:, rows])
+            return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
         for index, layer in enumerate(self._cache.layers):
             layer_keys, layer_values = [], []
-            for lane in range(index * heads, (index + 1) * heads):
-                held = self._mirror.live.ledger_ids if layers is None else layers.rows[lane]
-                where = {ledger_id: row for row, ledger_id in enumerate(held)}
-                if missing := [i for i in ledger_ids if i not in where]:
-                    raise ValueError(f"lane {lane} does not hold ledger ids {missing[:5]}")
-                rows = torch.tensor([where[i] for i in ledger_ids], dtype=torch.long, device=device)
-                head = slice(None) if heads == 1 else slice(lane - index * heads, lane - index * heads + 1)
-                layer_keys.append(layer.keys[0, head].index_select(1, rows))
-                layer_values.append(layer.values[0, head].index_select(1, rows))
+            for head, lane in enumerate(range(index * heads, (index + 1) * heads)):
+                rows = torch.tensor(found[lane], dtype=torch.long, device=device)
+                at = slice(None) if heads == 1 else slice(head, head + 1)
+                layer_keys.append(layer.keys[0, at][:, rows])
+                layer_values.append(layer.values[0, at][:, rows])
             keys.append(torch.cat(layer_keys))
             values.append(torch.cat(layer_values))
         return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
-        """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`
-        (a lane's ids ascend with its rows, as ids are handed out in position order);
+        """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;
         ValueError if a lane does not hold one."""
         self._refuse_if_stale()
         layers = self._mirror.layers
         if layers is None or len(ledger_ids) != layers.num_layers:
             raise ValueError(f"rows by lane need per-layer rows and one id list per lane, got {len(ledger_ids)}")
-        found = []
-        for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids)):
-            rows = [bisect.bisect_left(held, ledger_id) for ledger_id in wanted]
-            if any(row == len(held) or held[row] != ledger_id for row, ledger_id in zip(rows, wanted)):
-                raise ValueError(f"lane {lane} does not hold all of ledger ids {wanted[:5]}")
-            found.append(rows)
-        return found
+        return [self._lane_rows(lane, held, wanted) for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids))]
+
+    @staticmethod
+    def _lane_rows(lane: int, held: list[int], wanted: list[int]) -> list[int]:
+        """The rows of `wanted` in a lane holding `held` (per-layer rows: ids ascend with rows,
+        as ids are handed out in position order, so a search, not a map of the whole lane)."""
+        rows = [bisect.bisect_left(held, ledger_id) for ledger_id in wanted]
+        if any(row == len(held) or held[row] != ledger_id for row, ledger_id in zip(rows, wanted)):
+            raise ValueError(f"lane {lane} does not hold all of ledger ids {wanted[:5]}")
+        return rows
 
     def _refuse_if_stale(self) -> None:
         if self._state.version != self._version:

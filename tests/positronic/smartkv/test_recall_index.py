@@ -2,6 +2,7 @@
 scores them by ledger id whatever slot they sit in and saves them oldest first; and its rule,
 what comes back and into which lanes."""
 
+import numpy
 import pytest
 import torch
 
@@ -39,7 +40,7 @@ def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_fir
     assert positions == [i + 1000 for i in ids] and predicted == [i % 7 for i in ids]
     assert torch.equal(kept_keys, keys[:, :, 7:]) and torch.equal(kept_values, values[:, :, 7:])
     assert sorted(recall.scores) == ids
-    assert recall.keys.shape[2] == 5  # preallocated: nothing grew
+    assert recall.keys.shape[3] == 5  # preallocated (keys as columns): nothing grew
     assert recall.payload([109])["keys"].equal(keys[:, :, 9:10])
 
     saved = recall.state()
@@ -98,15 +99,16 @@ def test_a_token_comes_back_into_every_lane_lacking_it_when_one_lane_would_read_
     recall.adopt(lookup)
     log_norm = torch.full((LAYERS, 2 * KV_HEADS), 5.0)  # an unread token gets exp(-5): nothing
 
-    def look(share_20: float, share_10: float, held: list[set[int]]) -> LaneLookup:
+    def look(share_20: float, share_10: float, held: list[list[int]]) -> LaneLookup:
         query = torch.zeros(LAYERS, 2 * KV_HEADS, d)  # 2 query heads per kv head, both alike
         query[0, :2, 0] = 5.0 + torch.tensor(share_20).log()
         query[1, 2:, 1] = 5.0 + torch.tensor(share_10).log()
-        return recall.look_lanes(view_with_query(query, log_norm, 2000), held, room=4)
+        padded = numpy.array([ids + [-1] * (2 - len(ids)) for ids in held])  # -1: no token
+        return recall.look_lanes(view_with_query(query, log_norm, 2000), padded, room=4)
 
-    nobody = [set(), set(), set(), set()]
+    nobody = [[], [], [], []]
     assert look(share_20=0.9, share_10=1e-6, held=nobody).back == []  # below: nothing comes back
-    assert look(share_20=1e-6, share_10=3.0, held=[{10, 11}] * 4).back == []  # every lane holds it
-    back = look(share_20=1e-6, share_10=1.5, held=[{10}, {10}, set(), set()])
+    assert look(share_20=1e-6, share_10=3.0, held=[[10, 11]] * 4).back == []  # every lane holds it
+    back = look(share_20=1e-6, share_10=1.5, held=[[10], [10], [], []])
     # into the lanes lacking each: 10 into lanes 2 and 3, its neighbour 11 into all four
     assert back.back == [10, 11] and back.lanes == {10: [2, 3], 11: [0, 1, 2, 3]}

@@ -111,7 +111,7 @@ def test_a_token_taken_back_is_held_for_its_hold_then_competes_with_its_own_scor
     memory = Memories(layers=2, size=4, horizon=100)
     for token in range(4):
         memory.offer(token, position=token, scores=[1.0, 1.0], now=token + 1)
-    dropped = memory.take_back(0, 99, score=-2.0, now=5, hold=10)  # the lowest score anyone has
+    [dropped] = memory.take_back(0, [99], scores=[-2.0], now=5, hold=10)  # the lowest score anyone has
     assert dropped in range(4) and 99 in memory.ids[0, :4]
     for token in range(10, 14):  # held until step 15: four stronger newcomers do not push it out
         memory.offer(token, position=token, scores=[1.0, 1.0], now=token + 1)
@@ -129,10 +129,23 @@ def test_a_held_token_survives_a_session():
     memory = Memories(layers=1, size=3, horizon=50)
     for token in range(3):
         memory.offer(token, position=token, scores=[0.5], now=token + 1)
-    memory.take_back(0, 42, score=-3.0, now=4, hold=20)
+    memory.take_back(0, [42], scores=[-3.0], now=4, hold=20)
     entries = memory.entries()
     assert [e for e in entries[0] if e[2] == 42] == [[-3.0, 4, 42, 24]]
     resumed = Memories.from_entries(entries, 3, 50)
     for twin in (memory, resumed):
         twin.offer(7, position=7, scores=[2.0], now=8)
     assert resumed.entries() == memory.entries() and 42 in resumed.ids[0, :3]
+
+
+def test_tokens_taken_back_together_each_replace_the_weakest_and_not_each_other():
+    """A restore brings several tokens into a lane at once: each takes the place of the weakest
+    token still there, never of one that came back with it (even with no hold)."""
+    from positronic.smartkv.rows import Memories
+
+    memory = Memories(layers=1, size=4, horizon=100)
+    for token, score in enumerate([3.0, 0.5, 2.0, 1.0]):
+        memory.offer(token, position=token, scores=[score], now=token + 1)
+    dropped = memory.take_back(0, [50, 51, 52], scores=[-5.0, -5.0, -5.0], now=5, hold=0)
+    assert dropped == [1, 3, 2]  # the weakest first: scores 0.5, 1.0, 2.0
+    assert sorted(memory.ids[0, :4].tolist()) == [0, 50, 51, 52]
