@@ -183,6 +183,12 @@ class SpliceCache(Cache):
         finally:
             self.kind.close_rows(self.layers)
 
+    @property
+    def filling(self) -> bool:
+        """Inside `fill`: the next forward writes into live rows (running it again writes the
+        same rows), not after them."""
+        return self.layers[0]._write_rows is not None
+
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Every layer: re-rotate the keys of rows first .. first + len(cos)."""
         for layer in self.layers:

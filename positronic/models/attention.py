@@ -9,6 +9,10 @@ both, and the copy is what a masked forward pays: for SmolLM2 (9 query heads on 
 masked tick over 1,024 rows costs ~1 ms more. On a GPU: transformers' own "sdpa" function,
 called unchanged. Same arithmetic either way (tests compare logits with plain transformers).
 
+A batched forward (positronic.batch) feeds several sequences' tokens in one run, each over its
+own cache: there a layer's "keys" are a `Ragged`, and each sequence's queries attend to its own
+rows with its own mask, through the same function.
+
 Both are registered under names of their own so that one `Tap` can read what every family's
 attention module hands its attention function: the query and keys after the family's own
 projections (fused qkv, biases), norms (Qwen3's q/k RMSNorm) and RoPE. The brain's attention
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,13 +59,36 @@ def _see(module, query, key, value, scaling) -> None:
         active[1](module, query, key, value, module.scaling if scaling is None else scaling)
 
 
-def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+@dataclass(frozen=True)
+class Ragged:
+    """One layer's keys and values in a batched forward: per sequence, the run of the packed
+    queries that is its tokens (first, count), its cache's rows (keys, values
+    [1, kv_heads, rows, head_dim]) and its mask ([1, 1, count, rows], additive; None: every
+    query sees every row)."""
+
+    parts: tuple[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None], ...]
+
+
+def _each(attend, module, query: torch.Tensor, ragged: Ragged, **kwargs) -> tuple[torch.Tensor, None]:
+    """Each sequence's queries against its own rows -> [1, queries, heads, head_dim]."""
+    return torch.cat([attend(module, query[:, :, first : first + count], keys, values, mask, **kwargs)[0]
+                      for first, count, keys, values, mask in ragged.parts], dim=1), None
+
+
+def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value: torch.Tensor | Ragged,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [batch, heads, q, head_dim], key / value [batch, kv_heads, k, head_dim], mask
     broadcastable to [batch, heads, q, k] (additive or boolean) or None -> output
     [batch, q, heads, head_dim] (transformers' attention-function contract; no weights)."""
     _see(module, query, key, value, scaling)
+    if isinstance(key, Ragged):
+        return _each(_grouped, module, query, key, dropout=dropout, scaling=scaling)
+    return _grouped(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal)
+
+
+def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+             is_causal: bool | None = None):
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:  # no mask over several queries: a plain causal prefill
@@ -74,6 +102,8 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def tapped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' own "sdpa" attention function, with the tap."""
     _see(module, query, key, value, kwargs.get("scaling"))
+    if isinstance(key, Ragged):
+        return _each(ALL_ATTENTION_FUNCTIONS["sdpa"], module, query, key, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 

@@ -1,6 +1,6 @@
-"""The server's conversations: one brain per session, one model thread for all of them.
+"""The server's conversations: one brain per session, their ticks batched into shared forwards.
 
-    worker = ModelWorker()                      # every job that touches the model runs here, in order
+    worker = ModelWorker()                      # every job that touches a brain runs here
     pool = SessionPool(lm, worker, directory, max_sessions=16)
     conversation = await pool.acquire("alice")  # in memory, resumed from disk, or new (brain None)
     ... Turn(conversation, worker, reply).pieces() ...
@@ -8,9 +8,9 @@
 
 A session is a Conversation: its Brain and the input it has still to read. A request holds its
 conversation (an asyncio lock) from its first token read to its last token generated, so two
-requests of one session never interleave; requests of different sessions do, one brain step at
-a time on the one model thread, which never mixes states because a step is a call on one
-brain. A session's later request appends its new turn to the live brain; nothing is prefilled
+requests of one session never interleave; requests of different sessions run side by side, each
+job in a thread of its own, and their ticks' model forwards are run as one (positronic.batch:
+each sequence over its own cache, so states never mix: a step is a call on one brain). A session's later request appends its new turn to the live brain; nothing is prefilled
 again.
 
 The pool keeps at most `max_sessions` conversations in memory (a request without a session
@@ -26,23 +26,26 @@ and a request that needed its slot gets SaveFailed, not an endless PoolFull.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from ..brain import session as sessions
+from ..batch import Rendezvous
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
 from .history import History
 from .logprobs import TokenLogprob, of_logits
 from .text import Reply
+from ..state.forward import MEETING
 from ..state.manager import StateBrokenError
 from ..state.readonly import MirrorView
 
@@ -50,6 +53,7 @@ log = logging.getLogger("positronic.server.app")
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TRANSCRIPT_SOURCES = ("prompt", "user", "generated")  # what was said; repairs and insertions are the brain's own
+LINGER_S = 0.02  # a round of forwards waits this long at most for a session of the last round to come back
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
 
 
@@ -89,31 +93,63 @@ def check_session_id(value: str) -> str:
 
 
 class ModelWorker:
-    """The one thread that runs the model: every job that touches a brain runs here, one at a
-    time, in the order submitted. A job whose awaiting request was cancelled before it started
-    never runs; one already running finishes (a brain step is never cut in half), and the
-    next request of its session waits for it (`barrier`) before it looks at the brain."""
+    """Runs every job that touches a brain, each in a thread of its own, as soon as it is
+    submitted: the jobs of different sessions run side by side, and the model forwards they
+    make meet in one `Rendezvous` (positronic.batch), so the sessions' ticks share one forward
+    (continuous batching: a session joins with its next job and leaves when it has none).
+    A session's own jobs never overlap: its requests hold its lock and await each job. A job
+    runs to its end even if its request is cancelled meanwhile (a brain step is never cut in
+    half), and the next request of its session waits for it (`barrier`) before it looks at
+    the brain. `linger`: how long a round of forwards waits for a session of the previous
+    round whose next job is not in yet (Rendezvous)."""
 
-    def __init__(self):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="positronic-model")
-        self.busy_s = 0.0  # seconds spent in jobs
+    def __init__(self, *, linger: float = LINGER_S):
+        self.meeting = Rendezvous(linger=linger)
+        self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
+        self._lock = threading.Lock()
+        self._jobs: set[concurrent.futures.Future] = set()
+        self._closed = False
 
     async def run(self, fn: Callable, *args):
-        return await asyncio.wrap_future(self._executor.submit(self._timed, fn, *args))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the model worker is closed")
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._jobs.add(future)
+        self.meeting.expect()
+        threading.Thread(target=self._job, args=(future, fn, args), name="positronic-job", daemon=True).start()
+        return await asyncio.wrap_future(future)
 
-    def _timed(self, fn: Callable, *args):
+    def _job(self, future: concurrent.futures.Future, fn: Callable, args) -> None:
+        MEETING.set(self.meeting)  # the forwards of this job meet the other jobs'
         start = time.perf_counter()
         try:
-            return fn(*args)
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
         finally:
-            self.busy_s += time.perf_counter() - start
+            self.meeting.done()
+            with self._lock:
+                self.busy_s += time.perf_counter() - start
+                self._jobs.discard(future)
 
     async def barrier(self) -> None:
-        """Wait until every job submitted so far has run (the worker takes them in order)."""
-        await self.run(lambda: None)
+        """Wait until every job submitted so far has run."""
+        with self._lock:
+            submitted = list(self._jobs)
+        while not all(job.done() for job in submitted):
+            await asyncio.sleep(0.005)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Refuse new jobs and wait for the running ones."""
+        with self._lock:
+            self._closed = True
+            running = list(self._jobs)
+        concurrent.futures.wait(running)
 
 
 class Conversation:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+from .forward import FEEDING
+
 FAULT_STAGES = ("splice", "rotate", "forward", "mid-forward", "commit")
 
 
@@ -35,10 +37,10 @@ class Fault(NoFaults):
     """Raises InjectedFault once: at `point(stage)`, or with stage 'mid-forward' in the middle
     layer of the next forward (after some layers wrote their rows)."""
 
-    def __init__(self, lm, stage: str):
+    def __init__(self, lm, stage: str, cache=None):
         if stage not in FAULT_STAGES:
             raise ValueError(f"unknown fault stage {stage!r}; choose from {', '.join(FAULT_STAGES)}")
-        self.lm, self.stage = lm, stage
+        self.lm, self.stage, self.cache = lm, stage, cache  # cache: the faulty sequence's, in a batched forward
 
     def point(self, stage: str) -> None:
         if self.stage == stage:
@@ -49,13 +51,15 @@ class Fault(NoFaults):
         if self.stage != "mid-forward":
             return contextlib.nullcontext()
         self.stage = None
-        return self._armed(self.lm.model.model.layers[self.lm.num_layers // 2])
+        return self._armed(self.lm.model.model.layers[self.lm.num_layers // 2], id(self.cache))
 
     @staticmethod
     @contextlib.contextmanager
-    def _armed(middle):
+    def _armed(middle, cache: int):
         def explode(module, args):
-            raise InjectedFault("fault injected half-way through the forward")
+            feeding = FEEDING.get()  # a batched forward: only one that feeds this sequence fails
+            if feeding is None or cache in feeding:
+                raise InjectedFault("fault injected half-way through the forward")
 
         handle = middle.register_forward_pre_hook(explode)
         try:

@@ -25,6 +25,7 @@ scored layers' query and computes softmax(q·Kᵀ / √d) for the last fed token
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,12 @@ from ..kv.cache import SpliceCache
 from ..models import attention
 from ..models.compat import with_cache
 
+# the batch this thread's sequence ticks in (positronic.batch.Rendezvous; None: alone): its
+# forwards, prefill chunks included, meet the other sequences' and run as one
+MEETING: contextvars.ContextVar = contextvars.ContextVar("positronic_meeting", default=None)
+# the caches a batched forward is writing (ids; None outside one): a fault armed by one
+# sequence fires only in a forward that feeds that sequence
+FEEDING: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("positronic_feeding", default=None)
 PREFILL_CHUNK = 512  # query rows per forward when (re)building; bounds the mask and the logits
 HIDDEN = torch.iinfo(torch.long).max  # the key position of a free ring slot: no query sees it
 
@@ -123,13 +130,9 @@ class AttentionRow:
 
     @contextlib.contextmanager
     def record(self, cache=None):
-        self.captured, self.scaling = {}, None
-        if not self.layers:
+        with recording([self]):
             yield self
-            return
-        with attention.tap(self._see, self.layers):
-            yield self
-        if cache is not None:
+        if cache is not None and self.layers:
             self.finish(cache)
 
     def _see(self, module, query, key, value, scaling) -> None:
@@ -170,19 +173,63 @@ class AttentionRow:
         return self.queries, self.log_norms
 
 
-@torch.no_grad()
-def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-            attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
-    """Feed `token_ids` at RoPE `positions` through the model over `cache`.
+@contextlib.contextmanager
+def recording(recorders: list[AttentionRow]):
+    """While active, each recorder keeps its token's query (several in one forward: a batched
+    one records each sequence's newest token)."""
+    for recorder in recorders:
+        recorder.captured, recorder.scaling = {}, None
+    active = [recorder for recorder in recorders if recorder.layers]
+    if not active:
+        yield
+        return
 
-    key_positions: the position of every cache row once this forward has written its rows
-    (the live rows after an append, or the whole spliced layout). The new rows are appended,
-    or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
-    record the newest token's attention row on these layers; it must be the newest row.
-    `probes` are fed after `token_ids`; their scratch rows come after the live rows (the
-    caller opens them with `fill` and drops them afterwards), their positions after
-    `key_positions`.
-    """
+    def see(module, query, key, value, scaling) -> None:
+        for recorder in active:
+            if module.layer_idx in recorder.layers:
+                recorder._see(module, query, key, value, scaling)
+
+    with attention.tap(see, {layer for recorder in active for layer in recorder.layers}):
+        yield
+
+
+@dataclass
+class Prepared:
+    """One sequence's part of a forward, ready to run: what the model is fed (`token_ids` then
+    the probes', at `query` positions [n + probes]), the mask over its cache rows (None: every
+    query sees every row), and the recorder of its newest token's attention row."""
+
+    cache: SpliceCache
+    token_ids: list[int]
+    fed: int  # the real tokens (the probes come after them)
+    query: torch.Tensor
+    mask: torch.Tensor | None
+    recorder: AttentionRow
+    probes: Probes
+    filling: bool = False  # the cache writes into rows its splice opened (not appended)
+
+    def place(self, first: int) -> None:
+        """Its tokens start at `first` among the tokens of the forward (a batched one)."""
+        self.recorder.query = first + self.fed - 1
+
+    def result(self, logits: torch.Tensor) -> ForwardResult:
+        """logits [fed + probes, vocab] of this sequence -> its ForwardResult (the recorder finished)."""
+        probe_logprobs = None
+        if self.probes:
+            targets = torch.tensor(self.probes.targets, dtype=torch.long, device=logits.device)
+            scored = logits[self.fed:].float().log_softmax(dim=-1)
+            probe_logprobs = scored.gather(1, targets[:, None])[:, 0].cpu()
+        recorded = bool(self.recorder.layers)
+        query, log_norm = self.recorder.scaled_query() if recorded else (None, None)
+        return ForwardResult(predicted=logits[: self.fed].argmax(dim=-1).cpu(), logits=logits[self.fed - 1].float(),
+                             attention=self.recorder.result() if recorded else None, probe_logprobs=probe_logprobs,
+                             query=query, log_norm=log_norm)
+
+
+def prepare(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
+            attention_layers: list[int] | None = None, probes: Probes | None = None) -> Prepared:
+    """Check a forward's arguments (see `forward`) and build its positions and mask (a
+    batched forward then places its tokens among the others': `Prepared.place`)."""
     if len(token_ids) != len(positions) or not token_ids:
         raise ValueError("forward needs one position per token, and at least one token")
     probes = probes or Probes((), (), ())
@@ -210,23 +257,46 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     else:
         mask = (None if len(token_ids) == 1 and newest and not probes
                 else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
-    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1, keys=len(key_positions),
-                            slots=slots)
-    with recorder.record(cache):
-        out = lm.model(input_ids=torch.tensor([list(token_ids) + list(probes.token_ids)], dtype=torch.long, device=device),
-                       position_ids=query[None], attention_mask=mask, **with_cache(cache), use_cache=True,
+    recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1,
+                            keys=len(key_positions), slots=slots)
+    return Prepared(cache, list(token_ids) + list(probes.token_ids), len(token_ids), query, mask, recorder, probes,
+                    filling=bool(getattr(cache, "filling", False)))
+
+
+@torch.no_grad()
+def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
+            attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
+    """Feed `token_ids` at RoPE `positions` through the model over `cache`.
+
+    key_positions: the position of every cache row once this forward has written its rows
+    (the live rows after an append, or the whole spliced layout). The new rows are appended,
+    or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
+    record the newest token's attention row on these layers; it must be the newest row.
+    `probes` are fed after `token_ids`; their scratch rows come after the live rows (the
+    caller opens them with `fill` and drops them afterwards), their positions after
+    `key_positions`.
+
+    In a thread that ticks one sequence of a batch (`MEETING` set: positronic.batch), the
+    forward is shared with the other sequences' (the same result, one model run for all).
+    """
+    meeting = MEETING.get()
+    if meeting is not None:  # this thread's sequence ticks in a batch: one forward for all of it
+        return meeting.forward(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
+                               probes=probes)
+    return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
+                         probes=probes)
+
+
+@torch.no_grad()
+def forward_alone(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
+                  attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
+    """`forward` in a model forward of its own, whatever batch this thread is in."""
+    part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers, probes=probes)
+    with part.recorder.record(cache):
+        out = lm.model(input_ids=torch.tensor([part.token_ids], dtype=torch.long, device=lm.device),
+                       position_ids=part.query[None], attention_mask=part.mask, **with_cache(cache), use_cache=True,
                        logits_to_keep=0)
-    logits = out.logits[0]
-    probe_logprobs = None
-    if probes:
-        targets = torch.tensor(probes.targets, dtype=torch.long, device=device)
-        scored = logits[len(token_ids):].float().log_softmax(dim=-1)
-        probe_logprobs = scored.gather(1, targets[:, None])[:, 0].cpu()
-    query, log_norm = recorder.scaled_query() if attention_layers else (None, None)
-    return ForwardResult(predicted=logits[: len(token_ids)].argmax(dim=-1).cpu(),
-                         logits=logits[len(token_ids) - 1].float(),
-                         attention=recorder.result() if attention_layers else None, probe_logprobs=probe_logprobs,
-                         query=query, log_norm=log_norm)
+    return part.result(out.logits[0])
 
 
 def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,
@@ -236,8 +306,10 @@ def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     if cache.length:
         raise ValueError("prefill starts from an empty cache")
     predicted, result = [], None
-    for start in range(0, len(token_ids), PREFILL_CHUNK):
-        stop = min(start + PREFILL_CHUNK, len(token_ids))
+    meeting = MEETING.get()
+    chunk = PREFILL_CHUNK if meeting is None else meeting.prefill_chunk  # in a batch: hold the others up less
+    for start in range(0, len(token_ids), chunk):
+        stop = min(start + chunk, len(token_ids))
         last = stop == len(token_ids)
         result = forward(lm, cache, token_ids[start:stop], positions[start:stop], positions[:stop],
                          attention_layers=attention_layers if last else None)

@@ -490,4 +490,4 @@ class StateManager(StateReads):
         """Tests: make the next edit raise InjectedFault at `stage` (faults.FAULT_STAGES): after
         the splice, after the re-rotation, after the forward, half-way through the forward (in
         the middle layer, after some layers wrote their rows), or just before the mirror commits."""
-        self._faults = Fault(self.lm, stage)
+        self._faults = Fault(self.lm, stage, self._cache)

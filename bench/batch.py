@@ -1,0 +1,113 @@
+"""Batched ticks against one brain at a time: what B sequences cost per token.
+
+    python bench/batch.py [--model smollm2] [--budget 256] [--sizes 1 2 4 8] [--ticks 24]
+                          [--repeats 3] [--policies streaming smartkv+recall] [--device cpu]
+
+For each policy and batch size B, B brains (different prompts, all past their budget, so
+every tick edits) tick `--ticks` times two ways, in turn, `--repeats` rounds:
+  alone     one after another, each tick a forward of its own (what the server did before
+            batching: one model thread, one brain step at a time);
+  batched   `positronic.batch.Batch`: every brain's tick as alone, one forward for all.
+It prints ms per token (a tick of B brains makes B tokens), tokens/s, batched / alone, and
+the batch's speed-up over B = 1, medians over the rounds; the header notes the load and
+torch's threads. The brains' tokens are compared too: batched must equal alone (a mismatch
+is printed and the exit status is 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from positronic.batch import Batch  # noqa: E402
+from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
+from positronic.models import load_model  # noqa: E402
+
+TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+
+
+def configs(policy: str, budget: int) -> dict:
+    name, _, extra = policy.partition("+")
+    return dict(policy=name, recall=extra == "recall", budget=budget, temperature=0)
+
+
+def brains(lm, size: int, config: dict, budget: int) -> list[Brain]:
+    ids = lm.encode(TEXT)
+    return [Brain.start(lm, [lm.bos_id] + ids[97 * k : 97 * k + budget + 32], BrainConfig(**config, seed=k))
+            for k in range(size)]
+
+
+def alone(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
+    tokens = [[] for _ in group]
+    start = time.perf_counter()
+    for _ in range(ticks):
+        for k, brain in enumerate(group):
+            tokens[k].append(brain.step().token_id)
+    return time.perf_counter() - start, tokens
+
+
+def batched(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
+    batch = Batch()
+    for k, brain in enumerate(group):
+        batch.join(k, brain)
+    tokens = [[] for _ in group]
+    start = time.perf_counter()
+    for _ in range(ticks):
+        for k, record in batch.step().items():
+            if isinstance(record, Exception):
+                raise record
+            tokens[k].append(record.token_id)
+    return time.perf_counter() - start, tokens
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--ticks", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policies", nargs="+", default=["streaming", "smartkv+recall"])
+    args = parser.parse_args(argv)
+    lm = load_model(args.model, device=args.device)
+    print(f"model {args.model}  {lm.device}  budget {args.budget}  ticks {args.ticks} x {args.repeats} rounds  "
+          f"torch {torch.__version__} threads {torch.get_num_threads()}  load {os.getloadavg()[0]:.2f}  "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'policy':<16} {'B':>3} {'alone ms/tok':>13} {'batched ms/tok':>15} {'batched tok/s':>14} "
+          f"{'batched/alone':>14} {'tok/s vs B=1':>13}")
+    mismatches = 0
+    for policy in args.policies:
+        config = configs(policy, args.budget)
+        first = None
+        for size in args.sizes:
+            times = {"alone": [], "batched": []}
+            for _ in range(args.repeats):
+                for mode, run in (("alone", alone), ("batched", batched)):
+                    group = brains(lm, size, config, args.budget)
+                    for brain in group:  # one untimed tick each: first-tick work out of the way
+                        brain.step()
+                    seconds, tokens = run(group, args.ticks)
+                    times[mode].append(seconds / (args.ticks * size))
+                    if mode == "alone":
+                        want = tokens
+                    elif tokens != want:
+                        mismatches += 1
+                        print(f"MISMATCH {policy} B={size}: batched tokens differ from alone")
+            a, b = statistics.median(times["alone"]), statistics.median(times["batched"])
+            first = first or 1 / b
+            print(f"{policy:<16} {size:>3} {1000 * a:>13.1f} {1000 * b:>15.1f} {1 / b:>14.2f} {b / a:>13.2f}x "
+                  f"{(1 / b) / first:>12.2f}x")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

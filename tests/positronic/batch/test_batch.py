@@ -1,0 +1,180 @@
+"""Batched ticks: each sequence of a batch gets exactly what it gets alone."""
+
+import random
+
+import pytest
+import torch
+
+from positronic import mirror as mirror_pkg
+from positronic.batch import Batch, forward_many
+from positronic.brain import session
+from positronic.brain.loop import Brain, BrainConfig
+from positronic.kv.cache import SpliceCache
+from positronic.state.forward import forward, prefill, prepare
+
+PROMPTS = [[1] + list(range(40, 70)), [1] + list(range(200, 236)), [1] + list(range(90, 115)), [1, 5, 6, 7] * 8]
+
+
+def started(lm, prompt, **config) -> Brain:
+    return Brain.start(lm, prompt, BrainConfig(**config))
+
+
+def alone(lm, prompt, ticks: int, **config) -> list[int]:
+    brain = started(lm, prompt, **config)
+    return [brain.step().token_id for _ in range(ticks)]
+
+
+def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny):
+    """Three sequences of different lengths, one feeding three rows under a mask, the others
+    one: logits, predictions, attention row and query as alone, and the same rows written."""
+    prompts = [list(range(3, 20)), list(range(50, 58)), list(range(100, 130))]
+    feeds = [[21], [60, 61, 62], [131]]
+    shared, solo = [], []
+    for prompt in prompts:
+        for caches in (shared, solo):
+            cache = SpliceCache(tiny.model.config, max_cache_len=64)
+            prefill(tiny, cache, prompt, list(range(len(prompt))))
+            caches.append(cache)
+    parts, expected = [], []
+    for prompt, feed, cache, twin in zip(prompts, feeds, shared, solo):
+        positions = list(range(len(prompt), len(prompt) + len(feed)))
+        keys = list(range(len(prompt))) + positions
+        parts.append(prepare(tiny, cache, feed, positions, keys, attention_layers=[0, 1]))
+        expected.append(forward(tiny, twin, feed, positions, keys, attention_layers=[0, 1]))
+    got = forward_many(tiny, parts)
+    for a, b, cache, twin in zip(got, expected, shared, solo):
+        assert torch.equal(a.predicted, b.predicted)
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.attention, b.attention, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.query, b.query, rtol=1e-5, atol=1e-6)
+        for layer, other in zip(cache.layers, twin.layers):
+            assert layer.length == other.length
+            torch.testing.assert_close(layer.keys, other.keys, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["brightness", "streaming", "scored", "h2o", "none", "random"])
+def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy):
+    """Greedy and seeded sampling, different prompts and budgets, through the budget (edits
+    every tick): each sequence's tokens are the ones it makes alone, and its state checks."""
+    configs = [dict(policy=policy, budget=44, seed=1, temperature=0),
+               dict(policy=policy, budget=48, seed=2, temperature=1.0),
+               dict(policy=policy, budget=40, seed=3, temperature=0.8, top_k=20)]
+    if policy == "none":
+        for config in configs:
+            config["at_capacity"] = "shift"
+    ticks = 30
+    want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        batch.join(name, started(tiny, prompt, **config))
+    got = {name: [] for name in range(len(configs))}
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not isinstance(record, Exception), record
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    assert [got[name] for name in range(len(configs))] == want
+    assert batch.meeting.forwards == ticks and batch.meeting.fed == ticks * len(configs)
+    for brain in batch.brains.values():
+        brain.state.check(deep=True)
+
+
+def test_sequences_join_and_leave_at_random_ticks_and_each_gets_its_own_tokens(tiny):
+    configs = [dict(budget=40 + 4 * k, seed=k, temperature=0.7, repairer="self" if k % 2 else "none")
+               for k in range(len(PROMPTS))]
+    ticks = [25, 18, 30, 12]
+    want = [alone(tiny, prompt, n, **config) for prompt, n, config in zip(PROMPTS, ticks, configs)]
+    joins = {0: [0, 1], 4: [2], 9: [3]}
+    shuffle = random.Random(7)
+    batch, got, clock = Batch(), {k: [] for k in range(len(PROMPTS))}, 0
+    while clock < 60 and (len(batch) or any(at >= clock for at in joins)):
+        for name in joins.get(clock, []):
+            batch.join(name, started(tiny, PROMPTS[name], **configs[name]))
+        order = list(batch.brains)
+        shuffle.shuffle(order)  # who asks first does not matter
+        records = batch.step()
+        for name in order:
+            got[name].append(records[name].token_id)
+            if len(got[name]) == ticks[name]:
+                batch.leave(name).state.check(deep=True)
+        clock += 1
+    assert [got[k] for k in range(len(PROMPTS))] == want
+
+
+def test_a_fault_in_one_sequence_rebuilds_that_one_and_the_others_do_not_notice(tiny):
+    """A fault half-way through the shared forward: that sequence's tick fails and rebuilds
+    from its mirror (as alone), the forward is run again for the others, whose tokens and
+    mirrors are those of an undisturbed run."""
+    configs = [dict(budget=44, seed=k, temperature=0.9, repairer="self") for k in range(3)]
+    ticks, fault_at = 24, 12
+    undisturbed = [started(tiny, prompt, **config) for prompt, config in zip(PROMPTS, configs)]
+    want = [[brain.step().token_id for _ in range(ticks)] for brain in undisturbed]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        batch.join(name, started(tiny, prompt, **config))
+    got = {name: [] for name in range(3)}
+    for tick in range(ticks):
+        if tick == fault_at:
+            batch.brains[1].state.inject_fault("mid-forward")
+        records = batch.step()
+        for name, record in records.items():
+            if name == 1 and tick == fault_at:
+                assert record.rebuilt and "InjectedFault" in record.error
+            else:
+                assert not record.rebuilt, record.error
+                got[name].append(record.token_id)
+    assert batch.meeting.retries == 1
+    for name in (0, 2):
+        assert got[name] == want[name]
+        assert mirror_pkg.to_bytes(batch.brains[name].state.mirror) == mirror_pkg.to_bytes(undisturbed[name].state.mirror)
+    assert got[1][:fault_at] == want[1][:fault_at]
+    batch.brains[1].state.check(deep=True)
+
+
+def test_one_sequence_saved_and_resumed_mid_run_goes_on_as_if_never_stopped(tiny, tmp_path):
+    configs = [dict(budget=44, seed=k, temperature=0.9) for k in range(3)]
+    want = [alone(tiny, prompt, 30, **config) for prompt, config in zip(PROMPTS, configs)]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        batch.join(name, started(tiny, prompt, **config))
+    got = {name: [] for name in range(3)}
+    for tick in range(30):
+        if tick == 14:  # save one while the others run, take it out, resume it from disk
+            session.save(tmp_path / "one", batch.brains[1], "random:tiny")
+            batch.leave(1)
+            batch.join(1, session.resume(tiny, tmp_path / "one"))
+        for name, record in batch.step().items():
+            got[name].append(record.token_id)
+    assert [got[name] for name in range(3)] == want
+
+
+def test_a_batch_refuses_a_brain_of_another_model_and_a_taken_name(tiny, tiny_half):
+    batch = Batch()
+    batch.join("a", started(tiny, PROMPTS[0], budget=44))
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.join("a", started(tiny, PROMPTS[1], budget=44))
+    with pytest.raises(ValueError, match="another model"):
+        batch.join("b", started(tiny_half, PROMPTS[1], budget=44))
+    assert list(batch.brains) == ["a"]
+    with pytest.raises(KeyError, match="no sequence named z"):
+        batch.step(force={"z": 5})
+
+
+def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol):
+    """The default policy on the embedded model (per-head lanes, recall, gates): two sequences
+    over their budgets, batched, make the tokens each makes alone."""
+    text = ("The lighthouse keeper wrote in his log every evening; the code of the door was 4417. " * 6).strip()
+    prompts = [smol.encode(text)[:120], smol.encode("Once upon a time, " * 20)[:100]]
+    configs = [dict(policy="smartkv", recall=True, budget=96, seed=0, temperature=0),
+               dict(policy="smartkv", recall=True, budget=80, seed=1, temperature=0.8)]
+    ticks = 24
+    want = [alone(smol, prompt, ticks, **config) for prompt, config in zip(prompts, configs)]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(prompts, configs)):
+        batch.join(name, started(smol, prompt, **config))
+    got = {0: [], 1: []}
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    assert [got[0], got[1]] == want
