@@ -12,6 +12,14 @@ It prints ms per token (a tick of B brains makes B tokens), tokens/s, batched / 
 the batch's speed-up over B = 1, medians over the rounds; the header notes the load and
 torch's threads. The brains' tokens are compared too: batched must equal alone (a mismatch
 is printed and the exit status is 1).
+
+    python bench/batch.py --stall 2000 [--chunks 512 64]
+
+How long a new sequence's long prompt holds up one that is generating: before batching the
+server's one model thread ran the whole prefill between two of the other's ticks (the gap is
+the prefill, measured here as `Brain.start` alone); in a batch the prefill goes through the
+rendezvous chunk by chunk, each chunk in a forward with the other's token. Prints the
+generating sequence's longest gap between two tokens while the prompt goes in, per chunk size.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
+from positronic.batch import Rendezvous  # noqa: E402
 from positronic.models import load_model  # noqa: E402
+from positronic.state.forward import MEETING  # noqa: E402
 
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
@@ -68,6 +79,55 @@ def batched(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, tokens
 
 
+def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
+    config = configs("streaming", budget)
+    ids = lm.encode(TEXT)
+    prompt = [lm.bos_id] + (ids * (tokens // len(ids) + 1))[: tokens - 1]
+    start = time.perf_counter()
+    Brain.start(lm, prompt, BrainConfig(**config))
+    alone_s = time.perf_counter() - start
+    tick = brains(lm, 1, config, budget)[0]
+    start = time.perf_counter()
+    for _ in range(8):
+        tick.step()
+    tick_s = (time.perf_counter() - start) / 8
+    print(f"a {tokens}-token prompt (policy streaming, budget {budget}): Brain.start alone {alone_s:.2f} s; "
+          f"a tick alone {1000 * tick_s:.0f} ms")
+    print(f"before batching: the other sequence waits {alone_s + tick_s:.2f} s for its next token")
+    for chunk in chunks:
+        meeting, done, gaps = Rendezvous(prefill_chunk=chunk), threading.Event(), []
+
+        def generate() -> None:
+            MEETING.set(meeting)
+            last = time.perf_counter()
+            try:
+                while not done.is_set():
+                    tick.step()
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+            finally:
+                meeting.done()
+
+        def prefill() -> None:
+            MEETING.set(meeting)
+            try:
+                Brain.start(lm, prompt, BrainConfig(**config))
+            finally:
+                done.set()
+                meeting.done()
+
+        meeting.expect(2)
+        threads = [threading.Thread(target=generate), threading.Thread(target=prefill)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(f"batched, chunks of {chunk:>4}: prompt in after {time.perf_counter() - start:.2f} s; the other made "
+              f"{len(gaps)} tokens meanwhile, longest gap {max(gaps):.2f} s, median {statistics.median(gaps):.2f} s")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -77,8 +137,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ticks", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", nargs="+", default=["streaming", "smartkv+recall"])
+    parser.add_argument("--stall", type=int, default=0, metavar="TOKENS",
+                        help="measure how long a prompt of TOKENS holds up a generating sequence instead")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[512, 64], help="prefill chunk sizes (--stall)")
     args = parser.parse_args(argv)
     lm = load_model(args.model, device=args.device)
+    if args.stall:
+        stall(lm, args.stall, args.budget, args.chunks)
+        return 0
     print(f"model {args.model}  {lm.device}  budget {args.budget}  ticks {args.ticks} x {args.repeats} rounds  "
           f"torch {torch.__version__} threads {torch.get_num_threads()}  load {os.getloadavg()[0]:.2f}  "
           f"{time.strftime('%Y-%m-%d %H:%M')}")

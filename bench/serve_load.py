@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'generated tokens':<34}{generated:>10}")
     print(f"{'generated tokens/s':<34}{generated / wall:>10.1f}")
     print(f"{'prompt + generated tokens/s':<34}{(prompt + generated) / wall:>10.1f}")
+    forwards, fed = metric(metrics, "positronic_batch_sequences_count"), metric(metrics, "positronic_batch_sequences_sum")
+    if forwards:  # a server that batches: how many sequences a model forward fed, on average
+        print(f"{'sequences per model forward':<34}{fed / forwards:>10.2f}   ({forwards:.0f} forwards)")
     print()
     print(f"{'latency (ms)':<34}{'n':>5}  {'p50':>8}  {'p90':>8}  {'p99':>8}")
     ok = [r for r in results if r.ok]

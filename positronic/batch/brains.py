@@ -66,6 +66,11 @@ class Batch:
             finally:
                 self.meeting.done()
 
+        if len(names) == 1:  # nothing to share a forward with: the tick as alone, in this thread
+            try:
+                return {names[0]: self.brains[names[0]].step(force.get(names[0]))}
+            except Exception as error:
+                return {names[0]: error}
         self.meeting.expect(len(names))
         threads = [threading.Thread(target=tick, args=(name,), name=f"tick {name}") for name in names]
         for thread in threads:

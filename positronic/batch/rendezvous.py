@@ -12,8 +12,8 @@ first; rows written into a splice's gaps are simply written again), so only the 
 fault sees the error, and rebuilds itself as it would alone. A forward that cannot be shared
 (probes, the ring store) runs alone, at once.
 
-`linger` (seconds): how long a round waits for the sequences of the previous round that have
-not come back yet (a server's requests come back for their next token through its event loop;
+`linger` (seconds): how long a round waits, once nobody is at work, for the sequences of the
+previous round that have not come back yet (a server's requests come back for their next token through its event loop;
 without it each round would go with whoever happened to be first). A round never waits for
 anyone while a sequence is still at work: it cannot run before they are all waiting anyway.
 
@@ -50,12 +50,12 @@ class Rendezvous:
     """Counts the sequences at work (not waiting here, not done) and runs the waiting forwards
     together when none is (see the module docstring)."""
 
-    def __init__(self, *, linger: float = 0.0, prefill_chunk: int = 64):
-        self.linger, self.prefill_chunk = linger, prefill_chunk
+    def __init__(self, *, linger: float = 0.0, prefill_chunk: int = 64, on_forward=lambda sequences: None):
+        self.linger, self.prefill_chunk, self.on_forward = linger, prefill_chunk, on_forward
         self._turn = threading.Condition()
         self._working = 0
         self._waiting: list[_Ticket] = []
-        self._since = 0.0  # when the first forward of this round came
+        self._idle_since: float | None = None  # when everyone at work came to wait, some of the last round missing
         self._last: set[int] = set()  # the caches the last round fed
         self.forwards = 0  # shared forwards run
         self.fed = 0  # sequences they fed
@@ -80,8 +80,6 @@ class Rendezvous:
                                  probes=probes)
         ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers))
         with self._turn:
-            if not self._waiting:
-                self._since = time.monotonic()
             self._waiting.append(ticket)
             self._working -= 1
             self._turn.notify_all()
@@ -97,13 +95,18 @@ class Rendezvous:
         return ticket.result
 
     def _wait(self) -> float | None:
-        """(Holding the lock.) 0: run the round now; else how long to wait (None: until told)."""
+        """(Holding the lock.) 0: run the round now; else how long to wait (None: until told).
+        The linger counts from the moment nobody is at work: before that the round could not
+        run anyway, and a sequence still at work is no reason to give up on one coming back."""
         if self._working or not self._waiting:
+            self._idle_since = None
             return None
         missing = self._last - {id(ticket.part.cache) for ticket in self._waiting}
         if not missing or not self.linger:
             return 0
-        return max(0.0, self._since + self.linger - time.monotonic())
+        if self._idle_since is None:
+            self._idle_since = time.monotonic()
+        return max(0.0, self._idle_since + self.linger - time.monotonic())
 
     def _run(self) -> None:
         """(Holding the lock.) Every waiting forward as one."""
@@ -119,6 +122,8 @@ class Rendezvous:
                 results = [_alone(ticket) for ticket in tickets]
         self.forwards += 1
         self.fed += len(tickets)
+        self._idle_since = None
+        self.on_forward(len(tickets))
         self._last = {id(ticket.part.cache) for ticket in tickets}
         for ticket, result in zip(tickets, results):
             ticket.result, ticket.done = result, True

@@ -11,6 +11,8 @@ servers in one process, and the library's global registry would add their counts
     positronic_generated_tokens_total              tokens generated for replies
     positronic_prompt_tokens_total                 prompt and turn tokens read
     positronic_ticks_total, positronic_tick_seconds_total   brain steps and the time in them
+    positronic_batch_sequences                     histogram: sequences fed by each model forward
+                                                   (a batched round: positronic.batch)
     positronic_evictions_total, positronic_repairs_total, positronic_resurrections_total
     positronic_tokens_per_second                   ticks per second of stepping, last 60 s
     positronic_live_length{session}, positronic_budget{session}   each session in memory
@@ -45,6 +47,7 @@ INTER_TOKEN_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
 # The first token also waits for the queue and the prompt's prefill, seconds on a CPU.
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 60.0
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ScrapeTime(Collector):
@@ -111,6 +114,8 @@ class Metrics:
         self.evictions = counter("positronic_evictions", "Rows culled from a live context.")
         self.repairs = counter("positronic_repairs", "Pairs of rows replaced by a repair.")
         self.resurrections = counter("positronic_resurrections", "Evicted rows brought back by recall.")
+        self.batch = histogram("positronic_batch_sequences", "Sequences fed by each model forward (batched ticks).",
+                               buckets=BATCH_BUCKETS)
         self._recent: deque[tuple[float, float]] = deque()  # (time, seconds) of recent ticks
         self._recent_lock = threading.Lock()  # ticks come from the model thread, scrapes from the loop
         self._scrape = ScrapeTime(self.tokens_per_second)
@@ -127,6 +132,10 @@ class Metrics:
             self.resurrections.inc(sum(len(a["ledger_ids"]) for a in record.actions if a["action"] == "restore"))
         with self._recent_lock:
             self._recent.append((time.monotonic(), seconds))
+
+    def record_batch(self, sequences: int) -> None:
+        """One model forward of the batching worker, and how many sequences it fed."""
+        self.batch.observe(sequences)
 
     def record_reply(self, prompt_tokens: int, generated_tokens: int) -> None:
         """One request's tokens: read into the brain, and generated for its reply."""

@@ -61,7 +61,7 @@ class BrainServer:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.format = ChatFormat(lm)
-        self.worker = ModelWorker()
+        self.worker = ModelWorker(on_forward=self.metrics.record_batch)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.in_flight = 0
@@ -108,6 +108,10 @@ class BrainServer:
             log.error("%d sessions could not be checkpointed to %s and are lost: %s", len(self.lost),
                       self.settings.session_dir, "; ".join(f"{sid} ({why})" for sid, why in sorted(self.lost.items())))
         self.worker.close()
+        meeting = self.worker.meeting
+        if meeting.forwards:
+            log.info("%d model forwards fed %d sequences (%.2f a forward)", meeting.forwards, meeting.fed,
+                     meeting.fed / meeting.forwards)
         self.closed = True
 
     async def _sweep_forever(self) -> None:

@@ -103,8 +103,8 @@ class ModelWorker:
     the brain. `linger`: how long a round of forwards waits for a session of the previous
     round whose next job is not in yet (Rendezvous)."""
 
-    def __init__(self, *, linger: float = LINGER_S):
-        self.meeting = Rendezvous(linger=linger)
+    def __init__(self, *, linger: float = LINGER_S, on_forward: Callable[[int], None] = lambda sequences: None):
+        self.meeting = Rendezvous(linger=linger, on_forward=on_forward)
         self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
         self._lock = threading.Lock()
         self._jobs: set[concurrent.futures.Future] = set()
