@@ -1,12 +1,14 @@
 """Batched ticks: many sequences, one model forward per tick (see docs/batching.md).
 
-    forward.py     forward_many: one forward over several sequences' own caches (BatchCache, Ragged attention)
     rendezvous.py  Rendezvous: where the ticks of several sequences meet for that forward
     brains.py      Batch: brains that join, tick together and leave
+
+The forward itself (`forward_many`: one model run over several sequences' own caches) is the
+state package's (positronic/state/batched.py): only the state writes a cache.
 """
 
 from .brains import Batch
-from .forward import forward_many
+from ..state.batched import forward_many
 from .rendezvous import Rendezvous
 
 __all__ = ["Batch", "Rendezvous", "forward_many"]

@@ -28,7 +28,7 @@ import threading
 import time
 
 from ..state.forward import ForwardResult, Prepared, forward_alone, prepare
-from .forward import forward_many
+from ..state.batched import forward_many
 
 class _Ticket:
     """One sequence's forward, waiting for its turn; then its result (or the error it raised)."""
@@ -80,6 +80,9 @@ class Rendezvous:
                                  probes=probes)
         ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers))
         with self._turn:
+            if self._working <= 0:  # it would wait for a round nobody counts it in
+                raise RuntimeError("a forward from a thread the rendezvous was not told of (call expect() before "
+                                   "the thread starts)")
             self._waiting.append(ticket)
             self._working -= 1
             self._turn.notify_all()

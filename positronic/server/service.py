@@ -215,12 +215,12 @@ class BrainServer:
         log-probabilities exact (a plain forward), and reads the rest token by token, each
         teacher-forced through the bounded cache."""
         if echo is None or len(ids) <= config.budget:
-            await self.worker.run(conversation.start, self.lm, ids, config)
+            await self.worker.run(conversation.start, self.lm, ids, config, owner=conversation)
             pruned = len(ids) - conversation.brain.state.rows_per_layer
             echoed = [] if echo is None else await self.worker.run(of_prompt, self.lm, ids, echo)
             return Prepared(len(ids), echoed, pruned, "exact")
         head = ids[:config.budget]
-        await self.worker.run(conversation.start, self.lm, head, config)
+        await self.worker.run(conversation.start, self.lm, head, config, owner=conversation)
         conversation.queue(forced=ids[config.budget:])
         echoed = await self.worker.run(of_prompt, self.lm, head, echo)
         return Prepared(len(ids), echoed, 0, f"exact for the first {len(head)} prompt tokens, then teacher-forced "
@@ -275,7 +275,7 @@ class BrainServer:
     async def settle(self, conversation: Conversation) -> None:
         """Read what an earlier request left unread (it went away mid-turn), token by token."""
         while conversation.reading:
-            await self.worker.run(conversation.read_one)
+            await self.worker.run(conversation.read_one, owner=conversation)
 
     # -- preparing a turn: what the request adds to its conversation --
 

@@ -108,16 +108,30 @@ class ModelWorker:
         self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
         self._lock = threading.Lock()
         self._jobs: set[concurrent.futures.Future] = set()
+        self._owned: dict[int, concurrent.futures.Future] = {}  # a conversation's (id) last job
         self._closed = False
 
-    async def run(self, fn: Callable, *args):
+    async def run(self, fn: Callable, *args, owner: Conversation | None = None):
+        """Run `fn(*args)` in a thread of its own; `owner`: the conversation it touches, whose
+        jobs run one after another (a save never overlaps a step a cancelled request left running)."""
+        if owner is not None:
+            while (earlier := self._owned.get(id(owner))) is not None and not earlier.done():
+                await asyncio.sleep(0.002)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the model worker is closed")
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._jobs.add(future)
+            if owner is not None:
+                self._owned[id(owner)] = future
         self.meeting.expect()
-        threading.Thread(target=self._job, args=(future, fn, args), name="positronic-job", daemon=True).start()
+        try:
+            threading.Thread(target=self._job, args=(future, fn, args), name="positronic-job", daemon=True).start()
+        except BaseException:  # no thread: nobody will say it is done
+            self.meeting.done()
+            with self._lock:
+                self._jobs.discard(future)
+            raise
         return await asyncio.wrap_future(future)
 
     def _job(self, future: concurrent.futures.Future, fn: Callable, args) -> None:
@@ -136,6 +150,8 @@ class ModelWorker:
             with self._lock:
                 self.busy_s += time.perf_counter() - start
                 self._jobs.discard(future)
+                for key in [key for key, job in self._owned.items() if job is future]:
+                    del self._owned[key]
 
     async def barrier(self) -> None:
         """Wait until every job submitted so far has run."""
@@ -324,7 +340,7 @@ class Turn:
                     raise ClientGone()
                 if stop is not None and stop():
                     raise ServerStopping()
-                await self.worker.run(self._read_one)
+                await self.worker.run(self._read_one, owner=conversation)
             self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
                                ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
         elif self.reply.text:
@@ -335,7 +351,7 @@ class Turn:
                 raise ClientGone()
             if stop is not None and stop():
                 raise ServerStopping()
-            record, piece = await self.worker.run(self._next_token)
+            record, piece = await self.worker.run(self._next_token, owner=conversation)
             if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
                 failed += 1
                 if failed >= MAX_FAILED_TICKS:
@@ -456,7 +472,7 @@ class SessionPool:
             path = self.path(session_id)
             if (path / sessions.MIRROR_FILE).exists():
                 try:
-                    conversation.brain, note = await self.worker.run(sessions.restore, self.lm, path)
+                    conversation.brain, note = await self.worker.run(sessions.restore, self.lm, path, owner=conversation)
                     conversation.answers = Answers.from_note(note, self.lm.vocab_size)
                     conversation.history = History.from_note((note or {}).get("history"))
                 except (sessions.SessionError, ValueError) as exc:
@@ -508,7 +524,7 @@ class SessionPool:
             return True
         path = self.path(conversation.id)
         try:
-            await self.worker.run(conversation.save, path, self.lm.name)
+            await self.worker.run(conversation.save, path, self.lm.name, owner=conversation)
         except Exception as exc:  # whatever it is, the session stays in memory, and it is said
             self.save_failures += 1
             self.unsaved[conversation.id] = f"{type(exc).__name__}: {exc}"
@@ -554,7 +570,7 @@ class SessionPool:
         """describe() of a session in memory or on disk; None if there is no such session."""
         conversation = self._loaded.get(session_id)
         if conversation is not None and conversation.brain is not None:
-            return await self.worker.run(conversation.describe)  # between two of its steps
+            return await self.worker.run(conversation.describe, owner=conversation)  # between two of its steps
         path = self.path(session_id)
         if not (path / sessions.MIRROR_FILE).exists():
             return None

@@ -178,3 +178,14 @@ def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol):
             assert not record.rebuilt, record.error
             got[name].append(record.token_id)
     assert [got[0], got[1]] == want
+
+
+def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny):
+    """Counted in no round, it would wait for ever: it is refused at once, and nothing is written."""
+    from positronic.batch import Rendezvous
+
+    cache = SpliceCache(tiny.model.config, max_cache_len=32)
+    prefill(tiny, cache, [1, 2, 3], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="not told of"):
+        Rendezvous().forward(tiny, cache, [4], [3], [0, 1, 2, 3])
+    assert cache.layers[0].length == 3

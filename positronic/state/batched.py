@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..models import attention
 from ..models.compat import with_cache
-from ..state.forward import FEEDING, ForwardResult, Prepared, recording
+from .forward import FEEDING, ForwardResult, Prepared, recording
 
 
 class BatchLayer(CacheLayerMixin):
