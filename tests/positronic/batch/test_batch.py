@@ -189,3 +189,24 @@ def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny)
     with pytest.raises(RuntimeError, match="not told of"):
         Rendezvous().forward(tiny, cache, [4], [3], [0, 1, 2, 3])
     assert cache.layers[0].length == 3
+
+
+@pytest.mark.parametrize("kv_format", ["int4", "int4h"])
+def test_4_bit_formats_and_repairers_batched_give_each_sequence_its_own_tokens(tiny, kv_format):
+    """A 4-bit cache writes its rows its own way (encoded) from the shared forward; a
+    repairer's forward joins the batch (or, with probes, runs alone): tokens as alone."""
+    configs = [dict(budget=44, seed=1, temperature=0.9, kv_format=kv_format),
+               dict(budget=48, seed=2, temperature=0, kv_format=kv_format, repairer="self")]
+    ticks = 24
+    want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        batch.join(name, started(tiny, prompt, **config))
+    got = {name: [] for name in range(len(configs))}
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    assert [got[name] for name in range(len(configs))] == want
+    for brain in batch.brains.values():
+        brain.state.check(deep=True)
