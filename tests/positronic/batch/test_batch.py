@@ -24,6 +24,21 @@ def alone(lm, prompt, ticks: int, **config) -> list[int]:
     return [brain.step().token_id for _ in range(ticks)]
 
 
+def batched(lm, prompts, configs: list[dict], ticks: int) -> tuple[Batch, list[list[int]]]:
+    """A batch of one brain per prompt and config, stepped `ticks` times: every tick goes
+    through (no exception, no rebuild). Returns it and each sequence's tokens."""
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(prompts, configs)):
+        batch.join(name, started(lm, prompt, **config))
+    got = [[] for _ in configs]
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not isinstance(record, Exception), record
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    return batch, got
+
+
 def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny):
     """Three sequences of different lengths, one feeding three rows under a mask, the others
     one: logits, predictions, attention row and query as alone, and the same rows written."""
@@ -64,16 +79,8 @@ def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy):
             config["at_capacity"] = "shift"
     ticks = 30
     want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
-    batch = Batch()
-    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
-        batch.join(name, started(tiny, prompt, **config))
-    got = {name: [] for name in range(len(configs))}
-    for _ in range(ticks):
-        for name, record in batch.step().items():
-            assert not isinstance(record, Exception), record
-            assert not record.rebuilt, record.error
-            got[name].append(record.token_id)
-    assert [got[name] for name in range(len(configs))] == want
+    batch, got = batched(tiny, PROMPTS, configs, ticks)
+    assert got == want
     assert batch.meeting.forwards == ticks and batch.meeting.fed == ticks * len(configs)
     for brain in batch.brains.values():
         brain.state.check(deep=True)
@@ -169,15 +176,7 @@ def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol):
                dict(policy="smartkv", recall=True, budget=80, seed=1, temperature=0.8)]
     ticks = 24
     want = [alone(smol, prompt, ticks, **config) for prompt, config in zip(prompts, configs)]
-    batch = Batch()
-    for name, (prompt, config) in enumerate(zip(prompts, configs)):
-        batch.join(name, started(smol, prompt, **config))
-    got = {0: [], 1: []}
-    for _ in range(ticks):
-        for name, record in batch.step().items():
-            assert not record.rebuilt, record.error
-            got[name].append(record.token_id)
-    assert [got[0], got[1]] == want
+    assert batched(smol, prompts, configs, ticks)[1] == want
 
 
 def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny):
@@ -199,14 +198,7 @@ def test_4_bit_formats_and_repairers_batched_give_each_sequence_its_own_tokens(t
                dict(budget=48, seed=2, temperature=0, kv_format=kv_format, repairer="self")]
     ticks = 24
     want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
-    batch = Batch()
-    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
-        batch.join(name, started(tiny, prompt, **config))
-    got = {name: [] for name in range(len(configs))}
-    for _ in range(ticks):
-        for name, record in batch.step().items():
-            assert not record.rebuilt, record.error
-            got[name].append(record.token_id)
-    assert [got[name] for name in range(len(configs))] == want
+    batch, got = batched(tiny, PROMPTS, configs, ticks)
+    assert got == want
     for brain in batch.brains.values():
         brain.state.check(deep=True)
