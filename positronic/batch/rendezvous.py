@@ -36,14 +36,6 @@ class _Ticket:
     def __init__(self, lm, part: Prepared):
         self.lm, self.part, self.done = lm, part, False
         self.result: ForwardResult | BaseException | None = None
-        # rows an append writes: taken back before the forward is run again alone
-        self.lengths = None if part.filling else [layer.length for layer in part.cache.layers]
-
-    def rollback(self) -> None:
-        if self.lengths is not None:
-            for layer, length in zip(self.part.cache.layers, self.lengths):
-                if layer.length > length:
-                    layer.crop(length - layer.length)
 
 
 class Rendezvous:
@@ -134,7 +126,7 @@ class Rendezvous:
 
 
 def _alone(ticket: _Ticket) -> ForwardResult | BaseException:
-    ticket.rollback()
+    ticket.part.undo_appends()
     try:
         return forward_many(ticket.lm, [ticket.part])[0]
     except BaseException as error:

@@ -208,6 +208,18 @@ class Prepared:
     probes: Probes
     filling: bool = False  # the cache writes into rows its splice opened (not appended)
 
+    def __post_init__(self):
+        # rows an append writes: taken back before the forward runs again (`undo_appends`)
+        self.lengths = None if self.filling else [layer.length for layer in self.cache.layers]
+
+    def undo_appends(self) -> None:
+        """Take back the rows a failed forward appended (rows it wrote into gaps need nothing:
+        running it again writes them again)."""
+        if self.lengths is not None:
+            for layer, length in zip(self.cache.layers, self.lengths):
+                if layer.length > length:
+                    layer.crop(length - layer.length)
+
     def place(self, first: int) -> None:
         """Its tokens start at `first` among the tokens of the forward (a batched one)."""
         self.recorder.query = first + self.fed - 1

@@ -202,3 +202,14 @@ def test_4_bit_formats_and_repairers_batched_give_each_sequence_its_own_tokens(t
     assert got == want
     for brain in batch.brains.values():
         brain.state.check(deep=True)
+
+
+def test_a_shared_forward_run_again_first_takes_back_the_rows_it_appended(tiny):
+    """What a retry relies on: appended rows are taken back (a filled gap is just written again)."""
+    cache = SpliceCache(tiny.model.config, max_cache_len=32)
+    prefill(tiny, cache, [1, 2, 3], [0, 1, 2])
+    part = prepare(tiny, cache, [4, 5], [3, 4], [0, 1, 2, 3, 4])
+    forward_many(tiny, [part])
+    assert [layer.length for layer in cache.layers] == [5, 5]
+    part.undo_appends()
+    assert [layer.length for layer in cache.layers] == [3, 3]
