@@ -28,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,14 +41,29 @@ from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.batch import Rendezvous  # noqa: E402
 from positronic.models import load_model  # noqa: E402
+from positronic.smartkv import GateSet  # noqa: E402
+from positronic.smartkv.gates import SHIPPED  # noqa: E402
 from positronic.state.forward import MEETING  # noqa: E402
 
-TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+# B prompts at a stride of 97 tokens: with Alice after the README there is room for B = 32
+TEXT = "\n\n".join((ROOT / name).read_text(encoding="utf-8") for name in ("README.md", "texts/alice_ch1-2.txt"))
 
 
-def configs(policy: str, budget: int) -> dict:
+def configs(policy: str, budget: int, gates: str = "") -> dict:
     name, _, extra = policy.partition("+")
-    return dict(policy=name, recall=extra == "recall", budget=budget, temperature=0)
+    return dict(policy=name, recall=extra == "recall", budget=budget, temperature=0,
+                **({"gates": gates} if name == "smartkv" else {}))
+
+
+def gates_for(lm, folder: str) -> str:
+    """The shipped gates' file ("" picks them), else untrained ones saved in `folder`: they
+    cost what trained ones do, and no gates are shipped for random models."""
+    if lm.name in SHIPPED:
+        return ""
+    path = str(Path(folder) / "gates.safetensors")
+    GateSet.for_config(lm.model.config, seed=0).save(path)
+    return path
 
 
 def brains(lm, size: int, config: dict, budget: int) -> list[Brain]:
@@ -132,6 +148,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--ticks", type=int, default=24)
@@ -141,18 +158,20 @@ def main(argv=None) -> int:
                         help="measure how long a prompt of TOKENS holds up a generating sequence instead")
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 64], help="prefill chunk sizes (--stall)")
     args = parser.parse_args(argv)
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.stall:
         stall(lm, args.stall, args.budget, args.chunks)
         return 0
-    print(f"model {args.model}  {lm.device}  budget {args.budget}  ticks {args.ticks} x {args.repeats} rounds  "
+    print(f"model {args.model}  {lm.device}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  ticks {args.ticks} x {args.repeats} rounds  "
           f"torch {torch.__version__} threads {torch.get_num_threads()}  load {os.getloadavg()[0]:.2f}  "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'policy':<16} {'B':>3} {'alone ms/tok':>13} {'batched ms/tok':>15} {'batched tok/s':>14} "
           f"{'batched/alone':>14} {'tok/s vs B=1':>13}")
     mismatches = 0
+    folder = tempfile.TemporaryDirectory()
+    gates = gates_for(lm, folder.name)
     for policy in args.policies:
-        config = configs(policy, args.budget)
+        config = configs(policy, args.budget, gates)
         first = None
         for size in args.sizes:
             times = {"alone": [], "batched": []}

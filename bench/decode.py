@@ -313,8 +313,9 @@ def main() -> None:
             gates_file = str(Path(tmp) / "gates.safetensors")
             gates.save(gates_file)
         for context in args.contexts:
-            if context > lm.max_positions:
-                print(f"{context:>7} skipped: beyond the model's {lm.max_positions} positions")
+            if context + args.ticks > lm.max_positions:  # (b) grows the context by --ticks rows
+                print(f"{context:>7} skipped: {context} + {args.ticks} ticks is beyond the model's "
+                      f"{lm.max_positions} positions")
                 continue
             ids = context_ids(lm, context)
             room = lm.max_positions - context - args.ticks - 1  # recall's evicted rows held positions too
