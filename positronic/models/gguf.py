@@ -51,6 +51,10 @@ def gguf_cache(gguf: Path, name: str | None = None, *, stamp: dict | None = None
     with quiet_transformers(progress=True):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # transformers < 5.18 gives a llama-family GGUF's tokenizer the bos token as its eos
+    # (GGUFLlamaConverter: tokens[bos_token_id]); the config read from the file has the right id
+    if isinstance(config.eos_token_id, int) and tokenizer.eos_token_id != config.eos_token_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
 
     def write(tmp: Path) -> None:
         import safetensors.torch

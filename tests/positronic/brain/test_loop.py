@@ -38,6 +38,7 @@ def test_300_ticks_at_budget_128_stay_consistent_and_bounded(smol):
     assert len(ledger) == len(brain.state) + ledger.count("replaced") + ledger.count("culled")
 
 
+@pytest.mark.smollm2
 def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys, run_cli):
     events = tmp_path / "events.jsonl"
     assert run_cli("--ticks", "40", "--budget", "48", "--repairer", "self", "--no-tui", "--events", str(events), "--prompt", PROMPT) == 0
@@ -56,6 +57,7 @@ def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys, run_cli)
     assert "lighthouse keeper" in out and "--- summary ---" in out and "repairs" in out
 
 
+@pytest.mark.smollm2
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, capsys, run_cli):
     common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--save-every", "50"]
     assert run_cli("--ticks", "100", "--session", str(tmp_path / "straight"), "--prompt", PROMPT, *common) == 0
@@ -303,6 +305,7 @@ def test_ctrl_c_while_starting_exits_130_with_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
+@pytest.mark.smollm2
 def test_a_run_with_no_flags_shows_maintenance_at_work(capsys, run_cli):
     """`make run` / `python run.py` with nothing else: the defaults reach the budget and edit."""
     assert run_cli("--no-tui") == 0

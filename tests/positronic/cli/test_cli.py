@@ -188,6 +188,7 @@ def test_a_second_run_on_a_session_in_use_is_refused(tmp_path, capsys, run_cli):
     assert "is in use by another run (pid" in capsys.readouterr().err
 
 
+@pytest.mark.smollm2
 def test_the_default_policy_is_smartkv_with_recall_where_gates_ship_and_no_recall_turns_recall_off(capsys, run_cli):
     for flags, said in [((), "positronic: policy smartkv with recall: the best measured for smollm2"),
                         (("--no-recall",), "positronic: policy smartkv without recall (--no-recall)")]:

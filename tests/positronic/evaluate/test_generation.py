@@ -207,6 +207,7 @@ def test_cli_bad_generate_gives_one_line_exit_2_and_writes_nothing(tmp_path, cap
     assert err == "error: --generate must be >= 1, got 0" and not out.exists()
 
 
+@pytest.mark.smollm2
 def test_cli_generate_on_the_embedded_model_writes_files_and_prints_the_table(tmp_path, capsys, run_cli):
     out = tmp_path / "gen"
     assert run_cli("eval", "--model", "smollm2", "--device", "cpu", "--generate", "20", "--prompt-tokens", "32",

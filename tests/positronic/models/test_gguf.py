@@ -20,11 +20,18 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.models import load_model
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers < 5.18 turns a GGUF "gpt2" tokenizer whose merges come out empty into an
+# AttributeError (GGUFQwen2Converter: `if not merges` falls back to the absent bpe_ranks);
+# 5.18 rewrote the GGUF tokenizer loading (transformers/integrations/gguf/).
+pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.18"),
+                                reason="transformers < 5.18 cannot load a GGUF tokenizer with no merges")
 
 
 def write_gguf(lm, path: Path) -> Path:

