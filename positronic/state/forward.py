@@ -113,13 +113,10 @@ class AttentionRow:
 
     While `record()` is active, the attention tap (models/attention.py) keeps that token's
     query in each chosen layer, exactly as the model attends with it: after the family's own
-    projections, norms and RoPE, and takes its scores q·Kᵀ · scaling against the layer's keys
-    there, one product a layer, while the model is about to read the same keys: with recall
-    every layer is recorded, and scoring them all after the forward read 12 MB of keys back
-    from memory (7 ms of a CPU tick for SmolLM2 at 512 rows; ~1 ms in the tap). After the
-    forward, `finish` takes softmax and log-normaliser of all layers at once. The token must
-    see every row (it is the newest), so no mask applies. A ring store's keys lie in slot
-    order: its layers are scored in `finish`, all in one batched product.
+    projections, norms and RoPE. After the forward, `finish` takes softmax(q·Kᵀ · scaling)
+    against each layer's keys, all layers in one batched product. The token must see every row
+    (it is the newest), so no mask applies. Doing the work inside the forward, one layer at a
+    time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
     """
 
     def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
@@ -128,7 +125,6 @@ class AttentionRow:
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
         self.captured: dict[int, torch.Tensor] = {}  # layer -> [heads, head_dim], the token's rotated query
-        self.scored: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, group, rows], its scaled scores
         self.scaling: float | None = None
         self.rows = self.queries = self.log_norms = None
 
@@ -141,15 +137,8 @@ class AttentionRow:
 
     def _see(self, module, query, key, value, scaling) -> None:
         at = self.query if self.query >= 0 else query.shape[2] + self.query
-        captured = self.captured[module.layer_idx] = query[0, :, at].detach()
+        self.captured[module.layer_idx] = query[0, :, at].detach()
         self.scaling = scaling
-        if self.slots is not None:
-            return
-        if isinstance(key, attention.Ragged):  # a batched forward: this token's sequence's own rows
-            key = next(keys for first, count, keys, _, _ in key.parts if first <= at < first + count)
-        keys = key[0, :, : self.keys]  # [kv_heads, rows, head_dim]
-        grouped = captured.float().reshape(keys.shape[0], -1, keys.shape[-1]) * scaling
-        self.scored[module.layer_idx] = grouped @ keys.float().transpose(-1, -2)
 
     @torch.no_grad()
     def finish(self, cache) -> None:
@@ -160,17 +149,19 @@ class AttentionRow:
             raise RuntimeError(f"layers {missing} did not call the attention function: the model must run "
                                f"{attention.ATTENTION!r} or {attention.ATTENTION_CUDA!r}")
         query = torch.stack([self.captured[index] for index in self.layers])  # [layers, heads, d]
-        layers, heads, head_dim = query.shape
-        if self.slots is None:  # scored in the tap
-            scores = torch.stack([self.scored[index] for index in self.layers]).reshape(layers, heads, -1)
+        head_dim = query.shape[-1]
+        if self.slots is None:
+            keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
         else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
             used = cache.ring.used(self.keys)
             keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
-            grouped = query.float().reshape(layers, keys.shape[1], -1, head_dim) * self.scaling  # [L, kv, group, d]
-            scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, heads, used)
+        layers, kv_heads, rows, _ = keys.shape
+        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * self.scaling  # [L, kv, group, d]
+        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
+        if self.slots is not None:
             scores = scores.index_select(-1, self.slots)  # free slots drop out here
-        self.rows = scores.softmax(dim=-1)  # [L, heads, rows]
-        self.queries = query.float() * self.scaling
+        self.rows = scores.softmax(dim=-1)
+        self.queries = grouped.reshape(layers, -1, head_dim)
         self.log_norms = scores.logsumexp(dim=-1)
 
     def result(self) -> torch.Tensor:
@@ -187,7 +178,7 @@ def recording(recorders: list[AttentionRow]):
     """While active, each recorder keeps its token's query (several in one forward: a batched
     one records each sequence's newest token)."""
     for recorder in recorders:
-        recorder.captured, recorder.scored, recorder.scaling = {}, {}, None
+        recorder.captured, recorder.scaling = {}, None
     active = [recorder for recorder in recorders if recorder.layers]
     if not active:
         yield
