@@ -41,8 +41,7 @@ from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.batch import Rendezvous  # noqa: E402
 from positronic.models import load_model  # noqa: E402
-from positronic.smartkv import GateSet  # noqa: E402
-from positronic.smartkv.gates import SHIPPED  # noqa: E402
+from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.state.forward import MEETING  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,16 +53,6 @@ def configs(policy: str, budget: int, gates: str = "") -> dict:
     name, _, extra = policy.partition("+")
     return dict(policy=name, recall=extra == "recall", budget=budget, temperature=0,
                 **({"gates": gates} if name == "smartkv" else {}))
-
-
-def gates_for(lm, folder: str) -> str:
-    """The shipped gates' file ("" picks them), else untrained ones saved in `folder`: they
-    cost what trained ones do, and no gates are shipped for random models."""
-    if lm.name in SHIPPED:
-        return ""
-    path = str(Path(folder) / "gates.safetensors")
-    GateSet.for_config(lm.model.config, seed=0).save(path)
-    return path
 
 
 def brains(lm, size: int, config: dict, budget: int) -> list[Brain]:
@@ -169,7 +158,7 @@ def main(argv=None) -> int:
           f"{'batched/alone':>14} {'tok/s vs B=1':>13}")
     mismatches = 0
     folder = tempfile.TemporaryDirectory()
-    gates = gates_for(lm, folder.name)
+    _, gates = bench_gates(lm, folder.name)
     for policy in args.policies:
         config = configs(policy, args.budget, gates)
         first = None

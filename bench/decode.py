@@ -62,7 +62,7 @@ from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import with_cache  # noqa: E402
 from positronic.policies import POLICIES  # noqa: E402
 from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
-from positronic.smartkv.gates import SHIPPED  # noqa: E402
+from positronic.smartkv.gates import SHIPPED, bench_gates  # noqa: E402
 
 
 def sync(lm) -> None:
@@ -291,9 +291,8 @@ def main() -> None:
 
     smart = bool({"smartkv", "smartkv+recall"} & set(args.policies)) or args.smartkv
     shipped = lm.name in SHIPPED
-    gates = None
-    if smart:  # untrained gates where none are shipped: they cost what trained ones do
-        gates = GateSet.load(SHIPPED[lm.name]) if shipped else GateSet.for_config(lm.model.config, seed=0)
+    tmp = tempfile.TemporaryDirectory()
+    gates, gates_file = bench_gates(lm, tmp.name) if smart else (None, "")
     device_name = torch.cuda.get_device_name() if lm.device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     print(f"model {lm.name}  {device_name}  {str(lm.dtype).removeprefix('torch.')}  "
           f"attention: brain {lm.model.config._attn_implementation}, hf-generate {hf.config._attn_implementation}  "
@@ -307,11 +306,7 @@ def main() -> None:
           f"{'extra':>6} {'recall':>6} {'choose':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
     variants = [(b, r, 0) for b in args.batches for r in args.repairers]
     variants += [(b, "none", n) for b in args.batches for n in args.recall]
-    with tempfile.TemporaryDirectory() as tmp:
-        gates_file = ""
-        if smart and not shipped:
-            gates_file = str(Path(tmp) / "gates.safetensors")
-            gates.save(gates_file)
+    with tmp:
         for context in args.contexts:
             if context + args.ticks > lm.max_positions:  # (b) grows the context by --ticks rows
                 print(f"{context:>7} skipped: {context} + {args.ticks} ticks is beyond the model's "

@@ -212,6 +212,17 @@ class GateSet:
         return sum(g.parameter_count() for g in set(self.gates))
 
 
+def bench_gates(lm, folder) -> tuple[GateSet, str]:
+    """The gates a benchmark runs `lm`'s smartkv with, and the `BrainConfig.gates` that picks
+    them: the shipped ones and "", else untrained ones (they cost what trained ones do; none
+    are shipped for random models) saved in `folder` and that file's path."""
+    if lm.name in SHIPPED:
+        return GateSet.load(SHIPPED[lm.name]), ""
+    gates, path = GateSet.for_config(lm.model.config, seed=0), str(Path(folder) / "gates.safetensors")
+    gates.save(path)
+    return gates, path
+
+
 def kv_heads(config) -> int:
     """The kv heads of a transformers model config."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
