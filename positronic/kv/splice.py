@@ -11,7 +11,8 @@ takes row edits, all in place:
 - `splice(kept, length)`: the new row layout after a tick's deletions and insertions, given
   as the runs of surviving rows (old row → new row). The longest run stays where it is and
   the others move, so an edit near either end moves only the rows on that side.
-- `splice_heads(kept, length)`: the same, each kv head keeping its own rows.
+- `splice_heads(layers, kept, length)`: the same on every layer, each kv head keeping its own
+  rows; all layers' rows move in one copy, the layers' buffers being views of one Slab.
 - `_write_rows` (set by `SpliceCache.fill`): the next forward writes its K/V into these
   (already live) rows instead of appending — how inserted tokens land in the gaps a splice
   opened.
@@ -29,6 +30,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from . import buffers, rope
+from .slab import Slab
 
 DEFAULT_CAPACITY = 256
 
@@ -115,8 +117,7 @@ class OneSequenceLayer(CacheLayerMixin):
             for layer, runs in zip(layers, kept):
                 layer.splice(runs, length)
             return
-        for index, layer in enumerate(layers):
-            layer.splice_heads(kept[index * heads : (index + 1) * heads], length)
+        cls.splice_heads(layers, kept, length)
 
     @classmethod
     def open_rows(cls, layers: list, rows: torch.Tensor) -> None:
@@ -176,6 +177,7 @@ class SpliceLayer(OneSequenceLayer):
         self.length = 0
         self.is_initialized = False
         self._write_rows: torch.Tensor | None = None  # live rows the next update() fills
+        self.slab: Slab | None = None  # the Slab this layer's buffers are views of, once lanes are spliced
         self.scratch = Scratch()  # SpliceCache gives all its layers one shared scratch
 
     # --- what the model sees ---------------------------------------------------------------
@@ -248,15 +250,26 @@ class SpliceLayer(OneSequenceLayer):
             self._move(src, dst, count)
         self.start, self.length = new_start, length
 
-    def splice_heads(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
-        """Each kv head keeps its own rows (a per-head policy): head h's runs are kept[h], as in
-        `splice`; every head then holds `length` rows. The heads share one anchor (`start`):
-        the buffer row of new row 0 that leaves the fewest rows to move over all heads (a
-        dropped memory row lies in the older part, so usually the rows before it move up one)."""
-        if len(kept) != self.kv_heads:
-            raise ValueError(f"{len(kept)} run lists for {self.kv_heads} kv heads")
-        if max(length, self.length) > self.capacity:  # more room first, every row where it is
-            self._grow(max(length, self.length), [(0, 0, self.length)], self.length)
+    @classmethod
+    def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """Each kv head of each layer keeps its own rows (a per-head policy): lane l = layer *
+        kv_heads + head keeps the runs kept[l], as in `splice`, and then holds `length` rows.
+        The rows of every lane move at once, in the Slab the layers share (slab.py)."""
+        heads = layers[0].kv_heads
+        slab = Slab.holding(layers, length)
+        moves = []
+        for index, layer in enumerate(layers):
+            anchor, layer_moves = layer.head_moves(kept[index * heads : (index + 1) * heads], length)
+            moves += [(index * heads + head, src, dst, count) for head, src, dst, count in layer_moves]
+            layer.start, layer.length = anchor, length
+        slab.move(moves)
+
+    def head_moves(self, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, list]:
+        """This layer's part of `splice_heads` (kept: a run list per kv head; the rows fit the
+        capacity), planned, not done: the heads' shared
+        anchor (`start`), the buffer row of new row 0 that leaves the fewest rows to move over
+        all heads (a dropped memory row lies in the older part, so usually the rows before it
+        move up one), and the moves (head, src, dst, count) in buffer rows."""
         runs = [(head, old, new, count) for head, head_runs in enumerate(kept) for old, new, count in head_runs
                 if count > 0]
         candidates = {self.start} | {self.start + old - new for _, old, new, _ in runs}
@@ -266,17 +279,8 @@ class SpliceLayer(OneSequenceLayer):
             return sum(count for _, old, new, count in runs if self.start + old != anchor + new)
 
         anchor = min(fitting, key=lambda a: (moved(a), a != self.start))
-        moves = [(head, self.start + old, anchor + new, count) for head, old, new, count in runs
-                 if self.start + old != anchor + new]
-        if moves:
-            # every moving row held at once (one copy for all heads), then each run written from
-            # the copy: no order to keep, whichever way the runs go
-            low, high = min(m[1] for m in moves), max(m[1] + m[3] for m in moves)
-            for buffer in (self.key_buffer, self.value_buffer):
-                held = self.scratch.hold(buffer[:, :, low:high])
-                for head, src, dst, count in moves:
-                    buffer[:, head, dst : dst + count].copy_(held[:, head, src - low : src - low + count])
-        self.start, self.length = anchor, length
+        return anchor, [(head, self.start + old, anchor + new, count) for head, old, new, count in runs
+                        if self.start + old != anchor + new]
 
     def put_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: slice = slice(None)) -> None:
         """Write given K/V [len(heads), n, head_dim] into live `rows` (int64 [n]) of the kv heads

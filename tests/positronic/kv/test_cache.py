@@ -123,6 +123,33 @@ def test_per_head_splices_keep_each_heads_rows_like_the_oracle(seed):
     assert torch.equal(front.layers[0].key_buffer[:, :, 10:200], untouched)
 
 
+def test_per_head_splices_move_every_layers_rows_in_one_slab_even_after_a_layer_grew_alone():
+    """The lanes' rows move in one Slab shared by all layers (views of one tensor); a layer that
+    grew a buffer of its own since is taken back in with its rows, and the others keep theirs."""
+    cache = filled(40, capacity=64, layers=3)
+    cache.layers[0].key_buffer[:, :, :40] += 1000  # layer 0's rows differ from the others'
+    drops = [5, 9, 30]
+
+    def splice_and_check():
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        kept_rows = [[r for r in range(cache.length) if r != drops[lane % 3]] for lane in range(3 * KV_HEADS)]
+        cache.splice_layers([runs_keeping(rows_of) for rows_of in kept_rows], cache.length)  # a gap at the end
+        storage = {layer.key_buffer.untyped_storage().data_ptr() for layer in cache.layers}
+        assert len(storage) == 1, "every layer's keys are a view of one slab"
+        for index, (layer, (keys, values)) in enumerate(zip(cache.layers, before)):
+            for head in range(KV_HEADS):  # bit for bit: the gap row left last time holds any bits, NaN too
+                rows_of = torch.tensor(kept_rows[index * KV_HEADS + head])
+                for got, old in ((layer.keys, keys), (layer.values, values)):
+                    assert torch.equal(got[:, head, : len(rows_of)].view(torch.int32), old[:, head, rows_of].view(torch.int32))
+
+    splice_and_check()
+    cache.layers[1].reserve(100)  # layer 1 alone outgrows the slab: a buffer of its own
+    assert cache.layers[1].capacity > 64
+    assert cache.layers[1].key_buffer.untyped_storage().data_ptr() != cache.layers[0].key_buffer.untyped_storage().data_ptr()
+    splice_and_check()
+    assert all(layer.capacity == cache.layers[1].capacity for layer in cache.layers)
+
+
 def test_an_edit_near_the_front_moves_only_the_front_rows():
     cache = filled(200, capacity=400, layers=1)
     layer = cache.layers[0]

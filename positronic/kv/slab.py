@@ -1,0 +1,74 @@
+"""Slab: every layer's K/V buffer as slices of one tensor, so a per-lane splice is one copy.
+
+A per-head policy (SmartKV) drops a different row in each of the 90 lanes of a 30-layer,
+3-kv-head model every tick. Spliced layer by layer and head by head, that is ~240 small
+copies, each paying a torch call's overhead (4 ms a tick on a CPU, whether it moves 1 row or
+130: the rows moved are few). In one slab, the moves of every lane become one `index_select`
+and one `index_copy_` per buffer:
+
+    keys, values: [layers, kv_heads, capacity, head_dim]
+    layer i's key_buffer, value_buffer: keys[i : i + 1], values[i : i + 1] (views)
+
+Layers keep their own `start`, `length` and `capacity`; nothing else about them changes. A
+slab is made the first time lanes are spliced (copying each layer's buffer in once) and again
+whenever a layer has left it (it grew alone and holds a buffer of its own).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import buffers
+
+
+class Slab:
+    """One K and one V tensor [layers, kv_heads, capacity, head_dim] that `layers` (SpliceLayers)
+    read and write through views."""
+
+    def __init__(self, layers: list, capacity: int):
+        first = layers[0].key_buffer
+        shape = (len(layers), first.shape[1], capacity, first.shape[3])
+        self.keys = buffers.empty(shape, first.dtype, first.device)
+        self.values = buffers.empty(shape, first.dtype, first.device)
+        self.capacity = capacity
+        for index, layer in enumerate(layers):
+            held = layer.capacity
+            self.keys[index, :, :held].copy_(layer.key_buffer[0])
+            self.values[index, :, :held].copy_(layer.value_buffer[0])
+            layer.key_buffer, layer.value_buffer = self.keys[index : index + 1], self.values[index : index + 1]
+            layer.capacity, layer.slab = capacity, self
+        self._views = [(layer.key_buffer, layer.value_buffer) for layer in layers]
+
+    @classmethod
+    def holding(cls, layers: list, length: int) -> "Slab":
+        """The slab all `layers` live in with room for `length` rows each: theirs if they still
+        do, else a new one (twice the capacity when a layer needs more)."""
+        slab = layers[0].slab
+        needed = max(length, *(layer.length for layer in layers))
+        if slab is not None and slab.holds(layers) and needed <= slab.capacity:
+            return slab
+        capacity = max(layer.capacity for layer in layers)
+        return cls(layers, capacity if needed <= capacity else max(needed, 2 * capacity))
+
+    def holds(self, layers: list) -> bool:
+        """Whether every layer still reads and writes this slab (none grew a buffer of its own)."""
+        return len(layers) == len(self._views) and all(
+            layer.key_buffer is keys and layer.value_buffer is values
+            for layer, (keys, values) in zip(layers, self._views))
+
+    def move(self, moves: list[tuple[int, int, int, int]]) -> None:
+        """Copy rows at once: each move (lane, src, dst, count) takes buffer rows src .. src + count
+        of lane (layer * kv_heads + head) to dst .. dst + count. Every source is read before any
+        destination is written, so moves may overlap in any direction."""
+        if not moves:
+            return
+        lane, src, dst, count = (np.asarray(column, dtype=np.int64) for column in zip(*moves))
+        offsets = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        base = np.repeat(lane * self.capacity, count) + offsets
+        device = self.keys.device
+        read = torch.from_numpy(base + np.repeat(src, count)).to(device)
+        write = torch.from_numpy(base + np.repeat(dst, count)).to(device)
+        for slab in (self.keys, self.values):
+            rows = slab.view(-1, slab.shape[-1])  # [layers * kv_heads * capacity, head_dim]
+            rows.index_copy_(0, write, rows.index_select(0, read))
