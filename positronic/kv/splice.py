@@ -266,19 +266,25 @@ class SpliceLayer(OneSequenceLayer):
 
     def head_moves(self, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, list]:
         """This layer's part of `splice_heads` (kept: a run list per kv head; the rows fit the
-        capacity), planned, not done: the heads' shared
-        anchor (`start`), the buffer row of new row 0 that leaves the fewest rows to move over
-        all heads (a dropped memory row lies in the older part, so usually the rows before it
-        move up one), and the moves (head, src, dst, count) in buffer rows."""
+        capacity), planned, not done: the heads' shared anchor (`start`) and the moves (head,
+        src, dst, count) in buffer rows.
+
+        The anchor is the buffer row of new row 0 that leaves the fewest rows to move over all
+        heads: a dropped memory row lies in the older part, so usually the rows before it move
+        up one and the live rows creep towards the buffer's end, one row a tick. When that
+        anchor has no room left, every row is packed down to row 0 at once: the next
+        capacity - length ticks creep again, where anchoring in place would move every row
+        after each head's drop (most of the rows) on every tick from then on."""
         runs = [(head, old, new, count) for head, head_runs in enumerate(kept) for old, new, count in head_runs
                 if count > 0]
-        candidates = {self.start} | {self.start + old - new for _, old, new, _ in runs}
-        fitting = [a for a in candidates if a >= 0 and a + length <= self.capacity] or [0]
+        candidates = [a for a in {self.start} | {self.start + old - new for _, old, new, _ in runs} if a >= 0]
 
         def moved(anchor: int) -> int:
             return sum(count for _, old, new, count in runs if self.start + old != anchor + new)
 
-        anchor = min(fitting, key=lambda a: (moved(a), a != self.start))
+        anchor = min(candidates, key=lambda a: (moved(a), a != self.start))
+        if anchor + length > self.capacity:
+            anchor = 0
         return anchor, [(head, self.start + old, anchor + new, count) for head, old, new, count in runs
                         if self.start + old != anchor + new]
 

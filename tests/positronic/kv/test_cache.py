@@ -150,6 +150,21 @@ def test_per_head_splices_move_every_layers_rows_in_one_slab_even_after_a_layer_
     assert all(layer.capacity == cache.layers[1].capacity for layer in cache.layers)
 
 
+def test_per_head_splices_tick_after_tick_move_few_rows_once_the_buffer_end_is_reached():
+    """Each tick every head drops a row near the front and one row is appended: the rows before
+    each drop move up one and creep towards the buffer's end. Reaching it, they are packed down
+    once, not anchored in place (which would move nearly every row on every tick after)."""
+    cache = filled(200, capacity=260, layers=1)
+    layer, moved = cache.layers[0], []
+    for _ in range(200):
+        kept = [runs_keeping([r for r in range(200) if r != drop]) for drop in (3, 7)]
+        moved.append(sum(count for *_, count in layer.head_moves(kept, 200)[1]))
+        cache.splice_layers(kept, 200)  # row 199: the gap the tick's new token fills
+    packs = sum(m > 20 for m in moved)
+    assert packs <= 4, f"{packs} ticks moved more than 20 rows: {moved}"
+    assert sum(moved) < 200 * 10 + 4 * 400
+
+
 def test_an_edit_near_the_front_moves_only_the_front_rows():
     cache = filled(200, capacity=400, layers=1)
     layer = cache.layers[0]
