@@ -167,6 +167,11 @@ class SpliceCache(Cache):
             raise ValueError("the cache is empty: nothing to splice")
         self.kind.splice_all(self.layers, kept, length)
 
+    def layer_keys(self, layers: list[int], rows: int) -> torch.Tensor:
+        """Keys [len(layers), kv_heads, rows, head_dim] of the first `rows` live rows of `layers`,
+        read-only: a view where the layer type holds them together (a Slab), else a copy."""
+        return self.kind.keys_of(self.layers, layers, rows)
+
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): lane l's runs are kept[l],
         a lane being a layer, or one kv head of a layer (lane = layer * kv_heads + head) when

@@ -9,9 +9,11 @@ and one `index_copy_` per buffer:
     keys, values: [layers, kv_heads, capacity, head_dim]
     layer i's key_buffer, value_buffer: keys[i : i + 1], values[i : i + 1] (views)
 
-Layers keep their own `start`, `length` and `capacity`; nothing else about them changes. A
-slab is made the first time lanes are spliced (copying each layer's buffer in once) and again
-whenever a layer has left it (it grew alone and holds a buffer of its own).
+Layers keep their own `start`, `length` and `capacity`; a per-lane splice gives them all the
+same `start`, so that `keys_of` reads every layer's live keys as one view (the attention row
+a recall policy takes of all layers each tick, without stacking 30 layers' keys first). A
+slab is made the first time lanes are spliced (copying each layer's buffer in once) and
+again whenever a layer has left it (it grew alone and holds a buffer of its own).
 """
 
 from __future__ import annotations
@@ -57,13 +59,12 @@ class Slab:
             layer.key_buffer is keys and layer.value_buffer is values
             for layer, (keys, values) in zip(layers, self._views))
 
-    def move(self, moves: list[tuple[int, int, int, int]]) -> None:
-        """Copy rows at once: each move (lane, src, dst, count) takes buffer rows src .. src + count
-        of lane (layer * kv_heads + head) to dst .. dst + count. Every source is read before any
-        destination is written, so moves may overlap in any direction."""
-        if not moves:
+    def move(self, lane: np.ndarray, src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> None:
+        """Copy rows at once: move i takes buffer rows src[i] .. src[i] + count[i] of lane[i]
+        (layer * kv_heads + head) to dst[i] .. dst[i] + count[i] (int64 arrays [moves]). Every
+        source is read before any destination is written, so moves may overlap either way."""
+        if not len(count):
             return
-        lane, src, dst, count = (np.asarray(column, dtype=np.int64) for column in zip(*moves))
         offsets = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
         base = np.repeat(lane * self.capacity, count) + offsets
         device = self.keys.device
@@ -72,3 +73,11 @@ class Slab:
         for slab in (self.keys, self.values):
             rows = slab.view(-1, slab.shape[-1])  # [layers * kv_heads * capacity, head_dim]
             rows.index_copy_(0, write, rows.index_select(0, read))
+
+    def keys_of(self, layers: list, rows: int) -> torch.Tensor | None:
+        """The first `rows` live keys of every layer, [layers, kv_heads, rows, head_dim]: a view
+        (no copy) when the layers all live here and start at the same buffer row, else None."""
+        start = layers[0].start
+        if not self.holds(layers) or any(layer.start != start for layer in layers):
+            return None
+        return self.keys[:, :, start : start + rows]

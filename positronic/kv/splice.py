@@ -26,6 +26,7 @@ is what every layer type of this package (and SmartKV's) shares, including the o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -130,6 +131,12 @@ class OneSequenceLayer(CacheLayerMixin):
         """The forward is done: appends again."""
         for layer in layers:
             layer._write_rows = None
+
+    @classmethod
+    def keys_of(cls, layers: list, index: list[int], rows: int) -> torch.Tensor:
+        """The keys of the first `rows` live rows of layers `index`: [len(index), kv_heads, rows,
+        head_dim] (a copy: each layer's rows lie in a buffer of its own)."""
+        return torch.stack([layers[i].keys[0, :, :rows] for i in index])
 
     @classmethod
     def reserve_all(cls, layers: list, length: int) -> None:
@@ -251,42 +258,54 @@ class SpliceLayer(OneSequenceLayer):
         self.start, self.length = new_start, length
 
     @classmethod
+    def keys_of(cls, layers: list, index: list[int], rows: int) -> torch.Tensor:
+        """As OneSequenceLayer's, but a view, not a copy, of every layer's keys when they all
+        live in one Slab at the same start (after per-lane splices)."""
+        slab = layers[0].slab
+        if slab is not None and len(index) == len(layers) and index == list(range(len(layers))):
+            keys = slab.keys_of(layers, rows)
+            if keys is not None:
+                return keys
+        return super().keys_of(layers, index, rows)
+
+    @classmethod
     def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Each kv head of each layer keeps its own rows (a per-head policy): lane l = layer *
         kv_heads + head keeps the runs kept[l], as in `splice`, and then holds `length` rows.
-        The rows of every lane move at once, in the Slab the layers share (slab.py)."""
-        heads = layers[0].kv_heads
+        The rows of every lane move at once, in the Slab the layers share (slab.py), and every
+        layer's live rows start at the same buffer row afterwards (`Slab.keys_of` then reads
+        all layers' keys as one view)."""
         slab = Slab.holding(layers, length)
-        moves = []
-        for index, layer in enumerate(layers):
-            anchor, layer_moves = layer.head_moves(kept[index * heads : (index + 1) * heads], length)
-            moves += [(index * heads + head, src, dst, count) for head, src, dst, count in layer_moves]
+        anchor, moves = cls.lane_moves(layers, kept, length)
+        for layer in layers:
             layer.start, layer.length = anchor, length
-        slab.move(moves)
+        slab.move(*moves)
 
-    def head_moves(self, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, list]:
-        """This layer's part of `splice_heads` (kept: a run list per kv head; the rows fit the
-        capacity), planned, not done: the heads' shared anchor (`start`) and the moves (head,
-        src, dst, count) in buffer rows.
+    @staticmethod
+    def lane_moves(layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, list]:
+        """The plan of `splice_heads` (the rows fit the capacity), not done: the anchor all
+        layers share (their new `start`) and the moves: int64 arrays lane, src, dst, count
+        [moves] (rows src .. src + count of a lane go to dst .., in buffer rows).
 
         The anchor is the buffer row of new row 0 that leaves the fewest rows to move over all
-        heads: a dropped memory row lies in the older part, so usually the rows before it move
+        lanes: a dropped memory row lies in the older part, so usually the rows before it move
         up one and the live rows creep towards the buffer's end, one row a tick. When that
         anchor has no room left, every row is packed down to row 0 at once: the next
         capacity - length ticks creep again, where anchoring in place would move every row
-        after each head's drop (most of the rows) on every tick from then on."""
-        runs = [(head, old, new, count) for head, head_runs in enumerate(kept) for old, new, count in head_runs
-                if count > 0]
-        candidates = [a for a in {self.start} | {self.start + old - new for _, old, new, _ in runs} if a >= 0]
-
-        def moved(anchor: int) -> int:
-            return sum(count for _, old, new, count in runs if self.start + old != anchor + new)
-
-        anchor = min(candidates, key=lambda a: (moved(a), a != self.start))
-        if anchor + length > self.capacity:
+        after each lane's drop (most of the rows) on every tick from then on."""
+        heads = len(kept) // len(layers)
+        runs = np.array([(lane, layers[lane // heads].start + old, new, count) for lane, lane_runs in enumerate(kept)
+                         for old, new, count in lane_runs if count > 0], dtype=np.int64).reshape(-1, 4)
+        lane, src, new, count = runs.T
+        starts = {layer.start for layer in layers}
+        candidates = sorted(starts | {int(a) for a in np.unique(src - new)} if len(runs) else starts)
+        candidates = [a for a in candidates if a >= 0]
+        moved = [int(count[src != a + new].sum()) for a in candidates]
+        anchor = min(zip(moved, (a not in starts for a in candidates), candidates))[2]
+        if anchor + length > layers[0].capacity:
             anchor = 0
-        return anchor, [(head, self.start + old, anchor + new, count) for head, old, new, count in runs
-                        if self.start + old != anchor + new]
+        moving = src != anchor + new
+        return anchor, (lane[moving], src[moving], anchor + new[moving], count[moving])
 
     def put_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: slice = slice(None)) -> None:
         """Write given K/V [len(heads), n, head_dim] into live `rows` (int64 [n]) of the kv heads

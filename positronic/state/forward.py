@@ -151,7 +151,7 @@ class AttentionRow:
         query = torch.stack([self.captured[index] for index in self.layers])  # [layers, heads, d]
         head_dim = query.shape[-1]
         if self.slots is None:
-            keys = torch.stack([cache.layers[index].keys[0, :, : self.keys] for index in self.layers])  # [L, kv, rows, d]
+            keys = cache.layer_keys(self.layers, self.keys)  # [L, kv, rows, d]
         else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
             used = cache.ring.used(self.keys)
             keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])

@@ -136,6 +136,11 @@ def test_per_head_splices_move_every_layers_rows_in_one_slab_even_after_a_layer_
         cache.splice_layers([runs_keeping(rows_of) for rows_of in kept_rows], cache.length)  # a gap at the end
         storage = {layer.key_buffer.untyped_storage().data_ptr() for layer in cache.layers}
         assert len(storage) == 1, "every layer's keys are a view of one slab"
+        stacked = cache.layer_keys([0, 1, 2], cache.length - 1)
+        assert stacked.untyped_storage().data_ptr() in storage, "all layers' keys read without a copy"
+        assert torch.equal(stacked.view(torch.int32),
+                           torch.stack([layer.keys[0, :, :-1] for layer in cache.layers]).view(torch.int32))
+        assert torch.equal(cache.layer_keys([2], 5), cache.layers[2].keys[:, :, :5])
         for index, (layer, (keys, values)) in enumerate(zip(cache.layers, before)):
             for head in range(KV_HEADS):  # bit for bit: the gap row left last time holds any bits, NaN too
                 rows_of = torch.tensor(kept_rows[index * KV_HEADS + head])
@@ -158,7 +163,7 @@ def test_per_head_splices_tick_after_tick_move_few_rows_once_the_buffer_end_is_r
     layer, moved = cache.layers[0], []
     for _ in range(200):
         kept = [runs_keeping([r for r in range(200) if r != drop]) for drop in (3, 7)]
-        moved.append(sum(count for *_, count in layer.head_moves(kept, 200)[1]))
+        moved.append(int(SpliceLayer.lane_moves(cache.layers, kept, 200)[1][3].sum()))
         cache.splice_layers(kept, 200)  # row 199: the gap the tick's new token fills
     packs = sum(m > 20 for m in moved)
     assert packs <= 4, f"{packs} ticks moved more than 20 rows: {moved}"
