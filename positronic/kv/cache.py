@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -171,6 +172,11 @@ class SpliceCache(Cache):
         """Keys [len(layers), kv_heads, rows, head_dim] of the first `rows` live rows of `layers`,
         read-only: a view where the layer type holds them together (a Slab), else a copy."""
         return self.kind.keys_of(self.layers, layers, rows)
+
+    def lane_rows(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [layers, kv_heads, n, head_dim] of live rows `rows` (int [lanes, n]: a
+        row list per layer, or per kv head of each layer, lane = layer * kv_heads + head)."""
+        return self.kind.rows_of(self.layers, np.asarray(rows, dtype=np.int64))
 
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): lane l's runs are kept[l],

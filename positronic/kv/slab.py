@@ -81,3 +81,18 @@ class Slab:
         if not self.holds(layers) or any(layer.start != start for layer in layers):
             return None
         return self.keys[:, :, start : start + rows]
+
+    def rows_of(self, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values [layers, kv_heads, n, head_dim] of live rows `rows` (int [lanes, n], a
+        lane a layer or one kv head of one), one gather per buffer; None unless the layers all
+        live here and start at the same buffer row."""
+        start = layers[0].start
+        if not self.holds(layers) or any(layer.start != start for layer in layers):
+            return None
+        count, kv_heads, n = len(layers), self.keys.shape[1], rows.shape[-1]
+        rows = rows.reshape(count, -1, n)  # [layers, lanes a layer (1 or kv_heads), n]
+        lanes = (np.arange(count)[:, None] * kv_heads + np.arange(kv_heads)[None, :]) * self.capacity + start
+        index = lanes[:, :, None] + np.broadcast_to(rows, (count, kv_heads, n))  # [layers, kv_heads, n]
+        at = torch.from_numpy(np.ascontiguousarray(index).reshape(-1)).to(self.keys.device)
+        shape = (count, kv_heads, n, self.keys.shape[-1])
+        return tuple(slab.view(-1, slab.shape[-1])[at].view(shape) for slab in (self.keys, self.values))

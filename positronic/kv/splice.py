@@ -139,6 +139,20 @@ class OneSequenceLayer(CacheLayerMixin):
         return torch.stack([layers[i].keys[0, :, :rows] for i in index])
 
     @classmethod
+    def rows_of(cls, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [layers, kv_heads, n, head_dim] of live rows `rows` (int [lanes, n]:
+        one row list per layer, or per kv head of each layer, lane = layer * kv_heads + head)."""
+        heads = len(rows) // len(layers)
+        keys, values = [], []
+        for index, layer in enumerate(layers):
+            parts = [(layer.keys[0, :] if heads == 1 else layer.keys[0, head : head + 1],
+                      layer.values[0, :] if heads == 1 else layer.values[0, head : head + 1],
+                      torch.from_numpy(rows[index * heads + head]).to(layer.device)) for head in range(heads)]
+            keys.append(torch.cat([k[:, at] for k, _, at in parts]))  # indexing: half index_select's time on a view
+            values.append(torch.cat([v[:, at] for _, v, at in parts]))
+        return torch.stack(keys), torch.stack(values)
+
+    @classmethod
     def reserve_all(cls, layers: list, length: int) -> None:
         """Room for `length` rows before a forward appends them: nothing to do ahead, a layer
         that is not a ring makes room as it goes."""
@@ -267,6 +281,13 @@ class SpliceLayer(OneSequenceLayer):
             if keys is not None:
                 return keys
         return super().keys_of(layers, index, rows)
+
+    @classmethod
+    def rows_of(cls, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """As OneSequenceLayer's, in one gather per buffer when the layers share a Slab and a start."""
+        slab = layers[0].slab
+        read = slab.rows_of(layers, rows) if slab is not None else None
+        return read if read is not None else super().rows_of(layers, rows)
 
     @classmethod
     def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:

@@ -64,33 +64,16 @@ class RowReader:
         their positions) of tokens every lane holds, per-layer (or per-head) rows or not, each
         kv head's from its own rows; ValueError if a lane lacks one."""
         self._refuse_if_stale()
-        device = self._state.lm.device
-        lanes, heads = self._mirror.layers, self._state.lanes_per_layer
-        if lanes is None:  # every lane holds the live rows
+        lanes = self._mirror.layers
+        if lanes is None:  # every layer holds the live rows
             where = {ledger_id: row for row, ledger_id in enumerate(self._mirror.live.ledger_ids)}
             if missing := [i for i in ledger_ids if i not in where]:
                 raise ValueError(f"the live rows do not hold ledger ids {missing[:5]}")
-            found = [[where[i] for i in ledger_ids]]
+            found = [[where[i] for i in ledger_ids]] * len(self._cache.layers)
         else:
             found = [self._lane_rows(lane, held, ledger_ids) for lane, held in enumerate(lanes.rows)]
-        keys, values = [], []
-        if all(rows == found[0] for rows in found):
-            # the same rows in every lane (the window's tokens, or shared rows): one read a layer
-            rows = torch.tensor(found[0], dtype=torch.long, device=device)
-            for layer in self._cache.layers:
-                keys.append(layer.keys[0][:, rows])  # indexing, not index_select: half the time on a buffer's view
-                values.append(layer.values[0][:, rows])
-            return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
-        for index, layer in enumerate(self._cache.layers):
-            layer_keys, layer_values = [], []
-            for head, lane in enumerate(range(index * heads, (index + 1) * heads)):
-                rows = torch.tensor(found[lane], dtype=torch.long, device=device)
-                at = slice(None) if heads == 1 else slice(head, head + 1)
-                layer_keys.append(layer.keys[0, at][:, rows])
-                layer_values.append(layer.values[0, at][:, rows])
-            keys.append(torch.cat(layer_keys))
-            values.append(torch.cat(layer_values))
-        return torch.stack(keys).float().cpu(), torch.stack(values).float().cpu()
+        keys, values = self._cache.lane_rows(found)  # [layers, kv_heads, n, head_dim]
+        return keys.float().cpu(), values.float().cpu()
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;

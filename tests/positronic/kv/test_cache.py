@@ -123,6 +123,28 @@ def test_per_head_splices_keep_each_heads_rows_like_the_oracle(seed):
     assert torch.equal(front.layers[0].key_buffer[:, :, 10:200], untouched)
 
 
+def assert_lane_rows_read_each_heads_own_rows(cache):
+    """`lane_rows`: per lane (layer x kv head) its own rows, and per layer the same rows in every head."""
+    per_head = [[(3 * lane + 1) % 30, lane % 7, 29] for lane in range(len(cache.layers) * KV_HEADS)]
+    per_layer = [[layer % 5, 12] for layer in range(len(cache.layers))]
+    for rows_of, heads in ((per_head, KV_HEADS), (per_layer, 1)):
+        keys, values = cache.lane_rows(rows_of)
+        for index, layer in enumerate(cache.layers):
+            for head in range(KV_HEADS):
+                at = torch.tensor(rows_of[index * heads + (head if heads > 1 else 0)])
+                assert torch.equal(keys[index, head].view(torch.int32), layer.keys[0, head, at].view(torch.int32))
+                assert torch.equal(values[index, head].view(torch.int32), layer.values[0, head, at].view(torch.int32))
+
+
+def test_lane_rows_read_each_heads_own_rows_before_any_slab():
+    cache = filled(40, capacity=64, layers=3)
+    for index, layer in enumerate(cache.layers):  # every (layer, head) holds values of its own
+        layer.key_buffer[:, 1] += 500
+        layer.key_buffer += 1000 * index
+        layer.value_buffer[:, 1] -= 500
+    assert_lane_rows_read_each_heads_own_rows(cache)
+
+
 def test_per_head_splices_move_every_layers_rows_in_one_slab_even_after_a_layer_grew_alone():
     """The lanes' rows move in one Slab shared by all layers (views of one tensor); a layer that
     grew a buffer of its own since is taken back in with its rows, and the others keep theirs."""
@@ -141,6 +163,7 @@ def test_per_head_splices_move_every_layers_rows_in_one_slab_even_after_a_layer_
         assert torch.equal(stacked.view(torch.int32),
                            torch.stack([layer.keys[0, :, :-1] for layer in cache.layers]).view(torch.int32))
         assert torch.equal(cache.layer_keys([2], 5), cache.layers[2].keys[:, :, :5])
+        assert_lane_rows_read_each_heads_own_rows(cache)
         for index, (layer, (keys, values)) in enumerate(zip(cache.layers, before)):
             for head in range(KV_HEADS):  # bit for bit: the gap row left last time holds any bits, NaN too
                 rows_of = torch.tensor(kept_rows[index * KV_HEADS + head])
