@@ -2,7 +2,7 @@
 
     python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
                            [--batches 8] [--repairers none bridge self] [--recall ROWS ...]
-                           [--policies streaming smartkv ...] [--smartkv]
+                           [--policies streaming smartkv ...] [--smartkv] [--paired TICKS]
 
 For each live length it prints ms per token and tokens/s for
   (a) hf-generate   `model.generate` as a user gets it: the same weights in a model object of
@@ -27,6 +27,10 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
       the window's tokens in one batch each time the window turns over);
   (f) with --smartkv: `model.generate` with a SmartKVCache of `context` rows, as streaming (4
       sinks + a recent window) and with gates (the layout of (e)), timed like (e).
+  (g) with --paired TICKS (instead of (a)-(f)): the --policies' brains of (e) tick in turn, one
+      tick each, so that their times are taken over the same stretch of time: on a shared, noisy
+      machine the ratio of two policies' ticks timed minutes apart moves by ±0.1, ticking in
+      turn it does not drift.
 Where both ran, SmartKV against streaming is printed as a ratio: the brain's smartkv tick over
 its streaming tick, and the SmartKVCache with gates over the same cache without. "choose" is
 the share of a tick the policy spends choosing rows (its score + select steps; in (f) the
@@ -214,22 +218,18 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
     start, fills it). With one, (e): that policy with its own defaults (smartkv: `gates`, a file
     or "" for the shipped ones), one `maintenance_cycle` of untimed ticks first, then `ticks`
     rounded up to whole cycles."""
-    budget = len(ids)
-    if recall_rows:
-        ids = ids + context_ids(lm, recall_rows + 1)[1:]
     if policy is None:
+        budget = len(ids)
+        if recall_rows:
+            ids = ids + context_ids(lm, recall_rows + 1)[1:]
         config = BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer,
                              recall=bool(recall_rows))
-        warm = 0
+        brain, warm = Brain.start(lm, ids, config), 0
     else:
-        policy = policy.removesuffix("+recall")
-        config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "",
-                             recall=bool(recall_rows))
-        warm = cycle = maintenance_cycle(config)
-        ticks = -(-ticks // cycle) * cycle
-    brain = Brain.start(lm, ids, config)
-    for _ in range(warm):
-        brain.step()
+        brain, warm = policy_brain(lm, ids, policy, gates, recall_rows)
+        ticks = -(-ticks // warm) * warm
+        for _ in range(warm):
+            brain.step()
     times, apply_shares, step4_shares, recall_shares, choose_shares = [], [], [], [], []
     with ForwardClock(lm) as clock:
         for _ in range(ticks):
@@ -249,6 +249,39 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
     average = statistics.median if batch == 1 and not warm else statistics.fmean
     return Timing(average(times), average(apply_shares), average(step4_shares), average(recall_shares),
                   average(choose_shares), cache.memory_bytes() / 2**20, live / 2**20)
+
+
+def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int) -> tuple[Brain, int]:
+    """(e)'s brain at budget len(ids): `policy` ("smartkv+recall": smartkv with recall on) with its
+    own defaults (smartkv: `gates`, a file or "" for the shipped ones), and its maintenance
+    cycle in ticks; `recall_rows`: with recall on, a longer prompt, pruned to the budget at the
+    start, fills its index with that many rows."""
+    budget = len(ids)
+    if recall_rows:
+        ids = ids + context_ids(lm, recall_rows + 1)[1:]
+    policy = policy.removesuffix("+recall")
+    config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "",
+                         recall=bool(recall_rows))
+    return Brain.start(lm, ids, config), maintenance_cycle(config)
+
+
+def paired(lm, ids: list[int], policies: list[str], gates: str, index_rows: int, ticks: int) -> list[float]:
+    """(g): the brains of `policies` (as (e) builds them) tick in turn, one tick each, for `ticks`
+    ticks each after one untimed cycle of each: ms per tick of each, means over the same
+    stretch of time, so that a noisy machine's slow drift hits them alike."""
+    brains = [policy_brain(lm, ids, p, gates, index_rows if p.endswith("+recall") else 0) for p in policies]
+    for brain, cycle in brains:
+        for _ in range(cycle):
+            brain.step()
+    seconds = [0.0] * len(brains)
+    for _ in range(ticks):
+        for number, (brain, _) in enumerate(brains):
+            sync(lm)
+            start = time.perf_counter()
+            brain.step()
+            sync(lm)
+            seconds[number] += time.perf_counter() - start
+    return [1000 * total / ticks for total in seconds]
 
 
 def smartkv_cache(lm, ids: list[int], gates: GateSet | None) -> SmartKVCache:
@@ -284,6 +317,10 @@ def main() -> None:
                         "index holding the first --recall ROWS, default 2048)")
     parser.add_argument("--smartkv", action="store_true",
                         help="also run (f): generate with a SmartKVCache, as streaming (no gates) and with gates")
+    parser.add_argument("--paired", type=int, default=0, metavar="TICKS",
+                        help="instead of (a)-(f), run (g): the --policies' brains ticking in turn, one tick each, "
+                             "TICKS each (rounded up to whole smartkv windows) per round, and their ratios to the "
+                             "first policy, per round and as the median")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     hf = default_model(lm)
@@ -302,8 +339,9 @@ def main() -> None:
     if smart:
         print(f"smartkv gates: {'the shipped ones' if shipped else 'untrained (none are shipped for this model; they cost what trained ones do)'}; "
               "its runs time whole windows (one scoring batch each) after one untimed window")
-    print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
-          f"{'extra':>6} {'recall':>6} {'choose':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
+    if not args.paired:
+        print(f"{'context':>7} {'run':<40} {'ms/tok':>8} {'tok/s':>7} {'vs hf':>6} {'apply':>6} {'step4':>6} "
+              f"{'extra':>6} {'recall':>6} {'choose':>6} {'cache MiB':>10} {'live KV MiB':>12} {'peak MiB':>9}")
     variants = [(b, r, 0) for b in args.batches for r in args.repairers]
     variants += [(b, "none", n) for b in args.batches for n in args.recall]
     with tmp:
@@ -327,6 +365,10 @@ def main() -> None:
             if not smart_fits and smart:
                 print(f"{context:>7} smartkv skipped: a window of warm-up and the timed windows go beyond the "
                       f"model's {lm.max_positions} positions")
+            if args.paired:
+                paired_rounds(lm, context, ids, policies, gates_file, index_rows,
+                              -(-args.paired // window) * window, args.repeats)
+                continue
             names += [f"(e) policy {p}" for p in policies]
             names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
                 if cache_runs else []
@@ -373,6 +415,22 @@ def print_rows(context: int, names: list[str], variants: list[tuple], rounds: li
         cells = f"{share('apply')} {share('step4')} {extra} {share('recall')} {share('choose')} {memory:<23}"
         print(f"{context:>7} {name:<40} {seconds * 1e3:>8.2f} {1 / seconds:>7.1f} {ratio:>5.2f}x {cells} "
               f"{peak:>9.0f}", flush=True)
+
+
+def paired_rounds(lm, context: int, ids: list[int], policies: list[str], gates: str, index_rows: int, ticks: int,
+                  repeats: int) -> None:
+    """(g) for `repeats` rounds: each round's ms per tick and ratio to the first policy, then the medians."""
+    rounds = []
+    for number in range(repeats):
+        rounds.append(paired(lm, ids, policies, gates, index_rows, ticks))
+        print(f"{context:>7} (g) round {number + 1}, {ticks} ticks each, in turn: "
+              + ", ".join(f"{p} {ms:.2f} ms" for p, ms in zip(policies, rounds[-1]))
+              + "".join(f"; {p} / {policies[0]} x{ms / rounds[-1][0]:.3f}"
+                        for p, ms in zip(policies[1:], rounds[-1][1:])), flush=True)
+    for index, policy in enumerate(policies[1:], start=1):
+        ratio = statistics.median(r[index] / r[0] for r in rounds)
+        print(f"{context:>7} (g) brain --policy {policy} / --policy {policies[0]}, ticking in turn: "
+              f"x{ratio:.3f} (median of {repeats} rounds)", flush=True)
 
 
 def comparisons(context: int, names: list[str], rounds: list[list[Timing]]) -> None:

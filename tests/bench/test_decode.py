@@ -53,6 +53,23 @@ def test_smartkv_rows_are_skipped_with_a_line_where_their_windows_pass_the_model
                                                        "(c) maintenance on, batch 1, none", "(e) policy streaming"]
 
 
+def test_paired_ticks_print_each_round_and_the_median_ratio():
+    """(g): the policies' brains tick in turn; every round gives each one's ms and the ratio to
+    the first, then the median over rounds, and nothing of (a)-(f) runs."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
+                          "64", "--paired", "8", "--repeats", "2", "--policies", "streaming", "smartkv+recall"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rounds = [line for line in out.splitlines() if "(g) round" in line]
+    assert len(rounds) == 2 and all("32 ticks each" in line for line in rounds)  # one window of smartkv at 64
+    ratios = [float(line.rsplit(" x", 1)[1]) for line in rounds]
+    for line, ratio in zip(rounds, ratios):
+        streaming, recall = (float(line.split(f"{p} ")[1].split(" ms")[0]) for p in ("streaming", "smartkv+recall"))
+        assert abs(recall / streaming - ratio) < 0.01  # the ms are printed to 2 decimals
+    median = float(out.split("ticking in turn: x")[1].split()[0])
+    assert abs(median - sorted(ratios)[0] - (sorted(ratios)[1] - sorted(ratios)[0]) / 2) < 2e-3
+    assert "(a) hf-generate" not in out and "ms/tok" not in out
+
+
 def test_generate_is_measured_on_a_default_model_of_its_own(tiny):
     """(a) runs transformers' own "sdpa" attention on a model object of its own with the same
     weights; building it leaves the brain's model (and its attention) as it was."""
