@@ -59,6 +59,14 @@ class Slab:
             layer.key_buffer is keys and layer.value_buffer is values
             for layer, (keys, values) in zip(layers, self._views))
 
+    def shared_start(self, layers: list) -> int | None:
+        """The buffer row every layer's live rows start at, if they all live here and share one
+        (after a per-lane splice); else None."""
+        start = layers[0].start
+        if not self.holds(layers) or any(layer.start != start for layer in layers):
+            return None
+        return start
+
     def move(self, lane: np.ndarray, src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> None:
         """Copy rows at once: move i takes buffer rows src[i] .. src[i] + count[i] of lane[i]
         (layer * kv_heads + head) to dst[i] .. dst[i] + count[i] (int64 arrays [moves]). Every
@@ -77,17 +85,15 @@ class Slab:
     def keys_of(self, layers: list, rows: int) -> torch.Tensor | None:
         """The first `rows` live keys of every layer, [layers, kv_heads, rows, head_dim]: a view
         (no copy) when the layers all live here and start at the same buffer row, else None."""
-        start = layers[0].start
-        if not self.holds(layers) or any(layer.start != start for layer in layers):
-            return None
-        return self.keys[:, :, start : start + rows]
+        start = self.shared_start(layers)
+        return None if start is None else self.keys[:, :, start : start + rows]
 
     def rows_of(self, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values [layers, kv_heads, n, head_dim] of live rows `rows` (int [lanes, n], a
         lane a layer or one kv head of one), one gather per buffer; None unless the layers all
         live here and start at the same buffer row."""
-        start = layers[0].start
-        if not self.holds(layers) or any(layer.start != start for layer in layers):
+        start = self.shared_start(layers)
+        if start is None:
             return None
         count, kv_heads, n = len(layers), self.keys.shape[1], rows.shape[-1]
         rows = rows.reshape(count, -1, n)  # [layers, lanes a layer (1 or kv_heads), n]

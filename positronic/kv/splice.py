@@ -142,14 +142,20 @@ class OneSequenceLayer(CacheLayerMixin):
     def rows_of(cls, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [layers, kv_heads, n, head_dim] of live rows `rows` (int [lanes, n]:
         one row list per layer, or per kv head of each layer, lane = layer * kv_heads + head)."""
+        if (rows == rows[0]).all():  # the same rows in every lane: one index, one read a layer
+            at = torch.from_numpy(rows[0]).to(layers[0].device)
+            return (torch.stack([layer.keys[0][:, at] for layer in layers]),  # indexing: half index_select's time
+                    torch.stack([layer.values[0][:, at] for layer in layers]))
         heads = len(rows) // len(layers)
         keys, values = [], []
         for index, layer in enumerate(layers):
-            parts = [(layer.keys[0, :] if heads == 1 else layer.keys[0, head : head + 1],
-                      layer.values[0, :] if heads == 1 else layer.values[0, head : head + 1],
-                      torch.from_numpy(rows[index * heads + head]).to(layer.device)) for head in range(heads)]
-            keys.append(torch.cat([k[:, at] for k, _, at in parts]))  # indexing: half index_select's time on a view
-            values.append(torch.cat([v[:, at] for _, v, at in parts]))
+            at = [torch.from_numpy(rows[index * heads + head]).to(layer.device) for head in range(heads)]
+            if heads == 1:
+                keys.append(layer.keys[0][:, at[0]])
+                values.append(layer.values[0][:, at[0]])
+                continue
+            keys.append(torch.cat([layer.keys[0, head : head + 1][:, a] for head, a in enumerate(at)]))
+            values.append(torch.cat([layer.values[0, head : head + 1][:, a] for head, a in enumerate(at)]))
         return torch.stack(keys), torch.stack(values)
 
     @classmethod
@@ -276,7 +282,7 @@ class SpliceLayer(OneSequenceLayer):
         """As OneSequenceLayer's, but a view, not a copy, of every layer's keys when they all
         live in one Slab at the same start (after per-lane splices)."""
         slab = layers[0].slab
-        if slab is not None and len(index) == len(layers) and index == list(range(len(layers))):
+        if slab is not None and list(index) == list(range(len(layers))):
             keys = slab.keys_of(layers, rows)
             if keys is not None:
                 return keys
@@ -303,7 +309,7 @@ class SpliceLayer(OneSequenceLayer):
         slab.move(*moves)
 
     @staticmethod
-    def lane_moves(layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, list]:
+    def lane_moves(layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> tuple[int, tuple]:
         """The plan of `splice_heads` (the rows fit the capacity), not done: the anchor all
         layers share (their new `start`) and the moves: int64 arrays lane, src, dst, count
         [moves] (rows src .. src + count of a lane go to dst .., in buffer rows).

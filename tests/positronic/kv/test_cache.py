@@ -127,7 +127,8 @@ def assert_lane_rows_read_each_heads_own_rows(cache):
     """`lane_rows`: per lane (layer x kv head) its own rows, and per layer the same rows in every head."""
     per_head = [[(3 * lane + 1) % 30, lane % 7, 29] for lane in range(len(cache.layers) * KV_HEADS)]
     per_layer = [[layer % 5, 12] for layer in range(len(cache.layers))]
-    for rows_of, heads in ((per_head, KV_HEADS), (per_layer, 1)):
+    same = [[4, 9, 2]] * len(cache.layers)  # shared rows: the same in every layer
+    for rows_of, heads in ((per_head, KV_HEADS), (per_layer, 1), (same, 1)):
         keys, values = cache.lane_rows(rows_of)
         for index, layer in enumerate(cache.layers):
             for head in range(KV_HEADS):
