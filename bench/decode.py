@@ -322,6 +322,10 @@ def main() -> None:
                              "TICKS each (rounded up to whole smartkv windows) per round, and their ratios to the "
                              "first policy, per round and as the median")
     args = parser.parse_args()
+    if args.paired < 0:
+        parser.error(f"--paired takes a number of ticks >= 1, got {args.paired}")
+    if args.paired and len(args.policies) < 2:
+        parser.error("--paired ticks two or more --policies in turn (e.g. --policies streaming smartkv+recall)")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     hf = default_model(lm)
     import transformers

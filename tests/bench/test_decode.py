@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -68,6 +70,16 @@ def test_paired_ticks_print_each_round_and_the_median_ratio():
     median = float(out.split("ticking in turn: x")[1].split()[0])
     assert abs(median - sorted(ratios)[0] - (sorted(ratios)[1] - sorted(ratios)[0]) / 2) < 2e-3
     assert "(a) hf-generate" not in out and "ms/tok" not in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--paired", "-4", "--policies", "streaming", "smartkv"], "--paired takes a number of ticks >= 1, got -4"),
+    (["--paired", "8", "--policies", "streaming"], "--paired ticks two or more --policies in turn"),
+])
+def test_paired_refuses_what_it_cannot_run_with_one_line(flags, message):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and not out.stdout
 
 
 def test_generate_is_measured_on_a_default_model_of_its_own(tiny):
