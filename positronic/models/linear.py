@@ -12,9 +12,10 @@ matrices, and its lm_head), ms (bench/results/batch.md):
 
 A decode forward is mostly that read, so B = 8 costs 1.8x of B = 1 where it could cost 1.2x.
 `FewRowsLinear` computes 2 to `FEW_ROWS` rows of a float32 CPU input the second way, and
-everything else (one row, long prefills, other dtypes and devices) as torch does: a brain
-ticking alone gets the same numbers as before. The two ways differ only in rounding
-(the order of each dot product's sums), as torch's own kernels for different row counts do.
+everything else (one row, long prefills, other dtypes and devices) as torch does: a tick
+that feeds one token gets the same numbers as before. Forwards of 2-64 rows (a batch, a
+prompt chunk, a repairer's or recall's rows) differ from before in rounding only (the order
+of each dot product's sums), as torch's own kernels for different row counts do.
 
 MKL's W @ x.T rounds differently for weights at different addresses modulo 16 bytes (a
 model loaded twice from safetensors gave two answers), so the weights are moved to 64-byte
