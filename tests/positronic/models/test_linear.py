@@ -18,15 +18,8 @@ def test_every_row_count_gives_nn_linears_numbers(rows, bias):
     got = layer(x)
     assert got.shape == (1, rows, 160) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if rows == 1 or rows > FEW_ROWS:  # torch's own way: the very same numbers
+    if rows == 1 or rows > FEW_ROWS:  # what a one-token tick relies on: the very same numbers as before
         assert torch.equal(got, want)
-
-
-def test_other_dtypes_keep_torchs_own_way():
-    layer = nn.Linear(32, 48).to(torch.bfloat16)
-    use_few_rows_linear(layer)
-    x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_a_cpu_model_has_them_with_its_tied_head_still_tied(tiny):
