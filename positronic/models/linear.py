@@ -54,14 +54,19 @@ ALIGN = 64  # bytes
 
 @torch.no_grad()
 def use_few_rows_linear(model: nn.Module) -> int:
-    """Make every plain nn.Linear of `model` a FewRowsLinear, in place: its class changes, and
-    a weight not at an ALIGN-byte address is copied to one (the same Parameter: tied weights
-    stay tied). Returns how many layers changed."""
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            if module.weight.data_ptr() % ALIGN:
-                module.weight.data = module.weight.data.clone(memory_format=torch.contiguous_format)
-            module.__class__ = FewRowsLinear
-            count += 1
-    return count
+    """Make every plain nn.Linear of `model` a FewRowsLinear, in place (its class only: the
+    parameters stay the same objects, tied ones stay tied). Returns how many layers changed.
+
+    If a linear weight is not at an ALIGN-byte address (safetensors maps a file whose tensors
+    lie 8-byte aligned), every parameter and buffer not at one is copied to one: copying the
+    weights alone kept the whole mapped file alive beside the copies (SmolLM2: 1,431 MB
+    resident against 905 MB); with nothing left in it the file is let go, and the model holds
+    what it held before."""
+    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    if any(module.weight.data_ptr() % ALIGN for module in linears):
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.data_ptr() % ALIGN:
+                tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+    for module in linears:
+        module.__class__ = FewRowsLinear
+    return len(linears)

@@ -55,3 +55,16 @@ def test_the_same_weights_give_the_same_numbers_wherever_they_lie():
         moved.weight = nn.Parameter(buffer[shift:].view_as(layer.weight).copy_(layer.weight))
         assert use_few_rows_linear(moved) == 1 and moved.weight.data_ptr() % 64 == 0
         assert torch.equal(moved(x), want), f"weights {4 * shift} bytes off"
+
+
+def test_a_model_read_from_safetensors_is_copied_whole_to_aligned_memory(tiny, tmp_path):
+    """Its linear weights must be aligned (above); so must every other tensor, or the mapped
+    file stays resident beside the copies (the model's memory doubled)."""
+    from positronic.models import load_model
+
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu")
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    assert all(tensor.data_ptr() % 64 == 0 for tensor in tensors)
+    assert all(type(m) is FewRowsLinear for m in loaded.model.modules() if isinstance(m, nn.Linear))
