@@ -3,8 +3,8 @@
 Every sequence is a `Brain` of its own (its cache, mirror, ledger, policy and policy state,
 budget, pins, recall memory, sampler and seed), so a tick of the batch is each brain's tick
 exactly as it runs alone, with one difference: the model forwards of all of them are one
-(`Rendezvous`). Brains join and leave between ticks; a brain that fails rebuilds itself from
-its mirror as it would alone, and the others go on.
+(`Rendezvous`), run in the thread that called `step`. Brains join and leave between ticks; a
+brain that fails rebuilds itself from its mirror as it would alone, and the others go on.
 
     batch = Batch()
     batch.join("a", Brain.start(lm, prompt_a, config))
@@ -19,9 +19,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
+import torch
+
 from ..brain.loop import Brain, TickRecord
 from ..state.forward import MEETING
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, one_thread
 
 
 class Batch:
@@ -58,9 +60,10 @@ class Batch:
         names = list(self.brains)
 
         def tick(name: Hashable) -> None:
-            MEETING.set(self.meeting)  # this thread's forwards meet the others'
+            MEETING.set(self.meeting)  # this thread's forwards meet the others', in the caller's thread
             try:
-                records[name] = self.brains[name].step(force.get(name))
+                with one_thread(cores):
+                    records[name] = self.brains[name].step(force.get(name))
             except Exception as error:
                 records[name] = error
             finally:
@@ -72,9 +75,18 @@ class Batch:
             except Exception as error:
                 return {names[0]: error}
         self.meeting.expect(len(names))
+        cores = torch.get_num_threads()  # this thread's, which runs their forwards
         threads = [threading.Thread(target=tick, args=(name,), name=f"tick {name}") for name in names]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        started = []
+
+        def start() -> None:
+            for thread in threads:
+                thread.start()
+                started.append(thread)
+
+        try:
+            self.meeting.serve(starting=start)  # their forwards run in this thread (rendezvous.py says why)
+        finally:
+            for thread in started:
+                thread.join()
         return {name: records[name] for name in names}

@@ -3,14 +3,24 @@
 Each sequence ticks in a thread of its own, exactly as it would alone: its policy, its edits,
 its mirror. A thread whose `MEETING` is a Rendezvous hands every model forward it makes (a
 tick's, a prefill's chunks) to it and waits. Once every sequence at work is either waiting
-here or done, the waiting forwards run as one (`forward_many`), in the thread of one of
-them; each sequence then goes on with its own result. Python work is serialised by the GIL
+here or done, the waiting forwards run as one (`forward_many`), in the runner's thread (below);
+each sequence then goes on with its own result. Python work is serialised by the GIL
 as it would be anyway; the forward, which reads every weight once for all of them, is shared.
 
 A shared forward that fails is run again one sequence at a time (appended rows taken back
 first; rows written into a splice's gaps are simply written again), so only the sequence at
 fault sees the error, and rebuilds itself as it would alone. A forward that cannot be shared
-(probes, the ring store) runs alone, at once.
+(probes, the ring store) runs alone, at once (`call`).
+
+Who runs the forwards. With a runner (a thread in `serve()`: `Batch.step`'s caller, the
+server's forward thread) every forward, shared or alone, runs in that one thread with torch's
+threads, and the sequences' threads keep to one (`one_thread`). Without one, the last thread
+to arrive runs the round. The difference is speed, not numbers: on a CPU, torch's OpenMP
+(libgomp) gives each thread that runs a parallel op a pool of its own, and once there are more
+pool threads than cores every pool's threads stop spinning between ops and sleep; a forward of
+8 rows then ran at 0.55x its speed in a second thread of this project's 2-core box (52 ms of
+linear layers against 30 ms in the thread that loaded the model). One thread with torch's
+threads, every other with one, keeps one pool.
 
 `linger` (seconds): how long a round waits, once nobody is at work, for the sequences of the
 previous round that have not come back yet (a server's requests come back for their next token through its event loop;
@@ -19,23 +29,69 @@ anyone while a sequence is still at work: it cannot run before they are all wait
 
     meeting = Rendezvous()
     meeting.expect(2)                       # before the sequences' threads start
-    # in each thread:  MEETING.set(meeting); brain.step(); meeting.done()
+    # in each thread:  MEETING.set(meeting); with one_thread(2): brain.step(); meeting.done()
+    meeting.serve(starting=start_threads)   # here: run their forwards until both are done
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from ..state.forward import ForwardResult, Prepared, forward_alone, prepare
 from ..state.batched import forward_many
 
-class _Ticket:
-    """One sequence's forward, waiting for its turn; then its result (or the error it raised)."""
 
-    def __init__(self, lm, part: Prepared):
-        self.lm, self.part, self.done = lm, part, False
-        self.result: ForwardResult | BaseException | None = None
+@contextlib.contextmanager
+def one_thread(others: int):
+    """torch's intra-op threads are one in this thread while active (a sequence's thread in a
+    batch with a runner: its forwards run in the runner, the rest is small ops). `others`: the
+    runner's count, put back on the way out as the count of threads yet to start (torch gives
+    a thread, on its first parallel op, the count last set in any thread)."""
+    set_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(others)
+
+
+def set_threads(count: int) -> None:
+    """torch's intra-op threads in this thread (OpenMP keeps one count per thread)."""
+    torch.get_num_threads()  # its first use sets the thread's count (see one_thread): before ours, not after
+    torch.set_num_threads(count)
+
+
+class _Ticket:
+    """One sequence's forward (`part`), or any other model run (`work`), waiting for its turn;
+    then its result, or the error it raised."""
+
+    def __init__(self, lm=None, part: Prepared | None = None, work: Callable[[], object] | None = None):
+        self.lm, self.part, self.work, self.done = lm, part, work, False
+        self.result: object = None
+        self.error: BaseException | None = None
+
+    def finish(self, outcome) -> None:
+        """Its result, or the _Failed that holds its error."""
+        if isinstance(outcome, _Failed):
+            self.error = outcome.error
+        else:
+            self.result = outcome
+        self.done = True
+
+    def outcome(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@dataclass
+class _Failed:
+    error: BaseException
 
 
 class Rendezvous:
@@ -49,6 +105,10 @@ class Rendezvous:
         self._waiting: list[_Ticket] = []
         self._idle_since: float | None = None  # when everyone at work came to wait, some of the last round missing
         self._last: set[int] = set()  # the caches the last round fed
+        self._alone: list[_Ticket] = []  # forwards that cannot be shared, for the runner to run at once
+        self._runner: int | None = None  # the thread in serve(), if any
+        self._stop = False
+        self._running = False  # a forward is running (the lock let go meanwhile)
         self.forwards = 0  # shared forwards run
         self.fed = 0  # sequences they fed
         self.retries = 0  # shared forwards that failed and were run again one sequence at a time
@@ -68,8 +128,8 @@ class Rendezvous:
                 attention_layers: list[int] | None = None, probes=None) -> ForwardResult:
         """`state.forward.forward`'s contract, shared with the other sequences at work."""
         if probes or getattr(cache, "store", "splice") == "ring":
-            return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
-                                 probes=probes)
+            return self.call(forward_alone, lm, cache, token_ids, positions, key_positions,
+                             attention_layers=attention_layers, probes=probes)
         ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers))
         with self._turn:
             if self._working <= 0:  # it would wait for a round nobody counts it in
@@ -79,21 +139,72 @@ class Rendezvous:
             self._working -= 1
             self._turn.notify_all()
             while not ticket.done:
-                wait = self._wait()
-                if wait == 0:
+                if self._runner is not None:
+                    self._turn.wait()
+                elif (wait := self._wait()) == 0:
                     self._run()
                 else:
                     self._turn.wait(wait)
-            self._working += 1
-        if isinstance(ticket.result, BaseException):
-            raise ticket.result
-        return ticket.result
+        return ticket.outcome()
+
+    def call(self, function: Callable, *args, **kwargs):
+        """`function(*args, **kwargs)` in the runner, at once, not in a round: a model run that
+        cannot be shared (a forward with probes or over a ring store; a prompt's logprobs).
+        Without a runner, in this thread."""
+        if self._runner is None:
+            return function(*args, **kwargs)
+        ticket = _Ticket(work=lambda: function(*args, **kwargs))
+        with self._turn:
+            self._alone.append(ticket)
+            self._turn.notify_all()
+            while not ticket.done:
+                if self._runner is not None:
+                    self._turn.wait()
+                else:  # the runner left before running it
+                    self._alone.remove(ticket)
+                    ticket.finish(self._unlocked(_alone, ticket))
+        return ticket.outcome()
+
+    def serve(self, *, forever: bool = False, starting: Callable[[], None] = lambda: None) -> None:
+        """Run every forward in this thread (the runner), until nobody is at work and none is
+        waiting (`forever`: until `stop()`). `starting()` is called once this thread is the
+        runner: start the sequences' threads there, or a round could go before the runner is
+        in (run by a sequence's thread, with its one thread). On the way out, even by an
+        exception, the sequences' threads go back to running their rounds themselves."""
+        with self._turn:
+            if self._runner is not None:
+                raise RuntimeError("the rendezvous already has a runner")
+            self._runner, self._stop = threading.get_ident(), False
+            try:
+                starting()
+                while not self._stop:
+                    if self._alone and not self._running:
+                        ticket = self._alone.pop(0)
+                        ticket.finish(self._unlocked(_alone, ticket))
+                        self._turn.notify_all()
+                        continue
+                    wait = self._wait()
+                    if wait == 0:
+                        self._run()
+                    elif not (forever or self._working or self._waiting or self._running):
+                        return
+                    else:
+                        self._turn.wait(wait)
+            finally:
+                self._runner = None
+                self._turn.notify_all()
+
+    def stop(self) -> None:
+        """The runner (`serve(forever=True)`) returns once its round, if any, is over."""
+        with self._turn:
+            self._stop = True
+            self._turn.notify_all()
 
     def _wait(self) -> float | None:
         """(Holding the lock.) 0: run the round now; else how long to wait (None: until told).
         The linger counts from the moment nobody is at work: before that the round could not
         run anyway, and a sequence still at work is no reason to give up on one coming back."""
-        if self._working or not self._waiting:
+        if self._running or self._working or not self._waiting:
             self._idle_since = None
             return None
         missing = self._last - {id(ticket.part.cache) for ticket in self._waiting}
@@ -104,30 +215,49 @@ class Rendezvous:
         return max(0.0, self._idle_since + self.linger - time.monotonic())
 
     def _run(self) -> None:
-        """(Holding the lock.) Every waiting forward as one."""
+        """(Holding the lock, which it lets go while the forward runs.) Every waiting forward as one."""
         tickets, self._waiting = self._waiting, []
-        lm = tickets[0].lm
-        try:
-            results = forward_many(lm, [ticket.part for ticket in tickets])
-        except BaseException as error:
-            if len(tickets) == 1:
-                results = [error]
-            else:  # each alone: only the sequence at fault fails
-                self.retries += 1
-                results = [_alone(ticket) for ticket in tickets]
+        results = self._unlocked(self._forward, tickets)
         self.forwards += 1
         self.fed += len(tickets)
         self._idle_since = None
         self.on_forward(len(tickets))
         self._last = {id(ticket.part.cache) for ticket in tickets}
         for ticket, result in zip(tickets, results):
-            ticket.result, ticket.done = result, True
-        self._turn.notify_all()
+            ticket.finish(result)
+        self._working += len(tickets)  # at work again from now, not from when each thread wakes: else
+        self._turn.notify_all()        # the first to come back could go in a round of its own
+
+    def _forward(self, tickets: list[_Ticket]) -> list:
+        """Each ticket's ForwardResult, or _Failed."""
+        try:
+            return forward_many(tickets[0].lm, [ticket.part for ticket in tickets])
+        except BaseException as error:
+            if len(tickets) == 1:
+                return [_Failed(error)]
+            self.retries += 1  # each alone: only the sequence at fault fails
+            return [_alone(ticket) for ticket in tickets]
+
+    def _unlocked(self, function, *args):
+        """(Holding the lock.) `function(*args)` with the lock let go: the threads that arrive
+        meanwhile, and the server's event loop that counts a new job in (`expect`), do not wait
+        for the forward. No other round starts meanwhile (`_running`)."""
+        self._running = True
+        self._turn.release()
+        try:
+            return function(*args)
+        finally:
+            self._turn.acquire()
+            self._running = False
 
 
-def _alone(ticket: _Ticket) -> ForwardResult | BaseException:
-    ticket.part.undo_appends()
+def _alone(ticket: _Ticket):
+    """The ticket's run on its own (a shared forward's retry takes back its appended rows
+    first): its result, or _Failed."""
     try:
+        if ticket.work is not None:
+            return ticket.work()
+        ticket.part.undo_appends()
         return forward_many(ticket.lm, [ticket.part])[0]
     except BaseException as error:
-        return error
+        return _Failed(error)

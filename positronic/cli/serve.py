@@ -133,6 +133,13 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         # one server per session directory, and no run.py in one of its sessions: held until the command ends
         ctx.with_resource(sessions.locked(directory, "positronic serve"))
         set_threads(options["threads"])
+        import torch
+
+        # the forwards run in the server's forward thread with torch's threads; this one (the event
+        # loop's) keeps to one, so that it never starts OpenMP threads of its own, which would
+        # slow every forward (positronic/batch/rendezvous.py)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
         check_budget(lm, config)
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
@@ -144,7 +151,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"],
                                   checkpoint_each_request=options["checkpoint_each_request"],
-                                  history_edits=options["history_edits"])
+                                  history_edits=options["history_edits"], threads=threads)
         return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
                              api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
                              log_level=options["log_level"].value)

@@ -50,6 +50,7 @@ class ServerSettings:
     sweep_every_s: float = 5.0  # how often idle sessions are looked for
     checkpoint_each_request: bool = True  # write a session through to disk before each answer's last byte
     history_edits: str = "refuse"  # a chat whose earlier messages differ from its session's: refuse (409) | rebuild
+    threads: int | None = None  # torch's threads in the forward thread (None: this thread's when the server is made)
 
 
 class BrainServer:
@@ -61,7 +62,7 @@ class BrainServer:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.format = ChatFormat(lm)
-        self.worker = ModelWorker(on_forward=self.metrics.record_batch)
+        self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.in_flight = 0
@@ -217,12 +218,13 @@ class BrainServer:
         if echo is None or len(ids) <= config.budget:
             await self.worker.run(conversation.start, self.lm, ids, config, owner=conversation)
             pruned = len(ids) - conversation.brain.state.rows_per_layer
-            echoed = [] if echo is None else await self.worker.run(of_prompt, self.lm, ids, echo)
+            echoed = [] if echo is None else await self.worker.run(self.worker.meeting.call, of_prompt, self.lm, ids,
+                                                                     echo)  # in the forward thread
             return Prepared(len(ids), echoed, pruned, "exact")
         head = ids[:config.budget]
         await self.worker.run(conversation.start, self.lm, head, config, owner=conversation)
         conversation.queue(forced=ids[config.budget:])
-        echoed = await self.worker.run(of_prompt, self.lm, head, echo)
+        echoed = await self.worker.run(self.worker.meeting.call, of_prompt, self.lm, head, echo)
         return Prepared(len(ids), echoed, 0, f"exact for the first {len(head)} prompt tokens, then teacher-forced "
                                              "through the session's bounded cache")
 

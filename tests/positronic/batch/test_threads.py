@@ -1,0 +1,108 @@
+"""Which thread runs a batch's forwards, and with how many of torch's threads.
+
+On a CPU each thread that runs a parallel op gets OpenMP threads of its own, and once there
+are more of them than cores every forward slows (a forward of 8 rows ran at 0.55x its speed
+in a second thread on a 2-core box: positronic/batch/rendezvous.py). So one thread, the
+runner, runs every forward with torch's threads, and the sequences' threads keep to one.
+"""
+
+import asyncio
+import threading
+
+import torch
+
+from positronic.batch import Batch, Rendezvous, rendezvous
+from positronic.brain.loop import Brain, BrainConfig
+from positronic.server.sessions import ModelWorker
+from positronic.state.forward import MEETING
+
+from .test_batch import PROMPTS, alone
+
+
+def spy(monkeypatch, name: str) -> list[tuple[str, int]]:
+    """Record the thread and its torch threads of every call of rendezvous.`name`."""
+    calls, real = [], getattr(rendezvous, name)
+
+    def spied(*args, **kwargs):
+        calls.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rendezvous, name, spied)
+    return calls
+
+
+def test_every_forward_of_a_batch_runs_in_the_callers_thread_and_the_sequences_keep_to_one(tiny, monkeypatch):
+    """Shared forwards and the forwards that run alone (a repairer's probes) alike; after the
+    step, a thread yet to start gets the caller's count, not the sequences' one."""
+    shared, solo = spy(monkeypatch, "forward_many"), spy(monkeypatch, "forward_alone")
+    configs = [dict(budget=48, window=8, seed=1, temperature=0, repairer="bridge"), dict(budget=40, seed=2, temperature=0.8)]
+    batch = Batch()
+    seen = []
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        brain = Brain.start(tiny, prompt, BrainConfig(**config))
+        real_step = brain.step
+        brain.step = lambda force=None, step=real_step: (seen.append(torch.get_num_threads()), step(force))[1]
+        batch.join(name, brain)
+    caller = (threading.current_thread().name, torch.get_num_threads())
+    for _ in range(30):
+        batch.step()
+    assert shared and solo, "the run made no shared forward or no forward alone: it checks nothing"
+    assert set(shared) == set(solo) == {caller}
+    assert set(seen) == {1}
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [caller[1]]
+
+
+def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one(tiny, monkeypatch):
+    """torch sets a thread's count on its first parallel op from the count last set anywhere:
+    the jobs set one, and the forward thread must still run with the worker's."""
+    shared = spy(monkeypatch, "forward_many")
+    worker = ModelWorker(threads=2)
+
+    async def run():
+        brains = await asyncio.gather(*(worker.run(Brain.start, tiny, prompt, BrainConfig(budget=40, seed=k))
+                                        for k, prompt in enumerate(PROMPTS)))
+        for _ in range(6):
+            await asyncio.gather(*(worker.run(brain.step) for brain in brains))
+        # a model run that is not a forward of the brain (a prompt's logprobs) runs there too
+        return await worker.run(worker.meeting.call, lambda: (threading.current_thread().name, torch.get_num_threads()))
+
+    try:
+        called = asyncio.run(run())
+    finally:
+        worker.close()
+    assert len(shared) > 6
+    assert set(shared) == {("positronic-forward", 2)} and called == ("positronic-forward", 2)
+    assert not worker._forwards.is_alive()
+
+
+def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny):
+    """The runner leaves after its first round (as an exception would take it away): the
+    sequences' ticks go on, each exactly as alone."""
+    configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
+    ticks = 20
+    want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
+    brains = [Brain.start(tiny, prompt, BrainConfig(**config)) for prompt, config in zip(PROMPTS, configs)]
+    meeting = Rendezvous(on_forward=lambda sequences: meeting.stop())
+    got = [[] for _ in brains]
+
+    def tick(number: int) -> None:
+        MEETING.set(meeting)
+        try:
+            got[number] = [brains[number].step().token_id for _ in range(ticks)]
+        finally:
+            meeting.done()
+
+    meeting.expect(len(brains))
+    threads = [threading.Thread(target=tick, args=(number,)) for number in range(len(brains))]
+    runner = threading.Thread(target=meeting.serve, kwargs={"forever": True,
+                                                            "starting": lambda: [t.start() for t in threads]})
+    runner.start()
+    for thread in [runner] + threads:  # the runner starts the others
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads + [runner])
+    assert got == want
+    assert meeting.forwards == ticks
