@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.batch import Rendezvous  # noqa: E402
+from positronic.batch.rendezvous import one_thread  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.state.forward import MEETING  # noqa: E402
@@ -99,6 +100,7 @@ def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
     print(f"a {tokens}-token prompt (policy streaming, budget {budget}): Brain.start alone {alone_s:.2f} s; "
           f"a tick alone {1000 * tick_s:.0f} ms")
     print(f"before batching: the other sequence waits {alone_s + tick_s:.2f} s for its next token")
+    cores = torch.get_num_threads()
     for chunk in chunks:
         meeting, done, gaps = Rendezvous(prefill_chunk=chunk), threading.Event(), []
 
@@ -106,18 +108,20 @@ def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
             MEETING.set(meeting)
             last = time.perf_counter()
             try:
-                while not done.is_set():
-                    tick.step()
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
+                with one_thread(cores):
+                    while not done.is_set():
+                        tick.step()
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
             finally:
                 meeting.done()
 
         def prefill() -> None:
             MEETING.set(meeting)
             try:
-                Brain.start(lm, prompt, BrainConfig(**config))
+                with one_thread(cores):
+                    Brain.start(lm, prompt, BrainConfig(**config))
             finally:
                 done.set()
                 meeting.done()
@@ -125,8 +129,7 @@ def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
         meeting.expect(2)
         threads = [threading.Thread(target=generate), threading.Thread(target=prefill)]
         start = time.perf_counter()
-        for thread in threads:
-            thread.start()
+        meeting.serve(starting=lambda: [thread.start() for thread in threads])  # their forwards run here
         for thread in threads:
             thread.join()
         print(f"batched, chunks of {chunk:>4}: prompt in after {time.perf_counter() - start:.2f} s; the other made "
