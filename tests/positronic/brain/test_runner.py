@@ -111,19 +111,23 @@ def in_our_code(process) -> bool:
         return True
 
 
-def signal_moment(rng, process, events: Path, done: int, ticks: int, span: int) -> None:
+def signal_moment(rng, process, events: Path, done: int, ticks: int, span: int, stale: int) -> None:
     """Return at a random moment of the run: a quarter of the time during start-up (a random
     fraction of a second after run.py began importing), else once the log shows a random tick
     among the next `span` (at most half of what is left). Counted in ticks, not seconds, so
     every signal lands before the run can end however fast or loaded the machine is
-    (time-based delays failed both ways); `span` leaves ticks for every stop to come."""
+    (time-based delays failed both ways); `span` leaves ticks for every stop to come.
+    `stale`: the log's last tick before this run started. A run killed between two saves
+    leaves ticks past `done` there, which are this run's only once it has made them again:
+    counting them sent a Ctrl-C before the interpreter could handle one (killed by SIGINT)."""
     if rng.random() < 0.25:
         deadline = time.monotonic() + 60
         while process.poll() is None and not in_our_code(process) and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(rng.uniform(0.0, 1.0))
         return
-    target = done + rng.randint(1, max(1, min(span, (ticks - done) // 2)))
+    start = max(done, stale)
+    target = start + rng.randint(1, max(1, min(span, (ticks - start) // 2)))
     deadline = time.monotonic() + 120
     while process.poll() is None and logged_tick(events) < target and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -149,13 +153,15 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
         if done >= ticks:
             break
         args = cli("--ticks", str(ticks - done), "--session", str(session), "--events", str(events), *common)
+        stale = logged_tick(events)
         process = subprocess.Popen(args + (["--resume"] if saved.exists() else ["--overwrite"]),  # a log of a run killed before its first save
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=interruptible)
         if len(stops) < SOAK_STOPS:  # then it runs to the end
             # the suite's 8 stops land in the first half of what is left, as they always have; the
             # long form's many stops each take a share of the ticks, so that every stop has a run to stop
-            signal_moment(rng, process, events, done, ticks, span=ticks if SOAK_STOPS <= 8 else ticks // (2 * SOAK_STOPS))
+            signal_moment(rng, process, events, done, ticks, span=ticks if SOAK_STOPS <= 8 else ticks // (2 * SOAK_STOPS),
+                          stale=stale)
             number = rng.choice([signal.SIGINT, signal.SIGKILL])
             process.send_signal(number)
             stops.append((number, process.wait(timeout=120)))
