@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - older typer
 from ..brain import session as sessions
 from ..models import ModelError
 from ..state.manager import StateBrokenError
+from . import common
 from .common import UserError, brain_config
 from .eval import eval_command
 from .run import DEFAULT_PROMPT, run_plain  # noqa: F401  (for the bench scripts)
@@ -79,6 +80,7 @@ def entry() -> None:
     ignored. The work is done and saved by then, and a Ctrl-C while the interpreter tears down
     (unloading torch takes a moment) would otherwise turn a finished run's exit status into
     "killed by SIGINT". Not for in-process callers: it changes the process's SIGINT handling."""
+    common.OWNS_PROCESS = True  # e.g. the collector may freeze the loaded model's objects (common.freeze_heap)
     try:
         main()
     finally:

@@ -21,8 +21,8 @@ from ..brain.runner import Runner, RunResult, events_run_id, summary
 from ..models import load_model, random_names
 from ..policies import POLICIES
 from ..util import read_text_file
-from .common import (DEFAULTS, UserError, brain_config, given_flags, refuse_changed_settings, set_threads, show_version,
-                     writable_directory)
+from .common import (DEFAULTS, UserError, brain_config, freeze_heap, given_flags, refuse_changed_settings, set_threads,
+                     show_version, writable_directory)
 
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
 
@@ -142,6 +142,7 @@ def run(
         from ..tui.app import loading
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
         lm = load_model(model, device=device, dtype=dtype)
+        freeze_heap()
         if resume:
             brain = sessions.resume(lm, session)
         else:

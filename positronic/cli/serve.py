@@ -21,7 +21,7 @@ import typer
 
 from ..brain.config import SERVE_BUDGET, check_budget
 from ..models import load_model
-from .common import UserError, set_threads, writable_directory
+from .common import UserError, freeze_heap, set_threads, writable_directory
 
 # the run's options a server takes as they are (besides --budget, whose default differs)
 RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
@@ -141,6 +141,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
+        freeze_heap()
         check_budget(lm, config)
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
             typer.echo(note, err=True)
