@@ -174,9 +174,11 @@ class Memories:
     def entries(self) -> list[list[list]]:
         """Per layer, [score, position, id] of every token held, by slot (a session's record),
         and a 4th item, the step it is held until, for a token taken back and still held."""
-        return [[[float(self.scores[layer, slot]), int(self.positions[layer, slot]), int(self.ids[layer, slot])]
-                 + ([int(self.until[layer, slot])] if self.until[layer, slot] else [])
-                 for slot in range(self.count)] for layer in range(self.layers)]
+        held = slice(0, self.count)
+        columns = (self.scores[:, held].tolist(), *(getattr(self, name)[:, held].astype(np.int64).tolist()
+                                                    for name in ("positions", "ids", "until")))
+        return [[[score, position, token_id] + ([until] if until else [])
+                 for score, position, token_id, until in zip(*layer)] for layer in zip(*columns)]
 
     @staticmethod
     def from_entries(entries: list[list], size: int, horizon: int) -> "Memories":
