@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.batch import Rendezvous  # noqa: E402
-from positronic.batch.rendezvous import one_thread  # noqa: E402
+from positronic.batch.threads import one_thread  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.state.forward import MEETING  # noqa: E402

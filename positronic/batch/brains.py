@@ -23,7 +23,8 @@ import torch
 
 from ..brain.loop import Brain, TickRecord
 from ..state.forward import MEETING
-from .rendezvous import Rendezvous, one_thread
+from .rendezvous import Rendezvous
+from .threads import one_thread
 
 
 class Batch:

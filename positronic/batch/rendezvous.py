@@ -14,13 +14,9 @@ fault sees the error, and rebuilds itself as it would alone. A forward that cann
 
 Who runs the forwards. With a runner (a thread in `serve()`: `Batch.step`'s caller, the
 server's forward thread) every forward, shared or alone, runs in that one thread with torch's
-threads, and the sequences' threads keep to one (`one_thread`). Without one, the last thread
-to arrive runs the round. The difference is speed, not numbers: on a CPU, torch's OpenMP
-(libgomp) gives each thread that runs a parallel op a pool of its own, and once there are more
-pool threads than cores every pool's threads stop spinning between ops and sleep; a forward of
-8 rows then ran at 0.55x its speed in a second thread of this project's 2-core box (52 ms of
-linear layers against 30 ms in the thread that loaded the model). One thread with torch's
-threads, every other with one, keeps one pool.
+threads, and the sequences' threads keep to one (`threads.one_thread`, which says why: a
+forward of 8 rows ran at 0.55x its speed otherwise). Without a runner, the last thread to
+arrive runs the round. The numbers are the same either way.
 
 `linger` (seconds): how long a round waits, once nobody is at work, for the sequences of the
 previous round that have not come back yet (a server's requests come back for their next token through its event loop;
@@ -29,41 +25,19 @@ anyone while a sequence is still at work: it cannot run before they are all wait
 
     meeting = Rendezvous()
     meeting.expect(2)                       # before the sequences' threads start
-    # in each thread:  MEETING.set(meeting); with one_thread(2): brain.step(); meeting.done()
+    # in each thread:  MEETING.set(meeting); with threads.one_thread(2): brain.step(); meeting.done()
     meeting.serve(starting=start_threads)   # here: run their forwards until both are done
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from ..state.forward import ForwardResult, Prepared, forward_alone, prepare
 from ..state.batched import forward_many
-
-
-@contextlib.contextmanager
-def one_thread(others: int):
-    """torch's intra-op threads are one in this thread while active (a sequence's thread in a
-    batch with a runner: its forwards run in the runner, the rest is small ops). `others`: the
-    runner's count, put back on the way out as the count of threads yet to start (torch gives
-    a thread, on its first parallel op, the count last set in any thread)."""
-    set_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(others)
-
-
-def set_threads(count: int) -> None:
-    """torch's intra-op threads in this thread (OpenMP keeps one count per thread)."""
-    torch.get_num_threads()  # its first use sets the thread's count (see one_thread): before ours, not after
-    torch.set_num_threads(count)
 
 
 class _Ticket:

@@ -40,7 +40,7 @@ import torch
 
 from ..brain import session as sessions
 from ..batch import Rendezvous
-from ..batch.rendezvous import one_thread, set_threads
+from ..batch.threads import one_thread, set_threads
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
 from .history import History
