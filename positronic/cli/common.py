@@ -33,11 +33,11 @@ def show_version(value: bool) -> None:
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads (default: torch's choice, one per core)."""
+    """--threads: torch's intra-op threads in this thread (default: torch's choice, one per core)."""
     if threads is not None:
-        import torch
+        from ..batch.threads import set_threads as set_torch_threads
 
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
 
 
 OWNS_PROCESS = False  # set by cli.entry(): the command is the whole process, not a call inside another

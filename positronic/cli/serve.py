@@ -132,14 +132,13 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
 
         # one server per session directory, and no run.py in one of its sessions: held until the command ends
         ctx.with_resource(sessions.locked(directory, "positronic serve"))
-        set_threads(options["threads"])
         import torch
 
-        # the forwards run in the server's forward thread with torch's threads; this one (the event
+        # the forwards run in the server's forward thread with these threads; this one (the event
         # loop's) keeps to one, so that it never starts OpenMP threads of its own, which would
-        # slow every forward (positronic/batch/rendezvous.py)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        # slow every forward (positronic/batch/threads.py)
+        threads = options["threads"] or torch.get_num_threads()
+        set_threads(1)
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
         freeze_heap()
         check_budget(lm, config)

@@ -104,10 +104,12 @@ class ModelWorker:
     the brain. `linger`: how long a round of forwards waits for a session of the previous
     round whose next job is not in yet (Rendezvous). Every model forward runs in one thread of
     its own ("positronic-forward") with torch's `threads`; the jobs' threads keep to one
-    (positronic/batch/rendezvous.py says why: a forward of 8 rows at 0.55x speed otherwise)."""
+    (positronic/batch/threads.py says why: a forward of 8 rows at 0.55x speed otherwise)."""
 
     def __init__(self, *, linger: float = LINGER_S, on_forward: Callable[[int], None] = lambda sequences: None,
                  threads: int | None = None):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
         self.meeting = Rendezvous(linger=linger, on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
         serving = threading.Event()
@@ -115,6 +117,8 @@ class ModelWorker:
                                           daemon=True)
         self._forwards.start()
         serving.wait()  # a job's forward never finds the runner missing
+        if not self._forwards.is_alive():
+            raise RuntimeError("the server's forward thread did not start")
         self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
         self._lock = threading.Lock()
         self._jobs: set[concurrent.futures.Future] = set()
@@ -145,8 +149,11 @@ class ModelWorker:
         return await asyncio.wrap_future(future)
 
     def _run_forwards(self, serving: threading.Event) -> None:
-        set_threads(self.threads)
-        self.meeting.serve(forever=True, starting=serving.set)
+        try:
+            set_threads(self.threads)
+            self.meeting.serve(forever=True, starting=serving.set)
+        finally:
+            serving.set()  # failed before serving: __init__ must not wait for ever
 
     def _job(self, future: concurrent.futures.Future, fn: Callable, args) -> None:
         MEETING.set(self.meeting)  # the forwards of this job meet the other jobs'

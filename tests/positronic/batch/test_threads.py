@@ -9,6 +9,7 @@ runner, runs every forward with torch's threads, and the sequences' threads keep
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from positronic.batch import Batch, Rendezvous, rendezvous
@@ -106,3 +107,13 @@ def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny):
     assert not any(thread.is_alive() for thread in threads + [runner])
     assert got == want
     assert meeting.forwards == ticks
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True])
+def test_a_worker_with_a_bad_thread_count_is_refused_at_once(threads):
+    """One line naming the setting, before any thread starts (a forward thread that failed on
+    it would have left the server waiting for it for ever)."""
+    alive = threading.active_count()
+    with pytest.raises(ValueError, match="threads must be a whole number of at least 1"):
+        ModelWorker(threads=threads)
+    assert threading.active_count() == alive
