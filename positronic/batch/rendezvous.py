@@ -10,7 +10,8 @@ as it would be anyway; the forward, which reads every weight once for all of the
 A shared forward that fails is run again one sequence at a time (appended rows taken back
 first; rows written into a splice's gaps are simply written again), so only the sequence at
 fault sees the error, and rebuilds itself as it would alone. A forward that cannot be shared
-(probes, the ring store) runs alone, at once (`call`).
+(probes, the ring store) runs alone, at once (`call`). A sequence that will make no forward for
+a while (a server session writing its checkpoint) steps `aside()`: rounds go without it.
 
 Who runs the forwards. With a runner (a thread in `serve()`: `Batch.step`'s caller, the
 server's forward thread) every forward, shared or alone, runs in that one thread with torch's
@@ -31,12 +32,13 @@ anyone while a sequence is still at work: it cannot run before they are all wait
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..state.forward import ForwardResult, Prepared, forward_alone, prepare
+from ..state.forward import MEETING, ForwardResult, Prepared, forward_alone, prepare
 from ..state.batched import forward_many
 
 
@@ -97,6 +99,20 @@ class Rendezvous:
         with self._turn:
             self._working -= 1
             self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """The calling sequence steps aside for a while: it makes no forward until the block
+        ends (a checkpoint being written), and the others' rounds go without it meanwhile.
+        Counted at work again afterwards. A forward inside the block would not meet the others':
+        it runs alone, in this thread (the thread's `MEETING` is cleared meanwhile)."""
+        self.done()
+        token = MEETING.set(None)
+        try:
+            yield
+        finally:
+            MEETING.reset(token)
+            self.expect()
 
     def forward(self, lm, cache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
                 attention_layers: list[int] | None = None, probes=None) -> ForwardResult:

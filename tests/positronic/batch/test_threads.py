@@ -117,3 +117,50 @@ def test_a_worker_with_a_bad_thread_count_is_refused_at_once(threads):
     with pytest.raises(ValueError, match="threads must be a whole number of at least 1"):
         ModelWorker(threads=threads)
     assert threading.active_count() == alive
+
+
+def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
+    """Sequence 0 ticks, then steps aside (as a session writing its checkpoint does) until
+    sequence 1 has ticked 6 times more: those rounds go without it. A forward made while
+    aside runs alone; both then go on as alone."""
+    configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
+    want = [alone(tiny, prompt, 10, **config) for prompt, config in zip(PROMPTS, configs)]
+    brains = [Brain.start(tiny, prompt, BrainConfig(**config)) for prompt, config in zip(PROMPTS, configs)]
+    meeting, away, others_ticked = Rendezvous(), threading.Event(), threading.Event()
+    got, shared_while_away = [[], []], []
+
+    def first() -> None:
+        MEETING.set(meeting)
+        try:
+            got[0] += [brains[0].step().token_id for _ in range(2)]
+            with meeting.aside():
+                away.set()
+                assert others_ticked.wait(60), "the other sequence's rounds waited for the one stepped aside"
+                shared_while_away.append(meeting.forwards)
+                got[0].append(brains[0].step().token_id)  # alone, in this thread
+                assert meeting.forwards == shared_while_away[0]
+            got[0] += [brains[0].step().token_id for _ in range(7)]
+        finally:
+            meeting.done()
+
+    def second() -> None:
+        MEETING.set(meeting)
+        try:
+            got[1] += [brains[1].step().token_id for _ in range(2)]
+            assert away.wait(60)
+            got[1] += [brains[1].step().token_id for _ in range(6)]
+            others_ticked.set()
+            got[1] += [brains[1].step().token_id for _ in range(2)]
+        finally:
+            others_ticked.set()
+            meeting.done()
+
+    meeting.expect(2)
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    runner = threading.Thread(target=meeting.serve, kwargs={"starting": lambda: [t.start() for t in threads]})
+    runner.start()
+    for thread in [runner] + threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads + [runner])
+    assert got == want
+    assert meeting.fed > meeting.forwards  # the others' rounds were shared before and after

@@ -2,13 +2,15 @@
 memory, the least recently used checkpointed to disk and resumed exactly, idle ones freed."""
 
 import asyncio
+import threading
 import time
 
 import pytest
 
+from positronic.brain import session as brain_session
 from positronic.brain.loop import Brain
-from positronic.server.sessions import (ModelWorker, PoolFull, SessionPool, SessionUnusable, check_session_id,
-                                        describe)
+from positronic.server.sessions import (Conversation, ModelWorker, PoolFull, SessionPool, SessionUnusable,
+                                        check_session_id, describe)
 
 
 def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_path, live_server, server_settings, chat, conversation, metric):
@@ -105,6 +107,35 @@ def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exa
                 await pool.acquire("broken")
         finally:
             worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_session_writing_its_checkpoint_holds_up_no_other_session(tiny, tmp_path, server_config, monkeypatch):
+    """A checkpoint makes no forward: while one session's is being written (held here until
+    the other session has ticked 4 times), the other's ticks go on without waiting for it."""
+    others_ticked, real_save = threading.Event(), brain_session.save
+
+    def slow_save(*args, **kwargs):
+        assert others_ticked.wait(30), "the other session's ticks waited for the checkpoint being written"
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(brain_session, "save", slow_save)
+
+    async def scenario():
+        worker = ModelWorker()
+        saving, ticking = Conversation("saving"), Conversation("ticking")
+        try:
+            for conversation, text in ((saving, "hello"), (ticking, "good morning")):
+                await worker.run(conversation.start, tiny, [tiny.bos_id] + tiny.encode(text), server_config)
+            save = asyncio.ensure_future(worker.run(saving.save, tmp_path / "saving", tiny.name, owner=saving))
+            for _ in range(4):
+                await worker.run(ticking.step, {}, owner=ticking)
+            others_ticked.set()
+            await save
+        finally:
+            worker.close()
+        assert (tmp_path / "saving" / "mirror.msgpack").exists() and not saving.dirty
 
     asyncio.run(scenario())
 
