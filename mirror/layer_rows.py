@@ -30,7 +30,7 @@ class LayerRows:
     def __init__(self, rows: list[list[int]], counts: dict[int, int] | None = None, *, owned: bool = False):
         if not rows:
             raise LayerRowsError("per-layer rows need at least one layer")
-        # owned: lists built for this object alone (after, renamed), not copied again: a tick
+        # owned: lists built for this object alone (by after), not copied again: a tick
         # of a per-head state replaces 90 lists of up to budget ids
         self.rows = rows if owned else [list(layer) for layer in rows]
         if counts is None:
@@ -94,18 +94,6 @@ class LayerRows:
             rows.append(kept)
         for ledger_id in new_ids:
             counts[ledger_id] = counts.get(ledger_id, 0) + len(rows)
-        return LayerRows(rows, counts, owned=True)
-
-    def renamed(self, names: dict[int, int]) -> "LayerRows":
-        """The same rows with the ledger ids in `names` (keys) replaced by their values: the
-        appended tokens' placeholders by their ledger ids. They sit at the ends of the layers."""
-        rows = [list(layer) for layer in self.rows]
-        for layer in rows:
-            for row in range(len(layer) - 1, -1, -1):
-                if layer[row] not in names:
-                    break
-                layer[row] = names[layer[row]]
-        counts = {names.get(ledger_id, ledger_id): count for ledger_id, count in self.counts.items()}
         return LayerRows(rows, counts, owned=True)
 
     def check(self, union_ids: list[int]) -> None:

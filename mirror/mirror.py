@@ -68,13 +68,14 @@ class Mirror:
                    for insertion, _ in layout.groups):
                 raise ValueError("per-layer rows take appended new tokens and restores only (no insertion or repair)")
             appended = [insertion for insertion, _ in layout.groups if not insertion.restores]
-            placeholders = [-1 - k for k in range(sum(len(insertion.token_ids) for insertion in appended))]
-            layers_after = self.layers.after(layer_drops, placeholders, layer_inserts)  # LayerRowsError: nothing changed yet
+            # the ledger gives the appended tokens the next ids, in order (no replacement here)
+            coming = list(range(len(self.ledger), len(self.ledger) + sum(len(i.token_ids) for i in appended)))
+            layers_after = self.layers.after(layer_drops, coming, layer_inserts)  # LayerRowsError: nothing changed yet
             gone = {live[row] for row in layout.deleted}
             if self.layers.held() - layers_after.held() != gone:
                 raise ValueError("the layout must delete exactly the tokens that no layer holds any more")
             back = {i for insertion, _ in layout.groups for i in insertion.restores}
-            if layers_after.held() - self.layers.held() - set(placeholders) != back:
+            if layers_after.held() - self.layers.held() - set(coming) != back:
                 raise ValueError("the layout must restore exactly the tokens taken back that no layer held")
         if live_brightness is not None and len(live_brightness) != len(live):
             raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")
@@ -104,8 +105,9 @@ class Mirror:
         try:
             new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
             if layers_after is not None:
-                added = [i for i in new_ids if i not in back]
-                self.layers = layers_after.renamed({-1 - k: ledger_id for k, ledger_id in enumerate(added)})
+                if (added := [i for i in new_ids if i not in back]) != coming:
+                    raise MirrorInvariantError(f"the ledger gave the appended tokens ids {added[:5]}, not {coming[:5]}")
+                self.layers = layers_after
             self.ring = ring
             return new_ids
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
