@@ -126,7 +126,7 @@ def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
     configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
     want = [alone(tiny, prompt, 10, **config) for prompt, config in zip(PROMPTS, configs)]
     brains = [Brain.start(tiny, prompt, BrainConfig(**config)) for prompt, config in zip(PROMPTS, configs)]
-    meeting, away, others_ticked = Rendezvous(), threading.Event(), threading.Event()
+    meeting, away, others_ticked, back = Rendezvous(), threading.Event(), threading.Event(), threading.Event()
     got, shared_while_away = [[], []], []
 
     def first() -> None:
@@ -139,8 +139,10 @@ def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
                 shared_while_away.append(meeting.forwards)
                 got[0].append(brains[0].step().token_id)  # alone, in this thread
                 assert meeting.forwards == shared_while_away[0]
+            back.set()
             got[0] += [brains[0].step().token_id for _ in range(7)]
         finally:
+            back.set()
             meeting.done()
 
     def second() -> None:
@@ -150,6 +152,7 @@ def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
             assert away.wait(60)
             got[1] += [brains[1].step().token_id for _ in range(6)]
             others_ticked.set()
+            assert back.wait(60)
             got[1] += [brains[1].step().token_id for _ in range(2)]
         finally:
             others_ticked.set()
