@@ -98,7 +98,8 @@ class Rendezvous:
         """A sequence's work is over (finished or failed)."""
         with self._turn:
             self._working -= 1
-            self._turn.notify_all()
+            if self._working <= 0:  # only then can a round go (or the runner leave)
+                self._turn.notify_all()
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
@@ -127,7 +128,8 @@ class Rendezvous:
                                    "the thread starts)")
             self._waiting.append(ticket)
             self._working -= 1
-            self._turn.notify_all()
+            if self._working == 0:  # the round can go: waking every waiter at each arrival cost
+                self._turn.notify_all()  # 7% of the sequences' GIL time at 8 (each woke to wait again)
             while not ticket.done:
                 if self._runner is not None:
                     self._turn.wait()
