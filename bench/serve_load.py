@@ -27,9 +27,11 @@ Checks, after the run:
 The exit status is 1 when a request failed or a session is mixed.
 
 It prints a table and writes nothing else: requests, failures, mixed sessions, latency
-percentiles (p50/p90/p99; non-streamed requests: the whole request; streamed ones: time to
-the first chunk with text, and the whole stream), and tokens per second over the run's wall
-time (generated, and prompt + generated). The header notes the machine's load (loadavg) and
+percentiles (p50/p90/p99, nearest rank; non-streamed requests: the whole request; streamed
+ones: time to the first chunk with text, and the whole stream; every request, whole: the one
+row that compares across client counts, as client k's request r is of kind (k + r) mod 4, so
+with one client chat's are its 1st (a fresh session's prefill) and 5th), and tokens per
+second over the run's wall time (generated, and prompt + generated). The header notes the machine's load (loadavg) and
 torch's threads, as other work on the machine skews every figure.
 """
 
@@ -331,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             ("completion, whole request", [r.total_s for r in ok if r.kind == "completion"]),
             ("non-streamed, whole request", [r.total_s for r in ok if not r.kind.endswith("stream")]),
             ("streamed, first text", [r.first_s for r in ok if r.kind.endswith("stream")]),
-            ("streamed, whole stream", [r.total_s for r in ok if r.kind.endswith("stream")])]
+            ("streamed, whole stream", [r.total_s for r in ok if r.kind.endswith("stream")]),
+            # every kind at every place in a session: the same mix at any number of clients (a
+            # kind's own row is not: with one client, chat's requests are the 1st and 5th)
+            ("every request, whole", [r.total_s for r in ok])]
     for name, values in rows:
         print(f"{name:<34}{len(values):>5}  {percentiles(values)}")
     for r in failed[:5]:
