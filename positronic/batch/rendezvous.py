@@ -81,6 +81,7 @@ class Rendezvous:
         self._waiting: list[_Ticket] = []
         self._idle_since: float | None = None  # when everyone at work came to wait, some of the last round missing
         self._last: set[int] = set()  # the caches the last round fed
+        self._fed: dict[int, int] = {}  # thread -> the cache its last forward fed (for `away`)
         self._alone: list[_Ticket] = []  # forwards that cannot be shared, for the runner to run at once
         self._runner: int | None = None  # the thread in serve(), if any
         self._stop = False
@@ -97,9 +98,16 @@ class Rendezvous:
     def done(self) -> None:
         """A sequence's work is over (finished or failed)."""
         with self._turn:
+            self._fed.pop(threading.get_ident(), None)
             self._working -= 1
             if self._working <= 0:  # only then can a round go (or the runner leave)
                 self._turn.notify_all()
+
+    def away(self) -> None:
+        """The calling thread's sequence will not be back for a while (a server session's reply
+        is over): the next round does not linger for it."""
+        with self._turn:
+            self._last.discard(self._fed.get(threading.get_ident()))
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
@@ -127,6 +135,7 @@ class Rendezvous:
                 raise RuntimeError("a forward from a thread the rendezvous was not told of (call expect() before "
                                    "the thread starts)")
             self._waiting.append(ticket)
+            self._fed[threading.get_ident()] = id(cache)
             self._working -= 1
             if self._working == 0:  # the round can go: waking every waiter at each arrival cost
                 self._turn.notify_all()  # 7% of the sequences' GIL time at 8 (each woke to wait again)

@@ -402,6 +402,8 @@ class Turn:
             return record, ""
         kept = len(self.reply.ids)
         piece = self.reply.add(record.token_id, stopped=record.stopped)
+        if self.reply.done and (meeting := MEETING.get()) is not None:
+            meeting.away()  # the request is over: the next round need not wait for this session
         if logits is not None and len(self.reply.ids) > kept:  # a token of the text (not the one ending it)
             self.entries.append(self._entry(logits, record.token_id))
         return record, piece

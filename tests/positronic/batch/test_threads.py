@@ -8,6 +8,7 @@ runner, runs every forward with torch's threads, and the sequences' threads keep
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -30,6 +31,18 @@ def spy(monkeypatch, name: str) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(rendezvous, name, spied)
     return calls
+
+
+def serve_threads(meeting: Rendezvous, targets, **serve) -> None:
+    """Run each of `targets` in a sequence's thread, their forwards served by a runner thread
+    (`serve` passed on: forever=True); every thread must end within two minutes."""
+    meeting.expect(len(targets))
+    threads = [threading.Thread(target=target) for target in targets]
+    runner = threading.Thread(target=meeting.serve, kwargs={**serve, "starting": lambda: [t.start() for t in threads]})
+    runner.start()
+    for thread in [runner] + threads:  # the runner starts the others
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads + [runner])
 
 
 def test_every_forward_of_a_batch_runs_in_the_callers_thread_and_the_sequences_keep_to_one(tiny, monkeypatch):
@@ -97,14 +110,7 @@ def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny):
         finally:
             meeting.done()
 
-    meeting.expect(len(brains))
-    threads = [threading.Thread(target=tick, args=(number,)) for number in range(len(brains))]
-    runner = threading.Thread(target=meeting.serve, kwargs={"forever": True,
-                                                            "starting": lambda: [t.start() for t in threads]})
-    runner.start()
-    for thread in [runner] + threads:  # the runner starts the others
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads + [runner])
+    serve_threads(meeting, [lambda number=number: tick(number) for number in range(len(brains))], forever=True)
     assert got == want
     assert meeting.forwards == ticks
 
@@ -158,12 +164,35 @@ def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
             others_ticked.set()
             meeting.done()
 
-    meeting.expect(2)
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
-    runner = threading.Thread(target=meeting.serve, kwargs={"starting": lambda: [t.start() for t in threads]})
-    runner.start()
-    for thread in [runner] + threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads + [runner])
+    serve_threads(meeting, [first, second])
     assert got == want
     assert meeting.fed > meeting.forwards  # the others' rounds were shared before and after
+
+
+def test_a_round_does_not_linger_for_a_sequence_gone_away(tiny):
+    """With a long linger, a round waits for a sequence of the last round that is not back
+    yet; one that said it is `away` (a server session whose reply is over) is not waited for."""
+    brains = [Brain.start(tiny, prompt, BrainConfig(budget=40, seed=k)) for k, prompt in enumerate(PROMPTS[:2])]
+    meeting, seconds = Rendezvous(linger=5.0), []
+
+    def leaving() -> None:
+        MEETING.set(meeting)
+        try:
+            for _ in range(2):
+                brains[0].step()
+            meeting.away()
+        finally:
+            meeting.done()
+
+    def staying() -> None:
+        MEETING.set(meeting)
+        try:
+            for _ in range(6):
+                start = time.monotonic()
+                brains[1].step()
+                seconds.append(time.monotonic() - start)
+        finally:
+            meeting.done()
+
+    serve_threads(meeting, [leaving, staying])
+    assert len(seconds) == 6 and max(seconds) < 4.0, f"a round waited for the sequence gone away: {seconds}"
