@@ -101,7 +101,7 @@ def sample(
     # Only the candidates that can matter are sorted (a full sort of a 50k vocabulary is
     # ~5 ms, a tenth of a decode step): the top 20 for the record.
     sorted_probs, order = _largest(probs, TOP_N)
-    top = [(int(i), float(p)) for i, p in zip(order, sorted_probs)]
+    top = list(zip(order.tolist(), sorted_probs.tolist()))  # two conversions, not one per element
     if greedy:
         # argmax on the logits, not the probabilities: softmax can round distinct
         # large logits to the same probability.
@@ -160,9 +160,11 @@ def _penalised(x: Tensor, recent: Tensor, repetition: float, presence: float, fr
     out = x.clone()
     for processor in processors:  # called directly: LogitsProcessorList inspects each signature per call
         out = processor(recent, out)
-    if bool(out.isnan().any()) or bool(out.max() == math.inf):  # an extreme penalty met a 0 or a huge logit
+    largest = float(out.max())  # NaN if any is NaN
+    if math.isnan(largest) or largest == math.inf:  # an extreme penalty met a 0 or a huge logit
         out = out.nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max, neginf=-math.inf)
-    return out if bool(torch.isfinite(out.max())) else x
+        largest = float(out.max())
+    return out if math.isfinite(largest) else x
 
 
 def _largest(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
