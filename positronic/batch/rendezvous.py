@@ -114,7 +114,13 @@ class Rendezvous:
         """The calling sequence steps aside for a while: it makes no forward until the block
         ends (a checkpoint being written), and the others' rounds go without it meanwhile.
         Counted at work again afterwards. A forward inside the block would not meet the others':
-        it runs alone, in this thread (the thread's `MEETING` is cleared meanwhile)."""
+        it runs alone, in this thread (the thread's `MEETING` is cleared meanwhile).
+        RuntimeError, and nothing changes, if nobody is counted at work (a thread the
+        rendezvous was not told of)."""
+        with self._turn:
+            if self._working <= 0:
+                raise RuntimeError("aside() from a thread the rendezvous was not told of (call expect() before the "
+                                   "thread starts)")
         self.done()
         token = MEETING.set(None)
         try:
@@ -250,6 +256,18 @@ class Rendezvous:
         finally:
             self._turn.acquire()
             self._running = False
+
+
+def aside():
+    """`Rendezvous.aside` of this thread's meeting (`MEETING`); nothing when it ticks alone."""
+    meeting = MEETING.get()
+    return contextlib.nullcontext() if meeting is None else meeting.aside()
+
+
+def away() -> None:
+    """`Rendezvous.away` of this thread's meeting (`MEETING`); nothing when it ticks alone."""
+    if (meeting := MEETING.get()) is not None:
+        meeting.away()
 
 
 def _alone(ticket: _Ticket):

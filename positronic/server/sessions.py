@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import re
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..brain import session as sessions
-from ..batch import Rendezvous
+from ..batch import Rendezvous, rendezvous
 from ..batch.threads import one_thread, set_threads
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
@@ -282,9 +281,7 @@ class Conversation:
         """Checkpoint into `directory` (its input read first: only typed turns are saved pending),
         with its answers in the same atomic write."""
         self.settle()
-        meeting = MEETING.get()
-        # writing makes no forward: the other sessions' rounds need not wait for it (~0.1 s)
-        with meeting.aside() if meeting is not None else contextlib.nullcontext():
+        with rendezvous.aside():  # writing makes no forward: the others' rounds need not wait (~0.1 s)
             sessions.save(directory, self.brain, model_name,
                           note={**self.answers.note(), "history": self.history.note()})
         self.dirty = False
@@ -402,8 +399,8 @@ class Turn:
             return record, ""
         kept = len(self.reply.ids)
         piece = self.reply.add(record.token_id, stopped=record.stopped)
-        if self.reply.done and (meeting := MEETING.get()) is not None:
-            meeting.away()  # the request is over: the next round need not wait for this session
+        if self.reply.done:
+            rendezvous.away()  # the request is over: the next round need not wait for this session
         if logits is not None and len(self.reply.ids) > kept:  # a token of the text (not the one ending it)
             self.entries.append(self._entry(logits, record.token_id))
         return record, piece

@@ -196,3 +196,13 @@ def test_a_round_does_not_linger_for_a_sequence_gone_away(tiny):
 
     serve_threads(meeting, [leaving, staying])
     assert len(seconds) == 6 and max(seconds) < 4.0, f"a round waited for the sequence gone away: {seconds}"
+
+
+def test_aside_from_a_thread_nobody_counted_is_refused_and_alone_it_is_nothing():
+    meeting = Rendezvous()
+    with pytest.raises(RuntimeError, match="aside\\(\\) from a thread the rendezvous was not told of"):
+        with meeting.aside():
+            pass
+    assert meeting._working == 0  # nothing changed
+    with rendezvous.aside():  # this thread ticks alone (no MEETING): nothing to step aside from
+        rendezvous.away()
