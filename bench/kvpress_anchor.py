@@ -59,16 +59,19 @@ class Text:
     label: str
     file: str  # name under --text-dir (from sampathweb/viz-read-by-punctuations, books/)
     offset: int
-    held_out: bool  # held out from every tuning the project did (bench/results/smartkv.md)
+    held_out: bool  # held out from every tuning the project did (bench/results/smartkv.md; Huckleberry
+    # Finn, A Tale of Two Cities and Earnest were until 2026-11-27's recall settings were tried on them)
 
 
 TEXTS = {
     "frankenstein": Text("Frankenstein", "frankenstein.txt", 60000, False),
     "moby_dick": Text("Moby Dick", "moby_dick.txt", 60000, False),
-    "huckleberry_finn": Text("Huckleberry Finn", "huckleberry_finn.txt", 60000, True),
-    "tale_of_two_cities": Text("Tale of Two Cities", "tale_of_two_cities.txt", 60000, True),
-    "earnest": Text("Earnest", "importance_of_being_earnest.txt", 60000, True),
+    "huckleberry_finn": Text("Huckleberry Finn", "huckleberry_finn.txt", 60000, False),
+    "tale_of_two_cities": Text("Tale of Two Cities", "tale_of_two_cities.txt", 60000, False),
+    "earnest": Text("Earnest", "importance_of_being_earnest.txt", 60000, False),
     "wallpaper": Text("Wallpaper", "the_yellow_wallpaper.txt", 10000, True),
+    # from Lledune/DS-Project-Dracula (dracula.txt, Gutenberg #345): first used on 2026-11-27
+    "dracula": Text("Dracula", "dracula.txt", 60000, True),
 }
 
 
@@ -335,7 +338,7 @@ def main(argv=None) -> int:
                                 epilog="presses that cannot run in decoding:\n" + "\n".join(
                                     f"  {k}: {v}" for k, v in NOT_IN_DECODING.items()))
     p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(TEXTS),
-                   help="texts to run (files under --text-dir; default: all six)")
+                   help="texts to run (files under --text-dir; default: all seven)")
     p.add_argument("--text-dir", type=Path, default=Path("/tmp/texts"),
                    help="where the Gutenberg files are (sampathweb/viz-read-by-punctuations, books/*.txt)")
     p.add_argument("--presses", nargs="+", default=list(MAIN), choices=list(MAIN + EXTRA),

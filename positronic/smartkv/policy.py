@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from ..policies import PolicyPlan, pinned_rows, register
+from ..policies.recall import DEFAULT_SPAN
 from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
 from .recall import LaneRecall
@@ -86,7 +87,8 @@ class SmartKVPolicy:
         self.horizon = self.gates.horizon
         self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
         self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
-        self.recall = LaneRecall(self.heads, share=self.recall_share) if config.recall else None
+        self.recall = LaneRecall(self.heads, share=self.recall_share, span=self.recall_span(self.size)) \
+            if config.recall else None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.pinned_out: frozenset[int] = frozenset()  # pinned tokens out of the window: in every lane, in no memory
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
@@ -95,6 +97,13 @@ class SmartKVPolicy:
     @staticmethod
     def memory_size(config) -> int:
         return config.budget - max(config.sinks, config.protect) - config.window
+
+    @staticmethod
+    def recall_span(memory: int) -> int:
+        """Tokens one recall brings back around its match: 16, or an eighth of a lane's memory
+        when that is fewer. 16 out of a 12.5% budget's 60-row memory gave up a quarter of it
+        for one echo of the text (bench/results/smartkv.md, 2026-11-27)."""
+        return max(1, min(DEFAULT_SPAN, memory // 8))
 
     @classmethod
     def check(cls, config) -> None:

@@ -34,6 +34,7 @@ main cost).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,8 +81,9 @@ class LaneRecall(Recall):
                           [int(view.predicted[where[i]]) for i in ledger_ids], keys, values,
                           {i: list(scores[i]) for i in ledger_ids})
 
-    def lane_shares(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
-        """[lanes, rows] float32: each indexed token's would-be attention in each lane.
+    def lane_logits(self, query: torch.Tensor, log_norm: torch.Tensor) -> torch.Tensor:
+        """[layers, kv_heads, group, rows] float32: each query head's log would-be attention
+        to each indexed token, q·k - log_norm (0: as much as all the rows it holds).
         query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
         keys = self.keys[..., : len(self.ids)]  # the filled slots (a view): [layers, kv_heads, head_dim, rows]
         layers, kv_heads, head_dim, _ = keys.shape
@@ -89,10 +91,15 @@ class LaneRecall(Recall):
             raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers")
         group = query.shape[1] // kv_heads
         grouped = query.reshape(layers, kv_heads, group, head_dim).to(keys.dtype)
-        logits = (grouped @ keys).float()  # [layers, kv_heads, group, rows]
-        shares = logits.sub_(log_norm.reshape(layers, kv_heads, group, 1)).exp_()
+        return (grouped @ keys).float().sub_(log_norm.reshape(layers, kv_heads, group, 1))
+
+    def lane_shares(self, logits: torch.Tensor) -> torch.Tensor:
+        """[lanes, rows] float32: each indexed token's would-be attention in each lane, the
+        mean over the lane's query heads (logits: `lane_logits`, consumed)."""
+        shares = logits.exp_()
         if self.heads == 1:  # a lane is a layer: every head of it
             return shares.mean(dim=(1, 2))
+        layers, kv_heads = shares.shape[:2]
         return shares.mean(dim=2).reshape(layers * kv_heads, -1)
 
     def look_lanes(self, view, held: np.ndarray, room: int, *, typed: bool = False) -> Lookup:
@@ -109,9 +116,14 @@ class LaneRecall(Recall):
         due = self.awake or lookup.clock % self.every == 0
         if not due or not self.ids or view.query is None or view.log_norm is None:
             return lookup
-        shares = self.lane_shares(view.query, view.log_norm)  # [lanes, index rows]
+        logits = self.lane_logits(view.query, view.log_norm)
+        # a lane's share is a mean over its heads, so no head reaching it rules it out: one
+        # maximum instead of an exponential of every logit (most ticks end here)
+        if float(logits.max()) < math.log(self.share):
+            return lookup
+        shares = self.lane_shares(logits)  # [lanes, index rows]
         if float(shares.max()) < self.share:
-            return lookup  # no lane would give any indexed token that much, held or not (most ticks)
+            return lookup  # no lane would give any indexed token that much, held or not
         missing = self._missing(held)  # [lanes, index rows]
         # a lane lacking a token would give it `share` of all the attention it gives the rows it
         # holds (its would-be share before renormalising: 1 = as much as all of them together)

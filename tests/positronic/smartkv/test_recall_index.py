@@ -2,6 +2,8 @@
 scores them by ledger id whatever slot they sit in and saves them oldest first; and its rule,
 what comes back and into which lanes."""
 
+import math
+
 import numpy
 import pytest
 import torch
@@ -25,7 +27,7 @@ def leaving(recall: LaneRecall, first: int, count: int, generator: torch.Generat
 
 
 def by_id(recall: LaneRecall, query: torch.Tensor, log_norm: torch.Tensor) -> dict:
-    shares = recall.lane_shares(query, log_norm)
+    shares = recall.lane_shares(recall.lane_logits(query, log_norm))
     return {ledger_id: shares[:, k] for k, ledger_id in enumerate(recall.ids)}
 
 
@@ -112,3 +114,12 @@ def test_a_token_comes_back_into_every_lane_lacking_it_when_one_lane_would_read_
     back = look(share_20=1e-6, share_10=1.5, held=[[10], [10], [], []])
     # into the lanes lacking each: 10 into lanes 2 and 3, its neighbour 11 into all four
     assert back.back == [10, 11] and back.lanes == {10: [2, 3], 11: [0, 1, 2, 3]}
+
+    # a lane's share is the mean over its query heads: one head above the share is not enough
+    def look_heads(first: float, second: float) -> LaneLookup:
+        query = torch.zeros(LAYERS, 2 * KV_HEADS, d)
+        query[0, 0, 0], query[0, 1, 0] = 5.0 + math.log(first), 5.0 + math.log(second)  # lane 0's two heads
+        return recall.look_lanes(view_with_query(query, log_norm, 2000), numpy.full((4, 1), -1), room=4)
+
+    assert look_heads(1.5, 1e-6).back == []  # mean 0.75
+    assert look_heads(1.5, 0.6).back == [20]  # mean 1.05 (its indexed neighbours are 500 positions away)

@@ -53,6 +53,22 @@ def test_dropped_tokens_come_back_into_the_lanes_that_lack_them_exactly(tiny, he
     brain.state.check(deep=True)
 
 
+def test_one_recall_brings_back_at_most_an_eighth_of_a_lanes_memory(tiny, head_gate_file, eager_recall):
+    """16 tokens around a match, or an eighth of the memory when that is fewer: a 12.5% budget's
+    memory (60 rows for 1,024 tokens) would give up a quarter of itself for one recall."""
+    assert [SmartKVPolicy.recall_span(m) for m in (3, 60, 124, 1000)] == [1, 7, 15, 16]
+    ids = text_ids(tiny, 90, seed=31)
+    brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True, window=2))  # memory 15 rows: span 1
+    assert brain.policy.size == 15 and brain.policy.recall.span == 1
+    restores = []
+    for token in ids[15:]:
+        record = brain.step(force=token)
+        assert not record.rebuilt, record.error
+        restores += [a for a in record.actions if a["action"] == "restore"]
+    assert restores, "recall should bring tokens back"
+    assert max(len(action["ledger_ids"]) for action in restores) == 1
+
+
 def test_recall_off_keeps_what_it_kept_before(tiny, head_gate_file):
     """Recall is additive: without it the same run drops what it always dropped (no restore)."""
     ids = text_ids(tiny, 60, seed=32)
