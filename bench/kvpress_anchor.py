@@ -57,7 +57,7 @@ SINKS = 4
 @dataclass(frozen=True)
 class Text:
     label: str
-    file: str  # name under --text-dir (from sampathweb/viz-read-by-punctuations, books/)
+    file: str  # name under --text-dir (from sampathweb/viz-read-by-punctuations, books/, but Dracula's)
     offset: int
     held_out: bool  # held out from every tuning the project did (bench/results/smartkv.md; Huckleberry
     # Finn, A Tale of Two Cities and Earnest were until 2026-11-27's recall settings were tried on them)
@@ -340,7 +340,8 @@ def main(argv=None) -> int:
     p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(TEXTS),
                    help="texts to run (files under --text-dir; default: all seven)")
     p.add_argument("--text-dir", type=Path, default=Path("/tmp/texts"),
-                   help="where the Gutenberg files are (sampathweb/viz-read-by-punctuations, books/*.txt)")
+                   help="where the Gutenberg files are (sampathweb/viz-read-by-punctuations, books/*.txt; "
+                   "dracula.txt from Lledune/DS-Project-Dracula)")
     p.add_argument("--presses", nargs="+", default=list(MAIN), choices=list(MAIN + EXTRA),
                    help=f"presses to run ('full' always runs first); default: {' '.join(MAIN)}; "
                    f"also: {' '.join(EXTRA)}")
