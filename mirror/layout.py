@@ -173,14 +173,19 @@ def _row_by_row(positions: list[int], deleted: set[int], insertions: list[Insert
                   moved=moved)
 
 
-def runs_without(length: int, dropped: list[int]) -> list[tuple[int, int, int]]:
-    """Kept runs (old_row, new_row, count) of `length` rows once rows `dropped` are gone: the
-    survivors close up in order. What `plan_layout` gives for deletions only, in O(dropped)
-    steps (a per-layer edit computes one per layer every tick)."""
-    runs, start, new = [], 0, 0
+def runs_without(length: int, dropped: list[int], inserted: list[int] = ()) -> list[tuple[int, int, int]]:
+    """Kept runs (old_row, new_row, count) of `length` rows once rows `dropped` are gone and
+    new rows stand at `inserted` (ascending rows of the result): the survivors close up in
+    order around them. What `plan_layout` gives for deletions and insertions, in
+    O(dropped + inserted) steps (a per-layer edit computes one per layer every tick)."""
+    runs, start, new, at = [], 0, 0, 0
     for row in sorted(dropped) + [length]:
-        if row > start:
-            runs.append((start, new, row - start))
-            new += row - start
+        count = row - start
+        while count > 0:
+            while at < len(inserted) and inserted[at] <= new:  # a new row here: the survivors go after it
+                new, at = new + 1, at + 1
+            take = count if at == len(inserted) else min(count, inserted[at] - new)
+            runs.append((start, new, take))
+            start, new, count = start + take, new + take, count - take
         start = row + 1
     return runs

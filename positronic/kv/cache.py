@@ -178,6 +178,12 @@ class SpliceCache(Cache):
         row list per layer, or per kv head of each layer, lane = layer * kv_heads + head)."""
         return self.kind.rows_of(self.layers, np.asarray(rows, dtype=np.int64))
 
+    def put_lane_rows(self, lanes: list[int], rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] alone (lane =
+        layer * kv_heads + head): a recalled token's own K/V in the lanes taking it back."""
+        self.kind.put_lanes(self.layers, np.asarray(lanes, dtype=np.int64), np.asarray(rows, dtype=np.int64),
+                            keys, values)
+
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): lane l's runs are kept[l],
         a lane being a layer, or one kv head of a layer (lane = layer * kv_heads + head) when

@@ -82,6 +82,18 @@ class Slab:
             rows = slab.view(-1, slab.shape[-1])  # [layers * kv_heads * capacity, head_dim]
             rows.index_copy_(0, write, rows.index_select(0, read))
 
+    def put(self, layers: list, lanes: np.ndarray, rows: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] (int64 arrays
+        [n], lane = layer * kv_heads + head), one copy per buffer; False (nothing written) unless
+        the layers all live here and start at the same buffer row."""
+        start = self.shared_start(layers)
+        if start is None:
+            return False
+        at = torch.from_numpy(lanes * self.capacity + start + rows).to(self.keys.device)
+        for slab, given in ((self.keys, keys), (self.values, values)):
+            slab.view(-1, slab.shape[-1]).index_copy_(0, at, given.to(slab.dtype))
+        return True
+
     def keys_of(self, layers: list, rows: int) -> torch.Tensor | None:
         """The first `rows` live keys of every layer, [layers, kv_heads, rows, head_dim]: a view
         (no copy) when the layers all live here and start at the same buffer row, else None."""

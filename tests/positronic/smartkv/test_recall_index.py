@@ -123,3 +123,24 @@ def test_a_token_comes_back_into_every_lane_lacking_it_when_one_lane_would_read_
 
     assert look_heads(1.5, 1e-6).back == []  # mean 0.75
     assert look_heads(1.5, 0.6).back == [20]  # mean 1.05 (its indexed neighbours are 500 positions away)
+
+
+def test_the_cooldowns_stay_bounded_without_being_rewalked_while_they_run():
+    """Each restore starts a cooldown per (token, lane). Expired ones are forgotten once the
+    map has grown, but while most are still running the map is walked again only when it has
+    doubled: a fixed threshold walked it on every tick (0.84 ms a tick in a long run). Every
+    cooldown still running is kept, so what may come back is decided as before."""
+    cooldown, lanes = 100, [0, 1, 2, 3]
+    recall = LaneRecall(KV_HEADS, capacity=4, cooldown=cooldown)
+    walks, largest = 0, 0
+    for tick in range(1, 401):
+        lookup = LaneLookup(recall.clock + 1, False)
+        lookup.back, lookup.lanes = [tick], {tick: lanes}  # one token back into every lane each tick
+        before = recall.lane_back_at
+        recall.adopt(lookup)
+        walks += recall.lane_back_at is not before
+        largest = max(largest, len(recall.lane_back_at))
+        running = {(i, lane) for i in range(max(1, tick - cooldown + 1), tick + 1) for lane in lanes}
+        assert running <= set(recall.lane_back_at)
+    assert walks <= 10  # 8 -> 16 -> ... -> 512, then about once per cooldown
+    assert largest <= 2 * len(lanes) * cooldown + len(lanes)

@@ -14,7 +14,8 @@ from positronic.mirror import to_bytes
 from positronic.smartkv.policy import SmartKVPolicy
 from positronic.state.actions import ActionError
 
-from .test_policy import BUDGET, Reference, config, head_gate_file, layer_positions, text_ids  # noqa: F401 (a fixture)
+from .test_policy import (BUDGET, Reference, any_gate_file, config, gate_file,  # noqa: F401 (fixtures)
+                          head_gate_file, layer_positions, text_ids)
 
 
 @pytest.fixture
@@ -41,9 +42,9 @@ def run_checked(lm, brain, ids, start: int) -> list[dict]:
     return restores
 
 
-def test_dropped_tokens_come_back_into_the_lanes_that_lack_them_exactly(tiny, head_gate_file, eager_recall):
-    ids = text_ids(tiny, 90, seed=31)
-    brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True))
+def test_dropped_tokens_come_back_into_the_lanes_that_lack_them_exactly(tiny, any_gate_file, eager_recall):
+    ids = text_ids(tiny, 90, seed=31)  # lanes: kv heads (their rows in one Slab), or whole layers
+    brain = Brain.start(tiny, ids[:15], config(any_gate_file, recall=True))
     restores = run_checked(tiny, brain, ids, 15)
     assert restores, "recall should bring tokens back"
     lanes = brain.state.lanes
