@@ -339,24 +339,19 @@ class SpliceLayer(OneSequenceLayer):
                   values: torch.Tensor) -> None:
         """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] (lane = layer
         * kv_heads + head): recalled rows that some lanes take back and others not. One copy
-        per buffer when the layers share a Slab and a start, else one per lane."""
+        per buffer when the layers share a Slab and a start, else one per layer written."""
         slab = layers[0].slab
         if slab is not None and slab.put(layers, lanes, rows, keys, values):
             return
         heads = layers[0].kv_heads
-        for lane in np.unique(lanes).tolist():
-            mine = np.flatnonzero(lanes == lane)
-            layer, head = divmod(lane, heads)
-            index = torch.from_numpy(mine).to(keys.device)
-            layers[layer].put_rows(torch.from_numpy(rows[mine]), keys[index][None], values[index][None],
-                                   slice(head, head + 1))
-
-    def put_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: slice = slice(None)) -> None:
-        """Write given K/V [len(heads), n, head_dim] into live `rows` (int64 [n]) of the kv heads
-        `heads` alone: a recalled row taken back by some lanes (per-head rows) and not others."""
-        where = rows.to(self.key_buffer.device) + self.start
-        for buffer, given in ((self.key_buffer, keys), (self.value_buffer, values)):
-            buffer[0, heads].index_copy_(1, where, given.to(buffer.dtype))
+        for index in np.unique(lanes // heads).tolist():
+            mine = np.flatnonzero(lanes // heads == index)
+            layer = layers[index]
+            capacity = layer.key_buffer.shape[2]
+            at = torch.from_numpy((lanes[mine] % heads) * capacity + layer.start + rows[mine]).to(keys.device)
+            pick = torch.from_numpy(mine).to(keys.device)
+            for buffer, given in ((layer.key_buffer, keys), (layer.value_buffer, values)):
+                buffer.view(-1, buffer.shape[-1]).index_copy_(0, at, given[pick].to(buffer.dtype))  # [heads * capacity, d]
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + rows by cos/sin [rows, head_dim], or

@@ -91,8 +91,9 @@ class LaneRows:
         self.stored = stored or {}
         old_rows = mirror.layers.rows
         # ids ascend with position in every lane, so a taken-back token's row is a search away
-        self.runs = [runs_without(len(old), dropped, sorted(bisect.bisect_left(ids, i) for i in taken))
-                     for old, dropped, taken, ids in zip(old_rows, drops, inserts, kept.rows)]
+        self.taken_rows = [[bisect.bisect_left(ids, i) for i in taken] for taken, ids in zip(inserts, kept.rows)]
+        self.runs = [runs_without(len(old), dropped, sorted(rows))
+                     for old, dropped, rows in zip(old_rows, drops, self.taken_rows)]
         self.length = len(kept.rows[0]) + len(adds)  # rows per lane afterwards
         self.new_position = {ledger_id: layout.positions[new + k] for old, new, count in layout.kept
                              for k, ledger_id in enumerate(live[old:old + count])}
@@ -105,7 +106,7 @@ class LaneRows:
 
     def splice(self, cache, scratch: int, probe_positions=()) -> None:
         cache.splice_layers(self.runs, self.length)
-        taken = [i for i in dict.fromkeys(i for lane in self.inserts for i in lane)]  # each token once
+        taken = list(dict.fromkeys(i for lane in self.inserts for i in lane))  # each token once
         if not taken:
             return
         # each (lane, token) pair takes its row of the token's stored K/V, in one write
@@ -115,11 +116,9 @@ class LaneRows:
         layers, kv_heads = keys.shape[1:3]
         heads = self.heads  # lanes per layer: kv_heads, or 1 (a lane is a whole layer)
         lanes, rows, sources = [], [], []
-        for lane, ids in enumerate(self.inserts):
-            kept = self.kept_ids[lane]
-            for ledger_id in ids:
-                row = bisect.bisect_left(kept, ledger_id)
-                first = lane * kv_heads // heads  # the lane's first kv head, counted over all layers
+        for lane, (ids, taken_rows) in enumerate(zip(self.inserts, self.taken_rows)):
+            first = lane * kv_heads // heads  # the lane's first kv head, counted over all layers
+            for ledger_id, row in zip(ids, taken_rows):
                 for kv_lane in range(first, first + kv_heads // heads):
                     lanes.append(kv_lane), rows.append(row), sources.append(column[ledger_id] * layers * kv_heads + kv_lane)
         at = torch.tensor(sources, dtype=torch.long, device=keys.device)
