@@ -130,12 +130,13 @@ class Rendezvous:
             self.expect()
 
     def forward(self, lm, cache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-                attention_layers: list[int] | None = None, probes=None) -> ForwardResult:
+                attention_layers: list[int] | None = None, probes=None, weights: bool = True) -> ForwardResult:
         """`state.forward.forward`'s contract, shared with the other sequences at work."""
         if probes or getattr(cache, "store", "splice") == "ring":
             return self.call(forward_alone, lm, cache, token_ids, positions, key_positions,
-                             attention_layers=attention_layers, probes=probes)
-        ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers))
+                             attention_layers=attention_layers, probes=probes, weights=weights)
+        ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
+                                     weights=weights))
         with self._turn:
             if self._working <= 0:  # it would wait for a round nobody counts it in
                 raise RuntimeError("a forward from a thread the rendezvous was not told of (call expect() before "

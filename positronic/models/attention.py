@@ -36,26 +36,39 @@ ATTENTION_CUDA = "positronic_sdpa_cuda"  # GPU: transformers' "sdpa", with the t
 
 # (module, query [batch, heads, q, head_dim], key / value [batch, kv_heads, k, head_dim], scaling)
 TapFunction = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
-_TAP: contextvars.ContextVar[tuple[frozenset[int] | None, TapFunction] | None] = contextvars.ContextVar(
-    "positronic_attention_tap", default=None)
+# (module, log_norm [batch, heads, q] float32): each query's log Σ exp(scaled logits) over the rows it attends
+NormFunction = Callable[[torch.nn.Module, torch.Tensor], None]
+_TAP: contextvars.ContextVar[tuple[frozenset[int] | None, TapFunction, NormFunction | None] | None] = \
+    contextvars.ContextVar("positronic_attention_tap", default=None)
 
 
 @contextlib.contextmanager
-def tap(function: TapFunction, layers=None):
+def tap(function: TapFunction, layers=None, norms: NormFunction | None = None):
     """While active, every forward calls `function(module, query, key, value, scaling)` in each
     attention layer whose `layer_idx` is in `layers` (None: every layer), before attending.
     query and keys are post-RoPE, as the model attends with them; key/value hold every row the
-    layer attends over (the cache's and the new ones)."""
-    token = _TAP.set((None if layers is None else frozenset(layers), function))
+    layer attends over (the cache's and the new ones).
+
+    `norms(module, log_norm)`, if given, is called after attending where the kernel computes
+    the normaliser anyway (the CPU's fused SDPA), so nobody reads the keys again for it; where
+    it does not (a GPU, a boolean mask), it is not called."""
+    token = _TAP.set((None if layers is None else frozenset(layers), function, norms))
     try:
         yield
     finally:
         _TAP.reset(token)
 
 
-def _see(module, query, key, value, scaling) -> None:
+def _tapped(module):
+    """The active tap if it covers this layer, else None."""
     active = _TAP.get()
     if active is not None and (active[0] is None or module.layer_idx in active[0]):
+        return active
+    return None
+
+
+def _see(module, query, key, value, scaling) -> None:
+    if (active := _tapped(module)) is not None:
         active[1](module, query, key, value, module.scaling if scaling is None else scaling)
 
 
@@ -82,17 +95,36 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value:
     broadcastable to [batch, heads, q, k] (additive or boolean) or None -> output
     [batch, q, heads, head_dim] (transformers' attention-function contract; no weights)."""
     _see(module, query, key, value, scaling)
+    active = _tapped(module)
+    norms = None if active is None else active[2]
     if isinstance(key, Ragged):
-        return _each(_grouped, module, query, key, dropout=dropout, scaling=scaling)
-    return _grouped(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal)
+        outs, log_norms = zip(*(_grouped(module, query[:, :, first : first + count], keys, values, mask,
+                                         dropout=dropout, scaling=scaling, norms=norms is not None)
+                                for first, count, keys, values, mask in key.parts))
+        out = torch.cat(outs, dim=1)
+        log_norm = None if any(n is None for n in log_norms) else torch.cat(log_norms, dim=-1)
+    else:
+        out, log_norm = _grouped(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 is_causal=is_causal, norms=norms is not None)
+    if log_norm is not None:
+        norms(module, log_norm)
+    return out, None
 
 
 def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-             is_causal: bool | None = None):
+             is_causal: bool | None = None, norms: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> output [batch, q, heads, head_dim], and (`norms`) each query's log-normaliser
+    [batch, heads, q] float32 where the fused kernel gives it, else None."""
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:  # no mask over several queries: a plain causal prefill
         is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    if norms and not dropout and query.device.type == "cpu" and (attention_mask is None or attention_mask.is_floating_point()):
+        # the kernel scaled_dot_product_attention runs here, called directly for its logsumexp
+        # (GQA included; the output is the same, bit for bit: tests/positronic/models/test_attention.py)
+        out, log_norm = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attention_mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), log_norm.float()
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
         enable_gqa=key.shape[1] != query.shape[1])

@@ -120,11 +120,13 @@ class AttentionRow:
     """
 
     def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
-                 slots: torch.Tensor | None = None):
+                 slots: torch.Tensor | None = None, weights: bool = True):
         self.model, self.layers = model, list(layers)
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
+        self.weights = weights  # the attention row itself; else only the query and its log-normaliser
         self.captured: dict[int, torch.Tensor] = {}  # layer -> [heads, head_dim], the token's rotated query
+        self.norms: dict[int, torch.Tensor] = {}  # layer -> [heads], its log-normaliser, where the kernel gave it
         self.scaling: float | None = None
         self.rows = self.queries = self.log_norms = None
 
@@ -135,20 +137,30 @@ class AttentionRow:
         if cache is not None and self.layers:
             self.finish(cache)
 
+    def _at(self, queries: int) -> int:
+        return self.query if self.query >= 0 else queries + self.query
+
     def _see(self, module, query, key, value, scaling) -> None:
-        at = self.query if self.query >= 0 else query.shape[2] + self.query
-        self.captured[module.layer_idx] = query[0, :, at].detach()
+        self.captured[module.layer_idx] = query[0, :, self._at(query.shape[2])].detach()
         self.scaling = scaling
+
+    def _norm(self, module, log_norm: torch.Tensor) -> None:
+        self.norms[module.layer_idx] = log_norm[0, :, self._at(log_norm.shape[2])]
 
     @torch.no_grad()
     def finish(self, cache) -> None:
-        """rows [layers, heads, rows], queries [layers, heads, head_dim] (scaled),
-        log_norms [layers, heads], all float32, in the order of `layers`."""
+        """rows [layers, heads, rows] (None unless `weights`), queries [layers, heads, head_dim]
+        (scaled), log_norms [layers, heads], all float32, in the order of `layers`."""
         missing = [index for index in self.layers if index not in self.captured]
         if missing:
             raise RuntimeError(f"layers {missing} did not call the attention function: the model must run "
                                f"{attention.ATTENTION!r} or {attention.ATTENTION_CUDA!r}")
         query = torch.stack([self.captured[index] for index in self.layers])  # [layers, heads, d]
+        if not self.weights and all(index in self.norms for index in self.layers):
+            # the kernel's normalisers: no key is read again (1 ms of a CPU tick for SmolLM2's 30 layers)
+            self.rows, self.queries = None, query.float() * self.scaling
+            self.log_norms = torch.stack([self.norms[index] for index in self.layers])
+            return
         head_dim = query.shape[-1]
         if self.slots is None:
             keys = cache.layer_keys(self.layers, self.keys)  # [L, kv, rows, d]
@@ -178,7 +190,7 @@ def recording(recorders: list[AttentionRow]):
     """While active, each recorder keeps its token's query (several in one forward: a batched
     one records each sequence's newest token)."""
     for recorder in recorders:
-        recorder.captured, recorder.scaling = {}, None
+        recorder.captured, recorder.norms, recorder.scaling = {}, {}, None
     active = [recorder for recorder in recorders if recorder.layers]
     if not active:
         yield
@@ -189,7 +201,12 @@ def recording(recorders: list[AttentionRow]):
             if module.layer_idx in recorder.layers:
                 recorder._see(module, query, key, value, scaling)
 
-    with attention.tap(see, {layer for recorder in active for layer in recorder.layers}):
+    def norm(module, log_norm) -> None:
+        for recorder in active:
+            if module.layer_idx in recorder.layers:
+                recorder._norm(module, log_norm)
+
+    with attention.tap(see, {layer for recorder in active for layer in recorder.layers}, norms=norm):
         yield
 
 
@@ -239,7 +256,7 @@ class Prepared:
 
 
 def prepare(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-            attention_layers: list[int] | None = None, probes: Probes | None = None) -> Prepared:
+            attention_layers: list[int] | None = None, probes: Probes | None = None, weights: bool = True) -> Prepared:
     """Check a forward's arguments (see `forward`) and build its positions and mask (a
     batched forward then places its tokens among the others': `Prepared.place`)."""
     if len(token_ids) != len(positions) or not token_ids:
@@ -270,20 +287,23 @@ def prepare(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
         mask = (None if len(token_ids) == 1 and newest and not probes
                 else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
     recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1,
-                            keys=len(key_positions), slots=slots)
+                            keys=len(key_positions), slots=slots, weights=weights)
     return Prepared(cache, list(token_ids) + list(probes.token_ids), len(token_ids), query, mask, recorder, probes,
                     filling=bool(getattr(cache, "filling", False)))
 
 
 @torch.no_grad()
 def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-            attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
+            attention_layers: list[int] | None = None, probes: Probes | None = None,
+            weights: bool = True) -> ForwardResult:
     """Feed `token_ids` at RoPE `positions` through the model over `cache`.
 
     key_positions: the position of every cache row once this forward has written its rows
     (the live rows after an append, or the whole spliced layout). The new rows are appended,
     or written into the rows the caller opened with `cache.fill(rows)`. `attention_layers`:
     record the newest token's attention row on these layers; it must be the newest row.
+    `weights` False: only its query and log-normaliser (`ForwardResult.attention` is None),
+    which the CPU's attention kernel gives without reading the keys again.
     `probes` are fed after `token_ids`; their scratch rows come after the live rows (the
     caller opens them with `fill` and drops them afterwards), their positions after
     `key_positions`.
@@ -294,16 +314,18 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     meeting = MEETING.get()
     if meeting is not None:  # this thread's sequence ticks in a batch: one forward for all of it
         return meeting.forward(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
-                               probes=probes)
+                               probes=probes, weights=weights)
     return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
-                         probes=probes)
+                         probes=probes, weights=weights)
 
 
 @torch.no_grad()
 def forward_alone(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
-                  attention_layers: list[int] | None = None, probes: Probes | None = None) -> ForwardResult:
+                  attention_layers: list[int] | None = None, probes: Probes | None = None,
+                  weights: bool = True) -> ForwardResult:
     """`forward` in a model forward of its own, whatever batch this thread is in."""
-    part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers, probes=probes)
+    part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers, probes=probes,
+                   weights=weights)
     with part.recorder.record(cache):
         out = lm.model(input_ids=torch.tensor([part.token_ids], dtype=torch.long, device=lm.device),
                        position_ids=part.query[None], attention_mask=part.mask, **with_cache(cache), use_cache=True,
@@ -312,7 +334,7 @@ def forward_alone(lm, cache: SpliceCache, token_ids: list[int], positions: list[
 
 
 def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], *,
-            attention_layers: list[int] | None = None) -> ForwardResult:
+            attention_layers: list[int] | None = None, weights: bool = True) -> ForwardResult:
     """Append a long span in chunks (positions increasing). Returns every token's greedy
     prediction, and the last token's logits and attention row."""
     if cache.length:
@@ -324,7 +346,7 @@ def prefill(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
         stop = min(start + chunk, len(token_ids))
         last = stop == len(token_ids)
         result = forward(lm, cache, token_ids[start:stop], positions[start:stop], positions[:stop],
-                         attention_layers=attention_layers if last else None)
+                         attention_layers=attention_layers if last else None, weights=weights)
         predicted.append(result.predicted)
     return ForwardResult(torch.cat(predicted), result.logits, result.attention, query=result.query,
                          log_norm=result.log_norm)

@@ -29,6 +29,7 @@ properties, and hand their decisions back as arguments of `apply()`.
                                      row (mirror/ring.py): the cache's ring, recorded at each commit
     next_logits                      [vocab] float32, from the forward that wrote the last row
     last_attention                   [scored layers, heads, rows] float32, that row's attention
+                                     (None once layers keep rows of their own: nothing reads it)
     last_query, last_log_norm        [scored layers, heads, head_dim], [scored layers, heads]: its
                                      scaled query and log-normaliser (forward.ForwardResult)
 """
@@ -418,7 +419,8 @@ class StateManager(StateReads):
                 with self._cache.fill(gaps), self._faults.forward():
                     result = forward(self.lm, self._cache, token_ids, positions, rows.key_positions(),
                                      attention_layers=self.attention_layers if newest else None,
-                                     probes=probes if scratch else None)
+                                     probes=probes if scratch else None,
+                                     weights=not self.per_layer)  # a per-layer policy reads no shared row
                 if scratch:
                     for layer in self._cache.layers:
                         layer.crop(-scratch)

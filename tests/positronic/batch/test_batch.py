@@ -213,3 +213,26 @@ def test_a_shared_forward_run_again_first_takes_back_the_rows_it_appended(tiny):
     assert [layer.length for layer in cache.layers] == [5, 5]
     part.undo_appends()
     assert [layer.length for layer in cache.layers] == [3, 3]
+
+
+def test_a_shared_forward_gives_each_sequence_its_kernel_normaliser_as_alone(tiny):
+    """Without the weights (a per-layer policy's forward), each sequence's log-normaliser comes
+    from its own part of the shared attention: what its forward alone gives (the packed
+    linear layers round differently, so within float error, as the logits)."""
+    prompts = [list(range(3, 20)), list(range(50, 58)), list(range(100, 130))]
+    feeds = [[21], [60, 61, 62], [131]]
+    parts, expected = [], []
+    for prompt, feed in zip(prompts, feeds):
+        pair = []
+        for _ in range(2):
+            cache = SpliceCache(tiny.model.config, max_cache_len=64)
+            prefill(tiny, cache, prompt, list(range(len(prompt))))
+            pair.append(cache)
+        positions = list(range(len(prompt), len(prompt) + len(feed)))
+        keys = list(range(len(prompt))) + positions
+        parts.append(prepare(tiny, pair[0], feed, positions, keys, attention_layers=[0, 1], weights=False))
+        expected.append(forward(tiny, pair[1], feed, positions, keys, attention_layers=[0, 1], weights=False))
+    for got, alone in zip(forward_many(tiny, parts), expected):
+        assert got.attention is None
+        torch.testing.assert_close(got.log_norm, alone.log_norm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.query, alone.query, rtol=1e-5, atol=1e-6)

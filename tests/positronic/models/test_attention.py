@@ -63,3 +63,41 @@ def test_the_tap_sees_each_chosen_layers_rotated_query_and_keys_and_nothing_outs
     assert query.shape == (1, tiny_gqa.num_heads, 4, tiny_gqa.head_dim)
     assert key.shape == (1, tiny_gqa.num_kv_heads, 4, tiny_gqa.head_dim)
     assert scaling == tiny_gqa.head_dim ** -0.5
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_asking_for_the_normalisers_changes_no_logit_and_gives_each_querys_logsumexp(tiny_gqa, masked):
+    """With `norms`, the CPU attention calls SDPA's kernel directly for its logsumexp: the
+    logits are the same bit for bit, and each query head's log-normaliser is
+    log Σ exp(q·k · scaling) over the keys it sees."""
+    ids, positions = [1] + [(5 * i) % 90 + 3 for i in range(11)], list(range(12))
+    mask = None
+    if masked:
+        keys = torch.tensor(positions)
+        keys[3:6] = 100  # hidden from every query
+        mask = visibility_mask(torch.tensor(positions), keys, torch.float32)
+    seen, norms = {}, {}
+    plain = logits(tiny_gqa, attention.ATTENTION, ids, positions, mask)
+    with attention.tap(lambda module, q, k, v, scaling: seen.setdefault(module.layer_idx, (q, k, scaling)), [0, 1],
+                       norms=lambda module, log_norm: norms.setdefault(module.layer_idx, log_norm)):
+        tapped = logits(tiny_gqa, attention.ATTENTION, ids, positions, mask)
+    assert torch.equal(plain, tapped)
+    assert sorted(norms) == [0, 1]
+    for layer, (query, key, scaling) in seen.items():
+        group = query.shape[1] // key.shape[1]
+        scores = (query @ key.repeat_interleave(group, dim=1).transpose(-1, -2)) * scaling
+        if mask is not None:
+            scores = scores + mask
+        else:
+            scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(norms[layer], scores.logsumexp(dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_fused_kernel_the_normalisers_are_not_given(tiny_gqa):
+    """A boolean mask goes through torch's own SDPA, which gives no logsumexp: `norms` is not
+    called (the attention row then reads the keys itself)."""
+    norms = []
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    with attention.tap(lambda *args: None, norms=lambda module, log_norm: norms.append(module.layer_idx)):
+        logits(tiny_gqa, attention.ATTENTION, [1, 5, 6, 7], [0, 1, 2, 3], mask)
+    assert norms == []

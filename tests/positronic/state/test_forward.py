@@ -172,3 +172,31 @@ def test_forward_refuses_tokens_without_positions_and_an_attention_row_of_an_old
     with pytest.raises(ValueError, match="the newest row only"):
         forward(tiny, cache, [5], [1], [0, 1, 2], attention_layers=[0])
     assert cache.length == 0, "nothing was written"
+
+
+@pytest.mark.parametrize("feed", [[42], [40, 41, 42]])
+def test_without_the_weights_the_query_and_normaliser_come_from_the_kernel_and_no_key_is_read_again(
+        smol, monkeypatch, feed):
+    """`weights=False` (a per-layer policy, which reads no shared attention row): the same
+    scaled query and, within float error, the same log-normaliser as the row computed from the
+    keys, and the keys are not read again for it; the logits do not change."""
+    prompt = [smol.bos_id] + smol.encode(PROMPT)
+    layers = list(range(smol.num_layers))
+    caches = []
+    for _ in range(2):
+        cache = SpliceCache(smol.model.config, max_cache_len=64)
+        prefill(smol, cache, prompt, list(range(len(prompt))))
+        caches.append(cache)
+    positions = list(range(len(prompt), len(prompt) + len(feed)))
+    keys = list(range(len(prompt))) + positions
+    full = forward(smol, caches[0], feed, positions, keys, attention_layers=layers)
+
+    def no_keys(*args):
+        raise AssertionError("the keys were read again")
+
+    monkeypatch.setattr(SpliceCache, "layer_keys", no_keys)
+    light = forward(smol, caches[1], feed, positions, keys, attention_layers=layers, weights=False)
+    assert light.attention is None and full.attention is not None
+    assert torch.equal(light.logits, full.logits)
+    assert torch.equal(light.query, full.query)
+    torch.testing.assert_close(light.log_norm, full.log_norm, rtol=0, atol=2e-5)
