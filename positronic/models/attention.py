@@ -101,20 +101,20 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value:
         outs, log_norms = zip(*(_grouped(module, query[:, :, first : first + count], keys, values, mask,
                                          dropout=dropout, scaling=scaling, norms=norms is not None)
                                 for first, count, keys, values, mask in key.parts))
-        out = torch.cat(outs, dim=1)
+        out = torch.cat(outs, dim=2)  # the sequences' queries in packed order: one transpose below for all
         log_norm = None if any(n is None for n in log_norms) else torch.cat(log_norms, dim=-1)
     else:
         out, log_norm = _grouped(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, norms=norms is not None)
     if log_norm is not None:
         norms(module, log_norm)
-    return out, None
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
              is_causal: bool | None = None, norms: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> output [batch, q, heads, head_dim], and (`norms`) each query's log-normaliser
-    [batch, heads, q] float32 where the fused kernel gives it, else None."""
+    """-> output [batch, heads, q, head_dim] (SDPA's layout), and (`norms`) each query's
+    log-normaliser [batch, heads, q] float32 where the fused kernel gives it, else None."""
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:  # no mask over several queries: a plain causal prefill
@@ -124,11 +124,11 @@ def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, sc
         # (GQA included; the output is the same, bit for bit: tests/positronic/models/test_attention.py)
         out, log_norm = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attention_mask, scale=scaling)
-        return out.transpose(1, 2).contiguous(), log_norm.float()
+        return out, log_norm.float()
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
         enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
 
 
 def tapped_sdpa(module, query, key, value, attention_mask, **kwargs):

@@ -113,10 +113,12 @@ class AttentionRow:
 
     While `record()` is active, the attention tap (models/attention.py) keeps that token's
     query in each chosen layer, exactly as the model attends with it: after the family's own
-    projections, norms and RoPE. After the forward, `finish` takes softmax(q·Kᵀ · scaling)
-    against each layer's keys, all layers in one batched product. The token must see every row
-    (it is the newest), so no mask applies. Doing the work inside the forward, one layer at a
-    time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
+    projections, norms and RoPE (`Seen`). After the forward, `finish` takes softmax(q·Kᵀ ·
+    scaling) against each layer's keys, all layers in one batched product. The token must see
+    every row (it is the newest), so no mask applies. Doing the work inside the forward, one
+    layer at a time, cost ~1 ms per layer on a CPU (a dozen small ops each); batched it is a few.
+    Without `weights` the attention kernel's own log-normaliser is taken where it gives one, and
+    no key is read again.
     """
 
     def __init__(self, model, layers: list[int], *, query: int = -1, keys: int | None = None,
@@ -125,9 +127,8 @@ class AttentionRow:
         self.query, self.keys = query, keys  # which fed token; how many leading cache rows it attends
         self.slots = slots  # a ring store: the slot of each of those rows (their keys lie in slot order)
         self.weights = weights  # the attention row itself; else only the query and its log-normaliser
-        self.captured: dict[int, torch.Tensor] = {}  # layer -> [heads, head_dim], the token's rotated query
-        self.norms: dict[int, torch.Tensor] = {}  # layer -> [heads], its log-normaliser, where the kernel gave it
-        self.scaling: float | None = None
+        self.seen: Seen | None = None  # what the forward's tap kept, for this recorder and the others of the forward
+        self.column = 0  # this recorder's column in `seen`
         self.rows = self.queries = self.log_norms = None
 
     @contextlib.contextmanager
@@ -137,29 +138,25 @@ class AttentionRow:
         if cache is not None and self.layers:
             self.finish(cache)
 
-    def _at(self, queries: int) -> int:
-        return self.query if self.query >= 0 else queries + self.query
-
-    def _see(self, module, query, key, value, scaling) -> None:
-        self.captured[module.layer_idx] = query[0, :, self._at(query.shape[2])].detach()
-        self.scaling = scaling
-
-    def _norm(self, module, log_norm: torch.Tensor) -> None:
-        self.norms[module.layer_idx] = log_norm[0, :, self._at(log_norm.shape[2])]
+    def at(self, tokens: int) -> int:
+        """The recorded token's index among the forward's `tokens` fed tokens."""
+        return self.query if self.query >= 0 else tokens + self.query
 
     @torch.no_grad()
     def finish(self, cache) -> None:
         """rows [layers, heads, rows] (None unless `weights`), queries [layers, heads, head_dim]
         (scaled), log_norms [layers, heads], all float32, in the order of `layers`."""
-        missing = [index for index in self.layers if index not in self.captured]
+        seen = self.seen
+        missing = [index for index in self.layers if seen is None or index not in seen.queries]
         if missing:
             raise RuntimeError(f"layers {missing} did not call the attention function: the model must run "
                                f"{attention.ATTENTION!r} or {attention.ATTENTION_CUDA!r}")
-        query = torch.stack([self.captured[index] for index in self.layers])  # [layers, heads, d]
-        if not self.weights and all(index in self.norms for index in self.layers):
+        queries, norms = seen.stacked(tuple(self.layers))
+        query = queries[:, :, self.column]  # [layers, heads, d]
+        if not self.weights and norms is not None:
             # the kernel's normalisers: no key is read again (1 ms of a CPU tick for SmolLM2's 30 layers)
-            self.rows, self.queries = None, query.float() * self.scaling
-            self.log_norms = torch.stack([self.norms[index] for index in self.layers])
+            self.rows, self.queries = None, query.float() * seen.scaling
+            self.log_norms = norms[:, :, self.column].contiguous()
             return
         head_dim = query.shape[-1]
         if self.slots is None:
@@ -168,7 +165,7 @@ class AttentionRow:
             used = cache.ring.used(self.keys)
             keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
         layers, kv_heads, rows, _ = keys.shape
-        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * self.scaling  # [L, kv, group, d]
+        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * seen.scaling  # [L, kv, group, d]
         scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
         if self.slots is not None:
             scores = scores.index_select(-1, self.slots)  # free slots drop out here
@@ -185,28 +182,59 @@ class AttentionRow:
         return self.queries, self.log_norms
 
 
+class Seen:
+    """What one forward's attention tap kept for its recorders, all at once: per recorded
+    layer, each recorder's token's query [heads, recorders, head_dim] and, where the kernel
+    gave it, its log-normaliser [heads, recorders]. One pick per layer for every recorder (a
+    batched forward records a token of each sequence), not one per recorder."""
+
+    def __init__(self, recorders: list[AttentionRow]):
+        self.recorders = recorders
+        self.queries: dict[int, torch.Tensor] = {}
+        self.norms: dict[int, torch.Tensor] = {}
+        self.scaling: float | None = None
+        self._columns: torch.Tensor | None = None
+        self._stacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def columns(self, tokens: int, device) -> torch.Tensor:
+        if self._columns is None:
+            self._columns = torch.tensor([recorder.at(tokens) for recorder in self.recorders], device=device)
+        return self._columns
+
+    def see(self, module, query, key, value, scaling) -> None:
+        """query [1, heads, tokens, head_dim]"""
+        self.queries[module.layer_idx] = query[0].detach().index_select(1, self.columns(query.shape[2], query.device))
+        self.scaling = scaling
+
+    def norm(self, module, log_norm: torch.Tensor) -> None:
+        """log_norm [1, heads, tokens]"""
+        self.norms[module.layer_idx] = log_norm[0].index_select(1, self.columns(log_norm.shape[2], log_norm.device))
+
+    def stacked(self, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """queries [layers, heads, recorders, head_dim], and log-normalisers [layers, heads,
+        recorders] if the kernel gave them on every one of `layers` (else None)."""
+        if layers not in self._stacked:
+            norms = None
+            if all(index in self.norms for index in layers):
+                norms = torch.stack([self.norms[index] for index in layers])
+            self._stacked[layers] = torch.stack([self.queries[index] for index in layers]), norms
+        return self._stacked[layers]
+
+
 @contextlib.contextmanager
 def recording(recorders: list[AttentionRow]):
-    """While active, each recorder keeps its token's query (several in one forward: a batched
-    one records each sequence's newest token)."""
-    for recorder in recorders:
-        recorder.captured, recorder.norms, recorder.scaling = {}, {}, None
+    """While active, the recorders' tokens' queries are kept (several in one forward: a batched
+    one records each sequence's newest token), in one `Seen` they share."""
     active = [recorder for recorder in recorders if recorder.layers]
+    seen = Seen(active)
+    for recorder in recorders:
+        recorder.seen = seen
+    for column, recorder in enumerate(active):
+        recorder.column = column
     if not active:
         yield
         return
-
-    def see(module, query, key, value, scaling) -> None:
-        for recorder in active:
-            if module.layer_idx in recorder.layers:
-                recorder._see(module, query, key, value, scaling)
-
-    def norm(module, log_norm) -> None:
-        for recorder in active:
-            if module.layer_idx in recorder.layers:
-                recorder._norm(module, log_norm)
-
-    with attention.tap(see, {layer for recorder in active for layer in recorder.layers}, norms=norm):
+    with attention.tap(seen.see, {layer for recorder in active for layer in recorder.layers}, norms=seen.norm):
         yield
 
 
