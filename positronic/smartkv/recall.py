@@ -226,9 +226,12 @@ class LaneRecall(Recall):
             return [], [], [], None, None
         full = len(self.ids) == self.capacity
         order = [*range(self.next, self.capacity), *range(self.next)] if full else list(range(len(self.ids)))
-        index = torch.tensor(order, dtype=torch.long)
+        # the ring in at most two runs of slots (a gather across the keys' columns took 13 ms at 357 tokens)
+        runs = [(self.next, self.capacity), (0, self.next)] if full else [(0, len(self.ids))]
+        keys = torch.cat([self.keys[..., a:b] for a, b in runs if b > a], dim=3)
+        values = torch.cat([self.values[:, :, a:b] for a, b in runs if b > a], dim=2)
         return ([self.ids[k] for k in order], [self.positions[k] for k in order], [self.predicted[k] for k in order],
-                self.keys.index_select(3, index).transpose(2, 3).contiguous(), self.values.index_select(2, index))
+                keys.transpose(2, 3).contiguous(), values)
 
     def _set_rows(self, ids, positions, predicted, keys, values) -> None:
         self.ids, self.positions, self.predicted, self.keys, self.values, self.next = [], [], [], None, None, 0

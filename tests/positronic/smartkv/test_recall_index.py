@@ -61,6 +61,23 @@ def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_fir
     assert all(torch.equal(a, b) for a, b in zip(recall._rows()[3:], resumed._rows()[3:]))
 
 
+@pytest.mark.parametrize("tokens", [0, 3, 5, 7])
+def test_the_index_is_saved_oldest_first_whether_its_ring_has_wrapped_or_not(tokens):
+    """Not yet full, just full, wrapped part way: the saved rows are the kept tokens' own K/V,
+    oldest first."""
+    generator = torch.Generator().manual_seed(2)
+    recall = LaneRecall(KV_HEADS, capacity=5)
+    keys = values = torch.empty(LAYERS, KV_HEADS, 0, HEAD_DIM)
+    for first in range(100, 100 + tokens):
+        k, v = leaving(recall, first, 1, generator)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+    ids, _, _, kept_keys, kept_values = recall._rows()
+    kept = min(tokens, 5)
+    assert ids == list(range(100 + tokens - kept, 100 + tokens))
+    if tokens:
+        assert torch.equal(kept_keys, keys[:, :, tokens - kept:]) and torch.equal(kept_values, values[:, :, tokens - kept:])
+
+
 def test_a_saved_index_whose_scores_do_not_match_is_refused_and_changes_nothing():
     generator = torch.Generator().manual_seed(0)
     recall = LaneRecall(KV_HEADS, capacity=5)
