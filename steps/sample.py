@@ -173,7 +173,10 @@ def _largest(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
     count = min(count, probs.numel())
     if count == probs.numel():
         return torch.sort(probs, descending=True, stable=True)
-    cutoff = probs.topk(count).values[-1]
+    values, ids = probs.topk(count + 1)  # descending; equal values in no set order
+    if not bool((values[1:] == values[:-1]).any()):  # no two alike, at the cut or above it: the stable
+        return values[:count], ids[:count]           # sort's first `count` (a tick's usual case, ~0.1 ms less)
+    cutoff = values[count - 1]
     ids = (probs >= cutoff).nonzero().squeeze(1)  # every tie at the cut, in id order
     values, order = torch.sort(probs[ids], descending=True, stable=True)
     return values[:count], ids[order[:count]]

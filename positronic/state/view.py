@@ -70,8 +70,9 @@ class RowReader:
             if missing := [i for i in ledger_ids if i not in where]:
                 raise ValueError(f"the live rows do not hold ledger ids {missing[:5]}")
             found = [[where[i] for i in ledger_ids]] * len(self._cache.layers)
-        else:
-            found = [self._lane_rows(lane, held, ledger_ids) for lane, held in enumerate(lanes.rows)]
+        else:  # tokens at the window's edge lie at the same rows in every lane: one search, checked
+            found = self._same_rows(lanes.rows, ledger_ids) or [
+                self._lane_rows(lane, held, ledger_ids) for lane, held in enumerate(lanes.rows)]
         keys, values = self._cache.lane_rows(found)  # [layers, kv_heads, n, head_dim]
         return keys.float().cpu(), values.float().cpu()
 
@@ -83,6 +84,16 @@ class RowReader:
         if layers is None or len(ledger_ids) != layers.num_layers:
             raise ValueError(f"rows by lane need per-layer rows and one id list per lane, got {len(ledger_ids)}")
         return [self._lane_rows(lane, held, wanted) for lane, (held, wanted) in enumerate(zip(layers.rows, ledger_ids))]
+
+    @staticmethod
+    def _same_rows(lanes: list[list[int]], wanted: list[int]) -> list[list[int]] | None:
+        """[rows] per lane if every lane holds each of `wanted` at the row the first lane does
+        (the search in the others would find just that: ids ascend in a lane), else None."""
+        first = lanes[0]
+        rows = [bisect.bisect_left(first, ledger_id) for ledger_id in wanted]
+        if all(row < len(held) and held[row] == ledger_id for held in lanes for row, ledger_id in zip(rows, wanted)):
+            return [rows] * len(lanes)
+        return None
 
     @staticmethod
     def _lane_rows(lane: int, held: list[int], wanted: list[int]) -> list[int]:

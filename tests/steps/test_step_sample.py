@@ -189,12 +189,21 @@ def test_bad_logits_raise(logits):
         sample(logits)
 
 
-def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would():
+@pytest.mark.parametrize("ties", ["many", "none", "at the cut only"])
+def test_only_the_largest_are_sorted_but_exactly_as_a_full_stable_sort_would(ties):
+    """Many ties (also at the cut), none (the short way: topk's own order), or one pair, the
+    count-th and the next: the first `count` of a stable descending sort either way."""
     from positronic.steps.sample import _largest
 
     generator = torch.Generator().manual_seed(3)
     for count in (1, 20, 50, 999, 1000):
-        probs = torch.randint(0, 40, (1000,), generator=generator).float()  # many ties, also at the cut
+        if ties == "many":
+            probs = torch.randint(0, 40, (1000,), generator=generator).float()
+        else:
+            probs = torch.rand(1000, generator=generator)
+            if ties == "at the cut only" and count < 1000:
+                order = probs.argsort(descending=True)
+                probs[order[count]] = probs[order[count - 1]]
         values, ids = _largest(probs, count)
         full_values, full_ids = torch.sort(probs, descending=True, stable=True)
         assert torch.equal(values, full_values[:count]) and torch.equal(ids, full_ids[:count])

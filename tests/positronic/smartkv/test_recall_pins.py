@@ -163,3 +163,31 @@ def test_past_the_position_limit_recall_starts_its_index_again(tiny, head_gate_f
     assert max(brain.state.positions()) < tiny.max_positions < brain.tick
     assert brain.policy.recall.restored > restored_before_packing > 0, "recall works before and after packing"
     brain.state.check(deep=True)
+
+
+def test_a_tokens_kv_is_read_from_its_own_row_in_every_lane(tiny, head_gate_file):
+    """RowReader.layer_rows: a token every lane holds at different rows (an old one), one at
+    the same row in every lane (the window's edge: one search, checked), both at once: each
+    lane's K/V come from its own row; a token some lane lacks is refused."""
+    brain = Brain.start(tiny, text_ids(tiny, 24, seed=37), config(head_gate_file))
+    for token in text_ids(tiny, 30, seed=38)[1:]:
+        brain.step(force=token)
+    state = brain.state
+    live = state.mirror.live.ledger_ids
+    lanes = [[live[row] for row in state.mirror.layer_rows_of(lane)] for lane in range(state.lanes)]  # ledger ids
+    common = set(lanes[0]).intersection(*lanes[1:])
+    apart = [i for i in sorted(common) if len({ids.index(i) for ids in lanes}) > 1]
+    edge = state.mirror.live.ledger_ids[-2]
+    assert apart and len({ids.index(edge) for ids in lanes}) == 1
+    heads = state.lanes // tiny.num_layers
+    for wanted in ([apart[0]], [edge], [apart[0], edge]):
+        keys, values = state.view(keys=True).rows.layer_rows(wanted)
+        for lane, ids in enumerate(lanes):
+            layer, head = divmod(lane, heads)
+            cache_keys, cache_values = state.layer_kv(layer)
+            rows = [ids.index(i) for i in wanted]
+            assert torch.equal(keys[layer, head], cache_keys[0, head, rows].float())
+            assert torch.equal(values[layer, head], cache_values[0, head, rows].float())
+    lacking = next(i for i in sorted(set().union(*lanes)) if i not in common)
+    with pytest.raises(ValueError, match="does not hold"):
+        state.view(keys=True).rows.layer_rows([lacking])
