@@ -213,9 +213,15 @@ class LaneRecall(Recall):
                 self.ids[slot], self.positions[slot], self.predicted[slot] = ledger_id, position, prediction
             else:
                 self.ids.append(ledger_id), self.positions.append(position), self.predicted.append(prediction)
-        index = torch.tensor(slots, dtype=torch.long)
-        self.keys.index_copy_(3, index, keys.transpose(2, 3).to(self.keys.dtype))
-        self.values.index_copy_(2, index, values.to(self.values.dtype))
+        # the slots are one run, or two where the ring wraps: slices, not an index_copy_ across the
+        # keys' columns (0.11 ms a tick for one token)
+        head = min(len(ids), self.capacity - self.next)
+        columns = keys.transpose(2, 3).to(self.keys.dtype)
+        values = values.to(self.values.dtype)
+        for start, first, stop in ((self.next, 0, head), (0, head, len(ids))):
+            if stop > first:
+                self.keys[..., start : start + stop - first] = columns[..., first:stop]
+                self.values[:, :, start : start + stop - first] = values[:, :, first:stop]
         self.next = (self.next + len(ids)) % self.capacity
 
     # --- sessions ---------------------------------------------------------------------------
