@@ -67,9 +67,11 @@ def _tapped(module):
     return None
 
 
-def _see(module, query, key, value, scaling) -> None:
+def _see(module, query, key, value, scaling):
+    """Call the tap that covers this layer, if any; returns it (None: no tap here)."""
     if (active := _tapped(module)) is not None:
         active[1](module, query, key, value, module.scaling if scaling is None else scaling)
+    return active
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value:
     """query [batch, heads, q, head_dim], key / value [batch, kv_heads, k, head_dim], mask
     broadcastable to [batch, heads, q, k] (additive or boolean) or None -> output
     [batch, q, heads, head_dim] (transformers' attention-function contract; no weights)."""
-    _see(module, query, key, value, scaling)
-    active = _tapped(module)
+    active = _see(module, query, key, value, scaling)
     norms = None if active is None else active[2]
     if isinstance(key, Ragged):
         outs, log_norms = zip(*(_grouped(module, query[:, :, first : first + count], keys, values, mask,
@@ -119,7 +120,8 @@ def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, sc
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     if is_causal is None:  # no mask over several queries: a plain causal prefill
         is_causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-    if norms and not dropout and query.device.type == "cpu" and (attention_mask is None or attention_mask.is_floating_point()):
+    fused = query.device.type == "cpu" and (attention_mask is None or attention_mask.is_floating_point())
+    if norms and not dropout and fused:
         # the kernel scaled_dot_product_attention runs here, called directly for its logsumexp
         # (GQA included; the output is the same, bit for bit: tests/positronic/models/test_attention.py)
         out, log_norm = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

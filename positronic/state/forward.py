@@ -197,6 +197,7 @@ class Seen:
         self._stacked: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def columns(self, tokens: int, device) -> torch.Tensor:
+        """int64 [recorders]: each recorder's token among the forward's `tokens` (made once)."""
         if self._columns is None:
             self._columns = torch.tensor([recorder.at(tokens) for recorder in self.recorders], device=device)
         return self._columns
