@@ -92,7 +92,7 @@ class Client:
                 if response.status_code in (429, 503):
                     return None
                 if response.status_code != 200:
-                    self.failures.append(f"{key}: {response.status_code} {response.text[:300]}")
+                    self.failures.append(f"{key}: {response.status_code} {response.text[:300]}{self.mismatch(url, response)}")
                     return None
                 choice = response.json()["choices"][0]
                 return choice["text"] if "text" in choice else choice["message"]["content"]
@@ -102,7 +102,8 @@ class Client:
                 if response.status_code in (429, 503):
                     return None
                 if response.status_code != 200:
-                    self.failures.append(f"{key}: {response.status_code} {response.read()[:300]!r}")
+                    self.failures.append(f"{key}: {response.status_code} {response.read()[:300]!r}"
+                                         f"{self.mismatch(url, response)}")
                     return None
                 hang_up = self.rng.randint(1, 12) if lost else None
                 for number, line in enumerate(response.iter_lines()):
@@ -126,6 +127,19 @@ class Client:
             return None
         except (httpx.TransportError, json.JSONDecodeError):  # the server was killed mid-answer: ask again
             return None
+
+
+    def mismatch(self, url: str, response) -> str:
+        """For a 409 (the session's record of the conversation differs from this client's), both
+        sides' ends, so that a failure shows which answer differs and how."""
+        if response.status_code != 409:
+            return ""
+        try:
+            transcript = httpx.get(f"{url}/v1/sessions/{self.session}", timeout=30).json()["transcript"]
+        except Exception as error:  # the server may be going down: say so, keep the failure
+            transcript = f"(not read: {type(error).__name__})"
+        return (f" | the client's last two answers {ascii(self.answers[-2:])}"
+                f" | the session's transcript ends {ascii(transcript[-400:])}")
 
 
 def clients() -> list[Client]:
