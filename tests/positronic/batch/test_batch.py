@@ -39,9 +39,12 @@ def batched(lm, prompts, configs: list[dict], ticks: int) -> tuple[Batch, list[l
     return batch, got
 
 
-def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny):
+@pytest.mark.parametrize("weights", [True, False])
+def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny, weights):
     """Three sequences of different lengths, one feeding three rows under a mask, the others
-    one: logits, predictions, attention row and query as alone, and the same rows written."""
+    one: logits, predictions, attention row (or, without weights, none: a per-layer policy's
+    forward), query and log-normaliser as alone, and the same rows written. (The packed
+    linear layers round differently, so within float error.)"""
     prompts = [list(range(3, 20)), list(range(50, 58)), list(range(100, 130))]
     feeds = [[21], [60, 61, 62], [131]]
     shared, solo = [], []
@@ -54,14 +57,18 @@ def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny):
     for prompt, feed, cache, twin in zip(prompts, feeds, shared, solo):
         positions = list(range(len(prompt), len(prompt) + len(feed)))
         keys = list(range(len(prompt))) + positions
-        parts.append(prepare(tiny, cache, feed, positions, keys, attention_layers=[0, 1]))
-        expected.append(forward(tiny, twin, feed, positions, keys, attention_layers=[0, 1]))
+        parts.append(prepare(tiny, cache, feed, positions, keys, attention_layers=[0, 1], weights=weights))
+        expected.append(forward(tiny, twin, feed, positions, keys, attention_layers=[0, 1], weights=weights))
     got = forward_many(tiny, parts)
     for a, b, cache, twin in zip(got, expected, shared, solo):
         assert torch.equal(a.predicted, b.predicted)
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(a.attention, b.attention, rtol=1e-5, atol=1e-6)
+        if weights:
+            torch.testing.assert_close(a.attention, b.attention, rtol=1e-5, atol=1e-6)
+        else:
+            assert a.attention is None and b.attention is None
         torch.testing.assert_close(a.query, b.query, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.log_norm, b.log_norm, rtol=1e-5, atol=1e-6)
         for layer, other in zip(cache.layers, twin.layers):
             assert layer.length == other.length
             torch.testing.assert_close(layer.keys, other.keys, rtol=1e-5, atol=1e-6)
@@ -214,25 +221,3 @@ def test_a_shared_forward_run_again_first_takes_back_the_rows_it_appended(tiny):
     part.undo_appends()
     assert [layer.length for layer in cache.layers] == [3, 3]
 
-
-def test_a_shared_forward_gives_each_sequence_its_kernel_normaliser_as_alone(tiny):
-    """Without the weights (a per-layer policy's forward), each sequence's log-normaliser comes
-    from its own part of the shared attention: what its forward alone gives (the packed
-    linear layers round differently, so within float error, as the logits)."""
-    prompts = [list(range(3, 20)), list(range(50, 58)), list(range(100, 130))]
-    feeds = [[21], [60, 61, 62], [131]]
-    parts, expected = [], []
-    for prompt, feed in zip(prompts, feeds):
-        pair = []
-        for _ in range(2):
-            cache = SpliceCache(tiny.model.config, max_cache_len=64)
-            prefill(tiny, cache, prompt, list(range(len(prompt))))
-            pair.append(cache)
-        positions = list(range(len(prompt), len(prompt) + len(feed)))
-        keys = list(range(len(prompt))) + positions
-        parts.append(prepare(tiny, pair[0], feed, positions, keys, attention_layers=[0, 1], weights=False))
-        expected.append(forward(tiny, pair[1], feed, positions, keys, attention_layers=[0, 1], weights=False))
-    for got, alone in zip(forward_many(tiny, parts), expected):
-        assert got.attention is None
-        torch.testing.assert_close(got.log_norm, alone.log_norm, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got.query, alone.query, rtol=1e-5, atol=1e-6)
