@@ -103,3 +103,40 @@ def test_smartkv_on_the_gpu_in_generate_and_in_the_brain(gpu_tiny, tmp_path):
     for _ in range(40):
         assert not brain.step().rebuilt
     brain.state.check(deep=True)
+
+
+@pytest.mark.parametrize("policy", ["brightness", "smartkv"])
+def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp_path, policy):
+    """One shared forward per tick on the device (packed rows, each sequence's pick of query and
+    normaliser, per-layer rows for smartkv, recall's lanes): greedy and seeded sampling, over
+    budget, each sequence's tokens equal its run alone (float32), and every state checks."""
+    from positronic.batch import Batch
+
+    path = tmp_path / "gates.safetensors"
+    GateSet.for_config(gpu_tiny.model.config, seed=7).save(path)
+    configs = [dict(policy=policy, recall=True, budget=28, sinks=3, window=6, seed=1, temperature=0),
+               dict(policy=policy, recall=True, budget=32, sinks=3, window=6, seed=2, temperature=0.9),
+               dict(policy=policy, budget=24, sinks=3, window=6, seed=3, temperature=0.7, top_k=20)]
+    if policy == "smartkv":
+        for config in configs:
+            config["gates"] = str(path)
+    prompts = [prompt(gpu_tiny, 40 + 6 * k, seed=20 + k) for k in range(len(configs))]
+    ticks = 30
+    want = []
+    for text, config in zip(prompts, configs):
+        brain = Brain.start(gpu_tiny, text, BrainConfig(**config))
+        want.append([brain.step().token_id for _ in range(ticks)])
+    batch = Batch()
+    for name, (text, config) in enumerate(zip(prompts, configs)):
+        batch.join(name, Brain.start(gpu_tiny, text, BrainConfig(**config)))
+    got = [[] for _ in configs]
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not isinstance(record, Exception), record
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    assert got == want
+    assert batch.meeting.forwards == ticks
+    for brain in batch.brains.values():
+        assert brain.state.cache.layers[0].keys.is_cuda
+        brain.state.check(deep=True)
