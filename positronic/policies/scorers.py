@@ -141,10 +141,14 @@ class KeyedScorer(Scorer):
 
 
 class LastAccessScorer(KeyedScorer):
-    """The last tick at which a row was *accessed*: its score above the mean score of the
+    """The last tick at which a row was *accessed*: its score at or above the mean score of the
     non-sink rows (all rows when there are no others; the sinks soak up most attention, so
     the plain mean 1/length would count almost nothing as accessed). A row counts as
-    accessed when it is first seen (it was just written, as llama.cpp stamps cells)."""
+    accessed when it is first seen (it was just written, as llama.cpp stamps cells).
+
+    Equal scores are equally accessed: the mean of n equal floats can round a hair above them
+    (and Python 3.12's compensated `sum` rounds otherwise than 3.11's), so the threshold gives
+    way by a relative 1e-9, far below what a float32 attention score can resolve."""
 
     def __init__(self, *, sinks: int):
         super().__init__()
@@ -152,9 +156,9 @@ class LastAccessScorer(KeyedScorer):
 
     def observe(self, value, clock, ids, scores):
         rest = scores[self.sinks:] or scores
-        threshold = sum(rest) / len(rest)
+        threshold = sum(rest) / len(rest) * (1 - 1e-9)
         for ledger_id, score in zip(ids, scores):
-            if score > threshold or ledger_id not in value:
+            if score >= threshold or ledger_id not in value:
                 value[ledger_id] = clock
 
 

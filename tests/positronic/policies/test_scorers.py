@@ -24,6 +24,21 @@ def test_last_access_stamps_rows_above_the_mean_of_the_non_sinks_and_rows_seen_f
         scorer.values(view, [0.1] * 5)
 
 
+@pytest.mark.parametrize("length", [5, 7, 10, 11, 13, 17, 29, 37, 61, 94, 97, 173, 250])
+def test_last_access_counts_rows_of_equal_score_all_accessed_whatever_the_sum_rounds(crafted_view, length):
+    """Uniform attention after the first tick: every row is as accessed as any other, so every
+    row is stamped, on any Python (3.12's `sum` rounds the mean of equal floats otherwise than
+    3.11's; a strict "above the mean" stamped some lengths' rows and not others')."""
+    scorer = LastAccessScorer(sinks=2)
+    view = crafted_view([5] * length, [0] * length)
+    scorer.values(view, [1.0 / length] * length)
+    for share in (1.0 / (length + 80), 0.1, 1.0 / 3):
+        scores = [0.3, 0.3] + [share] * (length - 2)
+        assert scorer.values(view, scores)[2:] == [scorer.clock] * (length - 2), share
+    below = [0.3, 0.3] + [0.2] * (length - 3) + [0.2 * (1 - 1e-6)]
+    assert scorer.values(view, below)[-1] == scorer.clock - 1, "a row below the mean is not stamped"
+
+
 def test_accumulated_scores_follow_a_row_through_a_splice_by_its_ledger_id(crafted_view):
     scorer = AccumulatedScorer()
     view = crafted_view([5] * 4, [0] * 4)  # ledger ids 0..3
