@@ -37,15 +37,18 @@ class History:
         if self.messages is not None:
             self.messages.extend(messages)
 
-    def replied(self, text: str, *, again: bool) -> None:
+    def replied(self, text: str, *, again: bool) -> bool:
         """The session's reply as sent; `again`: a retried request's reply, which replaces the
-        part its first try recorded."""
+        part its first try recorded. Whether the record changed."""
         if self.messages is None:
-            return
+            return False
         if again and self.messages and self.messages[-1][0] == "assistant":
+            if self.messages[-1][1] == text:
+                return False
             self.messages[-1] = ("assistant", text)
         else:
             self.messages.append(("assistant", text))
+        return True
 
     def note(self) -> list[list[str]] | None:
         return None if self.messages is None else [list(m) for m in self.messages]

@@ -381,13 +381,16 @@ class BrainServer:
         session is written through to disk (checkpoint_each_request) before the answer's last
         byte, so a client that got its whole answer knows the checkpoint holds it. Not when a
         shutdown cancelled the request (`cut`: its client never got the reply)."""
-        if answer is not None:
-            answer.reply = turn.reply
-        if turn.reply is not None and turn.chat:
-            conversation.history.replied(turn.reply.text, again=turn.retried)
-        if not self.settings.checkpoint_each_request or conversation.id is None or conversation.cut:
-            return
-        with anyio.CancelScope(shield=True):  # a client that left does not stop the write
+        with anyio.CancelScope(shield=True):  # a client that left does not stop the record or the write
+            # a client that left mid-stream cancelled its request while a tick ran on: that tick's
+            # token is the reply's (and its answer's), so the history waits for it too
+            await self.worker.settled(conversation)
+            if answer is not None:
+                answer.reply = turn.reply
+            if turn.reply is not None and turn.chat:
+                conversation.replied(turn.reply.text, again=turn.retried)
+            if not self.settings.checkpoint_each_request or conversation.id is None or conversation.cut:
+                return
             await self.pool.checkpoint(conversation)
 
     async def begin_turn(self, conversation: Conversation, body: GenerationBody, chat: bool, key: str | None,

@@ -129,8 +129,7 @@ class ModelWorker:
         """Run `fn(*args)` in a thread of its own; `owner`: the conversation it touches, whose
         jobs run one after another (a save never overlaps a step a cancelled request left running)."""
         if owner is not None:
-            while (earlier := self._owned.get(id(owner))) is not None and not earlier.done():
-                await asyncio.sleep(0.002)
+            await self.settled(owner)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the model worker is closed")
@@ -147,6 +146,12 @@ class ModelWorker:
                 self._jobs.discard(future)
             raise
         return await asyncio.wrap_future(future)
+
+    async def settled(self, owner: Conversation) -> None:
+        """Wait until `owner`'s last job has run (a tick its cancelled request left running
+        ends, and adds its token to the reply, before anyone reads the reply)."""
+        while (earlier := self._owned.get(id(owner))) is not None and not earlier.done():
+            await asyncio.sleep(0.002)
 
     def _run_forwards(self, serving: threading.Event) -> None:
         try:
@@ -285,6 +290,12 @@ class Conversation:
             sessions.save(directory, self.brain, model_name,
                           note={**self.answers.note(), "history": self.history.note()})
         self.dirty = False
+
+    def replied(self, text: str, *, again: bool) -> None:
+        """The reply into the chat history; a change is a change of the session (a retry that
+        replays its answer may still mend the record, and the next checkpoint must hold that)."""
+        if self.history.replied(text, again=again):
+            self.dirty = True
 
     def last_token(self) -> int:
         return self.brain.state.live_token_ids()[-1]

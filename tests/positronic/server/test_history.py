@@ -3,6 +3,14 @@
 messages, or none) goes on; an edited or regenerated message is refused with 409, or, with
 history_edits="rebuild", starts the session again from the request's messages."""
 
+import threading
+import time
+
+import httpx
+
+from positronic.server import sessions as server_sessions
+from positronic.server.history import History
+
 MODEL = "random:tiny"
 
 
@@ -65,3 +73,49 @@ def test_the_history_is_checkpointed_with_the_session(tiny, tmp_path, live_serve
         edited = [{"role": "user", "content": "changed"}, history[1], {"role": "user", "content": "next"}]
         assert ask(server, "h4", edited).status_code == 409
         assert ask(server, "h4", history + [{"role": "user", "content": "next"}]).status_code == 200
+
+
+def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
+        tiny, tmp_path, live_server, server_settings, monkeypatch):
+    """The kill soak's 409: a client leaves a stream while the reply's last tick runs. The tick
+    still ends the reply (its answer holds it whole), so the history must record the whole
+    reply too, not the text as it stood when the client left; the retry replays the answer
+    (nothing generated), and after a restart from the checkpoints the session still agrees
+    with the client that sends its history back."""
+    last_tick, original = threading.Event(), server_sessions.Turn._next_token
+
+    def slow_last(turn):
+        if turn.reply is not None and len(turn.reply.ids) == turn.max_tokens - 1:
+            last_tick.set()
+            time.sleep(0.5)  # the client leaves meanwhile
+        return original(turn)
+
+    monkeypatch.setattr(server_sessions.Turn, "_next_token", slow_last)
+    settings = server_settings(tmp_path)
+    said = [{"role": "user", "content": "one"}]
+    body = {"model": MODEL, "user": "h5", "messages": said, "max_tokens": 6, "ignore_eos": True}
+    key = {"Idempotency-Key": "h5-1"}
+    with live_server(tiny, settings) as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=key,
+                          timeout=30) as response:
+            assert response.status_code == 200
+            assert last_tick.wait(10)
+        # the connection is closed: the client left during the last tick
+        again = server.post("/v1/chat/completions", body, headers=key)
+        assert again.json()["positronic"]["retried"] == "replayed"
+        reply = again.json()["choices"][0]["message"]["content"]
+    assert len(reply) > 1
+    with live_server(tiny, settings) as server:  # resumed from its checkpoint
+        answered = ask(server, "h5", said + [{"role": "assistant", "content": reply}, {"role": "user", "content": "two"}])
+        assert answered.status_code == 200, answered.text
+
+
+def test_a_retry_that_mends_the_record_is_a_change_to_checkpoint(tiny):
+    """A replayed answer generates nothing, yet the record it mends must reach the checkpoint:
+    the conversation is dirty exactly when the record changed."""
+    conversation = server_sessions.Conversation("s")
+    conversation.history = History([("user", "one"), ("assistant", "a cut rep")])
+    conversation.replied("a cut rep", again=True)
+    assert not conversation.dirty
+    conversation.replied("a cut reply", again=True)
+    assert conversation.dirty and conversation.history.messages[-1] == ("assistant", "a cut reply")
