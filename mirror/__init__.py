@@ -10,10 +10,10 @@ from .live_map import LiveMap
 from .mirror import Mirror, MirrorInvariantError
 from .ring import Ring
 from .storage import (MirrorFileError, TooLarge, from_bytes, load, read_bounded, save, stale_temporaries, to_bytes,
-                      write_atomic)
+                      to_chunks, write_atomic)
 
 __all__ = [
     "CULLED", "LIVE", "REPLACED", "SOURCES", "STATES",
     "Insertion", "LayerRows", "LayerRowsError", "Layout", "Ledger", "LedgerEntry", "LiveMap", "Mirror", "MirrorInvariantError",
-    "MirrorFileError", "Ring", "TooLarge", "from_bytes", "load", "read_bounded", "plan_layout", "runs_without", "save", "stale_temporaries", "to_bytes", "write_atomic",
+    "MirrorFileError", "Ring", "TooLarge", "from_bytes", "load", "read_bounded", "plan_layout", "runs_without", "save", "stale_temporaries", "to_bytes", "to_chunks", "write_atomic",
 ]

@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import struct
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import msgpack
 
@@ -72,10 +74,28 @@ def to_columns(mirror: Mirror) -> dict:
     return columns
 
 
-def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
+def to_chunks(mirror: Mirror, meta: dict | None = None) -> list[bytes]:
+    """The file's bytes as [envelope head, body]: joined, exactly what msgpack packs for the
+    envelope, but the body is written as packed, not copied into a second buffer (a recall
+    index's K/V make it tens of MB; a server writes one before each answer's last byte)."""
     body = msgpack.packb({**to_columns(mirror), "meta": meta or {}}, use_bin_type=True)
-    return msgpack.packb({"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(),
-                          "body": body}, use_bin_type=True)
+    packer = msgpack.Packer(use_bin_type=True)
+    fields = ("format", FORMAT, "version", VERSION, "sha256", hashlib.sha256(body).hexdigest(), "body")
+    head = packer.pack_map_header(4) + b"".join(packer.pack(field) for field in fields) + _bin_header(len(body))
+    return [head, body]
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header of a bin of `size` bytes (bin 8, 16 or 32, the smallest that holds it)."""
+    if size < 1 << 8:
+        return struct.pack(">BB", 0xC4, size)
+    if size < 1 << 16:
+        return struct.pack(">BH", 0xC5, size)
+    return struct.pack(">BI", 0xC6, size)
+
+
+def to_bytes(mirror: Mirror, meta: dict | None = None) -> bytes:
+    return b"".join(to_chunks(mirror, meta))
 
 
 def _unpack(data: bytes, source: str, what: str):
@@ -164,11 +184,12 @@ def from_columns(columns: dict, source: str = "mirror data") -> Mirror:
 WRITE_DELAY_S = float(os.environ.get("POSITRONIC_TEST_WRITE_DELAY_S") or 0)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` so that a reader sees the old file or the new one, never half of one, and
-    the new one is on disk when this returns (temporary file beside it, fsync, rename). A
-    write that fails or is killed leaves at most a `NAME.*.tmp` file, which `stale_temporaries`
-    finds."""
+def write_atomic(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
+    """Write `data` (bytes, or pieces written one after another) so that a reader sees the old
+    file or the new one, never half of one, and the new one is on disk when this returns
+    (temporary file beside it, fsync, rename). A write that fails or is killed leaves at most
+    a `NAME.*.tmp` file, which `stale_temporaries` finds."""
+    pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -176,7 +197,8 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         if WRITE_DELAY_S:
@@ -198,7 +220,7 @@ def stale_temporaries(path: str | os.PathLike) -> list[Path]:
 
 def save(path: str | os.PathLike, mirror: Mirror, meta: dict | None = None) -> None:
     """Write atomically (see write_atomic)."""
-    write_atomic(path, to_bytes(mirror, meta))
+    write_atomic(path, to_chunks(mirror, meta))
 
 
 MAX_MIRROR_BYTES = 1 << 31  # 2 GiB: tens of millions of ledger tokens; beyond, a file is not a mirror

@@ -107,7 +107,7 @@ def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None
     if note is not None:
         meta["note"] = note
     path = directory / MIRROR_FILE
-    mirror.write_atomic(path, brain.state.mirror.to_bytes(meta))  # mirror.save, from the read-only view
+    mirror.write_atomic(path, brain.state.mirror.to_chunks(meta))  # mirror.save, from the read-only view
     for stale in directory.glob("kv-*.safetensors"):
         if stale.name != cache_name:
             stale.unlink(missing_ok=True)

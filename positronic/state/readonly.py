@@ -275,6 +275,10 @@ class MirrorView(_View):
         """The mirror file's bytes (storage.to_bytes), for storage.write_atomic."""
         return storage.to_bytes(self._target, meta)
 
+    def to_chunks(self, meta: dict | None = None) -> list[bytes]:
+        """The same bytes in pieces (storage.to_chunks), for storage.write_atomic without a copy."""
+        return storage.to_chunks(self._target, meta)
+
     def copy(self):
         """A deep copy: a Mirror nothing else holds, free to change."""
         return copy.deepcopy(self._target)

@@ -22,6 +22,23 @@ def test_save_and_load_round_trip_exactly(tmp_path, built):
     assert list(tmp_path.iterdir()) == [path], "no temporary file left behind"
 
 
+@pytest.mark.parametrize("body_bytes", [0, 200, 70_000, 5_000_000])
+def test_the_file_written_in_pieces_is_the_envelope_msgpack_packs(tmp_path, built, body_bytes):
+    """to_chunks writes the body as packed, after a head built by hand: joined, the pieces are
+    byte for byte what msgpack packs for the whole envelope, for bodies in each of msgpack's
+    bin sizes (bin8, bin16, bin32), and the file loads back."""
+    m = built()
+    meta = {"blob": b"x" * body_bytes}
+    head, body = mirror.to_chunks(m, meta)
+    envelope = {"format": mirror.storage.FORMAT, "version": mirror.storage.VERSION,
+                "sha256": hashlib.sha256(body).hexdigest(), "body": body}
+    assert head + body == mirror.storage.msgpack.packb(envelope, use_bin_type=True)
+    path = tmp_path / "mirror.msgpack"
+    mirror.save(path, m, meta)
+    assert path.read_bytes() == head + body == mirror.to_bytes(m, meta)
+    assert mirror.load(path)[1] == meta
+
+
 def test_save_replaces_atomically_and_a_failed_save_keeps_the_old_file(tmp_path, monkeypatch, built):
     path = tmp_path / "mirror.msgpack"
     mirror.save(path, built(), meta={"n": 1})

@@ -252,7 +252,7 @@ def test_a_save_killed_between_its_two_files_leaves_the_previous_checkpoint_whol
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # the mirror file is never written: the new cache file is
-    monkeypatch.setattr(MirrorView, "to_bytes", killed)
+    monkeypatch.setattr(MirrorView, "to_chunks", killed)
     with pytest.raises(KeyboardInterrupt):
         sessions.save(tmp_path, brain, tiny.name)
     monkeypatch.undo()
