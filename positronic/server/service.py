@@ -515,8 +515,8 @@ class BrainServer:
                 conversation.cut = True     # leaves is polled): marked before the session is let go
                 raise
             finally:
-                self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
                 await self.checkpoint(conversation, answer, turn)
+                self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
             entries = (turn.prepared.echoed + turn.read if echo else []) + turn.entries
             logprobs = self.logprobs_of(chat, entries) if turn.logprobs is not None else None
             text = (echoed or "") + turn.reply.text
@@ -567,9 +567,9 @@ class BrainServer:
                         conversation.cut = True
                     raise
                 finally:
-                    self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
-                    if not checkpointed:
+                    if not checkpointed:  # (it waits for a tick left running: its token is counted too)
                         await self.checkpoint(conversation, answer, turn)
+                    self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
         except ServerStopping:
             if turn.reply is not None and (rest := turn.reply.cut()):
                 yield sse(writer.piece(rest))

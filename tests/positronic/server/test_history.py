@@ -104,6 +104,7 @@ def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
         again = server.post("/v1/chat/completions", body, headers=key)
         assert again.json()["positronic"]["retried"] == "replayed"
         reply = again.json()["choices"][0]["message"]["content"]
+        assert server.metric("positronic_generated_tokens_total") == 6, "the last tick's token is counted too"
     assert len(reply) > 1
     with live_server(tiny, settings) as server:  # resumed from its checkpoint
         answered = ask(server, "h5", said + [{"role": "assistant", "content": reply}, {"role": "user", "content": "two"}])
