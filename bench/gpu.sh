@@ -18,8 +18,8 @@
 # Assumes the project's Python dependencies are importable. The lent machines (2026-11) lack
 # gguf, fastapi (needs opentelemetry-api), starlette, pydantic(-core), annotated-types,
 # typing-inspection, uvicorn, openai (needs httpx2, httpcore2, truststore, jiter, distro,
-# sniffio, and typing_extensions 4.16 for pydantic): carry them as wheels in .whl/ (see the
-# device notes), and install this checkout there without its dependencies, so that steps/ and
+# sniffio, and typing_extensions 4.16 for pydantic): carry them as wheels in .whl/ (made here by
+# bench/gpu_wheels.sh), and install this checkout there without its dependencies, so that steps/ and
 # mirror/ import as positronic.steps and positronic.mirror. The call that ran it on 2026-11-27:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
