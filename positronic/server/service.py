@@ -539,6 +539,7 @@ class BrainServer:
         def logprobs(entries: list[TokenLogprob]) -> dict | None:
             return self.logprobs_of(chat, entries, offset) if listed else None
 
+        rest = ""  # what a reply the shutdown cut was holding back: sent before the error event
         try:
             async with held:
                 checkpointed = False
@@ -562,6 +563,10 @@ class BrainServer:
                     yield sse(closing)
                     if include_usage:
                         yield sse(writer.usage(self.usage(turn)))
+                except ServerStopping:
+                    if turn.reply is not None:  # cut before the checkpoint: it records the reply as sent
+                        rest = turn.reply.cut()
+                    raise
                 except asyncio.CancelledError:
                     if self.stopping:  # uvicorn's shutdown timed out on this stream (not a client leaving)
                         conversation.cut = True
@@ -571,7 +576,7 @@ class BrainServer:
                         await self.checkpoint(conversation, answer, turn)
                     self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
         except ServerStopping:
-            if turn.reply is not None and (rest := turn.reply.cut()):
+            if rest:
                 yield sse(writer.piece(rest))
             generated = turn.reply.tokens if turn.reply else 0
             yield sse(self.shutting_down(f"the server is shutting down: the reply was cut after {generated} tokens "

@@ -3,6 +3,7 @@
 messages, or none) goes on; an edited or regenerated message is refused with 409, or, with
 history_edits="rebuild", starts the session again from the request's messages."""
 
+import json
 import threading
 import time
 
@@ -120,3 +121,39 @@ def test_a_retry_that_mends_the_record_is_a_change_to_checkpoint(tiny):
     assert not conversation.dirty
     conversation.replied("a cut reply", again=True)
     assert conversation.dirty and conversation.history.messages[-1] == ("assistant", "a cut reply")
+
+
+def test_a_stream_the_shutdown_cut_is_in_the_history_as_the_client_got_it(tiny, tmp_path, live_server,
+                                                                          server_settings, monkeypatch):
+    """The shutdown cuts a stream at its next token and sends what the reply was holding back
+    (here an incomplete character): the client has the reply as sent, so the history must hold
+    the same, and the client's next chat (without a key) goes on."""
+    from positronic.server.service import BrainServer
+
+    cut, original = {"now": False, "held": ""}, server_sessions.Turn._next_token
+
+    def watched(turn):
+        record, piece = original(turn)
+        reply = turn.reply
+        held = reply._decode()[reply._decoded:]
+        if len(reply.ids) >= 2 and held and not reply.done and not cut["now"]:
+            cut.update(now=True, held=held)  # cut at the next token, with this held back
+        return record, piece
+
+    monkeypatch.setattr(server_sessions.Turn, "_next_token", watched)
+    monkeypatch.setattr(BrainServer, "is_stopping", lambda self: cut["now"])
+    said = [{"role": "user", "content": "one"}]
+    body = {"model": MODEL, "user": "h6", "messages": said, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    text, error = "", None
+    with live_server(tiny, server_settings(tmp_path)) as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[len("data: "):])
+                    error = event.get("error") or error
+                    text += "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
+        assert cut["now"] and error["code"] == "server_shutting_down", (cut, error)
+        assert text.endswith(cut["held"])
+        cut["now"] = False
+        answered = ask(server, "h6", said + [{"role": "assistant", "content": text}, {"role": "user", "content": "two"}])
+        assert answered.status_code == 200, answered.text
