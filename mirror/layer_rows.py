@@ -74,18 +74,22 @@ class LayerRows:
             raise LayerRowsError("the layers would hold different numbers of rows: they drop "
                                  f"{sorted({len(d) - len(t) for d, t in zip(drops, inserts)})} more than they take back")
         rows, counts = [], dict(self.counts)
+        # every lane of a per-head policy passes here twice a tick (the plan, the mirror's
+        # commit): the checks are whole-list operations, not a Python step per row
         for l, (layer, dropped, taken) in enumerate(zip(self.rows, drops, inserts)):
-            if len(set(dropped)) != len(dropped) or any(not 0 <= row < len(layer) for row in dropped):
+            order = sorted(dropped, reverse=True)
+            if order and (order[0] >= len(layer) or order[-1] < 0) or len(set(order)) != len(order):
                 raise LayerRowsError(f"layer {l}: dropped rows {sorted(dropped)} are repeated or out of "
                                      f"range 0..{len(layer) - 1}")
             kept = list(layer)
-            for row in sorted(dropped, reverse=True):
+            for row in order:
                 ledger_id = kept.pop(row)
                 counts[ledger_id] -= 1
                 if not counts[ledger_id]:
                     del counts[ledger_id]
             if taken:
-                if len(set(taken)) != len(taken) or set(taken) & set(kept):
+                wanted = set(taken)
+                if len(wanted) != len(taken) or not wanted.isdisjoint(kept):
                     raise LayerRowsError(f"layer {l}: ledger ids {sorted(taken)} are taken back twice or already held")
                 kept = sorted(kept + list(taken))  # ids ascend with position under per-layer rows
                 for ledger_id in taken:

@@ -71,11 +71,12 @@ class Mirror:
             # the ledger gives the appended tokens the next ids, in order (no replacement here)
             coming = list(range(len(self.ledger), len(self.ledger) + sum(len(i.token_ids) for i in appended)))
             layers_after = self.layers.after(layer_drops, coming, layer_inserts)  # LayerRowsError: nothing changed yet
+            held_before, held_after = self.layers.held(), layers_after.held()
             gone = {live[row] for row in layout.deleted}
-            if self.layers.held() - layers_after.held() != gone:
+            if held_before - held_after != gone:
                 raise ValueError("the layout must delete exactly the tokens that no layer holds any more")
             back = {i for insertion, _ in layout.groups for i in insertion.restores}
-            if layers_after.held() - self.layers.held() - set(coming) != back:
+            if held_after - held_before - set(coming) != back:
                 raise ValueError("the layout must restore exactly the tokens taken back that no layer held")
         if live_brightness is not None and len(live_brightness) != len(live):
             raise ValueError(f"{len(live_brightness)} brightness values for {len(live)} live rows")

@@ -26,6 +26,8 @@ def test_after_drops_rows_per_layer_and_appends_everywhere():
         layers.after([[1], []], [])
     with pytest.raises(LayerRowsError, match="out of range"):
         layers.after([[4], [0]], [])
+    with pytest.raises(LayerRowsError, match="out of range"):
+        layers.after([[-1], [0]], [])
     with pytest.raises(LayerRowsError, match="repeated"):
         layers.after([[1, 1], [0, 2]], [])
 
@@ -65,6 +67,8 @@ def test_a_layer_takes_tokens_back_in_position_order_and_drops_as_many_more():
         layers.after([[1], [3]], [], [[4], []])
     with pytest.raises(LayerRowsError, match="already held"):
         layers.after([[1, 3], [3]], [], [[2], []])
+    with pytest.raises(LayerRowsError, match="taken back twice"):
+        layers.after([[1, 3, 0], [3]], [], [[4, 4], []])
 
 
 def test_a_token_no_layer_held_rejoins_the_live_map_at_its_position():
@@ -136,6 +140,8 @@ def test_runs_without_is_plan_layouts_deletion_runs():
         length = rng.randrange(0, 40)
         dropped = rng.sample(range(length), rng.randrange(0, length + 1)) if length else []
         assert runs_without(length, dropped) == list(plan_layout(list(range(length)), dropped, [], 10**6).kept)
+        # the deletions-only path against the general one (a new row after every survivor splits no run)
+        assert runs_without(length, dropped) == runs_without(length, dropped, [length])
 
 
 def test_runs_without_with_inserted_rows_moves_each_survivor_to_its_row_among_them():
