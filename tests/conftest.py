@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from positronic.brain.loop import Brain, BrainConfig
 from positronic.cli import main
 from positronic.models import load_model
 from positronic.models import with_cache
@@ -106,3 +107,38 @@ def fresh_logits():
     """fresh_logits(lm, token_ids, positions) -> [rows, vocab]: the logits of one plain
     transformers forward over the tokens at those positions, causal by row."""
     return _fresh_logits
+
+
+def _alone(lm, prompt, ticks: int, **config) -> list[int]:
+    brain = Brain.start(lm, prompt, BrainConfig(**config))
+    return [brain.step().token_id for _ in range(ticks)]
+
+
+def _batched(lm, prompts, configs: list[dict], ticks: int):
+    from positronic.batch import Batch
+
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(prompts, configs)):
+        batch.join(name, Brain.start(lm, prompt, BrainConfig(**config)))
+    got = [[] for _ in configs]
+    for _ in range(ticks):
+        for name, record in batch.step().items():
+            assert not isinstance(record, Exception), record
+            assert not record.rebuilt, record.error
+            got[name].append(record.token_id)
+    return batch, got
+
+
+@pytest.fixture(scope="session")
+def alone():
+    """alone(lm, prompt, ticks, **config) -> the tokens one brain (BrainConfig(**config)) makes
+    over `ticks` ticks on its own: what a batched sequence must match."""
+    return _alone
+
+
+@pytest.fixture(scope="session")
+def batched():
+    """batched(lm, prompts, configs, ticks) -> (the Batch, each sequence's tokens): a batch of
+    one brain per prompt and config, stepped `ticks` times; every tick goes through (no
+    exception, no rebuild)."""
+    return _batched

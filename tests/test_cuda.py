@@ -106,12 +106,10 @@ def test_smartkv_on_the_gpu_in_generate_and_in_the_brain(gpu_tiny, tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["brightness", "smartkv"])
-def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp_path, policy):
+def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp_path, policy, alone, batched):
     """One shared forward per tick on the device (packed rows, each sequence's pick of query and
     normaliser, per-layer rows for smartkv, recall's lanes): greedy and seeded sampling, over
     budget, each sequence's tokens equal its run alone (float32), and every state checks."""
-    from positronic.batch import Batch
-
     path = tmp_path / "gates.safetensors"
     GateSet.for_config(gpu_tiny.model.config, seed=7).save(path)
     configs = [dict(policy=policy, recall=True, budget=28, sinks=3, window=6, seed=1, temperature=0),
@@ -122,19 +120,8 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
             config["gates"] = str(path)
     prompts = [prompt(gpu_tiny, 40 + 6 * k, seed=20 + k) for k in range(len(configs))]
     ticks = 30
-    want = []
-    for text, config in zip(prompts, configs):
-        brain = Brain.start(gpu_tiny, text, BrainConfig(**config))
-        want.append([brain.step().token_id for _ in range(ticks)])
-    batch = Batch()
-    for name, (text, config) in enumerate(zip(prompts, configs)):
-        batch.join(name, Brain.start(gpu_tiny, text, BrainConfig(**config)))
-    got = [[] for _ in configs]
-    for _ in range(ticks):
-        for name, record in batch.step().items():
-            assert not isinstance(record, Exception), record
-            assert not record.rebuilt, record.error
-            got[name].append(record.token_id)
+    want = [alone(gpu_tiny, text, ticks, **config) for text, config in zip(prompts, configs)]
+    batch, got = batched(gpu_tiny, prompts, configs, ticks)
     assert got == want
     assert batch.meeting.forwards == ticks
     for brain in batch.brains.values():

@@ -19,26 +19,6 @@ def started(lm, prompt, **config) -> Brain:
     return Brain.start(lm, prompt, BrainConfig(**config))
 
 
-def alone(lm, prompt, ticks: int, **config) -> list[int]:
-    brain = started(lm, prompt, **config)
-    return [brain.step().token_id for _ in range(ticks)]
-
-
-def batched(lm, prompts, configs: list[dict], ticks: int) -> tuple[Batch, list[list[int]]]:
-    """A batch of one brain per prompt and config, stepped `ticks` times: every tick goes
-    through (no exception, no rebuild). Returns it and each sequence's tokens."""
-    batch = Batch()
-    for name, (prompt, config) in enumerate(zip(prompts, configs)):
-        batch.join(name, started(lm, prompt, **config))
-    got = [[] for _ in configs]
-    for _ in range(ticks):
-        for name, record in batch.step().items():
-            assert not isinstance(record, Exception), record
-            assert not record.rebuilt, record.error
-            got[name].append(record.token_id)
-    return batch, got
-
-
 @pytest.mark.parametrize("weights", [True, False])
 def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny, weights):
     """Three sequences of different lengths, one feeding three rows under a mask, the others
@@ -75,7 +55,7 @@ def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny, wei
 
 
 @pytest.mark.parametrize("policy", ["brightness", "streaming", "scored", "h2o", "none", "random"])
-def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy):
+def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy, alone, batched):
     """Greedy and seeded sampling, different prompts and budgets, through the budget (edits
     every tick): each sequence's tokens are the ones it makes alone, and its state checks."""
     configs = [dict(policy=policy, budget=44, seed=1, temperature=0),
@@ -93,7 +73,7 @@ def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy):
         brain.state.check(deep=True)
 
 
-def test_sequences_join_and_leave_at_random_ticks_and_each_gets_its_own_tokens(tiny):
+def test_sequences_join_and_leave_at_random_ticks_and_each_gets_its_own_tokens(tiny, alone):
     configs = [dict(budget=40 + 4 * k, seed=k, temperature=0.7, repairer="self" if k % 2 else "none")
                for k in range(len(PROMPTS))]
     ticks = [25, 18, 30, 12]
@@ -145,7 +125,7 @@ def test_a_fault_in_one_sequence_rebuilds_that_one_and_the_others_do_not_notice(
     batch.brains[1].state.check(deep=True)
 
 
-def test_one_sequence_saved_and_resumed_mid_run_goes_on_as_if_never_stopped(tiny, tmp_path):
+def test_one_sequence_saved_and_resumed_mid_run_goes_on_as_if_never_stopped(tiny, tmp_path, alone):
     configs = [dict(budget=44, seed=k, temperature=0.9) for k in range(3)]
     want = [alone(tiny, prompt, 30, **config) for prompt, config in zip(PROMPTS, configs)]
     batch = Batch()
@@ -174,7 +154,7 @@ def test_a_batch_refuses_a_brain_of_another_model_and_a_taken_name(tiny, tiny_ha
         batch.step(force={"z": 5})
 
 
-def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol):
+def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol, alone, batched):
     """The default policy on the embedded model (per-head lanes, recall, gates): two sequences
     over their budgets, batched, make the tokens each makes alone."""
     text = ("The lighthouse keeper wrote in his log every evening; the code of the door was 4417. " * 6).strip()
@@ -198,7 +178,7 @@ def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny)
 
 
 @pytest.mark.parametrize("kv_format", ["int4", "int4h"])
-def test_4_bit_formats_and_repairers_batched_give_each_sequence_its_own_tokens(tiny, kv_format):
+def test_4_bit_formats_and_repairers_batched_give_each_sequence_its_own_tokens(tiny, kv_format, alone, batched):
     """A 4-bit cache writes its rows its own way (encoded) from the shared forward; a
     repairer's forward joins the batch (or, with probes, runs alone): tokens as alone."""
     configs = [dict(budget=44, seed=1, temperature=0.9, kv_format=kv_format),

@@ -18,7 +18,7 @@ from positronic.brain.loop import Brain, BrainConfig
 from positronic.server.sessions import ModelWorker
 from positronic.state.forward import MEETING
 
-from .test_batch import PROMPTS, alone
+from .test_batch import PROMPTS
 
 
 def spy(monkeypatch, name: str) -> list[tuple[str, int]]:
@@ -93,7 +93,7 @@ def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one
     assert not worker._forwards.is_alive()
 
 
-def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny):
+def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny, alone):
     """The runner leaves after its first round (as an exception would take it away): the
     sequences' ticks go on, each exactly as alone."""
     configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
@@ -125,7 +125,7 @@ def test_a_worker_with_a_bad_thread_count_is_refused_at_once(threads):
     assert threading.active_count() == alive
 
 
-def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny):
+def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny, alone):
     """Sequence 0 ticks, then steps aside (as a session writing its checkpoint does) until
     sequence 1 has ticked 6 times more: those rounds go without it. A forward made while
     aside runs alone; both then go on as alone."""
