@@ -2,6 +2,7 @@
 
     python bench/serve_load.py [--model random:tiny] [--clients 8] [--requests 20] [--max-tokens 16]
                                [--eos] [--timeout 120] [--startup-timeout 300] [SERVE FLAGS ...]
+    python bench/serve_load.py --levels 8 1 --rounds 3 [the same flags]      # client counts compared
 
 Starts `positronic serve` itself (python run.py serve) on 127.0.0.1, on a port the system
 picks, with its sessions checkpointed into a temporary directory that is removed afterwards;
@@ -33,12 +34,22 @@ row that compares across client counts, as client k's request r is of kind (k + 
 with one client chat's are its 1st (a fresh session's prefill) and 5th), and tokens per
 second over the run's wall time (generated, and prompt + generated). The header notes the machine's load (loadavg) and
 torch's threads, as other work on the machine skews every figure.
+
+`--levels 8 1 --rounds 3` compares client counts (issue 32's targets: 8 clients against 1):
+each round runs every level in turn, each on a fresh server, so a drift of the machine's
+speed reaches them all; a 2-core box moves by 5-10% from run to run. It prints a row per run
+(generated tokens/s, p50 and p90 of every request whole, failures, mixed sessions, the load),
+then per level the median over rounds of tokens/s and p50, the p50 of every round's requests
+pooled (one client sends only `--requests` requests a round: pooling steadies its p50), and
+each against the fewest clients, round by round too. It exits 1 if any run had a failed
+request or a mixed session (and prints that run's table).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import os
 import re
@@ -244,74 +255,99 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "-"
-    ordered = sorted(values)
-
-    def at(q: float) -> float:  # nearest rank
-        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-    return "  ".join(f"{at(q) * 1000:8.1f}" for q in (0.5, 0.9, 0.99))
+    return "  ".join(f"{nearest_rank(values, q) * 1000:8.1f}" for q in (0.5, 0.9, 0.99))
 
 
 # -- main ------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Flags it does not know go to `positronic serve` (e.g. --budget 256).")
-    parser.add_argument("--model", "-m", default="random:tiny",
-                        help="the model served (random:tiny: no download; smollm2: the embedded model)")
-    parser.add_argument("--clients", type=int, default=8, help="clients at once, a session each")
-    parser.add_argument("--requests", type=int, default=20, help="requests per client, one after another")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens each request asks for")
-    parser.add_argument("--eos", action="store_true", help="let replies end at end-of-sequence (default: "
-                        "ignore_eos, every reply max-tokens long)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the server may take to start")
-    args, serve_flags = parser.parse_known_args(argv)
-    if min(args.clients, args.requests, args.max_tokens) < 1:
-        parser.error("--clients, --requests and --max-tokens must be at least 1")
-    if args.clients > 16 and "--max-sessions" not in serve_flags:  # serve's default: 16 sessions in memory
-        serve_flags += ["--max-sessions", str(args.clients)]
+@dataclass
+class Run:
+    """One load test at one client count: what the clients saw and what the checks found."""
 
-    import torch  # only for the header: the threads a server on this machine gets by default
+    clients: list[Client]
+    wall: float
+    states: dict[str, dict | None]
+    metrics: str
+    load: tuple[float, float, float]
 
+    @property
+    def results(self) -> list[Result]:
+        return [r for client in self.clients for r in client.results]
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+    @functools.cached_property
+    def problems(self) -> dict[str, list[str]]:
+        """Session -> why it is mixed (empty: it is not), for sessions whose requests all went through."""
+        return {c.session: session_problems(c, self.states[c.session], self.clients)
+                for c in self.clients if all(r.ok for r in c.results)}
+
+    @property
+    def mixed(self) -> dict[str, list[str]]:
+        return {sid: p for sid, p in self.problems.items() if p}
+
+    def tokens(self, kind: str) -> int:
+        return sum(getattr(r, kind) for r in self.results if r.ok)
+
+    @property
+    def generated_per_s(self) -> float:
+        return self.tokens("completion_tokens") / self.wall
+
+    def latencies(self) -> list[float]:
+        """Every request's whole time (s): the row that compares across client counts."""
+        return [r.total_s for r in self.results if r.ok]
+
+
+def run_level(args, serve_flags: list[str], clients: int, say=print) -> Run:
+    """Start a server, run `clients` clients against it, stop it; what they saw. `say`: progress."""
+    if clients > 16 and "--max-sessions" not in serve_flags:  # serve's default: 16 sessions in memory
+        serve_flags = serve_flags + ["--max-sessions", str(clients)]
     load = os.getloadavg()
-    threads = next((serve_flags[i + 1] for i, f in enumerate(serve_flags[:-1]) if f in ("-t", "--threads")),
-                   f"{torch.get_num_threads()} (torch default)")
     with tempfile.TemporaryDirectory(prefix="serve-load-") as session_dir:
         server = Server(args.model, session_dir, serve_flags, args.startup_timeout)
-        print(f"positronic serve -m {args.model} {' '.join(serve_flags)}".rstrip())
-        print(f"{args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}"
-              f"{'' if args.eos else ' (ignore_eos)'}; mix: {', '.join(KINDS)}")
-        print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min), "
-              f"torch threads {threads}, torch {torch.__version__}, "
-              f"device {'cuda' if torch.cuda.is_available() else 'cpu'} (unless --device)")
         started = time.perf_counter()
         server.start()
-        print(f"server up at {server.url} in {time.perf_counter() - started:.1f} s")
+        say(f"server up at {server.url} in {time.perf_counter() - started:.1f} s")
         try:
-            clients = [Client(i, f"load-{i:03d}") for i in range(args.clients)]
-            wall = asyncio.run(run_clients(server.url, args.model, clients, args))
+            everyone = [Client(i, f"load-{i:03d}") for i in range(clients)]
+            wall = asyncio.run(run_clients(server.url, args.model, everyone, args))
             states = {}
-            for client in clients:
+            for client in everyone:
                 response = httpx.get(f"{server.url}/v1/sessions/{client.session}", timeout=60)
                 states[client.session] = response.json() if response.status_code == 200 else None
             metrics = httpx.get(server.url + "/metrics", timeout=60).text
         finally:
             server.stop()
+    return Run(everyone, wall, states, metrics, load)
 
-    results = [r for client in clients for r in client.results]
-    failed = [r for r in results if not r.ok]
-    problems = {c.session: session_problems(c, states[c.session], clients)
-                for c in clients if all(r.ok for r in c.results)}
-    unchecked = args.clients - len(problems)  # a failed request leaves its session's count unknown
-    mixed = {sid: p for sid, p in problems.items() if p}
-    prompt = sum(r.prompt_tokens for r in results if r.ok)
-    generated = sum(r.completion_tokens for r in results if r.ok)
-    counters = (metric(metrics, "positronic_prompt_tokens_total"), metric(metrics, "positronic_generated_tokens_total"))
 
+def machine_line(load: tuple[float, float, float], serve_flags: list[str]) -> str:
+    import torch  # only for the header: the threads a server on this machine gets by default
+
+    threads = next((serve_flags[i + 1] for i, f in enumerate(serve_flags[:-1]) if f in ("-t", "--threads")),
+                   f"{torch.get_num_threads()} (torch default)")
+    return (f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min), "
+            f"torch threads {threads}, torch {torch.__version__}, "
+            f"device {'cuda' if torch.cuda.is_available() else 'cpu'} (unless --device)")
+
+
+def report(run: Run) -> None:
+    """The table of one run (see the module docstring)."""
+    results, failed, problems, mixed = run.results, run.failed, run.problems, run.mixed
+    unchecked = len(run.clients) - len(problems)  # a failed request leaves its session's count unknown
+    prompt, generated = run.tokens("prompt_tokens"), run.tokens("completion_tokens")
+    counters = (metric(run.metrics, "positronic_prompt_tokens_total"),
+                metric(run.metrics, "positronic_generated_tokens_total"))
     print()
     print(f"{'requests':<34}{len(results):>10}")
     print(f"{'failed requests':<34}{len(failed):>10}")
@@ -319,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                                                          if unchecked else ""))
     print(f"{'server token counters match':<34}{'yes' if counters == (prompt, generated) else 'NO':>10}"
           + ("" if counters == (prompt, generated) else f"   (server {counters}, clients {(prompt, generated)})"))
-    print(f"{'wall time (s)':<34}{wall:>10.2f}")
+    print(f"{'wall time (s)':<34}{run.wall:>10.2f}")
     print(f"{'generated tokens':<34}{generated:>10}")
-    print(f"{'generated tokens/s':<34}{generated / wall:>10.1f}")
-    print(f"{'prompt + generated tokens/s':<34}{(prompt + generated) / wall:>10.1f}")
-    forwards, fed = metric(metrics, "positronic_batch_sequences_count"), metric(metrics, "positronic_batch_sequences_sum")
+    print(f"{'generated tokens/s':<34}{generated / run.wall:>10.1f}")
+    print(f"{'prompt + generated tokens/s':<34}{(prompt + generated) / run.wall:>10.1f}")
+    forwards, fed = metric(run.metrics, "positronic_batch_sequences_count"), metric(run.metrics, "positronic_batch_sequences_sum")
     if forwards:  # a server that batches: how many sequences a model forward fed, on average
         print(f"{'sequences per model forward':<34}{fed / forwards:>10.2f}   ({forwards:.0f} forwards)")
     print()
@@ -336,14 +372,99 @@ def main(argv: list[str] | None = None) -> int:
             ("streamed, whole stream", [r.total_s for r in ok if r.kind.endswith("stream")]),
             # every kind at every place in a session: the same mix at any number of clients (a
             # kind's own row is not: with one client, chat's requests are the 1st and 5th)
-            ("every request, whole", [r.total_s for r in ok])]
+            ("every request, whole", run.latencies())]
     for name, values in rows:
         print(f"{name:<34}{len(values):>5}  {percentiles(values)}")
     for r in failed[:5]:
         print(f"failed ({r.kind}): {r.error}")
     for sid, p in list(mixed.items())[:5]:
         print(f"mixed {sid}: {'; '.join(p)}")
-    return 1 if failed or mixed else 0
+
+
+def median(values: list[float]) -> float:
+    ordered, middle = sorted(values), len(values) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def compare(runs: dict[int, list[Run]]) -> None:
+    """The levels side by side: per round, then medians over rounds and percentiles over every
+    round's requests pooled; each level against the fewest clients (issue 32's ratios)."""
+    levels = sorted(runs)
+    base = levels[0]
+    print()
+    print(f"{'clients':>7}  {'round':>5}  {'load (1 min)':>12}  {'generated tok/s':>15}  {'p50 (ms)':>9}  "
+          f"{'p90 (ms)':>9}  {'failed':>6}  {'mixed':>5}")
+    for level in levels:
+        for number, run in enumerate(runs[level], 1):
+            latencies = run.latencies()
+            p50, p90 = (nearest_rank(latencies, q) * 1000 if latencies else float("nan") for q in (0.5, 0.9))
+            print(f"{level:>7}  {number:>5}  {run.load[0]:>12.2f}  {run.generated_per_s:>15.1f}  {p50:>9.0f}  "
+                  f"{p90:>9.0f}  {len(run.failed):>6}  {len(run.mixed):>5}")
+    print()
+    print(f"{'clients':>7}  {'tok/s (median)':>14}  {'vs ' + str(base):>8}  {'p50 (median)':>12}  {'vs ' + str(base):>8}  "
+          f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'tok/s ratio by round':>22}  {'p50 ratio by round':>20}")
+
+    def p50(run: Run) -> float:
+        return nearest_rank(run.latencies(), 0.5) * 1000 if run.latencies() else float("nan")
+
+    def pooled(level: int) -> float:
+        values = [s for run in runs[level] for s in run.latencies()]
+        return nearest_rank(values, 0.5) * 1000 if values else float("nan")
+
+    for level in levels:
+        rate, latency = median([r.generated_per_s for r in runs[level]]), median([p50(r) for r in runs[level]])
+        base_rate, base_latency = median([r.generated_per_s for r in runs[base]]), median([p50(r) for r in runs[base]])
+        rounds = list(zip(runs[level], runs[base]))
+        by_rate = "/".join(f"{a.generated_per_s / b.generated_per_s:.2f}" for a, b in rounds)
+        by_p50 = "/".join(f"{p50(a) / p50(b):.2f}" for a, b in rounds)
+        print(f"{level:>7}  {rate:>14.1f}  {rate / base_rate:>7.2f}x  {latency:>12.0f}  {latency / base_latency:>7.2f}x  "
+              f"{pooled(level):>12.0f}  {pooled(level) / pooled(base):>7.2f}x  {by_rate:>22}  {by_p50:>20}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     epilog="Flags it does not know go to `positronic serve` (e.g. --budget 256).")
+    parser.add_argument("--model", "-m", default="random:tiny",
+                        help="the model served (random:tiny: no download; smollm2: the embedded model)")
+    parser.add_argument("--clients", type=int, default=8, help="clients at once, a session each")
+    parser.add_argument("--levels", type=int, nargs="+", metavar="CLIENTS",
+                        help="compare these client counts instead of one --clients run: each in turn, a fresh "
+                             "server each, --rounds times; then a table of medians and ratios against the fewest")
+    parser.add_argument("--rounds", type=int, default=3, help="with --levels: how many times each level runs")
+    parser.add_argument("--requests", type=int, default=20, help="requests per client, one after another")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens each request asks for")
+    parser.add_argument("--eos", action="store_true", help="let replies end at end-of-sequence (default: "
+                        "ignore_eos, every reply max-tokens long)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the server may take to start")
+    args, serve_flags = parser.parse_known_args(argv)
+    if min(args.clients, args.requests, args.max_tokens, args.rounds, *(args.levels or [1])) < 1:
+        parser.error("--clients, --levels, --rounds, --requests and --max-tokens must be at least 1")
+    if args.levels is not None and len(set(args.levels)) != len(args.levels):
+        parser.error(f"--levels names a client count twice: {args.levels}")
+
+    print(f"positronic serve -m {args.model} {' '.join(serve_flags)}".rstrip())
+    levels = args.levels or [args.clients]
+    print(f"{' / '.join(map(str, levels))} clients x {args.requests} requests, max_tokens {args.max_tokens}"
+          f"{'' if args.eos else ' (ignore_eos)'}; mix: {', '.join(KINDS)}")
+    print(machine_line(os.getloadavg(), serve_flags), flush=True)
+    if args.levels is None:
+        run = run_level(args, serve_flags, args.clients)
+        report(run)
+        return 1 if run.failed or run.mixed else 0
+    runs: dict[int, list[Run]] = {level: [] for level in levels}
+    for number in range(1, args.rounds + 1):
+        for level in levels:  # in turn within each round: a drift of the machine's speed reaches every level
+            print(f"round {number}/{args.rounds}, {level} client{'s' if level > 1 else ''}: ", end="", flush=True)
+            run = run_level(args, serve_flags, level, say=lambda text: None)
+            runs[level].append(run)
+            print(f"{run.generated_per_s:.1f} generated tok/s, p50 {nearest_rank(run.latencies(), 0.5) * 1000:.0f} ms"
+                  if run.latencies() else "no request went through", flush=True)
+    compare(runs)
+    bad = [run for level in levels for run in runs[level] if run.failed or run.mixed]
+    for run in bad[:3]:
+        report(run)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
