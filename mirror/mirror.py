@@ -96,12 +96,17 @@ class Mirror:
                     raise ValueError(f"ledger id {ledger_id} does not hold token {token_id}")
             if insertion.restores and len(insertion.restores) != len(insertion.token_ids):
                 raise ValueError("a restoring insertion names one ledger id per token")
-        # the undo log: everything below changes only the live rows' entries and appends
+        # the undo log: everything below changes only the live rows' entries and appends. Every
+        # live (or restored) entry may get a new brightness; only the deleted and the restored
+        # ones change more (state, death, position, replacement): a tick deletes a row or two
+        # of ~300, so the log keeps one float per row and the whole record of those few
         ledger_length = len(self.ledger)
         entries = self.ledger.entries
-        touched = list(live) + [i for insertion, _ in layout.groups for i in insertion.restores]
-        before = [(e.brightness, e.state, e.tick_died, e.replaced_by, e.position, e.resurrections)
-                  for e in (entries[i] for i in touched)]
+        restored = [i for insertion, _ in layout.groups for i in insertion.restores]
+        touched = list(live) + restored
+        brightness_before = [entries[i].brightness for i in touched]
+        changed = [live[row] for row in layout.deleted] + restored
+        before = [(e.state, e.tick_died, e.replaced_by, e.position, e.resurrections) for e in (entries[i] for i in changed)]
         old_live, old_layers, old_ring = self.live, self.layers, self.ring
         try:
             new_ids = self._splice(layout, texts, tick, brightness, live_brightness)
@@ -114,10 +119,11 @@ class Mirror:
         except BaseException:  # a failure (or Ctrl-C) half-way: the mirror is as it was
             self.live, self.layers, self.ring = old_live, old_layers, old_ring
             self.ledger.truncate(ledger_length)
-            for ledger_id, fields in zip(touched, before):
+            for ledger_id, value in zip(touched, brightness_before):
+                entries[ledger_id].brightness = value
+            for ledger_id, fields in zip(changed, before):
                 entry = entries[ledger_id]
-                (entry.brightness, entry.state, entry.tick_died, entry.replaced_by, entry.position,
-                 entry.resurrections) = fields
+                entry.state, entry.tick_died, entry.replaced_by, entry.position, entry.resurrections = fields
             raise
 
     def _splice(self, layout: Layout, texts: list[str], tick: int, brightness: float,

@@ -90,6 +90,30 @@ def test_a_token_no_layer_held_rejoins_the_live_map_at_its_position():
     assert mirror.live.ledger_ids == [0, 1, 3, 4, 5, 6, 7, 8] and mirror.live.positions[2] == 6
 
 
+def test_a_restoring_splice_that_fails_after_the_restore_leaves_the_token_culled(monkeypatch):
+    """The undo log covers what a restore changes beyond brightness (state, position, resurrections):
+    a failure after the token came back to life puts it back among the culled, as it was."""
+    mirror = per_layer_mirror([[0, 1, 2, 4, 5, 6, 7], [0, 1, 3, 4, 5, 6, 7]], count=8)
+    mirror.splice(plan_layout(mirror.live.positions, [3], [], 10_000), [], tick=1, brightness=1.0,
+                  layer_drops=[[1], [2]])  # token 3 leaves the union: culled at position 6
+    before = to_bytes(mirror)
+    back = Insertion(2, (103,), "prompt", positions=(6,), restores=(3,))
+    layout = plan_layout(mirror.live.positions, [2], [back, Insertion(7, (55,), "generated")], 10_000)
+    import positronic.mirror.mirror as module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(module, "LiveMap", broken)  # after the ledger's retire, resurrect and add
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        mirror.splice(layout, ["t3", "x"], tick=2, brightness=9.0, layer_drops=[[1], []], layer_inserts=[[3], []],
+                      live_brightness=[5.0] * len(mirror.live))
+    monkeypatch.undo()
+    assert to_bytes(mirror) == before
+    assert mirror.ledger[3].state == "culled" and mirror.ledger[3].position == 6
+    assert mirror.ledger[3].resurrections == 0
+    mirror.check()
+
+
 def test_a_splice_that_fails_leaves_the_layers_and_the_ledger_as_they_were():
     mirror = per_layer_mirror([[0, 1, 2, 3], [0, 1, 2, 3]], count=4)
     before = to_bytes(mirror)
