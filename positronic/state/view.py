@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import formats as kv_formats
+from ..util import from_list
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,12 @@ def snapshot(state, mirror, predicted: list[int], *, keys: bool, rows: RowReader
     def copy(tensor):
         return None if tensor is None or not keys else tensor.detach().clone().cpu()
     return ContextView(
-        token_ids=torch.tensor(mirror.live_token_ids(), dtype=torch.long),
-        ledger_ids=torch.tensor(mirror.live.ledger_ids, dtype=torch.long),
-        positions=torch.tensor(mirror.live.positions, dtype=torch.long),
-        brightness=torch.tensor(mirror.brightness(), dtype=torch.float32),
-        predicted=torch.tensor(predicted, dtype=torch.long),
-        pinned=torch.tensor([entries[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool),
+        token_ids=from_list(mirror.live_token_ids(), torch.long),
+        ledger_ids=from_list(mirror.live.ledger_ids, torch.long),
+        positions=from_list(mirror.live.positions, torch.long),
+        brightness=from_list(mirror.brightness(), torch.float32),
+        predicted=from_list(predicted, torch.long),
+        pinned=from_list([entries[i].pinned for i in mirror.live.ledger_ids], torch.bool),
         query=copy(state.last_query), log_norm=copy(state.last_log_norm), rows=rows)
 
 
