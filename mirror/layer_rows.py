@@ -39,6 +39,7 @@ class LayerRows:
                 for ledger_id in layer:
                     counts[ledger_id] = counts.get(ledger_id, 0) + 1
         self.counts = counts
+        self._last: tuple | None = None  # (drops, inserts) -> rows: `after` without appends, the last asked
 
     @staticmethod
     def every_layer(num_layers: int, ledger_ids: list[int]) -> "LayerRows":
@@ -66,16 +67,33 @@ class LayerRows:
         layer), taken back the ledger ids `inserts[l]` (tokens it does not hold; each goes in
         at its place in position order, which is ledger-id order here) and appended `new_ids`
         like every layer. LayerRowsError if a drop is out of range, a token is taken back
-        twice, or the layers would end with different lengths."""
+        twice, or the layers would end with different lengths.
+
+        A tick asks twice with the same drops (the plan, without its new token; the mirror's
+        commit, with it), so the rows after the drops are kept for the next ask: a LayerRows
+        never changes once built, so the same drops give the same rows."""
         inserts = inserts or [[] for _ in self.rows]
+        key = (tuple(map(tuple, drops)), tuple(map(tuple, inserts)))
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self._dropped(drops, inserts))
+        dropped = self._last[1]
+        if not new_ids:
+            return dropped
+        counts = dict(dropped.counts)
+        for ledger_id in new_ids:
+            counts[ledger_id] = counts.get(ledger_id, 0) + len(dropped.rows)
+        return LayerRows([layer + list(new_ids) for layer in dropped.rows], counts, owned=True)
+
+    def _dropped(self, drops: list[list[int]], inserts: list[list[int]]) -> "LayerRows":
+        """`after` with nothing appended (its checks and its rows)."""
         if len(drops) != self.num_layers or len(inserts) != self.num_layers:
             raise LayerRowsError(f"{len(drops)} drop lists and {len(inserts)} insert lists for {self.num_layers} layers")
         if len({len(dropped) - len(taken) for dropped, taken in zip(drops, inserts)}) != 1:
             raise LayerRowsError("the layers would hold different numbers of rows: they drop "
                                  f"{sorted({len(d) - len(t) for d, t in zip(drops, inserts)})} more than they take back")
         rows, counts = [], dict(self.counts)
-        # every lane of a per-head policy passes here twice a tick (the plan, the mirror's
-        # commit): the checks are whole-list operations, not a Python step per row
+        # every lane of a per-head policy passes here once a tick: the checks are whole-list
+        # operations, not a Python step per row
         for l, (layer, dropped, taken) in enumerate(zip(self.rows, drops, inserts)):
             order = sorted(dropped, reverse=True)
             if order and (order[0] >= len(layer) or order[-1] < 0) or len(set(order)) != len(order):
@@ -94,10 +112,7 @@ class LayerRows:
                 kept = sorted(kept + list(taken))  # ids ascend with position under per-layer rows
                 for ledger_id in taken:
                     counts[ledger_id] = counts.get(ledger_id, 0) + 1
-            kept.extend(new_ids)
             rows.append(kept)
-        for ledger_id in new_ids:
-            counts[ledger_id] = counts.get(ledger_id, 0) + len(rows)
         return LayerRows(rows, counts, owned=True)
 
     def check(self, union_ids: list[int]) -> None:

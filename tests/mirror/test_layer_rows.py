@@ -71,6 +71,25 @@ def test_a_layer_takes_tokens_back_in_position_order_and_drops_as_many_more():
         layers.after([[1, 3, 0], [3]], [], [[4, 4], []])
 
 
+def test_asking_again_with_the_same_or_other_drops_gives_what_a_fresh_layer_rows_gives():
+    """`after` keeps the rows after its last drops for the commit's second ask (with the new
+    token): every ask, repeated or not, with or without appends, is what a fresh copy answers."""
+    layers = LayerRows([[0, 1, 2, 3], [0, 2, 4, 5]])
+
+    def fresh(*args):
+        made = LayerRows([list(layer) for layer in layers.rows]).after(*args)
+        return made.rows, made.counts
+    asks = [([[1], [3]], [], [[], []]), ([[1], [3]], [9], [[], []]), ([[2], [0]], [9], [[], []]),
+            ([[1], [3]], [9, 10], [[], []]), ([[1, 3], [3]], [], [[4], []]), ([[1, 3], [3]], [9], [[4], []])]
+    for drops, new_ids, inserts in asks + asks[::-1]:
+        after = layers.after(drops, new_ids, inserts)
+        assert (after.rows, after.counts) == fresh(drops, new_ids, inserts)
+    assert layers.rows == [[0, 1, 2, 3], [0, 2, 4, 5]]  # the asked object itself never changes
+    plan, commit = layers.after([[1], [3]], []), layers.after([[1], [3]], [9])
+    assert plan.rows == [[0, 2, 3], [0, 2, 4]] and commit.rows == [[0, 2, 3, 9], [0, 2, 4, 9]]
+    assert plan.counts == {0: 2, 2: 2, 3: 1, 4: 1} and commit.counts == {0: 2, 2: 2, 3: 1, 4: 1, 9: 2}
+
+
 def test_a_token_no_layer_held_rejoins_the_live_map_at_its_position():
     mirror = per_layer_mirror([[0, 1, 2, 4, 5, 6, 7], [0, 1, 3, 4, 5, 6, 7]], count=8)
     mirror.splice(plan_layout(mirror.live.positions, [3], [], 10_000), [], tick=1, brightness=1.0,
