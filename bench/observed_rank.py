@@ -77,7 +77,7 @@ class Observed:
         return np.zeros(ids.shape) if self.table is None else self.table[lanes, np.minimum(ids, self.table.shape[1] - 1)]
 
 
-def patch(beta: float, decay: float, offset: float, seed_restored: bool) -> None:
+def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: float = float("inf")) -> None:
     ranks_before, plan_before = smartkv_rows.Memories._ranks, smartkv_policy.SmartKVPolicy._plan
     take_back_before = smartkv_rows.Memories.take_back
 
@@ -100,7 +100,7 @@ def patch(beta: float, decay: float, offset: float, seed_restored: bool) -> None
             return ranks
         lanes = np.arange(self.ids.shape[0])[layers]
         seen = observed.of(lanes if np.ndim(lanes) == 0 else lanes[:, None], self.ids[layers, slots])
-        return np.where(ranks >= smartkv_rows.HELD, ranks, ranks * (offset + seen) ** beta)
+        return np.where(ranks >= smartkv_rows.HELD, ranks, ranks * np.minimum((offset + seen) ** beta, cap))
 
     def plan(self, view, seconds, *, look, typed=False):
         if not hasattr(self, "observed"):
@@ -124,17 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, default=2.0, help="the power of (offset + observed) in the rank")
     parser.add_argument("--decay", type=float, default=0.97, help="the sums' decay per tick (0.97: ~32 ticks)")
     parser.add_argument("--offset", type=float, default=1.0, help="added to the sum: a row never looked at keeps its rank")
+    parser.add_argument("--cap", type=float, default=float("inf"),
+                        help="the factor's largest value (default: none): recent use cannot outrank the gates' picks by more")
     parser.add_argument("--seed-restored", action="store_true",
                         help="a token recall brings back starts with its lane's largest sum (else its old one)")
     args = parser.parse_args(argv[:split])
     rest = argv[split + 1:]
     if not rest or rest[0] not in SCRIPTS:
         raise SystemExit(f"name the script to run after --: one of {', '.join(SCRIPTS)}")
-    if not (args.beta >= 0 and 0 < args.decay < 1 and args.offset > 0):
-        raise SystemExit("--beta must be >= 0, --decay in (0, 1), --offset > 0")
-    patch(args.beta, args.decay, args.offset, args.seed_restored)
+    if not (args.beta >= 0 and 0 < args.decay < 1 and args.offset > 0 and args.cap >= 1):
+        raise SystemExit("--beta must be >= 0, --decay in (0, 1), --offset > 0, --cap >= 1")
+    patch(args.beta, args.decay, args.offset, args.seed_restored, args.cap)
     print(f"# observed rank (prototype): beta {args.beta}  decay {args.decay}  offset {args.offset}"
-          f"{'  restored tokens seeded' if args.seed_restored else ''}", flush=True)
+          f"{'  restored tokens seeded' if args.seed_restored else ''}{f'  cap {args.cap}' if args.cap < float('inf') else ''}",
+          flush=True)
     sys.argv = [str(SCRIPTS[rest[0]]), *rest[1:]]
     runpy.run_path(str(SCRIPTS[rest[0]]), run_name="__main__")
     return 0
