@@ -17,10 +17,10 @@ SmolLM2): for memory rows at ages 160 and 256, the rank correlation with uses in
 ticks is 0.61 and 0.55 for the gates alone, 0.64 and 0.56 for the recent attention alone, 0.66
 and 0.58 for the two together.
 
-**What the prototype does not do** (the product version must): it reads every layer's keys a
-second time after the forward to get the attention (about 1 ms a tick on the 2-core CPU),
-keeps the sums in a table by ledger id that grows with the run, converts every lane's row ids
-each tick (~0.4 ms), and nothing of it is saved with a session or used by SmartKVCache, so
+**What the prototype does not do** (the product version must): it copies every lane's keys and
+row ids after the forward through the view (`RowReader.lane_keys`, `lane_ids`) to get the
+attention (about 1.5 ms a tick on the 2-core CPU), keeps the sums in a table by ledger id that
+grows with the run, and nothing of it is saved with a session or used by SmartKVCache, so
 `smartkv-brain` no longer matches `smartkv` under it. Results: bench/results/smartkv.md.
 """
 
@@ -56,14 +56,13 @@ class Observed:
         """The newest query's attention to each row of each lane, added to the decayed sums."""
         if view.query is None or view.log_norm is None:
             return
-        cache, mirror = view.rows._cache, view.rows._mirror
-        keys = torch.stack([layer.keys[0] for layer in cache.layers]).float()  # [layers, kv, rows, d]
+        keys = view.rows.lane_keys()  # [layers, kv, rows, d]
         layers, kv_heads, rows, head_dim = keys.shape
         query = view.query.float().reshape(layers, kv_heads, -1, head_dim)
         logits = query @ keys.transpose(-1, -2)  # [layers, kv, group, rows]
         share = torch.exp(logits - view.log_norm.float().reshape(layers, kv_heads, -1, 1)).amax(2)
         mass = (share * rows).reshape(layers * kv_heads, rows).numpy()
-        ids = np.array(mirror.layers.rows, dtype=np.int64)  # [lanes, rows]: each lane's ledger ids
+        ids = np.array(view.rows.lane_ids(), dtype=np.int64)  # [lanes, rows]: each lane's ledger ids
         need = int(ids.max()) + 1
         if self.table is None or self.table.shape[1] < need:
             grown = np.zeros((ids.shape[0], max(2 * need, 2048)))

@@ -77,6 +77,22 @@ class RowReader:
         keys, values = self._cache.lane_rows(found)  # [layers, kv_heads, n, head_dim]
         return keys.float().cpu(), values.float().cpu()
 
+    def lane_ids(self) -> list[list[int]]:
+        """Per-layer (or per-head) rows only: each lane's ledger ids in its cache-row order (a copy)."""
+        self._refuse_if_stale()
+        if self._mirror.layers is None:
+            raise ValueError("lane ids need per-layer rows: every layer holds the live map")
+        return [list(lane) for lane in self._mirror.layers.rows]
+
+    def lane_keys(self) -> torch.Tensor:
+        """Every lane's keys [layers, kv_heads, rows, head_dim] in its cache-row order (on the CPU,
+        float32, rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`."""
+        self._refuse_if_stale()
+        if self._mirror.layers is None:
+            raise ValueError("lane keys need per-layer rows: read every layer's rows with the reader itself")
+        layers = list(range(len(self._cache.layers)))
+        return self._cache.layer_keys(layers, len(self._mirror.layers)).float().cpu().clone()
+
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;
         ValueError if a lane does not hold one."""

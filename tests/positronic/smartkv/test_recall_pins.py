@@ -191,3 +191,24 @@ def test_a_tokens_kv_is_read_from_its_own_row_in_every_lane(tiny, head_gate_file
     lacking = next(i for i in sorted(set().union(*lanes)) if i not in common)
     with pytest.raises(ValueError, match="does not hold"):
         state.view(keys=True).rows.layer_rows([lacking])
+
+
+def test_every_lanes_ids_and_keys_come_in_its_own_row_order(tiny, head_gate_file):
+    """RowReader.lane_ids / lane_keys: row i of lane l's keys is the key of lane_ids()[l][i],
+    the same as the state's own per-layer K/V; copies, refused once the state moved on."""
+    brain = Brain.start(tiny, text_ids(tiny, 24, seed=39), config(head_gate_file))
+    for token in text_ids(tiny, 30, seed=40)[1:]:
+        brain.step(force=token)
+    state = brain.state
+    view = state.view(keys=True)
+    ids, keys = view.rows.lane_ids(), view.rows.lane_keys()
+    assert ids == state.mirror.layers.rows and len({tuple(lane) for lane in ids}) > 1, "lanes hold different rows"
+    heads = state.lanes // tiny.num_layers
+    assert keys.shape[:3] == (tiny.num_layers, heads, len(ids[0])) and keys.dtype == torch.float32
+    for layer in range(tiny.num_layers):
+        assert torch.equal(keys[layer], state.layer_kv(layer)[0][0].float())
+    keys.zero_(), ids[0].clear()
+    assert view.rows.lane_ids() == state.mirror.layers.rows and view.rows.lane_keys().abs().sum() > 0
+    brain.step(force=tiny.bos_id)
+    with pytest.raises(ValueError, match="stale"):
+        view.rows.lane_keys()
