@@ -178,14 +178,6 @@ def runs_without(length: int, dropped: list[int], inserted: list[int] = ()) -> l
     new rows stand at `inserted` (ascending rows of the result): the survivors close up in
     order around them. What `plan_layout` gives for deletions and insertions, in
     O(dropped + inserted) steps (a per-layer edit computes one per layer every tick)."""
-    if not inserted:  # deletions only (most lanes, most ticks): one run between two dropped rows
-        runs, start, new = [], 0, 0
-        for row in sorted(dropped) + [length]:
-            if row > start:
-                runs.append((start, new, row - start))
-                new += row - start
-            start = row + 1
-        return runs
     runs, start, new, at = [], 0, 0, 0
     for row in sorted(dropped) + [length]:
         count = row - start
