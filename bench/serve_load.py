@@ -52,6 +52,7 @@ import asyncio
 import functools
 import math
 import os
+import statistics
 import re
 import subprocess
 import sys
@@ -381,11 +382,6 @@ def report(run: Run) -> None:
         print(f"mixed {sid}: {'; '.join(p)}")
 
 
-def median(values: list[float]) -> float:
-    ordered, middle = sorted(values), len(values) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def compare(runs: dict[int, list[Run]]) -> None:
     """The levels side by side: per round, then medians over rounds and percentiles over every
     round's requests pooled; each level against the fewest clients (issue 32's ratios)."""
@@ -411,9 +407,13 @@ def compare(runs: dict[int, list[Run]]) -> None:
         values = [s for run in runs[level] for s in run.latencies()]
         return nearest_rank(values, 0.5) * 1000 if values else float("nan")
 
+    def medians(level: int) -> tuple[float, float]:
+        return (statistics.median(r.generated_per_s for r in runs[level]),
+                statistics.median(p50(r) for r in runs[level]))
+
+    base_rate, base_latency = medians(base)
     for level in levels:
-        rate, latency = median([r.generated_per_s for r in runs[level]]), median([p50(r) for r in runs[level]])
-        base_rate, base_latency = median([r.generated_per_s for r in runs[base]]), median([p50(r) for r in runs[base]])
+        rate, latency = medians(level)
         rounds = list(zip(runs[level], runs[base]))
         by_rate = "/".join(f"{a.generated_per_s / b.generated_per_s:.2f}" for a, b in rounds)
         by_p50 = "/".join(f"{p50(a) / p50(b):.2f}" for a, b in rounds)

@@ -91,7 +91,7 @@ class RowReader:
         if self._mirror.layers is None:
             raise ValueError("lane keys need per-layer rows: read every layer's rows with the reader itself")
         layers = list(range(len(self._cache.layers)))
-        return self._cache.layer_keys(layers, len(self._mirror.layers)).float().cpu().clone()
+        return self._cache.layer_keys(layers, len(self._mirror.layers)).to("cpu", torch.float32, copy=True)
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;
