@@ -426,11 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Flags it does not know go to `positronic serve` (e.g. --budget 256).")
     parser.add_argument("--model", "-m", default="random:tiny",
                         help="the model served (random:tiny: no download; smollm2: the embedded model)")
-    parser.add_argument("--clients", type=int, default=8, help="clients at once, a session each")
+    parser.add_argument("--clients", type=int, help="clients at once, a session each (default 8)")
     parser.add_argument("--levels", type=int, nargs="+", metavar="CLIENTS",
                         help="compare these client counts instead of one --clients run: each in turn, a fresh "
                              "server each, --rounds times; then a table of medians and ratios against the fewest")
-    parser.add_argument("--rounds", type=int, default=3, help="with --levels: how many times each level runs")
+    parser.add_argument("--rounds", type=int, help="with --levels: how many times each level runs (default 3)")
     parser.add_argument("--requests", type=int, default=20, help="requests per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens each request asks for")
     parser.add_argument("--eos", action="store_true", help="let replies end at end-of-sequence (default: "
@@ -438,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the server may take to start")
     args, serve_flags = parser.parse_known_args(argv)
+    if args.levels is not None and args.clients is not None:
+        parser.error("--clients runs one level and --levels several: give one of them")
+    if args.levels is None and args.rounds is not None:
+        parser.error("--rounds repeats --levels: give --levels too")
+    args.clients = 8 if args.clients is None else args.clients
+    args.rounds = 3 if args.rounds is None else args.rounds
     if min(args.clients, args.requests, args.max_tokens, args.rounds, *(args.levels or [1])) < 1:
         parser.error("--clients, --levels, --rounds, --requests and --max-tokens must be at least 1")
     if args.levels is not None and len(set(args.levels)) != len(args.levels):

@@ -28,3 +28,8 @@ def test_bad_levels_are_refused_before_any_server_starts():
     assert done.returncode == 2 and "--levels names a client count twice" in done.stderr
     done = subprocess.run([sys.executable, SCRIPT, "--levels", "0", "1"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "at least 1" in done.stderr
+    done = subprocess.run([sys.executable, SCRIPT, "--levels", "8", "1", "--clients", "4"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "give one of them" in done.stderr
+    done = subprocess.run([sys.executable, SCRIPT, "--rounds", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "give --levels too" in done.stderr
