@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "observed_rank.py")
 TASK = ["--text", str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128", "--budgets", "0.5",
@@ -17,6 +19,7 @@ def perplexity(args: list[str]) -> float:
     return float(re.search(r"^smartkv\+recall\s+budget\s+\S+\s+ppl\s+([\d.]+)", out, re.MULTILINE).group(1))
 
 
+@pytest.mark.smollm2  # bench/smartkv.py runs the embedded model (no `smol` fixture marks it)
 def test_the_prototype_is_neutral_at_beta_0_and_changes_the_rows_kept_at_beta_2():
     plain = perplexity([str(ROOT / "bench" / "smartkv.py"), *TASK])
     assert perplexity([SCRIPT, "--beta", "0", "--", "smartkv", *TASK]) == plain
