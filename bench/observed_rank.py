@@ -76,7 +76,13 @@ class Observed:
         return np.zeros(ids.shape) if self.table is None else self.table[lanes, np.minimum(ids, self.table.shape[1] - 1)]
 
 
-def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: float = float("inf")) -> None:
+PROTECTED = 1e250  # above every rank the factor can make, below HELD
+
+
+def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: float = float("inf"),
+          protect: float = 0.0, span: int = 0) -> None:
+    if span:  # tokens one recall brings back around its match, whatever the memory's size
+        smartkv_policy.SmartKVPolicy.recall_span = staticmethod(lambda memory: span)
     ranks_before, plan_before = smartkv_rows.Memories._ranks, smartkv_policy.SmartKVPolicy._plan
     take_back_before = smartkv_rows.Memories.take_back
 
@@ -99,7 +105,13 @@ def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: fl
             return ranks
         lanes = np.arange(self.ids.shape[0])[layers]
         seen = observed.of(lanes if np.ndim(lanes) == 0 else lanes[:, None], self.ids[layers, slots])
-        return np.where(ranks >= smartkv_rows.HELD, ranks, ranks * np.minimum((offset + seen) ** beta, cap))
+        boosted = ranks * np.minimum((offset + seen) ** beta, cap)
+        if protect > 0:  # the gates' own top share of each lane is never outranked by recent use
+            n = ranks.shape[-1]
+            k = n - max(1, int(round(protect * n)))
+            top = np.partition(ranks, k, axis=-1)[..., k : k + 1]
+            boosted = np.where(ranks >= top, PROTECTED, boosted)
+        return np.where(ranks >= smartkv_rows.HELD, ranks, boosted)
 
     def plan(self, view, seconds, *, look, typed=False):
         if not hasattr(self, "observed"):
@@ -125,17 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offset", type=float, default=1.0, help="added to the sum: a row never looked at keeps its rank")
     parser.add_argument("--cap", type=float, default=float("inf"),
                         help="the factor's largest value (default: none): recent use cannot outrank the gates' picks by more")
+    parser.add_argument("--protect", type=float, default=0.0,
+                        help="the share of each lane's memory the gates alone rank highest, kept whatever recent use says")
+    parser.add_argument("--span", type=int, default=0,
+                        help="tokens one recall brings back around its match (default: the policy's, min(16, memory / 8))")
     parser.add_argument("--seed-restored", action="store_true",
                         help="a token recall brings back starts with its lane's largest sum (else its old one)")
     args = parser.parse_args(argv[:split])
     rest = argv[split + 1:]
     if not rest or rest[0] not in SCRIPTS:
         raise SystemExit(f"name the script to run after --: one of {', '.join(SCRIPTS)}")
-    if not (args.beta >= 0 and 0 < args.decay < 1 and args.offset > 0 and args.cap >= 1):
-        raise SystemExit("--beta must be >= 0, --decay in (0, 1), --offset > 0, --cap >= 1")
-    patch(args.beta, args.decay, args.offset, args.seed_restored, args.cap)
+    if not (args.beta >= 0 and 0 < args.decay < 1 and args.offset > 0 and args.cap >= 1 and 0 <= args.protect < 1 and args.span >= 0):
+        raise SystemExit("--beta must be >= 0, --decay in (0, 1), --offset > 0, --cap >= 1, --protect in [0, 1), --span >= 0")
+    patch(args.beta, args.decay, args.offset, args.seed_restored, args.cap, args.protect, args.span)
     print(f"# observed rank (prototype): beta {args.beta}  decay {args.decay}  offset {args.offset}"
-          f"{'  restored tokens seeded' if args.seed_restored else ''}{f'  cap {args.cap}' if args.cap < float('inf') else ''}",
+          f"{'  restored tokens seeded' if args.seed_restored else ''}{f'  cap {args.cap}' if args.cap < float('inf') else ''}"
+          f"{f'  protect {args.protect}' if args.protect else ''}{f'  span {args.span}' if args.span else ''}",
           flush=True)
     sys.argv = [str(SCRIPTS[rest[0]]), *rest[1:]]
     runpy.run_path(str(SCRIPTS[rest[0]]), run_name="__main__")

@@ -32,3 +32,7 @@ def test_it_names_what_it_needs():
     done = subprocess.run([sys.executable, SCRIPT, "--decay", "1.5", "--", "smartkv"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode != 0 and "--decay in (0, 1)" in done.stderr
+    for flag, value in (("--protect", "1"), ("--span", "-1")):
+        done = subprocess.run([sys.executable, SCRIPT, flag, value, "--", "smartkv"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode != 0 and f"{flag} " in done.stderr
