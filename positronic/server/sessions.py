@@ -100,9 +100,9 @@ class ModelWorker:
     (continuous batching: a session joins with its next job and leaves when it has none).
     A session's own jobs never overlap: its requests hold its lock and await each job. A job
     runs to its end even if its request is cancelled meanwhile (a brain step is never cut in
-    half), and the next request of its session waits for it (`barrier`) before it looks at
-    the brain. `linger`: how long a round of forwards waits for a session of the previous
-    round whose next job is not in yet (Rendezvous). Every model forward runs in one thread of
+    half), and the next request of its session waits for it (`settled`) before it looks at
+    the brain; requests of other sessions do not. `linger`: how long a round of forwards
+    waits for a session of the previous round whose next job is not in yet (Rendezvous). Every model forward runs in one thread of
     its own ("positronic-forward") with torch's `threads`; the jobs' threads keep to one
     (positronic/batch/threads.py says why: a forward of 8 rows at 0.55x speed otherwise)."""
 
@@ -179,13 +179,6 @@ class ModelWorker:
                 self._jobs.discard(future)
                 for key in [key for key, job in self._owned.items() if job is future]:
                     del self._owned[key]
-
-    async def barrier(self) -> None:
-        """Wait until every job submitted so far has run."""
-        with self._lock:
-            submitted = list(self._jobs)
-        while not all(job.done() for job in submitted):
-            await asyncio.sleep(0.005)
 
     def close(self) -> None:
         """Refuse new jobs and wait for the running ones."""
@@ -481,8 +474,8 @@ class SessionPool:
                 conversation.users -= 1
                 raise
             if not conversation.evicted:
-                try:  # a step that a cancelled request left running finishes first
-                    await self.worker.barrier()
+                try:  # a step that a cancelled request left running finishes first: this session's
+                    await self.worker.settled(conversation)  # own, not every session's job in flight
                 except BaseException:
                     self.release(conversation)
                     raise
