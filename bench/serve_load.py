@@ -40,7 +40,8 @@ each round runs every level in turn, each on a fresh server, so a drift of the m
 speed reaches them all; a 2-core box moves by 5-10% from run to run. It prints a row per run
 (generated tokens/s, p50 and p90 of every request whole, failures, mixed sessions, the load),
 then per level the median over rounds of tokens/s and p50, the p50 of every round's requests
-pooled (one client sends only `--requests` requests a round: pooling steadies its p50), and
+pooled (one client sends only `--requests` requests a round: pooling steadies its p50), the
+pooled p50 of the streamed requests' time per output token after their first text (TPOT), and
 each against the fewest clients, round by round too. It exits 1 if any run had a failed
 request or a mixed session (and prints that run's table).
 """
@@ -80,6 +81,13 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     session: str | None = None  # the session the answer names (the positronic extension)
+
+    @property
+    def per_token_s(self) -> float | None:
+        """Streamed: time per output token after the first text (vLLM's TPOT), None otherwise."""
+        if self.first_s is None or self.completion_tokens < 2:
+            return None
+        return (self.total_s - self.first_s) / (self.completion_tokens - 1)
 
 
 @dataclass
@@ -308,6 +316,10 @@ class Run:
         """Every request's whole time (s): the row that compares across client counts."""
         return [r.total_s for r in self.results if r.ok]
 
+    def per_token(self) -> list[float]:
+        """Every streamed request's time per output token after its first text (s)."""
+        return [r.per_token_s for r in self.results if r.ok and r.per_token_s is not None]
+
 
 def run_level(args, serve_flags: list[str], clients: int, say=print) -> Run:
     """Start a server, run `clients` clients against it, stop it; what they saw. `say`: progress."""
@@ -371,6 +383,7 @@ def report(run: Run) -> None:
             ("non-streamed, whole request", [r.total_s for r in ok if not r.kind.endswith("stream")]),
             ("streamed, first text", [r.first_s for r in ok if r.kind.endswith("stream")]),
             ("streamed, whole stream", [r.total_s for r in ok if r.kind.endswith("stream")]),
+            ("streamed, per output token (TPOT)", run.per_token()),
             # every kind at every place in a session: the same mix at any number of clients (a
             # kind's own row is not: with one client, chat's requests are the 1st and 5th)
             ("every request, whole", run.latencies())]
@@ -398,13 +411,14 @@ def compare(runs: dict[int, list[Run]]) -> None:
                   f"{p90:>9.0f}  {len(run.failed):>6}  {len(run.mixed):>5}")
     print()
     print(f"{'clients':>7}  {'tok/s (median)':>14}  {'vs ' + str(base):>8}  {'p50 (median)':>12}  {'vs ' + str(base):>8}  "
-          f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'tok/s ratio by round':>22}  {'p50 ratio by round':>20}")
+          f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'TPOT p50 (pooled)':>17}  {'vs ' + str(base):>8}  "
+          f"{'tok/s ratio by round':>22}  {'p50 ratio by round':>20}")
 
     def p50(run: Run) -> float:
         return nearest_rank(run.latencies(), 0.5) * 1000 if run.latencies() else float("nan")
 
-    def pooled(level: int) -> float:
-        values = [s for run in runs[level] for s in run.latencies()]
+    def pooled(level: int, of=Run.latencies) -> float:
+        values = [s for run in runs[level] for s in of(run)]
         return nearest_rank(values, 0.5) * 1000 if values else float("nan")
 
     def medians(level: int) -> tuple[float, float]:
@@ -417,8 +431,10 @@ def compare(runs: dict[int, list[Run]]) -> None:
         rounds = list(zip(runs[level], runs[base]))
         by_rate = "/".join(f"{a.generated_per_s / b.generated_per_s:.2f}" for a, b in rounds)
         by_p50 = "/".join(f"{p50(a) / p50(b):.2f}" for a, b in rounds)
+        tpot, base_tpot = pooled(level, Run.per_token), pooled(base, Run.per_token)
         print(f"{level:>7}  {rate:>14.1f}  {rate / base_rate:>7.2f}x  {latency:>12.0f}  {latency / base_latency:>7.2f}x  "
-              f"{pooled(level):>12.0f}  {pooled(level) / pooled(base):>7.2f}x  {by_rate:>22}  {by_p50:>20}")
+              f"{pooled(level):>12.0f}  {pooled(level) / pooled(base):>7.2f}x  {tpot:>17.1f}  {tpot / base_tpot:>7.2f}x  "
+              f"{by_rate:>22}  {by_p50:>20}")
 
 
 def main(argv: list[str] | None = None) -> int:
