@@ -102,9 +102,10 @@ class ModelWorker:
     runs to its end even if its request is cancelled meanwhile (a brain step is never cut in
     half), and the next request of its session waits for it (`settled`) before it looks at
     the brain; requests of other sessions do not. `linger`: how long a round of forwards
-    waits for a session of the previous round whose next job is not in yet (Rendezvous). Every model forward runs in one thread of
-    its own ("positronic-forward") with torch's `threads`; the jobs' threads keep to one
-    (positronic/batch/threads.py says why: a forward of 8 rows at 0.55x speed otherwise)."""
+    waits for a session of the previous round whose next job is not in yet (Rendezvous).
+    Every model forward runs in one thread of its own ("positronic-forward") with torch's
+    `threads`; the jobs' threads keep to one (positronic/batch/threads.py says why: a forward
+    of 8 rows at 0.55x speed otherwise)."""
 
     def __init__(self, *, linger: float = LINGER_S, on_forward: Callable[[int], None] = lambda sequences: None,
                  threads: int | None = None):
