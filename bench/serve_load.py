@@ -269,10 +269,15 @@ def nearest_rank(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def ms(values: list[float], q: float = 0.5) -> float:
+    """The nearest-rank `q` quantile of times in seconds, in ms (NaN when there are none)."""
+    return nearest_rank(values, q) * 1000 if values else float("nan")
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "-"
-    return "  ".join(f"{nearest_rank(values, q) * 1000:8.1f}" for q in (0.5, 0.9, 0.99))
+    return "  ".join(f"{ms(values, q):8.1f}" for q in (0.5, 0.9, 0.99))
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -318,7 +323,7 @@ class Run:
 
     def per_token(self) -> list[float]:
         """Every streamed request's time per output token after its first text (s)."""
-        return [r.per_token_s for r in self.results if r.ok and r.per_token_s is not None]
+        return [t for r in self.results if r.ok and (t := r.per_token_s) is not None]
 
 
 def run_level(args, serve_flags: list[str], clients: int, say=print) -> Run:
@@ -405,8 +410,7 @@ def compare(runs: dict[int, list[Run]]) -> None:
           f"{'p90 (ms)':>9}  {'failed':>6}  {'mixed':>5}")
     for level in levels:
         for number, run in enumerate(runs[level], 1):
-            latencies = run.latencies()
-            p50, p90 = (nearest_rank(latencies, q) * 1000 if latencies else float("nan") for q in (0.5, 0.9))
+            p50, p90 = (ms(run.latencies(), q) for q in (0.5, 0.9))
             print(f"{level:>7}  {number:>5}  {run.load[0]:>12.2f}  {run.generated_per_s:>15.1f}  {p50:>9.0f}  "
                   f"{p90:>9.0f}  {len(run.failed):>6}  {len(run.mixed):>5}")
     print()
@@ -414,27 +418,22 @@ def compare(runs: dict[int, list[Run]]) -> None:
           f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'TPOT p50 (pooled)':>17}  {'vs ' + str(base):>8}  "
           f"{'tok/s ratio by round':>22}  {'p50 ratio by round':>20}")
 
-    def p50(run: Run) -> float:
-        return nearest_rank(run.latencies(), 0.5) * 1000 if run.latencies() else float("nan")
-
-    def pooled(level: int, of=Run.latencies) -> float:
-        values = [s for run in runs[level] for s in of(run)]
-        return nearest_rank(values, 0.5) * 1000 if values else float("nan")
-
-    def medians(level: int) -> tuple[float, float]:
+    def figures(level: int) -> tuple[float, float, float, float]:
+        """Median tokens/s and p50 over the rounds; p50 and TPOT p50 of every round pooled."""
         return (statistics.median(r.generated_per_s for r in runs[level]),
-                statistics.median(p50(r) for r in runs[level]))
+                statistics.median(ms(r.latencies()) for r in runs[level]),
+                ms([s for run in runs[level] for s in run.latencies()]),
+                ms([s for run in runs[level] for s in run.per_token()]))
 
-    base_rate, base_latency = medians(base)
+    base_figures = figures(base)
     for level in levels:
-        rate, latency = medians(level)
+        rate, latency, pooled, tpot = ours = figures(level)
+        vs = [a / b for a, b in zip(ours, base_figures)]
         rounds = list(zip(runs[level], runs[base]))
         by_rate = "/".join(f"{a.generated_per_s / b.generated_per_s:.2f}" for a, b in rounds)
-        by_p50 = "/".join(f"{p50(a) / p50(b):.2f}" for a, b in rounds)
-        tpot, base_tpot = pooled(level, Run.per_token), pooled(base, Run.per_token)
-        print(f"{level:>7}  {rate:>14.1f}  {rate / base_rate:>7.2f}x  {latency:>12.0f}  {latency / base_latency:>7.2f}x  "
-              f"{pooled(level):>12.0f}  {pooled(level) / pooled(base):>7.2f}x  {tpot:>17.1f}  {tpot / base_tpot:>7.2f}x  "
-              f"{by_rate:>22}  {by_p50:>20}")
+        by_p50 = "/".join(f"{ms(a.latencies()) / ms(b.latencies()):.2f}" for a, b in rounds)
+        print(f"{level:>7}  {rate:>14.1f}  {vs[0]:>7.2f}x  {latency:>12.0f}  {vs[1]:>7.2f}x  "
+              f"{pooled:>12.0f}  {vs[2]:>7.2f}x  {tpot:>17.1f}  {vs[3]:>7.2f}x  {by_rate:>22}  {by_p50:>20}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {number}/{args.rounds}, {level} client{'s' if level > 1 else ''}: ", end="", flush=True)
             run = run_level(args, serve_flags, level, say=lambda text: None)
             runs[level].append(run)
-            print(f"{run.generated_per_s:.1f} generated tok/s, p50 {nearest_rank(run.latencies(), 0.5) * 1000:.0f} ms"
+            print(f"{run.generated_per_s:.1f} generated tok/s, p50 {ms(run.latencies()):.0f} ms"
                   if run.latencies() else "no request went through", flush=True)
     compare(runs)
     bad = [run for level in levels for run in runs[level] if run.failed or run.mixed]
