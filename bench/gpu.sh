@@ -46,8 +46,11 @@ pin=""
 if [[ " $parts " == *" suite "* ]] && [ "$(nproc)" -ge 16 ]; then
   # -v: each test's outcome is a line of its own as it ends, so a suite the time limit cuts off
   # still names its failures (twice, on 2026-11-27, pytest's summary never came)
+  # worksteal: the default scheduler gave all of tests/bench (each test a subprocess with a fresh
+  # torch import) to one worker, which ran 23 tests in 460 s while another ran 714 (2026-11-27)
+  dist=$(python3 -c 'import xdist; print("--dist worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "")')
   (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 taskset -c 10-15 timeout 460 python3 -m pytest -v -rfE \
-      --durations=15 -p no:cacheprovider -n 6 -m "not slow and not smollm2" > "$out/suite.txt" 2>&1
+      --durations=15 -p no:cacheprovider -n 6 $dist -m "not slow and not smollm2" > "$out/suite.txt" 2>&1
    echo "suite exit $?" >> "$out/suite.txt") &
   parts=${parts//suite/}
   pin="taskset -c 0-9"
