@@ -22,6 +22,7 @@ from positronic.models import FAMILY_SHAPES, load_model, random_config, with_cac
 from positronic.policies import POLICIES
 from positronic.smartkv import GateSet
 from positronic.state import StateManager
+from positronic.state.forward import fresh_layer0_kv
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3"]
 CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -83,6 +84,16 @@ def test_layer0_equals_a_fresh_prefill_after_random_edits(family):
         torch.testing.assert_close(got_keys, keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_values, values, rtol=0, atol=1e-5)
     assert sm.positions() != list(range(len(sm))), "the edits should leave gaps in the positions"
+
+
+def test_layer0_kv_from_the_first_layers_attention_alone_is_a_fresh_prefills(family):
+    # what checks a deep check and every recalled row: the norm and attention of layer 0, its MLP not run
+    ids = prompt(family, 12)
+    positions = [0, 1, 2, 7, 8, 9, 30, 31, 32, 33, 90, 91]
+    (want_keys, want_values), *_ = prefill_kv(family, ids, positions)[0]
+    keys, values = fresh_layer0_kv(family, ids, positions)
+    torch.testing.assert_close(keys, want_keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=1e-5)
 
 
 def test_incremental_decode_equals_one_forward(family):
