@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
-#   bash bench/gpu.sh OUTDIR [tests|batch|bench|suite ...]     (default: all four)
+#   bash bench/gpu.sh OUTDIR [tests|batch|bench|host|suite ...]     (default: all five)
 #
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
 # batch: B = 1, 8, 32 brains batched against one at a time (bench/batch.py), streaming and
 #        smartkv+recall (untrained gates: none are shipped for random models);
 # bench: decode against HF generate, cost per cache format (fused and unfused), ring vs splice,
 #        all on random:tinyllama (the embedded model's weights stay on the CPU machine);
+# host:  a tick's time outside the model forward and how often it waits on the GPU, per policy,
+#        under and past the budget, with the costliest functions (bench/tick_host.py): what
+#        bounds the batched rows above, where B = 32 made 2.2-3.3x the tokens of B = 1;
 # Each part runs under a time limit sized for a 15-minute lease (one call: start, all parts,
 # about 6.5 minutes on an H200).
 # suite: the CPU test suite but the tests of the embedded model (its ~90 MB wheel cannot travel),
@@ -27,9 +30,9 @@
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
 #     && bash bench/gpu.sh $OUT
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUTDIR [tests|bench|suite ...]}
+out=${1:?usage: bench/gpu.sh OUTDIR [tests|batch|bench|host|suite ...]}
 shift
-parts=${*:-tests batch bench suite}
+parts=${*:-tests host batch bench suite}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 - <<'PY' 2>&1 | tee "$out/env.txt"
@@ -66,6 +69,8 @@ for part in $parts; do
       timeout 70 $pin python3 bench/kv_cost.py --device cuda --contexts 512 2048 --ticks 32 --rounds 3 --unfused 2>&1 \
           | tee "$out/kv_cost.txt"
       timeout 45 $pin python3 bench/ring.py --models random:tinyllama --device cuda --dtype float32 --rounds 3 2>&1 | tee "$out/ring.txt" ;;
+    host) timeout 120 $pin python3 bench/tick_host.py --model random:tinyllama --device cuda --ticks 30 --rounds 2 \
+          --warm 100 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
     suite) CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q -rfE -p no:cacheprovider -m "not slow and not smollm2" 2>&1 | tee "$out/suite.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
