@@ -91,6 +91,8 @@ class LayerRows:
         if len({len(dropped) - len(taken) for dropped, taken in zip(drops, inserts)}) != 1:
             raise LayerRowsError("the layers would hold different numbers of rows: they drop "
                                  f"{sorted({len(d) - len(t) for d, t in zip(drops, inserts)})} more than they take back")
+        if not any(drops) and not any(inserts):  # a tick under the budget: the same rows (a LayerRows never changes)
+            return self
         rows, counts = [], dict(self.counts)
         # every lane of a per-head policy passes here once a tick: the checks are whole-list
         # operations, not a Python step per row

@@ -178,6 +178,8 @@ def runs_without(length: int, dropped: list[int], inserted: list[int] = ()) -> l
     new rows stand at `inserted` (ascending rows of the result): the survivors close up in
     order around them. What `plan_layout` gives for deletions and insertions, in
     O(dropped + inserted) steps (a per-layer edit computes one per layer every tick)."""
+    if not dropped and not inserted:  # a lane under the budget: every row stays where it is
+        return [(0, 0, length)] if length else []
     runs, start, new, at = [], 0, 0, 0
     for row in sorted(dropped) + [length]:
         count = row - start

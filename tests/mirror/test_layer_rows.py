@@ -80,7 +80,8 @@ def test_asking_again_with_the_same_or_other_drops_gives_what_a_fresh_layer_rows
         made = LayerRows([list(layer) for layer in layers.rows]).after(*args)
         return made.rows, made.counts
     asks = [([[1], [3]], [], [[], []]), ([[1], [3]], [9], [[], []]), ([[2], [0]], [9], [[], []]),
-            ([[1], [3]], [9, 10], [[], []]), ([[1, 3], [3]], [], [[4], []]), ([[1, 3], [3]], [9], [[4], []])]
+            ([[1], [3]], [9, 10], [[], []]), ([[1, 3], [3]], [], [[4], []]), ([[1, 3], [3]], [9], [[4], []]),
+            ([[], []], [], [[], []]), ([[], []], [9], [[], []])]  # under the budget: nothing dropped
     for drops, new_ids, inserts in asks + asks[::-1]:
         after = layers.after(drops, new_ids, inserts)
         assert (after.rows, after.counts) == fresh(drops, new_ids, inserts)
