@@ -69,8 +69,8 @@ for part in $parts; do
       timeout 70 $pin python3 bench/kv_cost.py --device cuda --contexts 512 2048 --ticks 32 --rounds 3 --unfused 2>&1 \
           | tee "$out/kv_cost.txt"
       timeout 45 $pin python3 bench/ring.py --models random:tinyllama --device cuda --dtype float32 --rounds 3 2>&1 | tee "$out/ring.txt" ;;
-    host) timeout 120 $pin python3 bench/tick_host.py --model random:tinyllama --device cuda --ticks 30 --rounds 2 \
-          --warm 100 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
+    host) timeout 90 $pin python3 bench/tick_host.py --model random:tinyllama --device cuda --ticks 30 --rounds 2 \
+          --warm 60 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
     suite) CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q -rfE -p no:cacheprovider -m "not slow and not smollm2" 2>&1 | tee "$out/suite.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
