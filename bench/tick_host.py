@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import batch  # noqa: E402  (bench/batch.py: its prompts and policy settings)
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
-from positronic.models import load_model  # noqa: E402
+from positronic.models import ModelError, load_model  # noqa: E402
 from positronic.policies import POLICIES  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.state import forward as forward_module  # noqa: E402
@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--policies {policy}: a policy is one of {', '.join(sorted(POLICIES))}, with +recall or "
                          "without")
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    try:
+        lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    except (ModelError, ValueError) as error:
+        parser.error(str(error))
     folder = tempfile.TemporaryDirectory()
     _, gates = bench_gates(lm, folder.name)  # a random model's smartkv: untrained gates, which cost what trained ones do
     configs = {policy: batch.configs(policy, args.budget, gates) for policy in args.policies}

@@ -74,9 +74,12 @@ class LayerRows:
         never changes once built, so the same drops give the same rows."""
         inserts = inserts or [[] for _ in self.rows]
         key = (tuple(map(tuple, drops)), tuple(map(tuple, inserts)))
-        if self._last is None or self._last[0] != key:
-            self._last = (key, self._dropped(drops, inserts))
-        dropped = self._last[1]
+        if self._last is not None and self._last[0] == key:
+            dropped = self._last[1]
+        else:
+            dropped = self._dropped(drops, inserts)
+            if dropped is not self:  # nothing dropped is itself: nothing to keep (and no cycle to leave to the gc)
+                self._last = (key, dropped)
         if not new_ids:
             return dropped
         counts = dict(dropped.counts)

@@ -1,6 +1,9 @@
 """Shared fixtures: the real embedded model (SmolLM2, float32 on CPU), tiny random Llamas, and
 the helpers several test modules use (each a fixture, so no test module imports another)."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -85,6 +88,20 @@ def _layer0_by_prefill(lm, token_ids: list[int], positions: list[int]) -> tuple[
         lm.model(input_ids=torch.tensor([token_ids], device=lm.device),
                  position_ids=torch.tensor([positions], device=lm.device), **with_cache(cache), use_cache=True)
     return cache.layers[0].keys.clone(), cache.layers[0].values.clone()
+
+
+def _bench_script(name: str):
+    """bench/NAME.py loaded as a module (not run as a script): its functions called in-process."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """bench_script(name) -> bench/NAME.py as a module, see _bench_script."""
+    return _bench_script
 
 
 @pytest.fixture(scope="session")

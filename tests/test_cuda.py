@@ -129,16 +129,10 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
         brain.state.check(deep=True)
 
 
-def test_tick_host_counts_the_gpu_waits_of_a_tick(capsys):
+def test_tick_host_counts_the_gpu_waits_of_a_tick(capsys, bench_script):
     """bench/tick_host.py on the GPU: each row's forward and host time, and a number of waits
     (torch's sync debug mode) where the CPU prints '-'."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "tick_host.py"
-    spec = importlib.util.spec_from_file_location("tick_host", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = bench_script("tick_host")
     assert script.main(["--model", "random:tiny", "--device", "cuda", "--budget", "48", "--ticks", "4",
                         "--rounds", "1", "--warm", "8", "--policies", "streaming"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("streaming")]

@@ -1,7 +1,6 @@
 """bench/observed_rank.py (a prototype that patches SmartKV's rank while another bench script
 runs) stays runnable, is neutral at beta 0, and changes the rows kept when it weighs in."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -27,13 +26,11 @@ def test_the_prototype_is_neutral_at_beta_0_and_changes_the_rows_kept_at_beta_2(
     assert perplexity([SCRIPT, "--beta", "2", "--", "smartkv", *TASK]) != plain
 
 
-def test_it_names_what_it_needs(monkeypatch):
+def test_it_names_what_it_needs(monkeypatch, bench_script):
     done = subprocess.run([sys.executable, SCRIPT, "--beta", "2"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "usage" in done.stderr
     # the other refusals in this process (a subprocess each was ~4 s of torch import here, 16 on a GPU host)
-    spec = importlib.util.spec_from_file_location("observed_rank", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = bench_script("observed_rank")
     monkeypatch.setattr(script, "patch", lambda *args: pytest.fail(f"let through: {args}"))  # nothing patched
     for flags, says in ((["--decay", "1.5"], "--decay in (0, 1)"), (["--protect", "1"], "--protect "),
                         (["--span", "-1"], "--span "), ([], "name the script")):

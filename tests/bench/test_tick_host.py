@@ -34,3 +34,5 @@ def test_a_bad_policy_is_refused_before_any_model_loads():
                           timeout=120)
     assert done.returncode == 2 and "--policies streming: a policy is one of" in done.stderr
     assert "model" not in done.stdout
+    done = subprocess.run([sys.executable, SCRIPT, "--model", "nosuch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "error: unknown model 'nosuch'" in done.stderr and "Traceback" not in done.stderr
