@@ -14,7 +14,8 @@ gains. For each policy, one brain ticks twice over:
 It prints ms a tick in all, in the model forward (`state.forward.forward_alone`), and
 outside it, medians over the rounds. On a GPU the forward's time ends with a synchronize,
 so the host's part is what the tick does after its kernels ran, and the table adds how many
-calls a tick waited on the GPU for (torch's sync debug mode, counted). `--profile N`: the N
+calls a tick waited on the GPU for (torch's sync debug mode, counted), then each line of
+Python that waited and how often. `--profile N`: the N
 functions of this project with the most own time outside the forward (cProfile, one more
 round each).
 """
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -84,8 +86,9 @@ def brain(lm, config: dict, budget: int, past: bool, seed: int, warm: int) -> Br
     return made
 
 
-def syncs_per_tick(made: Brain, ticks: int) -> float | None:
-    """GPU waits a tick makes (torch's sync debug mode warns at each), None on a CPU."""
+def syncs_per_tick(made: Brain, ticks: int) -> tuple[float, Counter] | None:
+    """GPU waits a tick makes (torch's sync debug mode warns at each), and how many of them
+    each line makes (the Python line that made the call that waited), None on a CPU."""
     if made.state.lm.device.type != "cuda":
         return None
     with warnings.catch_warnings(record=True) as caught:
@@ -96,7 +99,10 @@ def syncs_per_tick(made: Brain, ticks: int) -> float | None:
                 made.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught) / ticks
+    waits = [w for w in caught if "synchroniz" in str(w.message)]
+    sites = Counter(f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(str(ROOT)) else w.filename}"
+                    f":{w.lineno}" for w in waits)
+    return len(waits) / ticks, sites
 
 
 def measure(lm, config: dict, budget: int, past: bool, ticks: int, rounds: int, device: str, warm: int) -> dict:
@@ -114,7 +120,7 @@ def measure(lm, config: dict, budget: int, past: bool, ticks: int, rounds: int, 
     outside = [total - forward for total, forward in zip(totals, forwards)]
     return {"total": statistics.median(totals), "forward": statistics.median(forwards),
             "outside": statistics.median(outside), "spread": (min(outside), max(outside)),
-            "syncs": syncs_per_tick(made, min(ticks, 20))}
+            "syncs": syncs_per_tick(made, min(ticks, 20)), "ticks": min(ticks, 20)}
 
 
 def profile(lm, policy: str, config: dict, budget: int, past: bool, ticks: int, top: int, warm: int) -> None:
@@ -171,14 +177,21 @@ def main(argv: list[str] | None = None) -> int:
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'policy':<16} {'run':<6} {'tick ms':>8} {'forward':>8} {'outside':>8} {'share':>6} {'outside range':>15}"
           f" {'GPU waits':>9}")
+    sites = {}
     for policy in args.policies:
         for past in (False, True):
             got = measure(lm, configs[policy], args.budget, past, args.ticks, args.rounds, str(lm.device), args.warm)
             low, high = got["spread"]
-            waits = f"{'-':>9}" if got["syncs"] is None else f"{got['syncs']:9.1f}"
+            waits = f"{'-':>9}" if got["syncs"] is None else f"{got['syncs'][0]:9.1f}"
+            if got["syncs"] is not None:
+                sites[policy, past] = got["syncs"][1], got["ticks"]
             print(f"{policy:<16} {'past' if past else 'under':<6} {got['total'] * 1e3:8.2f} {got['forward'] * 1e3:8.2f} "
                   f"{got['outside'] * 1e3:8.2f} {got['outside'] / got['total']:6.1%} "
                   f"{f'{low * 1e3:.2f}-{high * 1e3:.2f}':>15} {waits}", flush=True)
+    for (policy, past), (where, ticks) in sites.items():
+        print(f"\n{policy}, {'past' if past else 'under'} the budget: GPU waits per tick by the line that waited")
+        for site, count in where.most_common():
+            print(f"{count / ticks:6.2f}  {site}")
     if args.profile:
         for policy in args.policies:
             for past in (False, True):

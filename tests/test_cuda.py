@@ -131,11 +131,22 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
 
 def test_tick_host_counts_the_gpu_waits_of_a_tick(capsys, bench_script):
     """bench/tick_host.py on the GPU: each row's forward and host time, and a number of waits
-    (torch's sync debug mode) where the CPU prints '-'."""
+    (torch's sync debug mode) where the CPU prints '-', split by the line that waited."""
     script = bench_script("tick_host")
     assert script.main(["--model", "random:tiny", "--device", "cuda", "--budget", "48", "--ticks", "4",
                         "--rounds", "1", "--warm", "8", "--policies", "streaming"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("streaming")]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("streaming ")]
     assert [row[1] for row in rows] == ["under", "past"]
     for row in rows:
         assert 0 < float(row[3]) < float(row[2]) and float(row[7]) >= 0
+    # each run's waits by the line that waited, which add up to the table's number
+    for row in rows:
+        head = lines.index(f"streaming, {row[1]} the budget: GPU waits per tick by the line that waited")
+        sites = []
+        for line in lines[head + 1:]:
+            if not line.strip() or line.startswith("streaming"):
+                break
+            sites.append(line.split())
+        assert all(":" in site for _, site in sites)
+        assert abs(sum(float(count) for count, _ in sites) - float(row[7])) < 0.1
