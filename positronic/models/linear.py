@@ -1,28 +1,35 @@
-"""Linear layers for CPU forwards over a few rows: a batched decode, a prefill chunk.
+"""Linear layers for CPU forwards whose rows do not change each other's numbers.
 
 A batched tick feeds B sequences' new tokens as B rows ([1, B, hidden]); a prompt goes in
-chunks of 64 (positronic.batch). torch computes a linear layer as x @ W.T, and on the CPU
-MKL reads the weights of that product at about half speed for a few rows. Measured on this
-project's 2-core AMD EPYC, float32, on SmolLM2's shapes (its q, o and MLP layers, 150
-matrices, and its lm_head), ms (bench/results/batch.md):
+chunks of 64 (positronic.batch); a brain ticking alone feeds one row. torch computes a
+linear layer with MKL, whose kernels differ by row count: one row (a matrix-vector product)
+rounds differently from the same row among others, so a sequence in a batch drifted from
+itself alone by float rounding, and a near-tie in an eviction or a draw could flip.
 
-    rows             1     8    64    512
-    x @ W.T (torch)  73   130   290   1308
-    (W @ x.T).T      66    87   224   1724
+`RowInvariantLinear` computes every float32 CPU linear layer with oneDNN's matmul
+(`torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler emits for CPU linears),
+whose output row for an input row is the same bits for 2 rows or 500 and whatever the other
+rows hold, at any weight address and thread count (tests/positronic/models/test_linear.py).
+One row goes in with a row of zeros beside it: oneDNN's one-row kernel is the odd one out.
+So each sequence's projections, MLP and logits in a batched forward are bit for bit what it
+gets alone.
 
-A decode forward is mostly that read, so B = 8 costs 1.8x of B = 1 where it could cost 1.2x.
-`FewRowsLinear` computes 2 to `FEW_ROWS` rows of a float32 CPU input the second way, and
-everything else (one row, long prefills, other dtypes and devices) as torch does (bfloat16
-and float16 are slower the second way here: 8 rows 52 and 50 ms against 37 and 32, on a
-third of those shapes; their numbers come out the same either way): a tick
-that feeds one token gets the same numbers as before. Forwards of 2-64 rows (a batch, a
-prompt chunk, a repairer's or recall's rows) differ from before in rounding only (the order
-of each dot product's sums), as torch's own kernels for different row counts do.
+It is also the faster way on this project's CPU (2-core AMD EPYC, torch 2.13 with MKL 2024.2),
+random float32 matrices of SmolLM2's shapes (its 210 q, k, v, o and MLP matrices), ms a
+forward, median of 5-9 (bench/results/decode.md, "oneDNN linear layers"):
 
-MKL's W @ x.T rounds differently for weights at different addresses modulo 16 bytes (a
-model loaded twice from safetensors gave two answers), so the weights are moved to 64-byte
-aligned memory first (torch's own allocations are): the same weights give the same numbers
-in every process.
+    rows                    1     2     4     8    16    64   512
+    torch (MKL x @ W.T)    25    52    49    45    55    86   574
+    MKL (W @ x.T).T        25    11    12    25    34    83   679
+    oneDNN                 16*   16    18    19    23    44   277     * one row fed as two
+
+MKL's one-row product reads the weights at half the speed of its two-row one on this CPU,
+and past 4 rows its kernels compute at half oneDNN's rate. Other dtypes and devices, and
+products that autograd must follow, stay torch's own.
+
+The weights are moved to 64-byte aligned memory first (torch's own allocations are), as
+before oneDNN when MKL rounded by the weights' address: it costs nothing, and the fallback
+keeps the same numbers in every process.
 """
 
 from __future__ import annotations
@@ -31,31 +38,40 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-FEW_ROWS = 64  # up to a prefill chunk (positronic.batch); past ~256 rows torch's own way wins
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class FewRowsLinear(nn.Linear):
-    """nn.Linear whose forward reads the weights once per few rows at full speed on the CPU
-    (see the module docstring). Its parameters and state dict are nn.Linear's."""
+def row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] float32 on the CPU -> [..., out] by oneDNN, each row's output independent of
+    the others (one row is fed beside a row of zeros)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RowInvariantLinear(nn.Linear):
+    """nn.Linear whose float32 CPU forward gives each row the same bits whatever rows come
+    with it (see the module docstring). Its parameters and state dict are nn.Linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         weight = self.weight
-        if not 1 < rows <= FEW_ROWS or x.device.type != "cpu" or weight.dtype != torch.float32 \
-                or x.dtype != torch.float32:
+        if (not ONEDNN or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
+                or not x.shape[-1] or not x.numel()
+                or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1]).t()  # [in, rows]
-        out = torch.mm(weight, flat) if self.bias is None else torch.addmm(self.bias[:, None], weight, flat)
-        return out.t().contiguous().reshape(*x.shape[:-1], weight.shape[0])  # contiguous: SDPA's fast path wants it
+        return row_invariant(x, weight, self.bias)
 
 
 ALIGN = 64  # bytes
 
 
 @torch.no_grad()
-def use_few_rows_linear(model: nn.Module) -> int:
-    """Make every plain nn.Linear of `model` a FewRowsLinear, in place (its class only: the
-    parameters stay the same objects, tied ones stay tied). Returns how many layers changed.
+def use_row_invariant_linear(model: nn.Module) -> int:
+    """Make every plain nn.Linear of `model` a RowInvariantLinear, in place (its class only:
+    the parameters stay the same objects, tied ones stay tied). Returns how many layers changed.
 
     If a linear weight is not at an ALIGN-byte address (safetensors maps a file whose tensors
     lie 8-byte aligned), every parameter and buffer not at one is copied to one: copying the
@@ -68,5 +84,5 @@ def use_few_rows_linear(model: nn.Module) -> int:
             if tensor.data_ptr() % ALIGN:
                 tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
     for module in linears:
-        module.__class__ = FewRowsLinear
+        module.__class__ = RowInvariantLinear
     return len(linears)

@@ -20,7 +20,7 @@ from . import attention
 from .checks import ModelError, ModelNotAvailable, check_config, check_model, position_limit
 from .random_models import random_model, random_names
 from .gguf import gguf_cache
-from .linear import use_few_rows_linear
+from .linear import use_row_invariant_linear
 from .smollm2 import smollm2_cache
 
 TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -190,7 +190,7 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> Lo
     model.eval().requires_grad_(False)
     model.set_attn_implementation(attention.for_device(dev))
     if dev.type == "cpu":
-        use_few_rows_linear(model)  # batched ticks and prefill chunks read the weights at full speed
+        use_row_invariant_linear(model)  # a row's numbers do not depend on the rows beside it
     check_model(name, model, tokenizer)  # the config first, before its probe runs the model
     config, rotary = model.config, model.model.rotary_emb
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id

@@ -22,7 +22,9 @@ from positronic.models import FAMILY_SHAPES, load_model, random_config, with_cac
 from positronic.policies import POLICIES
 from positronic.smartkv import GateSet
 from positronic.state import StateManager
-from positronic.state.forward import fresh_layer0_kv
+from positronic.batch import forward_many
+from positronic.kv.cache import SpliceCache
+from positronic.state.forward import forward, fresh_layer0_kv, prefill, prepare
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3"]
 CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -106,6 +108,29 @@ def test_incremental_decode_equals_one_forward(family):
     _, full = prefill_kv(family, ids, list(range(len(ids))))
     ratio = (torch.stack(incremental) - full).abs().max() / full.abs().max()
     assert ratio <= 1e-5, f"max |dlogit| / max |logit| = {ratio:.2e}"
+
+
+def test_a_batched_forward_gives_each_sequence_its_alone_numbers_bit_for_bit(family):
+    """Three sequences in one forward (one feeding three rows): logits and the K/V written are
+    exactly those of each forward alone, in every family (its biases, fused projections)."""
+    prompts = [prompt(family, 17, seed=1), prompt(family, 9, seed=2), prompt(family, 30, seed=3)]
+    feeds = [[21], [60, 61, 62], [131]]
+    parts, alone, caches = [], [], []
+    for text, feed in zip(prompts, feeds):
+        pair = []
+        for _ in range(2):
+            cache = SpliceCache(family.model.config, max_cache_len=64)
+            prefill(family, cache, text, list(range(len(text))))
+            pair.append(cache)
+        positions = list(range(len(text), len(text) + len(feed)))
+        keys = list(range(len(text))) + positions
+        parts.append(prepare(family, pair[0], feed, positions, keys))
+        alone.append(forward(family, pair[1], feed, positions, keys))
+        caches.append(pair)
+    for got, want, (shared, solo) in zip(forward_many(family, parts), alone, caches):
+        assert torch.equal(got.logits, want.logits)
+        for layer, other in zip(shared.layers, solo.layers):
+            assert torch.equal(layer.keys, other.keys) and torch.equal(layer.values, other.values)
 
 
 def test_a_rebuild_is_a_plain_prefill_in_every_layer_and_the_attention_row_is_eager_attentions(family):
