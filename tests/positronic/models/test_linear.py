@@ -38,6 +38,13 @@ def test_a_row_gets_the_same_bits_alone_and_among_any_other_rows(bias):
         others = torch.randn(7, 576)  # other sequences' rows, before and after
         assert torch.equal(layer(torch.cat([others[:3], x[:1], others[3:]]))[3], alone[0])
         assert torch.equal(layer(x[None, :5]), alone[None, :5])  # [1, rows, in], as a model feeds it
+        threads = torch.get_num_threads()
+        try:  # a batch's forward and a sequence's own run in threads with other thread counts
+            for count in (1, 4):
+                torch.set_num_threads(count)
+                assert torch.equal(layer(x[:8]), alone[:8]), f"{count} threads"
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_products_autograd_follows_and_other_dtypes_stay_torchs_own():
