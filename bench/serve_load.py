@@ -39,7 +39,7 @@ torch's threads, as other work on the machine skews every figure.
 each round runs every level in turn, each on a fresh server, so a drift of the machine's
 speed reaches them all; a 2-core box moves by 5-10% from run to run. It prints a row per run
 (generated tokens/s, p50 and p90 of every request whole, failures, mixed sessions, the load),
-then per level the median over rounds of tokens/s and p50, the p50 of every round's requests
+then per level the median over rounds of tokens/s and p50, the p50 (and p99) of every round's requests
 pooled (one client sends only `--requests` requests a round: pooling steadies its p50), the
 pooled p50 of the streamed requests' time per output token after their first text (TPOT), and
 each against the fewest clients, round by round too. It exits 1 if any run had a failed
@@ -415,7 +415,7 @@ def compare(runs: dict[int, list[Run]]) -> None:
                   f"{p90:>9.0f}  {len(run.failed):>6}  {len(run.mixed):>5}")
     print()
     print(f"{'clients':>7}  {'tok/s (median)':>14}  {'vs ' + str(base):>8}  {'p50 (median)':>12}  {'vs ' + str(base):>8}  "
-          f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'TPOT p50 (pooled)':>17}  {'vs ' + str(base):>8}  "
+          f"{'p50 (pooled)':>12}  {'vs ' + str(base):>8}  {'p99 (pooled)':>12}  {'TPOT p50 (pooled)':>17}  {'vs ' + str(base):>8}  "
           f"{'tok/s ratio by round':>22}  {'p50 ratio by round':>20}")
 
     def figures(level: int) -> tuple[float, float, float, float]:
@@ -429,11 +429,12 @@ def compare(runs: dict[int, list[Run]]) -> None:
     for level in levels:
         rate, latency, pooled, tpot = ours = figures(level)
         vs = [a / b for a, b in zip(ours, base_figures)]
+        p99 = ms([s for run in runs[level] for s in run.latencies()], 0.99)
         rounds = list(zip(runs[level], runs[base]))
         by_rate = "/".join(f"{a.generated_per_s / b.generated_per_s:.2f}" for a, b in rounds)
         by_p50 = "/".join(f"{ms(a.latencies()) / ms(b.latencies()):.2f}" for a, b in rounds)
         print(f"{level:>7}  {rate:>14.1f}  {vs[0]:>7.2f}x  {latency:>12.0f}  {vs[1]:>7.2f}x  "
-              f"{pooled:>12.0f}  {vs[2]:>7.2f}x  {tpot:>17.1f}  {vs[3]:>7.2f}x  {by_rate:>22}  {by_p50:>20}")
+              f"{pooled:>12.0f}  {vs[2]:>7.2f}x  {p99:>12.0f}  {tpot:>17.1f}  {vs[3]:>7.2f}x  {by_rate:>22}  {by_p50:>20}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """bench/serve_load.py stays runnable: one level prints its table, and --levels compares client
 counts round by round with ratios against the fewest (issue 32's targets are read off it),
-time per output token of the streamed requests (TPOT) included."""
+the pooled p99 and time per output token of the streamed requests (TPOT) included."""
 
 import subprocess
 import sys
@@ -17,12 +17,13 @@ def test_levels_compare_client_counts_with_ratios_against_the_fewest():
     assert sorted((row[0], row[1]) for row in runs) == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
     assert all(row[6:] == ["0", "0"] for row in runs)  # no failed request, no mixed session
     summary = {line.split()[0]: line.split() for line in out.splitlines()
-               if line.split()[:1] in (["1"], ["2"]) and len(line.split()) == 11}
-    assert summary["1"][2] == summary["1"][4] == summary["1"][6] == summary["1"][8] == "1.00x"  # the fewest vs itself
+               if line.split()[:1] in (["1"], ["2"]) and len(line.split()) == 12}
+    assert summary["1"][2] == summary["1"][4] == summary["1"][6] == summary["1"][9] == "1.00x"  # the fewest vs itself
     two = summary["2"]
     assert float(two[1]) > 0 and float(two[3]) > 0 and two[2].endswith("x") and two[4].endswith("x")
-    assert float(two[7]) > 0 and two[8].endswith("x")  # time per output token of the streamed requests, pooled
-    assert all(len(column.split("/")) == 2 and all(float(r) > 0 for r in column.split("/")) for column in two[9:])
+    assert float(two[7]) >= float(two[5])  # p99 of every request, pooled: not below their p50
+    assert float(two[8]) > 0 and two[9].endswith("x")  # time per output token of the streamed requests, pooled
+    assert all(len(column.split("/")) == 2 and all(float(r) > 0 for r in column.split("/")) for column in two[10:])
 
 
 def test_time_per_output_token_counts_the_tokens_after_the_first_text():
