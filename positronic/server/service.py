@@ -275,9 +275,9 @@ class BrainServer:
             self.pool.release(conversation)
 
     async def settle(self, conversation: Conversation) -> None:
-        """Read what an earlier request left unread (it went away mid-turn), token by token."""
-        while conversation.reading:
-            await self.worker.run(conversation.read_one, owner=conversation)
+        """Read what an earlier request left unread (it went away mid-turn), a tick a token, in one job."""
+        if conversation.reading:
+            await self.worker.run(conversation.settle, owner=conversation)
 
     # -- preparing a turn: what the request adds to its conversation --
 
@@ -507,8 +507,9 @@ class BrainServer:
                                headers=headers)
         async with held:
             try:
-                async for _ in turn.pieces(gone=request.is_disconnected):
-                    pass
+                async with contextlib.aclosing(turn.pieces(gone=request.is_disconnected)) as pieces:
+                    async for _ in pieces:
+                        pass
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it
             except asyncio.CancelledError:  # only uvicorn's shutdown cancels a whole reply (a client that
@@ -546,13 +547,15 @@ class BrainServer:
                 try:
                     if (opening := writer.opening()) is not None:
                         yield sse(opening)
-                    async for piece in turn.pieces(stop=self.is_stopping):
-                        if echoed is not None:  # the prompt was read by now (its logprobs too)
-                            yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
-                            offset, echoed = len(echoed), None
-                        new, sent = turn.entries[sent:], len(turn.entries)
-                        yield sse(writer.piece(piece, logprobs(new)))
-                        offset += len(piece)
+                    # closed as soon as this stream is (a client that left): its job stops before its next tick
+                    async with contextlib.aclosing(turn.pieces(stop=self.is_stopping)) as pieces:
+                        async for piece in pieces:
+                            if echoed is not None:  # the prompt was read by now (its logprobs too)
+                                yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
+                                offset, echoed = len(echoed), None
+                            new, sent = turn.entries[sent : turn.ready], turn.ready
+                            yield sse(writer.piece(piece, logprobs(new)))
+                            offset += len(piece)
                     if echoed is not None:
                         yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
                     await self.checkpoint(conversation, answer, turn)

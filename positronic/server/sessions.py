@@ -9,7 +9,7 @@
 A session is a Conversation: its Brain and the input it has still to read. A request holds its
 conversation (an asyncio lock) from its first token read to its last token generated, so two
 requests of one session never interleave; requests of different sessions run side by side, each
-job in a thread of its own, and their ticks' model forwards are run as one (positronic.batch:
+request's turn one job in a thread of its own, and their ticks' model forwards are run as one (positronic.batch:
 each sequence over its own cache, so states never mix: a step is a call on one brain). A session's later request appends its new turn to the live brain; nothing is prefilled
 again.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import re
 import threading
@@ -56,6 +57,7 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TRANSCRIPT_SOURCES = ("prompt", "user", "generated")  # what was said; repairs and insertions are the brain's own
 LINGER_S = 0.02  # a round of forwards waits this long at most for a session of the last round to come back
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
+_ENDED = object()  # ModelWorker.stream: the job returned (or raised)
 
 
 class PoolFull(Exception):
@@ -124,6 +126,7 @@ class ModelWorker:
         self._lock = threading.Lock()
         self._jobs: set[concurrent.futures.Future] = set()
         self._owned: dict[int, concurrent.futures.Future] = {}  # a conversation's (id) last job
+        self.ticking: set[int] = set()  # conversations (ids) whose job is a request's turn (`stream`)
         self._closed = False
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
@@ -147,6 +150,40 @@ class ModelWorker:
                 self._jobs.discard(future)
             raise
         return await asyncio.wrap_future(future)
+
+    async def stream(self, work: Callable[[Callable[[object], None]], None], *,
+                     owner: Conversation | None = None) -> AsyncIterator:
+        """Run `work(post)` as one job (`run`), yielding here each item it `post`s, as it posts
+        it, until it returns; what it raises is raised here after the items posted before.
+        A job that ticks a sequence many times (a request's whole reply) stays at work in the
+        rendezvous between its ticks: each round goes as soon as the sequences' ticks are in,
+        instead of waiting for this event loop to start the next job (a thread per token).
+        Leaving the loop early does not stop the job: `work` watches what should stop it."""
+        loop = asyncio.get_running_loop()
+        posted: asyncio.Queue = asyncio.Queue()
+
+        def post(item) -> None:
+            try:
+                loop.call_soon_threadsafe(posted.put_nowait, (item, None))
+            except RuntimeError:  # the loop closed (the server stopped): nobody reads it
+                pass
+
+        def ended(job: asyncio.Future) -> None:
+            error = job.exception() if not job.cancelled() else asyncio.CancelledError()
+            posted.put_nowait((_ENDED, error))
+
+        job = asyncio.ensure_future(self.run(work, post, owner=owner))
+        if owner is not None:  # its session's state is read between two of its ticks (Conversation.between_ticks)
+            self.ticking.add(id(owner))
+            job.add_done_callback(lambda _: self.ticking.discard(id(owner)))
+        job.add_done_callback(ended)  # after every post: the job's thread posted them before it returned
+        while True:
+            item, error = await posted.get()
+            if item is _ENDED:
+                if error is not None:
+                    raise error
+                return
+            yield item
 
     async def settled(self, owner: Conversation) -> None:
         """Wait until `owner`'s last job has run (a tick its cancelled request left running
@@ -212,6 +249,7 @@ class Conversation:
         self.evicting = False  # held by an eviction (a checkpoint being written), not by a request
         self.answers = Answers()  # the answer to its last keyed request (answers.py), checkpointed with it
         self.history = History(None)  # a chat session's messages (history.py), checkpointed with it
+        self.stepping = threading.Lock()  # held through each tick: a reader in another job waits for its end
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -264,7 +302,8 @@ class Conversation:
         start = time.perf_counter()
         self.dirty = True
         try:
-            record = self.brain.step(force)
+            with self.stepping:
+                record = self.brain.step(force)
         except StateBrokenError:
             self.broken = True
             raise
@@ -293,6 +332,13 @@ class Conversation:
 
     def last_token(self) -> int:
         return self.brain.state.live_token_ids()[-1]
+
+    def between_ticks(self, fn: Callable[[], object]):
+        """On the model worker, in a job of its own while the session's request ticks in
+        another: `fn()` between two of its ticks. Steps aside meanwhile, as the tick it waits
+        for needs a round of forwards that would otherwise wait for this job."""
+        with rendezvous.aside(), self.stepping:
+            return fn()
 
     def describe(self) -> dict:
         """The session's state for clients: counts, and its text (transcript and live)."""
@@ -328,10 +374,11 @@ class Prepared:
 
 class Turn:
     """One request's part of a conversation: the input queued for it read, then its reply
-    generated, one worker job per token, so other sessions' requests step in between.
-    `pieces()` yields the reply's text as it becomes sendable; ClientGone when `gone()` says
-    the client left, ServerStopping when `stop()` says the server is shutting down (both
-    checked before every token). `reply`: a reply begun earlier (a retried request, answers.py):
+    generated, a tick at a time, in one worker job (`_run`) whose ticks meet the other
+    sessions' in shared forwards. `pieces()` yields the reply's text as it becomes sendable;
+    ClientGone when `gone()` says the client left (asked after every tick; the job stops before
+    its next one), ServerStopping when `stop()` says the server is shutting down (the job stops
+    at the next token boundary, and every token it made is yielded first). `reply`: a reply begun earlier (a retried request, answers.py):
     its text so far comes first, then generation goes on (nothing, if it is finished).
     `logprobs` (the alternatives to list per token; None: none asked) fills `entries` with each
     generated token's log-probability (logprobs.py); with `echo`, `read` gets the tokens read
@@ -355,6 +402,7 @@ class Turn:
         self.logprobs, self.echo, self.chat = logprobs, echo, chat
         self.read: list[TokenLogprob] = []  # the input tokens read for this request (with echo)
         self.entries: list[TokenLogprob] = []  # the reply's tokens (with logprobs)
+        self.ready = 0  # of `entries`, those of the tokens `pieces()` has yielded so far (the job runs ahead)
         self.prepared = Prepared(0)  # what its input did (BrainServer.begin_turn)
 
     @property
@@ -364,35 +412,60 @@ class Turn:
 
     async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None,
                      stop: Callable[[], bool] | None = None) -> AsyncIterator[str]:
+        if self.reply is not None and self.reply.text:
+            yield self.reply.text
+        if self.reply is not None and self.reply.done:
+            return
+        stopping = stop or (lambda: False)
+        if gone is not None and await gone():
+            raise ClientGone()
+        if stopping():
+            raise ServerStopping()
+        halt = threading.Event()  # set when this request stops listening: the job stops before its next tick
+        last = None
+        try:
+            async for generated, ready in self.worker.stream(functools.partial(self._run, halt, stopping),
+                                                             owner=self.conversation):
+                if generated:  # a token of the reply (not one of the input read)
+                    now = time.perf_counter()
+                    self.on_token(last is None, now - (self.started if last is None else last))
+                    last = now
+                self.ready = ready
+                if generated and generated[0]:
+                    yield generated[0]
+                if gone is not None and await gone():
+                    raise ClientGone()
+        finally:
+            halt.set()
+        if self.reply is None or not self.reply.done:  # the job stopped at a token boundary, every token
+            raise ServerStopping()                         # it made yielded
+
+    def _run(self, halt: threading.Event, stopping: Callable[[], bool], post: Callable[[object], None]) -> None:
+        """On the model worker, one job for the whole request: the input still to read, then the
+        reply, a tick at a time, until the reply is done or `halt` (the request stopped listening)
+        or `stopping()` (the server is shutting down) is found before a tick. Posts, after each
+        tick, ((piece,) for a generated token or None for one read, entries ready)."""
         conversation = self.conversation
         if self.reply is None:
             while conversation.reading:
-                if gone is not None and await gone():
-                    raise ClientGone()
-                if stop is not None and stop():
-                    raise ServerStopping()
-                await self.worker.run(self._read_one, owner=conversation)
+                if halt.is_set() or stopping():
+                    return
+                self._read_one()
+                post((None, len(self.entries)))
             self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
                                ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
-        elif self.reply.text:
-            yield self.reply.text
-        reply, failed, last = self.reply, 0, None
-        while not reply.done:
-            if gone is not None and await gone():
-                raise ClientGone()
-            if stop is not None and stop():
-                raise ServerStopping()
-            record, piece = await self.worker.run(self._next_token, owner=conversation)
+        failed = 0
+        while not self.reply.done:
+            if halt.is_set() or stopping():
+                return
+            record, piece = self._next_token()
             if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
                 failed += 1
                 if failed >= MAX_FAILED_TICKS:
                     raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
                 continue
-            failed, now = 0, time.perf_counter()
-            self.on_token(last is None, now - (self.started if last is None else last))
-            last = now
-            if piece:
-                yield piece
+            failed = 0
+            post(((piece,), len(self.entries)))
 
     def _next_token(self) -> tuple[TickRecord, str]:
         """On the model worker: one tick, and its token taken into the reply in the same job, so
@@ -603,7 +676,9 @@ class SessionPool:
         """describe() of a session in memory or on disk; None if there is no such session."""
         conversation = self._loaded.get(session_id)
         if conversation is not None and conversation.brain is not None:
-            return await self.worker.run(conversation.describe, owner=conversation)  # between two of its steps
+            if id(conversation) in self.worker.ticking:  # a request's turn: between two of its ticks
+                return await self.worker.run(conversation.between_ticks, conversation.describe)
+            return await self.worker.run(conversation.describe, owner=conversation)  # after its last job
         path = self.path(session_id)
         if not (path / sessions.MIRROR_FILE).exists():
             return None

@@ -188,3 +188,56 @@ def test_describe_says_what_was_said_and_what_the_brain_holds(tiny, server_confi
     assert described["transcript_tokens"] == len(said) == 9
     assert described["live_text"] == "".join(mirror.live_texts()) and described["live_length"] == len(mirror)
     assert (described["tick"], described["budget"], described["ledger_tokens"]) == (6, 96, len(mirror.ledger))
+
+
+def test_a_requests_reply_is_one_job_and_stops_before_its_next_tick_once_nobody_listens(tiny, server_config):
+    """A request reads its input and generates its reply in one worker job (a thread per token
+    made each round wait for the event loop to start the next job): the tokens are those of the
+    same brain stepped directly. A reader of the session gets in between two of its ticks. A
+    consumer that stops listening (a client gone) stops the job before its next tick."""
+    from positronic.server.sessions import Turn
+
+    async def reply(worker, conversation, max_tokens, *, leave_after=None):
+        """The turn, and the session's tick when its consumer stopped listening (None: never)."""
+        turn = Turn(conversation, worker, tiny, max_tokens=max_tokens, ignore_eos=True)
+        pieces = turn.pieces()
+        count = 0
+        async for _ in pieces:
+            count += 1
+            if count == leave_after:
+                # a reader between two of its ticks (GET /v1/sessions/ID) does not wait for the reply's end
+                state = await asyncio.wait_for(worker.run(conversation.between_ticks, conversation.describe), 30)
+                assert state["tick"] >= count and not turn.reply.done
+                await pieces.aclose()
+                return turn, conversation.brain.tick
+        return turn, None
+
+    async def scenario():
+        worker, jobs = ModelWorker(), []
+        run = worker.run
+
+        async def counted(fn, *args, **kwargs):
+            jobs.append(fn)
+            return await run(fn, *args, **kwargs)
+
+        worker.run = counted
+        listened, alone = Conversation("listened"), Conversation("alone")
+        try:
+            for conversation in (listened, alone):
+                await run(conversation.start, tiny, [tiny.bos_id] + tiny.encode("hello there"), server_config)
+                conversation.queue(tiny.encode(" and more"))  # input to read first, as a completion's prompt
+            whole, _ = await reply(worker, listened, 12)
+            assert len(jobs) == 1, f"{len(jobs)} jobs for one request"
+            expected = [(await run(alone.read_one)) for _ in range(len(tiny.encode(" and more")))]
+            assert all(record is not None for record in expected) and not alone.reading
+            expected = [(await run(alone.step, {})).token_id for _ in range(12)]
+            assert whole.reply.ids == expected and whole.reply.done
+
+            left, tick = await reply(worker, listened, 4000, leave_after=2)
+            await asyncio.wait_for(worker.settled(listened), timeout=30)  # the job ends by itself
+            assert listened.brain.tick - tick <= 1, "the job went on ticking after its consumer left"
+            assert not left.reply.done and len(left.reply.ids) < 4000
+        finally:
+            worker.close()
+
+    asyncio.run(scenario())

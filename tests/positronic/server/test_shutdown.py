@@ -138,7 +138,16 @@ def test_a_stop_cuts_a_stream_cleanly_and_answers_a_whole_reply(tiny, tmp_path, 
 
 
 def test_a_whole_reply_the_stop_cannot_wait_for_gets_503_and_is_not_saved(tiny, tmp_path, server_settings,
-                                                                          graceful, caplog):
+                                                                          graceful, caplog, monkeypatch):
+    from positronic.server.sessions import Turn
+
+    original = Turn._next_token
+
+    def slow(turn):  # 4,000 tokens take >= 8 s, whatever the machine: the 1 s graceful period cannot wait
+        time.sleep(0.002)
+        return original(turn)
+
+    monkeypatch.setattr(Turn, "_next_token", slow)
     settings = server_settings(tmp_path)
     with caplog.at_level(logging.INFO):
         with graceful(tiny, settings, graceful_s=1.0) as server:
