@@ -126,7 +126,7 @@ class ModelWorker:
         self._lock = threading.Lock()
         self._jobs: set[concurrent.futures.Future] = set()
         self._owned: dict[int, concurrent.futures.Future] = {}  # a conversation's (id) last job
-        self.ticking: set[int] = set()  # conversations (ids) whose job is a request's turn (`stream`)
+        self.ticking: dict[int, asyncio.Future] = {}  # conversation (id) -> its request's turn in progress (`stream`)
         self._closed = False
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
@@ -174,8 +174,13 @@ class ModelWorker:
 
         job = asyncio.ensure_future(self.run(work, post, owner=owner))
         if owner is not None:  # its session's state is read between two of its ticks (Conversation.between_ticks)
-            self.ticking.add(id(owner))
-            job.add_done_callback(lambda _: self.ticking.discard(id(owner)))
+            self.ticking[id(owner)] = job
+
+            def over(_) -> None:  # this turn's entry only: the session's next request may have begun its own
+                if self.ticking.get(id(owner)) is job:
+                    del self.ticking[id(owner)]
+
+            job.add_done_callback(over)
         job.add_done_callback(ended)  # after every post: the job's thread posted them before it returned
         while True:
             item, error = await posted.get()
