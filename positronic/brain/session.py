@@ -1,6 +1,6 @@
 """Sessions: a run saved so that it can go on exactly where it stopped.
 
-A session directory holds two files:
+A session directory holds these files:
 
     mirror.msgpack         the mirror (ledger + live map) and the run's metadata: model, tick,
                            settings, sampler state, counts, the policy's state, and the name and
@@ -10,11 +10,15 @@ A session directory holds two files:
                            the greedy prediction after every row, the next-token logits and the
                            attention row of the newest token (StateManager.tensors)
 
+    blob-<sha256>.bin      a large piece of the policy's state (SmartKV recall's index, in
+                           blocks of its ring), named by its content and named in the mirror
+                           file's policy state: a save writes only the pieces that changed
+
 Saving touches nothing in the run (no rebuild), so a run with `--session` makes the same
 tokens as one without, and resuming loads the cache instead of recomputing it, so the resumed
-run continues token for token. The cache file is written first under a name of its own
-content; the mirror file, written next, names it; only then is the previous cache file
-removed. A save killed at any point leaves the previous checkpoint whole.
+run continues token for token. The cache file and the blobs are written first under names of
+their own content; the mirror file, written next, names them; only then are the previous
+ones removed. A save killed at any point leaves the previous checkpoint whole.
 
 Everything read is checked before it is used (checksums, types, shapes against the model,
 layer 0 against a fresh computation); a session that fails any check raises SessionError and
@@ -45,6 +49,11 @@ RUN_ID = re.compile(r"[0-9a-f]{32}")
 LOCK_FILE = ".lock"
 MAX_TICK = 2**53  # beyond this a tick is not an exact JSON number in the event log
 HEADER_SLACK = 1 << 20  # bytes a cache file may hold besides its tensors (the safetensors header)
+BLOB_FILE = re.compile(r"blob-([0-9a-f]{64})\.bin")
+BLOB_MIN = 1 << 16  # bytes: a piece of the policy's state this large is kept in a blob file of its own
+BLOB = "$blob"  # the key of a blob's reference in the mirror file: {BLOB: sha256, "size": bytes}
+MAX_BLOB_BYTES = mirror.storage.MAX_MIRROR_BYTES  # all of a session's blobs (they were the mirror file's)
+_written: dict[str, tuple[int, int, int]] = {}  # blob path -> (inode, size, mtime) as this process wrote it
 
 
 class SessionError(ValueError):
@@ -99,22 +108,84 @@ def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None
         "config": dataclasses.asdict(brain.config),
         "generator": bytes(brain.generator_state().numpy().tobytes()),
         "counts": dict(brain.counts),
-        "policy": brain.policy.state(),
+        "policy": _blobs_out(brain.policy.state(), blobs := {}),
         "cache": {"file": cache_name, "sha256": digest},
         "pending_input": list(brain.pending_input),  # typed input not fed yet
         "run_id": brain.run_id,
     }
     if note is not None:
         meta["note"] = note
+    for digest, piece in blobs.items():
+        _write_blob(directory / f"blob-{digest}.bin", piece)
     path = directory / MIRROR_FILE
     mirror.write_atomic(path, brain.state.mirror.to_chunks(meta))  # mirror.save, from the read-only view
-    for stale in directory.glob("kv-*.safetensors"):
-        if stale.name != cache_name:
+    kept = {cache_name} | {f"blob-{digest}.bin" for digest in blobs}
+    files = [*directory.glob("kv-*.safetensors"), *(f for f in directory.glob("blob-*.bin") if BLOB_FILE.fullmatch(f.name))]
+    for stale in files:
+        if stale.name not in kept:
+            _written.pop(str(stale), None)
             stale.unlink(missing_ok=True)
-    for stale in mirror.stale_temporaries(path) + [t for f in directory.glob("kv-*.safetensors")
-                                                   for t in mirror.stale_temporaries(f)]:
-        stale.unlink(missing_ok=True)  # left by a save that was killed
+    for stale in [*mirror.stale_temporaries(path), *directory.glob("kv-*.safetensors.*.tmp"),
+                  *directory.glob("blob-*.bin.*.tmp")]:
+        stale.unlink(missing_ok=True)  # left by a save that was killed (write_atomic's temporaries)
     return path
+
+
+def _blobs_out(state, blobs: dict[str, bytes]):
+    """`state` (plain data) with every bytes value of BLOB_MIN or more, in a dict or in a list
+    of bytes, replaced by its reference {BLOB: sha256, "size": n}; the pieces go into `blobs`
+    (sha256 -> bytes). Other lists (a policy's long lists of numbers) are passed over."""
+    if isinstance(state, (bytes, bytearray)) and len(state) >= BLOB_MIN:
+        digest = hashlib.sha256(state).hexdigest()
+        blobs[digest] = state
+        return {BLOB: digest, "size": len(state)}
+    if isinstance(state, dict):
+        return {key: _blobs_out(value, blobs) for key, value in state.items()}
+    if isinstance(state, list) and all(isinstance(item, (bytes, bytearray)) for item in state):
+        return [_blobs_out(item, blobs) for item in state]
+    return state
+
+
+def _write_blob(path: Path, piece: bytes) -> None:
+    """Write a blob unless this process wrote it there already and it is as it was left (its
+    name is its content: a checkpoint's unchanged pieces are not written again)."""
+    try:
+        info = path.stat()
+        if _written.get(str(path)) == (info.st_ino, info.st_size, info.st_mtime_ns):
+            return
+    except FileNotFoundError:
+        pass
+    mirror.write_atomic(path, piece)
+    info = path.stat()
+    _written[str(path)] = (info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _blobs_in(directory: Path, state, budget: list[int] | None = None):
+    """`state` with every blob reference replaced by the blob's bytes, each read checked against
+    its name (sha256) and size; SessionError for a missing, damaged or oversized one."""
+    budget = [MAX_BLOB_BYTES] if budget is None else budget
+    if isinstance(state, dict) and BLOB in state:
+        digest, size = state.get(BLOB), state.get("size")
+        if set(state) != {BLOB, "size"} or not (isinstance(digest, str) and BLOB_FILE.fullmatch(f"blob-{digest}.bin"))\
+                or type(size) is not int or not 0 <= size <= budget[0]:
+            raise SessionError(f"{directory / MIRROR_FILE}: a malformed blob reference in the policy's state")
+        budget[0] -= size
+        path = directory / f"blob-{digest}.bin"
+        try:
+            piece = mirror.read_bounded(path, size)
+        except mirror.TooLarge:
+            raise SessionError(f"{path}: larger than the {size} bytes the session names") from None
+        except OSError as exc:
+            raise SessionError(f"{path}: cannot read a piece of the saved policy state ({exc.strerror or exc})") \
+                from None
+        if len(piece) != size or hashlib.sha256(piece).hexdigest() != digest:
+            raise SessionError(f"{path}: checksum mismatch: a piece of the saved policy state was changed or damaged")
+        return piece
+    if isinstance(state, dict):
+        return {key: _blobs_in(directory, value, budget) for key, value in state.items()}
+    if isinstance(state, list) and all(isinstance(item, (bytes, dict)) for item in state):
+        return [_blobs_in(directory, item, budget) for item in state]
+    return state
 
 
 # Settings added after sessions were first saved, with the values those runs used: a session
@@ -260,8 +331,9 @@ def restore(lm, directory: str | Path) -> tuple[Brain, dict | None]:
     brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending,
                   run_id=meta.get("run_id"))  # sessions saved before run ids get a new one
     if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
+        policy = _blobs_in(directory, meta["policy"])
         try:
-            brain.policy.load_state(meta["policy"])
+            brain.policy.load_state(policy)
         except ValueError as exc:
             raise SessionError(f"{path}: {exc}") from None
     brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})

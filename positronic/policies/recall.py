@@ -59,6 +59,11 @@ class Lookup:
             self.back = self.back[: max(0, room)]
 
 
+def raw(tensor: torch.Tensor | None) -> bytes:
+    """A tensor's bytes as they lie in memory (b"" for None), for a saved state."""
+    return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 class NoRecall:
     """Recall off: looks at nothing, brings nothing back, keeps nothing (a policy's stand-in)."""
 
@@ -206,15 +211,26 @@ class Recall:
 
     def state(self) -> dict:
         """Plain data for a session: the kept rows, their K/V as raw bytes, the clocks."""
-        def raw(tensor):
-            return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
         ids, positions, predicted, keys, values = self._rows()
         return {"ids": list(ids), "positions": list(positions), "predicted": list(predicted),
                 "shape": [] if keys is None else list(keys.shape),
                 "dtype": "float32" if keys is None else str(keys.dtype).removeprefix("torch."),
-                "keys": raw(keys), "values": raw(values),
-                "back_at": [[i, t] for i, t in self.back_at.items()],
-                "clock": self.clock, "restored": self.restored, "awake": self.awake}
+                "keys": raw(keys), "values": raw(values), **self.clocks()}
+
+    def clocks(self) -> dict:
+        """The saved state's clocks: restores by ledger id, plans, rows brought back, awake."""
+        return {"back_at": [[i, t] for i, t in self.back_at.items()], "clock": self.clock,
+                "restored": self.restored, "awake": self.awake}
+
+    @staticmethod
+    def checked_clocks(state: dict) -> bool:
+        """Whether a saved state's clocks (`clocks()`) are well formed."""
+        return (isinstance(state["back_at"], list) and all(is_int_list(p) and len(p) == 2 for p in state["back_at"])
+                and type(state["clock"]) is int and type(state["restored"]) is int and type(state["awake"]) is bool)
+
+    def load_clocks(self, state: dict) -> None:
+        self.back_at = {i: t for i, t in state["back_at"]}
+        self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]
 
     def load_state(self, state: dict) -> None:
         """Take a `state()` back; ValueError if anything is malformed (nothing changes then)."""
@@ -229,9 +245,7 @@ class Recall:
               and is_int_list(state["ids"]) and is_int_list(state["positions"]) and is_int_list(state["predicted"])
               and len(state["ids"]) == len(state["positions"]) == len(state["predicted"])
               and len(state["ids"]) <= self.capacity and is_int_list(state["shape"]) and state["dtype"] in DTYPES
-              and isinstance(state["keys"], bytes) and isinstance(state["values"], bytes)
-              and isinstance(state["back_at"], list) and all(is_int_list(p) and len(p) == 2 for p in state["back_at"])
-              and type(state["clock"]) is int and type(state["restored"]) is int and type(state["awake"]) is bool)
+              and isinstance(state["keys"], bytes) and isinstance(state["values"], bytes) and self.checked_clocks(state))
         keys = values = None
         if ok and (state["shape"] or state["keys"]):
             shape, dtype = state["shape"], DTYPES[state["dtype"]]
@@ -245,5 +259,4 @@ class Recall:
         if not ok:
             raise ValueError("recall: malformed saved state")
         self._set_rows(list(state["ids"]), list(state["positions"]), list(state["predicted"]), keys, values)
-        self.back_at = {i: t for i, t in state["back_at"]}
-        self.clock, self.restored, self.awake = state["clock"], state["restored"], state["awake"]
+        self.load_clocks(state)

@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..policies.recall import Lookup, Recall
-from ..util import is_int_list
+from ..policies.recall import Lookup, Recall, raw
+from ..util import DTYPES, is_int_list
+
+BLOCK = 128  # ring slots a saved block holds (SmolLM2 float32: 2.9 MB of keys, as much of values)
 
 
 @dataclass
@@ -232,7 +234,8 @@ class LaneRecall(Recall):
     # --- sessions ---------------------------------------------------------------------------
 
     def _rows(self) -> tuple:
-        """The indexed tokens oldest first, their K/V copied out of the ring."""
+        """The indexed tokens oldest first, their K/V copied out of the ring (as `Recall.state`
+        saved the index, in sessions from before the ring form)."""
         if self.keys is None:
             return [], [], [], None, None
         # oldest first: from the next slot to write once the ring is full, else from slot 0
@@ -250,11 +253,25 @@ class LaneRecall(Recall):
             self._write(ids, positions, predicted, keys, values)
 
     def state(self) -> dict:
-        return {"index": super().state(), "scores": [[i, list(s)] for i, s in self.scores.items()],
+        """Plain data for a session: the ring as it lies (slot order, the next slot to write) and
+        its K/V in blocks of BLOCK slots, each token's rows together ([n, layers, kv_heads,
+        head_dim] a block). Tokens indexed since the last save change only the blocks they fell
+        in, so a session store that keeps pieces by content (brain/session.py) writes only those."""
+        blocks = [(a, min(a + BLOCK, len(self.ids))) for a in range(0, len(self.ids), BLOCK)]
+        ring = {"ids": list(self.ids), "positions": list(self.positions), "predicted": list(self.predicted),
+                "next": self.next, "capacity": self.capacity, "block": BLOCK,
+                "shape": [] if self.keys is None else [*self.keys.shape[:3]],  # layers, kv_heads, head_dim
+                "dtype": "float32" if self.keys is None else str(self.keys.dtype).removeprefix("torch."),
+                "keys": [raw(self.keys[..., a:b].permute(3, 0, 1, 2)) for a, b in blocks],
+                "values": [raw(self.values[:, :, a:b].permute(2, 0, 1, 3)) for a, b in blocks], **self.clocks()}
+        return {"ring": ring, "scores": [[i, list(s)] for i, s in self.scores.items()],
                 "lane_back_at": [[i, lane, t] for (i, lane), t in self.lane_back_at.items()]}
 
     def load_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"index", "scores", "lane_back_at"} \
+        """Take a `state()` back, or one saved before the ring was (the index oldest first,
+        "index"); ValueError if anything is malformed (nothing changes then)."""
+        form = next((key for key in ("ring", "index") if isinstance(state, dict) and key in state), None)
+        if form is None or set(state) != {form, "scores", "lane_back_at"} \
                 or not isinstance(state["scores"], list) or not isinstance(state["lane_back_at"], list) \
                 or not all(is_int_list(item) and len(item) == 3 for item in state["lane_back_at"]):
             raise ValueError("recall: malformed saved state")
@@ -264,9 +281,60 @@ class LaneRecall(Recall):
                     and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1])):
                 raise ValueError("recall: malformed saved state")
             scores[item[0]] = [float(x) for x in item[1]]
-        index = state["index"]
+        index = state[form]
         if not isinstance(index, dict) or not is_int_list(index.get("ids")) or set(scores) != set(index["ids"]):
             raise ValueError("recall: malformed saved state (scores do not match the index)")
-        super().load_state(index)
+        if form == "ring":
+            self._load_ring(index)
+        else:
+            super().load_state(index)
         self.scores = scores
         self.lane_back_at = {(i, lane): t for i, lane, t in state["lane_back_at"]}
+
+    def _load_ring(self, ring: dict) -> None:
+        """The ring of a `state()`, slot for slot when this index has the saved capacity (else
+        its tokens oldest first); ValueError, and nothing changes, if it is malformed."""
+        fields = {"ids", "positions", "predicted", "next", "capacity", "block", "shape", "dtype", "keys", "values",
+                  "back_at", "clock", "restored", "awake"}
+        count = len(ring["ids"])
+        ok = (set(ring) == fields and is_int_list(ring["positions"]) and is_int_list(ring["predicted"])
+              and count == len(ring["positions"]) == len(ring["predicted"]) and count <= self.capacity
+              and all(type(ring[k]) is int for k in ("next", "capacity", "block")) and ring["block"] > 0
+              and count <= ring["capacity"] and 0 <= ring["next"] < max(ring["capacity"], 1)
+              and (count == ring["capacity"] or ring["next"] == count % ring["capacity"])
+              and is_int_list(ring["shape"]) and ring["dtype"] in DTYPES and self.checked_clocks(ring)
+              and isinstance(ring["keys"], list) and isinstance(ring["values"], list)
+              and len(ring["keys"]) == len(ring["values"]) == -(-count // ring["block"])
+              and all(isinstance(b, bytes) for b in ring["keys"] + ring["values"])
+              and (len(ring["shape"]) == 3 and all(n > 0 for n in ring["shape"]) if count else not ring["shape"]))
+        keys = values = None
+        if ok and count:
+            dtype, per_token = DTYPES[ring["dtype"]], ring["shape"]
+            sizes = [min(ring["block"], count - a) for a in range(0, count, ring["block"])]
+            item = torch.finfo(dtype).bits // 8 * math.prod(per_token)
+            ok = all(len(k) == len(v) == n * item for k, v, n in zip(ring["keys"], ring["values"], sizes))
+            if ok:  # per block [slots, layers, kv_heads, head_dim]
+                keys, values = ([torch.frombuffer(bytearray(b), dtype=dtype).reshape(n, *per_token)
+                                 for b, n in zip(ring[k], sizes)] for k in ("keys", "values"))
+                ok = all(bool(torch.isfinite(block).all()) for block in keys + values)
+        if not ok:
+            raise ValueError("recall: malformed saved state")
+        ids, positions, predicted = list(ring["ids"]), list(ring["positions"]), list(ring["predicted"])
+        if ring["capacity"] != self.capacity and count:  # another ring's slots: its tokens oldest first
+            order = (list(range(ring["next"], count)) + list(range(ring["next"]))) if count == ring["capacity"] \
+                else list(range(count))
+            pick = torch.tensor(order)
+            keys, values = torch.cat(keys)[pick], torch.cat(values)[pick]
+            self._set_rows([ids[k] for k in order], [positions[k] for k in order], [predicted[k] for k in order],
+                           keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3))
+        else:
+            self._set_rows([], [], [], None, None)
+            if count:
+                layers, kv_heads, head_dim = per_token
+                self.keys = keys[0].new_empty(layers, kv_heads, head_dim, self.capacity)
+                self.values = values[0].new_empty(layers, kv_heads, self.capacity, head_dim)
+                for a, block_keys, block_values in zip(range(0, count, ring["block"]), keys, values):
+                    self.keys[..., a : a + len(block_keys)] = block_keys.permute(1, 2, 3, 0)
+                    self.values[:, :, a : a + len(block_values)] = block_values.permute(1, 2, 0, 3)
+            self.ids, self.positions, self.predicted, self.next = ids, positions, predicted, ring["next"] if count else 0
+        self.load_clocks(ring)

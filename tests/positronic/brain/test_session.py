@@ -38,12 +38,14 @@ def test_a_session_saved_before_the_new_settings_resumes_with_the_values_it_ran_
 
 def test_a_save_clears_what_a_killed_save_left(tiny, tmp_path):
     brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 20)), BrainConfig(budget=48))
-    stale = tmp_path / "mirror.msgpack.k3j9x.tmp"  # the temporary file of a save that was killed
-    stale.write_bytes(b"half a session")
+    stale = [tmp_path / "mirror.msgpack.k3j9x.tmp",  # the temporary files of saves that were killed
+             tmp_path / "kv-0123456789abcdef.safetensors.a8x.tmp", tmp_path / f"blob-{'0' * 64}.bin.q2z.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a session")
     other = tmp_path / "notes.tmp"
     other.write_text("not ours")
     sessions.save(tmp_path, brain, tiny.name)
-    assert not stale.exists() and other.exists()
+    assert not any(path.exists() for path in stale) and other.exists()
     assert sessions.resume(tiny, tmp_path).tick == 0
 
 

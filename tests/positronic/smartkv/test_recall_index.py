@@ -1,6 +1,6 @@
 """LaneRecall: its index, a ring of preallocated slots that keeps the newest `capacity` tokens,
-scores them by ledger id whatever slot they sit in and saves them oldest first; and its rule,
-what comes back and into which lanes."""
+scores them by ledger id whatever slot they sit in and saves the ring slot for slot, in blocks;
+and its rule, what comes back and into which lanes."""
 
 import math
 
@@ -8,6 +8,8 @@ import numpy
 import pytest
 import torch
 
+from positronic.policies.recall import Recall
+from positronic.smartkv import recall as lane_recall
 from positronic.smartkv.recall import LaneLookup, LaneRecall
 from positronic.state.view import ContextView
 
@@ -31,7 +33,7 @@ def by_id(recall: LaneRecall, query: torch.Tensor, log_norm: torch.Tensor) -> di
     return {ledger_id: shares[:, k] for k, ledger_id in enumerate(recall.ids)}
 
 
-def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_first():
+def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_slot_for_slot():
     generator = torch.Generator().manual_seed(0)
     recall = LaneRecall(KV_HEADS, capacity=5)
     keys, values = zip(*(leaving(recall, first, 3, generator) for first in range(100, 112, 3)))
@@ -46,9 +48,12 @@ def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_fir
     assert recall.payload([109])["keys"].equal(keys[:, :, 9:10])
 
     saved = recall.state()
-    assert saved["index"]["ids"] == ids
+    assert saved["ring"]["ids"] == recall.ids == [110, 111, 107, 108, 109] and saved["ring"]["next"] == 2
     resumed = LaneRecall(KV_HEADS, capacity=5)
     resumed.load_state(saved)
+    assert (resumed.ids, resumed.positions, resumed.predicted, resumed.next) == \
+        (recall.ids, recall.positions, recall.predicted, recall.next)
+    assert torch.equal(resumed.keys, recall.keys) and torch.equal(resumed.values, recall.values)  # all 5 filled
     query, log_norm = torch.randn(LAYERS, 2 * KV_HEADS, HEAD_DIM, generator=generator), torch.zeros(LAYERS, 2 * KV_HEADS)
     before, after = by_id(recall, query, log_norm), by_id(resumed, query, log_norm)
     assert before.keys() == after.keys() and all(torch.allclose(before[i], after[i]) for i in before)
@@ -62,9 +67,12 @@ def test_the_ring_keeps_the_newest_tokens_their_own_kv_and_saves_them_oldest_fir
 
 
 @pytest.mark.parametrize("tokens", [0, 3, 5, 7])
-def test_the_index_is_saved_oldest_first_whether_its_ring_has_wrapped_or_not(tokens):
-    """Not yet full, just full, wrapped part way: the saved rows are the kept tokens' own K/V,
-    oldest first."""
+def test_the_index_round_trips_whether_its_ring_has_wrapped_or_not(tokens, monkeypatch):
+    """Not yet full, just full, wrapped part way: the kept tokens are their own K/V, oldest
+    first; saved in blocks of 2 slots and taken back, the ring is the same slot for slot, and a
+    state saved before the ring form (the index oldest first) and one saved by a ring of
+    another capacity come back as the same tokens, oldest first."""
+    monkeypatch.setattr(lane_recall, "BLOCK", 2)
     generator = torch.Generator().manual_seed(2)
     recall = LaneRecall(KV_HEADS, capacity=5)
     keys = values = torch.empty(LAYERS, KV_HEADS, 0, HEAD_DIM)
@@ -76,6 +84,63 @@ def test_the_index_is_saved_oldest_first_whether_its_ring_has_wrapped_or_not(tok
     assert ids == list(range(100 + tokens - kept, 100 + tokens))
     if tokens:
         assert torch.equal(kept_keys, keys[:, :, tokens - kept:]) and torch.equal(kept_values, values[:, :, tokens - kept:])
+
+    saved = recall.state()
+    assert len(saved["ring"]["keys"]) == len(saved["ring"]["values"]) == -(-kept // 2)
+    same = LaneRecall(KV_HEADS, capacity=5)
+    same.load_state(saved)
+    assert (same.ids, same.next) == (recall.ids, recall.next)
+    if tokens:  # the filled slots (the rest were never written)
+        assert torch.equal(same.keys[..., :kept], recall.keys[..., :kept])
+        assert torch.equal(same.values[:, :, :kept], recall.values[:, :, :kept])
+    else:
+        assert same.keys is None
+    old_form = {"index": Recall.state(recall), "scores": saved["scores"], "lane_back_at": saved["lane_back_at"]}
+    for state, capacity in ((old_form, 5), (saved, 8)):
+        other = LaneRecall(KV_HEADS, capacity=capacity)
+        other.load_state(state)
+        assert other._rows()[0] == ids and other.next == kept % capacity
+        assert all(torch.equal(a, b) for a, b in zip(other._rows()[3:], recall._rows()[3:])) if tokens else True
+
+
+def test_a_save_changes_only_the_blocks_new_tokens_fell_in(monkeypatch):
+    """What lets a session checkpoint write only what changed (brain/session.py keeps each
+    block by its content): one more token changes one block, keys and values."""
+    monkeypatch.setattr(lane_recall, "BLOCK", 2)
+    generator = torch.Generator().manual_seed(3)
+    recall = LaneRecall(KV_HEADS, capacity=7)
+    leaving(recall, 100, 4, generator)
+    before = recall.state()["ring"]
+    for first in (104, 105, 106, 107):  # fills slots 4, 5, 6, then wraps to 0
+        leaving(recall, first, 1, generator)
+        after = recall.state()["ring"]
+        for part in ("keys", "values"):
+            changed = [k for k, block in enumerate(after[part]) if k >= len(before[part]) or before[part][k] != block]
+            assert changed == [recall._runs((recall.next - 1) % 7, 1)[0][0] // 2], (first, part)
+        before = after
+
+
+@pytest.mark.parametrize("damage", [
+    lambda ring: ring.update(next=4),  # not full: the next slot is the first free one
+    lambda ring: ring["keys"].__setitem__(0, ring["keys"][0][:-1]),
+    lambda ring: ring["values"].pop(),
+    lambda ring: ring.update(shape=[LAYERS, KV_HEADS]),
+    lambda ring: ring.update(capacity=2),
+    lambda ring: ring["keys"].__setitem__(0, b"\xff" * len(ring["keys"][0])),  # NaN
+])
+def test_a_malformed_ring_is_refused_and_changes_nothing(damage, monkeypatch):
+    monkeypatch.setattr(lane_recall, "BLOCK", 2)
+    generator = torch.Generator().manual_seed(4)
+    recall = LaneRecall(KV_HEADS, capacity=5)
+    leaving(recall, 100, 3, generator)
+    saved = recall.state()
+    damage(saved["ring"])
+    target = LaneRecall(KV_HEADS, capacity=5)
+    leaving(target, 500, 2, generator)
+    before = target.state()
+    with pytest.raises(ValueError, match="malformed saved state"):
+        target.load_state(saved)
+    assert target.state() == before
 
 
 def test_a_saved_index_whose_scores_do_not_match_is_refused_and_changes_nothing():
@@ -90,8 +155,8 @@ def test_a_saved_index_whose_scores_do_not_match_is_refused_and_changes_nothing(
     with pytest.raises(ValueError, match="scores do not match"):
         target.load_state(saved)
     after = target.state()
-    assert after["index"]["ids"] == before["index"]["ids"] == [500, 501]
-    assert after["index"]["keys"] == before["index"]["keys"]
+    assert after["ring"]["ids"] == before["ring"]["ids"] == [500, 501]
+    assert after["ring"]["keys"] == before["ring"]["keys"]
 
 
 def view_with_query(query: torch.Tensor, log_norm: torch.Tensor, newest: int) -> ContextView:

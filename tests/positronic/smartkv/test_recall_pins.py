@@ -11,6 +11,7 @@ import torch
 from positronic.brain import session as sessions
 from positronic.brain.loop import Brain
 from positronic.mirror import to_bytes
+from positronic.smartkv import recall as lane_recall
 from positronic.smartkv.policy import SmartKVPolicy
 from positronic.state.actions import ActionError
 
@@ -95,6 +96,59 @@ def test_a_session_with_recall_and_pins_resumes_exactly(tiny, head_gate_file, ea
     got += [resumed.step().token_id for _ in range(17)]
     assert got == expected
     assert straight.policy.recall.restored > 0
+
+
+def test_a_checkpoint_writes_only_the_index_blocks_that_changed(tiny, head_gate_file, eager_recall, tmp_path,
+                                                                 monkeypatch):
+    """The index goes to blob files, a block of the ring each (keys, values), named by their
+    content: the next checkpoint writes the blocks new tokens fell in, keeps the others' files as
+    they are and removes the ones no longer named; the session resumed from it goes on exactly."""
+    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
+    monkeypatch.setattr(lane_recall, "BLOCK", 4)
+    settings = config(head_gate_file, recall=True, temperature=0.9)
+    prompt = text_ids(tiny, 25, seed=38)
+    straight = Brain.start(tiny, prompt, settings)
+    expected = [straight.step().token_id for _ in range(40)]
+    brain = Brain.start(tiny, prompt, settings)
+    got = [brain.step().token_id for _ in range(21)]
+    path = tmp_path / "s"
+    sessions.save(path, brain, tiny.name)
+
+    def blobs():
+        return {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in path.glob("blob-*.bin")}
+    first, indexed = blobs(), len(brain.policy.recall.ids)
+    assert indexed % 4 and len(first) == 2 * -(-indexed // 4) >= 6, "keys and values, a block each, the last part full"
+    assert (path / sessions.MIRROR_FILE).stat().st_size < sum((path / name).stat().st_size for name in first)
+    got += [brain.step().token_id for _ in range(4)]
+    sessions.save(path, brain, tiny.name)
+    second = blobs()
+    kept = first.keys() & second.keys()
+    assert {name: first[name] for name in kept} == {name: second[name] for name in kept}, "not written again"
+    assert len(kept) == 2 * (indexed // 4), "every full block's files stay; the part-full block's are replaced"
+    assert len(second) == 2 * -(-len(brain.policy.recall.ids) // 4)
+    resumed = sessions.resume(tiny, path)
+    got += [resumed.step().token_id for _ in range(15)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda blob: blob.write_bytes(blob.read_bytes()[:-1] + b"\x00"), "checksum mismatch"),
+    (lambda blob: blob.unlink(), "cannot read a piece of the saved policy state"),
+])
+def test_a_damaged_or_missing_index_block_is_refused_by_name(tiny, head_gate_file, tmp_path, monkeypatch, damage,
+                                                              message):
+    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
+    brain = Brain.start(tiny, text_ids(tiny, 25, seed=39), config(head_gate_file, recall=True))
+    for _ in range(12):
+        brain.step()
+    sessions.save(tmp_path, brain, tiny.name)
+    blob = sorted(tmp_path.glob("blob-*.bin"))[0]
+    damage(blob)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(sessions.SessionError, match=message) as caught:
+        sessions.resume(tiny, tmp_path)
+    assert blob.name in str(caught.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files, "a failed resume changes nothing"
 
 
 def test_a_pinned_token_stays_in_every_lane(tiny, head_gate_file):
