@@ -1,8 +1,8 @@
 """What a session checkpoint costs as SmartKV recall's index grows: save, bytes written, resume.
 
-    python bench/checkpoint.py [--model smollm2] [--budget 256] [--requests 3] [--tokens 32]
+    python bench/checkpoint.py [--model smollm2] [--budget 256] [--requests 3] [--tokens 32] [--warm 200]
 
-A brain with the default policy (SmartKV with recall) runs 200 ticks, then checkpoints after
+A brain with the default policy (SmartKV with recall) runs `--warm` ticks, then checkpoints after
 every `--tokens` more ticks (a server request's reply, written through before its answer
 ends), `--requests` times, into one session directory. Then its index is filled to capacity
 (2,048 tokens) and the same is measured again: the filling tokens are made up (random K/V,
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic.brain import session  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
-from positronic.models import load_model  # noqa: E402
+from positronic.models import ModelError, load_model  # noqa: E402
+from positronic.smartkv.gates import bench_gates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,14 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--requests", type=int, default=3, help="later saves per stage")
     parser.add_argument("--tokens", type=int, default=32, help="ticks between two saves (a request's reply)")
+    parser.add_argument("--warm", type=int, default=200, help="ticks before the first save (the index fills)")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.tokens < 1 or args.budget < 64:
-        parser.error("--requests and --tokens must be >= 1, --budget >= 64")
-    lm = load_model(args.model)
+    if args.requests < 1 or args.tokens < 1 or args.warm < 1 or args.budget < 64:
+        parser.error("--requests, --tokens and --warm must be >= 1, --budget >= 64")
+    try:
+        lm = load_model(args.model)
+    except (ModelError, ValueError) as error:
+        parser.error(str(error))
+    folder = tempfile.TemporaryDirectory()
+    _, gates = bench_gates(lm, folder.name)  # a random model's: untrained, the same sizes
     ids = lm.encode((ROOT / "texts" / "alice_ch1-2.txt").read_text(encoding="utf-8"))
     brain = Brain.start(lm, [lm.bos_id] + ids[: args.budget + 44],
-                        BrainConfig(policy="smartkv", recall=True, budget=args.budget, seed=1))
-    for _ in range(200):
+                        BrainConfig(policy="smartkv", recall=True, gates=gates, budget=args.budget, seed=1))
+    for _ in range(args.warm):
         brain.step()
     print(f"model {args.model}  budget {args.budget}  a save after every {args.tokens} ticks  torch {torch.__version__} "
           f"threads {torch.get_num_threads()}  load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
