@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import hashlib
 import re
+import threading
 from pathlib import Path
 
 import safetensors.torch
@@ -53,7 +54,11 @@ BLOB_FILE = re.compile(r"blob-([0-9a-f]{64})\.bin")
 BLOB_MIN = 1 << 16  # bytes: a piece of the policy's state this large is kept in a blob file of its own
 BLOB = "$blob"  # the key of a blob's reference in the mirror file: {BLOB: sha256, "size": bytes}
 MAX_BLOB_BYTES = mirror.storage.MAX_MIRROR_BYTES  # all of a session's blobs (they were the mirror file's)
-_written: dict[str, tuple[int, int, int]] = {}  # blob path -> (inode, size, mtime) as this process wrote it
+# blob path -> (inode, size, mtime) as this process wrote it, the WRITTEN_KEPT most recent: one
+# forgotten (a server that has seen many sessions) is only written again at its next save
+_written: dict[str, tuple[int, int, int]] = {}
+_written_lock = threading.Lock()  # a server saves its sessions from several threads
+WRITTEN_KEPT = 1 << 14
 
 
 class SessionError(ValueError):
@@ -123,7 +128,8 @@ def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None
     files = [*directory.glob("kv-*.safetensors"), *(f for f in directory.glob("blob-*.bin") if BLOB_FILE.fullmatch(f.name))]
     for stale in files:
         if stale.name not in kept:
-            _written.pop(str(stale), None)
+            with _written_lock:
+                _written.pop(str(stale), None)
             stale.unlink(missing_ok=True)
     for stale in [*mirror.stale_temporaries(path), *directory.glob("kv-*.safetensors.*.tmp"),
                   *directory.glob("blob-*.bin.*.tmp")]:
@@ -149,15 +155,22 @@ def _blobs_out(state, blobs: dict[str, bytes]):
 def _write_blob(path: Path, piece: bytes) -> None:
     """Write a blob unless this process wrote it there already and it is as it was left (its
     name is its content: a checkpoint's unchanged pieces are not written again)."""
+    key = str(path)
     try:
         info = path.stat()
-        if _written.get(str(path)) == (info.st_ino, info.st_size, info.st_mtime_ns):
-            return
+        with _written_lock:
+            if _written.get(key) == (info.st_ino, info.st_size, info.st_mtime_ns):
+                _written[key] = _written.pop(key)  # the most recent again
+                return
     except FileNotFoundError:
         pass
     mirror.write_atomic(path, piece)
     info = path.stat()
-    _written[str(path)] = (info.st_ino, info.st_size, info.st_mtime_ns)
+    with _written_lock:
+        _written.pop(key, None)
+        _written[key] = (info.st_ino, info.st_size, info.st_mtime_ns)
+        while len(_written) > WRITTEN_KEPT:
+            _written.pop(next(iter(_written)))
 
 
 def _blobs_in(directory: Path, state, budget: list[int] | None = None):

@@ -131,6 +131,26 @@ def test_a_checkpoint_writes_only_the_index_blocks_that_changed(tiny, head_gate_
     assert got == expected
 
 
+def test_blobs_this_process_no_longer_remembers_are_written_again(tiny, head_gate_file, tmp_path, monkeypatch):
+    """What a save remembers of the blobs it wrote is bounded (a server sees sessions come and
+    go); a blob it forgot is written again, not trusted unseen, and the session stays whole."""
+    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
+    monkeypatch.setattr(lane_recall, "BLOCK", 4)
+    monkeypatch.setattr(sessions, "WRITTEN_KEPT", 2)
+    brain = Brain.start(tiny, text_ids(tiny, 25, seed=40), config(head_gate_file, recall=True))
+    for _ in range(14):
+        brain.step()
+    sessions.save(tmp_path, brain, tiny.name)
+    first = {f.name: f.stat().st_ino for f in tmp_path.glob("blob-*.bin")}
+    assert len(first) > 4 and len(sessions._written) == 2
+    sessions.save(tmp_path, brain, tiny.name)
+    again = {f.name: f.stat().st_ino for f in tmp_path.glob("blob-*.bin")}
+    assert again.keys() == first.keys()
+    # each write forgets the oldest remembered: with 2 remembered of 16, none is left when reached
+    assert all(again[name] != first[name] for name in first) and len(sessions._written) == 2
+    assert sessions.resume(tiny, tmp_path).tick == brain.tick
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda blob: blob.write_bytes(blob.read_bytes()[:-1] + b"\x00"), "checksum mismatch"),
     (lambda blob: blob.unlink(), "cannot read a piece of the saved policy state"),
