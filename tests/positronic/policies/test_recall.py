@@ -10,7 +10,7 @@ import torch
 
 from positronic.state.actions import ActionError, loggable
 from positronic.brain.loop import Brain, BrainConfig
-from positronic.policies.recall import Recall
+from positronic.policies.recall import Lookup, Recall
 from positronic.state.manager import StateManager
 
 
@@ -220,6 +220,35 @@ def test_restores_go_into_the_event_log_as_ids_and_the_shape_of_their_kv(tiny):
     logged = [a for r in records for a in json.loads(json.dumps(r.to_json()))["actions"] if a["action"] == "restore"]
     assert logged and all(a["stored"] == [tiny.num_layers, tiny.num_kv_heads, len(a["ledger_ids"]), tiny.head_dim]
                           for a in logged)
+
+
+def test_evictions_go_into_room_after_the_kept_rows_not_into_a_copy_of_the_index():
+    """Each tick's evicted rows are written after the kept ones; the index is copied only when
+    that room runs out (capacity 8: room for 24 rows), and the oldest rows go first all along;
+    rows a restore takes out of the middle leave exactly."""
+    generator = torch.Generator().manual_seed(5)
+    recall = Recall(capacity=8)
+    given_keys, given_values, storages, offsets = [], [], set(), []
+    for tick in range(12):
+        keys, values = (torch.randn(2, 1, 3, 4, generator=generator) for _ in range(2))
+        given_keys.append(keys), given_values.append(values)
+        lookup = Lookup(tick + 1, False)
+        lookup.evicted = (list(range(3 * tick, 3 * tick + 3)), [100 + 3 * tick + k for k in range(3)], [0, 0, 0],
+                          keys, values)
+        recall.adopt(lookup)
+        storages.add(recall.keys.untyped_storage().data_ptr())
+        offsets.append(recall.keys.storage_offset())
+        assert recall.ids == list(range(max(0, 3 * tick + 3 - 8), 3 * tick + 3))
+        assert torch.equal(recall.keys, torch.cat(given_keys, dim=2)[:, :, -8:])
+        assert torch.equal(recall.values, torch.cat(given_values, dim=2)[:, :, -8:])
+    assert len(storages) <= 3, "36 rows in 12 ticks: a copy every ~16 rows, not every tick"
+    assert max(offsets) > 0, "the oldest rows leave by moving where the kept ones start, not by a copy"
+    lookup = Lookup(13, False)
+    lookup.back = [30, 33]
+    expected = [k for k, i in enumerate(recall.ids) if i not in (30, 33)]
+    before_keys = recall.keys.clone()
+    recall.adopt(lookup)
+    assert recall.ids == [28, 29, 31, 32, 34, 35] and torch.equal(recall.keys, before_keys[:, :, expected])
 
 
 def test_a_session_saved_before_recall_kept_values_resumes_with_an_empty_index():
