@@ -187,7 +187,10 @@ class LaneRecall(Recall):
         if lookup.evicted:
             *rows, scores = lookup.evicted
             self._write(*rows)
-            self.scores.update(scores)
+            # only the tokens the ring kept: more than `capacity` leaving at once (a long prompt's
+            # bulk prune) keeps the newest, and a score without its token made the session's
+            # saved index refuse to load ("scores do not match")
+            self.scores.update((i, scores[i]) for i in rows[0][-self.capacity:])
         if len(self.lane_back_at) > self._prune_above:
             self._prune()
 

@@ -103,6 +103,19 @@ def test_the_index_round_trips_whether_its_ring_has_wrapped_or_not(tokens, monke
         assert all(torch.equal(a, b) for a, b in zip(other._rows()[3:], recall._rows()[3:])) if tokens else True
 
 
+def test_more_tokens_leaving_at_once_than_the_ring_holds_keep_the_newest_and_their_scores_only():
+    """A long prompt's bulk prune: 7 tokens leave at once into a ring of 5. The newest 5 are
+    indexed with their scores, no other score is kept, and the saved index loads."""
+    generator = torch.Generator().manual_seed(6)
+    recall = LaneRecall(KV_HEADS, capacity=5)
+    keys, _ = leaving(recall, 100, 7, generator)
+    assert recall.ids == list(range(102, 107)) and sorted(recall.scores) == recall.ids
+    assert torch.equal(recall._rows()[3], keys[:, :, 2:])
+    resumed = LaneRecall(KV_HEADS, capacity=5)
+    resumed.load_state(recall.state())
+    assert resumed.ids == recall.ids and resumed.scores == recall.scores
+
+
 def test_a_save_changes_only_the_blocks_new_tokens_fell_in(monkeypatch):
     """What lets a session checkpoint write only what changed (brain/session.py keeps each
     block by its content): one more token changes one block, keys and values."""

@@ -131,6 +131,31 @@ def test_a_checkpoint_writes_only_the_index_blocks_that_changed(tiny, head_gate_
     assert got == expected
 
 
+def test_a_session_whose_index_ring_wrapped_resumes_exactly(tiny, head_gate_file, eager_recall, tmp_path,
+                                                            monkeypatch):
+    """An index of 12 tokens that has wrapped round its ring (the oldest overwritten; the
+    prompt's bulk prune alone sent more tokens than that) is saved in blocks of 4 slots and
+    resumed slot for slot: the resumed run goes on token for token."""
+    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
+    monkeypatch.setattr(lane_recall, "BLOCK", 4)
+    made = lane_recall.LaneRecall.__init__
+    monkeypatch.setattr(lane_recall.LaneRecall, "__init__", lambda self, heads, **kw: made(self, heads, **kw | {"capacity": 12}))
+    settings = config(head_gate_file, recall=True, temperature=0.9)
+    prompt = text_ids(tiny, 25, seed=41)
+    straight = Brain.start(tiny, prompt, settings)
+    expected = [straight.step().token_id for _ in range(45)]
+    brain = Brain.start(tiny, prompt, settings)
+    got = [brain.step().token_id for _ in range(27)]
+    recall = brain.policy.recall
+    assert len(recall.ids) == 12 and recall.next not in (0, 4, 8), "wrapped, the newest block part-written"
+    sessions.save(tmp_path, brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path)
+    assert (resumed.policy.recall.ids, resumed.policy.recall.next) == (recall.ids, recall.next)
+    got += [resumed.step().token_id for _ in range(18)]
+    assert got == expected
+    assert straight.policy.recall.restored > 0
+
+
 def test_blobs_this_process_no_longer_remembers_are_written_again(tiny, head_gate_file, tmp_path, monkeypatch):
     """What a save remembers of the blobs it wrote is bounded (a server sees sessions come and
     go); a blob it forgot is written again, not trusted unseen, and the session stays whole."""
