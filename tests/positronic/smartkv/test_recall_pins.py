@@ -98,19 +98,26 @@ def test_a_session_with_recall_and_pins_resumes_exactly(tiny, head_gate_file, ea
     assert straight.policy.recall.restored > 0
 
 
+def in_blocks_of_four(lm, gate_file, monkeypatch, *, seed: int, ticks: int, first: int):
+    """Sessions whose index goes to blob files in blocks of 4 slots: the tokens of `ticks`
+    uninterrupted ticks, and of the `first` of them by another brain (to be saved), with both
+    brains (that one, the uninterrupted one)."""
+    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
+    monkeypatch.setattr(lane_recall, "BLOCK", 4)
+    settings = config(gate_file, recall=True, temperature=0.9)
+    prompt = text_ids(lm, 25, seed=seed)
+    straight = Brain.start(lm, prompt, settings)
+    expected = [straight.step().token_id for _ in range(ticks)]
+    brain = Brain.start(lm, prompt, settings)
+    return expected, [brain.step().token_id for _ in range(first)], brain, straight
+
+
 def test_a_checkpoint_writes_only_the_index_blocks_that_changed(tiny, head_gate_file, eager_recall, tmp_path,
                                                                  monkeypatch):
     """The index goes to blob files, a block of the ring each (keys, values), named by their
     content: the next checkpoint writes the blocks new tokens fell in, keeps the others' files as
     they are and removes the ones no longer named; the session resumed from it goes on exactly."""
-    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
-    monkeypatch.setattr(lane_recall, "BLOCK", 4)
-    settings = config(head_gate_file, recall=True, temperature=0.9)
-    prompt = text_ids(tiny, 25, seed=38)
-    straight = Brain.start(tiny, prompt, settings)
-    expected = [straight.step().token_id for _ in range(40)]
-    brain = Brain.start(tiny, prompt, settings)
-    got = [brain.step().token_id for _ in range(21)]
+    expected, got, brain, _ = in_blocks_of_four(tiny, head_gate_file, monkeypatch, seed=38, ticks=40, first=21)
     path = tmp_path / "s"
     sessions.save(path, brain, tiny.name)
 
@@ -136,16 +143,10 @@ def test_a_session_whose_index_ring_wrapped_resumes_exactly(tiny, head_gate_file
     """An index of 12 tokens that has wrapped round its ring (the oldest overwritten; the
     prompt's bulk prune alone sent more tokens than that) is saved in blocks of 4 slots and
     resumed slot for slot: the resumed run goes on token for token."""
-    monkeypatch.setattr(sessions, "BLOB_MIN", 1)
-    monkeypatch.setattr(lane_recall, "BLOCK", 4)
     made = lane_recall.LaneRecall.__init__
-    monkeypatch.setattr(lane_recall.LaneRecall, "__init__", lambda self, heads, **kw: made(self, heads, **kw | {"capacity": 12}))
-    settings = config(head_gate_file, recall=True, temperature=0.9)
-    prompt = text_ids(tiny, 25, seed=41)
-    straight = Brain.start(tiny, prompt, settings)
-    expected = [straight.step().token_id for _ in range(45)]
-    brain = Brain.start(tiny, prompt, settings)
-    got = [brain.step().token_id for _ in range(27)]
+    monkeypatch.setattr(lane_recall.LaneRecall, "__init__",
+                        lambda self, heads, **kw: made(self, heads, **kw | {"capacity": 12}))
+    expected, got, brain, straight = in_blocks_of_four(tiny, head_gate_file, monkeypatch, seed=41, ticks=45, first=27)
     recall = brain.policy.recall
     assert len(recall.ids) == 12 and recall.next not in (0, 4, 8), "wrapped, the newest block part-written"
     sessions.save(tmp_path, brain, tiny.name)
