@@ -224,12 +224,10 @@ class Recall:
         self.positions = [self.positions[k] for k in kept]
         self.predicted = [self.predicted[k] for k in kept]
         index = torch.tensor(kept, dtype=torch.long)
-        self._set_buffers(self.keys.index_select(2, index), self.values.index_select(2, index))
-
-    def _set_buffers(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
-        """Kept rows as they are (no room after them: the next eviction makes some)."""
-        self._buffers, self._first = (None, 0) if keys is None else ((keys, values), 0)
-        self.keys, self.values = keys, values
+        keys, values = self.keys.index_select(2, index), self.values.index_select(2, index)
+        self._first = 0  # back to the buffers' first row: the room after them stays
+        self._buffers[0][:, :, : len(kept)], self._buffers[1][:, :, : len(kept)] = keys, values
+        self._view(len(kept))
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -239,7 +237,9 @@ class Recall:
 
     def _set_rows(self, ids: list[int], positions: list[int], predicted: list[int], keys, values) -> None:
         self.ids, self.positions, self.predicted = ids, positions, predicted
-        self._set_buffers(keys, values)
+        # the saved rows as they are (no room after them: the next eviction makes some)
+        self._buffers, self._first = (None, 0) if keys is None else ((keys, values), 0)
+        self.keys, self.values = keys, values
 
     VERSION_1 = {"ids", "positions", "shape", "keys", "back_at", "clock", "restored"}  # keys only
 

@@ -322,22 +322,15 @@ class LaneRecall(Recall):
                 ok = all(bool(torch.isfinite(block).all()) for block in keys + values)
         if not ok:
             raise ValueError("recall: malformed saved state")
-        ids, positions, predicted = list(ring["ids"]), list(ring["positions"]), list(ring["predicted"])
-        if ring["capacity"] != self.capacity and count:  # another ring's slots: its tokens oldest first
-            order = (list(range(ring["next"], count)) + list(range(ring["next"]))) if count == ring["capacity"] \
-                else list(range(count))
-            pick = torch.tensor(order)
-            keys, values = torch.cat(keys)[pick], torch.cat(values)[pick]
-            self._set_rows([ids[k] for k in order], [positions[k] for k in order], [predicted[k] for k in order],
-                           keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3))
-        else:
-            self._set_rows([], [], [], None, None)
-            if count:
-                layers, kv_heads, head_dim = per_token
-                self.keys = keys[0].new_empty(layers, kv_heads, head_dim, self.capacity)
-                self.values = values[0].new_empty(layers, kv_heads, self.capacity, head_dim)
-                for a, block_keys, block_values in zip(range(0, count, ring["block"]), keys, values):
-                    self.keys[..., a : a + len(block_keys)] = block_keys.permute(1, 2, 3, 0)
-                    self.values[:, :, a : a + len(block_values)] = block_values.permute(1, 2, 0, 3)
-            self.ids, self.positions, self.predicted, self.next = ids, positions, predicted, ring["next"] if count else 0
+        # this ring's capacity: written from slot 0 in slot order, it lies as it was saved (and
+        # writes next where it did); another's: its tokens oldest first
+        same = ring["capacity"] == self.capacity
+        order = list(range(count)) if same or count < ring["capacity"] \
+            else list(range(ring["next"], count)) + list(range(ring["next"]))
+        pick = torch.tensor(order, dtype=torch.long)
+        keys, values = (torch.cat(blocks)[pick].permute(1, 2, 0, 3) if count else None for blocks in (keys, values))
+        self._set_rows([ring["ids"][k] for k in order], [ring["positions"][k] for k in order],
+                       [ring["predicted"][k] for k in order], keys, values)
+        if same and count:
+            self.next = ring["next"]
         self.load_clocks(ring)

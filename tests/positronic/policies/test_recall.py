@@ -225,7 +225,7 @@ def test_restores_go_into_the_event_log_as_ids_and_the_shape_of_their_kv(tiny):
 def test_evictions_go_into_room_after_the_kept_rows_not_into_a_copy_of_the_index():
     """Each tick's evicted rows are written after the kept ones; the index is copied only when
     that room runs out (capacity 8: room for 24 rows), and the oldest rows go first all along;
-    rows a restore takes out of the middle leave exactly."""
+    rows a restore takes out of the middle leave exactly, the rest moved down in the same buffers."""
     generator = torch.Generator().manual_seed(5)
     recall = Recall(capacity=8)
     given_keys, given_values, storages, offsets = [], [], set(), []
@@ -246,9 +246,10 @@ def test_evictions_go_into_room_after_the_kept_rows_not_into_a_copy_of_the_index
     lookup = Lookup(13, False)
     lookup.back = [30, 33]
     expected = [k for k, i in enumerate(recall.ids) if i not in (30, 33)]
-    before_keys = recall.keys.clone()
+    before_keys, storage = recall.keys.clone(), recall.keys.untyped_storage().data_ptr()
     recall.adopt(lookup)
     assert recall.ids == [28, 29, 31, 32, 34, 35] and torch.equal(recall.keys, before_keys[:, :, expected])
+    assert recall.keys.untyped_storage().data_ptr() == storage, "compacted in place: the room stays"
 
 
 def test_a_session_saved_before_recall_kept_values_resumes_with_an_empty_index():
