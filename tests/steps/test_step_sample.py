@@ -290,3 +290,34 @@ def test_a_brain_whose_cache_turned_to_nan_rebuilds_it_from_the_mirror_and_goes_
     with pytest.raises(NonFiniteLogits):
         brain.step()
     assert brain.tick == 8 and brain.counts["rebuilds"] == 2
+
+
+def _reference_top_k_draw(logits, top_k, temperature, seed):
+    """The rule sample() documents, written plainly: TopKLogitsWarper's set (ties at the cut
+    kept) in id order, softmax over it, one multinomial draw; the record a stable sort of the
+    whole vocabulary's probabilities."""
+    tempered = (logits - logits.max()) / temperature
+    probs = torch.softmax(tempered, dim=-1)
+    values, ids = torch.sort(probs, descending=True, stable=True)
+    candidates = (tempered >= torch.topk(tempered, top_k).values[-1]).nonzero().squeeze(1)
+    pick = int(torch.multinomial(torch.softmax(tempered[candidates], dim=-1), 1,
+                                 generator=torch.Generator().manual_seed(seed)))
+    return int(candidates[pick]), list(zip(ids[:20].tolist(), values[:20].tolist()))
+
+
+@pytest.mark.parametrize("ties", ["none", "at the cut", "everywhere"])
+@pytest.mark.parametrize("top_k", [1, 5, 50])
+def test_top_k_draws_and_records_exactly_what_the_plain_rule_gives(ties, top_k):
+    """The top_k set and the record come from one topk of the logits; with or without ties
+    at the cut, the token drawn (same seed) and the record are the plain rule's."""
+    generator = torch.Generator().manual_seed(top_k)
+    for seed in range(20):
+        if ties == "everywhere":
+            logits = torch.randint(0, 6, (500,), generator=generator).float()
+        else:
+            logits = torch.randn(500, generator=generator) * 3
+            if ties == "at the cut":
+                order = logits.argsort(descending=True)
+                logits[order[top_k]] = logits[order[top_k - 1]]
+        s = sample(logits, temperature=0.8, top_k=top_k, generator=torch.Generator().manual_seed(seed))
+        assert (s.token_id, s.top) == _reference_top_k_draw(logits, top_k, 0.8, seed)
