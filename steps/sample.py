@@ -184,7 +184,7 @@ def _largest(probs: Tensor, count: int, ranked: tuple[Tensor, Tensor] | None = N
     if count == probs.numel():
         return torch.sort(probs, descending=True, stable=True)
     if ranked is not None and len(ranked[1]) > count:
-        ids = ranked[1][: count + 1]  # every other id's logit, so its probability, is at most the last one's
+        ids = ranked[1][: count + 1]  # every other id's logit is at most the last one's (its probability: checked below)
         values = probs[ids]
     else:
         values, ids = probs.topk(count + 1)  # descending; equal values in no set order
