@@ -32,15 +32,29 @@ products that autograd must follow, stay torch's own.
 The weights are moved to 64-byte aligned memory first (torch's own allocations are), as
 before oneDNN when MKL rounded by the weights' address: it costs nothing, and the fallback
 keeps the same numbers in every process.
+
+oneDNN reorders a plain weight into its own blocked layout on every call: the matrix is read
+twice and written once per product. So each layer keeps a copy in that layout, made on its
+first product (`_linear_pointwise` takes it as it is): the same bits out (the plain call runs
+the same kernel on the same reordered copy), and SmolLM2's whole forward, 5 runs on this
+project's CPU, 56.4 -> 51.8 ms with one row and 62.8 -> 49.8 ms with eight (its 211 products
+alone: 8 rows 54 -> 31-40 ms; bench/results/decode.md). The cost is a second copy of the
+linear weights (SmolLM2: 538 MB); when that is more than half the memory available, the
+layers stay plain (`use_row_invariant_linear` says so in the log). A weight changed after the
+copy was made (in place, or replaced) is copied again before its next product.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACKS = ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+log = logging.getLogger(__name__)
 
 
 def row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -58,13 +72,24 @@ class RowInvariantLinear(nn.Linear):
     """nn.Linear whose float32 CPU forward gives each row the same bits whatever rows come
     with it (see the module docstring). Its parameters and state dict are nn.Linear's."""
 
+    packs = PACKS  # keep the weight in oneDNN's layout (use_row_invariant_linear may say no)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (not ONEDNN or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
                 or not x.shape[-1] or not x.numel()
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, self.bias)
-        return row_invariant(x, weight, self.bias)
+        return row_invariant(x, self._packed(weight) if self.packs else weight, self.bias)
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` in oneDNN's blocked layout (an opaque mkldnn tensor), made again whenever
+        the weight is not the one it was made from (other memory, or written in place since)."""
+        stamp = (weight.data_ptr(), weight._version)
+        kept = self.__dict__.get("_onednn_weight")  # not a buffer: never saved, never moved
+        if kept is None or kept[0] != stamp:
+            kept = self.__dict__["_onednn_weight"] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2))
+        return kept[1]
 
 
 ALIGN = 64  # bytes
@@ -85,6 +110,26 @@ def use_row_invariant_linear(model: nn.Module) -> int:
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.data_ptr() % ALIGN:
                 tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
+    copy = sum(module.weight.numel() * 4 for module in linears if module.weight.dtype == torch.float32)
+    available = available_memory()
+    packs = PACKS and (available is None or copy <= available // 2)
+    if PACKS and not packs:
+        log.warning("the linear layers stay in their plain layout (%.0f MB; %.0f MB of memory available): a copy "
+                    "in oneDNN's layout would make the CPU forward faster", copy / 1e6, available / 1e6)
     for module in linears:
         module.__class__ = RowInvariantLinear
+        module.packs = packs
     return len(linears)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or None
+    where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from positronic.models.linear import ONEDNN, RowInvariantLinear, use_row_invariant_linear
+from positronic.models.linear import ONEDNN, PACKS, RowInvariantLinear, use_row_invariant_linear
 
 pytestmark = pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear (the layers stay torch's own)")
 
@@ -111,3 +111,54 @@ def test_a_model_read_from_safetensors_is_copied_whole_to_aligned_memory(tiny, t
     tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
     assert all(tensor.data_ptr() % 64 == 0 for tensor in tensors)
     assert all(type(m) is RowInvariantLinear for m in loaded.model.modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.skipif(not PACKS, reason="this torch cannot keep a weight in oneDNN's layout")
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_weight_kept_in_onednns_layout_gives_the_plain_weights_bits(bias):
+    """The copy in oneDNN's layout is a speed-up only: every row count, the same bits as the
+    plain weight through the same product."""
+    torch.manual_seed(7)
+    layer = nn.Linear(576, 1536, bias=bias)
+    use_row_invariant_linear(layer)
+    assert layer.packs
+    x = torch.randn(300, 576)
+    with torch.no_grad():
+        for rows in (1, 2, 8, 64, 300):
+            layer.packs = True
+            packed = layer(x[:rows])
+            layer.packs = False
+            assert torch.equal(packed, layer(x[:rows])), f"{rows} rows"
+
+
+@pytest.mark.skipif(not PACKS, reason="this torch cannot keep a weight in oneDNN's layout")
+def test_a_weight_changed_after_its_copy_was_made_is_copied_again():
+    torch.manual_seed(8)
+    layer = nn.Linear(64, 96)
+    use_row_invariant_linear(layer)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        layer(x)  # the copy is made
+        layer.weight.mul_(-2)  # in place (a state dict loaded into the model, say)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(96, 64), requires_grad=False)  # replaced
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not PACKS, reason="this torch cannot keep a weight in oneDNN's layout")
+def test_without_the_memory_for_a_copy_the_layers_stay_plain_and_say_so(monkeypatch, caplog):
+    from positronic.models import linear
+
+    layer = nn.Linear(64, 96)  # 24,576 bytes of weight
+    monkeypatch.setattr(linear, "available_memory", lambda: 40_000)
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        use_row_invariant_linear(layer)
+    assert not layer.packs and "stay in their plain layout" in caplog.text
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert "_onednn_weight" not in layer.__dict__
+    roomy = nn.Linear(64, 96)
+    monkeypatch.setattr(linear, "available_memory", lambda: 60_000)
+    use_row_invariant_linear(roomy)
+    assert roomy.packs
