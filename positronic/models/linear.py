@@ -41,7 +41,9 @@ project's CPU, 56.4 -> 51.8 ms with one row and 62.8 -> 49.8 ms with eight (its 
 alone: 8 rows 54 -> 31-40 ms; bench/results/decode.md). The cost is a second copy of the
 linear weights (SmolLM2: 538 MB); when that is more than half the memory available, the
 layers stay plain (`use_row_invariant_linear` says so in the log). A weight changed after the
-copy was made (in place, or replaced) is copied again before its next product.
+copy was made (in place, or replaced) is copied again before its next product; a write through
+`weight.data` is not seen (autograd's version counter does not follow it), and a weight made
+in inference mode keeps no counter, so it is used plain.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class RowInvariantLinear(nn.Linear):
                 or not x.shape[-1] or not x.numel()
                 or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight, self.bias)
-        return row_invariant(x, self._packed(weight) if self.packs else weight, self.bias)
+        # an inference tensor keeps no version counter, so a copy could not tell it was changed
+        packs = self.packs and not weight.is_inference()
+        return row_invariant(x, self._packed(weight) if packs else weight, self.bias)
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` in oneDNN's blocked layout (an opaque mkldnn tensor), made again whenever

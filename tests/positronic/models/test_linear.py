@@ -143,6 +143,16 @@ def test_a_weight_changed_after_its_copy_was_made_is_copied_again():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         layer.weight = nn.Parameter(torch.randn(96, 64), requires_grad=False)  # replaced
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # made in inference mode: no version counter to tell a change by
+        made = nn.Linear(64, 96)
+    use_row_invariant_linear(made)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            torch.testing.assert_close(made(x), F.linear(x, made.weight, made.bias), rtol=1e-5, atol=1e-5)
+            assert "_onednn_weight" not in made.__dict__
+    with torch.inference_mode():
+        made.weight.mul_(3)
+        torch.testing.assert_close(made(x), F.linear(x, made.weight, made.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not PACKS, reason="this torch cannot keep a weight in oneDNN's layout")
