@@ -42,6 +42,7 @@ from positronic import steps
 from positronic.mirror import MirrorFileError, MirrorInvariantError
 
 from .loop import Brain, BrainConfig, cache_capacity
+from ..policies.recall import Digested
 from ..state import StateInvariantError, StateManager
 
 MIRROR_FILE = "mirror.msgpack"
@@ -142,7 +143,8 @@ def _blobs_out(state, blobs: dict[str, bytes]):
     of bytes, replaced by its reference {BLOB: sha256, "size": n}; the pieces go into `blobs`
     (sha256 -> bytes). Other lists (a policy's long lists of numbers) are passed over."""
     if isinstance(state, (bytes, bytearray)) and len(state) >= BLOB_MIN:
-        digest = hashlib.sha256(state).hexdigest()
+        # a Digested piece comes with its digest (a recall block unchanged since the last save)
+        digest = state.sha256 if isinstance(state, Digested) else hashlib.sha256(state).hexdigest()
         blobs[digest] = state
         return {BLOB: digest, "size": len(state)}
     if isinstance(state, dict):

@@ -32,6 +32,7 @@ head), hence `every`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,21 @@ class Lookup:
 def raw(tensor: torch.Tensor | None) -> bytes:
     """A tensor's bytes as they lie in memory (b"" for None), for a saved state."""
     return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class Digested(bytes):
+    """A piece of a saved state that carries its sha256 (hex, `sha256`): a session names a
+    large piece by it (brain/session.py), and a piece known unchanged since the last save is
+    not hashed again. Equal to the same bytes, and taken back as bytes."""
+
+    sha256: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, sha256: str | None = None) -> "Digested":
+        """`raw(tensor)` with its digest: `sha256` when the caller knows it, else computed."""
+        piece = cls(tensor.contiguous().view(torch.uint8).numpy())
+        piece.sha256 = sha256 or hashlib.sha256(piece).hexdigest()
+        return piece
 
 
 class NoRecall:

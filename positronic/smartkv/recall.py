@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..policies.recall import Lookup, Recall, raw
+from ..policies.recall import Digested, Lookup, Recall
 from ..util import DTYPES, is_int_list
 
 BLOCK = 128  # ring slots a saved block holds (SmolLM2 float32: 2.9 MB of keys, as much of values)
@@ -69,6 +69,9 @@ class LaneRecall(Recall):
         self.lane_back_at: dict[tuple[int, int], int] = {}
         self._prune_above = 2 * self.capacity  # lane_back_at's size that sends it through `_prune`
         self.next = 0  # the ring's next slot: keys/values hold `capacity` rows, the first len(ids) filled
+        # ("keys" or "values", block) -> sha256 of that block as the last `state()` gave it; a
+        # write into a block forgets it (`_write`, `_set_rows`: the only writers of the ring)
+        self._digests: dict[tuple[str, int], str] = {}
 
     def idle(self) -> LaneLookup:
         return LaneLookup(self.clock, self.awake)
@@ -226,6 +229,8 @@ class LaneRecall(Recall):
             self.keys[..., a:b] = columns[..., first : first + b - a]
             self.values[:, :, a:b] = values[:, :, first : first + b - a]
             first += b - a
+            for block in range(a // BLOCK, (b - 1) // BLOCK + 1):
+                self._digests.pop(("keys", block), None), self._digests.pop(("values", block), None)
         self.next = (self.next + len(ids)) % self.capacity
 
     def _runs(self, start: int, count: int) -> list[tuple[int, int]]:
@@ -252,6 +257,7 @@ class LaneRecall(Recall):
 
     def _set_rows(self, ids, positions, predicted, keys, values) -> None:
         self.ids, self.positions, self.predicted, self.keys, self.values, self.next = [], [], [], None, None, 0
+        self._digests = {}
         if keys is not None:
             self._write(ids, positions, predicted, keys, values)
 
@@ -259,14 +265,23 @@ class LaneRecall(Recall):
         """Plain data for a session: the ring as it lies (slot order, the next slot to write) and
         its K/V in blocks of BLOCK slots, each token's rows together ([n, layers, kv_heads,
         head_dim] a block). Tokens indexed since the last save change only the blocks they fell
-        in, so a session store that keeps pieces by content (brain/session.py) writes only those."""
+        in, so a session store that keeps pieces by content (brain/session.py) writes only those,
+        and hashes only those: each block comes as `Digested`, its digest kept from the last
+        save while nothing was written into it."""
         blocks = [(a, min(a + BLOCK, len(self.ids))) for a in range(0, len(self.ids), BLOCK)]
+
+        def pieces(name: str, tensors) -> list[Digested]:
+            made = [Digested.of(tensor, self._digests.get((name, k))) for k, tensor in enumerate(tensors)]
+            self._digests.update(((name, k), piece.sha256) for k, piece in enumerate(made))
+            return made
+
         ring = {"ids": list(self.ids), "positions": list(self.positions), "predicted": list(self.predicted),
                 "next": self.next, "capacity": self.capacity, "block": BLOCK,
                 "shape": [] if self.keys is None else [*self.keys.shape[:3]],  # layers, kv_heads, head_dim
                 "dtype": "float32" if self.keys is None else str(self.keys.dtype).removeprefix("torch."),
-                "keys": [raw(self.keys[..., a:b].permute(3, 0, 1, 2)) for a, b in blocks],
-                "values": [raw(self.values[:, :, a:b].permute(2, 0, 1, 3)) for a, b in blocks], **self.clocks()}
+                "keys": pieces("keys", (self.keys[..., a:b].permute(3, 0, 1, 2) for a, b in blocks)),
+                "values": pieces("values", (self.values[:, :, a:b].permute(2, 0, 1, 3) for a, b in blocks)),
+                **self.clocks()}
         return {"ring": ring, "scores": [[i, list(s)] for i, s in self.scores.items()],
                 "lane_back_at": [[i, lane, t] for (i, lane), t in self.lane_back_at.items()]}
 

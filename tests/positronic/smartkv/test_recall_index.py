@@ -239,3 +239,45 @@ def test_the_cooldowns_stay_bounded_without_being_rewalked_while_they_run():
         assert running <= set(recall.lane_back_at)
     assert walks <= 10  # 8 -> 16 -> ... -> 512, then about once per cooldown
     assert largest <= 2 * len(lanes) * cooldown + len(lanes)
+
+
+def test_a_saved_block_carries_its_digest_and_only_the_blocks_written_since_are_hashed(monkeypatch):
+    """A session names each block by its sha256; a block the ring has not written into since the
+    last save keeps the digest it had, so a save hashes only what changed. A stale digest would
+    name a blob by the wrong content (the session could not be resumed): every one is checked."""
+    import hashlib
+
+    from positronic.policies import recall as shared
+
+    monkeypatch.setattr(lane_recall, "BLOCK", 4)
+    generator = torch.Generator().manual_seed(3)
+    recall = LaneRecall(KV_HEADS, capacity=10)  # blocks of slots 0-3, 4-7, 8-9
+    hashed = []
+    real = hashlib.sha256
+
+    def counted(data=b""):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(shared.hashlib, "sha256", counted)
+
+    def check(state) -> None:
+        for name in ("keys", "values"):
+            for piece in state["ring"][name]:
+                assert isinstance(piece, bytes) and piece.sha256 == real(piece).hexdigest()
+
+    leaving(recall, 0, 6, generator)
+    check(recall.state())
+    assert len(hashed) == 4  # two blocks, keys and values
+    for first, count, blocks in ((6, 1, 1), (7, 2, 2), (9, 4, 2), (13, 1, 1), (14, 0, 0)):
+        if count:
+            leaving(recall, first, count, generator)  # 9..12 wraps: slots 9, 0, 1, 2
+        hashed.clear()
+        saved = recall.state()
+        check(saved)
+        assert len(hashed) == 2 * blocks, f"tokens {first}..{first + count - 1}"
+    resumed = LaneRecall(KV_HEADS, capacity=10)
+    resumed.load_state(saved)
+    hashed.clear()
+    check(resumed.state())  # a ring taken back hashes its blocks afresh
+    assert len(hashed) == 6
