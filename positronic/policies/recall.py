@@ -65,7 +65,12 @@ class Lookup:
 
 def raw(tensor: torch.Tensor | None) -> bytes:
     """A tensor's bytes as they lie in memory (b"" for None), for a saved state."""
-    return b"" if tensor is None else tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    return b"" if tensor is None else _byte_array(tensor).tobytes()
+
+
+def _byte_array(tensor: torch.Tensor):
+    """A tensor's bytes in memory order, as a numpy uint8 array (a copy only if not contiguous)."""
+    return tensor.contiguous().view(torch.uint8).numpy()
 
 
 class Digested(bytes):
@@ -78,7 +83,7 @@ class Digested(bytes):
     @classmethod
     def of(cls, tensor: torch.Tensor, sha256: str | None = None) -> "Digested":
         """`raw(tensor)` with its digest: `sha256` when the caller knows it, else computed."""
-        piece = cls(tensor.contiguous().view(torch.uint8).numpy())
+        piece = cls(_byte_array(tensor))
         piece.sha256 = sha256 or hashlib.sha256(piece).hexdigest()
         return piece
 
