@@ -219,6 +219,16 @@ def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: in
     union = f" per layer, {record.live_tokens} tokens" if record.live_tokens != record.live_length else ""
     return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}{union}  "
             f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
-            f"rebuilds {c['rebuilds']}  "
-            f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
+            f"rebuilds {c['rebuilds']}  {shading(brain, record)}")
+
+
+def shading(brain: Brain, record: TickRecord) -> str:
+    """What the live view colours tokens by, least/mean/most over the live tokens: brightness,
+    or under per-layer rows (SmartKV, which keeps no brightness) how many lanes hold each token."""
+    mirror = brain.state.mirror
+    if mirror.layers is None:
+        return f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}"
+    held = mirror.layers.occupancy(mirror.live.ledger_ids)
+    unit = "layers" if brain.state.lanes_per_layer == 1 else "kv heads"
+    return f"held by {min(held)}/{sum(held) / len(held):.0f}/{max(held)} of {mirror.layers.num_layers} {unit}"
 

@@ -212,3 +212,38 @@ def test_the_default_policy_is_smartkv_with_recall_where_gates_ship_and_no_recal
         captured = capsys.readouterr()
         assert said in captured.err
         assert "policy smartkv" in captured.out
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_progress_line_shows_what_the_live_view_colours_tokens_by(tiny, tmp_path, per_head):
+    """Under shared rows: the live tokens' brightness. Under SmartKV's per-layer rows, which keep
+    no brightness (it stayed 255/255/255): how many lanes hold each live token, least / mean /
+    most, as the live view colours them."""
+    from positronic.brain.loop import Brain, BrainConfig
+    from positronic.brain.runner import RunResult
+    from positronic.cli.run import progress_line
+    from positronic.smartkv.gates import GateSet
+
+    gates = GateSet.for_config(tiny.model.config, seed=3, per_head=per_head, header={"lifespan": {"horizon": 48}})
+    with torch.no_grad():  # untrained gates tie; spread as trained ones are, so the lanes keep different rows
+        for gate in gates.gates:
+            last = [m for m in gate.modules() if isinstance(m, torch.nn.Linear)][-1]
+            last.weight.mul_(100.0), last.bias.mul_(100.0)
+    gates.save(path := tmp_path / "gates.safetensors")
+    prompt = [tiny.bos_id] + [(7 * k) % 250 + 3 for k in range(40)]
+    brain = Brain.start(tiny, prompt, BrainConfig(policy="smartkv", budget=24, sinks=2, window=8, gates=str(path)))
+    record = [brain.step() for _ in range(12)][-1]
+    line = progress_line(brain, record, RunResult(ticks=12, seconds=1.0), 12)
+    mirror = brain.state.mirror
+    held = mirror.layers.occupancy(mirror.live.ledger_ids)
+    lanes = tiny.num_layers * (tiny.num_kv_heads if per_head else 1)
+    unit = "kv heads" if per_head else "layers"
+    assert mirror.layers.num_layers == lanes and min(held) < max(held) == lanes, "lanes should hold different rows"
+    assert line.endswith(f"held by {min(held)}/{sum(held) / len(held):.0f}/{lanes} of {lanes} {unit}"), line
+    assert "brightness" not in line and line.startswith("[12/12] tick 12  live 24/24 per layer")
+
+    shared = Brain.start(tiny, prompt, BrainConfig(policy="brightness", budget=24, sinks=2, window=8))
+    record = [shared.step() for _ in range(3)][-1]
+    line = progress_line(shared, record, RunResult(ticks=3, seconds=1.0), 0)
+    assert line.startswith(f"[3/∞] tick 3  live {record.live_length}/24  ") and "held by" not in line
+    assert line.endswith(f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}")
