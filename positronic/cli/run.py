@@ -20,6 +20,7 @@ from ..brain.loop import Brain, TickRecord
 from ..brain.runner import Runner, RunResult, events_run_id, summary
 from ..models import load_model, random_names
 from ..policies import POLICIES
+from ..tui.snapshot import shades
 from ..util import read_text_file
 from .common import (DEFAULTS, UserError, brain_config, freeze_heap, given_flags, refuse_changed_settings, set_threads,
                      show_version, writable_directory)
@@ -219,16 +220,13 @@ def progress_line(brain: Brain, record: TickRecord, result: RunResult, total: in
     union = f" per layer, {record.live_tokens} tokens" if record.live_tokens != record.live_length else ""
     return (f"[{result.ticks}/{total or '∞'}] tick {record.tick}  live {record.live_length}/{brain.config.budget}{union}  "
             f"{result.ticks / result.seconds:.1f} tok/s  repairs {c['repairs']}  culls {c['culls']}  "
-            f"rebuilds {c['rebuilds']}  {shading(brain, record)}")
+            f"rebuilds {c['rebuilds']}  {shading(brain)}")
 
 
-def shading(brain: Brain, record: TickRecord) -> str:
-    """What the live view colours tokens by, least/mean/most over the live tokens: brightness,
-    or under per-layer rows (SmartKV, which keeps no brightness) how many lanes hold each token."""
-    mirror = brain.state.mirror
-    if mirror.layers is None:
-        return f"brightness {record.brightness_min:.0f}/{record.brightness_mean:.0f}/{record.brightness_max:.0f}"
-    held = mirror.layers.occupancy(mirror.live.ledger_ids)
-    unit = "layers" if brain.state.lanes_per_layer == 1 else "kv heads"
-    return f"held by {min(held)}/{sum(held) / len(held):.0f}/{max(held)} of {mirror.layers.num_layers} {unit}"
+def shading(brain: Brain) -> str:
+    """What the live view colours tokens by (tui.snapshot.shades), least/mean/most over the live
+    tokens: `brightness 0/68/255`, or under SmartKV `held by 1/36/90 of 90 kv heads`."""
+    values, scale, measure = shades(brain, brain.state.lm.num_layers)
+    spread = f"{min(values):.0f}/{sum(values) / len(values):.0f}/{max(values):.0f}"
+    return f"brightness {spread}" if measure == "brightness" else f"held by {spread} of {scale:.0f} {measure}"
 

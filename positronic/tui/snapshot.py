@@ -56,6 +56,17 @@ class Snapshot:
     rows_per_layer: int | None = None  # per-layer rows: what the budget bounds (texts: the union)
 
 
+def shades(brain: "Brain", num_layers: int) -> tuple[list[float], float, str]:
+    """What the live view colours each live token by: (values in live order, their full scale,
+    the measure's name). Brightness; or, where layers keep rows of their own (SmartKV, which
+    keeps no brightness), how many layers (or kv heads: per-head rows) still hold each token."""
+    mirror = brain.state.mirror
+    if mirror.layers is not None:
+        measure = "layers" if mirror.layers.num_layers == num_layers else "kv heads"
+        return [float(n) for n in mirror.layers.occupancy(mirror.live.ledger_ids)], float(mirror.layers.num_layers), measure
+    return [float(b) for b in mirror.brightness()], float(steps.RULES[brain.config.brightness].start), "brightness"
+
+
 def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: int = 0, tok_s: float = 0.0,
                   elapsed: float = 0.0, actions: list[str] | None = None, status: str = "running",
                   resumed: bool = False, input_note: str = "") -> Snapshot:
@@ -63,19 +74,15 @@ def take_snapshot(brain: "Brain", lm: "LoadedModel", *, done: int = 0, total: in
     mirror, cfg = brain.state.mirror, brain.config
     entries = mirror.ledger.entries
     rows = [entries[i] for i in mirror.live.ledger_ids]
-    if mirror.layers is not None:  # colour by how many layers (or kv heads: per-head rows) still hold each token
-        measure = "layers" if mirror.layers.num_layers == lm.num_layers else "kv heads"
-        shown, scale = mirror.layers.occupancy(mirror.live.ledger_ids), mirror.layers.num_layers
-    else:
-        shown, scale, measure = [e.brightness for e in rows], float(steps.RULES[cfg.brightness].start), "brightness"
+    shown, scale, measure = shades(brain, lm.num_layers)
     return Snapshot(
         model=lm.name, device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."), policy=cfg.policy,
         rule=cfg.brightness, tick=brain.tick, done=done, total=total,
-        texts=[e.text for e in rows], brightness=[float(b) for b in shown], measure=measure,
+        texts=[e.text for e in rows], brightness=shown, measure=measure,
         rows_per_layer=None if mirror.layers is None else len(mirror.layers),
         sources=[e.source for e in rows], born=[e.tick_born for e in rows],
         budget=cfg.budget, sinks=cfg.sinks, protect=cfg.protect, window=cfg.window,
-        bright_max=float(scale), counts=dict(brain.counts),
+        bright_max=scale, counts=dict(brain.counts),
         cache_mb=brain.state.cache.memory_usage_mb(), tok_s=tok_s, elapsed=elapsed,
         actions=list(actions or ()), status=status, resumed=resumed,
         pending_input=len(brain.pending_input), input_note=input_note,
