@@ -29,7 +29,8 @@ venv's transformers in float32. This file never imports `positronic` (it needs t
 past kvpress's pin); bench/texts.py is torch-free and imported as is.
 
 Output: one JSON per (text, budget, press) in --out (an existing one is reused unless --force),
-and a markdown table (ppl and x full per text x budget) on stdout; progress on stderr.
+with the NLL of every scored token (`nll`, for bench/significance.py), and a markdown table (ppl
+and x full per text x budget) on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ class Runner:
         if budget is not None and widest_mean > budget:
             raise RuntimeError(f"{label}: attended to {widest_mean} rows, over the budget {budget}")
         mean = sum(losses) / len(losses)
-        return {"ppl": math.exp(mean), "mean_nll": mean, "max_rows_attended": widest,
+        return {"ppl": math.exp(mean), "mean_nll": mean, "nll": [round(x, 6) for x in losses],
+                "max_rows_attended": widest,
                 "max_rows_attended_mean_over_heads": widest_mean,
                 "mean_rows_attended": rows_sum / len(losses), "seconds": seconds,
                 "decoder": spec.decoder if press else None, "interval": spec.interval if press else None,
@@ -351,6 +353,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress",
                    help="directory for one JSON per run (reused when present, unless --force)")
     p.add_argument("--force", action="store_true", help="rerun runs whose JSON already exists")
+    p.add_argument("--per-token", action="store_true",
+                   help="rerun runs whose JSON has no per-token NLLs (those before 2026-11-29), which "
+                   "bench/significance.py needs")
     p.add_argument("--model-dir", type=Path, help="the converted SmolLM2 directory (default: the project's cache)")
     p.add_argument("--check-full", nargs="*", metavar="TEXT=PPL",
                    help="assert the full-cache ppl of TEXT rounds to PPL (2 decimals), e.g. frankenstein=26.51")
@@ -376,9 +381,11 @@ def main(argv=None) -> int:
                 path = args.out / f"{t}_{args.tokens}_{'full' if budget is None else budget}_{name}.json"
                 label = f"{text.label} {name}" + ("" if budget is None else f" budget {budget}")
                 if path.exists() and not args.force:
-                    results[t, budget, name] = json.loads(path.read_text())
-                    print(f"  {label}: reused {path.name}", file=sys.stderr, flush=True)
-                    continue
+                    row = json.loads(path.read_text())
+                    if not (args.per_token and "nll" not in row and "error" not in row):
+                        results[t, budget, name] = row
+                        print(f"  {label}: reused {path.name}", file=sys.stderr, flush=True)
+                        continue
                 claim = path.with_name(f".{path.stem}.running")  # several processes can share one --out
                 try:
                     os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

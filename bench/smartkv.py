@@ -165,14 +165,31 @@ def quality(args, lm) -> None:
         for share in args.budgets:
             where_lost(lm, ids, results, *args.where, round(share * count))
     if args.out:
-        rows = [{"method": name, "budget": budget, "ppl": perplexity(nll), "ratio": perplexity(nll) / full,
-                 "seconds": seconds} for (name, budget), (nll, seconds) in results.items()]
         path = args.out / f"smartkv_{args.text.stem}.json"
+        rows = [{"method": name, "budget": budget, "ppl": perplexity(nll), "ratio": perplexity(nll) / full,
+                 "seconds": seconds, "offset": args.offset, "nll": [round(x, 6) for x in nll]}
+                for (name, budget), (nll, seconds) in results.items()]
+        rows = kept_rows(path, args, count, rows) + rows
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"model": args.model, "text": args.text.name, "tokens": count, "rows": rows},
                                    indent=1))
         plot_quality(path, path.with_suffix(".png"))
         print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def kept_rows(path: Path, args, count: int, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier --out file that this run did not redo (a --methods run adds to the
+    file, it does not wipe the other methods); none if that file scored other tokens (another
+    model, --tokens or --offset: its rows would not compare)."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("model") != args.model or old.get("tokens") != count or any(
+            row.get("offset", 60000) != args.offset for row in old["rows"]):
+        print(f"{path}: its rows scored other tokens (model, --tokens or --offset): replaced", flush=True)
+        return []
+    redone = {(row["method"], row["budget"]) for row in rows}
+    return [row for row in old["rows"] if (row["method"], row["budget"]) not in redone]
 
 
 def where_lost(lm, ids: list[int], results: dict, first: str, second: str, budget: int, top: int = 12) -> None:
@@ -257,7 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
     p.add_argument("--where", nargs=2, metavar=("A", "B"), help="also show where method A loses to method B "
                    "(per-token NLL differences at each budget)")
-    p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json and a bar plot (.png) here")
+    p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json (each row's per-token NLLs too, for "
+                   "bench/significance.py; rows of methods not rerun are kept) and a bar plot (.png) here")
     p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
