@@ -54,6 +54,20 @@ def test_the_same_series_tie_and_a_clear_shift_is_decided_either_way():
     assert better.verdict(1.03, ("within", "beyond", "undecided")) == "within"
 
 
+def test_texts_pooled_weigh_every_token_and_tighten_the_interval():
+    rng = np.random.default_rng(5)
+    b1, b2 = rng.gamma(2, 1.5, 1024), rng.gamma(2, 1.5, 512)
+    a1, a2 = b1 + 0.02 + 0.3 * _ar1(rng, 1024, 0.9), b2 + 0.05 + 0.3 * _ar1(rng, 512, 0.9)
+    both = paired_ratio([a1, a2], [b1, b2])
+    assert both.value == pytest.approx(math.exp((np.sum(a1 - b1) + np.sum(a2 - b2)) / 1536))
+    one = paired_ratio(a1, b1)
+    assert both.high - both.low < one.high - one.low  # 1,536 tokens tell more than 1,024
+    with pytest.raises(ValueError, match="or two lists of them"):
+        paired_ratio([a1, a2], [b1])
+    with pytest.raises(ValueError, match=r"--block must be in \[1, 512\]"):
+        paired_ratio([a1, a2], [b1, b2], block=600)
+
+
 @pytest.mark.parametrize("a, b, kwargs, message", [
     ([1.0, 2.0], [1.0], {}, "one length"),
     ([], [], {}, "one length"),
