@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kvpress_anchor import TEXTS  # noqa: E402  (torch-free at import)
+from bench.kvpress_anchor import MAIN, TEXTS  # noqa: E402  (torch-free at import)
 
 
 @dataclass(frozen=True)
@@ -133,80 +133,127 @@ def kvpress_rows(directory: Path, text: str, tokens: int) -> dict[tuple[str, int
     return rows
 
 
-def report(args) -> tuple[str, int]:
-    """The markdown table, and how many cells had no kvpress press with per-token NLLs."""
+@dataclass
+class Loaded:
+    """One text's per-token NLLs: the project's rows, kvpress's runs, the full cache."""
+    label: str
+    ours: dict[tuple[str, int | None], list[float]]
+    theirs: dict[tuple[str, int | None], list[float]]
+    full: list[float]
+
+
+def load(args) -> dict[str, Loaded]:
+    """Every --texts text's series, with the --method rows at every budget (SystemExit naming the
+    command that writes a missing one)."""
+    loaded = {}
+    for text in args.texts:
+        spec = TEXTS[text]
+        path = args.project_dir / f"smartkv_{Path(spec.file).stem}.json"
+        rerun = (f"bench/smartkv.py --text {spec.file} --offset {spec.offset} --methods {args.method} "
+                 f"--out {args.project_dir}")
+        if not path.exists():
+            raise SystemExit(f"{path} missing: run {rerun}")
+        ours = project_rows(path, spec.offset, args.tokens)
+        if ("full", None) not in ours:
+            raise SystemExit(f"{path} has no per-token NLLs of the full cache: rerun {rerun}")
+        for budget in budgets(args):
+            if (args.method, budget) not in ours:
+                raise SystemExit(f"{path} has no per-token NLLs of {args.method} at budget {budget}: run {rerun}")
+        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours,
+                              kvpress_rows(args.kvpress_dir, text, args.tokens), ours["full", None])
+    return loaded
+
+
+def budgets(args) -> list[int]:
+    return [round(share * args.tokens) for share in args.budgets]
+
+
+def ppl(nll) -> float:
+    return math.exp(float(np.mean(np.concatenate(nll) if _is_list_of_series(nll) else nll)))
+
+
+def interval(args, a, b) -> Ratio:
+    return paired_ratio(a, b, block=args.block, resamples=args.resamples, level=args.level)
+
+
+def against_full(args, budget: int, r: Ratio) -> str:
+    """The verdict against the full cache where the target is asked at this budget, else '–'."""
+    if not any(round(share * args.tokens) == budget for share in args.target_at):
+        return "–"
+    return f"{r.verdict(args.target, ('within', 'beyond', 'undecided'))} {args.target:g}"
+
+
+def intervals(args, loaded: dict[str, Loaded]) -> tuple[list[str], int]:
+    """A row per text, budget and press (nearest first), then the full cache; pooled rows last.
+    Also how many cells had no press with per-token NLLs."""
     lines = [f"{args.method} against kvpress's presses: perplexity ratio (A / B) and its {args.level:.0%} "
-             f"interval, moving blocks of {args.block} tokens, {args.resamples:,} resamples", ""]
-    lines += ["| text | budget | A | B (kvpress) | ppl A | ppl B | A / B | interval | verdict |",
-              "|---|---|---|---|---|---|---|---|---|"]
+             f"interval, moving blocks of {args.block} tokens, {args.resamples:,} resamples", "",
+             "| text | budget | A | B | ppl A | ppl B | A / B | interval | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     empty, notes = 0, []
     pooled: dict[int, dict[str, list]] = {}  # budget -> {"A": per text, "full cache": per text, press: per text}
-    for text in args.texts:
-        stem = Path(TEXTS[text].file).stem
-        path = args.project_dir / f"smartkv_{stem}.json"
-        if not path.exists():
-            raise SystemExit(f"{path} missing: run bench/smartkv.py --text {TEXTS[text].file} --offset "
-                             f"{TEXTS[text].offset} --methods {args.method} --out {args.project_dir}")
-        ours = project_rows(path, TEXTS[text].offset, args.tokens)
-        theirs = kvpress_rows(args.kvpress_dir, text, args.tokens)
-        full = ours.get(("full", None))
-        if full is None:
-            raise SystemExit(f"{path} has no per-token NLLs of the full cache: rerun bench/smartkv.py --out")
-        if ("full", None) in theirs:
-            gap = float(np.abs(np.subtract(full, theirs["full", None])).max())
-            notes.append(f"- {TEXTS[text].label}: the project's and kvpress's full caches differ by at most "
-                         f"{gap:.1e} nats a token")
-        label = TEXTS[text].label + ("*" if TEXTS[text].held_out else "")
-        for budget in [round(share * args.tokens) for share in args.budgets]:
-            mine = ours.get((args.method, budget))
-            if mine is None:
-                raise SystemExit(f"{path} has no per-token NLLs of {args.method} at budget {budget}: run "
-                                 f"bench/smartkv.py --text {TEXTS[text].file} --offset {TEXTS[text].offset} "
-                                 f"--methods {args.method} --out {args.project_dir}")
-            ppl = math.exp(float(np.mean(mine)))
+
+    def row(label, budget, name, mine, other) -> str:
+        r = interval(args, mine, other)
+        verdict = against_full(args, budget, r) if name == "full cache" else r.verdict()
+        return (f"| {label} | {budget} | {args.method} | {name} | {ppl(mine):.2f} | {ppl(other):.2f} | "
+                f"{r.value:.4f} | {r.low:.4f}–{r.high:.4f} | {verdict} |")
+
+    for text, data in loaded.items():
+        if ("full", None) in data.theirs:
+            gap = float(np.abs(np.subtract(data.full, data.theirs["full", None])).max())
+            notes.append(f"- {data.label}: the project's and kvpress's full caches differ by at most {gap:.1e} "
+                         "nats a token")
+        for budget in budgets(args):
+            mine = data.ours[args.method, budget]
+            presses = [(name, nll) for (name, b), nll in data.theirs.items() if b == budget]
             into = pooled.setdefault(budget, {})
-            for name, nll in [("A", mine), ("full cache", full)] + [(n, v) for (n, b), v in theirs.items() if b == budget]:
+            for name, nll in [("A", mine), ("full cache", data.full), *presses]:
                 into.setdefault(name, []).append(nll)
-            presses = sorted((math.exp(float(np.mean(nll))), name) for (name, b), nll in theirs.items() if b == budget)
             if not presses:
                 empty += 1
-                lines.append(f"| {label} | {budget} | {args.method} | (no press with per-token NLLs) | {ppl:.2f} "
-                             "| | | | |")
-            for other, name in presses[: args.nearest or None]:
-                r = paired_ratio(mine, theirs[name, budget], block=args.block, resamples=args.resamples,
-                                 level=args.level)
-                lines.append(f"| {label} | {budget} | {args.method} | {name} | {ppl:.2f} | {other:.2f} | "
-                             f"{r.value:.4f} | {r.low:.4f}–{r.high:.4f} | {r.verdict()} |")
-            r = paired_ratio(mine, full, block=args.block, resamples=args.resamples, level=args.level)
-            asked = any(round(share * args.tokens) == budget for share in args.target_at)
-            verdict = f"{r.verdict(args.target, ('within', 'beyond', 'undecided'))} {args.target:g}" if asked else "–"
-            lines.append(f"| {label} | {budget} | {args.method} | full cache | {ppl:.2f} | "
-                         f"{math.exp(float(np.mean(full))):.2f} | {r.value:.4f} | {r.low:.4f}–{r.high:.4f} | "
-                         f"{verdict} |")
-    if len(args.texts) > 1:
-        lines += _pooled(args, pooled)
-    return "\n".join(lines + ([""] + notes if notes else [])), empty
+                lines.append(f"| {data.label} | {budget} | {args.method} | (no press with per-token NLLs) | "
+                             f"{ppl(mine):.2f} | | | | |")
+            for name, nll in sorted(presses, key=lambda item: ppl(item[1]))[: args.nearest or None]:
+                lines.append(row(data.label, budget, name, mine, nll))
+            lines.append(row(data.label, budget, "full cache", mine, data.full))
+    if len(loaded) > 1:  # every text's tokens at once, against the presses run on all of them
+        for budget, series in pooled.items():
+            whole = [(name, v) for name, v in series.items() if name != "A" and len(v) == len(loaded)]
+            for name, v in sorted(whole, key=lambda item: ppl(item[1])):
+                lines.append(row(f"all {len(loaded)} texts, pooled", budget, name, series["A"], v))
+    return lines + ([""] + notes if notes else []), empty
 
 
-def _pooled(args, pooled: dict[int, dict[str, list]]) -> list[str]:
-    """Rows over every text's tokens at once (each text's blocks drawn from it alone), against
-    each press run on all of them: what the texts say together, where one text's 1,024 tokens tie."""
-    texts = len(args.texts)
-    rows = []
-    for budget, series in pooled.items():
-        mine = series["A"]
-        ppl = math.exp(float(np.mean(np.concatenate(mine))))
-        others = sorted((math.exp(float(np.mean(np.concatenate(v)))), name) for name, v in series.items()
-                        if name != "A" and len(v) == texts)
-        for other, name in others:
-            r = paired_ratio(mine, series[name], block=args.block, resamples=args.resamples, level=args.level)
-            verdict = r.verdict()
-            if name == "full cache":
-                asked = any(round(share * args.tokens) == budget for share in args.target_at)
-                verdict = f"{r.verdict(args.target, ('within', 'beyond', 'undecided'))} {args.target:g}" if asked else "–"
-            rows.append(f"| all {texts} texts, pooled | {budget} | {args.method} | {name} | {ppl:.2f} | {other:.2f} | "
-                        f"{r.value:.4f} | {r.low:.4f}–{r.high:.4f} | {verdict} |")
-    return rows
+def ppl_table(args, loaded: dict[str, Loaded]) -> list[str]:
+    """The kvpress table from the per-token files: perplexity and x the full cache per text and
+    budget, a row per press (kvpress_anchor.py's order) and --method, and last the verdict
+    against the nearest press in each cell."""
+    heads = [f"{data.label} {budget}" for data in loaded.values() for budget in budgets(args)]
+    lines = ["| method | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    names = [name for name in MAIN if name != "full"
+             and any((name, b) in data.theirs for data in loaded.values() for b in budgets(args))]
+    lines.append("| full cache | " + " | ".join(f"{ppl(data.full):.2f}" for data in loaded.values()
+                                                 for _ in budgets(args)) + " |")
+    for name in names + [args.method]:
+        cells = []
+        for data in loaded.values():
+            for budget in budgets(args):
+                nll = data.ours.get((name, budget)) if name == args.method else data.theirs.get((name, budget))
+                cells.append("–" if nll is None else f"{ppl(nll):.2f} ×{ppl(nll) / ppl(data.full):.3f}")
+        label = f"**{args.method}**" if name == args.method else f"kvpress {name}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    verdicts = []
+    for data in loaded.values():
+        for budget in budgets(args):
+            presses = [(ppl(nll), name, nll) for (name, b), nll in data.theirs.items() if b == budget]
+            if not presses:
+                verdicts.append("–")
+                continue
+            _, name, nll = min(presses, key=lambda item: item[0])
+            verdicts.append(f"{interval(args, data.ours[args.method, budget], nll).verdict()} ({name})")
+    lines.append("| against the nearest press | " + " | ".join(verdicts) + " |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -222,6 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=1.03, help="the ratio to the full cache asked for")
     p.add_argument("--target-at", type=float, nargs="*", default=[0.25],
                    help="the budget shares the target is asked at (issue 35: 25%%); other rows show no verdict")
+    p.add_argument("--table", action="store_true", help="print the perplexity table of bench/results/kvpress.md "
+                   "from the per-token files instead, with each cell's verdict against its nearest press")
     p.add_argument("--project-dir", type=Path, default=ROOT / "bench" / "eval_results" / "smartkv")
     p.add_argument("--kvpress-dir", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress")
     args = p.parse_args(argv)
@@ -229,8 +278,12 @@ def main(argv=None) -> int:
         p.error(f"--block must be in [1, --tokens {args.tokens}], got {args.block}")
     if args.resamples < 100 or not 0 < args.level < 1:
         p.error("--resamples must be at least 100 and --level in (0, 1)")
-    table, empty = report(args)
-    print(table)
+    loaded = load(args)
+    if args.table:
+        print("\n".join(ppl_table(args, loaded)))
+        return 0
+    lines, empty = intervals(args, loaded)
+    print("\n".join(lines))
     if empty:
         print(f"\n{empty} cell(s) had no kvpress press with per-token NLLs: run bench/kvpress_anchor.py "
               "--per-token (in bench/.kvpress-venv)", file=sys.stderr)
