@@ -123,14 +123,19 @@ def project_rows(path: Path, offset: int, tokens: int) -> dict[tuple[str, int | 
     return rows
 
 
-def kvpress_rows(directory: Path, text: str, tokens: int) -> dict[tuple[str, int | None], list[float]]:
-    """(press, budget) -> per-token NLLs of every kvpress_anchor.py run of `text` that has them."""
-    rows = {}
+def kvpress_rows(directory: Path, text: str, tokens: int) -> tuple[dict, dict]:
+    """Every kvpress_anchor.py run of `text`: (press, budget) -> per-token NLLs of those that
+    have them, and (press, budget) -> perplexity of those that do not (runs before 2026-11-29)."""
+    rows, bare = {}, {}
     for path in sorted(directory.glob(f"{text}_{tokens}_*.json")):
         row = json.loads(path.read_text())
-        if "nll" in row and row.get("offset") == TEXTS[text].offset:
+        if row.get("offset") != TEXTS[text].offset:
+            continue
+        if "nll" in row:
             rows[row["method"], row["budget"]] = row["nll"]
-    return rows
+        elif "ppl" in row:  # (a run that failed has neither)
+            bare[row["method"], row["budget"]] = row["ppl"]
+    return rows, bare
 
 
 @dataclass
@@ -140,6 +145,7 @@ class Loaded:
     ours: dict[tuple[str, int | None], list[float]]
     theirs: dict[tuple[str, int | None], list[float]]
     full: list[float]
+    bare: dict[tuple[str, int | None], float]  # kvpress runs without per-token NLLs: their perplexity only
 
 
 def load(args) -> dict[str, Loaded]:
@@ -159,8 +165,8 @@ def load(args) -> dict[str, Loaded]:
         for budget in budgets(args):
             if (args.method, budget) not in ours:
                 raise SystemExit(f"{path} has no per-token NLLs of {args.method} at budget {budget}: run {rerun}")
-        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours,
-                              kvpress_rows(args.kvpress_dir, text, args.tokens), ours["full", None])
+        theirs, bare = kvpress_rows(args.kvpress_dir, text, args.tokens)
+        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours, theirs, ours["full", None], bare)
     return loaded
 
 
@@ -228,11 +234,13 @@ def intervals(args, loaded: dict[str, Loaded]) -> tuple[list[str], int]:
 def ppl_table(args, loaded: dict[str, Loaded]) -> list[str]:
     """The kvpress table from the per-token files: perplexity and x the full cache per text and
     budget, a row per press (kvpress_anchor.py's order) and --method, and last the verdict
-    against the nearest press in each cell."""
+    against the nearest press in each cell. A run without per-token NLLs shows its perplexity
+    marked † and takes no part in the verdicts."""
     heads = [f"{data.label} {budget}" for data in loaded.values() for budget in budgets(args)]
     lines = ["| method | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    names = [name for name in MAIN if name != "full"
-             and any((name, b) in data.theirs for data in loaded.values() for b in budgets(args))]
+    names = [name for name in MAIN if name != "full" and any(
+        (name, b) in data.theirs or (name, b) in data.bare for data in loaded.values() for b in budgets(args))]
+    bare = False
     lines.append("| full cache | " + " | ".join(f"{ppl(data.full):.2f}" for data in loaded.values()
                                                  for _ in budgets(args)) + " |")
     for name in names + [args.method]:
@@ -240,7 +248,11 @@ def ppl_table(args, loaded: dict[str, Loaded]) -> list[str]:
         for data in loaded.values():
             for budget in budgets(args):
                 nll = data.ours.get((name, budget)) if name == args.method else data.theirs.get((name, budget))
-                cells.append("–" if nll is None else f"{ppl(nll):.2f} ×{ppl(nll) / ppl(data.full):.3f}")
+                if nll is None and (name, budget) in data.bare:
+                    bare, value = True, data.bare[name, budget]
+                    cells.append(f"{value:.2f} ×{value / ppl(data.full):.3f} †")
+                else:
+                    cells.append("–" if nll is None else f"{ppl(nll):.2f} ×{ppl(nll) / ppl(data.full):.3f}")
         label = f"**{args.method}**" if name == args.method else f"kvpress {name}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     verdicts = []
@@ -253,6 +265,9 @@ def ppl_table(args, loaded: dict[str, Loaded]) -> list[str]:
             _, name, nll = min(presses, key=lambda item: item[0])
             verdicts.append(f"{interval(args, data.ours[args.method, budget], nll).verdict()} ({name})")
     lines.append("| against the nearest press | " + " | ".join(verdicts) + " |")
+    if bare:
+        lines += ["", "† a run without per-token NLLs (before 2026-11-29): its perplexity only, no verdict "
+                  "(bench/kvpress_anchor.py --per-token reruns it)"]
     return lines
 
 

@@ -116,14 +116,18 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
     assert verdict == ("below" if high < 1 else "above" if low > 1 else "tie")
     assert cells["full cache"][8].split()[0] in {"within", "beyond", "undecided"}
 
+    (kvpress / "frankenstein_128_64_knorm.json").write_text(json.dumps(  # an old run: its perplexity only
+        {"method": "knorm", "budget": 64, "offset": 60000, "ppl": 99.5}))
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "frankenstein",
                             "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random", "--block", "16",
                             "--project-dir", str(out), "--kvpress-dir", str(kvpress), "--table"],
                            capture_output=True, text=True, timeout=600, check=True).stdout.splitlines()
     assert table[2].startswith(f"| full cache | {rows['full', None]['ppl']:.2f} |")
     assert table[3] == f"| kvpress streaming | {rows['streaming', 64]['ppl']:.2f} ×{rows['streaming', 64]['ratio']:.3f} |"
-    assert table[4].startswith(f"| **smartkv-random** | {rows['smartkv-random', 64]['ppl']:.2f} ×")
-    assert table[5] == f"| against the nearest press | {verdict} (streaming) |"
+    assert table[4] == f"| kvpress knorm | 99.50 ×{99.5 / rows['full', None]['ppl']:.3f} † |"
+    assert table[5].startswith(f"| **smartkv-random** | {rows['smartkv-random', 64]['ppl']:.2f} ×")
+    assert table[6] == f"| against the nearest press | {verdict} (streaming) |"  # not the old run's
+    assert table[-1].startswith("† a run without per-token NLLs")
 
 
 def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path):
