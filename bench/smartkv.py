@@ -180,12 +180,17 @@ def quality(args, lm) -> None:
 def kept_rows(path: Path, args, count: int, rows: list[dict]) -> list[dict]:
     """The rows of an earlier --out file that this run did not redo (a --methods run adds to the
     file, it does not wipe the other methods); none if that file scored other tokens (another
-    model, --tokens or --offset: its rows would not compare)."""
+    model, --tokens or --offset: its rows would not compare). Rows written before they recorded
+    their offset count as the same tokens when the file's full-cache perplexity is this run's."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    if old.get("model") != args.model or old.get("tokens") != count or any(
-            row.get("offset", 60000) != args.offset for row in old["rows"]):
+    full = {row["method"]: row["ppl"] for row in old["rows"]}.get("full")
+    now = next(row["ppl"] for row in rows if row["method"] == "full")
+    same = old.get("model") == args.model and old.get("tokens") == count and all(
+        row["offset"] == args.offset if "offset" in row else full is not None and math.isclose(full, now, rel_tol=1e-6)
+        for row in old["rows"])
+    if not same:
         print(f"{path}: its rows scored other tokens (model, --tokens or --offset): replaced", flush=True)
         return []
     redone = {(row["method"], row["budget"]) for row in rows}

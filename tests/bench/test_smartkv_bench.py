@@ -41,3 +41,33 @@ def test_smartkv_bench_refuses_a_bad_method_with_one_line_before_running(extra, 
                           "--budgets", "0.5", *extra], capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and message in run.stderr
     assert "Traceback" not in run.stderr and "budget" not in run.stdout  # nothing ran
+
+
+def test_an_out_run_adds_its_rows_and_keeps_the_others_only_if_they_scored_the_same_tokens(tmp_path):
+    """bench/smartkv.py --out with --methods adds to the file; rows written before rows recorded
+    their offset are kept when the file's full cache has this run's perplexity, else replaced."""
+    import json
+
+    path = tmp_path / "smartkv_alice_ch1-2.json"
+    run = [sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny", "--text",
+           str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128", "--budgets", "0.5",
+           "--out", str(tmp_path), "--methods"]
+    subprocess.run(run + ["streaming"], capture_output=True, text=True, timeout=600, check=True)
+    data = json.loads(path.read_text())
+    for row in data["rows"]:  # as a file written before 2026-11-29
+        del row["offset"], row["nll"]
+    path.write_text(json.dumps(data))
+    subprocess.run(run + ["smartkv-random"], capture_output=True, text=True, timeout=600, check=True)
+    rows = json.loads(path.read_text())["rows"]
+    assert sorted((row["method"], "nll" in row) for row in rows) == [
+        ("full", True), ("smartkv-random", True), ("streaming", False)]
+
+    data = json.loads(path.read_text())
+    for row in data["rows"]:
+        row.pop("offset", None)
+        if row["method"] == "full":
+            row["ppl"] *= 1.01  # another text's full cache
+    path.write_text(json.dumps(data))
+    out = subprocess.run(run + ["smartkv-random"], capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "its rows scored other tokens" in out
+    assert sorted(row["method"] for row in json.loads(path.read_text())["rows"]) == ["full", "smartkv-random"]
