@@ -3,6 +3,8 @@
     bash bench/kvpress_env.sh                                   # once: bench/.kvpress-venv
     bench/.kvpress-venv/bin/python bench/kvpress_anchor.py --threads 1
     bench/.kvpress-venv/bin/python bench/kvpress_anchor.py --texts frankenstein --presses full knorm --tokens 64
+    bench/.kvpress-venv/bin/python bench/kvpress_anchor.py --per-token --presses snapkv   # rerun old runs that
+                                                            # lack per-token NLLs (for bench/significance.py)
 
 **Task** (the same as bench/smartkv.py's): BOS + --tokens tokens of a text excerpt (bench/texts.py's
 rule) are teacher-forced one token per forward; the NLL of each next token is read from the
