@@ -29,8 +29,8 @@ Inputs (written by the two benchmarks, each with the NLL of every scored token):
   --project-dir/smartkv_STEM.json     bench/smartkv.py --out (STEM: the text file's name)
   --kvpress-dir/TEXT_TOKENS_BUDGET_PRESS.json    bench/kvpress_anchor.py (--per-token reruns old ones)
 The full cache comes from the project's file; where kvpress's own full run has per-token NLLs
-too, the table's header says how far the two differ token by token (the same tokens, the same
-model: they must agree to float rounding). numpy only: it runs in either virtualenv.
+too, a note under the table says how far the two differ token by token (the same tokens, the
+same model: they must agree to float rounding). numpy only: it runs in either virtualenv.
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ def paired_ratio(a, b, *, block: int = 64, resamples: int = 10_000, level: float
     (pooled: the mean over all their tokens; each text's blocks are drawn from that text alone).
     ValueError if paired series differ in length, are empty, hold a non-finite value, or the
     block is not in [1, the shortest series' length]."""
-    pairs = list(zip(a, b)) if _is_list_of_series(a) else [(a, b)]
-    if _is_list_of_series(a) != _is_list_of_series(b) or len(pairs) != (len(a) if _is_list_of_series(a) else 1) \
-            or not pairs:
+    pooled = _is_list_of_series(a)
+    if pooled != _is_list_of_series(b) or pooled and len(a) != len(b):
         raise ValueError("two NLL series of one length (or two lists of them, text by text) are needed")
+    pairs = list(zip(a, b)) if pooled else [(a, b)]
     diffs = []
     for x, y in pairs:
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -144,8 +144,12 @@ class Loaded:
     label: str
     ours: dict[tuple[str, int | None], list[float]]
     theirs: dict[tuple[str, int | None], list[float]]
-    full: list[float]
     bare: dict[tuple[str, int | None], float]  # kvpress runs without per-token NLLs: their perplexity only
+
+    @property
+    def full(self) -> list[float]:
+        """The full cache's NLLs: the project's run of it (kvpress's agrees to float rounding)."""
+        return self.ours["full", None]
 
 
 def load(args) -> dict[str, Loaded]:
@@ -166,7 +170,7 @@ def load(args) -> dict[str, Loaded]:
             if (args.method, budget) not in ours:
                 raise SystemExit(f"{path} has no per-token NLLs of {args.method} at budget {budget}: run {rerun}")
         theirs, bare = kvpress_rows(args.kvpress_dir, text, args.tokens)
-        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours, theirs, ours["full", None], bare)
+        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours, theirs, bare)
     return loaded
 
 
@@ -293,6 +297,8 @@ def main(argv=None) -> int:
         p.error(f"--block must be in [1, --tokens {args.tokens}], got {args.block}")
     if args.resamples < 100 or not 0 < args.level < 1:
         p.error("--resamples must be at least 100 and --level in (0, 1)")
+    if args.nearest < 0:
+        p.error(f"--nearest must be 0 (every press) or more, got {args.nearest}")
     loaded = load(args)
     if args.table:
         print("\n".join(ppl_table(args, loaded)))

@@ -136,3 +136,15 @@ def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "smartkv_dracula.json missing: run bench/smartkv.py --text dracula.txt" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nearest", "-1"], "--nearest must be 0 (every press) or more, got -1"),
+    (["--block", "0"], "--block must be in [1, --tokens 1024], got 0"),
+    (["--resamples", "10"], "--resamples must be at least 100"),
+])
+def test_bad_options_are_refused_with_one_line_before_any_file_is_read(tmp_path, flags, message):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), *flags,
+                          "--project-dir", str(tmp_path / "none"), "--kvpress-dir", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr and not run.stdout
