@@ -28,11 +28,12 @@ first ones), so they run with the smallest N they work with (see PRESSES).
 The model is the project's embedded SmolLM2-135M (the safetensors directory the project
 converts into ~/.cache/positronic/smollm2-135m-instruct, or $POSITRONIC_CACHE), loaded with this
 venv's transformers in float32. This file never imports `positronic` (it needs transformers 5.x
-past kvpress's pin); bench/texts.py is torch-free and imported as is.
+past kvpress's pin); bench/texts.py and bench/kernels.py are torch-free and imported as is.
 
-Output: one JSON per (text, budget, press) in --out (an existing one is reused unless --force),
-with the NLL of every scored token (`nll`, for bench/significance.py), and a markdown table (ppl
-and x full per text x budget) on stdout; progress on stderr.
+Output: one JSON per (text, budget, press) in --out (an existing one is reused unless --force;
+one run with other CPU kernels is refused, bench/kernels.py says why), with the NLL of every
+scored token (`nll`, for bench/significance.py) and the CPU kernels (`kernels`), and a markdown
+table (ppl and x full per text x budget) on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import describe, record  # noqa: E402  (torch-free at import)
 from bench.texts import excerpt  # noqa: E402  (torch-free: the excerpt rule every quality table shares)
 
 SINKS = 4
@@ -302,6 +304,23 @@ class _null:
         return False
 
 
+def run_path(out: Path, text: str, tokens: int, budget: int | None, name: str) -> Path:
+    return out / f"{text}_{tokens}_{'full' if budget is None else budget}_{name}.json"
+
+
+def refuse_other_kernels(args, presses: list[str], kernels: dict) -> None:
+    """SystemExit, before anything runs, if a run this one would reuse was made with other CPU
+    kernels (bench/kernels.py): reused, it would put two kernels' numbers in one table."""
+    for t in args.texts:
+        for name in presses:
+            for share in ([None] if name == "full" else args.budgets):
+                path = run_path(args.out, t, args.tokens, None if share is None else round(share * args.tokens), name)
+                theirs = json.loads(path.read_text()).get("kernels", kernels) if path.exists() else kernels
+                if theirs != kernels:
+                    raise SystemExit(f"{path} was run with kernels {describe(theirs)}, this run has "
+                                     f"{describe(kernels)}: give another --out, or --force to replace it")
+
+
 def versions() -> dict:
     out = {}
     for name in ("kvpress", "transformers", "torch"):
@@ -368,10 +387,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     specs = _presses()
     presses = ["full"] + [name for name in args.presses if name != "full"]
+    kernels = record()
+    if not args.force:
+        refuse_other_kernels(args, presses, kernels["kernels"])
     runner = Runner(model_dir(args.model_dir))
     info = versions()
     print(f"# kvpress {info['kvpress']}  transformers {info['transformers']}  torch {info['torch']}  "
-          f"threads {torch.get_num_threads()}  model {runner.path}", file=sys.stderr, flush=True)
+          f"threads {torch.get_num_threads()}  kernels {describe(kernels['kernels'])}  model {runner.path}",
+          file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results, total_start = {}, time.perf_counter()
     for t in args.texts:
@@ -380,7 +403,7 @@ def main(argv=None) -> int:
         for name in presses:
             for share in ([None] if name == "full" else args.budgets):
                 budget = None if share is None else round(share * args.tokens)
-                path = args.out / f"{t}_{args.tokens}_{'full' if budget is None else budget}_{name}.json"
+                path = run_path(args.out, t, args.tokens, budget, name)
                 label = f"{text.label} {name}" + ("" if budget is None else f" budget {budget}")
                 if path.exists() and not args.force:
                     row = json.loads(path.read_text())
@@ -402,7 +425,7 @@ def main(argv=None) -> int:
                         row = {"error": f"{type(e).__name__}: {e}"}
                         print(f"  {label}: FAILED {row['error']}", file=sys.stderr, flush=True)
                     row.update({"text": text.file, "offset": text.offset, "tokens": args.tokens, "budget": budget,
-                                "method": name, "threads": torch.get_num_threads(), **info})
+                                "method": name, "threads": torch.get_num_threads(), **info, **kernels})
                     results[t, budget, name] = row
                     path.write_text(json.dumps(row, indent=1))
                 finally:

@@ -47,6 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import describe  # noqa: E402  (torch-free at import)
 from bench.kvpress_anchor import MAIN, TEXTS  # noqa: E402  (torch-free at import)
 
 
@@ -106,9 +107,10 @@ def _is_list_of_series(x) -> bool:
     return isinstance(x, (list, tuple)) and bool(x) and not np.isscalar(x[0])
 
 
-def project_rows(path: Path, offset: int, tokens: int) -> dict[tuple[str, int | None], list[float]]:
+def project_rows(path: Path, offset: int, tokens: int, kernels: dict) -> dict[tuple[str, int | None], list[float]]:
     """(method, budget) -> per-token NLLs from a bench/smartkv.py --out file; rows without
-    them (files written before 2026-11-29) are left out. SystemExit if the file scored other tokens."""
+    them (files written before 2026-11-29) are left out. SystemExit if the file scored other tokens.
+    `kernels`: each row's file and CPU kernels are added to it (see `one_kernels`)."""
     data = json.loads(path.read_text())
     if data["tokens"] != tokens:
         raise SystemExit(f"{path}: {data['tokens']} tokens scored, not {tokens}")
@@ -120,12 +122,14 @@ def project_rows(path: Path, offset: int, tokens: int) -> dict[tuple[str, int | 
             raise SystemExit(f"{path}: method {row['method']} scored from character {row.get('offset')}, "
                              f"kvpress's table from {offset}: rerun bench/smartkv.py with --offset {offset}")
         rows[row["method"], row["budget"]] = row["nll"]
+        kernels[f"{path} ({row['method']}, budget {row['budget']})"] = row.get("kernels")
     return rows
 
 
-def kvpress_rows(directory: Path, text: str, tokens: int) -> tuple[dict, dict]:
+def kvpress_rows(directory: Path, text: str, tokens: int, kernels: dict) -> tuple[dict, dict]:
     """Every kvpress_anchor.py run of `text`: (press, budget) -> per-token NLLs of those that
-    have them, and (press, budget) -> perplexity of those that do not (runs before 2026-11-29)."""
+    have them, and (press, budget) -> perplexity of those that do not (runs before 2026-11-29).
+    `kernels`: each run's file and CPU kernels are added to it."""
     rows, bare = {}, {}
     for path in sorted(directory.glob(f"{text}_{tokens}_*.json")):
         row = json.loads(path.read_text())
@@ -135,7 +139,27 @@ def kvpress_rows(directory: Path, text: str, tokens: int) -> tuple[dict, dict]:
             rows[row["method"], row["budget"]] = row["nll"]
         elif "ppl" in row:  # (a run that failed has neither)
             bare[row["method"], row["budget"]] = row["ppl"]
+        else:
+            continue
+        kernels[str(path)] = row.get("kernels")
     return rows, bare
+
+
+def one_kernels(kernels: dict[str, dict | None]) -> str:
+    """The CPU kernels every recorded run used (bench/kernels.py: the same run rounds
+    differently under others, and near-tie rankings then keep other rows), as one line.
+    SystemExit naming one run of each if two differ; runs from before the record count as
+    either."""
+    kinds: dict[str, str] = {}
+    for where, record in kernels.items():
+        if record:
+            kinds.setdefault(describe(record), where)
+    if len(kinds) > 1:
+        raise SystemExit("these runs used other CPU kernels, and their numbers do not pair (bench/kernels.py): "
+                         + "; ".join(f"{where}: {kind}" for kind, where in kinds.items()))
+    unrecorded = sum(record is None for record in kernels.values())
+    head = next(iter(kinds), "not recorded")
+    return head + (f" ({unrecorded} of {len(kernels)} runs from before the record)" if unrecorded and kinds else "")
 
 
 @dataclass
@@ -145,6 +169,7 @@ class Loaded:
     ours: dict[tuple[str, int | None], list[float]]
     theirs: dict[tuple[str, int | None], list[float]]
     bare: dict[tuple[str, int | None], float]  # kvpress runs without per-token NLLs: their perplexity only
+    kernels: dict[str, dict | None]  # where each run came from -> its CPU kernels (None: not recorded)
 
     @property
     def full(self) -> list[float]:
@@ -163,14 +188,15 @@ def load(args) -> dict[str, Loaded]:
                  f"--out {args.project_dir}")
         if not path.exists():
             raise SystemExit(f"{path} missing: run {rerun}")
-        ours = project_rows(path, spec.offset, args.tokens)
+        kernels: dict[str, dict | None] = {}
+        ours = project_rows(path, spec.offset, args.tokens, kernels)
         if ("full", None) not in ours:
             raise SystemExit(f"{path} has no per-token NLLs of the full cache: rerun {rerun}")
         for budget in budgets(args):
             if (args.method, budget) not in ours:
                 raise SystemExit(f"{path} has no per-token NLLs of {args.method} at budget {budget}: run {rerun}")
-        theirs, bare = kvpress_rows(args.kvpress_dir, text, args.tokens)
-        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours, theirs, bare)
+        theirs, bare = kvpress_rows(args.kvpress_dir, text, args.tokens, kernels)
+        loaded[text] = Loaded(spec.label + ("*" if spec.held_out else ""), ours, theirs, bare, kernels)
     return loaded
 
 
@@ -300,11 +326,14 @@ def main(argv=None) -> int:
     if args.nearest < 0:
         p.error(f"--nearest must be 0 (every press) or more, got {args.nearest}")
     loaded = load(args)
+    kernels = one_kernels({where: record for data in loaded.values() for where, record in data.kernels.items()})
     if args.table:
         print("\n".join(ppl_table(args, loaded)))
+        print(f"\nCPU kernels: {kernels}")
         return 0
     lines, empty = intervals(args, loaded)
     print("\n".join(lines))
+    print(f"\nCPU kernels: {kernels}")
     if empty:
         print(f"\n{empty} cell(s) had no kvpress press with per-token NLLs: run bench/kvpress_anchor.py "
               "--per-token (in bench/.kvpress-venv)", file=sys.stderr)

@@ -44,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.kernels import describe, record  # noqa: E402
 from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
 from positronic.models import load_model, with_cache  # noqa: E402
@@ -111,7 +112,7 @@ def quality(args, lm) -> None:
     count = len(ids) - 1
     print(f"# {datetime.date.today()}  model {args.model}  text {args.text.name} (from char {args.offset})  "
           f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window or 'budget/2'}  "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+          f"torch threads {torch.get_num_threads()}  kernels {describe(record(args.device)['kernels'])}", flush=True)
     results: dict[tuple[str, int | None], tuple[list[float], float]] = {}  # (method, budget) -> (NLL per token, s)
 
     def report(name, budget, nll, seconds):
@@ -165,9 +166,9 @@ def quality(args, lm) -> None:
         for share in args.budgets:
             where_lost(lm, ids, results, *args.where, round(share * count))
     if args.out:
-        path = args.out / f"smartkv_{args.text.stem}.json"
+        path = out_path(args)
         rows = [{"method": name, "budget": budget, "ppl": perplexity(nll), "ratio": perplexity(nll) / full,
-                 "seconds": seconds, "offset": args.offset, "nll": [round(x, 6) for x in nll]}
+                 "seconds": seconds, "offset": args.offset, "nll": [round(x, 6) for x in nll], **record(args.device)}
                 for (name, budget), (nll, seconds) in results.items()]
         rows = kept_rows(path, args, count, rows) + rows
         args.out.mkdir(parents=True, exist_ok=True)
@@ -175,6 +176,23 @@ def quality(args, lm) -> None:
                                    indent=1))
         plot_quality(path, path.with_suffix(".png"))
         print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def out_path(args) -> Path:
+    return args.out / f"smartkv_{args.text.stem}.json"
+
+
+def refuse_other_kernels(args) -> None:
+    """SystemExit, before anything runs, if --out's file holds rows run with other CPU kernels
+    (bench/kernels.py): this run's rows would sit beside them, and the table mix two kernels'
+    numbers. Rows that recorded none are taken as they are."""
+    path, kernels = out_path(args), record(args.device)["kernels"]
+    if not path.exists():
+        return
+    for row in json.loads(path.read_text())["rows"]:
+        if row.get("kernels", kernels) != kernels:
+            raise SystemExit(f"{path}: its {row['method']} row was run with kernels {describe(row['kernels'])}, "
+                             f"this run has {describe(kernels)}: give another --out")
 
 
 def kept_rows(path: Path, args, count: int, rows: list[dict]) -> list[dict]:
@@ -279,8 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", help="only these rows (e.g. smartkv smartkv-brain); full always runs")
     p.add_argument("--where", nargs=2, metavar=("A", "B"), help="also show where method A loses to method B "
                    "(per-token NLL differences at each budget)")
-    p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json (each row's per-token NLLs too, for "
-                   "bench/significance.py; rows of methods not rerun are kept) and a bar plot (.png) here")
+    p.add_argument("--out", type=Path, help="also write smartkv_TEXT.json (each row's per-token NLLs and CPU "
+                   "kernels too, for bench/significance.py; rows of methods not rerun are kept; a file of rows "
+                   "run with other kernels is refused) and a bar plot (.png) here")
     p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
@@ -296,6 +315,8 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.out:
+        refuse_other_kernels(args)
     lm = load_model(args.model, device=args.device, dtype="float32" if args.device == "cpu" else None)
     quality(args, lm)
     return 0

@@ -127,7 +127,21 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
     assert table[4] == f"| kvpress knorm | 99.50 ×{99.5 / rows['full', None]['ppl']:.3f} † |"
     assert table[5].startswith(f"| **smartkv-random** | {rows['smartkv-random', 64]['ppl']:.2f} ×")
     assert table[6] == f"| against the nearest press | {verdict} (streaming) |"  # not the old run's
-    assert table[-1].startswith("† a run without per-token NLLs")
+    assert table[-3].startswith("† a run without per-token NLLs")
+    kernels = rows["full", None]["kernels"]["cpu"]  # what bench/smartkv.py recorded; the old runs none
+    assert table[-1] == f"CPU kernels: {kernels} (2 of 5 runs from before the record)"
+
+    # a press run on another CPU's kernels rounds otherwise: its numbers do not pair with these
+    (kvpress / "frankenstein_128_64_tova.json").write_text(json.dumps(
+        {"method": "tova", "budget": 64, "offset": 60000, "nll": rows["streaming", 64]["nll"],
+         "kernels": {"cpu": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}))
+    mixed = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "frankenstein",
+                            "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random",
+                            "--project-dir", str(out), "--kvpress-dir", str(kvpress)],
+                           capture_output=True, text=True, timeout=600)
+    assert mixed.returncode != 0 and "Traceback" not in mixed.stderr and not mixed.stdout
+    assert "used other CPU kernels" in mixed.stderr
+    assert "frankenstein_128_64_tova.json: AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)" in mixed.stderr
 
 
 def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path):

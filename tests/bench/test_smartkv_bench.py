@@ -71,3 +71,28 @@ def test_an_out_run_adds_its_rows_and_keeps_the_others_only_if_they_scored_the_s
     out = subprocess.run(run + ["smartkv-random"], capture_output=True, text=True, timeout=600, check=True).stdout
     assert "its rows scored other tokens" in out
     assert sorted(row["method"] for row in json.loads(path.read_text())["rows"]) == ["full", "smartkv-random"]
+
+
+def test_an_out_run_records_its_cpu_kernels_and_refuses_a_file_of_rows_run_with_others(tmp_path):
+    """The same run rounds differently under other CPU kernels (bench/kernels.py), so every row
+    records them, and rows of two kernels are not put in one file: refused before anything runs,
+    the file unchanged."""
+    import json
+
+    path = tmp_path / "smartkv_alice_ch1-2.json"
+    run = [sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny", "--text",
+           str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128", "--budgets", "0.5",
+           "--out", str(tmp_path), "--methods", "streaming"]
+    subprocess.run(run, capture_output=True, text=True, timeout=600, check=True)
+    data = json.loads(path.read_text())
+    import torch
+    assert {row["kernels"]["cpu"] for row in data["rows"]} == {torch.backends.cpu.get_cpu_capability()}
+
+    data["rows"][0]["kernels"] = {"cpu": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # as if run on another CPU
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "its full row was run with kernels AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)" in refused.stderr
+    assert "give another --out" in refused.stderr and "budget" not in refused.stdout  # nothing ran
+    assert path.read_text() == before

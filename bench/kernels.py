@@ -1,0 +1,45 @@
+"""Which CPU kernels a quality run used, recorded beside its numbers.
+
+torch, oneDNN and MKL pick their kernels by the CPU's vector instructions (AVX2, AVX-512, ...), and
+each adds in its own order, so the same run rounds differently on another CPU. Policies that
+rank rows by scores where many rows nearly tie (kvpress's SnapKV, ObservedAttention, KeyDiff)
+then keep another row at some step, and the caches part from there: SnapKV's perplexity on one
+text moved by up to 1.3% between an AVX2 host and an AVX-512 one (bench/results/kvpress.md,
+2026-11-29). A table is reproducible only with the kernels it names, so every quality JSON
+records them, and bench/significance.py refuses to pair runs whose records differ.
+
+The three variables below make an AVX-512 CPU run AVX2's kernels (what reproduced the AVX2
+host's numbers to the last digit):
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/smartkv.py ...
+
+Torch-free at import (bench/significance.py reads records without torch).
+"""
+
+from __future__ import annotations
+
+import os
+
+VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def record(device: str = "cpu") -> dict:
+    """{"kernels": ...} for a run's JSON: torch's CPU capability (the kernels it dispatched to,
+    after any ATEN_CPU_CAPABILITY) and which of VARIABLES were set; a GPU run records its device
+    name instead."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return {"kernels": {"device": torch.cuda.get_device_name()}}
+    kernels = {"cpu": torch.backends.cpu.get_cpu_capability()}
+    kernels.update({name: os.environ[name] for name in VARIABLES if os.environ.get(name)})
+    return {"kernels": kernels}
+
+
+def describe(kernels: dict | None) -> str:
+    """One line for a record: 'AVX512', 'AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ...)', or 'not recorded'."""
+    if not kernels:
+        return "not recorded"
+    head = kernels.get("cpu") or kernels.get("device", "?")
+    rest = [f"{name}={kernels[name]}" for name in VARIABLES if name in kernels]
+    return head + (f" ({', '.join(rest)})" if rest else "")
