@@ -3,15 +3,19 @@
 torch, oneDNN and MKL pick their kernels by the CPU's vector instructions (AVX2, AVX-512, ...), and
 each adds in its own order, so the same run rounds differently on another CPU. Policies that
 rank rows by scores where many rows nearly tie (kvpress's SnapKV, ObservedAttention, KeyDiff)
-then keep another row at some step, and the caches part from there: SnapKV's perplexity on one
-text moved by up to 1.3% between an AVX2 host and an AVX-512 one (bench/results/kvpress.md,
-2026-11-29). A table is reproducible only with the kernels it names, so every quality JSON
+then keep another row at some step, and the caches part from there: SnapKV's perplexities moved
+by −1.3% to +3.2% between AVX2's kernels and AVX-512's (bench/results/kvpress.md, stop 62). A table is reproducible only with the kernels it names, so every quality JSON
 records them, and bench/significance.py refuses to pair runs whose records differ.
 
-The three variables below make an AVX-512 CPU run AVX2's kernels (what reproduced the AVX2
-host's numbers to the last digit):
+The three variables below make an AVX-512 CPU run AVX2's kernels; together they reproduced the
+AVX2 host's numbers to the last printed digit. On the one cell tried on its own, torch's
+(ATEN_CPU_CAPABILITY) was the one that mattered: oneDNN's and MKL's alone left SnapKV's number
+where AVX-512 puts it.
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/smartkv.py ...
+
+Records compare whole: a CPU that runs AVX2 natively records AVX2 without the variables, and
+its runs pair with each other, not with runs the variables made.
 
 Torch-free at import (bench/significance.py reads records without torch).
 """
