@@ -1,11 +1,12 @@
 """Which CPU kernels a quality run used, recorded beside its numbers.
 
 torch, oneDNN and MKL pick their kernels by the CPU's vector instructions (AVX2, AVX-512, ...), and
-each adds in its own order, so the same run rounds differently on another CPU. Policies that
-rank rows by scores where many rows nearly tie (kvpress's SnapKV, ObservedAttention, KeyDiff)
-then keep another row at some step, and the caches part from there: SnapKV's perplexities moved
-by −1.3% to +3.2% between AVX2's kernels and AVX-512's (bench/results/kvpress.md, stop 62). A table is reproducible only with the kernels it names, so every quality JSON
-records them, and bench/significance.py refuses to pair runs whose records differ.
+each adds in its own order, so the same run rounds differently on another CPU. A policy that
+ranks rows can then keep another row at some step, and the caches part from there: SnapKV's
+perplexities moved by −1.3% to +3.2% between AVX2's kernels and AVX-512's, the project's
+default by 0.011% at most (bench/results/kvpress.md, stop 62). A table is reproducible only
+with the kernels it names, so every quality JSON records them, and bench/significance.py
+refuses to pair runs whose records differ.
 
 The three variables below make an AVX-512 CPU run AVX2's kernels; together they reproduced the
 AVX2 host's numbers to the last printed digit. On the one cell tried on its own, torch's
