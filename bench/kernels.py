@@ -24,21 +24,22 @@ Torch-free at import (bench/significance.py reads records without torch).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def record(device: str = "cpu") -> dict:
-    """{"kernels": ...} for a run's JSON: torch's CPU capability (the kernels it dispatched to,
-    after any ATEN_CPU_CAPABILITY) and which of VARIABLES were set; a GPU run records its device
-    name instead."""
+    """A run's `kernels` record: torch's CPU capability (the kernels it dispatched to, after any
+    ATEN_CPU_CAPABILITY) and which of VARIABLES were set; a GPU run records its device name
+    instead."""
     import torch
 
     if device != "cpu" and torch.cuda.is_available():
-        return {"kernels": {"device": torch.cuda.get_device_name()}}
+        return {"device": torch.cuda.get_device_name()}
     kernels = {"cpu": torch.backends.cpu.get_cpu_capability()}
     kernels.update({name: os.environ[name] for name in VARIABLES if os.environ.get(name)})
-    return {"kernels": kernels}
+    return kernels
 
 
 def describe(kernels: dict | None) -> str:
@@ -48,3 +49,13 @@ def describe(kernels: dict | None) -> str:
     head = kernels.get("cpu") or kernels.get("device", "?")
     rest = [f"{name}={kernels[name]}" for name in VARIABLES if name in kernels]
     return head + (f" ({', '.join(rest)})" if rest else "")
+
+
+def refuse_others(kernels: dict, earlier: Iterable[tuple[str, dict | None]], way_out: str) -> None:
+    """SystemExit if one of the `earlier` runs (what to call it, its record) that this run would
+    join was made with kernels other than `kernels`: its numbers would sit in one table with this
+    run's. Runs from before the record (None) are taken as they are."""
+    for where, theirs in earlier:
+        if theirs is not None and theirs != kernels:
+            raise SystemExit(f"{where} was run with kernels {describe(theirs)}, this run has "
+                             f"{describe(kernels)}: {way_out}")

@@ -53,7 +53,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import describe, record  # noqa: E402  (torch-free at import)
+from bench.kernels import describe, record, refuse_others  # noqa: E402  (torch-free at import)
 from bench.texts import excerpt  # noqa: E402  (torch-free: the excerpt rule every quality table shares)
 
 SINKS = 4
@@ -311,14 +311,10 @@ def run_path(out: Path, text: str, tokens: int, budget: int | None, name: str) -
 def refuse_other_kernels(args, presses: list[str], kernels: dict) -> None:
     """SystemExit, before anything runs, if a run this one would reuse was made with other CPU
     kernels (bench/kernels.py): reused, it would put two kernels' numbers in one table."""
-    for t in args.texts:
-        for name in presses:
-            for share in ([None] if name == "full" else args.budgets):
-                path = run_path(args.out, t, args.tokens, None if share is None else round(share * args.tokens), name)
-                theirs = json.loads(path.read_text()).get("kernels", kernels) if path.exists() else kernels
-                if theirs != kernels:
-                    raise SystemExit(f"{path} was run with kernels {describe(theirs)}, this run has "
-                                     f"{describe(kernels)}: give another --out, or --force to replace it")
+    paths = [run_path(args.out, t, args.tokens, None if share is None else round(share * args.tokens), name)
+             for t in args.texts for name in presses for share in ([None] if name == "full" else args.budgets)]
+    refuse_others(kernels, ((path, json.loads(path.read_text()).get("kernels")) for path in paths if path.exists()),
+                  "give another --out, or --force to replace it")
 
 
 def versions() -> dict:
@@ -389,11 +385,11 @@ def main(argv=None) -> int:
     presses = ["full"] + [name for name in args.presses if name != "full"]
     kernels = record()
     if not args.force:
-        refuse_other_kernels(args, presses, kernels["kernels"])
+        refuse_other_kernels(args, presses, kernels)
     runner = Runner(model_dir(args.model_dir))
     info = versions()
     print(f"# kvpress {info['kvpress']}  transformers {info['transformers']}  torch {info['torch']}  "
-          f"threads {torch.get_num_threads()}  kernels {describe(kernels['kernels'])}  model {runner.path}",
+          f"threads {torch.get_num_threads()}  kernels {describe(kernels)}  model {runner.path}",
           file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results, total_start = {}, time.perf_counter()
@@ -425,7 +421,7 @@ def main(argv=None) -> int:
                         row = {"error": f"{type(e).__name__}: {e}"}
                         print(f"  {label}: FAILED {row['error']}", file=sys.stderr, flush=True)
                     row.update({"text": text.file, "offset": text.offset, "tokens": args.tokens, "budget": budget,
-                                "method": name, "threads": torch.get_num_threads(), **info, **kernels})
+                                "method": name, "threads": torch.get_num_threads(), **info, "kernels": kernels})
                     results[t, budget, name] = row
                     path.write_text(json.dumps(row, indent=1))
                 finally:

@@ -44,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import describe, record  # noqa: E402
+from bench.kernels import describe, record, refuse_others  # noqa: E402
 from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
 from positronic.models import load_model, with_cache  # noqa: E402
@@ -101,7 +101,8 @@ def gate_sets(args, config) -> dict[str, GateSet]:
     return gates
 
 
-def quality(args, lm) -> None:
+def quality(args, lm, kernels: dict) -> None:
+    """`kernels`: this run's record (bench/kernels.py), written beside its numbers."""
     config = lm.model.config
     gates = gate_sets(args, config)
     untrained = [name for name in (args.where or []) if name.startswith("smartkv") and name != "smartkv-stream"
@@ -112,7 +113,7 @@ def quality(args, lm) -> None:
     count = len(ids) - 1
     print(f"# {datetime.date.today()}  model {args.model}  text {args.text.name} (from char {args.offset})  "
           f"{count} tokens scored  sinks {args.sinks}  smartkv window {args.window or 'budget/2'}  "
-          f"torch threads {torch.get_num_threads()}  kernels {describe(record(args.device)['kernels'])}", flush=True)
+          f"torch threads {torch.get_num_threads()}  kernels {describe(kernels)}", flush=True)
     results: dict[tuple[str, int | None], tuple[list[float], float]] = {}  # (method, budget) -> (NLL per token, s)
 
     def report(name, budget, nll, seconds):
@@ -168,7 +169,7 @@ def quality(args, lm) -> None:
     if args.out:
         path = out_path(args)
         rows = [{"method": name, "budget": budget, "ppl": perplexity(nll), "ratio": perplexity(nll) / full,
-                 "seconds": seconds, "offset": args.offset, "nll": [round(x, 6) for x in nll], **record(args.device)}
+                 "seconds": seconds, "offset": args.offset, "nll": [round(x, 6) for x in nll], "kernels": kernels}
                 for (name, budget), (nll, seconds) in results.items()]
         rows = kept_rows(path, args, count, rows) + rows
         args.out.mkdir(parents=True, exist_ok=True)
@@ -182,17 +183,14 @@ def out_path(args) -> Path:
     return args.out / f"smartkv_{args.text.stem}.json"
 
 
-def refuse_other_kernels(args) -> None:
+def refuse_other_kernels(args, kernels: dict) -> None:
     """SystemExit, before anything runs, if --out's file holds rows run with other CPU kernels
     (bench/kernels.py): this run's rows would sit beside them, and the table mix two kernels'
-    numbers. Rows that recorded none are taken as they are."""
-    path, kernels = out_path(args), record(args.device)["kernels"]
-    if not path.exists():
-        return
-    for row in json.loads(path.read_text())["rows"]:
-        if row.get("kernels", kernels) != kernels:
-            raise SystemExit(f"{path}: its {row['method']} row was run with kernels {describe(row['kernels'])}, "
-                             f"this run has {describe(kernels)}: give another --out")
+    numbers."""
+    path = out_path(args)
+    if path.exists():
+        refuse_others(kernels, ((f"{path}: its {row['method']} row", row.get("kernels"))
+                                for row in json.loads(path.read_text())["rows"]), "give another --out")
 
 
 def kept_rows(path: Path, args, count: int, rows: list[dict]) -> list[dict]:
@@ -315,10 +313,11 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    kernels = record(args.device)
     if args.out:
-        refuse_other_kernels(args)
+        refuse_other_kernels(args, kernels)
     lm = load_model(args.model, device=args.device, dtype="float32" if args.device == "cpu" else None)
-    quality(args, lm)
+    quality(args, lm, kernels)
     return 0
 
 
