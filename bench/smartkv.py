@@ -4,6 +4,9 @@
     python bench/smartkv.py --text FILE --methods streaming smartkv --where smartkv streaming
                                                  # which tokens smartkv loses to streaming on
 
+`--kv-format int4h` (or int4, fp4) runs the brain's methods on 4-bit rows, as rows named
+METHOD@FORMAT beside the float ones (`--out` keeps both).
+
 **Quality.** BOS + --tokens tokens of the text (the excerpt rule of bench/texts.py: from
 character --offset, starting after the first blank line) are teacher-forced one token per
 forward; the NLL of each next token is read from the logits before it is fed. Budgets are
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import describe, record, refuse_others  # noqa: E402
+from positronic.kv import formats as kv_formats  # noqa: E402
 from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
 from positronic.models import load_model, with_cache  # noqa: E402
@@ -126,11 +130,12 @@ def quality(args, lm, kernels: dict) -> None:
     full = run_stream(lm, ids, reference_config(len(ids), sinks=args.sinks))
     report("full", None, full.nll, time.perf_counter() - start)
     wanted = set(args.methods or [])
+    fmt = args.kv_format
     for share in args.budgets:
         budget = round(share * count)
-        brain_runs = [(p, make_config(p, budget, sinks=args.sinks)) for p in BRAIN_POLICIES]
+        brain_runs = [(p, make_config(p, budget, sinks=args.sinks, kv_format=fmt)) for p in BRAIN_POLICIES]
         if "smartkv" in gates:
-            brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""))
+            brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""), kv_format=fmt)
             if args.window is not None:
                 brain_config.window = args.window
             brain_runs.append(("smartkv-brain", brain_config))
@@ -141,7 +146,9 @@ def quality(args, lm, kernels: dict) -> None:
             start = time.perf_counter()
             stream = run_stream(lm, ids, brain_config)
             assert stream.max_live <= budget
-            report(name, budget, stream.nll, time.perf_counter() - start)
+            report(name if fmt == "float" else f"{name}@{fmt}", budget, stream.nll, time.perf_counter() - start)
+        if fmt != "float":
+            continue  # SmartKVCache keeps float rows
         for name, cache in smart_caches(config, budget, sinks=args.sinks, window=args.window, gates=gates,
                                          horizon=args.horizon):
             if wanted and name not in wanted:
@@ -300,7 +307,18 @@ def main(argv=None) -> int:
                    "run with other kernels is refused) and a bar plot (.png) here")
     p.add_argument("--plot-gates", type=Path, metavar="PNG", help="only plot the shipped gates' held-out Spearman")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-format", default="float", choices=kv_formats.FORMATS,
+                   help="the cache format of the brain's runs (streaming ... smartkv+recall), named METHOD@FORMAT "
+                        "in the table and --out (e.g. smartkv+recall@int4h); the full cache stays float, and the "
+                        "SmartKVCache rows (float only) are not run")
     args = p.parse_args(argv)
+    if args.kv_format != "float":
+        cache_rows = [name for name in (args.methods or []) + (args.where or [])
+                      if name not in (*BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "full")]
+        if cache_rows or args.where:
+            p.error(f"--kv-format {args.kv_format} runs the brain's methods only "
+                    + (f"(not {' '.join(cache_rows)}: SmartKVCache keeps float rows)" if cache_rows
+                       else "(--where compares float runs)"))
     for name in (args.methods or []) + (args.where or []):
         if name not in METHODS:
             p.error(f"unknown method {name!r}: expected one of {', '.join(METHODS)}")

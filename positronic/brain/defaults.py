@@ -10,7 +10,7 @@ bench/results/smartkv.md, recall.md, kvpress.md). `--no-recall` turns recall off
 gates the default stays brightness, a gate-free policy, recall as asked, and the note says
 how to train gates.
 
-A setting SmartKV cannot take (a repairer, a 4-bit kv_format, the ring store) keeps the
+A setting SmartKV cannot take (a repairer, the ring store) keeps the
 gate-free default too: the user asked for that setting, not for a policy.
 
     choice = default_policy("smollm2", BrainConfig(budget=256))

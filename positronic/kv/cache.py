@@ -128,6 +128,22 @@ class SpliceCache(Cache):
             every = list(positions) + [p for extra in more for p in extra]
             self.positions.set(torch.tensor(every, dtype=torch.long, device=device))
 
+    def set_lane_positions(self, positions) -> None:
+        """int4h, lanes keeping different rows: the RoPE positions of each lane's rows (ints
+        [lanes][rows], lane = layer * kv_heads + head, or one lane per layer for all its kv
+        heads), read by each layer to rotate its keys. Other formats: a no-op, as `set_positions`."""
+        if self.positions is None:
+            return
+        layer = self.layers[0]
+        held = torch.as_tensor(positions, dtype=torch.long)
+        lanes_per_layer = held.shape[0] // len(self.layers)
+        if held.dim() != 2 or lanes_per_layer * len(self.layers) != held.shape[0] \
+                or lanes_per_layer not in (1, layer.kv_heads):
+            raise ValueError(f"lane positions are [lanes, rows] for {len(self.layers)} layers of {layer.kv_heads} "
+                             f"kv heads (a lane a layer or a kv head), got {list(held.shape)}")
+        held = held.reshape(len(self.layers), lanes_per_layer, -1).expand(-1, layer.kv_heads, -1)
+        self.positions.set_lanes(held.to(layer.device or "cpu"))
+
     @property
     def ring(self) -> Ring | None:
         """The ring store's slot mapping (the same in every layer), or None."""
@@ -178,11 +194,14 @@ class SpliceCache(Cache):
         row list per layer, or per kv head of each layer, lane = layer * kv_heads + head)."""
         return self.kind.rows_of(self.layers, np.asarray(rows, dtype=np.int64))
 
-    def put_lane_rows(self, lanes: list[int], rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def put_lane_rows(self, lanes: list[int], rows: list[int], keys: torch.Tensor, values: torch.Tensor,
+                      positions: list[int] | None = None) -> None:
         """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] alone (lane =
-        layer * kv_heads + head): a recalled token's own K/V in the lanes taking it back."""
+        layer * kv_heads + head): a recalled token's own K/V in the lanes taking it back.
+        `positions`: the RoPE position each key is rotated at (int4h stores it before RoPE);
+        None: its row's (`set_lane_positions`)."""
         self.kind.put_lanes(self.layers, np.asarray(lanes, dtype=np.int64), np.asarray(rows, dtype=np.int64),
-                            keys, values)
+                            keys, values, None if positions is None else np.asarray(positions, dtype=np.int64))
 
     def splice_layers(self, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Layers that keep different rows (a per-layer policy): lane l's runs are kept[l],

@@ -2,11 +2,14 @@
 
 `SpliceCache(..., kv_format="int4h")`: the layers share one `RowPositions`, the RoPE position
 of every row, which the StateManager sets after each edit (`SpliceCache.set_positions`); a
-read rotates each key to its position, so re-rotation is exact.
+read rotates each key to its position, so re-rotation is exact. When lanes keep different rows
+(a per-lane policy: SmartKV), each kv head of each layer has positions of its own
+(`SpliceCache.set_lane_positions`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import formats as kv_formats, rope
@@ -24,26 +27,37 @@ class RowPositions:
     nobody set them on and that was never spliced is append-only (a user's own `generate`):
     row i is at position i. A splice forgets them: reading or writing rows before they are set
     again is refused.
+
+    Lanes that keep different rows (`set_lanes`) give each kv head of each layer positions of
+    its own, `lanes` [layers, kv_heads, rows]; `rotation` then answers per layer.
     """
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.tensor: torch.Tensor | None = None  # int64 [rows], on the cache's device
+        self.lanes: torch.Tensor | None = None  # int64 [layers, kv_heads, rows]: per-lane rows (instead of `tensor`)
         self.stale = False
         self._rotation: tuple | None = None  # (count, device, cos, sin) of the last `rotation`; cleared on set
 
     def set(self, positions: torch.Tensor) -> None:
-        self.tensor, self.stale, self._rotation = positions.to(torch.long), False, None
+        self.tensor, self.lanes, self.stale, self._rotation = positions.to(torch.long), None, False, None
+
+    def set_lanes(self, positions: torch.Tensor) -> None:
+        """Each kv head of each layer holds rows of its own: their positions [layers, kv_heads, rows]."""
+        if positions.dim() != 3:
+            raise ValueError(f"lane positions are [layers, kv_heads, rows], got {list(positions.shape)}")
+        self.tensor, self.lanes, self.stale, self._rotation = None, positions.to(torch.long), False, None
 
     def moved(self) -> None:
         """The rows moved (a splice): their positions must be set again before use."""
-        self.tensor, self.stale, self._rotation = None, True, None
+        self.tensor, self.lanes, self.stale, self._rotation = None, None, True, None
 
     def reset(self) -> None:
-        self.tensor, self.stale, self._rotation = None, False, None
+        self.tensor, self.lanes, self.stale, self._rotation = None, None, False, None
 
     def memory_bytes(self) -> int:
-        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+        held = self.tensor if self.lanes is None else self.lanes
+        return 0 if held is None else held.numel() * held.element_size()
 
     def of(self, rows: torch.Tensor) -> torch.Tensor:
         """Positions int64 [n] of rows [n] (int64, on the cache's device)."""
@@ -56,15 +70,31 @@ class RowPositions:
             raise ValueError(f"row {int(rows.max())} has no position: {len(self.tensor)} were set")
         return self.tensor.to(rows.device)[rows]
 
-    def rotation(self, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotation(self, count: int, device: torch.device, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to
-        theirs (cos, -sin rotate them back: the angles are negated exactly). Computed once per
-        layout and count: every layer's reads and writes of a forward share it."""
+        theirs (cos, -sin rotate them back: the angles are negated exactly); with lane positions,
+        layer `layer`'s, [kv_heads, count, head_dim]. Computed once per layout and count: every
+        layer's reads and writes of a forward share it."""
         if self._rotation is None or self._rotation[:2] != (count, device):
-            positions = self.of(torch.arange(count, device=device)).cpu()
-            cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(positions), positions)
+            if self.lanes is None:
+                positions = self.of(torch.arange(count, device=device)).cpu()
+                cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(positions), positions)
+            else:
+                cos, sin = self._lane_rotation(count)
             self._rotation = (count, device, cos.to(device), sin.to(device))
-        return self._rotation[2], self._rotation[3]
+        if self.lanes is None:
+            return self._rotation[2], self._rotation[3]
+        return self._rotation[2][layer], self._rotation[3][layer]
+
+    def _lane_rotation(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [layers, kv_heads, count, head_dim] of every lane's first `count` rows: one
+        rotation per distinct position (the lanes share most of theirs), then spread out."""
+        if count > self.lanes.shape[-1]:
+            raise ValueError(f"row {count - 1} has no position: {self.lanes.shape[-1]} were set per lane")
+        held = self.lanes[..., :count].cpu()
+        distinct, where = torch.unique(held, return_inverse=True)
+        cos, sin = rope.rotation(self.inv_freq, torch.zeros_like(distinct), distinct)  # [distinct, head_dim]
+        return cos[where], sin[where]
 
 
 class Int4HLayer(PackedSpliceLayer):
@@ -84,11 +114,12 @@ class Int4HLayer(PackedSpliceLayer):
     rotation_rounds = False  # keys are stored before RoPE: a re-rotation only changes their positions
 
     def __init__(self, codec: kv_formats.Int4H, capacity: int, positions: RowPositions,
-                 key_centre: torch.Tensor | None):
+                 key_centre: torch.Tensor | None, index: int = 0):
         super().__init__(codec, capacity)
         self.zeros = SpliceLayer(capacity)
         self.positions = positions
         self.key_centre = key_centre
+        self.index = index  # its layer: where its lanes' positions lie in `positions.lanes`
         # set at the first write, on the rows' device: H [head_dim, head_dim], the centre [1, kv_heads, 1, head_dim]
         self.hadamard: torch.Tensor | None = None
         self.centre: torch.Tensor | None = None
@@ -107,7 +138,7 @@ class Int4HLayer(PackedSpliceLayer):
             raise ValueError(f"{len(key_centres)} key centres for {num_layers} layers")
         positions = RowPositions(rope.inv_freq_for_config(config))
         codec = kv_formats.packed("int4h")
-        return [cls(codec, capacity, positions, None if key_centres is None else key_centres[i])
+        return [cls(codec, capacity, positions, None if key_centres is None else key_centres[i], i)
                 for i in range(num_layers)]
 
     @property
@@ -118,6 +149,36 @@ class Int4HLayer(PackedSpliceLayer):
     def splice_all(cls, layers: list, kept: list[tuple[int, int, int]], length: int) -> None:
         super().splice_all(layers, kept, length)
         layers[0].positions.moved()  # shared: the rows' positions must be set again
+
+    @classmethod
+    def splice_lanes(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        super().splice_lanes(layers, kept, length)
+        layers[0].positions.moved()  # each lane's rows moved: their positions are set again per lane
+
+    @classmethod
+    def put_lanes(cls, layers: list, lanes: np.ndarray, rows: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                  positions: np.ndarray | None = None) -> None:
+        """As PackedSpliceLayer's, each key first taken back to position 0 from `positions`
+        (int64 [n], the position each given key is rotated at; None: its row's, as set)."""
+        if positions is None:
+            heads = layers[0].kv_heads
+            held = layers[0].positions.lanes
+            if held is None:
+                raise ValueError("int4h rows taken into lanes need the lanes' positions (set_lane_positions)")
+            positions = held.cpu()[torch.from_numpy(lanes // heads), torch.from_numpy(lanes % heads),
+                                   torch.from_numpy(rows)].numpy()
+        super().put_lanes(layers, lanes, rows, keys, values, positions)
+
+    def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                    positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of this layer's kv heads `heads` (int64 [n]): keys [n, head_dim] rotated at
+        `positions` [n], values [n, head_dim] -> (keys, values) of each part, [n, width]."""
+        at = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+        cos, sin = rope.rotation(self.positions.inv_freq, at, torch.zeros_like(at))  # back to position 0
+        centre = self.centre[0, :, 0][torch.from_numpy(heads).to(self.device)]  # [n, head_dim]
+        plain = rope.rotate(keys.float(), cos.to(self.device), sin.to(self.device)) - centre
+        codes, scales, zeros = self.codec.encode(torch.stack([plain, values.float()]) @ self.hadamard)
+        return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
 
     def reset(self) -> None:
         super().reset()
@@ -162,7 +223,7 @@ class Int4HLayer(PackedSpliceLayer):
         coded = self.codec.decode(getattr(self.codes, side), getattr(self.scales, side), getattr(self.zeros, side))
         rows = coded @ self.hadamard  # H^T = H
         if side == "keys":
-            cos, sin = self.positions.rotation(self.length, self.device)
+            cos, sin = self.positions.rotation(self.length, self.device, self.index)
             rows = rope.rotate(rows + self.centre, cos, sin)
         return rows.to(self.dtype)
 
@@ -175,16 +236,18 @@ class Int4HLayer(PackedSpliceLayer):
             rows, length = self._write_rows.to(self.device), self.length
         else:  # appended: the live rows after this write are the ones the read will rotate
             rows, length = torch.arange(self.length, self.length + count, device=self.device), self.length + count
-        cos, sin = self.positions.rotation(length, self.device)  # the same for every layer of the forward
-        plain = rope.rotate(key_states.float(), cos[rows], -sin[rows]) - self.centre  # back to position 0
+        cos, sin = self.positions.rotation(length, self.device, self.index)  # shared rows: the same for every layer
+        plain = rope.rotate(key_states.float(), cos[..., rows, :], -sin[..., rows, :]) - self.centre  # to position 0
         codes, scales, zeros = self.codec.encode(torch.stack([plain, value_states.float()]) @ self.hadamard)
         return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
 
-    def coded_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def coded_keys(self, keys: torch.Tensor, positions: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """What this layer would make of keys [1, kv_heads, n, head_dim] at `positions` [n]
-        before quantizing them (c = H (R(-p) k - m)): for error bounds (Int4H.error_bound)."""
+        before quantizing them (c = H (R(-p) k - m)): for error bounds (Int4H.error_bound).
+        `head`: the keys are that kv head's alone, [1, 1, n, head_dim]."""
         cos, sin = rope.rotation(self.positions.inv_freq, positions.cpu(), torch.zeros_like(positions.cpu()))
-        return (rope.rotate(keys.float(), cos, sin) - self.centre) @ self.hadamard
+        centre = self.centre if head is None else self.centre[:, head : head + 1]
+        return (rope.rotate(keys.float(), cos, sin) - centre) @ self.hadamard
 
     def coded_values(self, values: torch.Tensor) -> torch.Tensor:
         """c = H v for values [1, kv_heads, n, head_dim]."""

@@ -7,6 +7,7 @@ as the float cache does, and the model reads them decoded.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import formats as kv_formats, triton_kernel as kv_triton, rope
@@ -159,11 +160,46 @@ class PackedSpliceLayer(OneSequenceLayer):
         for part in self.parts:
             part.splice(kept, length)
 
+    @classmethod
+    def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """As SpliceLayer.splice_heads, on each part of every layer (each part's layers then
+        share a Slab of their own)."""
+        for index in range(len(layers[0].parts)):
+            SpliceLayer.splice_heads([layer.parts[index] for layer in layers], kept, length)
+
+    @classmethod
+    def put_lanes(cls, layers: list, lanes: np.ndarray, rows: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                  positions: np.ndarray | None = None) -> None:
+        """As SpliceLayer.put_lanes: keys / values [n, head_dim] encoded, each layer's by that
+        layer (`encode_rows`), then every part written. `positions`: what a layer type that
+        stores keys before RoPE needs (int4h); here keys are stored as given."""
+        heads = layers[0].kv_heads
+        encoded = None  # per part: (keys, values) [n, width], in the order of `lanes`
+        for index in np.unique(lanes // heads).tolist():
+            mine = np.flatnonzero(lanes // heads == index)
+            pick = torch.from_numpy(mine).to(keys.device)
+            parts = layers[index].encode_rows(lanes[mine] % heads, keys[pick], values[pick],
+                                              None if positions is None else positions[mine])
+            if encoded is None:
+                encoded = [(k.new_empty((len(lanes), k.shape[-1])), v.new_empty((len(lanes), v.shape[-1])))
+                           for k, v in parts]
+            for (all_keys, all_values), (k, v) in zip(encoded, parts):
+                all_keys[pick], all_values[pick] = k, v
+        for index, (part_keys, part_values) in enumerate(encoded or []):
+            SpliceLayer.put_lanes([layer.parts[index] for layer in layers], lanes, rows, part_keys, part_values)
+
+    def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                    positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows of kv heads `heads` (int64 [n]) of this layer, keys and values [n, head_dim] ->
+        (keys, values) of each part, [n, width]; a row's code does not depend on its head here."""
+        codes, scales = self.codec.encode(torch.stack([keys, values]).to(self.dtype))
+        return [(codes[0], codes[1]), (scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))]
+
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Re-rotate the keys of live rows first .. first + len(cos): decode, rotate in float32
+        """Re-rotate the keys of live rows first .. first + rows of cos: decode, rotate in float32
         (rope.rotate), encode again. The new codes carry a fresh rounding error on top of the
         old one (docs/kv_formats.md bounds it)."""
-        rows = slice(first, first + len(cos))
+        rows = slice(first, first + cos.shape[-2])  # cos [rows, head_dim], or [kv_heads, rows, head_dim]
         codes, scales = self.codes.keys[:, :, rows], self.scales.keys[:, :, rows]
         rotated = rope.rotate(self.codec.decode(codes, scales[..., 0]), cos, sin)
         new_codes, new_scales = self.codec.encode(rotated)

@@ -336,10 +336,12 @@ class SpliceLayer(OneSequenceLayer):
 
     @classmethod
     def put_lanes(cls, layers: list, lanes: np.ndarray, rows: np.ndarray, keys: torch.Tensor,
-                  values: torch.Tensor) -> None:
+                  values: torch.Tensor, positions: np.ndarray | None = None) -> None:
         """Write keys / values [n, head_dim] into live row rows[i] of lane lanes[i] (lane = layer
         * kv_heads + head): recalled rows that some lanes take back and others not. One copy
-        per buffer when the layers share a Slab and a start, else one per layer written."""
+        per buffer when the layers share a Slab and a start, else one per layer written.
+        `positions` (where each key is rotated) is for layer types that store keys before
+        RoPE: float keys are stored as given, and a moved row is re-rotated by the state."""
         slab = layers[0].slab
         if slab is not None and slab.put(layers, lanes, rows, keys, values):
             return

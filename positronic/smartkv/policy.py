@@ -32,9 +32,9 @@ Recall (`--recall`, recall.py): a token some lanes dropped comes back into the l
 query looks for it, with its own K/V, in place of their weakest memory rows.
 
 Like SmartKVCache (cache.py) for a plain `model.generate`; this is the same layout inside the
-brain's tick, mirror, sessions and live view. Not with a repairer (it replaces pairs of rows
-every layer holds) or a 4-bit kv_format (int4h keeps one RoPE position per row for every
-layer; int4/fp4 have no per-lane splice).
+brain's tick, mirror, sessions and live view, in any kv_format (int4h reads each lane's keys
+at its own rows' positions). Not with a repairer (it replaces pairs of rows every layer holds)
+or the ring store (one cursor for every layer).
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ class SmartKVPolicy:
         """ValueError for settings SmartKV cannot run with."""
         if config.repairer != "none":
             raise ValueError("policy smartkv drops rows per layer: it takes no repairer (--repairer none)")
-        if config.kv_format != "float":
-            raise ValueError(f"policy smartkv keeps per-layer rows in the float kv_format, not {config.kv_format}")
         if config.window < 1:
             raise ValueError("policy smartkv needs a window of at least 1 row (the newest token)")
         if config.gates and not Path(config.gates).is_file():

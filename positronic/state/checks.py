@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import formats as kv_formats
+from . import rows as row_plans
 from .actions import ActionError
 from .forward import fresh_layer0_kv, prefill
 
@@ -33,7 +34,7 @@ def float_tolerance(lm) -> float:
 
 
 def layer0_tolerance(lm, kv_format: str, layer0, rows: torch.Tensor, requantized: torch.Tensor | int = 0,
-                     positions=None) -> torch.Tensor | float:
+                     positions=None, head: int | None = None) -> torch.Tensor | float:
     """How far cache rows [..., n, head_dim] (as read: decoded) may lie from a fresh
     computation of layer 0 (`layer0`: the cache's layer 0), per element: the float tolerance,
     plus with a 4-bit kv_format the format's rounding bound of each row (a tensor [..., n, 1]) times
@@ -41,15 +42,16 @@ def layer0_tolerance(lm, kv_format: str, layer0, rows: torch.Tensor, requantized
         int4 / fp4: `rounding_bounds(requantized)` (an int, or [n] per row)
         int4h:      1 + requantized (re-rotation is exact; a restored row was rounded once
                     before), the bound of the row's coded form: keys at `positions` [n],
-                    values with `positions` None (kv_formats.Int4H.error_bound)."""
+                    values with `positions` None (kv_formats.Int4H.error_bound).
+    `head`: the rows are that kv head's alone ([..., 1, n, head_dim], a lane of per-lane rows)."""
     codec = kv_formats.packed(kv_format)
     if codec is None:
         return float_tolerance(lm)
     requantized = torch.as_tensor(requantized, dtype=torch.float32, device=rows.device).reshape(-1, 1)
     if kv_format == "int4h":
-        as_cached = rows.reshape(1, layer0.kv_heads, -1, layer0.head_dim)
+        as_cached = rows.reshape(1, layer0.kv_heads if head is None else 1, -1, layer0.head_dim)
         coded = (layer0.coded_values(as_cached) if positions is None
-                 else layer0.coded_keys(as_cached, torch.as_tensor(positions, dtype=torch.long)))
+                 else layer0.coded_keys(as_cached, torch.as_tensor(positions, dtype=torch.long), head))
         bound = codec.error_bound(coded).reshape(*rows.shape[:-1], 1)
         return float_tolerance(lm) + (1 + requantized) * bound
     return float_tolerance(lm) + rounding_bounds(requantized) * codec.error_bound(rows)
@@ -57,14 +59,14 @@ def layer0_tolerance(lm, kv_format: str, layer0, rows: torch.Tensor, requantized
 
 def layer0_excess(lm, kv_format: str, layer0, cached: torch.Tensor, fresh: torch.Tensor,
                   tolerance: float | None = None, requantized: torch.Tensor | int = 0,
-                  positions=None) -> tuple[float, float] | None:
+                  positions=None, head: int | None = None) -> tuple[float, float] | None:
     """(error, tolerance) at the element of `cached` that lies farthest beyond its
     tolerance from `fresh` (both [..., rows, head_dim]), or None when all are within.
     `tolerance`: one number for every element instead of `layer0_tolerance`; keys pass
-    their `positions`."""
+    their `positions`; `head`: the rows are that kv head's alone."""
     if not cached.numel():
         return None
-    allowed = (layer0_tolerance(lm, kv_format, layer0, cached, requantized, positions)
+    allowed = (layer0_tolerance(lm, kv_format, layer0, cached, requantized, positions, head)
                if tolerance is None else tolerance)
     error = (cached.float() - fresh.float()).abs()
     allowed = torch.as_tensor(allowed, dtype=torch.float32, device=error.device).expand_as(error)
@@ -89,8 +91,14 @@ def check(state, cache, mirror, predicted: list[int], requantized: list[int], *,
     if rings != {mirror.ring}:
         raise StateInvariantError(f"the mirror records the ring {mirror.ring}, the cache's layers hold {rings}")
     if cache.positions is not None and cached:  # int4h rotates every key to these when it reads it
-        held = cache.positions.tensor
-        if held is None or len(held) < cached or held[:cached].tolist() != mirror.positions():
+        if state.per_layer:
+            held, expected = cache.positions.lanes, row_plans.lane_positions(mirror)
+            heads = lm.num_kv_heads // state.lanes_per_layer  # kv heads a lane covers
+            held = None if held is None else [row[:cached] for row in held.reshape(-1, held.shape[-1])[::heads].tolist()]
+        else:
+            held, expected = cache.positions.tensor, mirror.positions()
+            held = None if held is None or len(held) < cached else held[:cached].tolist()
+        if held != expected:
             raise StateInvariantError("the cache's row positions (where int4h rotates its keys to) differ from "
                                       "the mirror's")
     shape = (1, lm.num_kv_heads, cached, lm.head_dim)
@@ -108,11 +116,13 @@ def check(state, cache, mirror, predicted: list[int], requantized: list[int], *,
             head = slice(None) if heads == 1 else slice(lane, lane + 1)
             rows_of = mirror.layer_rows_of(lane) if state.per_layer else list(range(rows))
             index = torch.tensor(rows_of, dtype=torch.long, device=fresh_keys.device)
+            one = None if heads == 1 else lane  # the lane's kv head, when a lane is one
             found += [layer0_excess(lm, state.kv_format, layer, layer.keys[:, head],
                                     fresh_keys[:, head].index_select(2, index), tolerance,
-                                    torch.tensor([requantized[r] for r in rows_of]), [positions[r] for r in rows_of]),
+                                    torch.tensor([requantized[r] for r in rows_of]), [positions[r] for r in rows_of],
+                                    head=one),
                       layer0_excess(lm, state.kv_format, layer, layer.values[:, head],
-                                    fresh_values[:, head].index_select(2, index), tolerance)]
+                                    fresh_values[:, head].index_select(2, index), tolerance, head=one)]
         if worst := max((f for f in found if f is not None), default=None):
             error, allowed = worst
             raise StateInvariantError(f"layer 0 differs from a fresh prefill by {error:.2e} (> {allowed:.2g})")

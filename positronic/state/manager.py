@@ -230,7 +230,8 @@ class StateManager(StateReads):
         mirror gets per-layer rows (mirror/layer_rows.py), every layer holding today's live
         rows, and edits become `drop` (rows per lane) and `add` actions. heads: 1 (a lane per
         layer) or the kv heads (a lane per kv head of each layer: heads keep different rows
-        too). Only with the float kv_format. There is no way back: the lanes' rows would differ."""
+        too). Any kv_format (a 4-bit one moves each lane's codes and scales; int4h reads each
+        lane's keys at its own rows' positions). There is no way back: the lanes' rows would differ."""
         self._refuse_if_broken("split the layers")
         if heads not in (1, self.lm.num_kv_heads):
             raise ValueError(f"lanes per layer must be 1 or the {self.lm.num_kv_heads} kv heads, not {heads}")
@@ -241,8 +242,6 @@ class StateManager(StateReads):
                                  f"{kinds[heads]}: per-layer and per-head rows cannot be swapped (go on with the "
                                  "gates the run started with: --gates FILE)")
             return
-        if kv_formats.packed(self.kv_format):
-            raise ValueError(f"per-layer rows need the float kv_format, not {self.kv_format}")
         if self.kv_store == "ring":
             raise ValueError("per-layer rows need the splice store: a ring keeps one cursor for every layer")
         self._mirror.layers = LayerRows.every_layer(self.lm.num_layers * heads, self._mirror.live.ledger_ids)
@@ -461,6 +460,7 @@ class StateManager(StateReads):
                 if self.per_layer:  # every layer computed the union: each closes up to its own rows;
                     # the newest row is in every layer, but its attention covered the union's rows
                     self._cache.splice_layers(row_plans.lane_runs(self._mirror), len(self._mirror.layers))
+                    self._cache.set_lane_positions(row_plans.lane_positions(self._mirror))
                     self.last_attention = self.last_query = self.last_log_norm = None
         except BaseException as exc:
             self._broken = f"rebuilding the cache from the mirror failed ({type(exc).__name__}: {exc})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import formats as kv_formats
+from . import rows as row_plans
 
 NEWEST = ("next_logits", "last_attention", "last_query", "last_log_norm")  # what the forward of the last row leaves
 
@@ -36,10 +37,9 @@ def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: i
     saves its codes. A ring store's rows are saved in row order and go back into the slots
     the mirror records (its cursor)."""
     check_fits(lm, mirror)
-    if mirror.layers is not None and (kv_formats.packed(kv_format) or mirror.layers.num_layers not in lane_counts(lm)):
-        raise ValueError(f"per-layer rows for {mirror.layers.num_layers} lanes need the float kv_format and "
-                         f"a model with as many layers, or layers times kv heads ({lm.name}: {lm.num_layers} "
-                         f"layers of {lm.num_kv_heads} kv heads, {kv_format})")
+    if mirror.layers is not None and mirror.layers.num_layers not in lane_counts(lm):
+        raise ValueError(f"per-layer rows for {mirror.layers.num_layers} lanes need a model with as many layers, "
+                         f"or layers times kv heads ({lm.name}: {lm.num_layers} layers of {lm.num_kv_heads} kv heads)")
     manager = cls(lm, mirror, capacity=capacity, score_layers=score_layers, new_brightness=brightness,
                   kv_format=kv_format, kv_store=kv_store)
     rows, cached = len(mirror), manager.rows_per_layer
@@ -77,6 +77,8 @@ def from_saved(cls, lm, mirror, tensors: dict[str, torch.Tensor], *, capacity: i
         manager._cache.check_saved({name: tensors[name] for name in rows_saved})
     manager._cache.set_positions(manager._mirror.live.positions)
     manager._cache.load({name: tensors[name] for name in rows_saved}, lm.dtype, lm.device)
+    if manager.per_layer:  # int4h: each lane's keys are read at its own rows' positions
+        manager._cache.set_lane_positions(row_plans.lane_positions(manager._mirror))
     manager._predicted = predicted.tolist()
     manager._requantized = requantized.tolist()
     for name in NEWEST:

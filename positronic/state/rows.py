@@ -106,6 +106,9 @@ class LaneRows:
 
     def splice(self, cache, scratch: int, probe_positions=()) -> None:
         cache.splice_layers(self.runs, self.length)
+        if cache.positions is not None:  # int4h reads every lane's keys at its own rows' positions
+            new = list(self.layout.positions[-1:]) if self.length > len(self.kept_ids[0]) else []
+            cache.set_lane_positions([[self.new_position[i] for i in ids] + new for ids in self.kept_ids])
         taken = list(dict.fromkeys(i for lane in self.inserts for i in lane))  # each token once
         if not taken:
             return
@@ -115,15 +118,19 @@ class LaneRows:
         values = torch.stack([self.stored[i][1] for i in taken])
         layers, kv_heads = keys.shape[1:3]
         heads = self.heads  # lanes per layer: kv_heads, or 1 (a lane is a whole layer)
-        lanes, rows, sources = [], [], []
+        lanes, rows, sources, positions = [], [], [], []
         for lane, (ids, taken_rows) in enumerate(zip(self.inserts, self.taken_rows)):
             first = lane * kv_heads // heads  # the lane's first kv head, counted over all layers
             for ledger_id, row in zip(ids, taken_rows):
+                # a stored key is rotated at the position the token held (re-rotated below if that moved)
+                position = self.old_position.get(ledger_id, self.new_position[ledger_id])
                 for kv_lane in range(first, first + kv_heads // heads):
                     lanes.append(kv_lane), rows.append(row), sources.append(column[ledger_id] * layers * kv_heads + kv_lane)
+                    positions.append(position)
         at = torch.tensor(sources, dtype=torch.long, device=keys.device)
         width = keys.shape[-1]
-        cache.put_lane_rows(lanes, rows, keys.reshape(-1, width)[at], values.reshape(-1, values.shape[-1])[at])
+        cache.put_lane_rows(lanes, rows, keys.reshape(-1, width)[at], values.reshape(-1, values.shape[-1])[at],
+                            positions)
 
     def rotate(self, cache, inv_freq: torch.Tensor) -> None:
         """Where the union's positions were packed down, each lane re-rotates its own rows."""
@@ -211,6 +218,12 @@ def lane_runs(mirror: Mirror) -> list[list[tuple[int, int, int]]]:
         keep = set(mirror.layer_rows_of(lane))
         runs.append(runs_without(len(mirror), [row for row in range(len(mirror)) if row not in keep]))
     return runs
+
+
+def lane_positions(mirror: Mirror) -> list[list[int]]:
+    """Per lane, the positions of the rows it holds, in row order (what int4h rotates keys to)."""
+    positions = mirror.positions()
+    return [[positions[row] for row in mirror.layer_rows_of(lane)] for lane in range(mirror.layers.num_layers)]
 
 
 def copy_rows(cache, known: dict) -> None:

@@ -153,16 +153,21 @@ def test_a_batch_refuses_a_brain_of_another_model_and_a_taken_name(tiny, tiny_ha
         batch.step(force={"z": 5})
 
 
-def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol, alone, batched):
-    """The default policy on the embedded model (per-head lanes, recall, gates): two sequences
-    over their budgets, batched, make the tokens each makes alone."""
+@pytest.mark.parametrize("kv_format", ["float", "int4h"])
+def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol, alone, batched, kv_format):
+    """The default policy on the embedded model (per-head lanes, recall, gates), in float rows
+    and in int4h (each lane's keys read at its own positions): two sequences over their
+    budgets, batched, make the tokens each makes alone."""
     text = ("The lighthouse keeper wrote in his log every evening; the code of the door was 4417. " * 6).strip()
     prompts = [smol.encode(text)[:120], smol.encode("Once upon a time, " * 20)[:100]]
-    configs = [dict(policy="smartkv", recall=True, budget=96, seed=0, temperature=0),
-               dict(policy="smartkv", recall=True, budget=80, seed=1, temperature=0.8)]
+    configs = [dict(policy="smartkv", recall=True, budget=96, seed=0, temperature=0, kv_format=kv_format),
+               dict(policy="smartkv", recall=True, budget=80, seed=1, temperature=0.8, kv_format=kv_format)]
     ticks = 24
     want = [alone(smol, prompt, ticks, **config) for prompt, config in zip(prompts, configs)]
-    assert batched(smol, prompts, configs, ticks)[1] == want
+    batch, got = batched(smol, prompts, configs, ticks)
+    assert got == want
+    for brain in batch.brains.values():
+        brain.state.check(deep=True)
 
 
 def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny):

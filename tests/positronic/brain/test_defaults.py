@@ -27,7 +27,14 @@ def test_gates_given_make_smartkv_the_default_for_any_model():
 
 
 def test_settings_smartkv_cannot_take_keep_the_gate_free_default_and_say_why():
-    for settings, reason in [({"kv_format": "int4"}, "float kv_format"), ({"repairer": "bridge", "unit": 2}, "repairer"),
-                             ({"kv_store": "ring"}, "ring store")]:
+    for settings, reason in [({"repairer": "bridge", "unit": 2}, "repairer"), ({"kv_store": "ring"}, "ring store")]:
         choice = default_policy("smollm2", BrainConfig(budget=256, **settings))
         assert choice.policy == "brightness" and reason in choice.note, settings
+
+
+def test_a_4bit_cache_keeps_the_best_memory_by_default():
+    """SmartKV keeps each lane's rows in any kv_format: asking for 4-bit rows is no reason to
+    fall back to a gate-free policy."""
+    for kv_format in ("int4h", "int4", "fp4"):
+        choice = default_policy("smollm2", BrainConfig(budget=256, kv_format=kv_format))
+        assert (choice.policy, choice.recall) == ("smartkv", True), kv_format

@@ -232,7 +232,6 @@ def test_step4_refuses_what_a_per_layer_state_cannot_take(tiny, gate_file):
 
 @pytest.mark.parametrize("changes,message", [
     ({"repairer": "bridge", "unit": 2}, "repairer"),
-    ({"kv_format": "int4"}, "float kv_format"),
     ({"budget": SINKS + WINDOW + 4, "window": 20}, "budget|memory"),
     ({"gates": "/no/such/gates.safetensors"}, "does not exist"),
 ])

@@ -312,3 +312,38 @@ def test_every_lanes_ids_and_keys_come_in_its_own_row_order(tiny, head_gate_file
     brain.step(force=tiny.bos_id)
     with pytest.raises(ValueError, match="stale"):
         view.rows.lane_keys()
+
+
+@pytest.mark.parametrize("name", ["int4", "fp4", "int4h"])
+def test_smartkv_with_recall_on_4bit_rows_checks_rebuilds_and_resumes_exactly(tiny, head_gate_file, eager_recall,
+                                                                              tmp_path, name):
+    """Each kv head keeps its own rows in a 4-bit format: tokens come back into some lanes
+    (encoded there alone), layer 0 stays within the format's bound of a fresh computation (each
+    lane's keys read at its own rows' positions), a fault rebuilds the lanes from the mirror,
+    and a saved session resumes with the same codes and goes on with the same tokens."""
+    ids = text_ids(tiny, 100, seed=31)
+    brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True, kv_format=name, seed=4))
+    restores = []
+    for n in range(15, 70):
+        record = brain.step(force=ids[n])
+        assert not record.rebuilt, record.error
+        assert record.live_length <= BUDGET
+        restores += [a for a in record.actions if a["action"] == "restore"]
+        if n % 10 == 0:
+            brain.state.check(deep=True)
+    assert brain.state.cache.kv_format == name
+    assert any(len(taking) < brain.state.lanes for action in restores for taking in action["lanes"]), \
+        "some token should come back into some lanes only"
+    brain.state.inject_fault("forward")
+    assert brain.step(force=ids[70]).rebuilt
+    brain.state.check(deep=True)
+    for token in ids[70:80]:
+        assert not brain.step(force=token).rebuilt
+    brain.state.check(deep=True)
+    sessions.save(tmp_path, brain, tiny.name)
+    resumed = sessions.resume(tiny, tmp_path)
+    assert resumed.state.kv_format == name and resumed.state.per_layer
+    for a, b in zip(brain.state.cache.layers, resumed.state.cache.layers):
+        assert torch.equal(a.codes.keys, b.codes.keys) and torch.equal(a.scales.values, b.scales.values)
+    assert [brain.step(force=t).token_id for t in ids[80:]] == [resumed.step(force=t).token_id for t in ids[80:]]
+    assert [brain.step().token_id for _ in range(8)] == [resumed.step().token_id for _ in range(8)]
