@@ -141,8 +141,7 @@ class SpliceCache(Cache):
                 or lanes_per_layer not in (1, layer.kv_heads):
             raise ValueError(f"lane positions are [lanes, rows] for {len(self.layers)} layers of {layer.kv_heads} "
                              f"kv heads (a lane a layer or a kv head), got {list(held.shape)}")
-        held = held.reshape(len(self.layers), lanes_per_layer, -1).expand(-1, layer.kv_heads, -1)
-        self.positions.set_lanes(held.to(layer.device or "cpu"))
+        self.positions.set_lanes(held.reshape(len(self.layers), lanes_per_layer, -1).to(layer.device or "cpu"))
 
     @property
     def ring(self) -> Ring | None:

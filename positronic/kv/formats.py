@@ -209,6 +209,7 @@ class Int4H:
     group = 32
     half_step = 0.5 + 15 * 2**-10 / (1 - 2**-10)
     position_bytes = 8  # the cache keeps each live row's position (int64), once for all layers
+    lane_position_bytes = 4  # or, where lanes keep rows of their own, each lane's (int32)
     byte_levels = byte_table(torch.arange(16.0))  # a code's level is the nibble itself
 
     def groups(self, head_dim: int) -> int:
@@ -277,10 +278,14 @@ def packed(name: str) -> "PackedFormat | Int4H | None":
     return PACKED.get(check_format(name))
 
 
-def bytes_per_token(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def bytes_per_token(name: str, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    lanes: int = 0) -> int:
     """Cache bytes one live token takes in format `name`: a K and a V row per layer and kv head
     (float: head_dim values of `dtype`; 4-bit: codes plus scales and zero points), and for
-    int4h the row's position."""
+    int4h the row's position: once for all layers, or with `lanes` keeping rows of their own
+    (a per-lane policy: SmartKV) each lane's (`lane_position_bytes`)."""
     codec = packed(name)
     row = codec.row_bytes(head_dim) if codec else head_dim * torch.empty((), dtype=dtype).element_size()
+    if lanes:
+        return 2 * layers * kv_heads * row + lanes * getattr(codec, "lane_position_bytes", 0)
     return 2 * layers * kv_heads * row + getattr(codec, "position_bytes", 0)

@@ -28,14 +28,14 @@ class RowPositions:
     row i is at position i. A splice forgets them: reading or writing rows before they are set
     again is refused.
 
-    Lanes that keep different rows (`set_lanes`) give each kv head of each layer positions of
-    its own, `lanes` [layers, kv_heads, rows]; `rotation` then answers per layer.
+    Lanes that keep different rows (`set_lanes`) give each lane positions of its own, `lanes`
+    int32 [layers, lanes per layer (1 or the kv heads), rows]; `rotation` then answers per layer.
     """
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.tensor: torch.Tensor | None = None  # int64 [rows], on the cache's device
-        self.lanes: torch.Tensor | None = None  # int64 [layers, kv_heads, rows]: per-lane rows (instead of `tensor`)
+        self.lanes: torch.Tensor | None = None  # int32 [layers, lanes per layer, rows]: per-lane rows (not `tensor`)
         self.stale = False
         self._rotation: tuple | None = None  # (count, device, cos, sin) of the last `rotation`; cleared on set
 
@@ -43,10 +43,12 @@ class RowPositions:
         self.tensor, self.lanes, self.stale, self._rotation = positions.to(torch.long), None, False, None
 
     def set_lanes(self, positions: torch.Tensor) -> None:
-        """Each kv head of each layer holds rows of its own: their positions [layers, kv_heads, rows]."""
+        """Lanes hold rows of their own: their positions [layers, lanes per layer, rows] (kept as
+        int32: 4 bytes per lane per row)."""
         if positions.dim() != 3:
-            raise ValueError(f"lane positions are [layers, kv_heads, rows], got {list(positions.shape)}")
-        self.tensor, self.lanes, self.stale, self._rotation = None, positions.to(torch.long), False, None
+            raise ValueError(f"lane positions are [layers, lanes per layer, rows], got {list(positions.shape)}")
+        self.tensor, self.stale, self._rotation = None, False, None
+        self.lanes = positions.to(torch.int32).contiguous()
 
     def moved(self) -> None:
         """The rows moved (a splice): their positions must be set again before use."""
@@ -73,8 +75,9 @@ class RowPositions:
     def rotation(self, count: int, device: torch.device, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to
         theirs (cos, -sin rotate them back: the angles are negated exactly); with lane positions,
-        layer `layer`'s, [kv_heads, count, head_dim]. Computed once per layout and count: every
-        layer's reads and writes of a forward share it."""
+        layer `layer`'s, [lanes per layer, count, head_dim] (a lane per layer broadcasts over its
+        kv heads). Computed once per layout and count: every layer's reads and writes of a
+        forward share it."""
         if self._rotation is None or self._rotation[:2] != (count, device):
             if self.lanes is None:
                 positions = self.of(torch.arange(count, device=device)).cpu()
@@ -87,8 +90,8 @@ class RowPositions:
         return self._rotation[2][layer], self._rotation[3][layer]
 
     def _lane_rotation(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [layers, kv_heads, count, head_dim] of every lane's first `count` rows: one
-        rotation per distinct position (the lanes share most of theirs), then spread out."""
+        """cos, sin [layers, lanes per layer, count, head_dim] of every lane's first `count` rows:
+        one rotation per distinct position (the lanes share most of theirs), then spread out."""
         if count > self.lanes.shape[-1]:
             raise ValueError(f"row {count - 1} has no position: {self.lanes.shape[-1]} were set per lane")
         held = self.lanes[..., :count].cpu()
@@ -165,8 +168,9 @@ class Int4HLayer(PackedSpliceLayer):
             held = layers[0].positions.lanes
             if held is None:
                 raise ValueError("int4h rows taken into lanes need the lanes' positions (set_lane_positions)")
-            positions = held.cpu()[torch.from_numpy(lanes // heads), torch.from_numpy(lanes % heads),
-                                   torch.from_numpy(rows)].numpy()
+            lane = lanes % heads if held.shape[1] == heads else np.zeros_like(lanes)  # a lane per layer: 0
+            positions = held.cpu()[torch.from_numpy(lanes // heads), torch.from_numpy(lane),
+                                   torch.from_numpy(rows)].numpy().astype(np.int64)
         super().put_lanes(layers, lanes, rows, keys, values, positions)
 
     def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,

@@ -93,8 +93,7 @@ def check(state, cache, mirror, predicted: list[int], requantized: list[int], *,
     if cache.positions is not None and cached:  # int4h rotates every key to these when it reads it
         if state.per_layer:
             held, expected = cache.positions.lanes, row_plans.lane_positions(mirror)
-            heads = lm.num_kv_heads // state.lanes_per_layer  # kv heads a lane covers
-            held = None if held is None else [row[:cached] for row in held.reshape(-1, held.shape[-1])[::heads].tolist()]
+            held = None if held is None else [row[:cached] for row in held.reshape(-1, held.shape[-1]).tolist()]
         else:
             held, expected = cache.positions.tensor, mirror.positions()
             held = None if held is None or len(held) < cached else held[:cached].tolist()

@@ -207,7 +207,8 @@ class StateReads:
         """Cache bytes one live token takes in this state's kv_format (every layer's K and V)."""
         lm = self.lm
         return kv_formats.bytes_per_token(self.kv_format, layers=lm.num_layers, kv_heads=lm.num_kv_heads,
-                                          head_dim=lm.head_dim, dtype=lm.dtype)
+                                          head_dim=lm.head_dim, dtype=lm.dtype,
+                                          lanes=self.lanes if self.per_layer else 0)
 
     def view(self, *, keys: bool = False) -> ContextView:
         """A read-only snapshot; `keys`: with the newest query and a reader of rows' K/V."""

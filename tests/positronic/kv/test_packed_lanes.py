@@ -11,7 +11,7 @@ import torch
 from positronic import SpliceCache
 from positronic.kv import rope
 from positronic.kv.centres import key_centres
-from positronic.kv.formats import PACKED, ROW_SCALED, Int4H
+from positronic.kv.formats import PACKED, ROW_SCALED, Int4H, bytes_per_token
 
 from .test_cache import runs_keeping
 from .test_formats import quantized, random_rows
@@ -145,3 +145,18 @@ def test_int4h_a_key_taken_back_is_stored_before_rope_from_the_position_it_was_r
     again.set_lane_positions(lane_positions)
     again.put_lane_rows([1], [4], want, values)
     torch.testing.assert_close(again.layers[0].keys[0, 1, 4], layer.keys[0, 1, 4], atol=1e-5, rtol=1e-5)
+
+
+def test_int4h_lane_positions_take_four_bytes_per_lane_and_token(tiny):
+    """Per-lane rows keep each lane's positions (int32) instead of one per row for all layers:
+    what `memory_bytes` counts and `bytes_per_token` says a token costs with lanes."""
+    cache = int4h_cache(tiny, 12, 3, torch.arange(12))
+    shared = cache.memory_bytes()
+    lanes = tiny.num_layers * tiny.num_kv_heads
+    cache.splice_layers([runs_keeping(list(range(12)))] * lanes, 12)
+    cache.set_lane_positions([list(range(12))] * lanes)
+    assert cache.memory_bytes() - shared == 4 * lanes * 12 - 8 * 12
+    shape = dict(layers=tiny.num_layers, kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, dtype=torch.float32)
+    assert bytes_per_token("int4h", lanes=lanes, **shape) - bytes_per_token("int4h", **shape) == 4 * lanes - 8
+    cache.set_lane_positions([list(range(12))] * tiny.num_layers)  # a lane per layer: once for its kv heads
+    assert cache.memory_bytes() - shared == 4 * tiny.num_layers * 12 - 8 * 12

@@ -10,6 +10,7 @@ import torch
 
 from positronic.brain import session as sessions
 from positronic.brain.loop import Brain
+from positronic.kv.formats import bytes_per_token
 from positronic.mirror import to_bytes
 from positronic.smartkv import recall as lane_recall
 from positronic.smartkv.policy import SmartKVPolicy
@@ -332,6 +333,8 @@ def test_smartkv_with_recall_on_4bit_rows_checks_rebuilds_and_resumes_exactly(ti
         if n % 10 == 0:
             brain.state.check(deep=True)
     assert brain.state.cache.kv_format == name
+    shape = dict(layers=tiny.num_layers, kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, dtype=tiny.dtype)
+    assert brain.state.bytes_per_token() == bytes_per_token(name, lanes=brain.state.lanes, **shape)
     assert any(len(taking) < brain.state.lanes for action in restores for taking in action["lanes"]), \
         "some token should come back into some lanes only"
     brain.state.inject_fault("forward")
