@@ -173,6 +173,23 @@ class Int4HLayer(PackedSpliceLayer):
                                    torch.from_numpy(rows)].numpy().astype(np.int64)
         super().put_lanes(layers, lanes, rows, keys, values, positions)
 
+    def decode_rows(self, layers: list, rows: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """As PackedSpliceLayer's; each key is turned to its own row's position (its lane's)."""
+        count, heads, n = len(layers), self.kv_heads, rows.shape[-1]
+        rows = torch.from_numpy(np.array(np.broadcast_to(rows.reshape(count, -1, n), (count, heads, n))))
+        held = self.positions  # rows: [layers, kv_heads, n]
+        if held.lanes is not None:  # a lane per layer (lanes' dim 1 is 1) reads its row for every kv head
+            lane = torch.arange(heads)[None, :, None] if held.lanes.shape[1] == heads else torch.zeros(1, 1, 1).long()
+            at = held.lanes.cpu()[torch.arange(count)[:, None, None], lane, rows].to(torch.long)
+        else:
+            at = held.of(rows.reshape(-1).to(self.device)).cpu().reshape(count, heads, n)
+        cos, sin = rope.rotation(held.inv_freq, torch.zeros(at.numel(), dtype=torch.long), at.reshape(-1))
+        centres = torch.cat([layer.centre for layer in layers])  # [layers, kv_heads, 1, head_dim]
+        plain = self.codec.decode(*keys) @ self.hadamard + centres
+        shape = (count, heads, n, -1)
+        decoded_keys = rope.rotate(plain, cos.to(self.device).reshape(shape), sin.to(self.device).reshape(shape))
+        return decoded_keys.to(self.dtype), (self.codec.decode(*values) @ self.hadamard).to(self.dtype)
+
     def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
                     positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of this layer's kv heads `heads` (int64 [n]): keys [n, head_dim] rotated at

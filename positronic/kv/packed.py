@@ -188,6 +188,20 @@ class PackedSpliceLayer(OneSequenceLayer):
         for index, (part_keys, part_values) in enumerate(encoded or []):
             SpliceLayer.put_lanes([layer.parts[index] for layer in layers], lanes, rows, part_keys, part_values)
 
+    @classmethod
+    def rows_of(cls, layers: list, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """As SpliceLayer.rows_of, decoded: each part's rows gathered (one gather per part when
+        the layers share a Slab), then only those rows decoded (not every live row)."""
+        parts = [SpliceLayer.rows_of([layer.parts[index] for layer in layers], rows)
+                 for index in range(len(layers[0].parts))]  # per part: keys, values [layers, kv_heads, n, width]
+        return layers[0].decode_rows(layers, rows, [k for k, _ in parts], [v for _, v in parts])
+
+    def decode_rows(self, layers: list, rows: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """Gathered parts of rows `rows` of every layer (`rows_of`) -> keys, values [layers,
+        kv_heads, n, head_dim] in the model's dtype."""
+        return (self.codec.decode(keys[0], keys[1][..., 0], self.dtype),
+                self.codec.decode(values[0], values[1][..., 0], self.dtype))
+
     def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
                     positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of kv heads `heads` (int64 [n]) of this layer, keys and values [n, head_dim] ->

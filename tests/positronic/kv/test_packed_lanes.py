@@ -160,3 +160,29 @@ def test_int4h_lane_positions_take_four_bytes_per_lane_and_token(tiny):
     assert bytes_per_token("int4h", lanes=lanes, **shape) - bytes_per_token("int4h", **shape) == 4 * lanes - 8
     cache.set_lane_positions([list(range(12))] * tiny.num_layers)  # a lane per layer: once for its kv heads
     assert cache.memory_bytes() - shared == 4 * tiny.num_layers * 12 - 8 * 12
+
+
+@pytest.mark.parametrize("name", [*sorted(ROW_SCALED), "int4h"])
+@pytest.mark.parametrize("lanes_kind", ["shared rows", "per head"])
+def test_lane_rows_decode_only_the_rows_read_and_match_the_whole_decode(tiny, name, lanes_kind):
+    """`lane_rows` (what recall stores of a token leaving the window) gathers and decodes the
+    rows it reads: the same values as decoding every live row and picking them."""
+    cache = SpliceCache(tiny.model.config, max_cache_len=64, kv_format=name,
+                        key_centres=key_centres(tiny) if name == "int4h" else None)
+    cache.set_positions(torch.arange(30, 50))
+    written(cache, 20, 11, tiny.num_kv_heads, tiny.head_dim)
+    lanes = tiny.num_layers * tiny.num_kv_heads
+    if lanes_kind == "per head":
+        kept = random_lanes(random.Random(5), 20, lanes, 4)
+        cache.splice_layers([runs_keeping(rows) for rows in kept], 16)
+        cache.set_lane_positions([[30 + row for row in rows] for rows in kept])
+        read = [[(3 * lane + 1) % 16, lane % 5, 15] for lane in range(lanes)]
+    else:
+        read = [[4, 9, 2]] * tiny.num_layers
+    keys, values = cache.lane_rows(read)
+    heads = len(read) // tiny.num_layers
+    for index, layer in enumerate(cache.layers):
+        for head in range(tiny.num_kv_heads):
+            at = torch.tensor(read[index * heads + (head if heads > 1 else 0)])
+            torch.testing.assert_close(keys[index, head], layer.keys[0, head, at], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(values[index, head], layer.values[0, head, at], atol=1e-6, rtol=1e-6)
