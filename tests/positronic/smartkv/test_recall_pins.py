@@ -321,9 +321,12 @@ def test_smartkv_with_recall_on_4bit_rows_checks_rebuilds_and_resumes_exactly(ti
     """Each kv head keeps its own rows in a 4-bit format: tokens come back into some lanes
     (encoded there alone), layer 0 stays within the format's bound of a fresh computation (each
     lane's keys read at its own rows' positions), a fault rebuilds the lanes from the mirror,
-    and a saved session resumes with the same codes and goes on with the same tokens."""
+    and a saved session resumes with the same codes and goes on with the same tokens. A pinned
+    token stays in every lane."""
     ids = text_ids(tiny, 100, seed=31)
     brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True, kv_format=name, seed=4))
+    brain.state.pin([5])
+    pinned = brain.state.mirror.live.ledger_ids[5]
     restores = []
     for n in range(15, 70):
         record = brain.step(force=ids[n])
@@ -337,6 +340,7 @@ def test_smartkv_with_recall_on_4bit_rows_checks_rebuilds_and_resumes_exactly(ti
     assert brain.state.bytes_per_token() == bytes_per_token(name, lanes=brain.state.lanes, **shape)
     assert any(len(taking) < brain.state.lanes for action in restores for taking in action["lanes"]), \
         "some token should come back into some lanes only"
+    assert all(pinned in lane for lane in brain.state.mirror.layers.rows), "every lane keeps the pinned token"
     brain.state.inject_fault("forward")
     assert brain.step(force=ids[70]).rebuilt
     brain.state.check(deep=True)
