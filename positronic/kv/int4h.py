@@ -72,6 +72,16 @@ class RowPositions:
             raise ValueError(f"row {int(rows.max())} has no position: {len(self.tensor)} were set")
         return self.tensor.to(rows.device)[rows]
 
+    def of_lanes(self, layers: torch.Tensor, heads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Positions int64 of rows `rows` of kv heads `heads` of layers `layers` (int64 index
+        tensors on the CPU, broadcast together; the result on the CPU): each lane's own
+        (`set_lanes`; a lane per layer holds one row for all its kv heads), else the rows' shared ones."""
+        layers, heads, rows = torch.broadcast_tensors(layers, heads, rows)
+        if self.lanes is None:
+            return self.of(rows.reshape(-1)).cpu().reshape(rows.shape)
+        lane = heads if self.lanes.shape[1] > 1 else torch.zeros_like(heads)
+        return self.lanes.cpu()[layers, lane, rows].long()
+
     def rotation(self, count: int, device: torch.device, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [count, head_dim] float32 that rotate rows 0..count-1 from position 0 to
         theirs (cos, -sin rotate them back: the angles are negated exactly); with lane positions,
@@ -165,30 +175,21 @@ class Int4HLayer(PackedSpliceLayer):
         (int64 [n], the position each given key is rotated at; None: its row's, as set)."""
         if positions is None:
             heads = layers[0].kv_heads
-            held = layers[0].positions.lanes
-            if held is None:
-                raise ValueError("int4h rows taken into lanes need the lanes' positions (set_lane_positions)")
-            lane = lanes % heads if held.shape[1] == heads else np.zeros_like(lanes)  # a lane per layer: 0
-            positions = held.cpu()[torch.from_numpy(lanes // heads), torch.from_numpy(lane),
-                                   torch.from_numpy(rows)].numpy().astype(np.int64)
+            positions = layers[0].positions.of_lanes(torch.from_numpy(lanes // heads), torch.from_numpy(lanes % heads),
+                                                     torch.from_numpy(rows)).numpy()
         super().put_lanes(layers, lanes, rows, keys, values, positions)
 
     def decode_rows(self, layers: list, rows: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]):
         """As PackedSpliceLayer's; each key is turned to its own row's position (its lane's)."""
         count, heads, n = len(layers), self.kv_heads, rows.shape[-1]
-        rows = torch.from_numpy(np.array(np.broadcast_to(rows.reshape(count, -1, n), (count, heads, n))))
-        held = self.positions  # rows: [layers, kv_heads, n]
-        if held.lanes is not None:  # a lane per layer (lanes' dim 1 is 1) reads its row for every kv head
-            lane = torch.arange(heads)[None, :, None] if held.lanes.shape[1] == heads else torch.zeros(1, 1, 1).long()
-            at = held.lanes.cpu()[torch.arange(count)[:, None, None], lane, rows].to(torch.long)
-        else:
-            at = held.of(rows.reshape(-1).to(self.device)).cpu().reshape(count, heads, n)
-        cos, sin = rope.rotation(held.inv_freq, torch.zeros(at.numel(), dtype=torch.long), at.reshape(-1))
+        rows = torch.from_numpy(rows.reshape(count, -1, n))  # a lane per layer: one row list for its kv heads
+        at = self.positions.of_lanes(torch.arange(count)[:, None, None], torch.arange(heads)[None, :, None], rows)
+        cos, sin = rope.rotation(self.positions.inv_freq, torch.zeros(at.numel(), dtype=torch.long), at.reshape(-1))
         centres = torch.cat([layer.centre for layer in layers])  # [layers, kv_heads, 1, head_dim]
-        plain = self.codec.decode(*keys) @ self.hadamard + centres
         shape = (count, heads, n, -1)
-        decoded_keys = rope.rotate(plain, cos.to(self.device).reshape(shape), sin.to(self.device).reshape(shape))
-        return decoded_keys.to(self.dtype), (self.codec.decode(*values) @ self.hadamard).to(self.dtype)
+        decoded_keys = rope.rotate(self._uncoded(*keys) + centres, cos.to(self.device).reshape(shape),
+                                   sin.to(self.device).reshape(shape))
+        return decoded_keys.to(self.dtype), self._uncoded(*values).to(self.dtype)
 
     def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
                     positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -197,9 +198,7 @@ class Int4HLayer(PackedSpliceLayer):
         at = torch.from_numpy(np.asarray(positions, dtype=np.int64))
         cos, sin = rope.rotation(self.positions.inv_freq, at, torch.zeros_like(at))  # back to position 0
         centre = self.centre[0, :, 0][torch.from_numpy(heads).to(self.device)]  # [n, head_dim]
-        plain = rope.rotate(keys.float(), cos.to(self.device), sin.to(self.device)) - centre
-        codes, scales, zeros = self.codec.encode(torch.stack([plain, values.float()]) @ self.hadamard)
-        return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
+        return self._coded(rope.rotate(keys.float(), cos.to(self.device), sin.to(self.device)) - centre, values)
 
     def reset(self) -> None:
         super().reset()
@@ -240,9 +239,19 @@ class Int4HLayer(PackedSpliceLayer):
                              f"({self.kv_heads}, {self.head_dim}) per row")
         self.centre = centre.to(self.device, torch.float32)[None, :, None, :]
 
+    def _coded(self, plain: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys at position 0 less the centre and values, each [..., head_dim] -> (keys, values)
+        of each part (H, then 4-bit codes per group)."""
+        codes, scales, zeros = self.codec.encode(torch.stack([plain, values.float()]) @ self.hadamard)
+        return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
+
+    def _uncoded(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        """One side's parts -> what `_coded` was given (keys at position 0 less the centre, or
+        values), as stored: float32 [..., head_dim]."""
+        return self.codec.decode(codes, scales, zeros) @ self.hadamard  # H^T = H
+
     def _decode(self, side: str) -> torch.Tensor:
-        coded = self.codec.decode(getattr(self.codes, side), getattr(self.scales, side), getattr(self.zeros, side))
-        rows = coded @ self.hadamard  # H^T = H
+        rows = self._uncoded(getattr(self.codes, side), getattr(self.scales, side), getattr(self.zeros, side))
         if side == "keys":
             cos, sin = self.positions.rotation(self.length, self.device, self.index)
             rows = rope.rotate(rows + self.centre, cos, sin)
@@ -259,8 +268,7 @@ class Int4HLayer(PackedSpliceLayer):
             rows, length = torch.arange(self.length, self.length + count, device=self.device), self.length + count
         cos, sin = self.positions.rotation(length, self.device, self.index)  # shared rows: the same for every layer
         plain = rope.rotate(key_states.float(), cos[..., rows, :], -sin[..., rows, :]) - self.centre  # to position 0
-        codes, scales, zeros = self.codec.encode(torch.stack([plain, value_states.float()]) @ self.hadamard)
-        return [(codes[0], codes[1]), (scales[0], scales[1]), (zeros[0], zeros[1])]
+        return self._coded(plain, value_states)
 
     def coded_keys(self, keys: torch.Tensor, positions: torch.Tensor, head: int | None = None) -> torch.Tensor:
         """What this layer would make of keys [1, kv_heads, n, head_dim] at `positions` [n]

@@ -79,7 +79,11 @@ class PackedSpliceLayer(OneSequenceLayer):
 
     def _decode(self, side: str) -> torch.Tensor:
         """The live rows of one side ("keys" or "values") decoded."""
-        return self.codec.decode(getattr(self.codes, side), getattr(self.scales, side)[..., 0], self.dtype)
+        return self._rows(getattr(self.codes, side), getattr(self.scales, side))
+
+    def _rows(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Codes [..., head_dim // 8] and scales [..., 1] -> rows [..., head_dim] in the model's dtype."""
+        return self.codec.decode(codes, scales[..., 0], self.dtype)
 
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Live keys and values decoded together (what a forward reads), each [1, kv_heads, length, head_dim]."""
@@ -199,15 +203,13 @@ class PackedSpliceLayer(OneSequenceLayer):
     def decode_rows(self, layers: list, rows: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]):
         """Gathered parts of rows `rows` of every layer (`rows_of`) -> keys, values [layers,
         kv_heads, n, head_dim] in the model's dtype."""
-        return (self.codec.decode(keys[0], keys[1][..., 0], self.dtype),
-                self.codec.decode(values[0], values[1][..., 0], self.dtype))
+        return self._rows(*keys), self._rows(*values)
 
     def encode_rows(self, heads: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
                     positions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rows of kv heads `heads` (int64 [n]) of this layer, keys and values [n, head_dim] ->
         (keys, values) of each part, [n, width]; a row's code does not depend on its head here."""
-        codes, scales = self.codec.encode(torch.stack([keys, values]).to(self.dtype))
-        return [(codes[0], codes[1]), (scales[0].unsqueeze(-1), scales[1].unsqueeze(-1))]
+        return self._encode(keys.to(self.dtype), values.to(self.dtype))
 
     def rotate_keys(self, first: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Re-rotate the keys of live rows first .. first + rows of cos: decode, rotate in float32

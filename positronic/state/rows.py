@@ -107,8 +107,7 @@ class LaneRows:
     def splice(self, cache, scratch: int, probe_positions=()) -> None:
         cache.splice_layers(self.runs, self.length)
         if cache.positions is not None:  # int4h reads every lane's keys at its own rows' positions
-            new = list(self.layout.positions[-1:]) if self.length > len(self.kept_ids[0]) else []
-            cache.set_lane_positions([[self.new_position[i] for i in ids] + new for ids in self.kept_ids])
+            cache.set_lane_positions([self.lane_positions(ids) for ids in self.kept_ids])
         taken = list(dict.fromkeys(i for lane in self.inserts for i in lane))  # each token once
         if not taken:
             return
@@ -152,7 +151,13 @@ class LaneRows:
 
     def key_positions(self) -> list[int]:
         """Lane 0's rows' positions, the new one last (only their count matters: the new token is last)."""
-        return [self.new_position[i] for i in self.kept_ids[0]] + [self.layout.positions[-1]]
+        return self.lane_positions(self.kept_ids[0])
+
+    def lane_positions(self, ids: list[int]) -> list[int]:
+        """A lane's rows' positions after this edit: those of `ids` (the ledger ids it keeps), then
+        the added token's, if any."""
+        added = list(self.layout.positions[-1:]) if self.length > len(ids) else []
+        return [self.new_position[i] for i in ids] + added
 
     def commit(self, mirror: Mirror, cache, texts: list[str], **stamp) -> None:
         mirror.splice(self.layout, texts, layer_drops=self.drops, layer_inserts=self.inserts, **stamp)

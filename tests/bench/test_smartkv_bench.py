@@ -34,6 +34,8 @@ def test_smartkv_bench_reports_perplexities_and_where_one_method_loses_to_anothe
     (["--methods", "streming"], "unknown method 'streming'"),
     (["--methods", "streaming", "--where", "smartkv-random", "streaming"], "add smartkv-random to --methods"),
     (["--where", "smartkv", "streaming"], "--where smartkv: no such gates for random:tiny"),
+    (["--kv-format", "int4h", "--methods", "smartkv-random"], "(not smartkv-random: SmartKVCache keeps float rows)"),
+    (["--kv-format", "int4", "--methods", "streaming", "--where", "streaming", "full"], "--where compares float runs"),
 ])
 def test_smartkv_bench_refuses_a_bad_method_with_one_line_before_running(extra, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny",
@@ -96,3 +98,18 @@ def test_an_out_run_records_its_cpu_kernels_and_refuses_a_file_of_rows_run_with_
     assert "its full row was run with kernels AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)" in refused.stderr
     assert "give another --out" in refused.stderr and "budget" not in refused.stdout  # nothing ran
     assert path.read_text() == before
+
+
+def test_a_kv_format_runs_the_brains_methods_on_its_rows_under_their_own_names():
+    def run(*extra) -> str:
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny",
+                               "--text", str(ROOT / "texts" / "alice_ch1-2.txt"), "--offset", "0", "--tokens", "128",
+                               "--budgets", "0.5", "--methods", "streaming", *extra],
+                              capture_output=True, text=True, timeout=600, check=True).stdout
+
+    packed, plain = run("--kv-format", "int4"), run()
+    found = re.search(r"^streaming@int4\s+budget\s+64\s+ppl\s+([\d.]+)", packed, re.MULTILINE)
+    assert found, packed
+    assert not re.search(r"^streaming\s+budget", packed, re.MULTILINE), "the float row is not run"
+    float_ppl = re.search(r"^streaming\s+budget\s+64\s+ppl\s+([\d.]+)", plain, re.MULTILINE).group(1)
+    assert found.group(1) != float_ppl, "the int4 row is run on int4 rows"
