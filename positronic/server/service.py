@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from .history import History
 from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs, of_prompt
 from .metrics import Metrics
 from ..brain.config import logit_bias_text
-from .schemas import IGNORED, APIError, GenerationBody, Message, message_text, stops_of
+from .schemas import IGNORED, APIError, GenerationBody, Message, StreamOptions, message_text, stops_of
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, Prepared, SaveFailed, ServerStopping,
                        SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
+from .choices import merge_events, merge_whole
 from .streaming import ChatWriter, CompletionWriter, EventStream, sse
 from .text import ChatFormat
 
@@ -51,6 +53,19 @@ class ServerSettings:
     checkpoint_each_request: bool = True  # write a session through to disk before each answer's last byte
     history_edits: str = "refuse"  # a chat whose earlier messages differ from its session's: refuse (409) | rebuild
     threads: int | None = None  # torch's threads in the forward thread (None: this thread's when the server is made)
+
+
+@dataclass
+class Begun:
+    """A request admitted, its conversation held and its input queued: what answering it needs."""
+
+    held: contextlib.AsyncExitStack  # its place and its conversation, let go when the answer ends
+    conversation: Conversation
+    turn: Turn
+    answer: answers.Answer | None  # its Idempotency-Key's record
+    writer: ChatWriter | CompletionWriter
+    headers: dict | None
+    echoed: str | None  # the prompt's text, when it is echoed
 
 
 class BrainServer:
@@ -125,14 +140,20 @@ class BrainServer:
 
     # -- checks shared by both generation endpoints --
 
+    @property
+    def max_choices(self) -> int:
+        return min(self.settings.max_sessions, self.settings.max_pending)
+
     def check(self, body: GenerationBody) -> None:
         if body.model != self.lm.name:
             raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {self.lm.name!r}",
                            param="model", code="model_not_found")
-        if body.n not in (None, 1) or body.best_of not in (None, 1):
-            name = "n" if body.n not in (None, 1) else "best_of"
-            raise APIError(400, f"{name}: only one choice per request is supported", param=name,
-                           code="invalid_value")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of: one candidate per choice is supported (best_of 1; n asks for several "
+                                "choices)", param="best_of", code="invalid_value")
+        if body.n is not None and not 1 <= body.n <= self.max_choices:
+            raise APIError(400, f"n must be in 1..{self.max_choices} (each choice is a sequence of its own: at most "
+                                f"--max-sessions and --max-pending), got {body.n}", param="n", code="invalid_value")
         for name, value in (body.model_extra or {}).items():
             if name not in IGNORED and value not in (None, False, 0, "", [], {}):
                 raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
@@ -459,6 +480,8 @@ class BrainServer:
         answer at once (the whole reply) or as server-sent events. A request that uvicorn
         cancels (its graceful shutdown timed out) is answered 503."""
         try:
+            if (body.n or 1) > 1:
+                return await self._choices(request, body, chat)
             return await self._generate(request, body, chat)
         except asyncio.CancelledError:
             if (task := asyncio.current_task()) is not None:
@@ -468,6 +491,14 @@ class BrainServer:
                                       "keep it").response()
 
     async def _generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
+        begun = await self._begin(request, body, chat)
+        if body.stream:
+            return EventStream(self._events(begun, body, chat), headers=begun.headers)
+        return await self._whole(request, begun, chat)
+
+    async def _begin(self, request: Request, body: GenerationBody, chat: bool) -> Begun:
+        """Check the request, take its place (--max-pending) and its conversation, and queue
+        its input: what answering it needs. Nothing is held when it raises."""
         arrived = time.perf_counter()
         if self.stopping:
             raise self.shutting_down("the server is shutting down; try again once it is back")
@@ -498,14 +529,19 @@ class BrainServer:
         except BaseException:
             await held.aclose()
             raise
-        writer = (ChatWriter if chat else CompletionWriter)(self.lm.name)
-        headers = {"X-Session-Id": session_id} if session_id else None
-        echoed = self.echo_text(body.prompt) if echo else None
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self.events(held, conversation, turn, answer, writer, usage, chat, echoed),
-                               headers=headers)
-        async with held:
+        return Begun(held, conversation, turn, answer, (ChatWriter if chat else CompletionWriter)(self.lm.name),
+                     {"X-Session-Id": session_id} if session_id else None,
+                     self.echo_text(body.prompt) if echo else None)
+
+    def _events(self, begun: Begun, body: GenerationBody, chat: bool):
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return self.events(begun.held, begun.conversation, begun.turn, begun.answer, begun.writer, usage, chat,
+                           begun.echoed)
+
+    async def _whole(self, request: Request, begun: Begun, chat: bool) -> Response:
+        """The whole reply as one JSON body (the turn runs here)."""
+        conversation, turn, echoed = begun.conversation, begun.turn, begun.echoed
+        async with begun.held:
             try:
                 async with contextlib.aclosing(turn.pieces(gone=request.is_disconnected)) as pieces:
                     async for _ in pieces:
@@ -516,14 +552,55 @@ class BrainServer:
                 conversation.cut = True     # leaves is polled): marked before the session is let go
                 raise
             finally:
-                await self.checkpoint(conversation, answer, turn)
+                await self.checkpoint(conversation, begun.answer, turn)
                 self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
-            entries = (turn.prepared.echoed + turn.read if echo else []) + turn.entries
+            entries = (turn.prepared.echoed + turn.read if echoed is not None else []) + turn.entries
             logprobs = self.logprobs_of(chat, entries) if turn.logprobs is not None else None
             text = (echoed or "") + turn.reply.text
-            whole = writer.whole(text, turn.reply.finish_reason, self.usage(turn), logprobs)
+            whole = begun.writer.whole(text, turn.reply.finish_reason, self.usage(turn), logprobs)
             whole["positronic"] = self.extension(conversation, turn)
-        return JSONResponse(whole, headers=headers)
+        return JSONResponse(whole, headers=begun.headers)
+
+    async def _choices(self, request: Request, body: GenerationBody, chat: bool) -> Response:
+        """n > 1 (choices.py): choice i is this request with n = 1 and seed + i, each a throwaway
+        sequence, all run side by side."""
+        self.check(body)
+        if self.session_id(request, body.user) is not None:
+            raise APIError(400, "n > 1 is for requests without a session: a session continues one conversation, and "
+                                "each choice is a conversation of its own (drop the user field and the X-Session-Id "
+                                "header)", param="n", code="invalid_value")
+        if request.headers.get(answers.HEADER) is not None:
+            raise APIError(400, "n > 1 cannot be combined with an Idempotency-Key (a key keeps one answer of a "
+                                "session)", param="n", code="invalid_value")
+        base = self.config.seed if body.seed is None else body.seed
+        if base + body.n > 2**63:
+            raise APIError(400, f"seed: choice {body.n - 1} would sample with seed {base + body.n - 1}, past 2**63 - 1",
+                           param="seed", code="invalid_value")
+        update = {"n": 1, **({"stream_options": StreamOptions(include_usage=True)} if body.stream else {})}
+        bodies = [body.model_copy(update={**update, "seed": base + index}) for index in range(body.n)]
+        tasks: list[asyncio.Task] = []
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._begin(request, each, chat)) for each in bodies]
+        except BaseExceptionGroup as errors:
+            for task in tasks:  # the choices that did begin let go of their places and conversations
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    await task.result().held.aclose()
+            raise errors.exceptions[0] from None
+        begun = [task.result() for task in tasks]
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(merge_events([self._events(one, each, chat) for one, each in zip(begun, bodies)],
+                                            include))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._whole(request, one, chat)) for one in begun]
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        responses = [task.result() for task in tasks]
+        if failed := next((response for response in responses if response.status_code != 200), None):
+            return failed
+        return JSONResponse(merge_whole([json.loads(response.body) for response in responses]))
 
     async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn,
                      answer: answers.Answer | None, writer, include_usage: bool, chat: bool, echoed: str | None):

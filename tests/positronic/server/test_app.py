@@ -223,7 +223,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "ok"}], "max_to
     ("/v1/completions", {**GOOD, "max_tokens": "3"}, {}, 400, "max_tokens", "invalid_value"),
     ("/v1/completions", {**GOOD, "temperature": 3}, {}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {**GOOD, "top_p": 0}, {}, 400, "top_p", "invalid_value"),
-    ("/v1/completions", {**GOOD, "n": 2}, {}, 400, "n", "invalid_value"),
+    ("/v1/completions", {**GOOD, "n": 0}, {}, 400, "n", "invalid_value"),
     ("/v1/completions", {**GOOD, "suffix": "and so on"}, {}, 400, "suffix", "unsupported"),
     ("/v1/completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop", "invalid_value"),
     # past the model's 512 positions (a prompt past the budget alone is pruned, not refused)

@@ -78,7 +78,7 @@ INVALID = {  # values past the limits or of the wrong type
                                     [0.5]]),
     "top_p": st.sampled_from([0.0, -0.0, 1.0000001, float("-inf"), float("nan"), -1e-300, None, True]),
     "seed": st.sampled_from([-1, 2**63, 2**64, 0.5, "7"]),
-    "n": st.sampled_from([2, 0, -1, "1"]),
+    "n": st.sampled_from([0, -1, "1", 10_000]),
     "best_of": st.sampled_from([2, 0]),
     "stop": st.one_of(st.lists(st.just("s"), min_size=5, max_size=6), st.text(st.just("z"), min_size=257,
                                                                              max_size=257), st.just(3)),

@@ -1,0 +1,91 @@
+"""`n` > 1: several choices for one request, each a throwaway sequence of its own.
+
+OpenAI's `n` asks for several answers to one prompt. Here choice i is exactly what the same
+request with `n` = 1 and seed `seed + i` answers (the request's seed, or the server's when it
+gives none: so choice 0 is the answer `n` = 1 gives). The choices are separate requests inside
+the server, one throwaway conversation each, run side by side: their ticks share the batched
+forwards as concurrent requests do. What is merged here is only the answer on the wire:
+
+- whole: one object with `choices[i]` (index i), the first choice's id; `usage` counts the
+  prompt once and every choice's completion tokens (OpenAI's rule); `positronic.choices`
+  lists each choice's sequence state;
+- streamed: every choice's chunks as they come, with their index and one id; one usage chunk
+  at the end (if asked) and one `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from .streaming import sse
+
+DONE = "[DONE]"
+
+
+def merged_usage(usages: list[dict]) -> dict:
+    """The prompt once (every choice read the same one), the completions summed."""
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(usage["completion_tokens"] for usage in usages)
+    merged = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if "prompt_tokens_pruned" in usages[0]:
+        merged["prompt_tokens_pruned"] = usages[0]["prompt_tokens_pruned"]
+    return merged
+
+
+def merge_whole(answers: list[dict]) -> dict:
+    """Whole answers of `n` = 1, one per choice in order -> one answer with every choice."""
+    merged = dict(answers[0])
+    merged["choices"] = [{**answer["choices"][0], "index": index} for index, answer in enumerate(answers)]
+    merged["usage"] = merged_usage([answer["usage"] for answer in answers])
+    merged["positronic"] = {"choices": [answer["positronic"] for answer in answers]}
+    return merged
+
+
+async def merge_events(streams: list, include_usage: bool):
+    """The server-sent events of one streamed `n` = 1 answer per choice (their iterators, each
+    asked with include_usage so that the merged usage can be counted) -> one stream. A
+    choice's error event is passed on as it is. Closing this iterator (the client left)
+    closes every choice's, so each lets go of its conversation at once."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(index, events)) for index, events in enumerate(streams)]
+    first_id, usages, last, running = None, [], None, len(tasks)
+    try:
+        while running:
+            index, event = await queue.get()
+            if event is None:
+                running -= 1
+                continue
+            data = event.removeprefix("data: ").strip()
+            if data == DONE:
+                continue
+            chunk = json.loads(data)
+            if "choices" not in chunk:  # an error event
+                yield event
+                continue
+            first_id = first_id or chunk["id"]
+            chunk["id"] = first_id
+            if chunk.get("usage") is not None and not chunk["choices"]:
+                usages.append(chunk["usage"])
+                last = chunk
+                continue
+            for choice in chunk["choices"]:
+                choice["index"] = index
+            yield sse(chunk)
+        if include_usage and last is not None and len(usages) == len(streams):
+            yield sse({**last, "usage": merged_usage(usages)})
+        yield sse(DONE)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams:
+            await events.aclose()
