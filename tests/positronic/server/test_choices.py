@@ -5,7 +5,9 @@ official openai client and raw HTTP against a live server on the tiny random mod
 import asyncio
 import json
 import threading
+import time
 
+import httpx
 import pytest
 
 from positronic.server.schemas import APIError
@@ -136,3 +138,22 @@ def test_a_choice_that_fails_after_another_began_lets_that_one_go(live, monkeypa
     assert response.status_code == 503 and response.json()["error"]["message"] == "injected"
     assert calls == [5, 6]
     assert server.in_flight == 0 and server.pool._throwaway == 0
+
+
+def test_a_client_that_leaves_a_stream_of_choices_stops_every_choice(live):
+    """The client reads a few chunks of a long n = 3 stream and hangs up: every choice stops
+    ticking and lets go of its place and its conversation."""
+    server = live.server
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1500, "ignore_eos": True, "n": 3, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        seen = {json.loads(line[len("data: "):])["choices"][0]["index"] for line, _ in zip(
+            (line for line in lines if line.startswith("data: {")), range(30))}
+    assert seen == {0, 1, 2}
+    deadline = time.monotonic() + 10
+    while (server.in_flight or server.pool._throwaway) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.in_flight == 0 and server.pool._throwaway == 0
+    ticks = live.metric("positronic_ticks_total")
+    time.sleep(0.5)
+    assert live.metric("positronic_ticks_total") == ticks, "a choice kept ticking after its client left"
