@@ -16,9 +16,6 @@ forwards as concurrent requests do. What is merged here is only the answer on th
 from __future__ import annotations
 
 import asyncio
-import json
-
-from .streaming import sse
 
 DONE = "[DONE]"
 
@@ -43,49 +40,46 @@ def merge_whole(answers: list[dict]) -> dict:
 
 
 async def merge_events(streams: list, include_usage: bool):
-    """The server-sent events of one streamed `n` = 1 answer per choice (their iterators, each
-    asked with include_usage so that the merged usage can be counted) -> one stream. A
-    choice's error event is passed on as it is. Closing this iterator (the client left)
-    closes every choice's, so each lets go of its conversation at once."""
+    """The payloads of one streamed `n` = 1 answer per choice (`BrainServer.events`, each asked
+    with include_usage so that the merged usage can be counted) -> one answer's payloads. A
+    choice's error body is passed on as it is. Closing this iterator (the client left) closes
+    every choice's, so each lets go of its conversation at once."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, events) -> None:
+    async def pump(index: int, payloads) -> None:
         try:
-            async for event in events:
-                await queue.put((index, event))
+            async for payload in payloads:
+                await queue.put((index, payload))
         finally:
             await queue.put((index, None))
 
-    tasks = [asyncio.create_task(pump(index, events)) for index, events in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(index, payloads)) for index, payloads in enumerate(streams)]
     first_id, usages, last, running = None, [], None, len(tasks)
     try:
         while running:
-            index, event = await queue.get()
-            if event is None:
+            index, chunk = await queue.get()
+            if chunk is None:
                 running -= 1
                 continue
-            data = event.removeprefix("data: ").strip()
-            if data == DONE:
+            if chunk == DONE:
                 continue
-            chunk = json.loads(data)
-            if "choices" not in chunk:  # an error event
-                yield event
+            if "choices" not in chunk:  # an error body
+                yield chunk
                 continue
             first_id = first_id or chunk["id"]
-            chunk["id"] = first_id
+            chunk = {**chunk, "id": first_id}
             if chunk.get("usage") is not None and not chunk["choices"]:
                 usages.append(chunk["usage"])
                 last = chunk
                 continue
-            for choice in chunk["choices"]:
-                choice["index"] = index
-            yield sse(chunk)
+            chunk["choices"] = [{**choice, "index": index} for choice in chunk["choices"]]
+            yield chunk
         if include_usage and last is not None and len(usages) == len(streams):
-            yield sse({**last, "usage": merged_usage(usages)})
-        yield sse(DONE)
+            yield {**last, "usage": merged_usage(usages)}
+        yield DONE
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for events in streams:
-            await events.aclose()
+        for payloads in streams:
+            await payloads.aclose()

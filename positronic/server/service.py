@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from .schemas import IGNORED, APIError, GenerationBody, Message, StreamOptions, 
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, Prepared, SaveFailed, ServerStopping,
                        SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .choices import merge_events, merge_whole
-from .streaming import ChatWriter, CompletionWriter, EventStream, sse
+from .streaming import ChatWriter, CompletionWriter, EventStream, as_events
 from .text import ChatFormat
 
 log = logging.getLogger("positronic.server.app")
@@ -493,7 +492,7 @@ class BrainServer:
     async def _generate(self, request: Request, body: GenerationBody, chat: bool) -> Response:
         begun = await self._begin(request, body, chat)
         if body.stream:
-            return EventStream(self._events(begun, body, chat), headers=begun.headers)
+            return EventStream(as_events(self._events(begun, body, chat)), headers=begun.headers)
         return await self._whole(request, begun, chat)
 
     async def _begin(self, request: Request, body: GenerationBody, chat: bool) -> Begun:
@@ -534,12 +533,19 @@ class BrainServer:
                      self.echo_text(body.prompt) if echo else None)
 
     def _events(self, begun: Begun, body: GenerationBody, chat: bool):
+        """The streamed reply's payloads (dicts, then "[DONE]")."""
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return self.events(begun.held, begun.conversation, begun.turn, begun.answer, begun.writer, usage, chat,
                            begun.echoed)
 
     async def _whole(self, request: Request, begun: Begun, chat: bool) -> Response:
-        """The whole reply as one JSON body (the turn runs here)."""
+        whole = await self._reply(request, begun, chat)
+        if whole is None:
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(whole, headers=begun.headers)
+
+    async def _reply(self, request: Request, begun: Begun, chat: bool) -> dict | None:
+        """The whole reply, the answer object (the turn runs here); None when the client left."""
         conversation, turn, echoed = begun.conversation, begun.turn, begun.echoed
         async with begun.held:
             try:
@@ -547,7 +553,7 @@ class BrainServer:
                     async for _ in pieces:
                         pass
             except ClientGone:
-                return Response(status_code=499)  # nobody reads it
+                return None
             except asyncio.CancelledError:  # only uvicorn's shutdown cancels a whole reply (a client that
                 conversation.cut = True     # leaves is polled): marked before the session is let go
                 raise
@@ -559,7 +565,7 @@ class BrainServer:
             text = (echoed or "") + turn.reply.text
             whole = begun.writer.whole(text, turn.reply.finish_reason, self.usage(turn), logprobs)
             whole["positronic"] = self.extension(conversation, turn)
-        return JSONResponse(whole, headers=begun.headers)
+        return whole
 
     async def _choices(self, request: Request, body: GenerationBody, chat: bool) -> Response:
         """n > 1 (choices.py): choice i is this request with n = 1 and seed + i, each a throwaway
@@ -590,21 +596,22 @@ class BrainServer:
         begun = [task.result() for task in tasks]
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(merge_events([self._events(one, each, chat) for one, each in zip(begun, bodies)],
-                                            include))
+            return EventStream(as_events(merge_events([self._events(one, each, chat)
+                                                       for one, each in zip(begun, bodies)], include)))
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._whole(request, one, chat)) for one in begun]
+                tasks = [group.create_task(self._reply(request, one, chat)) for one in begun]
         except BaseExceptionGroup as errors:
             raise errors.exceptions[0] from None
-        responses = [task.result() for task in tasks]
-        if failed := next((response for response in responses if response.status_code != 200), None):
-            return failed
-        return JSONResponse(merge_whole([json.loads(response.body) for response in responses]))
+        replies = [task.result() for task in tasks]
+        if any(reply is None for reply in replies):
+            return Response(status_code=499)  # the client left
+        return JSONResponse(merge_whole(replies))
 
     async def events(self, held: contextlib.AsyncExitStack, conversation: Conversation, turn: Turn,
                      answer: answers.Answer | None, writer, include_usage: bool, chat: bool, echoed: str | None):
-        """The reply as server-sent events: the opening chunk, a chunk per piece of text, the
+        """The reply's server-sent events, as payloads (`as_events` puts them on the wire): the
+        opening chunk, a chunk per piece of text, the
         closing chunk (finish reason, and the session's state: checkpointed by then), the usage
         chunk if asked, `data: [DONE]`. An error after the first byte becomes an error event; so
         does the shutdown, at the next token, once every token generated has been sent (the
@@ -623,26 +630,26 @@ class BrainServer:
                 checkpointed = False
                 try:
                     if (opening := writer.opening()) is not None:
-                        yield sse(opening)
+                        yield opening
                     # closed as soon as this stream is (a client that left): its job stops before its next tick
                     async with contextlib.aclosing(turn.pieces(stop=self.is_stopping)) as pieces:
                         async for piece in pieces:
                             if echoed is not None:  # the prompt was read by now (its logprobs too)
-                                yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
+                                yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
                                 offset, echoed = len(echoed), None
                             new, sent = turn.entries[sent : turn.ready], turn.ready
-                            yield sse(writer.piece(piece, logprobs(new)))
+                            yield writer.piece(piece, logprobs(new))
                             offset += len(piece)
                     if echoed is not None:
-                        yield sse(writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read)))
+                        yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
                     await self.checkpoint(conversation, answer, turn)
                     checkpointed = True
                     closing = writer.closing(turn.reply.finish_reason,
                                              logprobs(turn.entries[sent:]) if sent < len(turn.entries) else None)
                     closing["positronic"] = self.extension(conversation, turn)
-                    yield sse(closing)
+                    yield closing
                     if include_usage:
-                        yield sse(writer.usage(self.usage(turn)))
+                        yield writer.usage(self.usage(turn))
                 except ServerStopping:
                     if turn.reply is not None:  # cut before the checkpoint: it records the reply as sent
                         rest = turn.reply.cut()
@@ -657,14 +664,14 @@ class BrainServer:
                     self.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
         except ServerStopping:
             if rest:
-                yield sse(writer.piece(rest))
+                yield writer.piece(rest)
             generated = turn.reply.tokens if turn.reply else 0
-            yield sse(self.shutting_down(f"the server is shutting down: the reply was cut after {generated} tokens "
-                                         "(all sent; the session keeps them)").body())
+            yield self.shutting_down(f"the server is shutting down: the reply was cut after {generated} tokens "
+                                         "(all sent; the session keeps them)").body()
         except Exception as exc:
             log.exception("a streamed request failed")
-            yield sse(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body())
-        yield sse("[DONE]")
+            yield APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error").body()
+        yield "[DONE]"
 
     # -- the other endpoints --
 

@@ -8,6 +8,7 @@ chunks); `EventStream` sends the chunks and closes their iterator however the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -23,6 +24,15 @@ def sse(data: dict | str) -> str:
     """One server-sent event in the OpenAI wire format."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {text}\n\n"
+
+
+async def as_events(payloads):
+    """Payloads (answer chunks, error bodies, the closing "[DONE]") -> server-sent events.
+    Closing this closes `payloads`, so a reply lets go of its conversation as soon as its
+    stream ends, however it ends."""
+    async with contextlib.aclosing(payloads):
+        async for payload in payloads:
+            yield sse(payload)
 
 
 class EventStream(StreamingResponse):
