@@ -108,8 +108,10 @@ def test_choices_past_the_servers_room_are_refused_and_the_begun_ones_let_go(tin
             "model": MODEL, "prompt": "long", "max_tokens": 200, "ignore_eos": True, "user": "busy"}))
         long.start()
         try:
+            deadline = time.monotonic() + 20
             while server.server.in_flight == 0:
-                pass
+                assert time.monotonic() < deadline, "the long request never started"
+                time.sleep(0.01)
             refused = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2})
         finally:
             long.join()
