@@ -6,7 +6,8 @@
 Per text file (default: texts/alice_ch1-2.txt) it builds `positronic eval`'s probe
 (evaluate.probe_stream: BOS, the first --at of the filler, "The secret code is 4817. ...", the
 rest of the filler, the question; the answer "4817" teacher-forced), runs it through the full
-cache and each policy at --budget (a name ending in +recall runs with BrainConfig.recall on),
+cache and each policy at --budget (a name with +recall runs with BrainConfig.recall on, one with
++recent with smartkv's memory ranked by recent use too: smartkv+recall+recent),
 and prints per run the answer's NLL in nats (sum over its tokens), Δ against the full cache
 (the target: within 1 nat), the answer tokens' ranks, recalled (every rank 1) and ms
 per token of the probe stream.
@@ -34,6 +35,15 @@ def row(name: str, probe, seconds: float, tokens: int) -> str:
             f"{'yes' if probe.recalled else 'no':>8} {1000 * seconds / tokens:>8.1f}")
 
 
+def policy_config(name: str, budget: int, sinks: int):
+    """A --policies name's config: POLICY, then +recall and/or +recent (EvalError for another mark)."""
+    policy, *marks = name.split("+")
+    if unknown := sorted(set(marks) - {"recall", "recent"}):
+        raise EvalError(f"policy {name!r}: unknown mark {'+'.join(unknown)} (POLICY[+recall][+recent])")
+    return make_config(policy, budget, sinks=sinks, recall="recall" in marks,
+                       memory_rank="recent" if "recent" in marks else "gates")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("texts", nargs="*", type=Path, default=[DEFAULT_TEXT], help="text files for the filler")
@@ -47,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype")
     args = parser.parse_args(argv)
     try:
-        configs = {name: make_config(name.removesuffix("+recall"), args.budget, sinks=args.sinks,
-                                     recall=name.endswith("+recall")) for name in args.policies}
+        configs = {name: policy_config(name, args.budget, args.sinks) for name in args.policies}
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
         for path in args.texts:
             body, title = read_text(path)

@@ -21,7 +21,9 @@ token first and attends to the at most `budget` rows it holds then.
 Rows per budget: streaming / scored / h2o / brightness (the brain, each policy's defaults),
 smartkv (SmartKVCache: sinks + window + long-term memory ranked by the trained per-layer
 gates), smartkv-brain (the same through the brain: it must match smartkv), smartkv+recall (the
-brain's smartkv with recall: dropped tokens come back into the lanes that look for them), smartkv-keys (the same
+brain's smartkv with recall: dropped tokens come back into the lanes that look for them),
+smartkv+recall+recent (the same, each lane's memory ranked by recent attention too: `--memory-rank
+recent`, positronic/smartkv/recent.py), smartkv-keys (the same
 gates, memory ranked by their predicted lifespan alone, without the value norms: what the
 value norms buy), smartkv-random (the same layout, gates freshly initialised: what training buys), smartkv-shared
 (one gate trained on every layer's labels pooled: what a gate per layer buys), and
@@ -56,7 +58,7 @@ from positronic.smartkv import GateSet, SmartKVCache  # noqa: E402
 from positronic.smartkv.gates import SHIPPED, SHIPPED_SHARED  # noqa: E402
 
 BRAIN_POLICIES = ("streaming", "scored", "h2o", "brightness")
-METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "smartkv", "smartkv-keys", "smartkv-random", "smartkv-shared",
+METHODS = ("full", *BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "smartkv+recall+recent", "smartkv", "smartkv-keys", "smartkv-random", "smartkv-shared",
            "smartkv-stream")
 
 
@@ -140,6 +142,7 @@ def quality(args, lm, kernels: dict) -> None:
                 brain_config.window = args.window
             brain_runs.append(("smartkv-brain", brain_config))
             brain_runs.append(("smartkv+recall", dataclasses.replace(brain_config, recall=True)))
+            brain_runs.append(("smartkv+recall+recent", dataclasses.replace(brain_config, recall=True, memory_rank="recent")))
         for name, brain_config in brain_runs:
             if wanted and name not in wanted:
                 continue
@@ -314,7 +317,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kv_format != "float":
         cache_rows = [name for name in (args.methods or []) + (args.where or [])
-                      if name not in (*BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "full")]
+                      if name not in (*BRAIN_POLICIES, "smartkv-brain", "smartkv+recall", "smartkv+recall+recent", "full")]
         if cache_rows or args.where:
             p.error(f"--kv-format {args.kv_format} runs the brain's methods only "
                     + (f"(not {' '.join(cache_rows)}: SmartKVCache keeps float rows)" if cache_rows

@@ -30,6 +30,7 @@ from ..policies import DEFAULT_WINDOW, POLICIES
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's range
 BIAS_LIMIT = 100.0  # a logit bias: OpenAI's range (-100 bans a token, 100 all but forces it)
+MEMORY_RANKS = ("gates", "recent")  # smartkv: how a lane's memory ranks its rows (smartkv/policy.py, MEMORY_RANKS)
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
 
 # The budget's default, per entry point (one place, three audiences): the library keeps the
@@ -207,9 +208,16 @@ class ContextShift(Part):
 
 @dataclass(frozen=True)
 class SmartKVGates(Part):
-    """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model."""
+    """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model; how a
+    lane's memory ranks its rows: by the gates (gates), or by the gates and the attention the
+    lane paid each row lately (recent: positronic/smartkv/recent.py)."""
 
     gates: str = ""
+    memory_rank: str = "gates"
+
+    def check(self) -> None:
+        if self.memory_rank not in MEMORY_RANKS:
+            raise ValueError(f"memory_rank must be one of {', '.join(MEMORY_RANKS)}, got {self.memory_rank!r}")
 
 
 PARTS = (Sampling, Memory, Brightness, Repair, ContextShift, SmartKVGates)
@@ -255,6 +263,7 @@ class BrainConfig:
     kv_format: str = _default(Memory, "kv_format")
     kv_store: str = _default(Memory, "kv_store")
     gates: str = _default(SmartKVGates, "gates")
+    memory_rank: str = _default(SmartKVGates, "memory_rank")
 
     def __post_init__(self):
         if self.window is None:
@@ -281,13 +290,18 @@ class BrainConfig:
     def recorded_layers(self):
         """Layers whose attention row (and query) each forward records: the scored ones, or
         every layer with recall, whose signal comes from the few heads that look things up,
-        wherever they are (the last layer alone does not find an evicted fact)."""
-        return "all" if self.recall else self.score_layers
+        wherever they are (the last layer alone does not find an evicted fact), and with a
+        memory ranked by recent use (every lane's)."""
+        return "all" if self._every_layer else self.score_layers
 
     @property
     def scored_layers(self):
         """`score_layers`, as an index into the recorded layers."""
-        return self.score_layers if self.recall else "all"
+        return self.score_layers if self._every_layer else "all"
+
+    @property
+    def _every_layer(self) -> bool:
+        return self.recall or self.memory_rank != "gates"
 
     @property
     def unit_rows(self) -> int:
@@ -320,6 +334,8 @@ class BrainConfig:
         POLICIES[self.policy].check(self)
         if self.gates and not POLICIES[self.policy].per_layer:
             raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
+        if self.memory_rank != "gates" and not POLICIES[self.policy].per_layer:
+            raise ValueError(f"--memory-rank applies to policy smartkv, not {self.policy}")
 
 
 def check_budget(lm, config: BrainConfig) -> None:

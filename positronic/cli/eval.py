@@ -38,6 +38,7 @@ def eval_command(
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
+    memory_rank: str = typer.Option(DEFAULTS.memory_rank, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
@@ -49,6 +50,8 @@ def eval_command(
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
         if kv_store != "splice":
             raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
+        if memory_rank != "gates":
+            raise UserError("--memory-rank applies to the teacher-forced eval, not (yet) to --generate")
         from ..evaluate.generation import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
@@ -64,4 +67,4 @@ def eval_command(
                   segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
                   repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates,
-                  kv_store=kv_store)
+                  kv_store=kv_store, memory_rank=memory_rank)

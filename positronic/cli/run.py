@@ -40,6 +40,7 @@ def run(
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py). On by default where the default policy is smartkv; --no-recall turns it off."),
     policy: str = typer.Option("brightness", show_default=False, help=f"Maintenance policy: {' | '.join(POLICIES)} (default: smartkv with recall where SmartKV gates exist for the model, as for smollm2, else brightness; docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
+    memory_rank: str = typer.Option(DEFAULTS.memory_rank, help="Policy smartkv: how each lane's memory ranks its rows: gates (the lifespan the gates predict) | recent (that, times (1 + the attention the lane paid the row lately) squared; docs/smartkv.md)."),
     budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
     protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),

@@ -28,7 +28,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
          repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
-         kv_format: str = "float", gates: str = "", kv_store: str = "splice") -> EvalReport:
+         kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str = "gates") -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
 
@@ -43,7 +43,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         for name in policies:
             for on in {False, recall and recallable(name)}:
                 make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
-                            repair_batch=repair_batch, recall=on, kv_format=kv_format, gates=gates, kv_store=kv_store)
+                            repair_batch=repair_batch, recall=on, kv_format=kv_format, gates=gates, kv_store=kv_store,
+                            memory_rank=memory_rank)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if smooth is not None and smooth < 1:
@@ -67,7 +68,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
                           probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                          progress=progress,
+                          memory_rank=memory_rank, progress=progress,
                           on_run=done,
                           text_name=name)
     table_console().print(table(report))

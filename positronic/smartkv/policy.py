@@ -50,7 +50,10 @@ from ..policies.recall import DEFAULT_SPAN
 from .cache import KeyUnrotator, value_log_norms
 from .gates import GateFileError, GateSet
 from .recall import LaneRecall
+from .recent import RecentMemories, lane_shares
 from .rows import Memories
+
+MEMORY_RANKS = {"gates": Memories, "recent": RecentMemories}  # --memory-rank: how a lane's memory ranks its rows
 
 
 def load_gates(spec: str, lm) -> GateSet:
@@ -86,7 +89,7 @@ class SmartKVPolicy:
         self.size = self.memory_size(config)
         self.horizon = self.gates.horizon
         self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
-        self.memory = Memories(lm.num_layers * self.heads, self.size, self.horizon)
+        self.memory = MEMORY_RANKS[config.memory_rank](lm.num_layers * self.heads, self.size, self.horizon)
         self.recall = LaneRecall(self.heads, share=self.recall_share, span=self.recall_span(self.size)) \
             if config.recall else None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
@@ -152,6 +155,8 @@ class SmartKVPolicy:
         scores = self.scores | fresh if fresh else self.scores
         seconds["score"] = (scored := time.perf_counter()) - clock
         memory = self.memory.copy()
+        if look and memory.watches and (shares := lane_shares(view, self.heads)) is not None:
+            memory.attend(*shares)  # the attention the newest query paid each lane's rows
         drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per lane
 
         def dropping(dropped) -> None:
@@ -277,15 +282,17 @@ class SmartKVPolicy:
         state = {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
                  "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
         state |= {"pinned": sorted(self.pinned_out)} if self.pinned_out else {}
+        state |= {"used": self.memory.used[:, : self.memory.count].tolist()} if self.memory.watches else {}
         return state | ({"recall": self.recall.state()} if self.recall is not None else {})
 
     def load_state(self, state: dict) -> None:
         layers = self.memory.layers
         try:
-            recall = {"recall"} if self.recall is not None else set()
+            extra = {"recall"} if self.recall is not None else set()
+            extra |= {"used"} if self.memory.watches else set()  # the recent-use sums, by slot
             pinned = state.get("pinned", []) if isinstance(state, dict) else None
             size = self.size - len(pinned) if isinstance(pinned, list) else 0
-            ok = (isinstance(state, dict) and set(state) - {"value_norms", "pinned"} == {"memory", "offered", "scores"} | recall
+            ok = (isinstance(state, dict) and set(state) - {"value_norms", "pinned"} == {"memory", "offered", "scores"} | extra
                   and isinstance(pinned, list) and all(type(i) is int for i in pinned) and size >= 1
                   and type(state.get("value_norms", False)) is bool
                   and type(state["offered"]) is int and len(state["memory"]) == layers
@@ -299,9 +306,18 @@ class SmartKVPolicy:
             raise ValueError("policy smartkv: malformed saved state" + (
                 " (or saved without recall)" if self.recall is not None and isinstance(state, dict)
                 and "recall" not in state else ""))
+        memory = type(self.memory).from_entries(state["memory"], size, self.horizon)
+        if memory.watches:
+            try:
+                used = np.asarray(state["used"], dtype=np.float64)
+            except (TypeError, ValueError):
+                used = None
+            if used is None or used.shape != (layers, memory.count) or not np.isfinite(used).all() or (used < 0).any():
+                raise ValueError("policy smartkv: malformed saved state (the recent-use sums)")
+            memory.used[:, : memory.count] = used
         if self.recall is not None:
             self.recall.load_state(state["recall"])
-        self.memory = Memories.from_entries(state["memory"], size, self.horizon)
+        self.memory = memory
         self.pinned_out = frozenset(pinned)
         self.offered = state["offered"]
         self.scores = {i: [float(x) for x in v] for i, v in state["scores"]}

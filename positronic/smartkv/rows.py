@@ -59,6 +59,8 @@ class Memories:
         self.until = np.zeros((layers, size + 1))  # a token taken back is not dropped before this step
         self._layers = np.arange(layers)
 
+    watches = False  # whether the policy feeds it each tick's attention (`RecentMemories.attend`)
+
     NAMES = ("weights", "positions", "scores", "ids", "until")
 
     @property
@@ -73,8 +75,11 @@ class Memories:
         module docstring); a token held (taken back less than its hold ago) ranks above every
         token not held (if all are held, the oldest goes first: their ranks tie)."""
         at = (layers, slots)
-        ranks = self.weights[at] * np.maximum(FLOOR * self.horizon, self.positions[at] - (now - self.horizon))
-        return np.where(self.until[at] > now, HELD, ranks)
+        return np.where(self.until[at] > now, HELD, self._unheld_ranks(now, at))
+
+    def _unheld_ranks(self, now: int, at: tuple) -> np.ndarray:
+        """The ranks of the tokens at `at` (layers, slots) as if none were held."""
+        return self.weights[at] * np.maximum(FLOOR * self.horizon, self.positions[at] - (now - self.horizon))
 
     def offer(self, token_id, position: int, scores, now: int) -> np.ndarray:
         """Offer a token (its id: one, or one per layer; scores: one per layer) at step `now`.
@@ -162,7 +167,7 @@ class Memories:
         self.size = size
 
     def copy(self) -> "Memories":
-        twin = Memories(self.layers, self.size, self.horizon)
+        twin = type(self)(self.layers, self.size, self.horizon)
         for name in self.NAMES:
             setattr(twin, name, getattr(self, name).copy())
         twin.count = self.count
@@ -180,10 +185,10 @@ class Memories:
         return [[[score, position, token_id] + ([until] if until else [])
                  for score, position, token_id, until in zip(*layer)] for layer in zip(*columns)]
 
-    @staticmethod
-    def from_entries(entries: list[list], size: int, horizon: int) -> "Memories":
+    @classmethod
+    def from_entries(cls, entries: list[list], size: int, horizon: int) -> "Memories":
         """From `entries()` (every layer the same count, at most `size`)."""
-        memory = Memories(len(entries), size, horizon)
+        memory = cls(len(entries), size, horizon)
         for layer, held in enumerate(entries):
             for slot, (score, position, token_id, *until) in enumerate(held):
                 memory.scores[layer, slot], memory.weights[layer, slot] = float(score), 4.0 ** float(score)
