@@ -252,16 +252,17 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
 
 
 def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int) -> tuple[Brain, int]:
-    """(e)'s brain at budget len(ids): `policy` ("smartkv+recall": smartkv with recall on) with its
+    """(e)'s brain at budget len(ids): `policy` ("smartkv+recall": smartkv with recall on; +recent: its
+    memory ranked by recent use too) with its
     own defaults (smartkv: `gates`, a file or "" for the shipped ones), and its maintenance
     cycle in ticks; `recall_rows`: with recall on, a longer prompt, pruned to the budget at the
     start, fills its index with that many rows."""
     budget = len(ids)
     if recall_rows:
         ids = ids + context_ids(lm, recall_rows + 1)[1:]
-    policy = policy.removesuffix("+recall")
+    policy, *marks = policy.split("+")
     config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "",
-                         recall=bool(recall_rows))
+                         recall=bool(recall_rows), memory_rank="recent" if "recent" in marks else "gates")
     return Brain.start(lm, ids, config), maintenance_cycle(config)
 
 
@@ -269,7 +270,7 @@ def paired(lm, ids: list[int], policies: list[str], gates: str, index_rows: int,
     """(g): the brains of `policies` (as (e) builds them) tick in turn, one tick each, for `ticks`
     ticks each after one untimed cycle of each: ms per tick of each, means over the same
     stretch of time, so that a noisy machine's slow drift hits them alike."""
-    brains = [policy_brain(lm, ids, p, gates, index_rows if p.endswith("+recall") else 0) for p in policies]
+    brains = [policy_brain(lm, ids, p, gates, index_rows if "+recall" in p else 0) for p in policies]
     for brain, cycle in brains:
         for _ in range(cycle):
             brain.step()
@@ -311,7 +312,7 @@ def main() -> None:
                         help="also run (d): (c) with culling and recall on, its index holding ROWS evicted rows "
                              "(each given size; cut to the model's positions)")
     parser.add_argument("--policies", nargs="*", default=[], choices=[p for p in POLICIES if p != "none"]
-                        + ["smartkv+recall"], metavar="POLICY",
+                        + ["smartkv+recall", "smartkv+recall+recent"], metavar="POLICY",
                         help="also run (e): a maintained tick of each policy with its own defaults "
                         f"({', '.join(p for p in POLICIES if p != 'none')}; smartkv+recall: with recall on, its "
                         "index holding the first --recall ROWS, default 2048)")
@@ -330,7 +331,7 @@ def main() -> None:
     hf = default_model(lm)
     import transformers
 
-    smart = bool({"smartkv", "smartkv+recall"} & set(args.policies)) or args.smartkv
+    smart = any(p.startswith("smartkv") for p in args.policies) or args.smartkv
     shipped = lm.name in SHIPPED
     tmp = tempfile.TemporaryDirectory()
     gates, gates_file = bench_gates(lm, tmp.name) if smart else (None, "")
@@ -382,7 +383,7 @@ def main() -> None:
                 runs += [loop_maintained(lm, ids, args.ticks, batch, repairer, min(rows, room))
                          for batch, repairer, rows in variants]
                 runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file,
-                                         recall_rows=index_rows if p.endswith("+recall") else 0) for p in policies]
+                                         recall_rows=index_rows if "+recall" in p else 0) for p in policies]
                 if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):

@@ -80,7 +80,7 @@ PROTECTED = 1e250  # above every rank the factor can make, below HELD
 
 
 def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: float = float("inf"),
-          protect: float = 0.0, span: int = 0, fresh: bool = False) -> None:
+          protect: float = 0.0, span: int = 0, fresh: bool = False, fresh_back: bool = False) -> None:
     if span:  # tokens one recall brings back around its match, whatever the memory's size
         smartkv_policy.SmartKVPolicy.recall_span = staticmethod(lambda memory: span)
     ranks_before, plan_before = smartkv_rows.Memories._ranks, smartkv_policy.SmartKVPolicy._plan
@@ -97,7 +97,7 @@ def patch(beta: float, decay: float, offset: float, seed_restored: bool, cap: fl
     def take_back(self, layer, token_ids, scores, now, hold=0):
         dropped = take_back_before(self, layer, token_ids, scores, now, hold)
         observed = Observed.current
-        if fresh and observed is not None and observed.table is not None:
+        if (fresh or fresh_back) and observed is not None and observed.table is not None:
             for token_id in token_ids:  # back in the lane's memory: no recent use counted yet
                 if token_id < observed.table.shape[1]:
                     observed.table[layer, token_id] = 0.0
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens one recall brings back around its match (default: the policy's, min(16, memory / 8))")
     parser.add_argument("--fresh", action="store_true",
                         help="a token entering a lane's memory (from the window, or taken back by recall) starts with no recent use counted")
+    parser.add_argument("--fresh-back", action="store_true",
+                        help="a token recall takes back starts with no recent use counted (else its sum when it left)")
     parser.add_argument("--seed-restored", action="store_true",
                         help="a token recall brings back starts with its lane's largest sum (else its old one)")
     args = parser.parse_args(argv[:split])
@@ -164,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"name the script to run after --: one of {', '.join(SCRIPTS)}")
     if not (args.beta >= 0 and 0 < args.decay < 1 and args.offset > 0 and args.cap >= 1 and 0 <= args.protect < 1 and args.span >= 0):
         raise SystemExit("--beta must be >= 0, --decay in (0, 1), --offset > 0, --cap >= 1, --protect in [0, 1), --span >= 0")
-    patch(args.beta, args.decay, args.offset, args.seed_restored, args.cap, args.protect, args.span, args.fresh)
+    patch(args.beta, args.decay, args.offset, args.seed_restored, args.cap, args.protect, args.span, args.fresh, args.fresh_back)
     print(f"# observed rank (prototype): beta {args.beta}  decay {args.decay}  offset {args.offset}"
           f"{'  restored tokens seeded' if args.seed_restored else ''}{f'  cap {args.cap}' if args.cap < float('inf') else ''}"
           f"{f'  protect {args.protect}' if args.protect else ''}{f'  span {args.span}' if args.span else ''}"
-          f"{'  fresh' if args.fresh else ''}",
+          f"{'  fresh' if args.fresh else ''}{'  fresh-back' if args.fresh_back else ''}",
           flush=True)
     sys.argv = [str(SCRIPTS[rest[0]]), *rest[1:]]
     runpy.run_path(str(SCRIPTS[rest[0]]), run_name="__main__")

@@ -156,7 +156,7 @@ class SmartKVPolicy:
         seconds["score"] = (scored := time.perf_counter()) - clock
         memory = self.memory.copy()
         if look and memory.watches and (shares := lane_shares(view, self.heads)) is not None:
-            memory.attend(*shares)  # the attention the newest query paid each lane's rows
+            memory.attend(*shares, newer_than=self.offered)  # the attention the newest query paid each lane's rows
         drops: list[list[int]] = [[] for _ in range(memory.layers)]  # ledger ids, per lane
 
         def dropping(dropped) -> None:
@@ -282,14 +282,15 @@ class SmartKVPolicy:
         state = {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
                  "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
         state |= {"pinned": sorted(self.pinned_out)} if self.pinned_out else {}
-        state |= {"used": self.memory.used[:, : self.memory.count].tolist()} if self.memory.watches else {}
+        if self.memory.watches:  # the recent-use sums: of the memory's rows by slot, and of the window's tokens
+            state |= {"used": self.memory.used[:, : self.memory.count].tolist(), "window_used": self.memory.window_state()}
         return state | ({"recall": self.recall.state()} if self.recall is not None else {})
 
     def load_state(self, state: dict) -> None:
         layers = self.memory.layers
         try:
             extra = {"recall"} if self.recall is not None else set()
-            extra |= {"used"} if self.memory.watches else set()  # the recent-use sums, by slot
+            extra |= {"used", "window_used"} if self.memory.watches else set()  # the recent-use sums
             pinned = state.get("pinned", []) if isinstance(state, dict) else None
             size = self.size - len(pinned) if isinstance(pinned, list) else 0
             ok = (isinstance(state, dict) and set(state) - {"value_norms", "pinned"} == {"memory", "offered", "scores"} | extra
@@ -315,6 +316,10 @@ class SmartKVPolicy:
             if used is None or used.shape != (layers, memory.count) or not np.isfinite(used).all() or (used < 0).any():
                 raise ValueError("policy smartkv: malformed saved state (the recent-use sums)")
             memory.used[:, : memory.count] = used
+            try:
+                memory.load_window(state["window_used"])
+            except ValueError:
+                raise ValueError("policy smartkv: malformed saved state (the window's recent-use sums)") from None
         if self.recall is not None:
             self.recall.load_state(state["recall"])
         self.memory = memory

@@ -1,9 +1,9 @@
 """`--memory-rank recent`: SmartKV's memory ranked by the gates *and* by the attention each
-lane has paid its memory rows lately.
+lane has paid its rows lately.
 
 The gates predict a token's lifespan from its key alone, once, when it leaves the window.
-Recent attention is what the lane's queries actually did with the row since. Here a lane's
-memory row ranks by
+Recent attention is what the lane's queries actually did with the row. Here a lane's memory
+row ranks by
 
     rank = gate rank (rows.py, `Memories`) * (1 + used) ** BETA
 
@@ -12,14 +12,14 @@ largest over the query heads that read the lane's kv head, times the lane's row 
 1 is a uniform share), summed with a decay of DECAY a tick (0.97: about the last 32 ticks). A
 row no query looked at lately keeps its gate rank; one in use ranks higher.
 
-A token enters a lane's memory (from the window, or taken back by recall) with nothing counted:
-what counts is use *while in the memory*. The attention a token got inside the window adds
-little to what predicts its use after it (bench/results/smartkv.md, 2026-11-27), and carrying
-it let recent text push out rows the gates rank high, such as a fact stated long ago (the
-retrieval probe lost it; counting from entry loses less, bench/results/smartkv.md, stop 65).
+The sums run while a token is in the window too (every lane holds it there), and it enters each
+lane's memory with its sum in that lane: a token the text is still using when it leaves the
+window competes with that use counted. Counted from entry instead (the window's attention
+dropped), A Tale of Two Cities lost 1.5% at a 25% budget (bench/results/smartkv.md, stop 65). A
+token recall takes back starts again from nothing (it is held for a while anyway, `recall_hold`).
 
-Measured in `bench/observed_rank.py --fresh` first, which patches the default policy the same way;
-tests/positronic/smartkv/test_recent.py holds the product to the prototype's numbers.
+Measured with `bench/observed_rank.py --fresh-back` first, which patches the default policy the
+same way with a table of its own; tests/positronic/smartkv/test_recent.py holds the brain to it.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ DECAY = 0.97  # the sums' decay per tick: about the last 32 ticks count
 
 
 class RecentMemories(Memories):
-    """Memories whose rank also weighs each row's recent attention in its lane: the array
-    `used` [layers, size + 1] (float64, by slot, like the others) holds the decayed sums."""
+    """Memories whose rank also weighs each row's recent attention in its lane. `used`
+    [layers, size + 1] (float64, by slot, like the other arrays): the decayed sums of the rows
+    held; `window_ids` int64 [n] and `window_used` [layers, n]: those of the window's tokens
+    (ledger ids ascending), which a token takes with it when it is offered."""
 
     NAMES = (*Memories.NAMES, "used")
     watches = True
@@ -43,12 +45,22 @@ class RecentMemories(Memories):
     def __init__(self, layers: int, size: int, horizon: int):
         super().__init__(layers, size, horizon)
         self.used = np.zeros((layers, size + 1))
+        self.window_ids = np.zeros(0, dtype=np.int64)
+        self.window_used = np.zeros((layers, 0))
+
+    def copy(self) -> "RecentMemories":
+        twin = super().copy()
+        twin.window_ids, twin.window_used = self.window_ids.copy(), self.window_used.copy()
+        return twin
 
     def _unheld_ranks(self, now: int, at: tuple) -> np.ndarray:
         return super()._unheld_ranks(now, at) * (1.0 + self.used[at]) ** BETA
 
     def offer(self, token_id, position: int, scores, now: int) -> np.ndarray:
-        self.used[:, self.count if self.count < self.size else self.size] = 0.0  # the newcomer: nothing counted
+        """A window token's sums come with it (none for a token the window never counted)."""
+        at = np.flatnonzero(self.window_ids == token_id)
+        column = self.count if self.count < self.size else self.size
+        self.used[:, column] = self.window_used[:, at[0]] if len(at) else 0.0
         return super().offer(token_id, position, scores, now)
 
     def take_back(self, layer: int, token_ids: list[int], scores: list[float], now: int, hold: int = 0) -> list[int]:
@@ -56,30 +68,59 @@ class RecentMemories(Memories):
         self.used[layer, : self.size][np.isin(self.ids[layer, : self.size], token_ids)] = 0.0  # counted from now
         return dropped
 
-    def attend(self, lane_ids: np.ndarray, share: np.ndarray) -> None:
-        """A tick's attention: every held row's sum decays, then gains the row's `share`.
-        lane_ids: int64 [layers, rows], the ledger ids each lane's cache rows hold (every token
-        the memory holds among them); share: float [layers, rows], in the same order.
-        RuntimeError if a held token is not among its lane's rows (the memory and the cache
-        disagree: the state is rebuilt rather than ranked on a wrong sum)."""
-        held = self.ids[:, : self.count]
-        if not held.size:
-            return
+    def attend(self, lane_ids: np.ndarray, share: np.ndarray, newer_than: int) -> None:
+        """A tick's attention: every sum decays, then gains the row's `share`. lane_ids: int64
+        [layers, rows], the ledger ids each lane's cache rows hold (ascending: every token the
+        memory holds among them, the window's last); share: float [layers, rows], in the same
+        order; the window's tokens are those above `newer_than` (every lane holds them).
+        RuntimeError if a held token is not among its lane's rows, or the lanes' windows differ
+        (the memory and the cache disagree: the state is rebuilt rather than ranked on a wrong sum)."""
         lanes, rows = lane_ids.shape
         if lanes != self.layers or share.shape != lane_ids.shape:
             raise ValueError(f"attention of {lanes} lanes x {rows} rows for a memory of {self.layers} "
                              f"(shares {tuple(share.shape)})")
+        if self.count:
+            found = self._rows_of(lane_ids, self.ids[:, : self.count])
+            self.used[:, : self.count] = DECAY * self.used[:, : self.count] + share.ravel()[found]
+        window = int(np.count_nonzero(lane_ids[0] > newer_than))
+        ids = lane_ids[:, rows - window:]
+        if window and ((ids != ids[0]).any() or (lane_ids[:, : rows - window] > newer_than).any()):
+            raise RuntimeError("the lanes' newest rows are not the same window tokens")
+        ids, sums = ids[0].copy(), share[:, rows - window:].astype(np.float64)
+        at = np.minimum(np.searchsorted(self.window_ids, ids), max(len(self.window_ids) - 1, 0))
+        seen = np.flatnonzero(self.window_ids[at] == ids) if len(self.window_ids) else np.zeros(0, dtype=np.int64)
+        sums[:, seen] += DECAY * self.window_used[:, at[seen]]
+        self.window_ids, self.window_used = ids, sums
+
+    def _rows_of(self, lane_ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """Flat indexes into lane_ids [layers, rows] of each lane's `held` ids [layers, n]."""
         span = int(max(lane_ids.max(), held.max())) + 1
         base = np.arange(self.layers)[:, None] * span
         keys = (base + lane_ids).ravel()
         order = np.argsort(keys, kind="stable")
-        wanted = (base + held).ravel()
-        at = np.minimum(np.searchsorted(keys, wanted, sorter=order), keys.size - 1)
-        found = order[at]
+        wanted = base + held
+        at = np.minimum(np.searchsorted(keys, wanted.ravel(), sorter=order), keys.size - 1)
+        found = order[at].reshape(held.shape)
         if (keys[found] != wanted).any():
-            lane = int(np.flatnonzero(keys[found] != wanted)[0]) // held.shape[1]
+            lane = int(np.flatnonzero((keys[found] != wanted).any(axis=1))[0])
             raise RuntimeError(f"lane {lane}'s memory holds a token its cache rows do not")
-        self.used[:, : self.count] = DECAY * self.used[:, : self.count] + share.ravel()[found].reshape(held.shape)
+        return found
+
+    def window_state(self) -> list[list]:
+        """[ledger id, [sum per lane]] of each window token counted (a session's record)."""
+        return [[int(i), sums] for i, sums in zip(self.window_ids.tolist(), self.window_used.T.tolist())]
+
+    def load_window(self, entries: list) -> None:
+        """From `window_state()`; ValueError if malformed."""
+        try:
+            ids = np.array([i for i, _ in entries], dtype=np.int64)
+            ok = all(type(i) is int for i, _ in entries) and (np.diff(ids) > 0).all()
+            sums = np.array([s for _, s in entries], dtype=np.float64).reshape(len(entries), self.layers).T
+        except (TypeError, ValueError):
+            ok = False
+        if not ok or not np.isfinite(sums).all() or (sums < 0).any():
+            raise ValueError("malformed recent-use sums of the window")
+        self.window_ids, self.window_used = ids, sums
 
 
 def lane_shares(view, heads: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -2,7 +2,7 @@
 paid each row lately (positronic/smartkv/recent.py).
 
 The rank's arithmetic is checked on RecentMemories alone; in the brain it is held to the
-prototype it was measured with (bench/observed_rank.py --fresh, which patches the default
+prototype it was measured with (bench/observed_rank.py --fresh-back, which patches the default
 policy and keeps its sums in a table of its own): the same rows in every lane and the same
 logits at every tick, recall taking tokens back included."""
 
@@ -38,10 +38,11 @@ def test_recent_attention_outranks_a_higher_gate_score():
     gates, recent = filled(Memories), filled(RecentMemories)
     lane_ids = np.array([[0, 10, 11, 12, 20]])  # a sink, the memory's three, a window token
     share = np.array([[5.0, 3.0, 0.0, 0.0, 9.0]])  # the lane looks at token 10, the weakest by its gate
-    recent.attend(lane_ids, share)
+    recent.attend(lane_ids, share, newer_than=19)
     assert recent.used[0, :3].tolist() == [3.0, 0.0, 0.0]
-    recent.attend(lane_ids, share)
+    recent.attend(lane_ids, share, newer_than=19)
     assert recent.used[0, :3].tolist() == [DECAY * 3.0 + 3.0, 0.0, 0.0]
+    assert recent.window_ids.tolist() == [20] and recent.window_used.tolist() == [[DECAY * 9.0 + 9.0]]
     # the gates alone drop token 10 (4 ** 0 times the lifespan left: the lowest); used, it outranks 11
     assert gates.offer(13, 3, [0.6], now=3).tolist() == [10]
     assert recent.offer(13, 3, [0.6], now=3).tolist() == [11]
@@ -50,12 +51,15 @@ def test_recent_attention_outranks_a_higher_gate_score():
     np.testing.assert_allclose(rank, plain * (1 + recent.used[0, :3]) ** BETA)
 
 
-def test_a_newcomer_and_a_token_taken_back_start_with_nothing_counted():
+def test_a_window_token_brings_its_sums_and_a_token_taken_back_starts_with_nothing():
     memory = filled(RecentMemories)
     memory.used[0, :] = 7.0  # the offered column's leftovers included
+    memory.attend(np.array([[0, 10, 11, 12, 13, 14]]), np.array([[1.0, 0, 0, 0, 6.0, 2.0]]), newer_than=12)
+    assert memory.used[0, :3].tolist() == [DECAY * 7.0] * 3
     memory.offer(13, 3, [5.0], now=3)  # a strong newcomer: the weakest old token goes
-    assert sorted(memory.used[0, :3].tolist()) == [0.0, 7.0, 7.0]
-    assert memory.used[0, memory.ids[0, :3].tolist().index(13)] == 0.0
+    assert memory.used[0, memory.ids[0, :3].tolist().index(13)] == 6.0  # its attention in the window
+    memory.offer(15, 4, [9.0], now=4)  # a token the window never counted: nothing
+    assert memory.used[0, memory.ids[0, :3].tolist().index(15)] == 0.0
     memory.used[0, :3] = [1.0, 2.0, 3.0]
     memory.take_back(0, [99], [0.0], now=4, hold=2)  # recall: in place of the weakest
     at = memory.ids[0, :3].tolist().index(99)
@@ -67,10 +71,13 @@ def test_a_newcomer_and_a_token_taken_back_start_with_nothing_counted():
 def test_the_sums_move_with_copies_and_pins():
     memory = filled(RecentMemories, (0.0, 0.5, 1.0, 1.5))
     memory.used[0, :4] = [1.0, 2.0, 3.0, 4.0]
+    memory.attend(np.array([[10, 11, 12, 13, 20]]), np.zeros((1, 5)), newer_than=19)
+    memory.used[0, :4], memory.window_used[0, 0] = [1.0, 2.0, 3.0, 4.0], 5.0
     twin = memory.copy()
     assert type(twin) is RecentMemories and twin.used[0, :4].tolist() == [1.0, 2.0, 3.0, 4.0]
-    twin.used[0, 0] = 9.0
-    assert memory.used[0, 0] == 1.0
+    assert twin.window_ids.tolist() == [20] and twin.window_used.tolist() == [[5.0]]
+    twin.used[0, 0] = twin.window_used[0, 0] = 9.0
+    assert memory.used[0, 0] == 1.0 and memory.window_used[0, 0] == 5.0
     memory.remove(11)  # pinned: out of the memory, the last held token fills its slot
     assert dict(zip(memory.ids[0, :3].tolist(), memory.used[0, :3].tolist())) == {10: 1.0, 13: 4.0, 12: 3.0}
     memory.grow()
@@ -80,10 +87,12 @@ def test_the_sums_move_with_copies_and_pins():
 def test_attention_that_misses_a_held_token_is_refused():
     memory = filled(RecentMemories)
     with pytest.raises(RuntimeError, match="lane 0's memory holds a token its cache rows do not"):
-        memory.attend(np.array([[0, 10, 12]]), np.ones((1, 3)))
+        memory.attend(np.array([[0, 10, 12]]), np.ones((1, 3)), newer_than=12)
     with pytest.raises(ValueError, match="attention of 2 lanes"):
-        memory.attend(np.zeros((2, 3), dtype=np.int64), np.ones((2, 3)))
+        memory.attend(np.zeros((2, 3), dtype=np.int64), np.ones((2, 3)), newer_than=0)
     assert not memory.used.any()
+    with pytest.raises(RuntimeError, match="not the same window tokens"):
+        RecentMemories(2, 2, HORIZON).attend(np.array([[0, 20, 21], [0, 20, 22]]), np.ones((2, 3)), newer_than=19)
 
 
 def test_the_setting_is_refused_where_it_cannot_apply():
@@ -96,12 +105,12 @@ def test_the_setting_is_refused_where_it_cannot_apply():
 
 
 def prototype(monkeypatch, bench_script):
-    """bench/observed_rank.py --fresh patched into the default policy (undone after the test)."""
+    """bench/observed_rank.py --fresh-back patched into the default policy (undone after the test)."""
     script = bench_script("observed_rank")
     for owner, name in ((Memories, "_ranks"), (Memories, "take_back"), (Memories, "offer"),
                         (smartkv_policy.SmartKVPolicy, "_plan"), (script.Observed, "current")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored at teardown, whatever patch sets
-    script.patch(beta=2.0, decay=0.97, offset=1.0, seed_restored=False, fresh=True)  # as measured: smartkv.md
+    script.patch(beta=2.0, decay=0.97, offset=1.0, seed_restored=False, fresh_back=True)  # as measured: smartkv.md
 
 
 def forced(lm, settings, ids, start):
@@ -158,9 +167,13 @@ def test_a_resumed_session_goes_on_exactly_with_its_sums(tiny, head_gate_file, t
     saved = brain.policy.state()
     assert np.asarray(saved["used"]).shape == (brain.state.lanes, brain.policy.memory.count)
     assert np.asarray(saved["used"]).any(), "twenty ticks of attention should have counted"
+    assert len(saved["window_used"]) == 6  # the window's tokens (--window 6)
     before = resumed.policy.state()
     for bad in ({k: v for k, v in saved.items() if k != "used"}, saved | {"used": [[-1.0]]},
-                saved | {"used": [row + [0.0] for row in saved["used"]]}, saved | {"used": "many"}):
+                saved | {"used": [row + [0.0] for row in saved["used"]]}, saved | {"used": "many"},
+                {k: v for k, v in saved.items() if k != "window_used"}, saved | {"window_used": "many"},
+                saved | {"window_used": saved["window_used"][::-1]},  # ids out of order
+                saved | {"window_used": [[i, sums[:-1]] for i, sums in saved["window_used"]]}):
         with pytest.raises(ValueError, match="malformed saved state"):
             resumed.policy.load_state(bad)
         assert resumed.policy.state() == before  # nothing changed
