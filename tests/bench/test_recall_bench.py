@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,3 +28,20 @@ def test_recall_bench_prints_every_policy_against_the_full_cache(tmp_path):
     refused = subprocess.run([sys.executable, str(ROOT / "bench" / "recall.py"), "--model", "random:tiny",
                               "--budget", "48", "--filler", "600"], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "512 positions" in refused.stderr
+
+
+def test_policy_names_take_their_marks_and_the_reference_can_be_left_out(tmp_path, bench_script):
+    script = bench_script("recall")
+    both = script.policy_config("smartkv+recall+recent", 256, 4)
+    assert (both.policy, both.recall, both.memory_rank) == ("smartkv", True, "recent")
+    plain = script.policy_config("brightness+recall", 256, 4)
+    assert (plain.policy, plain.recall, plain.memory_rank) == ("brightness", True, "gates")
+    with pytest.raises(script.EvalError, match="unknown mark often"):
+        script.policy_config("smartkv+often", 256, 4)
+    text = tmp_path / "t.txt"
+    text.write_text("The keeper of the lighthouse wrote in his log every evening. " * 8)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "recall.py"), str(text), "--model", "random:tiny",
+                          "--budget", "48", "--filler", "20", "--at", "0.5", "--policies", "streaming",
+                          "--no-reference"], capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["full"], ["streaming"])]
+    assert len(rows) == 1 and rows[0][0] == "streaming" and rows[0][2] == "-"
