@@ -282,8 +282,7 @@ class SmartKVPolicy:
         state = {"memory": self.memory.entries(), "offered": self.offered, "value_norms": self.value_norms,
                  "scores": [[ledger_id, list(values)] for ledger_id, values in self.scores.items()]}
         state |= {"pinned": sorted(self.pinned_out)} if self.pinned_out else {}
-        if self.memory.watches:  # the recent-use sums: of the memory's rows by slot, and of the window's tokens
-            state |= {"used": self.memory.used[:, : self.memory.count].tolist(), "window_used": self.memory.window_state()}
+        state |= self.memory.sums() if self.memory.watches else {}  # the recent-use sums (recent.py)
         return state | ({"recall": self.recall.state()} if self.recall is not None else {})
 
     def load_state(self, state: dict) -> None:
@@ -310,16 +309,9 @@ class SmartKVPolicy:
         memory = type(self.memory).from_entries(state["memory"], size, self.horizon)
         if memory.watches:
             try:
-                used = np.asarray(state["used"], dtype=np.float64)
-            except (TypeError, ValueError):
-                used = None
-            if used is None or used.shape != (layers, memory.count) or not np.isfinite(used).all() or (used < 0).any():
-                raise ValueError("policy smartkv: malformed saved state (the recent-use sums)")
-            memory.used[:, : memory.count] = used
-            try:
-                memory.load_window(state["window_used"])
-            except ValueError:
-                raise ValueError("policy smartkv: malformed saved state (the window's recent-use sums)") from None
+                memory.load_sums(state)
+            except ValueError as exc:
+                raise ValueError(f"policy smartkv: malformed saved state ({exc})") from None
         if self.recall is not None:
             self.recall.load_state(state["recall"])
         self.memory = memory

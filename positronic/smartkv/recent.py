@@ -106,21 +106,29 @@ class RecentMemories(Memories):
             raise RuntimeError(f"lane {lane}'s memory holds a token its cache rows do not")
         return found
 
-    def window_state(self) -> list[list]:
-        """[ledger id, [sum per lane]] of each window token counted (a session's record)."""
-        return [[int(i), sums] for i, sums in zip(self.window_ids.tolist(), self.window_used.T.tolist())]
+    def sums(self) -> dict:
+        """The sums, for a session: `used` [layers][held] by slot, and `window_used`, [ledger id,
+        [sum per lane]] of each window token counted."""
+        return {"used": self.used[:, : self.count].tolist(),
+                "window_used": [[int(i), sums] for i, sums in zip(self.window_ids.tolist(), self.window_used.T.tolist())]}
 
-    def load_window(self, entries: list) -> None:
-        """From `window_state()`; ValueError if malformed."""
+    def load_sums(self, state: dict) -> None:
+        """From `sums()`, into a memory `from_entries` made; ValueError naming what is malformed
+        (nothing changed then)."""
         try:
+            used = np.asarray(state["used"], dtype=np.float64)
+            entries = state["window_used"]
             ids = np.array([i for i, _ in entries], dtype=np.int64)
-            ok = all(type(i) is int for i, _ in entries) and (np.diff(ids) > 0).all()
-            sums = np.array([s for _, s in entries], dtype=np.float64).reshape(len(entries), self.layers).T
-        except (TypeError, ValueError):
-            ok = False
-        if not ok or not np.isfinite(sums).all() or (sums < 0).any():
-            raise ValueError("malformed recent-use sums of the window")
-        self.window_ids, self.window_used = ids, sums
+            typed = all(type(i) is int for i, _ in entries) and bool((np.diff(ids) > 0).all())
+            window = np.array([s for _, s in entries], dtype=np.float64).reshape(len(entries), self.layers).T
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("the recent-use sums are malformed") from None
+        if used.shape != (self.layers, self.count) or not typed:
+            raise ValueError("the recent-use sums are malformed")
+        if not (np.isfinite(used).all() and np.isfinite(window).all() and (used >= 0).all() and (window >= 0).all()):
+            raise ValueError("the recent-use sums hold negative or non-finite values")
+        self.used[:, : self.count] = used
+        self.window_ids, self.window_used = ids, window
 
 
 def lane_shares(view, heads: int) -> tuple[np.ndarray, np.ndarray] | None:
