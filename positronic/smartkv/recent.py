@@ -24,6 +24,8 @@ same way with a table of its own; tests/positronic/smartkv/test_recent.py holds 
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -93,14 +95,16 @@ class RecentMemories(Memories):
         self.window_ids, self.window_used = ids, sums
 
     def _rows_of(self, lane_ids: np.ndarray, held: np.ndarray) -> np.ndarray:
-        """Flat indexes into lane_ids [layers, rows] of each lane's `held` ids [layers, n]."""
+        """Flat indexes into lane_ids [layers, rows] of each lane's `held` ids [layers, n]. A
+        lane's ids ascend (the mirror keeps them in ledger order), so lane l's, offset by l times
+        a span above every id, make one ascending array: one search finds them all."""
+        if (np.diff(lane_ids, axis=1) <= 0).any():
+            raise RuntimeError("a lane's rows are not in ledger order")
         span = int(max(lane_ids.max(), held.max())) + 1
         base = np.arange(self.layers)[:, None] * span
         keys = (base + lane_ids).ravel()
-        order = np.argsort(keys, kind="stable")
         wanted = base + held
-        at = np.minimum(np.searchsorted(keys, wanted.ravel(), sorter=order), keys.size - 1)
-        found = order[at].reshape(held.shape)
+        found = np.minimum(np.searchsorted(keys, wanted.ravel()), keys.size - 1).reshape(held.shape)
         if (keys[found] != wanted).any():
             lane = int(np.flatnonzero((keys[found] != wanted).any(axis=1))[0])
             raise RuntimeError(f"lane {lane}'s memory holds a token its cache rows do not")
@@ -148,5 +152,6 @@ def lane_shares(view, heads: int) -> tuple[np.ndarray, np.ndarray] | None:
     logits = query @ keys.transpose(-1, -2)  # [layers, kv_heads, group, rows]
     share = torch.exp(logits - view.log_norm.to("cpu", torch.float32).reshape(layers, kv_heads, -1, 1))
     per_lane = share.amax(dim=2) if heads == kv_heads else share.amax(dim=(1, 2))  # [lanes..., rows]
-    ids = np.asarray(view.rows.lane_ids(), dtype=np.int64)  # [lanes, rows]
+    lanes = view.rows.lane_ids()
+    ids = np.fromiter(chain.from_iterable(lanes), np.int64, count=len(lanes) * rows).reshape(len(lanes), rows)
     return ids, (per_lane * rows).reshape(ids.shape).numpy()
