@@ -88,6 +88,8 @@ def test_attention_that_misses_a_held_token_is_refused():
     memory = filled(RecentMemories)
     with pytest.raises(RuntimeError, match="lane 0's memory holds a token its cache rows do not"):
         memory.attend(np.array([[0, 10, 12]]), np.ones((1, 3)), newer_than=12)
+    with pytest.raises(RuntimeError, match="a lane's rows are not in ledger order"):  # one search needs them ascending
+        memory.attend(np.array([[0, 11, 10, 12]]), np.ones((1, 4)), newer_than=12)
     with pytest.raises(ValueError, match="attention of 2 lanes"):
         memory.attend(np.zeros((2, 3), dtype=np.int64), np.ones((2, 3)), newer_than=0)
     assert not memory.used.any()
