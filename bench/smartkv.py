@@ -137,7 +137,8 @@ def quality(args, lm, kernels: dict) -> None:
         budget = round(share * count)
         brain_runs = [(p, make_config(p, budget, sinks=args.sinks, kv_format=fmt)) for p in BRAIN_POLICIES]
         if "smartkv" in gates:
-            brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""), kv_format=fmt)
+            brain_config = make_config("smartkv", budget, sinks=args.sinks, gates=str(args.gates or ""), kv_format=fmt,
+                                       memory_rank="gates")  # the rows name their rank: +recent below
             if args.window is not None:
                 brain_config.window = args.window
             brain_runs.append(("smartkv-brain", brain_config))

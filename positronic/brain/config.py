@@ -210,10 +210,11 @@ class ContextShift(Part):
 class SmartKVGates(Part):
     """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model; how a
     lane's memory ranks its rows: by the gates (gates), or by the gates and the attention the
-    lane paid each row lately (recent: positronic/smartkv/recent.py)."""
+    lane paid each row lately (recent: positronic/smartkv/recent.py). None: the best measured
+    for the run, `default_memory_rank` (a BrainConfig resolves it when made)."""
 
     gates: str = ""
-    memory_rank: str = "gates"
+    memory_rank: str | None = None
 
     def check(self) -> None:
         if self.memory_rank not in MEMORY_RANKS:
@@ -221,6 +222,13 @@ class SmartKVGates(Part):
 
 
 PARTS = (Sampling, Memory, Brightness, Repair, ContextShift, SmartKVGates)
+
+
+def default_memory_rank(policy: str, recall: bool) -> str:
+    """The memory rank a run gets when none is asked for: recent for smartkv with recall (the
+    best measured: docs/policies.md, "The default"), else gates (smartkv without recall was
+    measured with the gates alone; the other policies have no such memory)."""
+    return "recent" if recall and policy in POLICIES and POLICIES[policy].per_layer else "gates"
 
 
 def _default(part: type[Part], name: str):
@@ -263,12 +271,14 @@ class BrainConfig:
     kv_format: str = _default(Memory, "kv_format")
     kv_store: str = _default(Memory, "kv_store")
     gates: str = _default(SmartKVGates, "gates")
-    memory_rank: str = _default(SmartKVGates, "memory_rank")
+    memory_rank: str | None = _default(SmartKVGates, "memory_rank")
 
     def __post_init__(self):
         if self.window is None:
             policy = POLICIES.get(self.policy)
             self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
+        if self.memory_rank is None:
+            self.memory_rank = default_memory_rank(self.policy, self.recall)
 
     @property
     def sampling(self) -> Sampling:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import BrainConfig
+from .config import BrainConfig, default_memory_rank
 
 GATE_FREE = "brightness"  # the default where no gates exist for the model
 TRAIN_HINT = ("train gates for it with `positronic smartkv train --model {model} --text A.txt --heldout B.txt "
@@ -45,21 +45,24 @@ def has_gates(model: str, gates: str = "") -> bool:
 
 
 def default_policy(model: str, config: BrainConfig, *, window: int | None = None,
-                   recall: bool | None = None) -> DefaultPolicy:
+                   recall: bool | None = None, memory_rank: str | None = None) -> DefaultPolicy:
     """The default policy for `model` given the run's other settings (`config`, whose own
-    policy, window and recall are ignored; `window`: the one asked for, None for the policy's
-    own; `recall`: as asked, None for the default's): SmartKV with recall where gates exist
-    and the settings allow it, else brightness (recall only if asked)."""
+    policy, window, recall and memory rank are ignored; `window`, `memory_rank`: the ones asked
+    for, None for the policy's own; `recall`: as asked, None for the default's): SmartKV with
+    recall (its memory ranked by recent use too) where gates exist and the settings allow it,
+    else brightness (recall only if asked)."""
     asked = bool(recall)
     if not has_gates(model, config.gates):
         return DefaultPolicy(GATE_FREE, asked, f"policy {GATE_FREE}: no SmartKV gates ship for {model}; "
                                                + TRAIN_HINT.format(model=model))
     recall = True if recall is None else recall
-    named = "policy smartkv" + (" with recall" if recall else " without recall (--no-recall)")
+    rank = memory_rank or default_memory_rank("smartkv", recall)
+    named = ("policy smartkv" + (" with recall" if recall else " without recall (--no-recall)")
+             + (", its memory ranked by recent use too (--memory-rank recent)" if rank == "recent" else ""))
     if config.gates:  # asked for SmartKV's gates: what they cannot run with is an error, not a fallback
         return DefaultPolicy("smartkv", recall, f"{named}, with the gates given (--policy NAME for another)")
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    smart = BrainConfig(**fields | {"policy": "smartkv", "window": window, "recall": recall})
+    smart = BrainConfig(**fields | {"policy": "smartkv", "window": window, "recall": recall, "memory_rank": memory_rank})
     try:
         smart.validate()
     except ValueError as exc:

@@ -210,6 +210,10 @@ BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_ma
                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": "",
                        "memory_rank": "gates"}
 
+# Settings whose None in BrainConfig means "the run's default", resolved when the config is
+# made: a session holds the resolved value, of this type.
+SAVED_RESOLVED = {"window": int, "memory_rank": str}
+
 
 def checked_config(path: Path, config) -> dict:
     """The saved settings, complete and of the right types, or SessionError naming what is not
@@ -228,8 +232,8 @@ def checked_config(path: Path, config) -> dict:
             ok = value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
         elif type(default) is float:
             ok = type(value) in (int, float)
-        elif name == "window":  # None in the dataclass means "the policy's default"; saved resolved
-            ok = type(value) is int
+        elif name in SAVED_RESOLVED:  # None in the dataclass means "the policy's default"; saved resolved
+            ok = type(value) is SAVED_RESOLVED[name]
         else:
             ok = type(value) is type(default)
         if not ok:

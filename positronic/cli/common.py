@@ -119,7 +119,8 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
         from ..brain.defaults import default_policy
 
         choice = default_policy(options["model"], BrainConfig(**settings | dict(policy=policy)),
-                                window=options.get("window"), recall=options["recall"] if "recall" in given else None)
+                                window=options.get("window"), recall=options["recall"] if "recall" in given else None,
+                                memory_rank=options.get("memory_rank"))
         policy = choice.policy
         settings |= dict(policy=policy, recall=choice.recall)
     config = BrainConfig(**settings)

@@ -38,7 +38,7 @@ def eval_command(
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
-    memory_rank: str = typer.Option(DEFAULTS.memory_rank, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md)."),
+    memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
@@ -50,7 +50,7 @@ def eval_command(
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
         if kv_store != "splice":
             raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
-        if memory_rank != "gates":
+        if memory_rank == "recent":  # SmartKVCache, which --generate runs, ranks by the gates alone
             raise UserError("--memory-rank applies to the teacher-forced eval, not (yet) to --generate")
         from ..evaluate.generation import main as generation_main
 

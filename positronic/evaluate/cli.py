@@ -28,7 +28,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
          repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
-         kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str = "gates") -> EvalReport:
+         kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str | None = None) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
 

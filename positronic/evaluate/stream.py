@@ -38,15 +38,15 @@ class StreamResult:
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
                 score_layers="last", repairer: str | None = None, repair_batch: int | None = None,
                 recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
-                memory_rank: str = "gates") -> BrainConfig:
+                memory_rank: str | None = None) -> BrainConfig:
     """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run.
     `gates`: policy smartkv's gate file ("" = the gates shipped for the model); `memory_rank`: its
-    memory's rank (gates | recent)."""
+    memory's rank (gates | recent; None: the run's default, recent with recall)."""
     chosen = {"repairer": repairer, "repair_batch": repair_batch}
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
                          score_layers=score_layers, recall=recall, kv_format=kv_format, kv_store=kv_store,
                          gates=gates if (policy in POLICIES and POLICIES[policy].per_layer) else "",  # smartkv's only
-                         memory_rank=memory_rank if (policy in POLICIES and POLICIES[policy].per_layer) else "gates",
+                         memory_rank=memory_rank if (policy in POLICIES and POLICIES[policy].per_layer) else None,
                          **{k: v for k, v in chosen.items() if v is not None})
     try:
         config.validate()

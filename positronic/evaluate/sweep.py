@@ -67,13 +67,14 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
              repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
              recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
-             memory_rank: str = "gates", progress=None, on_run=None,
+             memory_rank: str | None = None, progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
     filler before it). `recall`: every policy that can recall (not `none`) also runs with
-    recall on. `gates`, `memory_rank`: smartkv's gate file and memory rank.
+    recall on. `gates`, `memory_rank`: smartkv's gate file and memory rank (None:
+    each run's default, recent with recall).
     `kv_format`: how every run, the reference included, stores its cache rows. `kv_store`:
     where the policies' runs keep them (ring: streaming only); the full-cache reference
     keeps the splice store (it never evicts, so a ring would change nothing).

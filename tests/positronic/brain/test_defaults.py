@@ -4,10 +4,10 @@ from positronic.brain.config import BrainConfig
 from positronic.brain.defaults import default_policy
 
 
-def test_a_model_with_shipped_gates_gets_smartkv_with_recall_unless_recall_is_turned_off():
+def test_a_model_with_shipped_gates_gets_smartkv_with_recall_and_recent_use_unless_recall_is_turned_off():
     choice = default_policy("smollm2", BrainConfig(budget=256))
     assert (choice.policy, choice.recall) == ("smartkv", True)
-    assert "policy smartkv with recall: the best measured" in choice.note
+    assert "policy smartkv with recall, its memory ranked by recent use too (--memory-rank recent): the best measured" in choice.note
     off = default_policy("smollm2", BrainConfig(budget=256), recall=False)
     assert (off.policy, off.recall) == ("smartkv", False) and "--no-recall" in off.note
     assert default_policy("smollm2", BrainConfig(budget=256), recall=True).recall is True

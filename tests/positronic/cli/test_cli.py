@@ -206,7 +206,8 @@ def test_a_second_run_on_a_session_in_use_is_refused(tmp_path, capsys, run_cli):
 
 @pytest.mark.smollm2
 def test_the_default_policy_is_smartkv_with_recall_where_gates_ship_and_no_recall_turns_recall_off(capsys, run_cli):
-    for flags, said in [((), "positronic: policy smartkv with recall: the best measured for smollm2"),
+    for flags, said in [((), "positronic: policy smartkv with recall, its memory ranked by recent use too "
+                             "(--memory-rank recent): the best measured for smollm2"),
                         (("--no-recall",), "positronic: policy smartkv without recall (--no-recall)")]:
         assert run_cli("--model", "smollm2", "-n", "3", "-p", "Hi", "-c", "48", "--no-tui", "--no-input", *flags) == 0
         captured = capsys.readouterr()

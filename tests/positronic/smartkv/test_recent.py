@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from positronic.brain import session as sessions
+from positronic.brain.defaults import default_policy
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.mirror import to_bytes
 from positronic.smartkv import policy as smartkv_policy
@@ -134,9 +135,9 @@ def test_the_brain_keeps_what_the_measured_prototype_keeps(tiny, head_gate_file,
     """Per-head lanes, as the prototype reads them (and as the shipped gates are)."""
     ids = text_ids(tiny, 90, seed=41)
     product = forced(tiny, config(head_gate_file, recall=True, memory_rank="recent"), ids, 15)
-    gates_only = forced(tiny, config(head_gate_file, recall=True), ids, 15)
-    prototype(monkeypatch, bench_script)
-    measured = forced(tiny, config(head_gate_file, recall=True), ids, 15)
+    gates_only = forced(tiny, config(head_gate_file, recall=True, memory_rank="gates"), ids, 15)
+    prototype(monkeypatch, bench_script)  # it patches the gates' rank
+    measured = forced(tiny, config(head_gate_file, recall=True, memory_rank="gates"), ids, 15)
     assert product[2], "recall should take tokens back (their sums start again)"
     assert product[0] == measured[0]
     for ours, theirs in zip(product[1], measured[1]):
@@ -212,6 +213,27 @@ def test_run_and_eval_take_the_setting(run_cli, tiny, head_gate_file, tmp_path, 
     capsys.readouterr()
     assert run_cli("eval", *common, "--memory-rank", "recent", "--generate", "8", "--out", str(tmp_path / "g")) != 0
     assert "--memory-rank applies to the teacher-forced eval" in capsys.readouterr().err
+
+
+def test_the_default_ranks_by_recent_use_where_recall_runs(run_cli, tiny, head_gate_file, tmp_path):
+    """The best measured: recent with recall (the default policy's), the gates alone without."""
+    assert BrainConfig(policy="smartkv", recall=True).memory_rank == "recent"
+    assert BrainConfig(policy="smartkv").memory_rank == "gates"
+    assert BrainConfig(policy="brightness", recall=True).memory_rank == "gates"  # it has no such memory
+    assert BrainConfig(policy="smartkv", recall=True, memory_rank="gates").memory_rank == "gates"
+    assert "its memory ranked by recent use too" in default_policy("smollm2", BrainConfig(budget=256)).note
+    assert "recent" not in default_policy("smollm2", BrainConfig(budget=256), recall=False).note
+
+    def resumed(*flags):  # no --policy: the default policy for a model with gates, smartkv with recall
+        path = tmp_path / f"s{len(flags)}"
+        assert run_cli("-m", "random:tiny", "--gates", str(head_gate_file), "-c", "24", "--window", "8", "-n", "20",
+                       "--no-tui", "--no-input", "--session", str(path), *flags) == 0
+        brain = sessions.resume(tiny, path)
+        return brain.config.policy, brain.config.recall, brain.config.memory_rank, type(brain.policy.memory)
+
+    assert resumed() == ("smartkv", True, "recent", RecentMemories)
+    assert resumed("--memory-rank", "gates") == ("smartkv", True, "gates", Memories)
+    assert resumed("--no-recall", "-n", "20") == ("smartkv", False, "gates", Memories)
 
 
 def test_batched_sequences_make_what_each_makes_alone(tiny, head_gate_file, alone, batched):
