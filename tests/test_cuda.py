@@ -126,6 +126,8 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
     assert batch.meeting.forwards == ticks
     for brain in batch.brains.values():
         assert brain.state.cache.layers[0].keys.is_cuda
+        if brain.config.memory_rank == "recent":  # smartkv with recall: the shares computed on the device
+            assert brain.policy.memory.used.any()
         brain.state.check(deep=True)
 
 

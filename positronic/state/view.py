@@ -84,14 +84,17 @@ class RowReader:
             raise ValueError("lane ids need per-layer rows: every layer holds the live map")
         return [list(lane) for lane in self._mirror.layers.rows]
 
-    def lane_keys(self) -> torch.Tensor:
-        """Every lane's keys [layers, kv_heads, rows, head_dim] in its cache-row order (on the CPU,
-        float32, rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`."""
+    def lane_keys(self, *, on_cache_device: bool = False) -> torch.Tensor:
+        """Every lane's keys [layers, kv_heads, rows, head_dim] in its cache-row order (float32,
+        rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`. On the
+        CPU, or with `on_cache_device` where the cache is (a reader that keeps only a small
+        result then copies that back, not every key)."""
         self._refuse_if_stale()
         if self._mirror.layers is None:
             raise ValueError("lane keys need per-layer rows: read every layer's rows with the reader itself")
         layers = list(range(len(self._cache.layers)))
-        return self._cache.layer_keys(layers, len(self._mirror.layers)).to("cpu", torch.float32, copy=True)
+        keys = self._cache.layer_keys(layers, len(self._mirror.layers))
+        return keys.to(keys.device if on_cache_device else "cpu", torch.float32, copy=True)
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;

@@ -308,7 +308,9 @@ def test_every_lanes_ids_and_keys_come_in_its_own_row_order(tiny, head_gate_file
     assert keys.shape[:3] == (tiny.num_layers, heads, len(ids[0])) and keys.dtype == torch.float32
     for layer in range(tiny.num_layers):
         assert torch.equal(keys[layer], state.layer_kv(layer)[0][0].float())
-    keys.zero_(), ids[0].clear()
+    near = view.rows.lane_keys(on_cache_device=True)  # where the cache is (here the CPU too): a copy still
+    assert torch.equal(near, keys)
+    keys.zero_(), near.zero_(), ids[0].clear()
     assert view.rows.lane_ids() == state.mirror.layers.rows and view.rows.lane_keys().abs().sum() > 0
     brain.step(force=tiny.bos_id)
     with pytest.raises(ValueError, match="stale"):
