@@ -1,7 +1,8 @@
 """Which cells of the kvpress table are decided: paired bootstrap intervals on per-token NLLs.
 
     python bench/significance.py                       # the default against every press, every cell
-    python bench/significance.py --method smartkv-brain --texts dracula --budgets 256 --block 32
+    python bench/significance.py --method smartkv+recall --texts dracula --budgets 256 --block 32   # the gates alone rank memory
+    python bench/significance.py --project-dir bench/eval_results/smartkv --kvpress-dir bench/eval_results/kvpress --method smartkv-brain   # AVX-512 runs
 
 The kvpress table (bench/results/kvpress.md) compares perplexities over the same 1,024 tokens, so
 two methods' NLLs pair token by token. The perplexity ratio of method A to method B is
@@ -12,8 +13,9 @@ files give the same table). Blocks, because a row one method evicted and the oth
 over a stretch of tokens: neighbouring differences are not independent, and resampling single
 tokens would make every interval too narrow.
 
-For each text and budget it prints the project's method (--method, default `smartkv+recall`,
-the default policy) against each kvpress press that has per-token NLLs, nearest first, and
+For each text and budget it prints the project's method (--method, default
+`smartkv+recall+recent`, the default policy since stop 66; `smartkv+recall` ranks memory by the
+gates alone) against each kvpress press that has per-token NLLs, nearest first, and
 against the full cache:
 
     below / above   the interval of A / B lies wholly under / over 1: decided on these tokens
@@ -306,7 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(TEXTS))
     p.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25], help="shares of --tokens")
     p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--method", default="smartkv+recall", help="the project's row (bench/smartkv.py's method names)")
+    p.add_argument("--method", default="smartkv+recall+recent",
+                   help="the project's row (bench/smartkv.py's method names; default: the default policy's)")
     p.add_argument("--nearest", type=int, default=0, help="only the N presses nearest in perplexity (0: all)")
     p.add_argument("--block", type=int, default=64, help="tokens per bootstrap block")
     p.add_argument("--resamples", type=int, default=10_000)
@@ -316,8 +319,10 @@ def main(argv=None) -> int:
                    help="the budget shares the target is asked at (issue 35: 25%%); other rows show no verdict")
     p.add_argument("--table", action="store_true", help="print the perplexity table of bench/results/kvpress.md "
                    "from the per-token files instead, with each cell's verdict against its nearest press")
-    p.add_argument("--project-dir", type=Path, default=ROOT / "bench" / "eval_results" / "smartkv")
-    p.add_argument("--kvpress-dir", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress")
+    # the default's rows were measured on AVX2's kernels (stop 66), beside kvpress's rerun there;
+    # bench/eval_results/smartkv and kvpress hold the AVX-512 runs (smartkv+recall and before)
+    p.add_argument("--project-dir", type=Path, default=ROOT / "bench" / "eval_results" / "smartkv_avx2")
+    p.add_argument("--kvpress-dir", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress_avx2")
     args = p.parse_args(argv)
     if not 1 <= args.block <= args.tokens:
         p.error(f"--block must be in [1, --tokens {args.tokens}], got {args.block}")
