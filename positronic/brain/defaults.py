@@ -1,7 +1,10 @@
 """The policy a run gets when none is asked for: the best measured for its model.
 
 Where SmartKV gates exist for the model (shipped, as for SmolLM2, or given with --gates),
-the default is SmartKV with recall: with or without recall SmartKV has the lowest
+the default is SmartKV with recall, each lane's memory ranked by the gates and by recent use
+(`--memory-rank recent`, BrainConfig's default with recall since stop 66: at or below every
+kvpress press in all 14 cells, within 1.03x of the full cache at 25% on seven texts; docs/
+policies.md, "Its memory ranked by recent use too"). With the gates' rank alone SmartKV has the lowest
 teacher-forced perplexity of the project's policies at 12.5% and 25% budgets on every text
 measured, held-out ones included (with recall lower in 8 of 12 cells, within 3.4% in the
 others; below every kvpress press in 7 of 8 cells, 0.03 above one in the eighth), and with
@@ -14,7 +17,7 @@ A setting SmartKV cannot take (a repairer, the ring store) keeps the
 gate-free default too: the user asked for that setting, not for a policy.
 
     choice = default_policy("smollm2", BrainConfig(budget=256))
-    choice.policy, choice.recall, choice.note     # "smartkv", True, "policy smartkv with recall: the best measured (...)"
+    choice.policy, choice.recall, choice.note     # "smartkv", True, "policy smartkv with recall, its memory ranked by recent use too (...)"
 """
 
 from __future__ import annotations
