@@ -226,10 +226,10 @@ class SpliceLayer(OneSequenceLayer):
             self.lazy_initialization(key_states, value_states)
         self._check_rows(key_states, value_states)
         count = key_states.shape[-2]
-        if self._write_rows is not None:
-            if len(self._write_rows) != count:
-                raise ValueError(f"the forward brought {count} rows for {len(self._write_rows)} open slots")
-            where = self._write_rows + self.start
+        if (rows := self._write_rows) is not None:
+            if rows.shape[0] != count:  # not len(): a Python call, and this runs per layer per sequence
+                raise ValueError(f"the forward brought {count} rows for {rows.shape[0]} open slots")
+            where = rows + self.start if self.start else rows
         else:
             self.reserve(self.length + count)
             where = torch.arange(self.start + self.length, self.start + self.length + count, device=self.device)

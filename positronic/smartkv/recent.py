@@ -144,14 +144,11 @@ def lane_shares(view, heads: int) -> tuple[np.ndarray, np.ndarray] | None:
     newest query (just rebuilt from the mirror): that tick counts nothing."""
     if view.query is None or view.log_norm is None:
         return None
-    keys = view.rows.lane_keys(on_cache_device=True)  # [layers, kv_heads, rows, head_dim], float32 (a copy)
-    layers, kv_heads, rows, head_dim = keys.shape
-    if view.query.shape[0] != layers:
-        raise ValueError(f"the recent-use rank reads every layer's query: it covers {view.query.shape[0]} of {layers}")
-    query = view.query.to(keys.device, torch.float32).reshape(layers, kv_heads, -1, head_dim)
-    logits = query @ keys.transpose(-1, -2)  # [layers, kv_heads, group, rows]
-    share = torch.exp(logits - view.log_norm.to(keys.device, torch.float32).reshape(layers, kv_heads, -1, 1))
-    per_lane = share.amax(dim=2) if heads == kv_heads else share.amax(dim=(1, 2))  # [lanes..., rows]
+    logits = view.rows.lane_scores(view.query)  # [layers, kv_heads, group, rows], where the cache is
+    layers, kv_heads, _, rows = logits.shape
+    logits -= view.log_norm.to(logits.device, torch.float32).reshape(layers, kv_heads, -1, 1)
+    # the largest share is the share of the largest logit: one exp a row, not one a head
+    per_lane = (logits.amax(dim=2) if heads == kv_heads else logits.amax(dim=(1, 2))).exp_()  # [lanes..., rows]
     lanes = view.rows.lane_ids()
     ids = np.fromiter(chain.from_iterable(lanes), np.int64, count=len(lanes) * rows).reshape(len(lanes), rows)
     return ids, (per_lane * rows).reshape(ids.shape).cpu().numpy()  # [lanes, rows] back, not the keys

@@ -34,6 +34,7 @@ token keeps.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass
 
@@ -167,10 +168,11 @@ class Memories:
         self.size = size
 
     def copy(self) -> "Memories":
-        twin = type(self)(self.layers, self.size, self.horizon)
+        """A twin whose arrays are copies (a tick's plan edits a twin: copied, not built anew
+        from zeros)."""
+        twin = copy.copy(self)
         for name in self.NAMES:
             setattr(twin, name, getattr(self, name).copy())
-        twin.count = self.count
         return twin
 
     def held_ids(self) -> list[int]:

@@ -84,17 +84,31 @@ class RowReader:
             raise ValueError("lane ids need per-layer rows: every layer holds the live map")
         return [list(lane) for lane in self._mirror.layers.rows]
 
-    def lane_keys(self, *, on_cache_device: bool = False) -> torch.Tensor:
-        """Every lane's keys [layers, kv_heads, rows, head_dim] in its cache-row order (float32,
-        rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`. On the
-        CPU, or with `on_cache_device` where the cache is (a reader that keeps only a small
-        result then copies that back, not every key)."""
+    def lane_keys(self) -> torch.Tensor:
+        """Every lane's keys [layers, kv_heads, rows, head_dim] in its cache-row order (float32
+        on the CPU, rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`."""
+        return self._lane_keys().to("cpu", torch.float32, copy=True)
+
+    def lane_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """query · keyᵀ for every lane's rows in its cache-row order: float32 [layers, kv_heads,
+        heads // kv_heads, rows], where the cache is. query: [layers, heads, head_dim], scaled as
+        the view's (`ContextView.query`). The keys are read where they lie, not copied: only the
+        product is new (a tick's recent-use rank reads every lane; a copy of every key was
+        a third of its cost on a CPU)."""
+        keys = self._lane_keys()
+        layers, kv_heads, _, head_dim = keys.shape
+        if query.dim() != 3 or query.shape[0] != layers or query.shape[1] % kv_heads or query.shape[2] != head_dim:
+            raise ValueError(f"lane scores need a query of every layer, [{layers}, heads (a multiple of {kv_heads}), "
+                             f"{head_dim}]; got {tuple(query.shape)}")
+        grouped = query.to(keys.device, torch.float32).reshape(layers, kv_heads, -1, head_dim)
+        return grouped @ keys.float().transpose(-1, -2)  # .float(): no copy of float32 keys
+
+    def _lane_keys(self) -> torch.Tensor:
+        """[layers, kv_heads, rows, head_dim] as the cache holds them (a view of a Slab: read only)."""
         self._refuse_if_stale()
         if self._mirror.layers is None:
             raise ValueError("lane keys need per-layer rows: read every layer's rows with the reader itself")
-        layers = list(range(len(self._cache.layers)))
-        keys = self._cache.layer_keys(layers, len(self._mirror.layers))
-        return keys.to(keys.device if on_cache_device else "cpu", torch.float32, copy=True)
+        return self._cache.layer_keys(list(range(len(self._cache.layers))), len(self._mirror.layers))
 
     def lane_rows(self, ledger_ids: list[list[int]]) -> list[list[int]]:
         """Per-layer (or per-head) rows only: for each lane, the cache rows of its `ledger_ids`;

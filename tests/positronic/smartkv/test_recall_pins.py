@@ -295,8 +295,9 @@ def test_a_tokens_kv_is_read_from_its_own_row_in_every_lane(tiny, head_gate_file
 
 
 def test_every_lanes_ids_and_keys_come_in_its_own_row_order(tiny, head_gate_file):
-    """RowReader.lane_ids / lane_keys: row i of lane l's keys is the key of lane_ids()[l][i],
-    the same as the state's own per-layer K/V; copies, refused once the state moved on."""
+    """RowReader.lane_ids / lane_keys / lane_scores: row i of lane l's keys is the key of
+    lane_ids()[l][i], the same as the state's own per-layer K/V, and its score is the query's
+    product with that key; all copies or new tensors, refused once the state moved on."""
     brain = Brain.start(tiny, text_ids(tiny, 24, seed=39), config(head_gate_file))
     for token in text_ids(tiny, 30, seed=40)[1:]:
         brain.step(force=token)
@@ -308,9 +309,12 @@ def test_every_lanes_ids_and_keys_come_in_its_own_row_order(tiny, head_gate_file
     assert keys.shape[:3] == (tiny.num_layers, heads, len(ids[0])) and keys.dtype == torch.float32
     for layer in range(tiny.num_layers):
         assert torch.equal(keys[layer], state.layer_kv(layer)[0][0].float())
-    near = view.rows.lane_keys(on_cache_device=True)  # where the cache is (here the CPU too): a copy still
-    assert torch.equal(near, keys)
-    keys.zero_(), near.zero_(), ids[0].clear()
+    query = torch.randn(tiny.num_layers, view.query.shape[1], keys.shape[-1], generator=torch.Generator().manual_seed(0))
+    scores = view.rows.lane_scores(query)  # [layers, kv_heads, group, rows], against the keys in place
+    torch.testing.assert_close(scores, query.reshape(tiny.num_layers, heads, -1, keys.shape[-1]) @ keys.transpose(-1, -2))
+    with pytest.raises(ValueError, match="a query of every layer"):
+        view.rows.lane_scores(query[:1])
+    keys.zero_(), scores.zero_(), ids[0].clear()
     assert view.rows.lane_ids() == state.mirror.layers.rows and view.rows.lane_keys().abs().sum() > 0
     brain.step(force=tiny.bos_id)
     with pytest.raises(ValueError, match="stale"):
