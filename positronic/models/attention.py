@@ -133,6 +133,21 @@ def _grouped(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out, None
 
 
+def grouped_logits(query: torch.Tensor, keys_t: torch.Tensor, log_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query head against its kv head's keys, as grouped-query attention pairs them:
+    query [layers, heads, head_dim] (scaled), keys_t [layers, kv_heads, head_dim, rows] (keys
+    transposed, any float dtype) -> float32 [layers, kv_heads, heads // kv_heads, rows], where
+    the keys are; minus `log_norm` [layers, heads] if given (the log of a row's would-be
+    attention share). The brain's attention row, recall's index and the recent-use rank all
+    score keys this one way."""
+    layers, kv_heads, head_dim, _ = keys_t.shape
+    grouped = query.to(keys_t.device, torch.float32).reshape(layers, kv_heads, -1, head_dim)
+    logits = grouped @ keys_t.float()  # .float(): no copy of float32 keys
+    if log_norm is not None:
+        logits -= log_norm.to(logits.device, torch.float32).reshape(layers, kv_heads, -1, 1)
+    return logits
+
+
 def tapped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' own "sdpa" attention function, with the tap."""
     _see(module, query, key, value, kwargs.get("scaling"))

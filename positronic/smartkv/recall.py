@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..models.attention import grouped_logits
 from ..policies.recall import Digested, Lookup, Recall
 from ..util import DTYPES, is_int_list
 
@@ -92,12 +93,10 @@ class LaneRecall(Recall):
         to each indexed token, q·k - log_norm (0: as much as all the rows it holds).
         query: [layers, heads, head_dim] (scaled, rotated); log_norm: [layers, heads]."""
         keys = self.keys[..., : len(self.ids)]  # the filled slots (a view): [layers, kv_heads, head_dim, rows]
-        layers, kv_heads, head_dim, _ = keys.shape
-        if query.shape[0] != layers:
-            raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of {layers} layers")
-        group = query.shape[1] // kv_heads
-        grouped = query.reshape(layers, kv_heads, group, head_dim).to(keys.dtype)
-        return (grouped @ keys).float().sub_(log_norm.reshape(layers, kv_heads, group, 1))
+        if query.shape[0] != keys.shape[0]:
+            raise ValueError(f"recall scores every layer's keys: the query covers {query.shape[0]} of "
+                             f"{keys.shape[0]} layers")
+        return grouped_logits(query, keys, log_norm)
 
     def lane_shares(self, logits: torch.Tensor) -> torch.Tensor:
         """[lanes, rows] float32: each indexed token's would-be attention in each lane, the

@@ -27,7 +27,6 @@ from __future__ import annotations
 from itertools import chain
 
 import numpy as np
-import torch
 
 from .rows import Memories
 
@@ -144,9 +143,8 @@ def lane_shares(view, heads: int) -> tuple[np.ndarray, np.ndarray] | None:
     newest query (just rebuilt from the mirror): that tick counts nothing."""
     if view.query is None or view.log_norm is None:
         return None
-    logits = view.rows.lane_scores(view.query)  # [layers, kv_heads, group, rows], where the cache is
-    layers, kv_heads, _, rows = logits.shape
-    logits -= view.log_norm.to(logits.device, torch.float32).reshape(layers, kv_heads, -1, 1)
+    logits = view.rows.lane_scores(view.query, view.log_norm)  # [layers, kv_heads, group, rows], where the cache is
+    kv_heads, rows = logits.shape[1], logits.shape[3]
     # the largest share is the share of the largest logit: one exp a row, not one a head
     per_lane = (logits.amax(dim=2) if heads == kv_heads else logits.amax(dim=(1, 2))).exp_()  # [lanes..., rows]
     lanes = view.rows.lane_ids()

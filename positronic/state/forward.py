@@ -153,24 +153,24 @@ class AttentionRow:
                                f"{attention.ATTENTION!r} or {attention.ATTENTION_CUDA!r}")
         queries, norms = seen.stacked(tuple(self.layers))
         query = queries[:, :, self.column]  # [layers, heads, d]
+        scaled = query.float() * seen.scaling  # [L, heads, d]
         if not self.weights and norms is not None:
             # the kernel's normalisers: no key is read again (1 ms of a CPU tick for SmolLM2's 30 layers)
-            self.rows, self.queries = None, query.float() * seen.scaling
+            self.rows, self.queries = None, scaled
             self.log_norms = norms[:, :, self.column].contiguous()
             return
-        head_dim = query.shape[-1]
         if self.slots is None:
             keys = cache.layer_keys(self.layers, self.keys)  # [L, kv, rows, d]
         else:  # the used slots as they lie (no gather of every row); the scores are then put in row order
             used = cache.ring.used(self.keys)
             keys = torch.stack([cache.layers[index].key_buffer[0, :, :used] for index in self.layers])
-        layers, kv_heads, rows, _ = keys.shape
-        grouped = query.float().reshape(layers, kv_heads, -1, head_dim) * seen.scaling  # [L, kv, group, d]
-        scores = (grouped @ keys.float().transpose(-1, -2)).reshape(layers, -1, rows)  # [L, heads, rows or slots]
+        layers, _, rows, _ = keys.shape
+        # [L, heads, rows or slots]
+        scores = attention.grouped_logits(scaled, keys.transpose(-1, -2)).reshape(layers, -1, rows)
         if self.slots is not None:
             scores = scores.index_select(-1, self.slots)  # free slots drop out here
         self.rows = scores.softmax(dim=-1)
-        self.queries = grouped.reshape(layers, -1, head_dim)
+        self.queries = scaled
         self.log_norms = scores.logsumexp(dim=-1)
 
     def result(self) -> torch.Tensor:

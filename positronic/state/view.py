@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import formats as kv_formats
+from ..models import attention
 from ..util import from_list
 
 
@@ -89,19 +90,19 @@ class RowReader:
         on the CPU, rotated at their positions; a copy): row i of lane l holds `lane_ids()[l][i]`."""
         return self._lane_keys().to("cpu", torch.float32, copy=True)
 
-    def lane_scores(self, query: torch.Tensor) -> torch.Tensor:
-        """query · keyᵀ for every lane's rows in its cache-row order: float32 [layers, kv_heads,
-        heads // kv_heads, rows], where the cache is. query: [layers, heads, head_dim], scaled as
-        the view's (`ContextView.query`). The keys are read where they lie, not copied: only the
-        product is new (a tick's recent-use rank reads every lane; a copy of every key was
-        a third of its cost on a CPU)."""
+    def lane_scores(self, query: torch.Tensor, log_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """query · keyᵀ (minus `log_norm` [layers, heads] if given) for every lane's rows in its
+        cache-row order: float32 [layers, kv_heads, heads // kv_heads, rows], where the cache
+        is (`attention.grouped_logits`). query: [layers, heads, head_dim], scaled as the view's
+        (`ContextView.query`). The keys are read where they lie, not copied: only the product
+        is new (a tick's recent-use rank reads every lane; a copy of every key was a third of
+        its cost on a CPU)."""
         keys = self._lane_keys()
         layers, kv_heads, _, head_dim = keys.shape
         if query.dim() != 3 or query.shape[0] != layers or query.shape[1] % kv_heads or query.shape[2] != head_dim:
             raise ValueError(f"lane scores need a query of every layer, [{layers}, heads (a multiple of {kv_heads}), "
                              f"{head_dim}]; got {tuple(query.shape)}")
-        grouped = query.to(keys.device, torch.float32).reshape(layers, kv_heads, -1, head_dim)
-        return grouped @ keys.float().transpose(-1, -2)  # .float(): no copy of float32 keys
+        return attention.grouped_logits(query, keys.transpose(-1, -2), log_norm)
 
     def _lane_keys(self) -> torch.Tensor:
         """[layers, kv_heads, rows, head_dim] as the cache holds them (a view of a Slab: read only)."""
