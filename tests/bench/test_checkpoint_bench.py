@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "checkpoint.py")
 
 
+@pytest.mark.smollm2  # runs the embedded model in a subprocess, where the fixture's marker cannot see it
 def test_a_later_checkpoint_writes_only_part_of_the_session():
     # the embedded model: a random one's index blocks are too small to leave the mirror file (64 KiB)
     out = subprocess.run([sys.executable, SCRIPT, "--model", "smollm2", "--budget", "64", "--warm", "40",
