@@ -293,7 +293,6 @@ def prepare(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     probes = probes or Probes((), (), ())
     device = lm.device
     query = torch.tensor(list(positions) + list(probes.positions), dtype=torch.long, device=device)
-    keys = torch.tensor(list(key_positions) + list(probes.positions), dtype=torch.long, device=device)
     newest = positions[-1] == max(key_positions)
     if attention_layers and not newest:
         raise ValueError("the attention row is recorded for the newest row only")
@@ -310,15 +309,21 @@ def prepare(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
             mask = hidden_slots(cache.ring.used(len(key_positions)), free, lm.dtype, device) if free else None
         else:
             order = cache.slot_rows(len(key_positions)).to(device)  # the model sees the keys in this order
-            keys = keys[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
+            keys = _key_positions(key_positions, probes, device)[order.clamp(min=0)].masked_fill(order < 0, HIDDEN)
             mask = visibility_mask(query, keys, lm.dtype)
+    elif len(token_ids) == 1 and newest and not probes:
+        mask = None  # the newest token sees every row: no mask, so no key positions to copy to the device
     else:
-        mask = (None if len(token_ids) == 1 and newest and not probes
-                else visibility_mask(query, keys, lm.dtype, probes=len(probes)))
+        mask = visibility_mask(query, _key_positions(key_positions, probes, device), lm.dtype, probes=len(probes))
     recorder = AttentionRow(lm.model, attention_layers or [], query=len(token_ids) - 1,
                             keys=len(key_positions), slots=slots, weights=weights)
     return Prepared(cache, list(token_ids) + list(probes.token_ids), len(token_ids), query, mask, recorder, probes,
                     filling=bool(getattr(cache, "filling", False)))
+
+
+def _key_positions(key_positions: list[int], probes: Probes, device) -> torch.Tensor:
+    """int64 [rows + probes]: each cache row's position, then the probes' scratch rows'."""
+    return torch.tensor(list(key_positions) + list(probes.positions), dtype=torch.long, device=device)
 
 
 @torch.no_grad()
