@@ -35,23 +35,25 @@ keeps the same numbers in every process.
 
 oneDNN reorders a plain weight into its own blocked layout on every call: the matrix is read
 twice and written once per product. So each layer keeps a copy in that layout, made on its
-first product for products of two rows (`_linear_pointwise` takes it as it is): SmolLM2's
-whole forward, 5 runs on this project's CPU, 56.4 -> 51.8 ms with one row and 62.8 -> 49.8 ms
-with eight (its 211 products alone: 8 rows 54 -> 31-40 ms; bench/results/decode.md). The
-cost is a second copy of the linear weights (SmolLM2: 538 MB); when that is more than half
-the memory available, the layers stay plain (`use_row_invariant_linear` says so in the log).
+first product (laid out for two-row products; `_linear_pointwise` takes it as it is):
+SmolLM2's whole forward, 5 runs on this project's CPU, 56.4 -> 51.8 ms with one row and
+62.8 -> 49.8 ms with eight (its 211 products alone: 8 rows 54 -> 31-40 ms;
+bench/results/decode.md). The cost is a second copy of the linear weights (SmolLM2: 538 MB);
+when that is more than half the memory available, the layers stay plain
+(`use_row_invariant_linear` says so in the log).
 
-The copy also decides the kernel once, for every row count. On this project's AVX2 CPU the
-plain call gives the copy's bits at every row count. On a lent GPU machine's AMX Xeon (torch
-2.11, oneDNN 3.10.2; bench/results/gpu.md, 2026-11-30) it does not: there the plain call picks
-its kernel by row count, so it is row-invariant only up to 8 rows (64- and 300-row products
+The copy also fixes the kernel once, for every row count. On this project's AVX2 CPU the plain
+call gives the copy's bits at every row count. On a lent GPU machine's AMX Xeon (torch 2.11,
+oneDNN 3.10.2; bench/results/gpu.md, 2026-11-30) it does not: there the plain call picks its
+kernel by row count, so it is row-invariant only up to 8 rows (64- and 300-row products
 differed from the rows alone, by ~1e-6), and it differs from the copy by ~1e-6 at every row
-count; the copy made for two rows was row-invariant from 1 to 300 rows (one made for one row
-was not). So on such CPUs a plain layer keeps decode rounds of up to 8 sequences equal to
-alone, but not a prompt chunk fed beside other rows, and the log's warning says so. A weight changed after the
-copy was made (in place, or replaced) is copied again before its next product; a write through
-`weight.data` is not seen (autograd's version counter does not follow it), and a weight made
-in inference mode keeps no counter, so it is used plain.
+count; the copy for two-row products was row-invariant from 1 to 300 rows (one laid out for
+one row was not). So on such CPUs a plain layer keeps decode rounds of up to 8 sequences equal
+to alone, but not a prompt chunk fed beside other rows; the log's warning says so.
+
+A weight changed after the copy was made (in place, or replaced) is copied again before its
+next product; a write through `weight.data` is not seen (autograd's version counter does not
+follow it), and a weight made in inference mode keeps no counter, so it is used plain.
 """
 
 from __future__ import annotations
