@@ -296,6 +296,16 @@ class SpliceLayer(OneSequenceLayer):
         return read if read is not None else super().rows_of(layers, rows)
 
     @classmethod
+    def splice_lanes(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """As OneSequenceLayer's, and a lane that is a whole layer moves as its kv heads would, all
+        alike: every layer's rows then move in the Slab at once, as a per-head policy's do, not
+        layer by layer, and later reads of every layer's keys or rows are one view or one gather."""
+        if layers[0].is_initialized and len(kept) == len(layers):
+            heads = layers[0].kv_heads
+            kept = [runs for runs in kept for _ in range(heads)]
+        super().splice_lanes(layers, kept, length)
+
+    @classmethod
     def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
         """Each kv head of each layer keeps its own rows (a per-head policy): lane l = layer *
         kv_heads + head keeps the runs kept[l], as in `splice`, and then holds `length` rows.

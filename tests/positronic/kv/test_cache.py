@@ -123,6 +123,30 @@ def test_per_head_splices_keep_each_heads_rows_like_the_oracle(seed):
     assert torch.equal(front.layers[0].key_buffer[:, :, 10:200], untouched)
 
 
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_layer_splices_keep_each_layers_rows_and_move_them_all_in_one_slab(seed):
+    """Lanes that are whole layers (gates trained without --per-head): each layer drops its own
+    rows, every head of it alike, bit for bit like the oracle; and the rows move in the Slab the
+    layers share, as per-head lanes' do, so their keys are read back as one view."""
+    rng = random.Random(seed)
+    cache = filled(30, capacity=48, layers=3)
+    for _ in range(20):
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        drop, add = rng.choice([0, 1, 1, 2, 4]), rng.choice([0, 1, 1, 3, 9])
+        kept_rows = [sorted(rng.sample(range(cache.length), cache.length - drop)) for _ in cache.layers]
+        length = cache.length - drop + add
+        cache.splice_layers([runs_keeping(rows_of) for rows_of in kept_rows], length)
+        for layer, (keys, values), rows_of in zip(cache.layers, before, kept_rows):
+            assert layer.keys.shape[2] == length
+            at = torch.tensor(rows_of)
+            for got, old in ((layer.keys, keys), (layer.values, values)):
+                assert torch.equal(got[:, :, : len(at)].view(torch.int32), old[:, :, at].view(torch.int32))
+    slab = cache.layers[0].slab
+    assert slab is not None and slab.holds(cache.layers), "the layers' rows moved in one slab, not layer by layer"
+    keys = cache.layer_keys([0, 1, 2], 10)  # every layer's keys: a view of the slab, no copy
+    assert keys.untyped_storage().data_ptr() == slab.keys.untyped_storage().data_ptr()
+
 def assert_lane_rows_read_each_heads_own_rows(cache):
     """`lane_rows`: per lane (layer x kv head) its own rows, and per layer the same rows in every head."""
     per_head = [[(3 * lane + 1) % 30, lane % 7, 29] for lane in range(len(cache.layers) * KV_HEADS)]
