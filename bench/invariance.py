@@ -115,8 +115,8 @@ def shape_of(module: nn.Module, received: torch.Tensor) -> str:
     return "x".join(map(str, received.shape[2:])) or "-"
 
 
-def check(lm, rows: int, seed: int = 0) -> list[tuple[str, str, int, int, int, float]]:
-    """(kind, shape, modules, modules with a differing row, rows checked, largest difference)
+def check(lm, rows: int, seed: int = 0) -> list[tuple[str, str, int, int, float]]:
+    """(kind, shape, modules, modules with a differing row, largest difference)
     per kind and shape of leaf module, in the order the forward first ran them, then the
     attention function's line."""
     generator = torch.Generator().manual_seed(seed)
@@ -131,8 +131,8 @@ def check(lm, rows: int, seed: int = 0) -> list[tuple[str, str, int, int, int, f
         line[1] += bool(differing)
         line[2] = max(line[2], largest)
     differing, largest = attention_differences(lm, rows, generator)
-    attention_line = ("attention function", for_device(lm.device), 1, int(bool(differing)), rows, largest)
-    return [(kind, shape, count, bad, rows, largest) for (kind, shape), (count, bad, largest) in lines.items()] \
+    attention_line = ("attention function", for_device(lm.device), 1, int(bool(differing)), largest)
+    return [(kind, shape, count, bad, largest) for (kind, shape), (count, bad, largest) in lines.items()] \
         + [attention_line]
 
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  {torch.cuda.get_device_name()}" if lm.device.type == "cuda" else ""))
         print(f"{'module':<22} {'shape':<22} {'rows':>4} {'modules':>7} {'differ':>6}  {'max |diff|':>10}")
         for rows in args.rows:
-            for kind, shape, count, bad, _, largest in check(lm, rows):
+            for kind, shape, count, bad, largest in check(lm, rows):
                 found |= bool(bad)
                 print(f"{kind[:22]:<22} {shape[:22]:<22} {rows:>4} {count:>7} {bad:>6}  {largest:>10.3g}"
                       + ("   DIFFERS" if bad else ""))

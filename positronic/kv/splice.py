@@ -115,10 +115,15 @@ class OneSequenceLayer(CacheLayerMixin):
         if len(kept) not in (len(layers), len(layers) * heads):
             raise ValueError(f"{len(kept)} run lists for {len(layers)} layers of {heads} kv heads")
         if len(kept) == len(layers):
-            for layer, runs in zip(layers, kept):
-                layer.splice(runs, length)
+            cls.splice_layer_lanes(layers, kept, length)
             return
         cls.splice_heads(layers, kept, length)
+
+    @classmethod
+    def splice_layer_lanes(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """Lanes that are whole layers (or a model of one kv head): layer by layer."""
+        for layer, runs in zip(layers, kept):
+            layer.splice(runs, length)
 
     @classmethod
     def open_rows(cls, layers: list, rows: torch.Tensor) -> None:
@@ -296,14 +301,12 @@ class SpliceLayer(OneSequenceLayer):
         return read if read is not None else super().rows_of(layers, rows)
 
     @classmethod
-    def splice_lanes(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
-        """As OneSequenceLayer's, and a lane that is a whole layer moves as its kv heads would, all
-        alike: every layer's rows then move in the Slab at once, as a per-head policy's do, not
-        layer by layer, and later reads of every layer's keys or rows are one view or one gather."""
-        if layers[0].is_initialized and len(kept) == len(layers):
-            heads = layers[0].kv_heads
-            kept = [runs for runs in kept for _ in range(heads)]
-        super().splice_lanes(layers, kept, length)
+    def splice_layer_lanes(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
+        """A lane that is a whole layer moves as its kv heads would, all alike: every layer's rows
+        move in the Slab at once, as a per-head policy's do, and later reads of every layer's
+        keys or rows are one view or one gather."""
+        heads = layers[0].kv_heads
+        cls.splice_heads(layers, [runs for runs in kept for _ in range(heads)], length)
 
     @classmethod
     def splice_heads(cls, layers: list, kept: list[list[tuple[int, int, int]]], length: int) -> None:
