@@ -6,7 +6,9 @@
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
 # invariance: which modules of random:tinyllama give a row other bits among 8 or 32 packed rows
 #        than alone, in float16, bfloat16 and float32 (bench/invariance.py): B = 32 batched chose
-#        other tokens than alone in float16 on every lease up to 2026-11-30, cause not yet found;
+#        other tokens than alone in float16 on every lease up to 2026-11-30; since then the
+#        loader tiles half-precision linear layers and norms (models/tiles.py), and each tiled
+#        layer is checked untiled too, so the run shows the cause and whether the tiles remove it;
 # batch: B = 1, 8, 32 brains batched against one at a time (bench/batch.py), streaming and
 #        smartkv+recall (untrained gates: none are shipped for random models);
 # bench: decode against HF generate, cost per cache format (fused and unfused), ring vs splice,

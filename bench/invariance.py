@@ -18,7 +18,10 @@ on each row alone (a contiguous copy, as a sequence alone feeds it) and on all B
 row's outputs are compared bit for bit. The attention function gets the same check with a
 random query, keys and values of the model's shapes: a packed query's slice against that row's
 query alone, over the same keys. Modules of the same kind and shape are one line (a 22-layer
-model has ~10 lines). Exit status 1 when any row differs anywhere.
+model has ~10 lines). Exit status 1 when any row differs anywhere. Where the loader tiled a
+layer (a GPU's float16 and bfloat16 linear layers and norms run in fixed 64-row tiles:
+positronic/models/tiles.py), a second line checks the layer's own forward untiled, so one run
+shows both the cause and that the tiles remove it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic.models import ModelError, load_model  # noqa: E402
 from positronic.models.attention import for_device  # noqa: E402
+from positronic.models.tiles import RowTiles  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 KEY_ROWS = 256  # cache rows the attention check attends over
@@ -115,24 +119,33 @@ def shape_of(module: nn.Module, received: torch.Tensor) -> str:
     return "x".join(map(str, received.shape[2:])) or "-"
 
 
-def check(lm, rows: int, seed: int = 0) -> list[tuple[str, str, int, int, float]]:
-    """(kind, shape, modules, modules with a differing row, largest difference)
-    per kind and shape of leaf module, in the order the forward first ran them, then the
-    attention function's line."""
+def check(lm, rows: int, seed: int = 0) -> list[tuple[str, str, int, int, float, bool]]:
+    """(kind, shape, modules, modules with a differing row, largest difference, whether the
+    model runs it) per kind and shape of leaf module, in the order the forward first ran them,
+    then the attention function's line. A layer the loader tiled (a GPU's half-precision
+    layers, positronic/models/tiles.py) gets a second line, "<class>(untiled)", for its own
+    forward in one call: what the model would run without the tiles, not counted as a finding."""
     generator = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(3, lm.vocab_size, (1, rows), generator=generator).to(lm.device)
-    lines: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0.0])
-    for module, received in leaf_inputs(lm.model, token_ids).values():
-        if received.dim() < 2 or received.shape[1] != rows:
-            continue  # not one row per token on dim 1 (nothing of a decoder's stack, but say nothing of it)
-        differing, largest = row_differences(module, received)
-        line = lines[(type(module).__name__, shape_of(module, received))]
+    lines: dict[tuple[str, str, bool], list] = defaultdict(lambda: [0, 0, 0.0])
+
+    def record(kind: str, shape: str, runs: bool, function, received) -> None:
+        differing, largest = row_differences(function, received)
+        line = lines[(kind, shape, runs)]
         line[0] += 1
         line[1] += bool(differing)
         line[2] = max(line[2], largest)
+
+    for module, received in leaf_inputs(lm.model, token_ids).values():
+        if received.dim() < 2 or received.shape[1] != rows:
+            continue  # not one row per token on dim 1 (nothing of a decoder's stack, but say nothing of it)
+        shape = shape_of(module, received)
+        record(type(module).__name__, shape, True, module, received)
+        if isinstance(module, RowTiles):
+            record(f"{type(module).__name__.removeprefix('Tiled')}(untiled)", shape, False, module.untiled, received)
     differing, largest = attention_differences(lm, rows, generator)
-    attention_line = ("attention function", for_device(lm.device), 1, int(bool(differing)), largest)
-    return [(kind, shape, count, bad, largest) for (kind, shape), (count, bad, largest) in lines.items()] \
+    attention_line = ("attention function", for_device(lm.device), 1, int(bool(differing)), largest, True)
+    return [(kind, shape, count, bad, largest, runs) for (kind, shape, runs), (count, bad, largest) in lines.items()] \
         + [attention_line]
 
 
@@ -156,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  {torch.cuda.get_device_name()}" if lm.device.type == "cuda" else ""))
         print(f"{'module':<22} {'shape':<22} {'rows':>4} {'modules':>7} {'differ':>6}  {'max |diff|':>10}")
         for rows in args.rows:
-            for kind, shape, count, bad, largest in check(lm, rows):
-                found |= bool(bad)
+            for kind, shape, count, bad, largest, runs in check(lm, rows):
+                found |= bool(bad) and runs
                 print(f"{kind[:22]:<22} {shape[:22]:<22} {rows:>4} {count:>7} {bad:>6}  {largest:>10.3g}"
-                      + ("   DIFFERS" if bad else ""))
+                      + ("" if not bad else "   DIFFERS" if runs else "   (not run: the tiles keep it)"))
         del lm
     print("every row: the same bits alone as among the others" if not found
           else "DIFFERS: those modules give a row other bits among other rows than alone")

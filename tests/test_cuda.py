@@ -131,6 +131,24 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
         brain.state.check(deep=True)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_32_sequences_in_half_precision_choose_the_tokens_they_choose_alone(alone, batched, dtype):
+    """In float16, B = 32 batched chose other tokens than alone on every lease up to 2026-11-30
+    (bench/results/gpu.md; float32 kept them): a product's or a norm's kernel changed with the
+    row count. The loader tiles those layers (positronic/models/tiles.py), so 32 greedy
+    sequences over budget, on a random model (flat logits: near-ties everywhere), must make
+    alone's tokens."""
+    lm = load_model("random:tinyllama", device="cuda", dtype=dtype)
+    assert any(type(m).__name__ == "TiledLinear" for m in lm.model.modules())
+    configs = [dict(policy="streaming", budget=48, sinks=3, window=6, seed=k, temperature=0) for k in range(32)]
+    prompts = [prompt(lm, 56 + k, seed=40 + k) for k in range(32)]
+    ticks = 8
+    want = [alone(lm, text, ticks, **config) for text, config in zip(prompts, configs)]
+    batch, got = batched(lm, prompts, configs, ticks)
+    differing = [k for k in range(32) if got[k] != want[k]]
+    assert not differing, f"sequences {differing} differ from alone"
+
+
 def test_tick_host_counts_the_gpu_waits_of_a_tick(capsys, bench_script):
     """bench/tick_host.py on the GPU: each row's forward and host time, and a number of waits
     (torch's sync debug mode) where the CPU prints '-', split by the line that waited."""

@@ -15,6 +15,8 @@ per family (random weights, built-in tokenizer). Failures are `ModelError`s whos
     gguf.py           any GGUF file, converted once into a safetensors cache
     checks.py         what a model must be for exact splicing; ModelError; the position limit
     attention.py      the attention functions and their tap
+    linear.py         CPU float32 linear layers whose rows do not change each other's numbers
+    tiles.py          the same on a GPU in half precision: row-wise layers in fixed 64-row tiles
     compat.py         with_cache: the keyword a Cache goes under in this transformers version
 """
 

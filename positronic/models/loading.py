@@ -21,6 +21,7 @@ from .checks import ModelError, ModelNotAvailable, check_config, check_model, po
 from .random_models import random_model, random_names
 from .gguf import gguf_cache
 from .linear import use_row_invariant_linear
+from .tiles import use_row_tiles
 from .smollm2 import smollm2_cache
 
 TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -191,6 +192,8 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> Lo
     model.set_attn_implementation(attention.for_device(dev))
     if dev.type == "cpu":
         use_row_invariant_linear(model)  # a row's numbers do not depend on the rows beside it
+    elif dev.type == "cuda" and dt in (torch.float16, torch.bfloat16):
+        use_row_tiles(model)  # the same on a GPU, where float32 keeps them already
     check_model(name, model, tokenizer)  # the config first, before its probe runs the model
     config, rotary = model.config, model.model.rotary_emb
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id

@@ -42,3 +42,17 @@ def test_one_row_is_refused_with_the_reason():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "invariance.py"), "--rows", "1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--rows: at least 2" in run.stderr
+
+
+def test_a_tiled_layer_is_checked_as_the_model_runs_it_and_untiled_beside_it():
+    """On a GPU the loader tiles half-precision layers; one run must show the tiled layer (what
+    counts) and its own forward untiled (the cause it removes, never a finding)."""
+    from positronic.models import load_model
+    from positronic.models.tiles import use_row_tiles
+
+    lm = load_model("random:tiny", dtype="float32")
+    assert use_row_tiles(lm.model) == 5  # the norms (the linear layers are RowInvariantLinear here)
+    lines = {(kind, runs): (count, bad) for kind, shape, count, bad, largest, runs in invariance.check(lm, 4)}
+    assert lines[("TiledLlamaRMSNorm", True)][0] == lines[("LlamaRMSNorm(untiled)", False)][0] == 5
+    assert lines[("TiledLlamaRMSNorm", True)][1] == 0
+    assert ("LlamaRMSNorm", True) not in lines
