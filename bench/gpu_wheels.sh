@@ -10,7 +10,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 # what the machines' image lacked (2026-11): the server's and the client's stack, gguf, and a
 # typing_extensions new enough for pydantic
 names="gguf fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn opentelemetry-api
-       openai jiter sniffio truststore httpx2 httpcore2 typing_extensions"
+       openai jiter sniffio truststore httpx2 httpcore2 typing_extensions greenlet"
 pins=()
 for name in $names; do
   version=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") || {

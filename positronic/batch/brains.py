@@ -2,8 +2,9 @@
 
 Every sequence is a `Brain` of its own (its cache, mirror, ledger, policy and policy state,
 budget, pins, recall memory, sampler and seed), so a tick of the batch is each brain's tick
-exactly as it runs alone, with one difference: the model forwards of all of them are one
-(`Rendezvous`), run in the thread that called `step`. Brains join and leave between ticks; a
+exactly as it runs alone, with one difference: the model forwards of all of them are one.
+The ticks run in the thread that called `step`, each a greenlet that pauses at its forwards
+(`Rounds`, rounds.py, which says why not a thread each). Brains join and leave between ticks; a
 brain that fails rebuilds itself from its mirror as it would alone, and the others go on.
 
     batch = Batch()
@@ -16,15 +17,11 @@ brain that fails rebuilds itself from its mirror as it would alone, and the othe
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Hashable
 
-import torch
-
 from ..brain.loop import Brain, TickRecord
-from ..state.forward import MEETING
-from .rendezvous import Rendezvous
-from .threads import one_thread
+from .rounds import Rounds
 
 
 class Batch:
@@ -32,7 +29,7 @@ class Batch:
 
     def __init__(self):
         self.brains: dict[Hashable, Brain] = {}
-        self.meeting = Rendezvous()
+        self.meeting = Rounds()
 
     def __len__(self) -> int:
         return len(self.brains)
@@ -53,41 +50,14 @@ class Batch:
     def step(self, force: dict[Hashable, int] | None = None) -> dict[Hashable, TickRecord | Exception]:
         """One tick of every brain (`force`: a token to add instead of sampling, by name, as
         `Brain.step`). Returns each brain's TickRecord, or the exception its tick raised (the
-        others' ticks are not affected)."""
+        others' ticks are not affected). Every tick and every forward runs in this thread."""
         force = force or {}
         if unknown := set(force) - set(self.brains):
             raise KeyError(f"no sequence named {sorted(map(str, unknown))[0]} in the batch")
-        records: dict[Hashable, TickRecord | Exception] = {}
         names = list(self.brains)
-
-        def tick(name: Hashable) -> None:
-            MEETING.set(self.meeting)  # this thread's forwards meet the others', in the caller's thread
-            try:
-                with one_thread(cores):
-                    records[name] = self.brains[name].step(force.get(name))
-            except Exception as error:
-                records[name] = error
-            finally:
-                self.meeting.done()
-
-        if len(names) == 1:  # nothing to share a forward with: the tick as alone, in this thread
+        if len(names) == 1:  # nothing to share a forward with: the tick as alone
             try:
                 return {names[0]: self.brains[names[0]].step(force.get(names[0]))}
             except Exception as error:
                 return {names[0]: error}
-        self.meeting.expect(len(names))
-        cores = torch.get_num_threads()  # this thread's, which runs their forwards
-        threads = [threading.Thread(target=tick, args=(name,), name=f"tick {name}") for name in names]
-        started = []
-
-        def start() -> None:
-            for thread in threads:
-                thread.start()
-                started.append(thread)
-
-        try:
-            self.meeting.serve(starting=start)  # their forwards run in this thread (rendezvous.py says why)
-        finally:
-            for thread in started:
-                thread.join()
-        return {name: records[name] for name in names}
+        return self.meeting.run({name: functools.partial(self.brains[name].step, force.get(name)) for name in names})

@@ -52,8 +52,8 @@ class _Ticket:
         self.error: BaseException | None = None
 
     def finish(self, outcome) -> None:
-        """Its result, or the _Failed that holds its error."""
-        if isinstance(outcome, _Failed):
+        """Its result, or the Failed that holds its error."""
+        if isinstance(outcome, Failed):
             self.error = outcome.error
         else:
             self.result = outcome
@@ -66,7 +66,9 @@ class _Ticket:
 
 
 @dataclass
-class _Failed:
+class Failed:
+    """The error a sequence's forward raised, in place of its result."""
+
     error: BaseException
 
 
@@ -237,14 +239,10 @@ class Rendezvous:
         self._turn.notify_all()        # the first to come back could go in a round of its own
 
     def _forward(self, tickets: list[_Ticket]) -> list:
-        """Each ticket's ForwardResult, or _Failed."""
-        try:
-            return forward_many(tickets[0].lm, [ticket.part for ticket in tickets])
-        except BaseException as error:
-            if len(tickets) == 1:
-                return [_Failed(error)]
-            self.retries += 1  # each alone: only the sequence at fault fails
-            return [_alone(ticket) for ticket in tickets]
+        """Each ticket's ForwardResult, or Failed."""
+        results, retried = shared_forward(tickets[0].lm, [ticket.part for ticket in tickets])
+        self.retries += retried
+        return results
 
     def _unlocked(self, function, *args):
         """(Holding the lock.) `function(*args)` with the lock let go: the threads that arrive
@@ -271,13 +269,30 @@ def away() -> None:
         meeting.away()
 
 
-def _alone(ticket: _Ticket):
-    """The ticket's run on its own (a shared forward's retry takes back its appended rows
-    first): its result, or _Failed."""
+def shared_forward(lm, parts: list[Prepared]) -> tuple[list, bool]:
+    """One `forward_many` over `parts`: each part's ForwardResult, or the Failed that holds its
+    error. If the shared forward fails, each part runs again on its own (its appended rows
+    taken back first; rows written into a splice's gaps are simply written again), so only the
+    sequence at fault fails. Also returns whether that retry happened."""
     try:
-        if ticket.work is not None:
-            return ticket.work()
-        ticket.part.undo_appends()
-        return forward_many(ticket.lm, [ticket.part])[0]
+        return forward_many(lm, parts), False
     except BaseException as error:
-        return _Failed(error)
+        if len(parts) == 1:
+            return [Failed(error)], False
+        return [_part_alone(lm, part) for part in parts], True
+
+
+def _part_alone(lm, part: Prepared):
+    try:
+        part.undo_appends()
+        return forward_many(lm, [part])[0]
+    except BaseException as error:
+        return Failed(error)
+
+
+def _alone(ticket: _Ticket):
+    """A ticket's `work` run on its own: its result, or Failed."""
+    try:
+        return ticket.work()
+    except BaseException as error:
+        return Failed(error)

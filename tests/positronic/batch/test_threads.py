@@ -2,8 +2,9 @@
 
 On a CPU each thread that runs a parallel op gets OpenMP threads of its own, and once there
 are more of them than cores every forward slows (a forward of 8 rows ran at 0.55x its speed
-in a second thread on a 2-core box: positronic/batch/rendezvous.py). So one thread, the
-runner, runs every forward with torch's threads, and the sequences' threads keep to one.
+in a second thread on a 2-core box: positronic/batch/rendezvous.py). So where sequences tick
+in threads (the server's jobs) one thread, the runner, runs every forward with torch's
+threads, and the sequences' threads keep to one; a Batch ticks in the caller's thread alone.
 """
 
 import asyncio
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from positronic.batch import Batch, Rendezvous, rendezvous
+from positronic.batch import Batch, Rendezvous, rendezvous, rounds
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.server.sessions import ModelWorker
 from positronic.state.forward import MEETING
@@ -21,15 +22,15 @@ from positronic.state.forward import MEETING
 from .test_batch import PROMPTS
 
 
-def spy(monkeypatch, name: str) -> list[tuple[str, int]]:
-    """Record the thread and its torch threads of every call of rendezvous.`name`."""
-    calls, real = [], getattr(rendezvous, name)
+def spy(monkeypatch, name: str, module=rendezvous) -> list[tuple[str, int]]:
+    """Record the thread and its torch threads of every call of `module`.`name`."""
+    calls, real = [], getattr(module, name)
 
     def spied(*args, **kwargs):
         calls.append((threading.current_thread().name, torch.get_num_threads()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rendezvous, name, spied)
+    monkeypatch.setattr(module, name, spied)
     return calls
 
 
@@ -45,29 +46,27 @@ def serve_threads(meeting: Rendezvous, targets, **serve) -> None:
     assert not any(thread.is_alive() for thread in threads + [runner])
 
 
-def test_every_forward_of_a_batch_runs_in_the_callers_thread_and_the_sequences_keep_to_one(tiny, monkeypatch):
-    """Shared forwards and the forwards that run alone (a repairer's probes) alike; after the
-    step, a thread yet to start gets the caller's count, not the sequences' one."""
-    shared, solo = spy(monkeypatch, "forward_many"), spy(monkeypatch, "forward_alone")
+def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_with_its_threads(tiny, monkeypatch):
+    """Batch runs each tick as a greenlet of the caller's thread (positronic/batch/rounds.py):
+    shared forwards, the forwards that run alone (a repairer's probes) and the ticks themselves
+    run there, with the caller's torch threads, and no thread is started."""
+    shared, solo = spy(monkeypatch, "forward_many"), spy(monkeypatch, "forward_alone", rounds)
     configs = [dict(budget=48, window=8, seed=1, temperature=0, repairer="bridge"), dict(budget=40, seed=2, temperature=0.8)]
     batch = Batch()
     seen = []
     for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
         brain = Brain.start(tiny, prompt, BrainConfig(**config))
         real_step = brain.step
-        brain.step = lambda force=None, step=real_step: (seen.append(torch.get_num_threads()), step(force))[1]
+        brain.step = lambda force=None, step=real_step: (
+            seen.append((threading.current_thread().name, torch.get_num_threads())), step(force))[1]
         batch.join(name, brain)
     caller = (threading.current_thread().name, torch.get_num_threads())
+    started = spy(monkeypatch, "start", threading.Thread)
     for _ in range(30):
         batch.step()
     assert shared and solo, "the run made no shared forward or no forward alone: it checks nothing"
-    assert set(shared) == set(solo) == {caller}
-    assert set(seen) == {1}
-    later = []
-    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert later == [caller[1]]
+    assert set(shared) == set(solo) == set(seen) == {caller}
+    assert not started
 
 
 def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one(tiny, monkeypatch):
