@@ -12,11 +12,17 @@ sequence that starts its prompt pauses once per chunk while the others tick.
 Why not a thread per sequence, as the server's jobs (`Rendezvous`). Every torch call lets
 the GIL go, so B threads hand it over at every small op of every tick, and each sequence's
 host work cost 2-3x its time alone (random:tiny on the CPU: 1.6 ms a tick alone, 3.1 at B = 8,
-4.4 at B = 32). In one thread a switch is a greenlet's, at the forward only, and the ticks'
-own ops run with the caller's torch threads. bench/results/batch.md, 2026-11-30: rounds of
-random:tiny 1.7-1.9x faster at B = 8 and 1.4-2.4x at B = 32; SmolLM2 at B = 8 1.03-1.07x
-(its forward, not the ticks, is most of a round there). Where the host bounds a round, as on
-a GPU, that is what batching gains.
+4.4 at B = 32). In one thread a switch is a greenlet's, at the forward only.
+bench/results/batch.md, 2026-11-30, the same brains and tokens: random:tiny's rounds about
+2x faster at B = 8 and 32; SmolLM2's at B = 8 the same within this host's noise (its forward,
+not the ticks, is most of a round there). Where the host bounds a round, as on a GPU, that is
+what batching gains.
+
+The ticks' own ops run with one torch thread, the forwards (shared, or alone: probes, the
+ring store) with the caller's count, as the server's job threads and runner do
+(threads.py). With the caller's two threads for the ticks' ops too, SmolLM2's default policy
+ran its rounds at B = 8 20% slower: its ticks' mid-sized ops (recall's scan of its index)
+then waited on OpenMP's second thread.
 
 The server keeps its threads: its jobs wait on a session's lock and write checkpoints while
 the others tick (`Rendezvous.aside`), which a greenlet of the forward thread could not do
@@ -68,6 +74,7 @@ class Rounds:
         self.fed = 0  # sequences they fed
         self.retries = 0  # shared forwards that failed and were run again one sequence at a time
         self._driver: greenlet | None = None  # the greenlet in `run`
+        self._cores = 1  # the caller's torch threads, which the forwards run with (the ticks with one)
 
     def run(self, works: dict[Hashable, Callable[[], object]]) -> dict[Hashable, object]:
         """Each `work()` to its end; returns what each returned, or the Exception it raised (the
@@ -76,15 +83,19 @@ class Rounds:
             raise RuntimeError("Rounds.run is already running: a sequence's work cannot start a round of its own")
         self._driver = getcurrent()
         grad = torch.is_grad_enabled()
+        cores = self._cores = torch.get_num_threads()
         outcomes: dict[Hashable, object] = {}
         paused: dict[Hashable, _Pause] = {}
         try:
             lets = {name: self._greenlet(work) for name, work in works.items()}
+            torch.set_num_threads(1)
             for name, let in lets.items():
                 self._went(name, let.switch(), paused, outcomes, grad)
             while paused:
                 names = list(paused)
+                torch.set_num_threads(cores)
                 results, retried = shared_forward(paused[names[0]].lm, [paused[name].part for name in names])
+                torch.set_num_threads(1)
                 self.forwards += 1
                 self.fed += len(names)
                 self.retries += retried
@@ -94,6 +105,7 @@ class Rounds:
         finally:
             self._driver = None
             torch.set_grad_enabled(grad)
+            torch.set_num_threads(cores)
         return {name: outcomes[name] for name in works}
 
     def _greenlet(self, work: Callable[[], object]) -> greenlet:
@@ -126,8 +138,12 @@ class Rounds:
         if self._driver is None or getcurrent() is self._driver:
             raise RuntimeError("a forward through Rounds must come from a work that Rounds.run is running")
         if probes or getattr(cache, "store", "splice") == "ring":
-            return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
-                                 probes=probes, weights=weights)
+            torch.set_num_threads(self._cores)
+            try:
+                return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
+                                     probes=probes, weights=weights)
+            finally:
+                torch.set_num_threads(1)
         part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
                        weights=weights)
         grad = torch.is_grad_enabled()

@@ -46,10 +46,11 @@ def serve_threads(meeting: Rendezvous, targets, **serve) -> None:
     assert not any(thread.is_alive() for thread in threads + [runner])
 
 
-def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_with_its_threads(tiny, monkeypatch):
+def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_the_forwards_with_its_threads(tiny, monkeypatch):
     """Batch runs each tick as a greenlet of the caller's thread (positronic/batch/rounds.py):
-    shared forwards, the forwards that run alone (a repairer's probes) and the ticks themselves
-    run there, with the caller's torch threads, and no thread is started."""
+    shared forwards and the forwards that run alone (a repairer's probes) with the caller's
+    torch threads, the ticks' own ops with one (as a server job's thread); no thread is
+    started, and afterwards the caller, and a thread yet to start, have the caller's count."""
     shared, solo = spy(monkeypatch, "forward_many"), spy(monkeypatch, "forward_alone", rounds)
     configs = [dict(budget=48, window=8, seed=1, temperature=0, repairer="bridge"), dict(budget=40, seed=2, temperature=0.8)]
     batch = Batch()
@@ -60,13 +61,25 @@ def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_with_its_thre
         brain.step = lambda force=None, step=real_step: (
             seen.append((threading.current_thread().name, torch.get_num_threads())), step(force))[1]
         batch.join(name, brain)
-    caller = (threading.current_thread().name, torch.get_num_threads())
-    started = spy(monkeypatch, "start", threading.Thread)
-    for _ in range(30):
-        batch.step()
-    assert shared and solo, "the run made no shared forward or no forward alone: it checks nothing"
-    assert set(shared) == set(solo) == set(seen) == {caller}
-    assert not started
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than the ticks' one, wherever this runs (a lease's suite runs with one)
+    try:
+        caller = (threading.current_thread().name, 2)
+        started = spy(monkeypatch, "start", threading.Thread)
+        for _ in range(30):
+            batch.step()
+        monkeypatch.undo()
+        assert shared and solo, "the run made no shared forward or no forward alone: it checks nothing"
+        assert set(shared) == set(solo) == {caller}
+        assert set(seen) == {(caller[0], 1)}
+        assert not started and torch.get_num_threads() == 2
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [2]
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one(tiny, monkeypatch):
