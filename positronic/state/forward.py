@@ -342,8 +342,9 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     caller opens them with `fill` and drops them afterwards), their positions after
     `key_positions`.
 
-    In a thread that ticks one sequence of a batch (`MEETING` set: positronic.batch), the
-    forward is shared with the other sequences' (the same result, one model run for all).
+    Where one sequence of a batch ticks (`MEETING` set: a greenlet of `batch.Rounds`, or a
+    thread meeting in a `batch.Rendezvous`), the forward is shared with the other sequences'
+    (the same result, one model run for all).
     """
     meeting = MEETING.get()
     if meeting is not None:  # this thread's sequence ticks in a batch: one forward for all of it
