@@ -64,9 +64,18 @@ class _Done:
         self.outcome = outcome
 
 
+def _by_model(paused: dict) -> list[list]:
+    """The paused works' names, grouped by the model their forward runs (in pausing order)."""
+    groups: dict[int, list] = {}
+    for name, pause in paused.items():
+        groups.setdefault(id(pause.lm), []).append(name)
+    return list(groups.values())
+
+
 class Rounds:
     """Runs several works (a brain's tick each) in the calling thread, their forwards shared
-    round by round (see the module docstring). `MEETING` is set to it inside each work."""
+    round by round (see the module docstring): one forward per model a round, when the works
+    run more than one. `MEETING` is set to it inside each work."""
 
     def __init__(self, *, prefill_chunk: int = 64):
         self.prefill_chunk = prefill_chunk  # a prompt's tokens a forward carries beside the others' ticks
@@ -92,15 +101,17 @@ class Rounds:
             for name, let in lets.items():
                 self._went(name, let.switch(), paused, outcomes, grad)
             while paused:
-                names = list(paused)
+                results = {}
                 torch.set_num_threads(cores)
-                results, retried = shared_forward(paused[names[0]].lm, [paused[name].part for name in names])
+                for names in _by_model(paused):  # one forward feeds one model
+                    shared, retried = shared_forward(paused[names[0]].lm, [paused[name].part for name in names])
+                    results.update(zip(names, shared))
+                    self.forwards += 1
+                    self.fed += len(names)
+                    self.retries += retried
                 torch.set_num_threads(1)
-                self.forwards += 1
-                self.fed += len(names)
-                self.retries += retried
                 paused = {}
-                for name, result in zip(names, results):
+                for name, result in results.items():
                     self._went(name, lets[name].switch(result), paused, outcomes, grad)
         finally:
             self._driver = None

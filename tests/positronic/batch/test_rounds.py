@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from positronic.batch import Rounds
+from positronic.models import load_model
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.state.forward import MEETING, forward
 
@@ -98,3 +99,24 @@ def test_a_round_cannot_start_inside_a_work_nor_a_forward_come_from_outside_one(
     finally:
         MEETING.reset(token)
     assert rounds.run({}) == {} and rounds.forwards == 0
+
+
+def test_works_on_two_models_share_a_forward_per_model_and_each_gets_its_own(tiny):
+    """A round feeds one forward per model (a forward runs one model's weights): two brains of
+    each of two models, every brain's tokens as alone, two forwards a round."""
+    other = load_model("random:tiny", device="cpu", dtype="float32")
+    with torch.no_grad():
+        for parameter in other.model.parameters():
+            parameter.mul_(1.5)  # other weights: a forward of the wrong model would change the tokens
+    config = dict(budget=40, seed=2, temperature=0)
+    models = [tiny, tiny, other, other]
+    want = []
+    for lm, prompt in zip(models, PROMPTS):
+        brain = Brain.start(lm, prompt, BrainConfig(**config))
+        want.append([brain.step().token_id for _ in range(3)])
+    brains = [Brain.start(lm, prompt, BrainConfig(**config)) for lm, prompt in zip(models, PROMPTS)]
+    rounds = Rounds()
+    got = rounds.run({k: (lambda brain=brain: [brain.step().token_id for _ in range(3)]) for k, brain in enumerate(brains)})
+    assert [got[k] for k in range(4)] == want
+    assert want[0] != want[2] or want[1] != want[3]  # the two models differ where it shows
+    assert rounds.forwards == 2 * 3 and rounds.fed == 4 * 3
