@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..state.forward import MEETING, ForwardResult, Prepared, forward_alone, prepare
-from ..state.batched import forward_many
+from ..state.batched import SHARED_PREFILL_CHUNK, forward_many, shareable
 
 
 class _Ticket:
@@ -76,7 +76,8 @@ class Rendezvous:
     """Counts the sequences at work (not waiting here, not done) and runs the waiting forwards
     together when none is (see the module docstring)."""
 
-    def __init__(self, *, linger: float = 0.0, prefill_chunk: int = 64, on_forward=lambda sequences: None):
+    def __init__(self, *, linger: float = 0.0, prefill_chunk: int = SHARED_PREFILL_CHUNK,
+                 on_forward=lambda sequences: None):
         self.linger, self.prefill_chunk, self.on_forward = linger, prefill_chunk, on_forward
         self._turn = threading.Condition()
         self._working = 0
@@ -134,7 +135,7 @@ class Rendezvous:
     def forward(self, lm, cache, token_ids: list[int], positions: list[int], key_positions: list[int], *,
                 attention_layers: list[int] | None = None, probes=None, weights: bool = True) -> ForwardResult:
         """`state.forward.forward`'s contract, shared with the other sequences at work."""
-        if probes or getattr(cache, "store", "splice") == "ring":
+        if not shareable(cache, probes):
             return self.call(forward_alone, lm, cache, token_ids, positions, key_positions,
                              attention_layers=attention_layers, probes=probes, weights=weights)
         ticket = _Ticket(lm, prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,

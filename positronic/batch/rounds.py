@@ -42,6 +42,7 @@ from collections.abc import Callable, Hashable
 import torch
 from greenlet import getcurrent, greenlet
 
+from ..state.batched import SHARED_PREFILL_CHUNK, shareable
 from ..state.forward import MEETING, ForwardResult, forward_alone, prepare
 from .rendezvous import Failed, shared_forward
 
@@ -77,7 +78,7 @@ class Rounds:
     round by round (see the module docstring): one forward per model a round, when the works
     run more than one. `MEETING` is set to it inside each work."""
 
-    def __init__(self, *, prefill_chunk: int = 64):
+    def __init__(self, *, prefill_chunk: int = SHARED_PREFILL_CHUNK):
         self.prefill_chunk = prefill_chunk  # a prompt's tokens a forward carries beside the others' ticks
         self.forwards = 0  # shared forwards run
         self.fed = 0  # sequences they fed
@@ -148,7 +149,7 @@ class Rounds:
         at once, on its own."""
         if self._driver is None or getcurrent() is self._driver:
             raise RuntimeError("a forward through Rounds must come from a work that Rounds.run is running")
-        if probes or getattr(cache, "store", "splice") == "ring":
+        if not shareable(cache, probes):
             torch.set_num_threads(self._cores)
             try:
                 return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,

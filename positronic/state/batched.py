@@ -69,6 +69,15 @@ class BatchCache(Cache):
         super().__init__(layers=[BatchLayer(parts, runs, index) for index in range(num_layers)])
 
 
+SHARED_PREFILL_CHUNK = 64  # a prompt's tokens one batched forward carries beside the others' ticks
+
+
+def shareable(cache, probes) -> bool:
+    """Whether a forward over `cache` (with `probes`) can ride in a batched forward: probes
+    and the ring store run in a forward of their own (`forward_many` refuses them)."""
+    return not probes and getattr(cache, "store", "splice") != "ring"
+
+
 @torch.no_grad()
 def forward_many(lm, parts: list[Prepared]) -> list[ForwardResult]:
     """One forward over every `prepare`d part, their tokens packed in this order. Returns each part's ForwardResult, as `forward` would
