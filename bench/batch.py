@@ -17,8 +17,8 @@ is printed and the exit status is 1).
 
 How long a new sequence's long prompt holds up one that is generating: before batching the
 server's one model thread ran the whole prefill between two of the other's ticks (the gap is
-the prefill, measured here as `Brain.start` alone); in a batch the prefill goes through the
-rendezvous chunk by chunk, each chunk in a forward with the other's token. Prints the
+the prefill, measured here as `Brain.start` alone); in a batch (`Rounds`) the prefill goes
+in chunk by chunk, each chunk in a forward with the other's token. Prints the
 generating sequence's longest gap between two tokens while the prompt goes in, per chunk size.
 """
 
@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -39,11 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
-from positronic.batch import Rendezvous  # noqa: E402
-from positronic.batch.threads import one_thread  # noqa: E402
+from positronic.batch import Rounds  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
-from positronic.state.forward import MEETING  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # B prompts at a stride of 97 tokens: with Alice after the README there is room for B = 32
@@ -100,38 +97,27 @@ def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
     print(f"a {tokens}-token prompt (policy streaming, budget {budget}): Brain.start alone {alone_s:.2f} s; "
           f"a tick alone {1000 * tick_s:.0f} ms")
     print(f"before batching: the other sequence waits {alone_s + tick_s:.2f} s for its next token")
-    cores = torch.get_num_threads()
     for chunk in chunks:
-        meeting, done, gaps = Rendezvous(prefill_chunk=chunk), threading.Event(), []
+        meeting, done, gaps = Rounds(prefill_chunk=chunk), [], []
 
         def generate() -> None:
-            MEETING.set(meeting)
             last = time.perf_counter()
-            try:
-                with one_thread(cores):
-                    while not done.is_set():
-                        tick.step()
-                        now = time.perf_counter()
-                        gaps.append(now - last)
-                        last = now
-            finally:
-                meeting.done()
+            while not done:
+                tick.step()
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
 
         def prefill() -> None:
-            MEETING.set(meeting)
             try:
-                with one_thread(cores):
-                    Brain.start(lm, prompt, BrainConfig(**config))
+                Brain.start(lm, prompt, BrainConfig(**config))
             finally:
-                done.set()
-                meeting.done()
+                done.append(True)
 
-        meeting.expect(2)
-        threads = [threading.Thread(target=generate), threading.Thread(target=prefill)]
         start = time.perf_counter()
-        meeting.serve(starting=lambda: [thread.start() for thread in threads])  # their forwards run here
-        for thread in threads:
-            thread.join()
+        outcomes = meeting.run({"generate": generate, "prefill": prefill})
+        if errors := [outcome for outcome in outcomes.values() if isinstance(outcome, Exception)]:
+            raise errors[0]
         print(f"batched, chunks of {chunk:>4}: prompt in after {time.perf_counter() - start:.2f} s; the other made "
               f"{len(gaps)} tokens meanwhile, longest gap {max(gaps):.2f} s, median {statistics.median(gaps):.2f} s")
 

@@ -1,10 +1,10 @@
 """Batched ticks: many sequences, one model forward per tick (see docs/batching.md).
 
-    rounds.py      Rounds: several sequences' ticks in one thread, each a greenlet that pauses at
-                   its forwards, which run as one once all are paused (what Batch runs)
-    rendezvous.py  Rendezvous: the same for ticks in threads of their own (the server's jobs)
-    brains.py      Batch: brains that join, tick together and leave
-    threads.py     torch's threads per thread: all with one but the thread that runs the forwards
+    rounds.py   Rounds: several sequences' works as greenlets of one thread, each pausing at its
+                forwards, which run as one once all are paused (Batch.step's ticks, the server's
+                requests); offload/wait for a work's blocking parts; WorkLock
+    brains.py   Batch: brains that join, tick together and leave
+    threads.py  torch's threads per thread
 
 The forward itself (`forward_many`: one model run over several sequences' own caches) is the
 state package's (positronic/state/batched.py): only the state writes a cache.
@@ -12,7 +12,6 @@ state package's (positronic/state/batched.py): only the state writes a cache.
 
 from .brains import Batch
 from ..state.batched import forward_many
-from .rendezvous import Rendezvous
-from .rounds import Rounds
+from .rounds import Rounds, WorkLock, offload, wait
 
-__all__ = ["Batch", "Rendezvous", "Rounds", "forward_many"]
+__all__ = ["Batch", "Rounds", "WorkLock", "forward_many", "offload", "wait"]

@@ -9,8 +9,9 @@
 A session is a Conversation: its Brain and the input it has still to read. A request holds its
 conversation (an asyncio lock) from its first token read to its last token generated, so two
 requests of one session never interleave; requests of different sessions run side by side, each
-request's turn one job in a thread of its own, and their ticks' model forwards are run as one (positronic.batch:
-each sequence over its own cache, so states never mix: a step is a call on one brain). A session's later request appends its new turn to the live brain; nothing is prefilled
+request's turn one job (a greenlet of the server's forward thread), and their ticks' model
+forwards are run as one (positronic.batch: each sequence over its own cache, so states never
+mix: a step is a call on one brain). A session's later request appends its new turn to the live brain; nothing is prefilled
 again.
 
 The pool keeps at most `max_sessions` conversations in memory (a request without a session
@@ -40,14 +41,13 @@ from pathlib import Path
 import torch
 
 from ..brain import session as sessions
-from ..batch import Rendezvous, rendezvous
-from ..batch.threads import one_thread, set_threads
+from ..batch import Rounds, WorkLock, offload
+from ..batch.threads import set_threads
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
 from .history import History
 from .logprobs import TokenLogprob, of_logits
 from .text import Reply
-from ..state.forward import MEETING
 from ..state.manager import StateBrokenError
 from ..state.readonly import MirrorView
 
@@ -55,7 +55,6 @@ log = logging.getLogger("positronic.server.app")
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TRANSCRIPT_SOURCES = ("prompt", "user", "generated")  # what was said; repairs and insertions are the brain's own
-LINGER_S = 0.02  # a round of forwards waits this long at most for a session of the last round to come back
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
 _ENDED = object()  # ModelWorker.stream: the job returned (or raised)
 
@@ -96,30 +95,28 @@ def check_session_id(value: str) -> str:
 
 
 class ModelWorker:
-    """Runs every job that touches a brain, each in a thread of its own, as soon as it is
-    submitted: the jobs of different sessions run side by side, and the model forwards they
-    make meet in one `Rendezvous` (positronic.batch), so the sessions' ticks share one forward
-    (continuous batching: a session joins with its next job and leaves when it has none).
-    A session's own jobs never overlap: its requests hold its lock and await each job. A job
-    runs to its end even if its request is cancelled meanwhile (a brain step is never cut in
-    half), and the next request of its session waits for it (`settled`) before it looks at
-    the brain; requests of other sessions do not. `linger`: how long a round of forwards
-    waits for a session of the previous round whose next job is not in yet (Rendezvous).
-    Every model forward runs in one thread of its own ("positronic-forward") with torch's
-    `threads`; the jobs' threads keep to one (positronic/batch/threads.py says why: a forward
-    of 8 rows at 0.55x speed otherwise)."""
+    """Runs every job that touches a brain, as soon as it is submitted, as a work of one
+    `Rounds` (positronic.batch) in a thread of its own ("positronic-forward"): the jobs of
+    different sessions run side by side, each a greenlet that pauses at its model forwards,
+    and the paused forwards run as one (continuous batching: a session joins with its next
+    job and leaves when it has none). A job's blocking part (a checkpoint written) goes to a
+    helper thread meanwhile (`batch.offload`). A session's own jobs never overlap: its
+    requests hold its lock and await each job. A job runs to its end even if its request is
+    cancelled meanwhile (a brain step is never cut in half), and the next request of its
+    session waits for it (`settled`) before it looks at the brain; requests of other sessions
+    do not. The forwards run with torch's `threads`, the jobs' own ops with one
+    (positronic/batch/threads.py says why)."""
 
-    def __init__(self, *, linger: float = LINGER_S, on_forward: Callable[[int], None] = lambda sequences: None,
-                 threads: int | None = None):
+    def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
-        self.meeting = Rendezvous(linger=linger, on_forward=on_forward)
+        self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
         serving = threading.Event()
         self._forwards = threading.Thread(target=self._run_forwards, args=(serving,), name="positronic-forward",
                                           daemon=True)
         self._forwards.start()
-        serving.wait()  # a job's forward never finds the runner missing
+        serving.wait()  # a job is never submitted before the forward thread serves
         if not self._forwards.is_alive():
             raise RuntimeError("the server's forward thread did not start")
         self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
@@ -130,34 +127,27 @@ class ModelWorker:
         self._closed = False
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
-        """Run `fn(*args)` in a thread of its own; `owner`: the conversation it touches, whose
-        jobs run one after another (a save never overlaps a step a cancelled request left running)."""
+        """Run `fn(*args)` as a job; `owner`: the conversation it touches, whose jobs run one
+        after another (a save never overlaps a step a cancelled request left running)."""
         if owner is not None:
             await self.settled(owner)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the model worker is closed")
-            future: concurrent.futures.Future = concurrent.futures.Future()
+            future = self.meeting.submit(functools.partial(self._job, fn, args))
             self._jobs.add(future)
             if owner is not None:
                 self._owned[id(owner)] = future
-        self.meeting.expect()
-        try:
-            threading.Thread(target=self._job, args=(future, fn, args), name="positronic-job", daemon=True).start()
-        except BaseException:  # no thread: nobody will say it is done
-            self.meeting.done()
-            with self._lock:
-                self._jobs.discard(future)
-            raise
+        future.add_done_callback(self._ended)
         return await asyncio.wrap_future(future)
 
     async def stream(self, work: Callable[[Callable[[object], None]], None], *,
                      owner: Conversation | None = None) -> AsyncIterator:
         """Run `work(post)` as one job (`run`), yielding here each item it `post`s, as it posts
         it, until it returns; what it raises is raised here after the items posted before.
-        A job that ticks a sequence many times (a request's whole reply) stays at work in the
-        rendezvous between its ticks: each round goes as soon as the sequences' ticks are in,
-        instead of waiting for this event loop to start the next job (a thread per token).
+        A job that ticks a sequence many times (a request's whole reply) stays in the rounds
+        between its ticks: each round goes as soon as the sequences' ticks are in, instead of
+        waiting for this event loop to start the next job (a job per token).
         Leaving the loop early does not stop the job: `work` watches what should stop it."""
         loop = asyncio.get_running_loop()
         posted: asyncio.Queue = asyncio.Queue()
@@ -181,7 +171,7 @@ class ModelWorker:
                     del self.ticking[id(owner)]
 
             job.add_done_callback(over)
-        job.add_done_callback(ended)  # after every post: the job's thread posted them before it returned
+        job.add_done_callback(ended)  # after every post: the job posted them before it returned
         while True:
             item, error = await posted.get()
             if item is _ENDED:
@@ -199,29 +189,22 @@ class ModelWorker:
     def _run_forwards(self, serving: threading.Event) -> None:
         try:
             set_threads(self.threads)
-            self.meeting.serve(forever=True, starting=serving.set)
+            self.meeting.serve(starting=serving.set)
         finally:
             serving.set()  # failed before serving: __init__ must not wait for ever
 
-    def _job(self, future: concurrent.futures.Future, fn: Callable, args) -> None:
-        MEETING.set(self.meeting)  # the forwards of this job meet the other jobs'
+    def _job(self, fn: Callable, args):
         start = time.perf_counter()
         try:
-            if future.set_running_or_notify_cancel():
-                try:
-                    with one_thread(self.threads):
-                        result = fn(*args)
-                except BaseException as exc:
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            return fn(*args)
         finally:
-            self.meeting.done()
-            with self._lock:
-                self.busy_s += time.perf_counter() - start
-                self._jobs.discard(future)
-                for key in [key for key, job in self._owned.items() if job is future]:
-                    del self._owned[key]
+            self.busy_s += time.perf_counter() - start  # (the forward thread alone adds to it)
+
+    def _ended(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._jobs.discard(future)
+            for key in [key for key, job in self._owned.items() if job is future]:
+                del self._owned[key]
 
     def close(self) -> None:
         """Refuse new jobs and wait for the running ones."""
@@ -254,7 +237,7 @@ class Conversation:
         self.evicting = False  # held by an eviction (a checkpoint being written), not by a request
         self.answers = Answers()  # the answer to its last keyed request (answers.py), checkpointed with it
         self.history = History(None)  # a chat session's messages (history.py), checkpointed with it
-        self.stepping = threading.Lock()  # held through each tick: a reader in another job waits for its end
+        self.stepping = WorkLock()  # held through each tick: a reader in another job waits for its end
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -324,9 +307,9 @@ class Conversation:
         """Checkpoint into `directory` (its input read first: only typed turns are saved pending),
         with its answers in the same atomic write."""
         self.settle()
-        with rendezvous.aside():  # writing makes no forward: the others' rounds need not wait (~0.1 s)
-            sessions.save(directory, self.brain, model_name,
-                          note={**self.answers.note(), "history": self.history.note()})
+        # writing makes no forward: in a helper thread, the others' rounds need not wait (~0.1 s)
+        offload(sessions.save, directory, self.brain, model_name,
+                note={**self.answers.note(), "history": self.history.note()})
         self.dirty = False
 
     def replied(self, text: str, *, again: bool) -> None:
@@ -340,9 +323,9 @@ class Conversation:
 
     def between_ticks(self, fn: Callable[[], object]):
         """On the model worker, in a job of its own while the session's request ticks in
-        another: `fn()` between two of its ticks. Steps aside meanwhile, as the tick it waits
-        for needs a round of forwards that would otherwise wait for this job."""
-        with rendezvous.aside(), self.stepping:
+        another: `fn()` between two of its ticks (the tick in progress ends first, and the
+        next one waits for `fn`)."""
+        with self.stepping:
             return fn()
 
     def describe(self) -> dict:
@@ -482,8 +465,6 @@ class Turn:
             return record, ""
         kept = len(self.reply.ids)
         piece = self.reply.add(record.token_id, stopped=record.stopped)
-        if self.reply.done:
-            rendezvous.away()  # the request is over: the next round need not wait for this session
         if logits is not None and len(self.reply.ids) > kept:  # a token of the text (not the one ending it)
             self.entries.append(self._entry(logits, record.token_id))
         return record, piece
@@ -693,6 +674,6 @@ class SessionPool:
             return describe(MirrorView(saved), meta["tick"], meta["config"]["budget"])
 
         try:
-            return await self.worker.run(load)
+            return await self.worker.run(offload, load)  # files read: in a helper thread, the rounds go on
         except sessions.SessionError as exc:
             raise SessionUnusable(f"session {session_id} cannot be read: {exc}") from None

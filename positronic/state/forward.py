@@ -34,8 +34,8 @@ from ..kv.cache import SpliceCache
 from ..models import attention
 from ..models.compat import with_cache
 
-# the batch this thread's sequence ticks in (positronic.batch.Rendezvous; None: alone): its
-# forwards, prefill chunks included, meet the other sequences' and run as one
+# the batch this sequence ticks in (positronic.batch.Rounds, set inside its works; None: alone):
+# its forwards, prefill chunks included, meet the other sequences' and run as one
 MEETING: contextvars.ContextVar = contextvars.ContextVar("positronic_meeting", default=None)
 # the caches a batched forward is writing (ids; None outside one): a fault armed by one
 # sequence fires only in a forward that feeds that sequence
@@ -342,12 +342,11 @@ def forward(lm, cache: SpliceCache, token_ids: list[int], positions: list[int], 
     caller opens them with `fill` and drops them afterwards), their positions after
     `key_positions`.
 
-    Where one sequence of a batch ticks (`MEETING` set: a greenlet of `batch.Rounds`, or a
-    thread meeting in a `batch.Rendezvous`), the forward is shared with the other sequences'
-    (the same result, one model run for all).
+    Where one sequence of a batch ticks (`MEETING` set: a greenlet of `batch.Rounds`), the
+    forward is shared with the other sequences' (the same result, one model run for all).
     """
     meeting = MEETING.get()
-    if meeting is not None:  # this thread's sequence ticks in a batch: one forward for all of it
+    if meeting is not None:  # this sequence ticks in a batch: one forward for all of it
         return meeting.forward(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
                                probes=probes, weights=weights)
     return forward_alone(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,

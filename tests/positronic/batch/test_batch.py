@@ -170,15 +170,29 @@ def test_smartkv_with_recall_batched_gives_each_sequence_its_own_tokens(smol, al
         brain.state.check(deep=True)
 
 
-def test_a_forward_from_a_thread_the_rendezvous_was_not_told_of_is_refused(tiny):
-    """Counted in no round, it would wait for ever: it is refused at once, and nothing is written."""
-    from positronic.batch import Rendezvous
+def test_a_forward_through_rounds_from_outside_its_works_is_refused(tiny):
+    """From another thread while it serves, or with nothing driving it: a forward no round
+    would run is refused at once, and nothing is written."""
+    import threading
+
+    from positronic.batch import Rounds
 
     cache = SpliceCache(tiny.model.config, max_cache_len=32)
     prefill(tiny, cache, [1, 2, 3], [0, 1, 2])
-    with pytest.raises(RuntimeError, match="not told of"):
-        Rendezvous().forward(tiny, cache, [4], [3], [0, 1, 2, 3])
-    assert cache.layers[0].length == 3
+    meeting = Rounds()
+    with pytest.raises(RuntimeError, match="must come from a work"):
+        meeting.forward(tiny, cache, [4], [3], [0, 1, 2, 3])
+    ready = threading.Event()
+    driver = threading.Thread(target=meeting.serve, kwargs={"starting": ready.set})
+    driver.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(RuntimeError, match="must come from a work"):
+            meeting.forward(tiny, cache, [4], [3], [0, 1, 2, 3])
+    finally:
+        meeting.stop()
+        driver.join(60)
+    assert cache.layers[0].length == 3 and not driver.is_alive()
 
 
 @pytest.mark.parametrize("kv_format", ["int4", "int4h"])

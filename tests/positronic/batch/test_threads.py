@@ -1,20 +1,22 @@
-"""Which thread runs a batch's forwards, and with how many of torch's threads.
+"""Which thread runs a batch's ticks and forwards, with how many of torch's threads, and how
+works come and go while a Rounds serves (the server's forward thread).
 
 On a CPU each thread that runs a parallel op gets OpenMP threads of its own, and once there
 are more of them than cores every forward slows (a forward of 8 rows ran at 0.55x its speed
-in a second thread on a 2-core box: positronic/batch/rendezvous.py). So where sequences tick
-in threads (the server's jobs) one thread, the runner, runs every forward with torch's
-threads, and the sequences' threads keep to one; a Batch ticks in the caller's thread alone.
+in a second thread on a 2-core box: positronic/batch/threads.py). So one thread drives the
+rounds: its forwards with torch's threads, the ticks' own ops with one; a blocking part handed
+to a helper thread runs with one.
 """
 
 import asyncio
+import contextlib
 import threading
 import time
 
 import pytest
 import torch
 
-from positronic.batch import Batch, Rendezvous, rendezvous, rounds
+from positronic.batch import Batch, Rounds, WorkLock, offload, rounds, wait
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.server.sessions import ModelWorker
 from positronic.state.forward import MEETING
@@ -22,7 +24,7 @@ from positronic.state.forward import MEETING
 from .test_batch import PROMPTS
 
 
-def spy(monkeypatch, name: str, module=rendezvous) -> list[tuple[str, int]]:
+def spy(monkeypatch, name: str, module=rounds) -> list[tuple[str, int]]:
     """Record the thread and its torch threads of every call of `module`.`name`."""
     calls, real = [], getattr(module, name)
 
@@ -34,16 +36,20 @@ def spy(monkeypatch, name: str, module=rendezvous) -> list[tuple[str, int]]:
     return calls
 
 
-def serve_threads(meeting: Rendezvous, targets, **serve) -> None:
-    """Run each of `targets` in a sequence's thread, their forwards served by a runner thread
-    (`serve` passed on: forever=True); every thread must end within two minutes."""
-    meeting.expect(len(targets))
-    threads = [threading.Thread(target=target) for target in targets]
-    runner = threading.Thread(target=meeting.serve, kwargs={**serve, "starting": lambda: [t.start() for t in threads]})
-    runner.start()
-    for thread in [runner] + threads:  # the runner starts the others
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads + [runner])
+@contextlib.contextmanager
+def serving(rounds: Rounds):
+    """`rounds` served by a thread of its own while the block runs; stopped, and the thread
+    gone within two minutes, after it."""
+    ready = threading.Event()
+    thread = threading.Thread(target=rounds.serve, kwargs={"starting": ready.set}, name="driver")
+    thread.start()
+    assert ready.wait(60)
+    try:
+        yield
+    finally:
+        rounds.stop()
+        thread.join(120)
+    assert not thread.is_alive()
 
 
 def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_the_forwards_with_its_threads(tiny, monkeypatch):
@@ -83,8 +89,9 @@ def test_a_batchs_ticks_and_forwards_all_run_in_the_callers_thread_the_forwards_
 
 
 def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one(tiny, monkeypatch):
-    """torch sets a thread's count on its first parallel op from the count last set anywhere:
-    the jobs set one, and the forward thread must still run with the worker's."""
+    """Every job is a work of the forward thread's Rounds: its forwards run there with the
+    worker's threads (a model run that is not a forward of the brain too: a prompt's logprobs),
+    its own ops with one."""
     shared = spy(monkeypatch, "forward_many")
     worker = ModelWorker(threads=2)
 
@@ -94,127 +101,161 @@ def test_the_servers_forward_thread_keeps_its_threads_while_the_jobs_keep_to_one
         for _ in range(6):
             await asyncio.gather(*(worker.run(brain.step) for brain in brains))
         # a model run that is not a forward of the brain (a prompt's logprobs) runs there too
-        return await worker.run(worker.meeting.call, lambda: (threading.current_thread().name, torch.get_num_threads()))
+        here = lambda: (threading.current_thread().name, torch.get_num_threads())  # noqa: E731
+        return await worker.run(worker.meeting.call, here), await worker.run(here)
 
     try:
         called = asyncio.run(run())
     finally:
         worker.close()
     assert len(shared) > 6
-    assert set(shared) == {("positronic-forward", 2)} and called == ("positronic-forward", 2)
+    assert set(shared) == {("positronic-forward", 2)}
+    assert called == (("positronic-forward", 2), ("positronic-forward", 1))  # a job's own ops with one
     assert not worker._forwards.is_alive()
 
 
-def test_when_the_runner_stops_the_sequences_run_their_rounds_themselves(tiny, alone):
-    """The runner leaves after its first round (as an exception would take it away): the
-    sequences' ticks go on, each exactly as alone."""
-    configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
-    ticks = 20
+
+
+def test_works_submitted_while_others_run_join_the_rounds_and_each_is_as_alone(tiny, alone):
+    """A serving Rounds takes works from another thread at any time: a second sequence
+    submitted after the first has begun joins its rounds (shared forwards), a third comes
+    after both are done; every sequence's tokens are those alone."""
+    configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8),
+               dict(budget=40, seed=3, temperature=0)]
+    ticks = 12
     want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
     brains = [Brain.start(tiny, prompt, BrainConfig(**config)) for prompt, config in zip(PROMPTS, configs)]
-    meeting = Rendezvous(on_forward=lambda sequences: meeting.stop())
-    got = [[] for _ in brains]
+    begun = threading.Event()
 
-    def tick(number: int) -> None:
-        MEETING.set(meeting)
-        try:
-            got[number] = [brains[number].step().token_id for _ in range(ticks)]
-        finally:
-            meeting.done()
+    def tokens(number: int) -> list[int]:
+        got = []
+        for _ in range(ticks):
+            got.append(brains[number].step().token_id)
+            begun.set()
+        return got
 
-    serve_threads(meeting, [lambda number=number: tick(number) for number in range(len(brains))], forever=True)
+    meeting = Rounds()
+    with serving(meeting):
+        first = meeting.submit(lambda: tokens(0))
+        assert begun.wait(60)
+        second = meeting.submit(lambda: tokens(1))
+        got = [first.result(120), second.result(120)]
+        got.append(meeting.submit(lambda: tokens(2)).result(120))
     assert got == want
-    assert meeting.forwards == ticks
+    assert meeting.fed > meeting.forwards  # the first two shared some rounds
+    with pytest.raises(RuntimeError, match="not serving"):
+        meeting.submit(lambda: None)
 
 
-@pytest.mark.parametrize("threads", [0, -2, 1.5, True])
-def test_a_worker_with_a_bad_thread_count_is_refused_at_once(threads):
-    """One line naming the setting, before any thread starts (a forward thread that failed on
-    it would have left the server waiting for it for ever)."""
-    alive = threading.active_count()
-    with pytest.raises(ValueError, match="threads must be a whole number of at least 1"):
-        ModelWorker(threads=threads)
-    assert threading.active_count() == alive
-
-
-def test_a_sequence_stepped_aside_holds_up_nobody_and_comes_back_as_alone(tiny, alone):
-    """Sequence 0 ticks, then steps aside (as a session writing its checkpoint does) until
-    sequence 1 has ticked 6 times more: those rounds go without it. A forward made while
-    aside runs alone; both then go on as alone."""
+def test_a_work_that_offloads_a_blocking_part_holds_nobody_up_and_comes_back_as_alone(tiny, alone):
+    """Sequence 0 ticks twice, then hands a part that blocks until sequence 1 has ticked 6
+    times more to a helper thread (as a session writing its checkpoint does): those rounds go
+    without it. Both then go on as alone."""
     configs = [dict(budget=44, seed=1, temperature=0), dict(budget=40, seed=2, temperature=0.8)]
     want = [alone(tiny, prompt, 10, **config) for prompt, config in zip(PROMPTS, configs)]
     brains = [Brain.start(tiny, prompt, BrainConfig(**config)) for prompt, config in zip(PROMPTS, configs)]
-    meeting, away, others_ticked, back = Rendezvous(), threading.Event(), threading.Event(), threading.Event()
-    got, shared_while_away = [[], []], []
+    aside, others_ticked, helper = threading.Event(), threading.Event(), []
+    meeting = Rounds()
 
-    def first() -> None:
-        MEETING.set(meeting)
-        try:
-            got[0] += [brains[0].step().token_id for _ in range(2)]
-            with meeting.aside():
-                away.set()
-                assert others_ticked.wait(60), "the other sequence's rounds waited for the one stepped aside"
-                shared_while_away.append(meeting.forwards)
-                got[0].append(brains[0].step().token_id)  # alone, in this thread
-                assert meeting.forwards == shared_while_away[0]
-            back.set()
-            got[0] += [brains[0].step().token_id for _ in range(7)]
-        finally:
-            back.set()
-            meeting.done()
+    def blocking() -> int:
+        aside.set()
+        helper.append((threading.current_thread().name, torch.get_num_threads()))
+        assert others_ticked.wait(60), "the other sequence's rounds waited for the part offloaded"
+        return meeting.forwards
 
-    def second() -> None:
-        MEETING.set(meeting)
-        try:
-            got[1] += [brains[1].step().token_id for _ in range(2)]
-            assert away.wait(60)
-            got[1] += [brains[1].step().token_id for _ in range(6)]
-            others_ticked.set()
-            assert back.wait(60)
-            got[1] += [brains[1].step().token_id for _ in range(2)]
-        finally:
-            others_ticked.set()
-            meeting.done()
+    def first() -> tuple[list[int], int]:
+        got = [brains[0].step().token_id for _ in range(2)]
+        forwards = offload(blocking)
+        got += [brains[0].step().token_id for _ in range(8)]
+        return got, forwards
 
-    serve_threads(meeting, [first, second])
-    assert got == want
-    assert meeting.fed > meeting.forwards  # the others' rounds were shared before and after
+    def second() -> list[int]:
+        got = [brains[1].step().token_id for _ in range(2)]
+        assert offload(aside.wait, 60)  # until sequence 0's part has begun
+        got += [brains[1].step().token_id for _ in range(6)]
+        others_ticked.set()
+        return got + [brains[1].step().token_id for _ in range(2)]
+
+    got = meeting.run({0: first, 1: second})
+    assert [got[0][0], got[1]] == want
+    assert got[0][1] >= 8  # six rounds of sequence 1 alone went while sequence 0's part ran
+    assert helper[0][0].startswith("positronic-aside") and helper[0][1] == 1
 
 
-def test_a_round_does_not_linger_for_a_sequence_gone_away(tiny):
-    """With a long linger, a round waits for a sequence of the last round that is not back
-    yet; one that said it is `away` (a server session whose reply is over) is not waited for."""
+def _done():
+    """A future that is already done (wait() on it returns at once)."""
+    import concurrent.futures
+
+    future = concurrent.futures.Future()
+    future.set_result(None)
+    return future
+
+
+def test_a_reader_waiting_on_a_work_lock_gets_in_between_two_ticks_of_its_holder(tiny, alone):
+    """A work that ticks under a WorkLock, tick after tick, and a reader that asks for the
+    lock while a tick is paused at its forward: the reader gets it once that tick is over and
+    before the next begins (it sees a whole tick count), and the ticks are as alone."""
+    config = dict(budget=44, seed=1, temperature=0)
+    want = alone(tiny, PROMPTS[0], 6, **config)
+    brain = Brain.start(tiny, PROMPTS[0], BrainConfig(**config))
+    lock, ticks, seen = WorkLock(), [], []
+
+    def ticking() -> None:
+        for _ in range(6):
+            with lock:
+                ticks.append(None)
+                ticks[-1] = brain.step().token_id
+
+    def reading() -> None:
+        seen.append((lock.locked(), list(ticks)))  # the other work is paused inside its first tick
+        with lock:
+            seen.append((lock.locked(), list(ticks)))
+
+    meeting = Rounds()
+    got = meeting.run({"ticking": ticking, "reading": reading})
+    assert got == {"ticking": None, "reading": None}
+    assert ticks == want
+    assert seen == [(True, [None]), (True, want[:1])]  # after the first tick, before the second
+    assert not lock.locked()
+
+
+def test_wait_and_offload_outside_a_work_are_plain_calls_and_a_work_lock_alone_is_a_lock():
+    """Code that runs alone (no Rounds) keeps working: offload calls, wait blocks."""
+    assert offload(lambda a, b: a + b, 2, b=3) == 5
+    assert wait(_done()) is None
+    lock = WorkLock()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="must come from a work"):
+        Rounds().wait(_done().__class__())
+
+
+def test_when_the_driving_fails_every_work_in_progress_fails_with_it_and_none_waits_for_ever(tiny):
+    """A fault of the serving thread itself (here its forward callback): the works paused in
+    its round, and those submitted after, fail with one line naming the cause; nothing hangs,
+    and the Rounds takes no more works."""
     brains = [Brain.start(tiny, prompt, BrainConfig(budget=40, seed=k)) for k, prompt in enumerate(PROMPTS[:2])]
-    meeting, seconds = Rendezvous(linger=5.0), []
 
-    def leaving() -> None:
-        MEETING.set(meeting)
+    def broken(sequences: int) -> None:
+        raise OSError("the metrics' disk is gone")
+
+    meeting, ready, failed = Rounds(on_forward=broken), threading.Event(), []
+
+    def drive() -> None:
         try:
-            for _ in range(2):
-                brains[0].step()
-            meeting.away()
-        finally:
-            meeting.done()
+            meeting.serve(starting=ready.set)
+        except OSError as error:
+            failed.append(error)
 
-    def staying() -> None:
-        MEETING.set(meeting)
-        try:
-            for _ in range(6):
-                start = time.monotonic()
-                brains[1].step()
-                seconds.append(time.monotonic() - start)
-        finally:
-            meeting.done()
-
-    serve_threads(meeting, [leaving, staying])
-    assert len(seconds) == 6 and max(seconds) < 4.0, f"a round waited for the sequence gone away: {seconds}"
-
-
-def test_aside_from_a_thread_nobody_counted_is_refused_and_alone_it_is_nothing():
-    meeting = Rendezvous()
-    with pytest.raises(RuntimeError, match="aside\\(\\) from a thread the rendezvous was not told of"):
-        with meeting.aside():
-            pass
-    assert meeting._working == 0  # nothing changed
-    with rendezvous.aside():  # this thread ticks alone (no MEETING): nothing to step aside from
-        rendezvous.away()
+    thread = threading.Thread(target=drive)
+    thread.start()
+    assert ready.wait(60)
+    futures = [meeting.submit(brain.step) for brain in brains]
+    for future in futures:
+        with pytest.raises(RuntimeError, match="the rounds stopped: OSError: the metrics' disk is gone"):
+            future.result(60)
+    thread.join(60)
+    assert not thread.is_alive() and len(failed) == 1
+    with pytest.raises(RuntimeError, match="not serving"):
+        meeting.submit(lambda: None)
