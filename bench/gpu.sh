@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
-#   bash bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite ...]     (default: all six)
+#   bash bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve ...]   (default: the first six)
 #
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
 # invariance: which modules of random:tinyllama give a row other bits among 8 or 32 packed rows
@@ -16,6 +16,10 @@
 # host:  a tick's time outside the model forward and how often it waits on the GPU, per policy,
 #        under and past the budget, with the costliest functions (bench/tick_host.py): what
 #        bounds the batched rows above, where B = 32 made 2.2-3.3x the tokens of B = 1;
+# serve: the server at 1 and 8 clients on random:tinyllama (bench/serve_load.py, its sessions'
+#        jobs as greenlets of the forward thread since stop 70): appended to batch.txt (at most 8
+#        files come back). Not in the default set: the six fill one 10-minute call; ask for it in
+#        a call of its own (about 2 minutes: a fresh server per level).
 # Each part runs under a time limit sized for a 15-minute lease (one call: start, all parts,
 # about 6 minutes on an H200 on 2026-11-30, before the invariance part, which adds one to two:
 # each tiled layer is checked untiled too).
@@ -36,7 +40,7 @@
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
 #     && bash bench/gpu.sh $OUT
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite ...]}
+out=${1:?usage: bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve ...]}
 shift
 parts=${*:-tests invariance host batch bench suite}
 mkdir -p "$out"
@@ -80,6 +84,8 @@ for part in $parts; do
       timeout 45 $pin python3 bench/ring.py --models random:tinyllama --device cuda --dtype float32 --rounds 3 2>&1 | tee "$out/ring.txt" ;;
     host) timeout 90 $pin python3 bench/tick_host.py --model random:tinyllama --device cuda --ticks 30 --rounds 2 \
           --warm 60 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
+    serve) timeout 200 $pin python3 bench/serve_load.py -m random:tinyllama --device cuda --levels 8 1 --rounds 1 \
+          --requests 4 --max-tokens 32 --budget 256 2>&1 | tee -a "$out/batch.txt" ;;
     suite) CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q -rfE -p no:cacheprovider -m "not slow and not smollm2" 2>&1 | tee "$out/suite.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

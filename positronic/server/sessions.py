@@ -128,7 +128,9 @@ class ModelWorker:
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
         """Run `fn(*args)` as a job; `owner`: the conversation it touches, whose jobs run one
-        after another (a save never overlaps a step a cancelled request left running)."""
+        after another (a save never overlaps a step a cancelled request left running). A job
+        runs in the forward thread between the others' forwards: what it would block on
+        (a file, a lock of another thread) goes to `batch.offload`, or every session waits."""
         if owner is not None:
             await self.settled(owner)
         with self._lock:
