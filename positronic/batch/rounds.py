@@ -118,6 +118,7 @@ class Rounds:
         self._live: set[_Work] = set()  # started, not done
         self._serving = False
         self._stopping = False
+        self._door = threading.Lock()  # submit's check and put, against serve's end
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- driving -------------------------------------------------------------------------
@@ -128,6 +129,9 @@ class Rounds:
         a work, or while this Rounds serves."""
         if self._driver is not None:
             raise RuntimeError("Rounds.run is already running: a sequence's work cannot start a round of its own")
+        if not isinstance(works, dict) or not all(callable(work) for work in works.values()):
+            raise TypeError(f"Rounds.run takes a dict of name -> callable of no arguments, got {type(works).__name__}"
+                            + (" with a value that is not callable" if isinstance(works, dict) else ""))
         futures = {name: concurrent.futures.Future() for name in works}
         for name, work in works.items():
             self._inbox.put(_Work(work, futures[name]))
@@ -147,7 +151,9 @@ class Rounds:
             self._abandon(error)
             raise
         finally:
-            self._serving = False
+            with self._door:
+                self._serving = False
+            self._abandon(RuntimeError("it was stopped"))  # works submitted as it ended: none left waiting
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False)
                 self._helpers = None
@@ -169,10 +175,11 @@ class Rounds:
         """`work()` in the serving thread, as a work of the next round (from any thread); its
         outcome in the future. A future cancelled before the work starts skips it.
         RuntimeError if nothing serves."""
-        if not self._serving or self._stopping:
-            raise RuntimeError("this Rounds is not serving (serve() is not running, or stop() was called)")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Work(work, future))
+        with self._door:
+            if not self._serving or self._stopping:
+                raise RuntimeError("this Rounds is not serving (serve() is not running, or stop() was called)")
+            self._inbox.put(_Work(work, future))
         self._wake.set()
         return future
 

@@ -99,6 +99,10 @@ def test_a_round_cannot_start_inside_a_work_nor_a_forward_come_from_outside_one(
     finally:
         MEETING.reset(token)
     assert rounds.run({}) == {} and rounds.forwards == 0
+    for bad, what in (([lambda: None], "got list$"), ({"a": 3}, "not callable")):
+        with pytest.raises(TypeError, match=f"Rounds.run takes a dict of name -> callable.*{what}"):
+            rounds.run(bad)
+    assert rounds.run({"a": lambda: 7}) == {"a": 7}  # nothing left behind by the refusals
 
 
 def test_works_on_two_models_share_a_forward_per_model_and_each_gets_its_own(tiny):
