@@ -310,7 +310,10 @@ class Rounds:
 
     def call(self, function: Callable, *args, **kwargs):
         """`function(*args, **kwargs)` now, with the forwards' torch threads: a model run that
-        cannot be shared (a forward with probes or over a ring store; a prompt's logprobs)."""
+        cannot be shared (a forward with probes or over a ring store; a prompt's logprobs).
+        From a work only (the ticks' one thread is put back after it)."""
+        if not self.inside():
+            raise RuntimeError("Rounds.call must come from a work that Rounds is running")
         torch.set_num_threads(self._cores)
         try:
             return function(*args, **kwargs)

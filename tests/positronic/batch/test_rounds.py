@@ -99,6 +99,10 @@ def test_a_round_cannot_start_inside_a_work_nor_a_forward_come_from_outside_one(
     finally:
         MEETING.reset(token)
     assert rounds.run({}) == {} and rounds.forwards == 0
+    threads = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="Rounds.call must come from a work"):
+        rounds.call(torch.get_num_threads)
+    assert torch.get_num_threads() == threads  # the caller's count untouched
     for bad, what in (([lambda: None], "got list$"), ({"a": 3}, "not callable")):
         with pytest.raises(TypeError, match=f"Rounds.run takes a dict of name -> callable.*{what}"):
             rounds.run(bad)
