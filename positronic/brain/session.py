@@ -20,6 +20,9 @@ run continues token for token. The cache file and the blobs are written first un
 their own content; the mirror file, written next, names them; only then are the previous
 ones removed. A save killed at any point leaves the previous checkpoint whole.
 
+`restore` is `read` (every file, checked: what waits on the disk) then `rebuild` (the Brain
+they hold); the server reads in a helper thread while the other sessions tick.
+
 Everything read is checked before it is used (checksums, types, shapes against the model,
 layer 0 against a fresh computation); a session that fails any check raises SessionError and
 is left as it is.
@@ -319,6 +322,25 @@ def resume(lm, directory: str | Path) -> Brain:
 
 def restore(lm, directory: str | Path) -> tuple[Brain, dict | None]:
     """resume(), and the note saved with the checkpoint (None if it has none)."""
+    return rebuild(lm, read(lm, directory))
+
+
+@dataclasses.dataclass
+class SessionFiles:
+    """A checkpoint's files read and checked (`read`): what `rebuild` makes a Brain of."""
+
+    directory: Path
+    mirror: mirror.Mirror
+    meta: dict
+    config: BrainConfig
+    tensors: dict[str, torch.Tensor] | None  # the cache's (None: saved before the cache file was)
+    policy: object  # the policy's state, its blobs read
+    has_policy: bool  # False: saved before the policy's state was
+
+
+def read(lm, directory: str | Path) -> SessionFiles:
+    """Every file of a checkpoint for `lm`, read and checked: the part of `restore` that waits
+    on the disk (the server reads in a helper thread while the others' rounds go on)."""
     directory = Path(directory)
     saved, meta = load(directory)
     path = directory / MIRROR_FILE
@@ -327,15 +349,25 @@ def restore(lm, directory: str | Path) -> tuple[Brain, dict | None]:
     config = BrainConfig(**meta["config"])
     if config.budget > lm.max_positions:
         raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+    tensors = None if meta.get("cache") is None else _read_cache(directory, meta["cache"], _cache_bytes(lm, len(saved)))
+    has_policy = "policy" in meta  # older sessions did not save it
+    policy = _blobs_in(directory, meta["policy"]) if has_policy else None
+    return SessionFiles(directory, saved, meta, config, tensors, policy, has_policy)
+
+
+def rebuild(lm, files: SessionFiles) -> tuple[Brain, dict | None]:
+    """The Brain a checkpoint's files (`read`) hold, and its note: the cache as it was saved
+    (or rebuilt from the mirror), the sampler, the tick, the policy's state."""
+    directory, saved, meta, config = files.directory, files.mirror, files.meta, files.config
+    path = directory / MIRROR_FILE
     options = dict(capacity=cache_capacity(len(saved), config.budget, config.kv_store),
                    score_layers=config.recorded_layers, brightness=steps.RULES[config.brightness].start,
                    kv_format=config.kv_format, kv_store=config.kv_store)
     try:
-        if meta.get("cache") is None:
+        if files.tensors is None:
             state = StateManager.from_mirror(lm, saved, **options)
         else:
-            tensors = _read_cache(directory, meta["cache"], _cache_bytes(lm, len(saved)))
-            state = StateManager.from_saved(lm, saved, tensors, **options)
+            state = StateManager.from_saved(lm, saved, files.tensors, **options)
     except (ValueError, MirrorInvariantError, StateInvariantError) as exc:
         if isinstance(exc, SessionError):
             raise
@@ -350,10 +382,9 @@ def restore(lm, directory: str | Path) -> tuple[Brain, dict | None]:
         raise SessionError(f"{path}: pending input must be a list of token ids inside {lm.name}'s vocabulary")
     brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending,
                   run_id=meta.get("run_id"))  # sessions saved before run ids get a new one
-    if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
-        policy = _blobs_in(directory, meta["policy"])
+    if files.has_policy:  # older sessions did not save it: a keyed scorer starts empty
         try:
-            brain.policy.load_state(policy)
+            brain.policy.load_state(files.policy)
         except ValueError as exc:
             raise SessionError(f"{path}: {exc}") from None
     brain.counts.update({k: v for k, v in meta.get("counts", {}).items() if k in brain.counts})

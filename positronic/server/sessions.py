@@ -566,7 +566,7 @@ class SessionPool:
             path = self.path(session_id)
             if (path / sessions.MIRROR_FILE).exists():
                 try:
-                    conversation.brain, note = await self.worker.run(sessions.restore, self.lm, path, owner=conversation)
+                    conversation.brain, note = await self.worker.run(self._resume, path, owner=conversation)
                     conversation.answers = Answers.from_note(note, self.lm.vocab_size)
                     conversation.history = History.from_note((note or {}).get("history"))
                 except (sessions.SessionError, ValueError) as exc:
@@ -574,6 +574,11 @@ class SessionPool:
                 self.resumed += 1
             self._loaded[session_id] = conversation
             return conversation
+
+    def _resume(self, path: Path) -> tuple[Brain, dict | None]:
+        """On the model worker: a checkpoint's files read in a helper thread (the others' rounds
+        go on), then its brain rebuilt here."""
+        return sessions.rebuild(self.lm, offload(sessions.read, self.lm, path))
 
     async def _make_room(self) -> None:
         """Free slots until one is free: checkpoint and free the least recently used idle

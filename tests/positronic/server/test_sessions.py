@@ -74,9 +74,20 @@ def test_a_session_id_that_could_escape_its_directory_is_refused(bad):
         check_session_id(bad)
 
 
-def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exactly(tiny, tmp_path, server_config):
+def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exactly(tiny, tmp_path, server_config,
+                                                                                     monkeypatch):
     """The pool on its own (no HTTP): room for one session; a second one checkpoints the first,
-    a third while the second is held is PoolFull, and the first comes back as it was."""
+    a third while the second is held is PoolFull, and the first comes back as it was. Its files
+    are written and read in a helper thread, not the forward thread (its rounds go on)."""
+    disk = []
+    for name in ("save", "read"):
+        real = getattr(brain_session, name)
+
+        def spied(*args, real=real, name=name, **kwargs):
+            disk.append((name, threading.current_thread().name))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(brain_session, name, spied)
 
     async def scenario():
         worker = ModelWorker()
@@ -100,6 +111,8 @@ def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exa
             again = await pool.acquire("first")
             assert pool.resumed == 1 and pool.saved == 1 and again is not first
             assert await worker.run(again.describe) == before
+            assert [name for name, _ in disk] == ["save", "read"]
+            assert all(thread.startswith("positronic-aside") for _, thread in disk), disk
             pool.release(again)
             assert await pool.describe("nobody") is None
             (tmp_path / "broken").mkdir()
