@@ -115,7 +115,7 @@ class Rounds:
         self._wake = threading.Event()  # set when a work is submitted or a waited-for future is done
         self._paused: dict[_Work, _Pause] = {}
         self._waiting: dict[_Work, concurrent.futures.Future] = {}
-        self._live: set[_Work] = set()  # started, not done
+        self._running: set[_Work] = set()  # started, not done
         self._serving = False
         self._stopping = False
         self._door = threading.Lock()  # submit's check and put, against serve's end
@@ -146,7 +146,7 @@ class Rounds:
         self._serving, self._stopping = True, False
         try:
             starting()
-            self._drive(lambda: self._stopping and not self._live and self._inbox.empty())
+            self._drive(lambda: self._stopping and not self._running and self._inbox.empty())
         except BaseException as error:  # a fault of the driving itself: no work may wait for ever
             self._abandon(error)
             raise
@@ -163,8 +163,8 @@ class Rounds:
         dropped unfinished)."""
         self._stopping = True
         failure = RuntimeError(f"the rounds stopped: {type(error).__name__}: {error}")
-        works = list(self._live)
-        self._paused, self._waiting, self._live = {}, {}, set()
+        works = list(self._running)
+        self._paused, self._waiting, self._running = {}, {}, set()
         while not self._inbox.empty():
             works.append(self._inbox.get_nowait())
         for work in works:
@@ -219,7 +219,7 @@ class Rounds:
                 continue
             work.let = greenlet(self._body(work))
             work.let.gr_context = work.context
-            self._live.add(work)
+            self._running.add(work)
             self._went(work, work.let.switch())
             started += 1
 
@@ -270,7 +270,7 @@ class Rounds:
             self._waiting[work] = where.future
             where.future.add_done_callback(lambda _: self._wake.set())
         else:
-            self._live.discard(work)
+            self._running.discard(work)
             if where.error is not None:
                 work.future.set_exception(where.error)
             else:
