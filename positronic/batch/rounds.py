@@ -339,7 +339,8 @@ class WorkLock:
     """A lock for works of one Rounds (one thread): a work that finds it held pauses
     (`wait`) until it is handed over, in the order they came. On release it goes to the first
     waiter at once, so a work that lets it go and takes it again (a session's next tick) queues
-    behind a reader that was waiting. Outside a Rounds it is a plain lock of one thread."""
+    behind a reader that was waiting. Not for several threads: outside a Rounds' works it is
+    taken and let go in turn (a brain ticking alone), never waited for."""
 
     def __init__(self):
         self._held = False
