@@ -43,6 +43,7 @@ could not be swapped this way.)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import queue
 import threading
@@ -175,6 +176,8 @@ class Rounds:
         """`work()` in the serving thread, as a work of the next round (from any thread); its
         outcome in the future. A future cancelled before the work starts skips it.
         RuntimeError if nothing serves."""
+        if not callable(work):
+            raise TypeError(f"Rounds.submit takes a callable of no arguments, got {type(work).__name__}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._door:
             if not self._serving or self._stopping:
@@ -246,8 +249,7 @@ class Rounds:
         for work, pause in paused.items():
             groups.setdefault(id(pause.lm), []).append(work)
         results = {}
-        torch.set_num_threads(self._cores)
-        try:
+        with self._forward_threads():
             for works in groups.values():  # one forward feeds one model
                 shared, retried = shared_forward(paused[works[0]].lm, [paused[work].part for work in works])
                 results.update(zip(works, shared))
@@ -255,8 +257,6 @@ class Rounds:
                 self.fed += len(works)
                 self.retries += retried
                 self.on_forward(len(works))
-        finally:
-            torch.set_num_threads(1)
         for work, result in results.items():
             self._went(work, work.let.switch(result))
 
@@ -314,9 +314,15 @@ class Rounds:
         From a work only (the ticks' one thread is put back after it)."""
         if not self.inside():
             raise RuntimeError("Rounds.call must come from a work that Rounds is running")
+        with self._forward_threads():
+            return function(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _forward_threads(self):
+        """The driving thread's torch threads for a model run, then the ticks' one again."""
         torch.set_num_threads(self._cores)
         try:
-            return function(*args, **kwargs)
+            yield
         finally:
             torch.set_num_threads(1)
 

@@ -334,8 +334,7 @@ class SessionFiles:
     meta: dict
     config: BrainConfig
     tensors: dict[str, torch.Tensor] | None  # the cache's (None: saved before the cache file was)
-    policy: object  # the policy's state, its blobs read
-    has_policy: bool  # False: saved before the policy's state was
+    policy: object  # the policy's state, its blobs read (when `meta` has one: older sessions did not save it)
 
 
 def read(lm, directory: str | Path) -> SessionFiles:
@@ -350,9 +349,8 @@ def read(lm, directory: str | Path) -> SessionFiles:
     if config.budget > lm.max_positions:
         raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
     tensors = None if meta.get("cache") is None else _read_cache(directory, meta["cache"], _cache_bytes(lm, len(saved)))
-    has_policy = "policy" in meta  # older sessions did not save it
-    policy = _blobs_in(directory, meta["policy"]) if has_policy else None
-    return SessionFiles(directory, saved, meta, config, tensors, policy, has_policy)
+    policy = _blobs_in(directory, meta["policy"]) if "policy" in meta else None
+    return SessionFiles(directory, saved, meta, config, tensors, policy)
 
 
 def rebuild(lm, files: SessionFiles) -> tuple[Brain, dict | None]:
@@ -382,7 +380,7 @@ def rebuild(lm, files: SessionFiles) -> tuple[Brain, dict | None]:
         raise SessionError(f"{path}: pending input must be a list of token ids inside {lm.name}'s vocabulary")
     brain = Brain(state, config, tick=meta["tick"], generator_state=generator.get_state(), pending_input=pending,
                   run_id=meta.get("run_id"))  # sessions saved before run ids get a new one
-    if files.has_policy:  # older sessions did not save it: a keyed scorer starts empty
+    if "policy" in meta:  # older sessions did not save it: a keyed scorer starts empty
         try:
             brain.policy.load_state(files.policy)
         except ValueError as exc:

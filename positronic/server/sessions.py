@@ -119,9 +119,7 @@ class ModelWorker:
         serving.wait()  # a job is never submitted before the forward thread serves
         if not self._forwards.is_alive():
             raise RuntimeError("the server's forward thread did not start")
-        self.busy_s = 0.0  # seconds spent in jobs (summed over jobs that ran side by side)
         self._lock = threading.Lock()
-        self._jobs: set[concurrent.futures.Future] = set()
         self._owned: dict[int, concurrent.futures.Future] = {}  # a conversation's (id) last job
         self.ticking: dict[int, asyncio.Future] = {}  # conversation (id) -> its request's turn in progress (`stream`)
         self._closed = False
@@ -136,8 +134,7 @@ class ModelWorker:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the model worker is closed")
-            future = self.meeting.submit(functools.partial(self._job, fn, args))
-            self._jobs.add(future)
+            future = self.meeting.submit(functools.partial(fn, *args))
             if owner is not None:
                 self._owned[id(owner)] = future
         future.add_done_callback(self._ended)
@@ -195,25 +192,15 @@ class ModelWorker:
         finally:
             serving.set()  # failed before serving: __init__ must not wait for ever
 
-    def _job(self, fn: Callable, args):
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.busy_s += time.perf_counter() - start  # (the forward thread alone adds to it)
-
     def _ended(self, future: concurrent.futures.Future) -> None:
         with self._lock:
-            self._jobs.discard(future)
             for key in [key for key, job in self._owned.items() if job is future]:
                 del self._owned[key]
 
     def close(self) -> None:
-        """Refuse new jobs and wait for the running ones."""
+        """Refuse new jobs and wait for those submitted (the forward thread ends once they are done)."""
         with self._lock:
             self._closed = True
-            running = list(self._jobs)
-        concurrent.futures.wait(running)
         self.meeting.stop()
         self._forwards.join()
 

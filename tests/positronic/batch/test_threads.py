@@ -141,6 +141,8 @@ def test_works_submitted_while_others_run_join_the_rounds_and_each_is_as_alone(t
         second = meeting.submit(lambda: tokens(1))
         got = [first.result(120), second.result(120)]
         got.append(meeting.submit(lambda: tokens(2)).result(120))
+        with pytest.raises(TypeError, match="Rounds.submit takes a callable of no arguments, got int"):
+            meeting.submit(3)
     assert got == want
     assert meeting.fed > meeting.forwards  # the first two shared some rounds
     with pytest.raises(RuntimeError, match="not serving"):
