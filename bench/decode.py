@@ -3,6 +3,7 @@
     python bench/decode.py [--model random:tinyllama] [--contexts 512 2048 8192] [--ticks 32] [--repeats 3]
                            [--batches 8] [--repairers none bridge self] [--recall ROWS ...]
                            [--policies streaming smartkv ...] [--smartkv] [--paired TICKS]
+                           [--sequences 1 8]
 
 For each live length it prints ms per token and tokens/s for
   (a) hf-generate   `model.generate` as a user gets it: the same weights in a model object of
@@ -31,6 +32,13 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
       tick each, so that their times are taken over the same stretch of time: on a shared, noisy
       machine the ratio of two policies' ticks timed minutes apart moves by ±0.1, ticking in
       turn it does not drift.
+  (h) with --sequences B ...: B brains, each as (c) culling with the first --batches, and
+      each as (e) for every --policies policy (the same context for the first, other random
+      tokens of that length for the rest), ticking together as one `positronic.batch.Batch`
+      (one model forward a round for all of them), timed as (e) is: ms per generated token (a
+      round over B), and its ratio against the same brain alone. A batch of 1
+      ticks as a brain alone does; a batch of 8 shows what a token costs when 8 conversations
+      share the forwards (bench/batch.py compares them ticking in turn in detail).
 Where both ran, SmartKV against streaming is printed as a ratio: the brain's smartkv tick over
 its streaming tick, and the SmartKVCache with gates over the same cache without. "choose" is
 the share of a tick the policy spends choosing rows (its score + select steps; in (f) the
@@ -47,6 +55,7 @@ against the bytes of the live K/V rows alone: there is no second full-size buffe
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import sys
@@ -62,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from positronic import steps  # noqa: E402
 from positronic import StateManager, load_model  # noqa: E402
 from positronic.state import manager as state_manager  # noqa: E402
+from positronic.batch import Batch  # noqa: E402
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import with_cache  # noqa: E402
 from positronic.policies import POLICIES  # noqa: E402
@@ -80,8 +90,9 @@ def peak_memory_mb(lm) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def context_ids(lm, length: int) -> list[int]:
-    generator = torch.Generator().manual_seed(length)
+def context_ids(lm, length: int, sequence: int = 0) -> list[int]:
+    """`length` random tokens after BOS, the same for a length and sequence number every run."""
+    generator = torch.Generator().manual_seed(length + 1_000_003 * sequence)
     return [lm.bos_id] + torch.randint(3, lm.vocab_size, (length - 1,), generator=generator).tolist()
 
 
@@ -251,6 +262,37 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
                   average(choose_shares), cache.memory_bytes() / 2**20, live / 2**20)
 
 
+def loop_batched(lm, ids: list[int], ticks: int, sequences: int, start) -> Timing:
+    """(h): `sequences` brains made by `start(ids) -> (brain, its maintenance cycle in ticks)`
+    (the first on `ids`, the others on random contexts of the same length) ticking as one
+    Batch, after one untimed cycle: seconds per generated token, the mean over `ticks` rounds
+    rounded up to whole cycles (a policy's work comes in batches), each round `sequences` tokens."""
+    group, cycle = Batch(), 1
+    for number in range(sequences):
+        brain, cycle = start(ids if not number else context_ids(lm, len(ids), number))
+        group.join(number, brain)
+    for _ in range(cycle):
+        group.step()
+    times = []
+    for _ in range(-(-ticks // max(cycle, 1)) * max(cycle, 1)):
+        sync(lm)
+        start = time.perf_counter()
+        records = group.step()
+        sync(lm)
+        times.append(time.perf_counter() - start)
+        if failed := [record for record in records.values() if isinstance(record, Exception)]:
+            raise failed[0]
+    return Timing(statistics.fmean(times) / sequences)
+
+
+def batch_member(lm, ids: list[int], batch: int, policy: str | None, gates: str, recall_rows: int) -> tuple[Brain, int]:
+    """A brain of (h) and its maintenance cycle: as (c) culling `batch` rows (no `policy`), or as (e)."""
+    if policy is not None:
+        return policy_brain(lm, ids, policy, gates, recall_rows)
+    config = BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch, repairer="none")
+    return Brain.start(lm, ids, config), batch
+
+
 def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int) -> tuple[Brain, int]:
     """(e)'s brain at budget len(ids): `policy` ("smartkv+recall": smartkv with recall on; +recent: its
     memory ranked by recent use too) with its
@@ -318,6 +360,9 @@ def main() -> None:
                         "index holding the first --recall ROWS, default 2048)")
     parser.add_argument("--smartkv", action="store_true",
                         help="also run (f): generate with a SmartKVCache, as streaming (no gates) and with gates")
+    parser.add_argument("--sequences", type=int, nargs="*", default=[], metavar="B",
+                        help="also run (h): B brains as (c) (the first --batches) ticking as one batch, one "
+                             "forward a round; ms per generated token (e.g. --sequences 1 8)")
     parser.add_argument("--paired", type=int, default=0, metavar="TICKS",
                         help="instead of (a)-(f), run (g): the --policies' brains ticking in turn, one tick each, "
                              "TICKS each (rounded up to whole smartkv windows) per round, and their ratios to the "
@@ -325,6 +370,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.paired < 0:
         parser.error(f"--paired takes a number of ticks >= 1, got {args.paired}")
+    if any(size < 1 for size in args.sequences):
+        parser.error(f"--sequences takes batch sizes >= 1, got {' '.join(map(str, args.sequences))}")
     if args.paired and len(args.policies) < 2:
         parser.error("--paired ticks two or more --policies in turn (e.g. --policies streaming smartkv+recall)")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -375,6 +422,8 @@ def main() -> None:
                               -(-args.paired // window) * window, args.repeats)
                 continue
             names += [f"(e) policy {p}" for p in policies]
+            batched = [(f"(c) batch {args.batches[0]}", None)] + [(p, p) for p in policies]
+            names += [f"(h) {size} batched, {label}" for label, _ in batched for size in args.sequences]
             names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
                 if cache_runs else []
             rounds = []
@@ -384,6 +433,10 @@ def main() -> None:
                          for batch, repairer, rows in variants]
                 runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file,
                                          recall_rows=index_rows if "+recall" in p else 0) for p in policies]
+                runs += [loop_batched(lm, ids, args.ticks, size, functools.partial(
+                             batch_member, lm, batch=args.batches[0], policy=p, gates=gates_file,
+                             recall_rows=index_rows if p and "+recall" in p else 0))
+                         for _, p in batched for size in args.sequences]
                 if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):
@@ -391,7 +444,7 @@ def main() -> None:
                         runs.append(Timing(seconds, choose=scoring if with_gates else None))
                 rounds.append(runs)
             print_rows(context, names, variants, rounds, peak_memory_mb(lm))
-            comparisons(context, names, rounds)
+            comparisons(context, names, rounds, args.batches[0], args.sequences)
 
 
 def print_rows(context: int, names: list[str], variants: list[tuple], rounds: list[list[Timing]], peak: float) -> None:
@@ -438,14 +491,20 @@ def paired_rounds(lm, context: int, ids: list[int], policies: list[str], gates: 
               f"x{ratio:.3f} (median of {repeats} rounds)", flush=True)
 
 
-def comparisons(context: int, names: list[str], rounds: list[list[Timing]]) -> None:
-    """SmartKV against streaming, where both ran: the brain's tick and the cache in generate
-    (the median over rounds of each round's ratio)."""
+def comparisons(context: int, names: list[str], rounds: list[list[Timing]], batch: int = 8,
+                sequences: list[int] = ()) -> None:
+    """SmartKV against streaming, where both ran: the brain's tick and the cache in generate;
+    (h) a batch's cost per token against (c) alone (the median over rounds of each round's ratio)."""
     pairs = [("(e) policy smartkv", "(e) policy streaming", "brain --policy smartkv / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy streaming", "brain --policy smartkv --recall / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy smartkv", "brain --policy smartkv --recall / --policy smartkv"),
              ("(f) hf-generate + SmartKVCache gates", "(f) hf-generate + SmartKVCache streaming",
               "SmartKVCache with gates / streaming, in generate")]
+    pairs += [(f"(h) {size} batched, (c) batch {batch}", f"(c) maintenance on, batch {batch}, none",
+               f"(c) {size} batched, per token / alone") for size in sequences]
+    pairs += [(f"(h) {size} batched, {p}", f"(e) policy {p}", f"policy {p} {size} batched, per token / alone")
+              for p in (name.removeprefix("(e) policy ") for name in names if name.startswith("(e) "))
+              for size in sequences]
     for first, second, label in pairs:
         if first in names and second in names:
             a, b = names.index(first), names.index(second)
