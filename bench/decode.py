@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import resource
 import statistics
 import sys
@@ -229,6 +230,7 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
     start, fills it). With one, (e): that policy with its own defaults (smartkv: `gates`, a file
     or "" for the shipped ones), one `maintenance_cycle` of untimed ticks first, then `ticks`
     rounded up to whole cycles."""
+    gc.collect()  # the brains of the runs before (kept by their reference cycles) go first: no run pays for another's
     if policy is None:
         budget = len(ids)
         if recall_rows:
@@ -267,6 +269,7 @@ def loop_batched(lm, ids: list[int], ticks: int, sequences: int, start) -> Timin
     (the first on `ids`, the others on random contexts of the same length) ticking as one
     Batch, after one untimed cycle: seconds per generated token, the mean over `ticks` rounds
     rounded up to whole cycles (a policy's work comes in batches), each round `sequences` tokens."""
+    gc.collect()  # the brains of the runs before (kept by their reference cycles) go first: no run pays for another's
     group, cycle = Batch(), 1
     for number in range(sequences):
         brain, cycle = start(ids if not number else context_ids(lm, len(ids), number))
