@@ -1,5 +1,6 @@
 """bench/decode.py stays runnable: a tiny run prints every row with its ratios and shares."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,9 +73,28 @@ def test_paired_ticks_print_each_round_and_the_median_ratio():
     assert "(a) hf-generate" not in out and "ms/tok" not in out
 
 
+def test_batched_rows_give_a_token_s_cost_beside_the_same_brain_alone():
+    """(h): B brains as (c) and as each policy tick as one Batch; each row's ms is per generated
+    token, and its ratio line is that over the same brain's tick alone."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
+                          "64", "--ticks", "8", "--repeats", "1", "--batches", "4", "--repairers", "none",
+                          "--policies", "streaming", "--sequences", "1", "3"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [re.match(r"\s*64 (\(.+?)\s{2,}([\d.]+) ", line) for line in out.splitlines()]
+    ms = {row[1]: float(row[2]) for row in rows if row}  # run -> its ms/tok
+    assert [name for name in ms if name.startswith("(h)")] == [
+        "(h) 1 batched, (c) batch 4", "(h) 3 batched, (c) batch 4", "(h) 1 batched, streaming", "(h) 3 batched, streaming"]
+    for size in (1, 3):
+        for label, alone, batched in ((f"(c) {size} batched", "(c) maintenance on, batch 4, none", f"(h) {size} batched, (c) batch 4"),
+                                      (f"policy streaming {size} batched", "(e) policy streaming", f"(h) {size} batched, streaming")):
+            ratio = float(out.split(f"{label}, per token / alone: x")[1].split()[0])
+            assert abs(ratio - ms[batched] / ms[alone]) < 0.01 * ratio + 0.002  # one round: the printed ms' ratio
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--paired", "-4", "--policies", "streaming", "smartkv"], "--paired takes a number of ticks >= 1, got -4"),
     (["--paired", "8", "--policies", "streaming"], "--paired ticks two or more --policies in turn"),
+    (["--sequences", "8", "0"], "--sequences takes batch sizes >= 1, got 8 0"),
 ])
 def test_paired_refuses_what_it_cannot_run_with_one_line(flags, message):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", *flags],
