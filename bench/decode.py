@@ -36,9 +36,9 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
       each as (e) for every --policies policy (the same context for the first, other random
       tokens of that length for the rest), ticking together as one `positronic.batch.Batch`
       (one model forward a round for all of them), timed as (e) is: ms per generated token (a
-      round over B), and its ratio against the same brain alone. A batch of 1
-      ticks as a brain alone does; a batch of 8 shows what a token costs when 8 conversations
-      share the forwards (bench/batch.py compares them ticking in turn in detail).
+      round over B), and its ratio against the same brain alone. A batch of 1 ticks as a
+      brain alone does; a batch of 8 shows what a token costs when 8 conversations share the
+      forwards (bench/batch.py compares them ticking in turn in detail).
 Where both ran, SmartKV against streaming is printed as a ratio: the brain's smartkv tick over
 its streaming tick, and the SmartKVCache with gates over the same cache without. "choose" is
 the share of a tick the policy spends choosing rows (its score + select steps; in (f) the
@@ -264,20 +264,20 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
                   average(choose_shares), cache.memory_bytes() / 2**20, live / 2**20)
 
 
-def loop_batched(lm, ids: list[int], ticks: int, sequences: int, start) -> Timing:
-    """(h): `sequences` brains made by `start(ids) -> (brain, its maintenance cycle in ticks)`
+def loop_batched(lm, ids: list[int], ticks: int, sequences: int, make) -> Timing:
+    """(h): `sequences` brains made by `make(ids) -> (brain, its maintenance cycle in ticks)`
     (the first on `ids`, the others on random contexts of the same length) ticking as one
     Batch, after one untimed cycle: seconds per generated token, the mean over `ticks` rounds
     rounded up to whole cycles (a policy's work comes in batches), each round `sequences` tokens."""
     gc.collect()  # the brains of the runs before (kept by their reference cycles) go first: no run pays for another's
     group, cycle = Batch(), 1
     for number in range(sequences):
-        brain, cycle = start(ids if not number else context_ids(lm, len(ids), number))
+        brain, cycle = make(ids if not number else context_ids(lm, len(ids), number))
         group.join(number, brain)
     for _ in range(cycle):
         group.step()
     times = []
-    for _ in range(-(-ticks // max(cycle, 1)) * max(cycle, 1)):
+    for _ in range(-(-ticks // cycle) * cycle):
         sync(lm)
         start = time.perf_counter()
         records = group.step()
@@ -364,8 +364,8 @@ def main() -> None:
     parser.add_argument("--smartkv", action="store_true",
                         help="also run (f): generate with a SmartKVCache, as streaming (no gates) and with gates")
     parser.add_argument("--sequences", type=int, nargs="*", default=[], metavar="B",
-                        help="also run (h): B brains as (c) (the first --batches) ticking as one batch, one "
-                             "forward a round; ms per generated token (e.g. --sequences 1 8)")
+                        help="also run (h): B brains as (c) (the first --batches), and as each --policies policy, "
+                             "ticking as one batch, one forward a round; ms per generated token (e.g. --sequences 1 8)")
     parser.add_argument("--paired", type=int, default=0, metavar="TICKS",
                         help="instead of (a)-(f), run (g): the --policies' brains ticking in turn, one tick each, "
                              "TICKS each (rounded up to whole smartkv windows) per round, and their ratios to the "
@@ -497,7 +497,8 @@ def paired_rounds(lm, context: int, ids: list[int], policies: list[str], gates: 
 def comparisons(context: int, names: list[str], rounds: list[list[Timing]], batch: int = 8,
                 sequences: list[int] = ()) -> None:
     """SmartKV against streaming, where both ran: the brain's tick and the cache in generate;
-    (h) a batch's cost per token against (c) alone (the median over rounds of each round's ratio)."""
+    (h) a batch's cost per token against the same brain alone (the median over rounds of each
+    round's ratio)."""
     pairs = [("(e) policy smartkv", "(e) policy streaming", "brain --policy smartkv / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy streaming", "brain --policy smartkv --recall / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy smartkv", "brain --policy smartkv --recall / --policy smartkv"),
