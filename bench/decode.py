@@ -235,9 +235,7 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
         budget = len(ids)
         if recall_rows:
             ids = ids + context_ids(lm, recall_rows + 1)[1:]
-        config = BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer,
-                             recall=bool(recall_rows))
-        brain, warm = Brain.start(lm, ids, config), 0
+        brain, warm = Brain.start(lm, ids, culling_config(budget, batch, repairer, recall=bool(recall_rows))), 0
     else:
         brain, warm = policy_brain(lm, ids, policy, gates, recall_rows)
         ticks = -(-ticks // warm) * warm
@@ -292,8 +290,12 @@ def batch_member(lm, ids: list[int], batch: int, policy: str | None, gates: str,
     """A brain of (h) and its maintenance cycle: as (c) culling `batch` rows (no `policy`), or as (e)."""
     if policy is not None:
         return policy_brain(lm, ids, policy, gates, recall_rows)
-    config = BrainConfig(budget=len(ids), temperature=0, window=32, repair_batch=batch, repairer="none")
-    return Brain.start(lm, ids, config), batch
+    return Brain.start(lm, ids, culling_config(len(ids), batch)), batch
+
+
+def culling_config(budget: int, batch: int, repairer: str = "none", recall: bool = False) -> BrainConfig:
+    """(c)'s brain: brightness with a 32-row window, culling (or repairing) `batch` rows at once, greedy."""
+    return BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer, recall=recall)
 
 
 def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int) -> tuple[Brain, int]:
@@ -425,8 +427,13 @@ def main() -> None:
                               -(-args.paired // window) * window, args.repeats)
                 continue
             names += [f"(e) policy {p}" for p in policies]
-            batched = [(f"(c) batch {args.batches[0]}", None)] + [(p, p) for p in policies]
-            names += [f"(h) {size} batched, {label}" for label, _ in batched for size in args.sequences]
+            # (h): (label, policy, the same brain alone's row, the ratio's name)
+            cull = args.batches[0]
+            batched = [(f"(c) batch {cull}", None, f"(c) maintenance on, batch {cull}, none", "(c)")]
+            batched += [(p, p, f"(e) policy {p}", f"policy {p}") for p in policies]
+            against = [(f"(h) {size} batched, {label}", alone, f"{short} {size} batched, per token / alone")
+                       for label, _, alone, short in batched for size in args.sequences]
+            names += [row for row, _, _ in against]
             names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
                 if cache_runs else []
             rounds = []
@@ -437,9 +444,9 @@ def main() -> None:
                 runs += [loop_maintained(lm, ids, args.ticks, policy=p, gates=gates_file,
                                          recall_rows=index_rows if "+recall" in p else 0) for p in policies]
                 runs += [loop_batched(lm, ids, args.ticks, size, functools.partial(
-                             batch_member, lm, batch=args.batches[0], policy=p, gates=gates_file,
+                             batch_member, lm, batch=cull, policy=p, gates=gates_file,
                              recall_rows=index_rows if p and "+recall" in p else 0))
-                         for _, p in batched for size in args.sequences]
+                         for _, p, *_ in batched for size in args.sequences]
                 if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):
@@ -447,7 +454,7 @@ def main() -> None:
                         runs.append(Timing(seconds, choose=scoring if with_gates else None))
                 rounds.append(runs)
             print_rows(context, names, variants, rounds, peak_memory_mb(lm))
-            comparisons(context, names, rounds, args.batches[0], args.sequences)
+            comparisons(context, names, rounds, against)
 
 
 def print_rows(context: int, names: list[str], variants: list[tuple], rounds: list[list[Timing]], peak: float) -> None:
@@ -494,21 +501,17 @@ def paired_rounds(lm, context: int, ids: list[int], policies: list[str], gates: 
               f"x{ratio:.3f} (median of {repeats} rounds)", flush=True)
 
 
-def comparisons(context: int, names: list[str], rounds: list[list[Timing]], batch: int = 8,
-                sequences: list[int] = ()) -> None:
+def comparisons(context: int, names: list[str], rounds: list[list[Timing]],
+                batched: list[tuple[str, str, str]] = ()) -> None:
     """SmartKV against streaming, where both ran: the brain's tick and the cache in generate;
-    (h) a batch's cost per token against the same brain alone (the median over rounds of each
-    round's ratio)."""
+    `batched`, (h): (its row, the same brain alone's row, the ratio's name), a batch's cost per
+    token against alone (the median over rounds of each round's ratio)."""
     pairs = [("(e) policy smartkv", "(e) policy streaming", "brain --policy smartkv / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy streaming", "brain --policy smartkv --recall / --policy streaming"),
              ("(e) policy smartkv+recall", "(e) policy smartkv", "brain --policy smartkv --recall / --policy smartkv"),
              ("(f) hf-generate + SmartKVCache gates", "(f) hf-generate + SmartKVCache streaming",
               "SmartKVCache with gates / streaming, in generate")]
-    pairs += [(f"(h) {size} batched, (c) batch {batch}", f"(c) maintenance on, batch {batch}, none",
-               f"(c) {size} batched, per token / alone") for size in sequences]
-    pairs += [(f"(h) {size} batched, {p}", f"(e) policy {p}", f"policy {p} {size} batched, per token / alone")
-              for p in (name.removeprefix("(e) policy ") for name in names if name.startswith("(e) "))
-              for size in sequences]
+    pairs += list(batched)
     for first, second, label in pairs:
         if first in names and second in names:
             a, b = names.index(first), names.index(second)
