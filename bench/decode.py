@@ -377,6 +377,8 @@ def main() -> None:
         parser.error(f"--paired takes a number of ticks >= 1, got {args.paired}")
     if any(size < 1 for size in args.sequences):
         parser.error(f"--sequences takes batch sizes >= 1, got {' '.join(map(str, args.sequences))}")
+    if args.paired and args.sequences:
+        parser.error("--sequences adds (h) to the table of (a)-(f); --paired runs (g) instead of that table")
     if args.paired and len(args.policies) < 2:
         parser.error("--paired ticks two or more --policies in turn (e.g. --policies streaming smartkv+recall)")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)

@@ -95,6 +95,7 @@ def test_batched_rows_give_a_token_s_cost_beside_the_same_brain_alone():
     (["--paired", "-4", "--policies", "streaming", "smartkv"], "--paired takes a number of ticks >= 1, got -4"),
     (["--paired", "8", "--policies", "streaming"], "--paired ticks two or more --policies in turn"),
     (["--sequences", "8", "0"], "--sequences takes batch sizes >= 1, got 8 0"),
+    (["--paired", "8", "--policies", "streaming", "smartkv", "--sequences", "8"], "--sequences adds (h) to the table"),
 ])
 def test_paired_refuses_what_it_cannot_run_with_one_line(flags, message):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", *flags],
