@@ -6,7 +6,7 @@
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
 # invariance: which modules of random:tinyllama give a row other bits among 8 or 32 packed rows
 #        than alone, in float16, bfloat16 and float32 (bench/invariance.py): B = 32 batched chose
-#        other tokens than alone in float16 on every lease up to 2026-11-30; since then the
+#        other tokens than alone in float16 on every lent GPU up to 2026-11-30; since then the
 #        loader tiles half-precision linear layers and norms (models/tiles.py), and each tiled
 #        layer is checked untiled too, so the run shows the cause and whether the tiles remove it;
 # batch: B = 1, 8, 32 brains batched against one at a time (bench/batch.py), streaming and
@@ -17,19 +17,19 @@
 #        under and past the budget, with the costliest functions (bench/tick_host.py): what
 #        bounds the batched rows above, where B = 32 made 2.2-3.3x the tokens of B = 1;
 # serve: the server at 1 and 8 clients on random:tinyllama (bench/serve_load.py, its sessions'
-#        jobs as greenlets of the forward thread since stop 70): appended to batch.txt (at most 8
+#        jobs as greenlets of the forward thread since 2026-11-30): appended to batch.txt (at most 8
 #        files come back). Not in the default set: the six fill one 10-minute call; ask for it in
 #        a call of its own (about 2 minutes: a fresh server per level).
-# Each part runs under a time limit sized for a 15-minute lease (one call: start, all parts,
+# Each part runs under a time limit sized for a 15-minute loan of a GPU (one call: start, all parts,
 # about 6 minutes on an H200 on 2026-11-30, before the invariance part, which adds one to two:
 # each tiled layer is checked untiled too).
 # suite: the CPU test suite but the tests of the embedded model (its ~90 MB wheel cannot travel),
 #        on this machine's torch, transformers (5.17, the oldest this project supports) and Python
 #        (3.12): 6 pytest-xdist workers on cores 10-15 (`CUDA_VISIBLE_DEVICES=`, one thread each),
 #        started first and run beside the other parts, which are pinned to cores 0-9. About
-#        5.5 minutes on an H200's host (2026-11-27); without xdist it does not end in a lease.
-# Before a lease: bench/gpu_rehearse.sh runs the same selection here with the embedded model's
-# wheel hidden (a test that needs it unmarked failed both suite runs of 2026-11-27's third lease).
+#        5.5 minutes on an H200's host (2026-11-27); without xdist it does not end within a loan.
+# Before a loan: bench/gpu_rehearse.sh runs the same selection here with the embedded model's
+# wheel hidden (a test that needs it unmarked failed both suite runs on a lent GPU on 2026-11-27).
 # Assumes the project's Python dependencies are importable. The lent machines (2026-11) lack
 # gguf, fastapi (needs opentelemetry-api), starlette, pydantic(-core), annotated-types,
 # typing-inspection, uvicorn, openai (needs httpx2, httpcore2, truststore, jiter, distro,
@@ -45,7 +45,7 @@ shift
 parts=${*:-tests invariance host batch bench suite}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-# the versions head tests.txt: at most 8 files come back from a lease, and the parts write 8
+# the versions head tests.txt: at most 8 files come back from a lent GPU, and the parts write 8
 python3 - <<'PY' 2>&1 | tee "$out/tests.txt"
 import torch, transformers
 try:

@@ -9,7 +9,7 @@ A batched forward (positronic.batch) packs B sequences' new tokens into one row 
 runs over one; only attention stays per sequence (its query a slice of the packed one, over its
 own keys). If a kernel picks another algorithm by row count (a split reduction, another GEMM
 tiling), the sequence's numbers change in the last bits, and a near-tie in greedy decoding or an
-eviction can flip. On a GPU in float16, B = 32 chose other tokens than alone on every lease
+eviction can flip. On a GPU in float16, B = 32 chose other tokens than alone on every lent GPU
 (bench/results/gpu.md), and no run said which module was the cause; this finds it.
 
 One packed forward of B random tokens records what every leaf module (no children, one tensor

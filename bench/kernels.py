@@ -4,7 +4,7 @@ torch, oneDNN and MKL pick their kernels by the CPU's vector instructions (AVX2,
 each adds in its own order, so the same run rounds differently on another CPU. A policy that
 ranks rows can then keep another row at some step, and the caches part from there: SnapKV's
 perplexities moved by −1.3% to +3.2% between AVX2's kernels and AVX-512's, the project's
-default by 0.011% at most (bench/results/kvpress.md, stop 62). A table is reproducible only
+default by 0.011% at most (bench/results/kvpress.md, 2026-11-29). A table is reproducible only
 with the kernels it names, so every quality JSON records them, and bench/significance.py
 refuses to pair runs whose records differ.
 

@@ -35,9 +35,10 @@ with one client chat's are its 1st (a fresh session's prefill) and 5th), and tok
 second over the run's wall time (generated, and prompt + generated). The header notes the machine's load (loadavg) and
 torch's threads, as other work on the machine skews every figure.
 
-`--levels 8 1 --rounds 3` compares client counts (issue 32's targets: 8 clients against 1):
-each round runs every level in turn, each on a fresh server, so a drift of the machine's
-speed reaches them all; a 2-core box moves by 5-10% from run to run. It prints a row per run
+`--levels 8 1 --rounds 3` compares client counts (the targets: 8 clients at >= 4x one
+client's tokens/s, at <= 2x its p50): each round runs every level in turn, each on a fresh
+server, so a drift of the machine's speed reaches them all; a 2-core box moves by 5-10% from
+run to run. It prints a row per run
 (generated tokens/s, p50 and p90 of every request whole, failures, mixed sessions, the load),
 then per level the median over rounds of tokens/s and p50, the p50 (and p99) of every round's requests
 pooled (one client sends only `--requests` requests a round: pooling steadies its p50), the
@@ -402,7 +403,7 @@ def report(run: Run) -> None:
 
 def compare(runs: dict[int, list[Run]]) -> None:
     """The levels side by side: per round, then medians over rounds and percentiles over every
-    round's requests pooled; each level against the fewest clients (issue 32's ratios)."""
+    round's requests pooled; each level against the fewest clients."""
     levels = sorted(runs)
     base = levels[0]
     print()

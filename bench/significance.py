@@ -14,7 +14,7 @@ over a stretch of tokens: neighbouring differences are not independent, and resa
 tokens would make every interval too narrow.
 
 For each text and budget it prints the project's method (--method, default
-`smartkv+recall+recent`, the default policy since stop 66; `smartkv+recall` ranks memory by the
+`smartkv+recall+recent`, the default policy since 2026-11-29; `smartkv+recall` ranks memory by the
 gates alone) against each kvpress press that has per-token NLLs, nearest first, and
 against the full cache:
 
@@ -316,10 +316,10 @@ def main(argv=None) -> int:
     p.add_argument("--level", type=float, default=0.95)
     p.add_argument("--target", type=float, default=1.03, help="the ratio to the full cache asked for")
     p.add_argument("--target-at", type=float, nargs="*", default=[0.25],
-                   help="the budget shares the target is asked at (issue 35: 25%%); other rows show no verdict")
+                   help="the budget shares the target is asked at (by default 25%%); other rows show no verdict")
     p.add_argument("--table", action="store_true", help="print the perplexity table of bench/results/kvpress.md "
                    "from the per-token files instead, with each cell's verdict against its nearest press")
-    # the default's rows were measured on AVX2's kernels (stop 66), beside kvpress's rerun there;
+    # the default's rows were measured on AVX2's kernels (2026-11-29), beside kvpress's rerun there;
     # bench/eval_results/smartkv and kvpress hold the AVX-512 runs (smartkv+recall and before)
     p.add_argument("--project-dir", type=Path, default=ROOT / "bench" / "eval_results" / "smartkv_avx2")
     p.add_argument("--kvpress-dir", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress_avx2")

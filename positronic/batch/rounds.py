@@ -24,7 +24,7 @@ every small op of every tick, and each sequence's host work cost 2-3x its time a
 switch is a greenlet's, at the forward only. bench/results/batch.md, 2026-11-30, the same
 brains and tokens: random:tiny's rounds about 2x faster at B = 8 and 32; SmolLM2's at B = 8
 the same within this host's noise (its forward, not the ticks, is most of a round there).
-The server's jobs (threads until stop 70), random:tiny at 8 clients: 37-47% more
+The server's jobs (threads until 2026-11-30), random:tiny at 8 clients: 37-47% more
 tokens/s, the p50 of a request 30% lower; SmolLM2 the same within noise. Where the host bounds
 a round, as on a GPU, that is what batching gains.
 

@@ -2,7 +2,7 @@
 
 Where SmartKV gates exist for the model (shipped, as for SmolLM2, or given with --gates),
 the default is SmartKV with recall, each lane's memory ranked by the gates and by recent use
-(`--memory-rank recent`, BrainConfig's default with recall since stop 66: at or below every
+(`--memory-rank recent`, BrainConfig's default with recall since 2026-11-29: at or below every
 kvpress press in all 14 cells, within 1.03x of the full cache at 25% on seven texts; docs/
 policies.md, "Its memory ranked by recent use too"). With the gates' rank alone SmartKV has the lowest
 teacher-forced perplexity of the project's policies at 12.5% and 25% budgets on every text

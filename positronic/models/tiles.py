@@ -5,7 +5,7 @@ A batched tick feeds B sequences' new tokens as B rows (positronic.batch); a seq
 feeds one. On a GPU, cuBLAS picks a product's kernel by its shape (and with the kernel the order
 of a dot product's additions: split-K or not, the tile), and torch's reductions (a norm's mean)
 pick theirs by the number of rows too. In float32 the batched rows have always kept alone's
-tokens on the lent GPUs; in float16, B = 32 chose other tokens than alone on every lease
+tokens on the lent GPUs; in float16, B = 32 chose other tokens than alone on every lent GPU
 (bench/results/gpu.md), the last bits of some product or norm differing, and a flat logit row
 or a near-tie in an eviction flipping.
 
