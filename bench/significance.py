@@ -320,7 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--table", action="store_true", help="print the perplexity table of bench/results/kvpress.md "
                    "from the per-token files instead, with each cell's verdict against its nearest press")
     # the default's rows were measured on AVX2's kernels (2026-11-29), beside kvpress's rerun there;
-    # bench/eval_results/smartkv and kvpress hold the AVX-512 runs (smartkv+recall and before)
+    # bench/eval_results/ is not in git: the benchmarks write their runs there (those of the tables in
+    # bench/results/ are in git history at 3e826ae); its smartkv/ and kvpress/ held the AVX-512
+    # runs (smartkv+recall and before)
     p.add_argument("--project-dir", type=Path, default=ROOT / "bench" / "eval_results" / "smartkv_avx2")
     p.add_argument("--kvpress-dir", type=Path, default=ROOT / "bench" / "eval_results" / "kvpress_avx2")
     args = p.parse_args(argv)
