@@ -13,8 +13,9 @@ the next number of "3, 4, 5, 6,"), scored by exact match. lm-eval drives the ser
 (tokenized requests, the model's own tokenizer directory), then evaluates the same tasks with
 `--model hf` on the same weights (`add_bos_token=True`: the server reads every prompt after a
 BOS). With a budget above every prompt the two must agree; below it, the server's numbers are
-what its policy's memory gives. Prints a table; --write appends it to
-bench/results/lm_eval.md.
+what its policy's memory gives. Prints a table; --write appends it as a dated section at the end
+of the notebook, bench/results/history/lm_eval.md (the one-screen page, bench/results/lm_eval.md,
+is edited by hand).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / "bench" / ".lm-eval-venv"
-RESULTS = ROOT / "bench" / "results" / "lm_eval.md"
+RESULTS = ROOT / "bench" / "results" / "history" / "lm_eval.md"  # the notebook; the page is hand-edited
 
 ANTONYMS = [("hot", "cold"), ("up", "down"), ("big", "small"), ("day", "night"), ("fast", "slow"),
             ("happy", "sad"), ("light", "dark"), ("old", "young"), ("open", "closed"), ("early", "late"),
@@ -158,7 +159,9 @@ def main() -> None:
     parser.add_argument("--fewshot", type=int, default=0, help="examples before each item (longer prompts: "
                         "with 8, about 100 tokens, past a small budget)")
     parser.add_argument("--lm-eval-python", default=None, help="an interpreter with lm-eval installed")
-    parser.add_argument("--write", action="store_true", help=f"append the table to {RESULTS.relative_to(ROOT)}")
+    parser.add_argument("--write", action="store_true",
+                        help=f"append the table as a dated section at the end of {RESULTS.relative_to(ROOT)} "
+                        "(the notebook; bench/results/lm_eval.md is edited by hand)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))

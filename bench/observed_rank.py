@@ -21,7 +21,7 @@ and 0.58 for the two together.
 row ids after the forward through the view (`RowReader.lane_keys`, `lane_ids`) to get the
 attention (about 1.5 ms a tick on the 2-core CPU), keeps the sums in a table by ledger id that
 grows with the run, and nothing of it is saved with a session or used by SmartKVCache, so
-`smartkv-brain` no longer matches `smartkv` under it. Results: bench/results/smartkv.md.
+`smartkv-brain` no longer matches `smartkv` under it. Results: bench/results/history/smartkv.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python bench/significance.py                       # the default against every press, every cell
     python bench/significance.py --method smartkv+recall --texts dracula --budgets 256 --block 32   # the gates alone rank memory
-    python bench/significance.py --project-dir bench/eval_results/smartkv --kvpress-dir bench/eval_results/kvpress --method smartkv-brain   # AVX-512 runs
+    python bench/significance.py --project-dir bench/eval_results/smartkv --kvpress-dir bench/eval_results/kvpress --method smartkv-brain   # AVX-512 runs (from 3e826ae)
 
 The kvpress table (bench/results/kvpress.md) compares perplexities over the same 1,024 tokens, so
 two methods' NLLs pair token by token. The perplexity ratio of method A to method B is
@@ -30,6 +30,8 @@ tokens often tie where seven texts' 7,168 decide.
 Inputs (written by the two benchmarks, each with the NLL of every scored token):
   --project-dir/smartkv_STEM.json     bench/smartkv.py --out (STEM: the text file's name)
   --kvpress-dir/TEXT_TOKENS_BUDGET_PRESS.json    bench/kvpress_anchor.py (--per-token reruns old ones)
+bench/eval_results/ is not tracked, so a checkout has none until the benchmarks write them; the
+runs behind the published tables are in git history: `git archive 3e826ae bench/eval_results | tar x`.
 The full cache comes from the project's file; where kvpress's own full run has per-token NLLs
 too, a note under the table says how far the two differ token by token (the same tokens, the
 same model: they must agree to float rounding). numpy only: it runs in either virtualenv.

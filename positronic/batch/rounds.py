@@ -21,7 +21,7 @@ pauses a work until a future is done (`WorkLock` is built on it).
 Why not a thread per sequence. Every torch call lets the GIL go, so B threads hand it over at
 every small op of every tick, and each sequence's host work cost 2-3x its time alone
 (random:tiny on the CPU: 1.6 ms a tick alone, 3.1 at B = 8, 4.4 at B = 32). In one thread a
-switch is a greenlet's, at the forward only. bench/results/batch.md, 2026-11-30, the same
+switch is a greenlet's, at the forward only. bench/results/history/batch.md, 2026-11-30, the same
 brains and tokens: random:tiny's rounds about 2x faster at B = 8 and 32; SmolLM2's at B = 8
 the same within this host's noise (its forward, not the ticks, is most of a round there).
 The server's jobs (threads until 2026-11-30), random:tiny at 8 clients: 37-47% more

@@ -155,15 +155,16 @@ class Brightness(Part):
     # ttl: b <- clamp(b - decay + gain * score, 0, 255). The ratio gain/decay is what matters:
     # at 500 a row holds its brightness while it gets about its fair share of attention
     # (1/live at a budget of 256 rows) and fades otherwise. The design's reference constants
-    # (2, 10) make attention almost irrelevant; 500 measured best (bench/results/policies.md).
+    # (2, 10) make attention almost irrelevant; 500 measured best (bench/results/history/policies.md).
     brightness: str = "ttl"  # rule: ttl | vote
     ttl_decay: float = 2.0
     ttl_gain: float = 1000.0
     unit: int = 0  # rows culled together (1 row, 2 pair, n chunk; 0: pairs with a repairer, else rows)
     # Rows freed at once when the budget is reached (1 = one per tick). On a CPU a forward with
     # k new tokens costs about k single-token forwards for k <= 3 and grows slowly after that, so
-    # freeing 8 rows every 8th tick costs far less than one every tick (bench/results/policies.md);
-    # the live length then moves between budget - 8 and budget.
+    # freeing 8 rows every 8th tick costs far less than one every tick
+    # (bench/results/history/decode.md, 2026-11-23); the live length then moves between
+    # budget - 8 and budget.
     repair_batch: int = 8
 
     def check(self) -> None:

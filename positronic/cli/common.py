@@ -48,7 +48,7 @@ def freeze_heap() -> None:
     tokenizer's Python objects (~378,000 for SmolLM2) live as long as the process, so the
     garbage collector stops walking them (`gc.freeze`). A full collection took 157-184 ms
     with them and under 1 ms without, for one brain; in `serve` at 8 clients 240 ms each
-    against 48 ms, every session stalled meanwhile (bench/results/batch.md). A caller in
+    against 48 ms, every session stalled meanwhile (bench/results/history/batch.md). A caller in
     its own process (tests, a notebook) keeps its collector as it is."""
     if not OWNS_PROCESS:
         return

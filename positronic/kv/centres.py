@@ -7,7 +7,7 @@ group are spent on what differs between tokens. The centre is a property of the 
 the text: one prefill of the package's own text (texts/alice_ch1-2.txt, public domain) gives
 it, once per loaded model and device.
 
-Measured on SmolLM2-135M (bench/results/kv_formats.md, "int4h"): with centres from another text,
+Measured on SmolLM2-135M (bench/results/history/kv_formats.md, "int4h"): with centres from another text,
 int4h is within 3% of the float cache's perplexity; without them (zeros) about 5%.
 """
 

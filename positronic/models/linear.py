@@ -18,7 +18,7 @@ gets alone.
 
 It is also the faster way on this project's CPU (2-core AMD EPYC, torch 2.13 with MKL 2024.2),
 random float32 matrices of SmolLM2's shapes (its 210 q, k, v, o and MLP matrices), ms a
-forward, median of 5-9 (bench/results/decode.md, "oneDNN linear layers"):
+forward, median of 5-9 (bench/results/history/decode.md, "oneDNN linear layers"):
 
     rows                    1     2     4     8    16    64   512
     torch (MKL x @ W.T)    25    52    49    45    55    86   574
@@ -38,13 +38,13 @@ twice and written once per product. So each layer keeps a copy in that layout, m
 first product (laid out for two-row products; `_linear_pointwise` takes it as it is):
 SmolLM2's whole forward, 5 runs on this project's CPU, 56.4 -> 51.8 ms with one row and
 62.8 -> 49.8 ms with eight (its 211 products alone: 8 rows 54 -> 31-40 ms;
-bench/results/decode.md). The cost is a second copy of the linear weights (SmolLM2: 538 MB);
+bench/results/history/decode.md). The cost is a second copy of the linear weights (SmolLM2: 538 MB);
 when that is more than half the memory available, the layers stay plain
 (`use_row_invariant_linear` says so in the log).
 
 The copy also fixes the kernel once, for every row count. On this project's AVX2 CPU the plain
 call gives the copy's bits at every row count. On a lent GPU machine's AMX Xeon (torch 2.11,
-oneDNN 3.10.2; bench/results/gpu.md, 2026-11-30) it does not: there the plain call picks its
+oneDNN 3.10.2; bench/results/history/gpu.md, 2026-11-30) it does not: there the plain call picks its
 kernel by row count, so it is row-invariant only up to 8 rows (64- and 300-row products
 differed from the rows alone, by ~1e-6), and it differs from the copy by ~1e-6 at every row
 count; the copy for two-row products was row-invariant from 1 to 300 rows (one laid out for

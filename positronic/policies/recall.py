@@ -9,7 +9,7 @@ the cache (keys rotated at the position it held, which is where it comes back), 
 token the model predicted after it. A restore hands them to Step 4, which copies them into
 the gap after checking layer 0 against the token at its position. Recomputing them instead
 (seeing only today's compressed left context) costs the retrieval probe 2.64 nats over the
-full cache; the stored K/V cost 0.55 (bench/results/recall.md).
+full cache; the stored K/V cost 0.55 (bench/results/history/recall.md).
 
 When: every `every` ticks, and at once on the tick after a typed token came in (`wake`), the
 newest token's query scores the kept keys like live rows: an evicted row's would-be attention

@@ -70,7 +70,8 @@ def value_log_norms(values: torch.Tensor, lanes: int) -> torch.Tensor:
     """log4 of the value norms of rows `values` [kv_heads, n, head_dim]: float32 [n, lanes], one
     column per kv head (lanes = kv heads) or, for one lane per layer, of the mean norm over the
     kv heads. Added to a gate score, it makes memory rank a token by its predicted uses times
-    the size of what each use adds to the output (bench/results/smartkv.md, "value norms in the rank")."""
+    the size of what each use adds to the output (bench/results/history/smartkv.md, "value norms
+    in the rank")."""
     norms = values.to(torch.float32).norm(dim=-1)  # [kv_heads, n]
     if lanes == 1:
         norms = norms.mean(0, keepdim=True)

@@ -105,7 +105,7 @@ class SmartKVPolicy:
     def recall_span(memory: int) -> int:
         """Tokens one recall brings back around its match: 16, or an eighth of a lane's memory
         when that is fewer. 16 out of a 12.5% budget's 60-row memory gave up a quarter of it
-        for one echo of the text (bench/results/smartkv.md, 2026-11-27)."""
+        for one echo of the text (bench/results/history/smartkv.md, 2026-11-27)."""
         return max(1, min(DEFAULT_SPAN, memory // 8))
 
     @classmethod
@@ -124,7 +124,7 @@ class SmartKVPolicy:
     @staticmethod
     def default_window(budget: int) -> int:
         """Half the budget: the recent half of the context is what most attention goes to, and
-        the memory's other half holds what the gates rank highest (bench/results/smartkv.md)."""
+        the memory's other half holds what the gates rank highest (bench/results/history/smartkv.md)."""
         return budget // 2
 
     @classmethod

@@ -15,7 +15,7 @@ row no query looked at lately keeps its gate rank; one in use ranks higher.
 The sums run while a token is in the window too (every lane holds it there), and it enters each
 lane's memory with its sum in that lane: a token the text is still using when it leaves the
 window competes with that use counted. Counted from entry instead (the window's attention
-dropped), A Tale of Two Cities lost 1.5% at a 25% budget (bench/results/smartkv.md, 2026-11-29). A
+dropped), A Tale of Two Cities lost 1.5% at a 25% budget (bench/results/history/smartkv.md, 2026-11-29). A
 token recall takes back starts again from nothing (it is held for a while anyway, `recall_hold`).
 
 Measured with `bench/observed_rank.py --fresh-back` first, which patches the default policy the
@@ -30,7 +30,7 @@ import numpy as np
 
 from .rows import Memories
 
-BETA = 2.0  # the power of (1 + used) in the rank (bench/results/smartkv.md: 1 moved the cells less)
+BETA = 2.0  # the power of (1 + used) in the rank (bench/results/history/smartkv.md: 1 moved the cells less)
 DECAY = 0.97  # the sums' decay per tick: about the last 32 ticks count
 
 
