@@ -1,7 +1,14 @@
 """Shared fixtures: the real embedded model (SmolLM2, float32 on CPU), tiny random Llamas, and
 the helpers several test modules use (each a fixture, so no test module imports another)."""
 
+import contextlib
+import functools
 import importlib.util
+import io
+import os
+import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,8 +99,9 @@ def _layer0_by_prefill(lm, token_ids: list[int], positions: list[int]) -> tuple[
 
 def _bench_script(name: str):
     """bench/NAME.py loaded as a module (not run as a script): its functions called in-process."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
     script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # dataclasses look their module up there
     spec.loader.exec_module(script)
     return script
 
@@ -102,6 +110,54 @@ def _bench_script(name: str):
 def bench_script():
     """bench_script(name) -> bench/NAME.py as a module, see _bench_script."""
     return _bench_script
+
+
+@dataclass
+class ScriptRun:
+    """What `python bench/NAME.py ARGV` leaves behind: its exit code and what it printed."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _run_script(monkeypatch, name: str, *argv: str, check: bool = False) -> ScriptRun:
+    """bench/NAME.py's main() in this process, as `python bench/NAME.py ARGV` runs it: sys.argv
+    set, stdout and stderr captured, SystemExit turned into the exit code a process would have
+    (a message string: printed to stderr, code 1), any other exception into code 1 and its
+    traceback. A fresh copy of the module each call (module-level state as in a new process);
+    torch's thread count and the environment, which scripts set, are put back afterwards.
+    In-process because each subprocess paid ~4 s of torch import on 2 cores."""
+    script = _bench_script(name)
+    path = Path(script.__file__)
+    monkeypatch.setattr(sys, "argv", [str(path), *map(str, argv)])
+    for key in list(os.environ):  # restored at teardown: the scripts set variables for their runs
+        monkeypatch.setenv(key, os.environ[key])
+    threads, out, err = torch.get_num_threads(), io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = script.main()
+            except SystemExit as exit_:
+                code = exit_.code
+                if isinstance(code, str):
+                    print(code, file=sys.stderr)
+                    code = 1
+            except Exception:  # what the process would print before exiting with 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        torch.set_num_threads(threads)
+    done = ScriptRun(code or 0, out.getvalue(), err.getvalue())
+    if check:
+        assert done.returncode == 0, f"bench/{name}.py {' '.join(map(str, argv))} exited {done.returncode}:\n{done.stderr}"
+    return done
+
+
+@pytest.fixture
+def run_script(monkeypatch):
+    """run_script(name, *argv, check=False) -> ScriptRun: bench/NAME.py run in this process,
+    see _run_script."""
+    return functools.partial(_run_script, monkeypatch)
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,18 @@
 """bench/checkpoint.py stays runnable, and shows what it is for: a later checkpoint writes only
 part of the session (the index blocks that changed and the cache file), not all of it."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "bench" / "checkpoint.py")
 
 
-@pytest.mark.smollm2  # runs the embedded model in a subprocess, where the fixture's marker cannot see it
-def test_a_later_checkpoint_writes_only_part_of_the_session():
+@pytest.mark.smollm2  # runs the embedded model (no `smol` fixture marks it)
+def test_a_later_checkpoint_writes_only_part_of_the_session(run_script):
     # the embedded model: a random one's index blocks are too small to leave the mirror file (64 KiB)
-    out = subprocess.run([sys.executable, SCRIPT, "--model", "smollm2", "--budget", "64", "--warm", "40",
-                          "--requests", "2", "--tokens", "4"], capture_output=True, text=True, timeout=600,
-                         check=True).stdout
+    out = run_script("checkpoint", "--model", "smollm2", "--budget", "64", "--warm", "40",
+                     "--requests", "2", "--tokens", "4", check=True).stdout
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["as"], ["full"])}
     running, full = rows["as"][3:], rows["full"][1:]  # tokens, first, later, each save..., wrote, dir, resume
     assert int(running[0]) > 0 and int(full[0]) == 2048, "the index filled to capacity"
@@ -25,8 +21,8 @@ def test_a_later_checkpoint_writes_only_part_of_the_session():
     assert 0 < wrote_full < size_full / 4, "16 blocks: the one new tokens fell in (and the cache file)"
 
 
-def test_bad_arguments_are_refused_before_any_model_loads():
-    done = subprocess.run([sys.executable, SCRIPT, "--requests", "0"], capture_output=True, text=True, timeout=120)
+def test_bad_arguments_are_refused_before_any_model_loads(run_script):
+    done = run_script("checkpoint", "--requests", "0")
     assert done.returncode == 2 and "--requests, --tokens and --warm must be >= 1" in done.stderr
-    done = subprocess.run([sys.executable, SCRIPT, "--model", "nosuch"], capture_output=True, text=True, timeout=120)
+    done = run_script("checkpoint", "--model", "nosuch")
     assert done.returncode == 2 and "unknown model 'nosuch'" in done.stderr and "Traceback" not in done.stderr

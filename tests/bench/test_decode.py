@@ -1,7 +1,6 @@
 """bench/decode.py stays runnable: a tiny run prints every row with its ratios and shares."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,12 +9,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_decode_bench_prints_the_table_for_every_run():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
-                          "64", "--ticks", "8", "--repeats", "1", "--batches", "1", "4", "--repairers", "none", "bridge",
-                          "--recall", "32", "--policies", "streaming", "smartkv", "smartkv+recall", "brightness",
-                          "--smartkv"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_decode_bench_prints_the_table_for_every_run(run_script):
+    out = run_script("decode", "--model", "random:tiny", "--contexts",
+                     "64", "--ticks", "8", "--repeats", "1", "--batches", "1", "4", "--repairers", "none", "bridge",
+                     "--recall", "32", "--policies", "streaming", "smartkv", "smartkv+recall", "brightness",
+                     "--smartkv", check=True).stdout
     lines = [line for line in out.splitlines() if line.strip().startswith("64 (")]
     names = ["(a) hf-generate (sdpa)", "(b) loop, maintenance off", "(c) maintenance on, batch 1, none",
              "(c) maintenance on, batch 1, bridge", "(c) maintenance on, batch 4, none",
@@ -43,25 +41,23 @@ def test_decode_bench_prints_the_table_for_every_run():
         assert float(out.split(label)[1].split()[0]) > 0
 
 
-def test_smartkv_rows_are_skipped_with_a_line_where_their_windows_pass_the_model_positions():
+def test_smartkv_rows_are_skipped_with_a_line_where_their_windows_pass_the_model_positions(run_script):
     """random:tiny has 512 positions: at a context of 256, a warm-up window of 128 and a timed one
     end past them, so the smartkv rows go (said in a line) and every other row stays."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
-                          "256", "--ticks", "4", "--repeats", "1", "--batches", "1", "--repairers", "none",
-                          "--policies", "smartkv", "streaming", "--smartkv"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+    out = run_script("decode", "--model", "random:tiny", "--contexts",
+                     "256", "--ticks", "4", "--repeats", "1", "--batches", "1", "--repairers", "none",
+                     "--policies", "smartkv", "streaming", "--smartkv", check=True).stdout
     assert "256 smartkv skipped: a window of warm-up and the timed windows go beyond the model's 512 positions" in out
     names = [line.split(None, 1)[1] for line in out.splitlines() if line.strip().startswith("256 (")]
     assert [name.split("  ")[0] for name in names] == ["(a) hf-generate (sdpa)", "(b) loop, maintenance off",
                                                        "(c) maintenance on, batch 1, none", "(e) policy streaming"]
 
 
-def test_paired_ticks_print_each_round_and_the_median_ratio():
+def test_paired_ticks_print_each_round_and_the_median_ratio(run_script):
     """(g): the policies' brains tick in turn; every round gives each one's ms and the ratio to
     the first, then the median over rounds, and nothing of (a)-(f) runs."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
-                          "64", "--paired", "8", "--repeats", "2", "--policies", "streaming", "smartkv+recall"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+    out = run_script("decode", "--model", "random:tiny", "--contexts",
+                     "64", "--paired", "8", "--repeats", "2", "--policies", "streaming", "smartkv+recall", check=True).stdout
     rounds = [line for line in out.splitlines() if "(g) round" in line]
     assert len(rounds) == 2 and all("32 ticks each" in line for line in rounds)  # one window of smartkv at 64
     ratios = [float(line.rsplit(" x", 1)[1]) for line in rounds]
@@ -73,13 +69,12 @@ def test_paired_ticks_print_each_round_and_the_median_ratio():
     assert "(a) hf-generate" not in out and "ms/tok" not in out
 
 
-def test_batched_rows_give_a_token_s_cost_beside_the_same_brain_alone():
+def test_batched_rows_give_a_token_s_cost_beside_the_same_brain_alone(run_script):
     """(h): B brains as (c) and as each policy tick as one Batch; each row's ms is per generated
     token, and its ratio line is that over the same brain's tick alone."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", "--contexts",
-                          "64", "--ticks", "8", "--repeats", "1", "--batches", "4", "--repairers", "none",
-                          "--policies", "streaming", "--sequences", "1", "3"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+    out = run_script("decode", "--model", "random:tiny", "--contexts",
+                     "64", "--ticks", "8", "--repeats", "1", "--batches", "4", "--repairers", "none",
+                     "--policies", "streaming", "--sequences", "1", "3", check=True).stdout
     rows = [re.match(r"\s*64 (\(.+?)\s{2,}([\d.]+) ", line) for line in out.splitlines()]
     ms = {row[1]: float(row[2]) for row in rows if row}  # run -> its ms/tok
     assert [name for name in ms if name.startswith("(h)")] == [
@@ -97,9 +92,8 @@ def test_batched_rows_give_a_token_s_cost_beside_the_same_brain_alone():
     (["--sequences", "8", "0"], "--sequences takes batch sizes >= 1, got 8 0"),
     (["--paired", "8", "--policies", "streaming", "smartkv", "--sequences", "8"], "--sequences adds (h) to the table"),
 ])
-def test_paired_refuses_what_it_cannot_run_with_one_line(flags, message):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode.py"), "--model", "random:tiny", *flags],
-                         capture_output=True, text=True, timeout=120)
+def test_paired_refuses_what_it_cannot_run_with_one_line(flags, message, run_script):
+    out = run_script("decode", "--model", "random:tiny", *flags)
     assert out.returncode == 2 and message in out.stderr and not out.stdout
 
 

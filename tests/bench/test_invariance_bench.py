@@ -1,7 +1,6 @@
 """bench/invariance.py stays runnable and can tell: a module whose row depends on the other rows
 is named, and a CPU model in float32 (RowInvariantLinear) has none."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,9 +13,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import invariance  # noqa: E402
 
 
-def test_a_cpu_model_in_float32_gives_every_row_its_bits_alone_in_every_module():
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "invariance.py"), "--model", "random:tiny",
-                          "--rows", "4"], capture_output=True, text=True, timeout=600)
+def test_a_cpu_model_in_float32_gives_every_row_its_bits_alone_in_every_module(run_script):
+    run = run_script("invariance", "--model", "random:tiny",
+                     "--rows", "4")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [line.split() for line in run.stdout.splitlines()]
     table = [line for line in lines if len(line) == 6 and line[2] == "4"]  # a module's row: kind, shape, rows, ...
@@ -38,9 +37,8 @@ def test_a_module_that_mixes_rows_is_found_with_how_far_they_moved():
     assert invariance.row_differences(nn.Softmax(dim=-1), packed) == (0, 0.0)  # within a row
 
 
-def test_one_row_is_refused_with_the_reason():
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "invariance.py"), "--rows", "1"],
-                         capture_output=True, text=True, timeout=120)
+def test_one_row_is_refused_with_the_reason(run_script):
+    run = run_script("invariance", "--rows", "1")
     assert run.returncode == 2 and "--rows: at least 2" in run.stderr
 
 

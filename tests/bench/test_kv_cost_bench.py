@@ -1,16 +1,13 @@
 """bench/kv_cost.py stays runnable: a row per context and format, each 4-bit row's ratio to float."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_kv_cost_bench_prints_ms_per_tick_per_format_and_the_ratio_to_float():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_cost.py"), "--model", "random:tiny",
-                          "--contexts", "48", "--ticks", "3", "--rounds", "2", "--device", "cpu", "--unfused"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_kv_cost_bench_prints_ms_per_tick_per_format_and_the_ratio_to_float(run_script):
+    out = run_script("kv_cost", "--model", "random:tiny",
+                     "--contexts", "48", "--ticks", "3", "--rounds", "2", "--device", "cpu", "--unfused", check=True).stdout
     rows = {" ".join(line.split()[1:-3]): line.split() for line in out.splitlines() if line.startswith("     48")}
     assert list(rows) == ["float", "int4", "fp4", "int4h", "int4 unfused", "fp4 unfused"]
     float_ms = float(rows["float"][2])

@@ -1,16 +1,13 @@
 """bench/kv_formats.py stays runnable: bytes per token, round-trip and re-rotation errors."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_kv_formats_bench_prints_bytes_errors_and_rerotation_costs():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_formats.py"), "--model", "random:tiny",
-                          "--shapes", "random:tiny", "random:tinyllama", "--tokens", "40", "--rotations", "1", "2"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_kv_formats_bench_prints_bytes_errors_and_rerotation_costs(run_script):
+    out = run_script("kv_formats", "--model", "random:tiny",
+                     "--shapes", "random:tiny", "random:tinyllama", "--tokens", "40", "--rotations", "1", "2", check=True).stdout
     lines = [line.split() for line in out.splitlines() if line.split()]
     first = {}
     for cells in lines:

@@ -1,7 +1,6 @@
 """bench/kv_quant_search.py stays runnable, and its codecs do what the search's table says."""
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,11 +46,10 @@ def test_hadamard_is_orthogonal_and_nf4_has_an_exact_zero():
     assert len(search.NF4) == 16 and (search.NF4 == 0).any() and search.NF4.abs().max() == 1
 
 
-def test_the_search_prints_its_table_on_a_tiny_model():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kv_quant_search.py"), "--model", "random:tiny",
-                          "--text", str(DEFAULT_TEXT), "--offset", "0", "--tokens", "40",
-                          "--only", "=int4-row (today)", "had-int4-row"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_the_search_prints_its_table_on_a_tiny_model(run_script):
+    out = run_script("kv_quant_search", "--model", "random:tiny",
+                     "--text", str(DEFAULT_TEXT), "--offset", "0", "--tokens", "40",
+                     "--only", "=int4-row (today)", "had-int4-row", check=True).stdout
     rows = {cells[1].strip(): cells for cells in (line.split("|") for line in out.splitlines() if line.startswith("| "))}
     assert rows["float"][3].strip() == "1.000" and rows["float"][5].strip() == "1.000"
     assert rows["int4-row (today)"][2].strip() == "4.250" and rows["int4-row (today)"][3].strip() == "0.266"

@@ -1,16 +1,13 @@
 """bench/ring.py stays runnable: a row per model and context, the ring moving no row."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_ring_bench_prints_ms_per_tick_for_both_stores_and_their_ratio():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ring.py"), "--models", "random:tiny",
-                          "--contexts", "48", "64", "--ticks", "4", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_ring_bench_prints_ms_per_tick_for_both_stores_and_their_ratio(run_script):
+    out = run_script("ring", "--models", "random:tiny",
+                     "--contexts", "48", "64", "--ticks", "4", "--rounds", "2", check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("random:tiny")]
     assert [row[1] for row in rows] == ["48", "64"]
     for row in rows:

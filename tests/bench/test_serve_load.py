@@ -2,17 +2,15 @@
 counts round by round with ratios against the fewest (issue 32's targets are read off it),
 the pooled p99 and time per output token of the streamed requests (TPOT) included."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "bench" / "serve_load.py")
 
 
-def test_levels_compare_client_counts_with_ratios_against_the_fewest():
-    out = subprocess.run([sys.executable, SCRIPT, "--levels", "2", "1", "--rounds", "2", "--requests", "2",
-                          "--max-tokens", "4"], capture_output=True, text=True, timeout=600, check=True).stdout
+def test_levels_compare_client_counts_with_ratios_against_the_fewest(run_script):
+    out = run_script("serve_load", "--levels", "2", "1", "--rounds", "2", "--requests", "2",
+                     "--max-tokens", "4", check=True).stdout
     runs = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"]) and len(line.split()) == 8]
     assert sorted((row[0], row[1]) for row in runs) == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
     assert all(row[6:] == ["0", "0"] for row in runs)  # no failed request, no mixed session
@@ -38,13 +36,12 @@ def test_time_per_output_token_counts_the_tokens_after_the_first_text():
     assert serve_load.Result("chat-stream", ok=True, total_s=1.0, first_s=0.1, completion_tokens=1).per_token_s is None
 
 
-def test_bad_levels_are_refused_before_any_server_starts():
-    done = subprocess.run([sys.executable, SCRIPT, "--levels", "2", "2"], capture_output=True, text=True, timeout=60)
+def test_bad_levels_are_refused_before_any_server_starts(run_script):
+    done = run_script("serve_load", "--levels", "2", "2")
     assert done.returncode == 2 and "--levels names a client count twice" in done.stderr
-    done = subprocess.run([sys.executable, SCRIPT, "--levels", "0", "1"], capture_output=True, text=True, timeout=60)
+    done = run_script("serve_load", "--levels", "0", "1")
     assert done.returncode == 2 and "at least 1" in done.stderr
-    done = subprocess.run([sys.executable, SCRIPT, "--levels", "8", "1", "--clients", "4"], capture_output=True,
-                          text=True, timeout=60)
+    done = run_script("serve_load", "--levels", "8", "1", "--clients", "4")
     assert done.returncode == 2 and "give one of them" in done.stderr
-    done = subprocess.run([sys.executable, SCRIPT, "--rounds", "2"], capture_output=True, text=True, timeout=60)
+    done = run_script("serve_load", "--rounds", "2")
     assert done.returncode == 2 and "give --levels too" in done.stderr

@@ -3,7 +3,6 @@ script reads what bench/smartkv.py writes."""
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def test_series_that_do_not_pair_are_refused(a, b, kwargs, message):
         paired_ratio(a, b, **kwargs)
 
 
-def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
+def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path, run_script):
     """bench/smartkv.py --out keeps each row's per-token NLLs and adds a --methods run to the file;
     bench/significance.py reads it beside a kvpress_anchor.py JSON (here: the project's own
     streaming row written as one, so the expected ratio is known)."""
@@ -88,10 +87,9 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
     alice = (ROOT / "texts" / "alice_ch1-2.txt").read_text(encoding="utf-8")
     text.write_text(alice * (1 + 70_000 // len(alice)), encoding="utf-8")
     out = tmp_path / "project"
-    common = [sys.executable, str(ROOT / "bench" / "smartkv.py"), "--model", "random:tiny", "--text", str(text),
-              "--tokens", "128", "--budgets", "0.5", "--out", str(out)]
+    common = ["--model", "random:tiny", "--text", str(text), "--tokens", "128", "--budgets", "0.5", "--out", str(out)]
     for method in ("streaming", "smartkv-random"):
-        subprocess.run(common + ["--methods", method], capture_output=True, text=True, timeout=600, check=True)
+        run_script("smartkv", *common, "--methods", method, check=True)
     rows = {(row["method"], row["budget"]): row for row in
             json.loads((out / "smartkv_frankenstein.json").read_text())["rows"]}
     assert set(rows) == {("full", None), ("streaming", 64), ("smartkv-random", 64)}  # the first run's row kept
@@ -102,10 +100,9 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
     kvpress.mkdir()
     (kvpress / "frankenstein_128_64_streaming.json").write_text(json.dumps(
         {"method": "streaming", "budget": 64, "offset": 60000, "nll": rows["streaming", 64]["nll"]}))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "frankenstein",
-                          "--tokens", "128", "--budgets", "0.5", "--target-at", "0.5", "--method", "smartkv-random", "--block", "16",
-                          "--project-dir", str(out), "--kvpress-dir", str(kvpress)],
-                         capture_output=True, text=True, timeout=600, check=True)
+    run = run_script("significance", "--texts", "frankenstein",
+                     "--tokens", "128", "--budgets", "0.5", "--target-at", "0.5", "--method", "smartkv-random", "--block", "16",
+                     "--project-dir", str(out), "--kvpress-dir", str(kvpress), check=True)
     cells = {line.split(" | ")[3]: line.strip("| ").split(" | ") for line in run.stdout.splitlines()
              if line.startswith("| Frankenstein |")}
     assert set(cells) == {"streaming", "full cache"}
@@ -118,10 +115,9 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
 
     (kvpress / "frankenstein_128_64_knorm.json").write_text(json.dumps(  # an old run: its perplexity only
         {"method": "knorm", "budget": 64, "offset": 60000, "ppl": 99.5}))
-    table = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "frankenstein",
-                            "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random", "--block", "16",
-                            "--project-dir", str(out), "--kvpress-dir", str(kvpress), "--table"],
-                           capture_output=True, text=True, timeout=600, check=True).stdout.splitlines()
+    table = run_script("significance", "--texts", "frankenstein",
+                       "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random", "--block", "16",
+                       "--project-dir", str(out), "--kvpress-dir", str(kvpress), "--table", check=True).stdout.splitlines()
     assert table[2].startswith(f"| full cache | {rows['full', None]['ppl']:.2f} |")
     assert table[3] == f"| kvpress streaming | {rows['streaming', 64]['ppl']:.2f} ×{rows['streaming', 64]['ratio']:.3f} |"
     assert table[4] == f"| kvpress knorm | 99.50 ×{99.5 / rows['full', None]['ppl']:.3f} † |"
@@ -135,19 +131,17 @@ def test_the_table_pairs_what_bench_smartkv_wrote_with_a_kvpress_run(tmp_path):
     (kvpress / "frankenstein_128_64_tova.json").write_text(json.dumps(
         {"method": "tova", "budget": 64, "offset": 60000, "nll": rows["streaming", 64]["nll"],
          "kernels": {"cpu": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}))
-    mixed = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "frankenstein",
-                            "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random",
-                            "--project-dir", str(out), "--kvpress-dir", str(kvpress)],
-                           capture_output=True, text=True, timeout=600)
+    mixed = run_script("significance", "--texts", "frankenstein",
+                       "--tokens", "128", "--budgets", "0.5", "--method", "smartkv-random",
+                       "--project-dir", str(out), "--kvpress-dir", str(kvpress))
     assert mixed.returncode != 0 and "Traceback" not in mixed.stderr and not mixed.stdout
     assert "used other CPU kernels" in mixed.stderr
     assert "frankenstein_128_64_tova.json: AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)" in mixed.stderr
 
 
-def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), "--texts", "dracula",
-                          "--project-dir", str(tmp_path), "--kvpress-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path, run_script):
+    run = run_script("significance", "--texts", "dracula",
+                     "--project-dir", str(tmp_path), "--kvpress-dir", str(tmp_path))
     assert run.returncode != 0 and "smartkv_dracula.json missing: run bench/smartkv.py --text dracula.txt" in run.stderr
     assert "Traceback" not in run.stderr
 
@@ -157,8 +151,7 @@ def test_a_missing_project_file_names_the_command_that_writes_it(tmp_path):
     (["--block", "0"], "--block must be in [1, --tokens 1024], got 0"),
     (["--resamples", "10"], "--resamples must be at least 100"),
 ])
-def test_bad_options_are_refused_with_one_line_before_any_file_is_read(tmp_path, flags, message):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "significance.py"), *flags,
-                          "--project-dir", str(tmp_path / "none"), "--kvpress-dir", str(tmp_path / "none")],
-                         capture_output=True, text=True, timeout=600)
+def test_bad_options_are_refused_with_one_line_before_any_file_is_read(tmp_path, flags, message, run_script):
+    run = run_script("significance", *flags,
+                     "--project-dir", str(tmp_path / "none"), "--kvpress-dir", str(tmp_path / "none"))
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr and not run.stdout

@@ -1,18 +1,14 @@
 """bench/tick_host.py stays runnable: per policy, a tick under and past its budget split into
 the model forward and the rest, and the costliest functions outside the model's modules."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "bench" / "tick_host.py")
 
 
-def test_it_splits_each_policys_tick_into_the_forward_and_the_rest():
-    out = subprocess.run([sys.executable, SCRIPT, "--model", "random:tiny", "--budget", "48", "--ticks", "6",
-                          "--rounds", "2", "--policies", "streaming", "smartkv+recall", "--profile", "5"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+def test_it_splits_each_policys_tick_into_the_forward_and_the_rest(run_script):
+    out = run_script("tick_host", "--model", "random:tiny", "--budget", "48", "--ticks", "6",
+                     "--rounds", "2", "--policies", "streaming", "smartkv+recall", "--profile", "5", check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["streaming"], ["smartkv+recall"])
             and line.split()[1] in ("under", "past")]
     assert [(row[0], row[1]) for row in rows] == [("streaming", "under"), ("streaming", "past"),
@@ -29,10 +25,9 @@ def test_it_splits_each_policys_tick_into_the_forward_and_the_rest():
     assert "positronic/brain/loop.py:" in out  # the tick itself is the project's
 
 
-def test_a_bad_policy_is_refused_before_any_model_loads():
-    done = subprocess.run([sys.executable, SCRIPT, "--policies", "streming"], capture_output=True, text=True,
-                          timeout=120)
+def test_a_bad_policy_is_refused_before_any_model_loads(run_script):
+    done = run_script("tick_host", "--policies", "streming")
     assert done.returncode == 2 and "--policies streming: a policy is one of" in done.stderr
     assert "model" not in done.stdout
-    done = subprocess.run([sys.executable, SCRIPT, "--model", "nosuch"], capture_output=True, text=True, timeout=120)
+    done = run_script("tick_host", "--model", "nosuch")
     assert done.returncode == 2 and "error: unknown model 'nosuch'" in done.stderr and "Traceback" not in done.stderr
