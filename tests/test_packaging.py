@@ -18,6 +18,8 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # not part of a build; a stale build/ (from an older layout) would leak into the wheel
 LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
@@ -39,6 +41,7 @@ def run(command: list, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.long
 def test_wheel_installs_positronic_alone_and_eval_runs_outside_the_checkout(tmp_path):
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=LEFT_OUT)

@@ -59,16 +59,16 @@ def test_events_file_has_one_parsable_record_per_tick(tmp_path, capsys, run_cli)
 
 @pytest.mark.smollm2
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path, capsys, run_cli):
-    common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--save-every", "50"]
-    assert run_cli("--ticks", "100", "--session", str(tmp_path / "straight"), "--prompt", PROMPT, *common) == 0
-    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--prompt", PROMPT, *common) == 0
+    common = ["--temperature", "0", "--budget", "48", "--repairer", "self", "--no-tui", "--save-every", "30"]
+    assert run_cli("--ticks", "60", "--session", str(tmp_path / "straight"), "--prompt", PROMPT, *common) == 0
+    assert run_cli("--ticks", "30", "--session", str(tmp_path / "split"), "--prompt", PROMPT, *common) == 0
     # a prompt starts a run: with --resume it would be ignored, so it is refused
-    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--resume", "--prompt", PROMPT, *common) == 2
+    assert run_cli("--ticks", "30", "--session", str(tmp_path / "split"), "--resume", "--prompt", PROMPT, *common) == 2
     assert "--prompt/--prompt-file start a run" in capsys.readouterr().err
-    assert run_cli("--ticks", "50", "--session", str(tmp_path / "split"), "--resume", *common) == 0
+    assert run_cli("--ticks", "30", "--session", str(tmp_path / "split"), "--resume", *common) == 0
     straight, meta_a = mirror_pkg.load(tmp_path / "straight" / "mirror.msgpack")
     split, meta_b = mirror_pkg.load(tmp_path / "split" / "mirror.msgpack")
-    assert meta_a["tick"] == meta_b["tick"] == 100
+    assert meta_a["tick"] == meta_b["tick"] == 60
     assert straight.live_token_ids() == split.live_token_ids()
     assert straight.positions() == split.positions()
     assert straight.ledger.entries == split.ledger.entries
@@ -462,6 +462,7 @@ def test_a_line_too_long_for_the_budget_is_refused_and_nothing_is_queued(tiny):
     assert len(brain.say("y" * 18)) == 36
 
 
+@pytest.mark.long
 def test_lines_on_stdin_of_a_no_tui_run_reach_the_ledger(tiny, tmp_path):
     """`python run.py --model random:tiny --no-tui --ticks 60` with input on a pipe: each line
     is fed as a user turn (a blank one is ignored, one too long refused on stderr) and the

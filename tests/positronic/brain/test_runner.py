@@ -133,15 +133,17 @@ def signal_moment(rng, process, events: Path, done: int, ticks: int, span: int, 
         time.sleep(0.005)
 
 
-SOAK_STOPS = int(os.environ.get("POSITRONIC_SOAK_STOPS", "8"))  # the long form: POSITRONIC_SOAK_STOPS=40
+# 4 stops in the suite; the long form (POSITRONIC_LONG_TESTS=1, or a count here) 40
+SOAK_STOPS = int(os.environ.get("POSITRONIC_SOAK_STOPS", "40" if os.environ.get("POSITRONIC_LONG_TESTS") else "4"))
 
 
+@pytest.mark.long
 def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stream(tmp_path):
     """A run stopped again and again at random moments by Ctrl-C or SIGKILL (during start-up,
     mid-run, mid-save), resumed each time, ends with the same tokens, edits and event log
-    as a run that was never interrupted. Bounded: 8 interruptions (POSITRONIC_SOAK_STOPS), then
+    as a run that was never interrupted. Bounded: 4 interruptions (POSITRONIC_SOAK_STOPS), then
     it runs to the end; the outcome of each is printed (pytest -s shows it)."""
-    ticks, common = max(400, 50 * SOAK_STOPS), ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
+    ticks, common = max(200, 50 * SOAK_STOPS), ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
     straight = tmp_path / "straight.jsonl"
     subprocess.run(cli("--ticks", str(ticks), "--events", str(straight), *common), check=True,
                    capture_output=True, timeout=300)
@@ -158,7 +160,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=interruptible)
         if len(stops) < SOAK_STOPS:  # then it runs to the end
-            # the suite's 8 stops land in the first half of what is left, as they always have; the
+            # the suite's stops land in the first half of what is left, as they always have; the
             # long form's many stops each take a share of the ticks, so that every stop has a run to stop
             signal_moment(rng, process, events, done, ticks, span=ticks if SOAK_STOPS <= 8 else ticks // (2 * SOAK_STOPS),
                           stale=stale)

@@ -63,6 +63,7 @@ def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys, run_cli):
     assert "--ticks must be at least 1, or -1 for no limit" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.skipif(os.name != "posix", reason="sends SIGINT")
 def test_no_tick_limit_runs_until_ctrl_c_and_ends_with_the_summary(tmp_path):
     events = tmp_path / "events.jsonl"
@@ -91,6 +92,7 @@ def test_an_existing_event_log_is_not_overwritten_without_overwrite(tmp_path, ca
     assert events.read_text().count("\n") == 1 + 3, "a header and three ticks"
 
 
+@pytest.mark.long
 def test_the_process_entry_ignores_ctrl_c_once_the_work_is_done():
     """run.py and the `positronic` command end through `entry`: after `main` (here --help, which
     exits), Ctrl-C is ignored, so one pressed while the interpreter tears down cannot turn a
@@ -102,6 +104,7 @@ def test_the_process_entry_ignores_ctrl_c_once_the_work_is_done():
     assert out.stdout.strip().splitlines()[-1] == "0 True", out.stderr[-500:]
 
 
+@pytest.mark.long
 def test_a_run_as_its_own_process_freezes_the_loaded_objects_and_an_in_process_call_does_not(run_cli, capsys):
     """The process entry lets the collector skip the model's and tokenizer's objects once
     loaded (a full collection walked ~378,000 of them for SmolLM2); a caller's own process

@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 SERVE = {"fastapi", "uvicorn", "prometheus_client"}
 
@@ -34,6 +36,7 @@ def test_the_extras_are_declared_and_make_setup_installs_them():
     assert "'.[serve,eval,dev]'" in (ROOT / "Makefile").read_text()
 
 
+@pytest.mark.long
 def test_the_main_job_runs_without_the_extras_and_serve_says_what_to_install():
     ran = without(SERVE | {"matplotlib"}, "--model", "random:tiny", "--ticks", "5", "--no-tui", "--no-input")
     assert ran.returncode == 0, ran.stderr
@@ -42,6 +45,7 @@ def test_the_main_job_runs_without_the_extras_and_serve_says_what_to_install():
     assert "pip install 'positronic-brain[serve]'" in served.stderr and "fastapi" in served.stderr
 
 
+@pytest.mark.long
 def test_eval_without_matplotlib_writes_its_tables_and_says_the_plot_is_missing(tmp_path, eval_text):
     text, out = tmp_path / "t.txt", tmp_path / "res"
     text.write_text(eval_text)

@@ -128,6 +128,7 @@ def test_a_missing_or_unreadable_gguf_file_is_refused(tmp_path, one_line_error):
     assert "cannot read GGUF file" in message and "bad.gguf" in message
 
 
+@pytest.mark.long
 def test_a_hub_id_loads_from_the_local_hugging_face_cache_offline(tmp_path):
     """What a user who ran `hf download Qwen/Qwen3-0.6B` has: the model under the hub cache's
     models--org--name/snapshots/<commit>/ layout. `run.py --model org/name` finds it there with

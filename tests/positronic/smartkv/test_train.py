@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from positronic.smartkv import GateSet
@@ -12,6 +13,7 @@ from positronic.smartkv import GateSet
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.long
 def test_train_command_writes_gates_that_fit_the_model(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
@@ -39,6 +41,7 @@ def test_train_command_writes_gates_that_fit_the_model(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "held-out" in bad.stderr
 
 
+@pytest.mark.long
 def test_per_head_training_writes_a_gate_output_per_kv_head(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
@@ -66,6 +69,7 @@ def test_per_head_training_writes_a_gate_output_per_kv_head(tmp_path):
     assert mixed.returncode == 2 and "holds per-head lifespans; add --per-head" in mixed.stderr
 
 
+@pytest.mark.long
 def test_train_command_checks_its_files_before_loading_a_model(tmp_path):
     held = tmp_path / "b.txt"
     held.write_text("Pack my box with five dozen liquor jugs. " * 10)

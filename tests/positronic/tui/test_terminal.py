@@ -86,6 +86,7 @@ def test_the_key_reader_reads_keys_in_cbreak_mode_and_puts_the_terminal_back_how
     os.close(write)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not pty_available(), reason="needs a POSIX terminal")
 def test_typing_into_the_live_view_of_a_real_run_and_ctrl_c_on_its_terminal(tiny, tmp_path):
     """run.py on a terminal of its own: a line typed and sent with Enter is fed as a user turn,
