@@ -8,7 +8,7 @@ the budget, stop strings, the body size), text with NUL and lone surrogates (jso
 lone surrogate as a raw "\\udXXX" escape), unknown fields, and session ids with path tricks
 ("../x", "a/b", "."), in the `user` field or the X-Session-Id header.
 
-POSITRONIC_FUZZ_EXAMPLES (default 60) sets how many requests hypothesis tries; the run's
+POSITRONIC_FUZZ_EXAMPLES (default 60; 2000 with POSITRONIC_LONG_TESTS=1) sets how many requests hypothesis tries; the run's
 figures (requests, outcomes by status, time) are printed at the end (`pytest -s`); a long run's
 are in bench/results/server.md.
 """
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 MODEL = "random:tiny"
-EXAMPLES = int(os.environ.get("POSITRONIC_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("POSITRONIC_FUZZ_EXAMPLES", "2000" if os.environ.get("POSITRONIC_LONG_TESTS") else "60"))
 MAX_TOKENS = 24  # the fuzzed server's --max-tokens: replies stay short
 MAX_BODY = 16 * 1024
 REQUEST_TIMEOUT = 60  # seconds: a request that takes longer is a hang

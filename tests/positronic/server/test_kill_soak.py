@@ -6,7 +6,7 @@ not get whole with the same Idempotency-Key (positronic/server/answers.py).
 At the end every client has received exactly the answers, and every session holds exactly the
 transcript, of an uninterrupted reference run: greedy and seeded sampling alike, token for
 token; no session lost, none corrupted, no duplicate or missing turn. Bounded: 4 kills in the
-suite (POSITRONIC_SERVER_SOAK_KILLS, POSITRONIC_SERVER_SOAK_SEED; the long form's figures are in
+suite, 40 with POSITRONIC_LONG_TESTS=1 (POSITRONIC_SERVER_SOAK_KILLS, POSITRONIC_SERVER_SOAK_SEED; the long form's figures are in
 bench/results/long_runs.md),
 each printed with its outcome (pytest -s shows them).
 """
@@ -29,7 +29,7 @@ from positronic.brain.loop import BrainConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = "random:tiny"
-KILLS = int(os.environ.get("POSITRONIC_SERVER_SOAK_KILLS", "4"))
+KILLS = int(os.environ.get("POSITRONIC_SERVER_SOAK_KILLS", "40" if os.environ.get("POSITRONIC_LONG_TESTS") else "4"))
 SEED = int(os.environ.get("POSITRONIC_SERVER_SOAK_SEED", "11"))  # the kills' moments and the clients' faults
 TURNS = max(6, KILLS * 3 // 2)  # requests per client: the kills land among them
 CONFIG = BrainConfig(budget=96, temperature=0.0, seed=0)  # serve's defaults, but these
