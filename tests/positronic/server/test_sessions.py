@@ -158,7 +158,7 @@ def test_a_request_waits_for_its_own_sessions_job_left_running_and_for_no_other_
                                                                                         server_config):
     """A job a cancelled request left running (held here on an event) keeps the next request of
     its session out of the brain until it ends; a request of another session is let in at once.
-    (It used to wait for every job in flight: ~70 ms a request at 8 clients, bench/results/batch.md.)"""
+    (It used to wait for every job in flight: ~70 ms a request at 8 clients, bench/results/history/batch.md.)"""
     release = threading.Event()
 
     def left_running() -> str:  # a job waits without holding up the forward thread (as a checkpoint's write)
