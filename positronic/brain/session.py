@@ -13,6 +13,7 @@ A session directory holds these files:
     blob-<sha256>.bin      a large piece of the policy's state (SmartKV recall's index, in
                            blocks of its ring), named by its content and named in the mirror
                            file's policy state: a save writes only the pieces that changed
+    .lock                  while a run or a server holds the session (Claim): names the holder
 
 Saving touches nothing in the run (no rebuild), so a run with `--session` makes the same
 tokens as one without, and resuming loads the cache instead of recomputing it, so the resumed
@@ -32,8 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
+import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -70,33 +74,115 @@ class SessionError(ValueError):
 
 
 class SessionLocked(SessionError):
-    """Another process (a run, a server) is using the session directory."""
+    """Another process (a run, a server) is using the session directory: `holder` names it
+    ("run.py (pid 123)")."""
+
+    def __init__(self, directory: Path, holder: str):
+        super().__init__(f"{directory} is in use by {holder}: one run or server per session directory")
+        self.directory, self.holder = directory, holder
+
+
+class Claim:
+    """`directory` held by this process (created if needed, with its missing parents): one
+    owner per session, whoever it is (run.py for its whole run, the server while the session
+    is in its pool, `serve` for its whole --session-dir). A second claim, from any process or
+    from this one, gets SessionLocked at once instead of racing this one's saves. An advisory
+    lock (flock on DIRECTORY/.lock, which names the holder): the kernel drops it when the
+    process ends, killed or not, so a crash never leaves the directory locked. `release()`
+    removes the lock file, and the directories the claim created if they are still empty: a
+    run refused after its claim leaves nothing behind. A lock file that is a link or not a
+    regular file is SessionError (never written through); storage that fails is OSError."""
+
+    ATTEMPTS = 100  # claims that lose a race with a release and start again, before giving up
+
+    def __init__(self, directory: str | Path, who: str = "a run"):
+        self.directory = Path(directory)
+        self._made = []  # the directories this claim creates, outermost first
+        for parent in [self.directory, *self.directory.parents]:
+            if parent.exists() or parent.is_symlink():
+                break
+            self._made.insert(0, parent)
+        try:
+            self._fd = self._lock(f"{who} (pid {os.getpid()})")
+        except BaseException:
+            self._fd = None
+            self._remove_made()
+            raise
+
+    def _lock(self, holder: str) -> int:
+        import fcntl
+
+        path = self.directory / LOCK_FILE
+        for _ in range(self.ATTEMPTS):
+            self.directory.mkdir(parents=True, exist_ok=True)  # OSError: the storage's trouble, not the session's
+            try:  # never through a link: the file is truncated and written
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except FileNotFoundError:  # the directory went with the last holder's release: made again
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise SessionError(f"cannot lock {path}: it is a symbolic link; remove it") from None
+                if exc.errno == errno.EISDIR:
+                    raise SessionError(f"cannot lock {path}: not a regular file; remove it") from None
+                raise
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise SessionError(f"cannot lock {path}: not a regular file; remove it")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    other = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                    raise SessionLocked(self.directory, other) from None
+                try:  # the file opened may be one the last holder removed as it let go: then not ours
+                    current = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    current = None
+                if current is None or not os.path.samestat(os.fstat(fd), current):
+                    os.close(fd)
+                    continue
+                if current.st_nlink != 1:  # another file's hard link: never truncated
+                    raise SessionError(f"cannot lock {path}: it has other names (a hard link); remove it")
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{holder}\n".encode(), 0)
+                return fd
+            except BaseException:
+                os.close(fd)
+                raise
+        raise SessionError(f"cannot lock {path}: it kept disappearing ({self.ATTEMPTS} attempts)")
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Let the directory go (once; later calls do nothing)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            # removed while still held: a claimant that opened this file finds it gone and starts again
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / LOCK_FILE)
+            self._remove_made()
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _remove_made(self) -> None:
+        for made in reversed(self._made):
+            try:
+                made.rmdir()
+            except OSError:  # not empty (a checkpoint, another's claim) or gone: kept as it is
+                return
 
 
 @contextlib.contextmanager
 def locked(directory: str | Path, who: str = "a run"):
-    """Hold `directory` (created if needed) for this process: a second run or server on it
-    gets SessionLocked at once instead of racing this one's saves. An advisory lock
-    (flock on DIRECTORY/.lock, which names the holder): the kernel drops it when the
-    process ends, killed or not, so a crash never leaves the directory locked."""
-    import fcntl
-    import os
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """`directory` held for the block (Claim): SessionLocked if another holds it."""
+    claim = Claim(directory, who)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-            raise SessionLocked(f"{directory} is in use by {holder}: one run or server per session directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{who} (pid {os.getpid()})\n".encode(), 0)
-        yield directory
+        yield claim.directory
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        claim.release()
 
 
 def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None = None) -> Path:

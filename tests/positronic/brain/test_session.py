@@ -1,6 +1,7 @@
 """Sessions (positronic/brain/session.py): what a saved run comes back as."""
 
 import hashlib
+import os
 import re
 
 import pytest
@@ -341,3 +342,54 @@ def test_one_process_at_a_time_holds_a_session_directory(tmp_path):
                 pass
     with sessions.locked(tmp_path / "s"):  # released with its holder
         pass
+
+
+def test_a_second_claim_in_the_same_process_is_refused_too(tmp_path):
+    """flock belongs to the open file, not the process: a server's pool, or a test holding a
+    session beside an in-process run, is refused as another process would be."""
+    first = sessions.Claim(tmp_path / "s", "positronic serve")
+    with pytest.raises(sessions.SessionLocked) as refused:
+        sessions.Claim(tmp_path / "s", "run.py")
+    assert refused.value.holder == f"positronic serve (pid {os.getpid()})"
+    assert (tmp_path / "s" / sessions.LOCK_FILE).read_text() == f"positronic serve (pid {os.getpid()})\n"
+    first.release()
+    first.release()  # once; the second does nothing
+    sessions.Claim(tmp_path / "s", "run.py").release()
+
+
+def test_a_claim_let_go_leaves_no_lock_file_and_removes_only_the_empty_directories_it_made(tmp_path):
+    """A run refused after its claim (a bad setting found once the model has loaded) leaves
+    nothing behind; a directory that holds a checkpoint, or existed before, stays."""
+    with sessions.locked(tmp_path / "a" / "b" / "c", "run.py") as directory:
+        assert {p.name for p in directory.iterdir()} == {sessions.LOCK_FILE}
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes").write_text("the user's")
+    with sessions.locked(tmp_path / "mine"):
+        pass
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes"]
+    with sessions.locked(tmp_path / "new" / "s") as directory:
+        (directory / sessions.MIRROR_FILE).write_bytes(b"a checkpoint")
+    assert [p.name for p in (tmp_path / "new" / "s").iterdir()] == [sessions.MIRROR_FILE]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "directory"])
+def test_a_lock_file_that_is_not_a_plain_file_of_its_own_is_refused_and_nothing_is_written_through_it(tmp_path, kind):
+    """The lock file is truncated and written when claimed: a link planted in its place would
+    have that write land on the file it names."""
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    session = tmp_path / "s"
+    session.mkdir()
+    lock = session / sessions.LOCK_FILE
+    if kind == "symlink":
+        lock.symlink_to(target)
+    elif kind == "hard link":
+        os.link(target, lock)
+    else:
+        lock.mkdir()
+    with pytest.raises(sessions.SessionError, match=re.escape(str(lock)) + ".*remove it"):
+        with sessions.locked(session, "run.py"):
+            pass
+    assert target.read_text() == "keep me"
+    assert lock.is_symlink() or lock.exists(), "what was there is left as it was"
