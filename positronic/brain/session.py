@@ -167,6 +167,10 @@ class Claim:
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
+    def __del__(self):  # dropped without release (a pool never closed): its descriptor at least
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
     def _remove_made(self) -> None:
         for made in reversed(self._made):
             try:

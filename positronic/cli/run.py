@@ -127,13 +127,15 @@ def run(
         if saved.exists() and not (resume or overwrite):
             raise UserError(f"--session {session} already holds a saved run; continue it with --resume, "
                             "replace it with --overwrite, or choose another directory")
+        # held until the command ends, from before the saved run is read; a refusal from here on
+        # (even once the model has loaded) removes the lock file and the directories it made
+        ctx.with_resource(sessions.locked(session, "run.py"))
         if resume:
             meta = sessions.load(session)[1]
             refuse_changed_settings(ctx, config, meta["config"])
             if events is not None and events.exists() and events_run_id(events) != meta.get("run_id"):
                 raise UserError(f"--events {events} is not this session's event log (its header names another run, "
                                 "or none): a resumed run appends only to its own; choose another file")
-        ctx.with_resource(sessions.locked(session, "run.py"))  # held until the command ends
     live = not (no_tui or not sys.stdout.isatty())
     typing, fd = input_source(read_input, live)
     inputs = queue.SimpleQueue() if typing else None

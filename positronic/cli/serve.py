@@ -130,7 +130,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         check_access(options["api_key"], options["cors_origin"] or [])
         from ..brain import session as sessions
 
-        # one server per session directory, and no run.py in one of its sessions: held until the command ends
+        # one server per session directory (and no run.py on the directory itself; each session has its
+        # own lock, held by the pool while the session is in memory): held until the command ends
         ctx.with_resource(sessions.locked(directory, "positronic serve"))
         import torch
 

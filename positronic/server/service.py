@@ -26,7 +26,7 @@ from .metrics import Metrics
 from ..brain.config import logit_bias_text
 from .schemas import IGNORED, APIError, GenerationBody, Message, StreamOptions, message_text, stops_of
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, Prepared, SaveFailed, ServerStopping,
-                       SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
+                       SessionInUse, SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .choices import merge_events, merge_whole
 from .streaming import ChatWriter, CompletionWriter, EventStream, as_events
 from .text import ChatFormat
@@ -280,7 +280,8 @@ class BrainServer:
 
     @contextlib.asynccontextmanager
     async def hold(self, session_id: str | None):
-        """The session's conversation, held for the request (429: no slot; 409: unusable)."""
+        """The session's conversation, held for the request (429: no slot; 409: unusable, or held by
+        another process)."""
         try:
             conversation = await self.pool.acquire(session_id)
         except PoolFull as exc:
@@ -289,6 +290,8 @@ class BrainServer:
             raise APIError(507, str(exc), type="server_error", code="session_save_failed") from None
         except SessionUnusable as exc:
             raise APIError(409, str(exc), param="user", code="session_unusable") from None
+        except SessionInUse as exc:  # run.py or another server holds it: it may be free later
+            raise APIError(409, str(exc), param="user", code="session_in_use") from None
         try:
             yield conversation
         finally:

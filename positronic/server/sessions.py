@@ -19,6 +19,9 @@ gets a throwaway conversation that counts too). To make room, and when a session
 idle `idle_save_s`, the least recently used idle one is checkpointed with
 positronic/brain/session.py into `directory/ID/` and freed; its next request resumes it from there,
 token for token as if it had stayed. `close()` checkpoints every session (graceful shutdown).
+A session in memory holds its directory (brain/session.py Claim) until it is freed: run.py or
+another server is refused it meanwhile, and a session one of them holds is refused here
+(SessionInUse), before any slot is freed for it.
 A checkpoint that cannot be written is logged (session and file) and counted; the session stays
 in memory (tried again when room is needed, and at close, which returns the sessions it lost),
 and a request that needed its slot gets SaveFailed, not an endless PoolFull.
@@ -54,6 +57,7 @@ from ..state.readonly import MirrorView
 log = logging.getLogger("positronic.server.app")
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+HOLDER = "positronic serve"  # how a session's lock file names the server holding it
 TRANSCRIPT_SOURCES = ("prompt", "user", "generated")  # what was said; repairs and insertions are the brain's own
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
 _ENDED = object()  # ModelWorker.stream: the job returned (or raised)
@@ -70,6 +74,14 @@ class SaveFailed(Exception):
 
 class SessionUnusable(Exception):
     """A checkpointed session that cannot be resumed (damaged, or saved with another model)."""
+
+
+class SessionInUse(Exception):
+    """Another process (run.py, another server) holds the session's directory: `holder` names it."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
 
 
 class ClientGone(Exception):
@@ -227,6 +239,7 @@ class Conversation:
         self.answers = Answers()  # the answer to its last keyed request (answers.py), checkpointed with it
         self.history = History(None)  # a chat session's messages (history.py), checkpointed with it
         self.stepping = WorkLock()  # held through each tick: a reader in another job waits for its end
+        self.claim: sessions.Claim | None = None  # its directory, held while it is in the pool (SessionPool)
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -505,7 +518,8 @@ class SessionPool:
     async def acquire(self, session_id: str | None) -> Conversation:
         """The conversation of `session_id` (None: a new throwaway one), held for this request
         (waits while an earlier request of the session holds it). PoolFull when no slot can be
-        freed; SessionUnusable when its checkpoint cannot be resumed."""
+        freed; SessionUnusable when its checkpoint cannot be resumed; SessionInUse when another
+        process holds its directory (nothing changed: no other session freed for it)."""
         if session_id is None:
             async with self._admit:
                 await self._make_room()
@@ -542,25 +556,53 @@ class SessionPool:
             self._throwaway -= 1
         elif conversation.broken and self._loaded.get(conversation.id) is conversation:
             del self._loaded[conversation.id]
+            self._let_go(conversation)
             log.warning("session %s dropped: its state is broken", conversation.id)
 
     async def _admit_session(self, session_id: str) -> Conversation:
         async with self._admit:
             if (conversation := self._loaded.get(session_id)) is not None:
                 return conversation  # admitted while this request waited
-            await self._make_room()
             conversation = Conversation(session_id, self.on_tick)
             path = self.path(session_id)
-            if (path / sessions.MIRROR_FILE).exists():
-                try:
-                    conversation.brain, note = await self.worker.run(self._resume, path, owner=conversation)
-                    conversation.answers = Answers.from_note(note, self.lm.vocab_size)
-                    conversation.history = History.from_note((note or {}).get("history"))
-                except (sessions.SessionError, ValueError) as exc:
-                    raise SessionUnusable(f"session {session_id} cannot be resumed: {exc}") from None
-                self.resumed += 1
+            self._claim(conversation)  # first: a session another process holds costs no other its slot
+            try:
+                await self._make_room()
+                if (path / sessions.MIRROR_FILE).exists():
+                    try:
+                        conversation.brain, note = await self.worker.run(self._resume, path, owner=conversation)
+                        conversation.answers = Answers.from_note(note, self.lm.vocab_size)
+                        conversation.history = History.from_note((note or {}).get("history"))
+                    except (sessions.SessionError, ValueError) as exc:
+                        raise SessionUnusable(f"session {session_id} cannot be resumed: {exc}") from None
+                    self.resumed += 1
+            except BaseException:
+                self._let_go(conversation)
+                raise
             self._loaded[session_id] = conversation
             return conversation
+
+    def _claim(self, conversation: Conversation) -> None:
+        """Hold the conversation's directory while it is in the pool (brain/session.py Claim):
+        run.py or another server on the session is refused meanwhile, and this pool is refused
+        a session they hold (SessionInUse). A directory that cannot be made (the storage is
+        unwritable) leaves it unclaimed: it is served from memory, and claimed at its first
+        checkpoint, whose failure is said as any failed checkpoint is."""
+        try:
+            conversation.claim = sessions.Claim(self.path(conversation.id), HOLDER)
+        except sessions.SessionLocked as exc:
+            raise SessionInUse(f"session {conversation.id} is in use by {exc.holder}: one process at a time "
+                               "holds a session; try again once it has let the session go", exc.holder) from None
+        except sessions.SessionError as exc:  # its lock file is a link or not a file
+            raise SessionUnusable(f"session {conversation.id} cannot be used: {exc}") from None
+        except OSError:
+            conversation.claim = None
+
+    @staticmethod
+    def _let_go(conversation: Conversation) -> None:
+        if conversation.claim is not None:
+            conversation.claim.release()
+            conversation.claim = None
 
     def _resume(self, path: Path) -> tuple[Brain, dict | None]:
         """On the model worker: a checkpoint's files read in a helper thread (the others' rounds
@@ -596,6 +638,7 @@ class SessionPool:
                 return False
             conversation.evicted = True
             del self._loaded[conversation.id]
+            self._let_go(conversation)
             self.freed += 1
             return True
         finally:
@@ -610,6 +653,8 @@ class SessionPool:
             return True
         path = self.path(conversation.id)
         try:
+            if conversation.claim is None:  # its directory could not be made when it came in
+                conversation.claim = sessions.Claim(path, HOLDER)
             await self.worker.run(conversation.save, path, self.lm.name, owner=conversation)
         except Exception as exc:  # whatever it is, the session stays in memory, and it is said
             self.save_failures += 1
@@ -649,6 +694,8 @@ class SessionPool:
                     lost[conversation.id] = why
                     continue
                 await self._evict(conversation)
+            for conversation in self._loaded.values():  # cut or unsaved: nothing writes them any more
+                self._let_go(conversation)
         lost.update({sid: self.unsaved.get(sid, "not saved") for sid in self._loaded if sid not in lost})
         return self.saved - before, lost
 

@@ -71,6 +71,28 @@ def test_a_state_that_cannot_be_rebuilt_stops_the_run_and_is_never_saved(tiny, t
     assert sessions.load(session)[1]["tick"] == 7, "the broken state was not"
 
 
+def test_run_py_refused_once_the_model_has_loaded_leaves_no_directory_and_no_lock_file(tmp_path, capsys, run_cli):
+    """A run holds its --session from before the model loads (a server or another run is refused
+    at once); what only the model can tell (a prompt past its positions, a saved run that does
+    not check out) still refuses it then, and the session is left as the run found it: a new
+    directory and its lock file go, a saved run's files stay as they were, nothing added."""
+    new = tmp_path / "runs" / "new"
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "-n", "2", "--session", str(new),
+                   "-p", "word " * 600) == 2
+    assert "more than random:tiny's 512 positions" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    saved = tmp_path / "saved"
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "-n", "2", "-c", "64", "--session", str(saved)) == 0
+    cache = next(saved.glob("kv-*.safetensors"))
+    cache.write_bytes(cache.read_bytes()[:-8] + b"damaged!")
+    (saved / sessions.LOCK_FILE).unlink(missing_ok=True)  # as a copied session: no lock file of its own
+    before = {p.name: p.read_bytes() for p in saved.iterdir()}
+    capsys.readouterr()
+    assert run_cli("-m", "random:tiny", "--no-tui", "--no-input", "-n", "2", "--session", str(saved), "--resume") == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert {p.name: p.read_bytes() for p in saved.iterdir()} == before
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "run.py"), "--model", "random:tiny", "--no-tui", *args]
 

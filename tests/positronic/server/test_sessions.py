@@ -2,16 +2,23 @@
 memory, the least recently used checkpointed to disk and resumed exactly, idle ones freed."""
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from positronic.batch import offload
 from positronic.brain import session as brain_session
 from positronic.brain.loop import Brain
-from positronic.server.sessions import (Conversation, ModelWorker, PoolFull, SessionPool, SessionUnusable,
-                                        check_session_id, describe)
+from positronic.server.sessions import (Conversation, ModelWorker, PoolFull, SessionInUse, SessionPool,
+                                        SessionUnusable, check_session_id, describe)
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_path, live_server, server_settings, chat, conversation, metric):
@@ -32,7 +39,7 @@ def test_a_session_outlives_max_sessions_and_resumes_from_disk(tiny, live, tmp_p
 
         replies = [say(texts[0])]
         chat(client, "s2", "another")
-        assert not (small.session_dir / "s1").exists()
+        assert not (small.session_dir / "s1" / "mirror.msgpack").exists()  # held (its lock file), not saved
         chat(client, "s3", "and another")  # no room: s1 goes to disk
         assert (small.session_dir / "s1" / "mirror.msgpack").exists()
         assert "s1" not in server.server.pool.loaded
@@ -123,6 +130,109 @@ def test_the_pool_checkpoints_the_least_recently_used_session_and_resumes_it_exa
             worker.close()
 
     asyncio.run(scenario())
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
+
+
+def test_the_pool_holds_the_sessions_it_has_and_is_refused_one_another_holds(tiny, tmp_path, server_config):
+    """A session in the pool is held (brain/session.py Claim) from its admission to its
+    eviction; one that another holds is refused with SessionInUse naming the holder, before
+    any slot is freed for it, and nothing on disk changes."""
+    async def scenario():
+        worker = ModelWorker()
+        pool = SessionPool(tiny, worker, tmp_path, max_sessions=1)
+        try:
+            bob = await pool.acquire("bob")
+            await worker.run(bob.start, tiny, [tiny.bos_id] + tiny.encode("hello"), server_config)
+            pool.release(bob)
+            with pytest.raises(brain_session.SessionLocked, match=rf"in use by positronic serve \(pid {os.getpid()}\)"):
+                brain_session.Claim(tmp_path / "bob", "run.py")  # idle, but in the pool
+            run = brain_session.Claim(tmp_path / "alice", "run.py")
+            before = {name: files(tmp_path / name) for name in ("alice", "bob")}
+            with pytest.raises(SessionInUse, match=rf"session alice is in use by run.py \(pid {os.getpid()}\)"):
+                await pool.acquire("alice")
+            assert set(pool.loaded) == {"bob"} and pool.saved == 0, "no slot was freed for it"
+            assert {name: files(tmp_path / name) for name in ("alice", "bob")} == before
+            run.release()
+            alice = await pool.acquire("alice")  # now it comes in, and bob goes to disk and is let go
+            assert (tmp_path / "bob" / brain_session.MIRROR_FILE).exists()
+            brain_session.Claim(tmp_path / "bob", "run.py").release()
+            pool.release(alice)
+            await pool.close()
+            brain_session.Claim(tmp_path / "bob", "run.py").release()
+            assert not (tmp_path / "alice").exists(), "never started: nothing saved, and its lock went with it"
+        finally:
+            worker.close()
+
+    asyncio.run(scenario())
+
+
+def test_run_py_is_refused_a_session_the_server_holds_and_takes_it_once_the_server_let_it_go(
+        tiny, tmp_path, live_server, server_settings, chat, run_cli, capsys):
+    """The race that lost a run's ticks: `run.py --session SD/alice --resume` beside a server
+    holding alice ran, and the server's next checkpoint wrote over what it saved. Now it is
+    refused with one line naming the server, and changes nothing."""
+    settings = server_settings(tmp_path)
+    alice = settings.session_dir / "alice"
+    run = ("-m", "random:tiny", "--no-tui", "--no-input", "-n", "3", "--session", str(alice), "--resume")
+    with live_server(tiny, settings) as server:
+        first = chat(server.client(), "alice", "hello")
+        before = files(alice)
+        capsys.readouterr()
+        assert run_cli(*run) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{alice} is in use by positronic serve (pid {os.getpid()})" in err, err
+        assert files(alice) == before
+        history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.choices[0].message.content}]
+        chat(server.client(), "alice", "more", history=history)  # the server goes on with it
+    tick = brain_session.load(alice)[1]["tick"]  # its shutdown checkpoint; the server let it go
+    assert run_cli(*run) == 0
+    assert brain_session.load(alice)[1]["tick"] == tick + 3
+    assert brain_session.LOCK_FILE not in files(alice)
+
+
+def test_the_server_is_refused_a_session_run_py_holds_and_changes_nothing(tiny, tmp_path, live_server,
+                                                                           server_settings, chat):
+    """The other way round: the server answered (200, checkpointed) a session a running
+    `run.py` held, and the run's final save wrote over that turn. Now the request gets 409
+    `session_in_use` naming the run, the server frees no slot for it and writes nothing; once
+    the run has ended, the session's next request goes on from the run's last tick."""
+    settings = server_settings(tmp_path, max_sessions=1)
+    alice = settings.session_dir / "alice"
+    request = {"model": "random:tiny", "prompt": " and then", "max_tokens": 4, "user": "alice"}
+    with live_server(tiny, settings) as server:
+        chat(server.client(), "bob", "hello")  # holds the only slot
+        run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", "random:tiny", "--no-tui", "--no-input",
+                                "-n", "-1", "-c", "64", "--save-every", "1000000", "--session", str(alice)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            holder, deadline = f"run.py (pid {run.pid})", time.monotonic() + 60
+            while not (alice / brain_session.LOCK_FILE).exists() or holder not in (alice / brain_session.LOCK_FILE).read_text():
+                assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()
+                time.sleep(0.01)
+            refused = server.post("/v1/completions", request)
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "user", "session_in_use")
+            assert error["message"].startswith(f"session alice is in use by {holder}"), error
+            assert run.poll() is None, "the run held it all along"
+            assert list(files(alice)) == [brain_session.LOCK_FILE], "the server wrote nothing"
+            assert set(server.server.pool.loaded) == {"bob"}, "no slot was freed for it"
+            for line in run.stderr:  # ticking (a progress line): a SIGTERM now ends it with a checkpoint
+                if line.startswith("["):
+                    break
+            run.send_signal(signal.SIGTERM)
+            assert run.wait(timeout=60) == 128 + signal.SIGTERM, run.stderr.read()
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+        tick = brain_session.load(alice)[1]["tick"]
+        answered = server.post("/v1/completions", request)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["positronic"]["tick"] > tick
 
 
 def test_a_session_writing_its_checkpoint_holds_up_no_other_session(tiny, tmp_path, server_config, monkeypatch):
