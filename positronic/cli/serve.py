@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import copy
 import enum
+import errno
 import inspect
+import os
 import re
+import socket
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -95,15 +98,46 @@ def default_session_dir(model: str) -> Path:
     return cache_root() / "server-sessions" / re.sub(r"[^A-Za-z0-9._-]+", "_", model)
 
 
+API_KEY_ENV = "POSITRONIC_API_KEY"
+
+
 def check_access(api_key: str | None, origins: list[str]) -> None:
     """UserError for a key no client could send in a header, or an origin no browser sends
-    (the key itself is never printed)."""
+    (the key itself is never printed). An empty $POSITRONIC_API_KEY is refused too: click reads
+    an empty variable as unset, and the server would start open to anyone by accident."""
+    if api_key is None and os.environ.get(API_KEY_ENV) == "":
+        raise UserError(f"${API_KEY_ENV} is set but empty: give a key, or unset it to serve without one")
     if api_key is not None and not (api_key and all("!" <= c <= "~" for c in api_key)):
         raise UserError("--api-key (or $POSITRONIC_API_KEY) must be printable ASCII without spaces, and not empty")
     for origin in origins:
         if not ORIGIN.fullmatch(origin):
             raise UserError(f"--cors-origin {origin!r} is not an origin: scheme://host[:port] without a path "
                             "(https://example.com), or *")
+
+
+def check_address(host: str, port: int) -> None:
+    """UserError unless the server can listen on host:port now: each address `host` names is
+    bound for a moment (as uvicorn will bind it), so that a bad --host or a --port in use is
+    one line before the model loads, not a failure after it."""
+    try:
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise UserError(f"--host {host!r} is not an address of this machine "
+                        f"({getattr(exc, 'strerror', None) or exc})") from None
+    for family, kind, proto, _, address in found:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 off): asyncio's server skips it too
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                flag = f"--port {port}" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else f"--host {host!r}"
+                raise UserError(f"cannot listen on {address[0]} port {port} ({flag}): {exc.strerror}") from None
 
 
 def serve_command(run: Callable, brain_config: Callable) -> Callable:
@@ -128,6 +162,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
         check_access(options["api_key"], options["cors_origin"] or [])
+        check_address(options["host"], options["port"])
         from ..brain import session as sessions
 
         # one server per session directory (and no run.py on the directory itself; each session has its

@@ -34,8 +34,10 @@ model's positions or a turn over its limit (400, context_length_exceeded), a bad
 (413), more than --max-pending requests or every session slot busy (429), a checkpoint that
 cannot be resumed (409); the server's own trouble is a 5xx in the same shape: shutting down (503),
 no slot freeable because idle sessions cannot be checkpointed (507). A client that disconnects
-stops its request's generation. A shutdown (GracefulServer) cuts streams at their next token with
-a final error event, lets whole replies finish within the graceful period, and checkpoints only
+stops its request's generation (one that leaves before its body is complete: one log line, 499).
+Tokenizing runs in the server's text thread (BrainServer.off_loop), never on the event loop. A
+shutdown (GracefulServer) cuts streams at their next token with a final error event, lets whole
+replies finish within the graceful period (a second Ctrl-C ends the wait), and checkpoints only
 what clients received.
 
 The parts: the request bodies and the error shape (schemas.py), the answers whole or as
@@ -46,6 +48,7 @@ strings (text.py), metrics (metrics.py), the tokenizer endpoints (tokens.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -58,8 +61,9 @@ from collections.abc import Sequence
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..brain.loop import BrainConfig
 from . import tokens
@@ -88,8 +92,8 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes",
-                             code="request_too_large")
+        too_large = APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes "
+                                  "(serve --max-body)", code="request_too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await too_large.response()(scope, receive, send)
@@ -184,6 +188,14 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings, *, api_key: st
     async def http_error(request: Request, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # the client's doing, not the server's: one line, and counted as the other requests whose
+        # client left (499), not as a 500 with its traceback
+        log.info("a client disconnected before sending its whole request body (%s %s)", request.method,
+                 request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
         log.error("request failed", exc_info=exc)
@@ -221,13 +233,16 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings, *, api_key: st
             raise APIError(404, f"no session {session_id!r}", code="session_not_found")
         return {"id": session_id, "object": "session", **state}
 
+    # the ids and their JSON (a 1 MB prompt: a million ids) are made in the text thread, not on the loop
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return tokens.tokenize(server, await read_body(request, tokens.TokenizeBody))
+        body = await read_body(request, tokens.TokenizeBody)
+        return await server.off_loop(lambda: JSONResponse(tokens.tokenize(server, body)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return tokens.detokenize(server, await read_body(request, tokens.DetokenizeBody))
+        body = await read_body(request, tokens.DetokenizeBody)
+        return await server.off_loop(lambda: JSONResponse(tokens.detokenize(server, body)))
 
     @app.get("/health")
     async def health():
@@ -252,13 +267,26 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings, *, api_key: st
 class GracefulServer(uvicorn.Server):
     """uvicorn that tells the app's BrainServer when its shutdown begins (before it waits for
     the requests in flight), so streams are cut cleanly and new requests refused at once
-    (BrainServer.begin_shutdown); the rest of the shutdown is uvicorn's."""
+    (BrainServer.begin_shutdown); the rest of the shutdown is uvicorn's. A second Ctrl-C
+    (uvicorn's force_exit) stops the wait: the requests in flight are cancelled as when the
+    graceful period runs out, and the sessions are still checkpointed (uvicorn alone skips the
+    app's shutdown then, and the app's close ran only as asyncio tore the loop down, with a
+    traceback)."""
 
     async def shutdown(self, sockets=None) -> None:
         server = getattr(getattr(self.config.app, "state", None), "server", None)
         if isinstance(server, BrainServer):
             server.begin_shutdown()
         await super().shutdown(sockets)
+        if self.force_exit and isinstance(server, BrainServer) and not server.closed:
+            log.warning("a second Ctrl-C: the requests in flight are cut now (their sessions are not checkpointed "
+                        "with them); the other sessions are checkpointed")
+            tasks = list(self.server_state.tasks)
+            for task in tasks:
+                task.cancel(msg="a second Ctrl-C")
+            if tasks:
+                await asyncio.wait(tasks, timeout=GRACEFUL_S)
+            await self.lifespan.shutdown()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

@@ -25,6 +25,10 @@ SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: JSON's "\ud800" e
 # field this server does not implement is refused with 400 naming it, unless it is empty
 # (null, false, 0, "", [] or {}: "off")
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+# why a field OpenAI's clients send on a message or a content part is refused (any other is too)
+NOT_HONOURED = {"name": "the chat is written from each message's role and content only",
+                "tool_calls": "this server runs no tools", "tool_call_id": "this server runs no tools",
+                "cache_control": "a session keeps its own context; no prompt cache is set by request"}
 
 
 class APIError(Exception):
@@ -109,6 +113,23 @@ class ChatBody(GenerationBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
+
+
+def empty(value) -> bool:
+    """Whether a field's value means "off" (null, false, 0, "", [] or {}): an unknown field so
+    set asks for nothing and is accepted."""
+    return value is None or value in (False, "", [], {})
+
+
+def refuse_unknown(model: BaseModel, at: str | None = None, ignored: tuple[str, ...] = ()) -> None:
+    """400 naming the first field of `model` that its class does not define (`at`: where the
+    model is in the body, "messages.0"), unless it is empty or `ignored`: nothing is silently
+    dropped."""
+    for name, value in (model.model_extra or {}).items():
+        if name not in ignored and not empty(value):
+            param = f"{at}.{name}" if at else name
+            why = f" ({NOT_HONOURED[name]})" if name in NOT_HONOURED else ""
+            raise APIError(400, f"{param} is not supported by this server{why}", param=param, code="unsupported")
 
 
 def _too_deep() -> APIError:
@@ -201,7 +222,10 @@ def _union_member(part) -> bool:
 
 def message_text(message: Message, index: int) -> str:
     """A message's content as text: a string ("" is fine), or its text parts joined; a 400
-    naming `messages.N.content` when it has none (missing, null, no parts) or a part is not text."""
+    naming `messages.N.content` when it has none (missing, null, no parts) or a part is not text,
+    and naming the field when the message or a part has one this server does not honour
+    (`name`, `tool_calls`, `cache_control`, ...: refuse_unknown)."""
+    refuse_unknown(message, f"messages.{index}")
     param = f"messages.{index}.content"
     content = message.content
     if content is None or content == []:
@@ -216,6 +240,7 @@ def message_text(message: Message, index: int) -> str:
         if part.type != "text":
             raise APIError(400, f"{param}: only text parts are supported, not {part.type!r}", param=param,
                            code="invalid_value")
+        refuse_unknown(part, f"{param}.{i}")
         if part.text is None:
             raise APIError(400, f"{param}.{i}.text: a text part needs its text", param=f"{param}.{i}.text",
                            code="invalid_value")

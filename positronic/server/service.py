@@ -6,10 +6,12 @@ positronic/server/app.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from .history import History
 from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs, of_prompt
 from .metrics import Metrics
 from ..brain.config import logit_bias_text
-from .schemas import IGNORED, APIError, GenerationBody, Message, StreamOptions, message_text, stops_of
+from .schemas import (IGNORED, APIError, GenerationBody, Message, StreamOptions, message_text, refuse_unknown,
+                      stops_of)
 from .sessions import (ClientGone, Conversation, ModelWorker, PoolFull, Prepared, SaveFailed, ServerStopping,
                        SessionInUse, SessionPool, SessionUnusable, Turn, check_session_id, evicts_nothing)
 from .choices import merge_events, merge_whole
@@ -35,6 +38,7 @@ log = logging.getLogger("positronic.server.app")
 
 SESSION_HEADER = "x-session-id"
 CLOSE_WAIT_S = 5.0  # how long close() waits for the answers in flight to be sent
+PROMPT_WHY = "a running session's prompt may add (the budget less the protected rows)"
 
 
 @dataclass
@@ -76,6 +80,11 @@ class BrainServer:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.format = ChatFormat(lm)
+        # Tokenizing runs here, off the event loop (a 1 MB prompt takes about a second, and the
+        # loop meanwhile answers /health and sends every stream's tokens), one call at a time:
+        # the tokenizer's split-special-tokens switch is shared state (ChatFormat.literal).
+        self.text_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="positronic-text")
+        lm.fewest_tokens("")  # the vocabulary's longest entry, read once now rather than by a request
         self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
@@ -123,6 +132,7 @@ class BrainServer:
             log.error("%d sessions could not be checkpointed to %s and are lost: %s", len(self.lost),
                       self.settings.session_dir, "; ".join(f"{sid} ({why})" for sid, why in sorted(self.lost.items())))
         self.worker.close()
+        self.text_thread.shutdown(wait=False, cancel_futures=True)
         meeting = self.worker.meeting
         if meeting.forwards:
             log.info("%d model forwards fed %d sequences (%.2f a forward)", meeting.forwards, meeting.fed,
@@ -153,9 +163,9 @@ class BrainServer:
         if body.n is not None and not 1 <= body.n <= self.max_choices:
             raise APIError(400, f"n must be in 1..{self.max_choices} (each choice is a sequence of its own: at most "
                                 f"--max-sessions and --max-pending), got {body.n}", param="n", code="invalid_value")
-        for name, value in (body.model_extra or {}).items():
-            if name not in IGNORED and value not in (None, False, 0, "", [], {}):
-                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
+        refuse_unknown(body, ignored=IGNORED)
+        if body.stream_options is not None:
+            refuse_unknown(body.stream_options, "stream_options")
 
     def max_tokens(self, value: int | None, name: str) -> int:
         if value is None:
@@ -214,10 +224,23 @@ class BrainServer:
             raise APIError(400, f"prompt: token ids must be in 0..{self.lm.vocab_size - 1}", param="prompt",
                            code="invalid_value")
 
+    async def off_loop(self, fn: Callable, *args):
+        """`fn(*args)` in the text thread: whatever tokenizes, never on the event loop. A
+        request cancelled meanwhile still waits for the call to end, so that a call that
+        changes its session (Conversation.queue) is over before the session is let go."""
+        future = asyncio.wrap_future(self.text_thread.submit(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+
     @staticmethod
-    def too_long(what: str, tokens: int, limit: int, why: str, param: str) -> APIError:
-        return APIError(400, f"{what} is {tokens} tokens, more than the {limit} {why}", param=param,
-                        code="context_length_exceeded")
+    def too_long(what: str, tokens: int, limit: int, why: str, param: str, *, at_least: bool = False) -> APIError:
+        """`at_least`: `tokens` is a lower bound (LoadedModel.fewest_tokens), found without encoding."""
+        return APIError(400, f"{what} is {'at least ' if at_least else ''}{tokens} tokens, more than the {limit} "
+                             f"{why}", param=param, code="context_length_exceeded")
 
     def prompt_limit(self, config: BrainConfig) -> tuple[int, str]:
         """The most tokens a fresh brain may take, and why: the model's positions (a prompt
@@ -314,7 +337,17 @@ class BrainServer:
                 raise APIError(400, "prompt: one prompt per request is supported", param="prompt",
                                code="invalid_value")
             prompt = prompt[0]
-        ids = list(prompt) if isinstance(prompt, list) else self.lm.encode(prompt)
+        if isinstance(prompt, list):
+            ids = list(prompt)
+        else:  # known too long by its length alone: refused before any encoding
+            fewest = self.lm.fewest_tokens(prompt)
+            if conversation.brain is None:
+                limit, why = self.prompt_limit(self.fresh_config(seed))
+                if fewest + 1 > limit:  # and the BOS
+                    raise self.too_long("the prompt", fewest + 1, limit, why, "prompt", at_least=True)
+            elif fewest > (limit := turn_limit(conversation.brain.config)):
+                raise self.too_long("the prompt", fewest, limit, PROMPT_WHY, "prompt", at_least=True)
+            ids = await self.off_loop(self.lm.encode, prompt)
         self.check_ids(ids)
         if conversation.brain is None:
             config = self.fresh_config(seed)
@@ -329,8 +362,7 @@ class BrainServer:
             return prepared
         limit = turn_limit(conversation.brain.config)
         if len(ids) > limit:
-            raise self.too_long("the prompt", len(ids), limit, "a running session's prompt may add (the budget less "
-                                "the protected rows)", "prompt")
+            raise self.too_long("the prompt", len(ids), limit, PROMPT_WHY, "prompt")
         self.check_room(conversation, len(ids), "prompt")
         await self.settle(conversation)
         conversation.queue(forced=ids)
@@ -361,24 +393,37 @@ class BrainServer:
             log.info("session %s starts again from a request's edited history", conversation.id)
         if conversation.brain is None:
             config = self.fresh_config(seed)
-            ids = self.format.conversation([{"role": role, "content": text} for role, text in said])
             limit, why = self.prompt_limit(config)
+            if (fewest := 1 + sum(self.lm.fewest_tokens(text.strip()) for _, text in said)) > limit:
+                raise self.too_long("the conversation", fewest, limit, why, "messages", at_least=True)
+            ids = await self.off_loop(self.format.conversation,
+                                      [{"role": role, "content": text} for role, text in said])
             if len(ids) > limit:
                 raise self.too_long("the conversation", len(ids), limit, why, "messages")
             prepared = await self.begin_session(conversation, ids, config, None)
             conversation.history = History(said)
             return prepared
         limit = turn_limit(conversation.brain.config)
+        for i in new:
+            if (fewest := self.lm.fewest_tokens(texts[i].strip())) > limit:
+                raise self.too_long(f"messages.{i} as a user turn", fewest, limit, "a turn may take here (the "
+                                    "budget less the protected rows)", "messages", at_least=True)
         try:
-            turns = [self.format.user_turn(texts[i], limit) for i in new]
+            turns = await self.off_loop(lambda: [self.format.user_turn(texts[i], limit) for i in new])
         except TurnRefused as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         await self.settle(conversation)  # input an earlier request left unread (already accepted)
-        closing = self.format.reply_end(conversation.last_token())
-        self.check_room(conversation, len(closing) + sum(map(len, turns)), "messages")
-        conversation.queue(forced=closing, turns=[texts[i] for i in new])
+
+        def queue() -> int:  # in the text thread: the turns are tokenized again as the brain takes them
+            closing = self.format.reply_end(conversation.last_token())
+            adding = len(closing) + sum(map(len, turns))
+            self.check_room(conversation, adding, "messages")
+            conversation.queue(forced=closing, turns=[texts[i] for i in new])
+            return adding
+
+        adding = await self.off_loop(queue)
         conversation.history.said([said[i] for i in new])
-        return Prepared(len(closing) + sum(map(len, turns)))
+        return Prepared(adding)
 
     # -- answers --
 

@@ -33,6 +33,8 @@ class ChatFormat:
 
     def literal(self, text: str) -> list[int]:
         """Ids of `text` with any special token in it spelt out, never obeyed."""
+        # split_special_tokens flips a switch on the tokenizer itself for the encode that follows: the
+        # server's tokenizing runs in its one text thread (BrainServer.off_loop), so its encodes never interleave
         return list(self.lm.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def conversation(self, messages: Sequence[dict]) -> list[int]:

@@ -7,14 +7,16 @@ name them: a client counts a prompt's tokens against the context budget before i
 
 A prompt's ids are those a fresh session prefills: BOS then the text's ids (add_special_tokens
 false: without the BOS); messages are the whole chat in the model's chat template, as a fresh
-chat session prefills it (ChatFormat.conversation). Neither touches a session or the model.
+chat session prefills it (ChatFormat.conversation). Neither touches a session or the model;
+both run in the server's text thread (BrainServer.off_loop), never on the event loop. A field
+neither takes is refused (400 naming it) unless it is empty.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from .schemas import APIError, Message, message_text
+from .schemas import APIError, Message, message_text, refuse_unknown
 
 # Other servers' tokenize fields that change the answer: taken only at the value this server acts
 # on (None: only absent or empty), so a client never gets ids it did not ask for.
@@ -46,7 +48,8 @@ def check_model(lm, model: str | None) -> None:
 
 def tokenize(server, body: TokenizeBody) -> dict:
     """The ids a fresh session would prefill for the body's prompt or messages (`server`: the
-    app's BrainServer, read only: its model, chat format and budget)."""
+    app's BrainServer, read only: its model, chat format and budget). It tokenizes: the app
+    calls it in the server's text thread (BrainServer.off_loop)."""
     lm = server.lm
     check_model(lm, body.model)
     given = [name for name in ("prompt", "content", "messages") if getattr(body, name) is not None]
@@ -55,6 +58,7 @@ def tokenize(server, body: TokenizeBody) -> dict:
                             f"got {' and '.join(given) or 'none'}", param=given[1] if given else "prompt",
                        code="invalid_value")
     check_fixed(body)
+    refuse_unknown(body, ignored=tuple(FIXED))
     bos = wants_bos(body)
     if body.messages is not None:
         texts = [message_text(message, i) for i, message in enumerate(body.messages)]
@@ -89,6 +93,7 @@ def detokenize(server, body: DetokenizeBody) -> dict:
     """The text of the body's ids, special tokens included, under vLLM's name and llama-server's."""
     lm = server.lm
     check_model(lm, body.model)
+    refuse_unknown(body)
     for i, token in enumerate(body.tokens):
         if not 0 <= token < lm.vocab_size:
             raise APIError(400, f"tokens.{i}: token ids must be in 0..{lm.vocab_size - 1}, got {token}",

@@ -1,6 +1,7 @@
 """`positronic serve` (positronic/cli/serve.py): bad flags refused before a model loads, and a
 real server process that serves and saves its sessions on SIGTERM."""
 
+import socket
 
 import httpx
 import openai
@@ -44,3 +45,31 @@ def test_positronic_serve_serves_and_saves_its_sessions_on_sigterm(tmp_path, cha
             process.wait()
     assert (tmp_path / "cli" / "mirror.msgpack").exists()
     assert sessions.load(tmp_path / "cli")[1]["config"]["sinks"] == 2  # the llama.cpp alias reached the brain
+
+
+def test_an_empty_api_key_in_the_environment_is_refused_not_served_open(tmp_path, capsys, run_cli, monkeypatch):
+    """click reads an empty variable as unset: the server started with no key at all."""
+    monkeypatch.setenv("POSITRONIC_API_KEY", "")
+    assert run_cli("serve", "-m", "no-such-model-anywhere", "--session-dir", str(tmp_path / "new")) == 2
+    err = capsys.readouterr().err
+    assert "$POSITRONIC_API_KEY is set but empty" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--host", "999.1.1.1"), "--host '999.1.1.1' is not an address of this machine"),
+    (("--host", "192.0.2.1"), "(--host '192.0.2.1')"),  # TEST-NET-1: an address, but not this machine's
+    (("--port", "PORT"), "(--port PORT): Address already in use"),
+])
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(tmp_path, capsys, run_cli, flags, says):
+    """It was several log lines and exit 3 once the model had loaded (no-such-model-anywhere: the
+    check must come first for the line to be about the address)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        flags = tuple(port if flag == "PORT" else flag for flag in flags)
+        assert run_cli("serve", "-m", "no-such-model-anywhere", "--session-dir", str(tmp_path / "new"), *flags) == 2
+    err = capsys.readouterr().err
+    assert says.replace("PORT", port) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "new").exists()

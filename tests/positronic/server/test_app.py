@@ -10,7 +10,9 @@ tested in tests/positronic/cli/test_serve.py.
 """
 
 import json
+import logging
 import re
+import socket
 import threading
 import time
 
@@ -285,6 +287,7 @@ def test_a_body_over_the_limit_is_refused_with_413(tiny, tmp_path, live_server, 
         big = {**GOOD, "prompt": "x" * 4000}
         response = server.post("/v1/completions", big)
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        assert "limit of 2048 bytes (serve --max-body)" in response.json()["error"]["message"]
 
         def chunks():  # no Content-Length: the limit is counted as the body arrives
             yield json.dumps(big).encode()
@@ -292,6 +295,60 @@ def test_a_body_over_the_limit_is_refused_with_413(tiny, tmp_path, live_server, 
         response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
         assert response.status_code == 413
         assert server.post("/v1/completions", GOOD).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**GOOD, "prompt": "x" * 200_000}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "system", "content": "s" * 100_000},
+                                                   {"role": "user", "content": "u" * 100_000}]}),
+])
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_it_is_encoded(live, path, body):
+    """No token covers more characters than the vocabulary's longest entry (6 here): 200,000
+    characters are at least 33,334 tokens, past the 512 positions without encoding a character
+    (three 1 MB prompts were encoded first, stalling the server for seconds)."""
+    error = live.post(path, body).json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert re.search(r"is at least 333\d\d tokens, more than the 512 positions", error["message"]), error["message"]
+
+
+def test_a_running_sessions_turn_too_long_by_its_length_alone_is_refused_before_it_is_encoded(live):
+    for path, first, long in [
+            ("/v1/completions", {**GOOD, "user": "long-prompt"}, {**GOOD, "user": "long-prompt", "prompt": "p" * 9000}),
+            ("/v1/chat/completions", {**CHAT, "user": "long-turn"},
+             {**CHAT, "user": "long-turn", "messages": [{"role": "user", "content": "t" * 9000}]})]:
+        assert live.post(path, first).status_code == 200
+        tick = live.get(f"/v1/sessions/{first['user']}").json()["tick"]
+        error = live.post(path, long).json()["error"]
+        assert error["code"] == "context_length_exceeded" and "is at least 1500 tokens" in error["message"], error
+        assert live.get(f"/v1/sessions/{first['user']}").json()["tick"] == tick  # the session as it was
+
+
+def test_a_client_that_disconnects_mid_body_is_one_line_not_a_500(live, caplog):
+    """It was two ERROR tracebacks (ClientDisconnect, through the app's 500 handler and uvicorn's)
+    and a 500 in the metrics; now one INFO line and a 499, and the server goes on."""
+    def count(status: str) -> float:
+        try:
+            return live.metric("positronic_requests_total", endpoint="/v1/completions", status=status)
+        except KeyError:
+            return 0.0
+
+    errors, gone = count("500"), count("499")
+    body = json.dumps({**GOOD, "prompt": "half " * 200}).encode()
+    with caplog.at_level(logging.INFO, logger="positronic"):
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+            time.sleep(0.2)  # the server is reading the body when the client goes
+        deadline = time.monotonic() + 20
+        while count("499") == gone:
+            assert time.monotonic() < deadline, "the request was never counted"
+            time.sleep(0.02)
+    assert count("500") == errors
+    lines = [r for r in caplog.records if r.name.startswith("positronic")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and not lines[0].exc_info
+    assert "disconnected before sending its whole request body" in lines[0].getMessage()
+    assert live.post("/v1/completions", GOOD).status_code == 200
 
 
 # -- metrics, health, models --------------------------------------------------------------------

@@ -3,6 +3,8 @@ log level (positronic/server/app.py, tokens.py; `serve --api-key --cors-origin -
 real servers on the tiny random model, driven with httpx and the openai client."""
 
 import subprocess
+import threading
+import time
 
 import httpx
 import openai
@@ -105,6 +107,11 @@ MESSAGES = {"messages": CHAT[1:2]}
     ("/detokenize", {"tokens": [1.0]}, 400, "tokens.0", "invalid_value"),
     ("/detokenize", {"tokens": [True]}, 400, "tokens.0", "invalid_value"),
     ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model", "model_not_found"),
+    # fields neither endpoint takes were dropped with a 200
+    ("/tokenize", {"prompt": "a", "max_tokens": 3}, 400, "max_tokens", "unsupported"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a", "name": "bob"}]}, 400, "messages.0.name",
+     "unsupported"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens", "unsupported"),
 ])
 def test_bad_token_requests_get_an_openai_error(live, path, body, status, param, code):
     if isinstance(body, bytes):
@@ -115,6 +122,39 @@ def test_bad_token_requests_get_an_openai_error(live, path, body, status, param,
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+
+
+def test_empty_fields_they_do_not_take_ask_for_nothing(live):
+    assert live.post("/tokenize", {"prompt": "a", "max_tokens": None, "tools": []}).status_code == 200
+    assert live.post("/detokenize", {"tokens": [1], "skip_special_tokens": False}).status_code == 200
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(live):
+    """Tokenizing runs in the server's text thread, not on the event loop: /health answers while
+    a 600 KB prompt (about a second of tokenizing here) is being tokenized. It used to wait for
+    the whole of it (a 900 KB prompt held /health for 1.8 s)."""
+    answered = {}
+
+    def tokenize():
+        with httpx.stream("POST", live.url + "/tokenize", json={"prompt": "hello world " * 50_000},
+                          timeout=120) as response:
+            answered["tokenize"] = time.monotonic()  # its status line and headers: the tokenizing is over
+            assert response.status_code == 200
+            response.read()
+
+    client = threading.Thread(target=tokenize)
+    client.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not live.server.open_requests:  # the request is in the server
+            assert time.monotonic() < deadline, "the tokenize request never arrived"
+            time.sleep(0.005)
+        time.sleep(0.1)  # its body read (600 KB on a local socket: milliseconds): it is being tokenized
+        assert live.get("/health").status_code == 200
+        answered["health"] = time.monotonic()
+    finally:
+        client.join(120)
+    assert answered["health"] < answered["tokenize"]
 
 
 def test_token_endpoints_touch_no_session(live):
@@ -246,7 +286,8 @@ def test_another_origin_gets_no_cors_headers(guarded):
 
 @pytest.fixture
 def served(monkeypatch):
-    """What `serve` passes to serve_forever (which returns at once)."""
+    """What `serve` passes to serve_forever (which returns at once). Its calls give --port 0:
+    serve binds its address for a moment before the model loads, and 8080 may be taken."""
     calls = []
     monkeypatch.setattr(app_module, "serve_forever", lambda *args, **kwargs: calls.append(kwargs) or 0)
     return calls
@@ -254,16 +295,16 @@ def served(monkeypatch):
 
 def test_serve_passes_its_access_and_log_flags_on(tmp_path, run_cli, served, monkeypatch):
     monkeypatch.delenv("POSITRONIC_API_KEY", raising=False)
-    assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path)) == 0
+    assert run_cli("serve", "-m", MODEL, "--port", "0", "--session-dir", str(tmp_path)) == 0
     assert (served[-1]["api_key"], tuple(served[-1]["cors_origins"]), served[-1]["log_level"]) == (None, (), "info")
-    assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path), "--api-key", KEY, "--cors-origin", ORIGIN,
-                   "--cors-origin", "http://localhost:3000", "--log-level", "DEBUG") == 0
+    assert run_cli("serve", "-m", MODEL, "--port", "0", "--session-dir", str(tmp_path), "--api-key", KEY,
+                   "--cors-origin", ORIGIN, "--cors-origin", "http://localhost:3000", "--log-level", "DEBUG") == 0
     assert served[-1]["api_key"] == KEY and served[-1]["log_level"] == "debug"
     assert list(served[-1]["cors_origins"]) == [ORIGIN, "http://localhost:3000"]
     monkeypatch.setenv("POSITRONIC_API_KEY", "from-the-environment")
-    assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path)) == 0
+    assert run_cli("serve", "-m", MODEL, "--port", "0", "--session-dir", str(tmp_path)) == 0
     assert served[-1]["api_key"] == "from-the-environment"
-    assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path), "--api-key", KEY) == 0
+    assert run_cli("serve", "-m", MODEL, "--port", "0", "--session-dir", str(tmp_path), "--api-key", KEY) == 0
     assert served[-1]["api_key"] == KEY  # the flag wins
 
 
@@ -274,7 +315,7 @@ def test_serve_passes_its_access_and_log_flags_on(tmp_path, run_cli, served, mon
     (("--log-level", "loud"), "loud"),
 ])
 def test_serve_refuses_bad_access_and_log_flags(tmp_path, run_cli, served, capsys, flags, says):
-    assert run_cli("serve", "-m", MODEL, "--session-dir", str(tmp_path), *flags) == 2
+    assert run_cli("serve", "-m", MODEL, "--port", "0", "--session-dir", str(tmp_path), *flags) == 2
     err = capsys.readouterr().err
     assert says in err and not served
     if flags[0] == "--api-key" and flags[1]:

@@ -116,6 +116,46 @@ def test_an_empty_string_is_content(live):
     assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+# -- fields on messages and content parts that nothing here honours -----------------------------------
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": "hi", "name": "bob"}], "messages.0.name"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+      {"role": "user", "content": "and?"}], "messages.1.tool_calls"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
+     "messages.0.content.0.cache_control"),
+    ([{"role": "system", "content": "be brief", "weight": 2}, {"role": "user", "content": "hi"}], "messages.0.weight"),
+])
+def test_a_message_field_nothing_here_honours_is_refused_naming_it(live, messages, param):
+    """They were dropped with a 200: a reply written as if the field had never been sent."""
+    slots = live.get("/health").json()["sessions"]["slots_in_use"]
+    error = error_of(live.post("/v1/chat/completions", {**CHAT, "user": "fields", "messages": messages}))
+    assert (error["param"], error["code"]) == (param, "unsupported")
+    assert error["message"].startswith(f"{param} is not supported by this server")
+    assert live.get("/v1/sessions/fields").status_code == 404  # no session was started
+    assert live.get("/health").json()["sessions"]["slots_in_use"] == slots
+    assert live.post("/v1/completions", GOOD).status_code == 200
+
+
+def test_a_message_field_that_is_empty_asks_for_nothing(live):
+    """What a client sends back of an earlier reply (openai's message objects dump their unset
+    fields as null) is accepted, as an empty unknown field of the body is."""
+    messages = [{"role": "user", "content": "hi", "name": ""},
+                {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "function_call": None},
+                {"role": "user", "content": [{"type": "text", "text": "go on", "cache_control": None}]}]
+    response = live.post("/v1/chat/completions", {**CHAT, "messages": messages})
+    assert response.status_code == 200, response.text
+
+
+def test_a_stream_option_nothing_here_honours_is_refused_naming_it(live):
+    body = {**GOOD, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    error = error_of(live.post("/v1/completions", body))
+    assert (error["param"], error["code"]) == ("stream_options.continuous_usage_stats", "unsupported")
+
+
 # -- sampling values ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [

@@ -13,6 +13,7 @@
 import json
 import logging
 import re
+import signal
 import threading
 import time
 
@@ -174,3 +175,26 @@ def test_a_request_after_the_stop_began_gets_503(tiny, tmp_path, server_settings
             assert response.status_code == 503
             error = response.json()["error"]
             assert (error["type"], error["code"]) == ("server_error", "server_shutting_down")
+
+
+def test_a_second_ctrl_c_at_once_still_checkpoints_and_exits_without_a_traceback(tmp_path, serve_process):
+    """Two SIGINTs 0.05 s apart (uvicorn's force_exit): uvicorn alone skipped the app's shutdown
+    and re-raised both signals, and the sessions were saved only as asyncio tore the loop down,
+    with a KeyboardInterrupt/CancelledError traceback."""
+    # --checkpoint-when-idle: the session is written only by the shutdown
+    process, url = serve_process("--session-dir", str(tmp_path), "-t", "1", "--checkpoint-when-idle")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "twice"}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=60)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, rest
+    assert "Traceback" not in rest and "CancelledError" not in rest, rest
+    assert "a second Ctrl-C" in rest
+    assert sessions.load(tmp_path / "twice")[1]["tick"] > 0
