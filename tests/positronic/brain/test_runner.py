@@ -165,7 +165,7 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
     mid-run, mid-save), resumed each time, ends with the same tokens, edits and event log
     as a run that was never interrupted. Bounded: 4 interruptions (POSITRONIC_SOAK_STOPS), then
     it runs to the end; the outcome of each is printed (pytest -s shows it)."""
-    ticks, common = max(200, 50 * SOAK_STOPS), ["--budget", "64", "--save-every", "25", "--repairer", "bridge"]
+    ticks, common = max(200, 50 * SOAK_STOPS), ["--budget", "64", "--repairer", "bridge"]
     straight = tmp_path / "straight.jsonl"
     subprocess.run(cli("--ticks", str(ticks), "--events", str(straight), *common), check=True,
                    capture_output=True, timeout=300)
@@ -176,7 +176,8 @@ def test_soak_random_sigint_and_sigkill_then_resume_gives_the_uninterrupted_stre
         done = mirror.load(saved)[1]["tick"] if saved.exists() else 0
         if done >= ticks:
             break
-        args = cli("--ticks", str(ticks - done), "--session", str(session), "--events", str(events), *common)
+        args = cli("--ticks", str(ticks - done), "--session", str(session), "--save-every", "25", "--events", str(events),
+                   *common)
         stale = logged_tick(events)
         process = subprocess.Popen(args + (["--resume"] if saved.exists() else ["--overwrite"]),  # a log of a run killed before its first save
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
