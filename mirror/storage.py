@@ -230,6 +230,25 @@ class TooLarge(OSError):
     """A file (or what a device or pipe yields) larger than the caller reads."""
 
 
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+def _not_regular(mode: int) -> OSError:
+    return OSError(f"not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'of another kind')})")
+
+
+def regular_file(path: str | os.PathLike) -> os.stat_result:
+    """`path`'s stat (links followed) if it is a regular file: FileNotFoundError when nothing
+    is there, else OSError "not a regular file (a FIFO)". Opens nothing, so a FIFO cannot
+    block the check: what a command will read whole (a session's mirror.msgpack, an event log
+    it appends to, a fixture, saved labels) is checked with this before it is opened."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise _not_regular(info.st_mode)
+    return info
+
+
 def read_bounded(path: str | os.PathLike, limit: int, *, regular: bool = True) -> bytes:
     """The bytes of `path`, at most `limit` of them: TooLarge past that, without reading more
     than limit + 1. The checks follow what is opened (a symlink to /dev/zero is the device):
@@ -240,7 +259,7 @@ def read_bounded(path: str | os.PathLike, limit: int, *, regular: bool = True) -
     try:
         info = os.fstat(fd)
         if regular and not stat.S_ISREG(info.st_mode):
-            raise OSError(f"not a regular file ({stat.filemode(info.st_mode)[0]!r} type)")
+            raise _not_regular(info.st_mode)
         if stat.S_ISREG(info.st_mode) and info.st_size > limit:
             raise TooLarge(f"{info.st_size} bytes, more than the {limit} read")
         chunks, size = [], 0

@@ -5,8 +5,10 @@ The parts are where a setting is defined: its default lives on the part, `BrainC
 the same name takes it from there, and the part's `check` raises ValueError naming the first bad
 value. Rules that tie settings of different parts together (a ring store needs the streaming
 policy; a repairer needs pairs; the budget must leave rows to evict) are in `BrainConfig.validate`
-and nowhere else. The record stays flat because it is a wire format: sessions saved by earlier
-versions hold exactly these names, and `BrainConfig(**saved)` must keep reading them.
+and nowhere else. `validate` is the one check of every config, a new one (the CLI's options, the
+server's) and one read back from a saved session alike: it raises ConfigError naming the field.
+The record stays flat because it is a wire format: sessions saved by earlier versions hold
+exactly these names, and `BrainConfig(**saved)` must keep reading them.
 
     config = BrainConfig(policy="streaming", budget=256, temperature=0)
     config.sampling   # Sampling(temperature=0, top_k=50, top_p=0.95, ...), frozen
@@ -32,6 +34,9 @@ PENALTY_LIMIT = 2.0  # presence and frequency penalties: OpenAI's range
 BIAS_LIMIT = 100.0  # a logit bias: OpenAI's range (-100 bans a token, 100 all but forces it)
 MEMORY_RANKS = ("gates", "recent")  # smartkv: how a lane's memory ranks its rows (smartkv/policy.py, MEMORY_RANKS)
 MAX_REPAIR_TOKENS = 16  # a repair that proposes more frees nothing anyway; bounds a tick's forward
+# every integer setting fits torch's int64 and Python's ssize_t: a budget of 2**64 was an
+# OverflowError deep in a policy's check (len of a range), not a refusal
+INT_LIMIT = 2**63
 
 # The budget's default, per entry point (one place, three audiences): the library keeps the
 # design's reference budget; a first `run` is small so that maintenance is at work within its
@@ -64,16 +69,36 @@ def logit_bias_text(bias: dict[int, float]) -> str:
     return ",".join(f"{token}:{amount!r}" for token, amount in sorted(bias.items()))
 
 
+class ConfigError(ValueError):
+    """A setting that cannot run: `field` names it (the first bad one found); the message says
+    why, and starts with the field's name ("top_p must be …", "kv_format: unknown …") where it
+    is about that field alone, so that a caller can write it as its own name for the field (the
+    CLI's --top-p, a session file's "setting top_p")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def _nonnegative(part, *names: str) -> None:
     for name in names:
         if getattr(part, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(part, name)}")
+            raise ConfigError(name, f"{name} must be >= 0, got {getattr(part, name)}")
 
 
 def _finite_nonnegative(part, *names: str) -> None:
     for name in names:
         if not (getattr(part, name) >= 0 and math.isfinite(getattr(part, name))):
-            raise ValueError(f"{name} must be a finite number >= 0, got {getattr(part, name)}")
+            raise ConfigError(name, f"{name} must be a finite number >= 0, got {getattr(part, name)}")
+
+
+def _checked(field: str, check, value) -> None:
+    """`check(value)` (another module's ValueError) as a ConfigError naming `field`."""
+    try:
+        check(value)
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(field, message if message.startswith(field) else f"{field}: {message}") from None
 
 
 class Part:
@@ -111,18 +136,20 @@ class Sampling(Part):
         _nonnegative(self, "top_k", "penalty_window")
         _finite_nonnegative(self, "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ConfigError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
-                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {getattr(self, name)}")
-        self.bias  # raises ValueError naming a malformed entry
+                raise ConfigError(name, f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], "
+                                        f"got {getattr(self, name)}")
+        _checked("logit_bias", parse_logit_bias, self.logit_bias)
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:  # NaN fails too
-            raise ValueError(f"repetition_penalty must be in [{low}, {high}] (1 = off), got {self.repetition_penalty}")
+            raise ConfigError("repetition_penalty", f"repetition_penalty must be in [{low}, {high}] (1 = off), "
+                                                    f"got {self.repetition_penalty}")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in 0..2**63-1, got {self.seed}")
+            raise ConfigError("seed", f"seed must be in 0..2**63-1, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -143,9 +170,10 @@ class Memory(Part):
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
 
     def check(self) -> None:
-        _nonnegative(self, "sinks", "protect", "window", "refresh_every", "refresh_kl")
-        kv_formats.check_format(self.kv_format)
-        check_store(self.kv_store)
+        _nonnegative(self, "sinks", "protect", "window", "refresh_every")
+        _finite_nonnegative(self, "refresh_kl")  # inf would measure every 50 ticks and never rebuild
+        _checked("kv_format", kv_formats.check_format, self.kv_format)
+        _checked("kv_store", check_store, self.kv_store)
 
 
 @dataclass(frozen=True)
@@ -169,12 +197,13 @@ class Brightness(Part):
 
     def check(self) -> None:
         if self.brightness not in steps.RULES:
-            raise ValueError(f"unknown brightness rule {self.brightness!r}; choose from {', '.join(steps.RULES)}")
+            raise ConfigError("brightness", f"unknown brightness rule {self.brightness!r}; "
+                                            f"choose from {', '.join(steps.RULES)}")
         if self.unit < 0:
-            raise ValueError(f"unit must be >= 0 (0: automatic), got {self.unit}")
+            raise ConfigError("unit", f"unit must be >= 0 (0: automatic), got {self.unit}")
         _finite_nonnegative(self, "ttl_decay", "ttl_gain")
         if self.repair_batch < 1:
-            raise ValueError(f"repair_batch must be >= 1, got {self.repair_batch}")
+            raise ConfigError("repair_batch", f"repair_batch must be >= 1, got {self.repair_batch}")
 
 
 @dataclass(frozen=True)
@@ -187,13 +216,14 @@ class Repair(Part):
     bridge_margin: float = 0.0  # bridge: nats by which keeping a token must beat culling the pair
 
     def check(self) -> None:
-        repairers.check_spec(self.repairer)
+        _checked("repairer", repairers.check_spec, self.repairer)
         _finite_nonnegative(self, "bridge_margin")
         if not 1 <= self.repair_tokens <= MAX_REPAIR_TOKENS:
-            raise ValueError(f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
+            raise ConfigError("repair_tokens",
+                              f"repair_tokens must be in 1..{MAX_REPAIR_TOKENS}, got {self.repair_tokens}")
         if self.repairer in ("self", "bridge") and self.repair_tokens != 1:
-            raise ValueError(f"the {self.repairer} repairer proposes exactly 1 token per pair, not {self.repair_tokens} "
-                             "(--repair-tokens applies to --repairer mlm:PATH)")
+            raise ConfigError("repair_tokens", f"the {self.repairer} repairer proposes exactly 1 token per pair, not "
+                                               f"{self.repair_tokens} (--repair-tokens applies to --repairer mlm:PATH)")
 
 
 @dataclass(frozen=True)
@@ -204,7 +234,7 @@ class ContextShift(Part):
 
     def check(self) -> None:
         if self.at_capacity not in ("stop", "shift"):
-            raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
+            raise ConfigError("at_capacity", f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
 
 
 @dataclass(frozen=True)
@@ -219,10 +249,40 @@ class SmartKVGates(Part):
 
     def check(self) -> None:
         if self.memory_rank not in MEMORY_RANKS:
-            raise ValueError(f"memory_rank must be one of {', '.join(MEMORY_RANKS)}, got {self.memory_rank!r}")
+            raise ConfigError("memory_rank", f"memory_rank must be one of {', '.join(MEMORY_RANKS)}, "
+                                             f"got {self.memory_rank!r}")
 
 
 PARTS = (Sampling, Memory, Brightness, Repair, ContextShift, SmartKVGates)
+
+
+def _check_gate_file(path: str) -> None:
+    """ConfigError unless `path` is a regular file, found without opening it (a FIFO named as
+    gates cannot block the check) and a missing file told from a directory or a device."""
+    from positronic.mirror.storage import regular_file
+
+    try:
+        regular_file(path)
+    except FileNotFoundError:
+        raise ConfigError("gates", f"gates {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError("gates", f"gates {path}: {exc.strerror or exc}") from None
+
+
+# Settings whose None means "the run's default", resolved when a BrainConfig is made (and so
+# saved resolved, of this type).
+RESOLVED = {"window": int, "memory_rank": str}
+
+
+def _kind_ok(name: str, value, default) -> bool:
+    """Whether `value` is of the type field `name` holds (a bool is no number here)."""
+    if name == "score_layers":
+        return value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
+    if name in RESOLVED:
+        return type(value) is RESOLVED[name]
+    if type(default) is float:
+        return type(value) in (int, float)
+    return type(value) is type(default)
 
 
 def default_memory_rank(policy: str, recall: bool) -> str:
@@ -320,40 +380,58 @@ class BrainConfig:
         return self.unit or (1 if self.repairer == "none" else 2)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad setting: each part's own checks, then the
-        rules that tie parts together (the only place such rules live)."""
-        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
-            raise ValueError(f"budget {self.budget} leaves no room to cull: it must exceed "
-                             f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
+        """Raise ConfigError (a ValueError) naming the first bad setting: each field's type,
+        each part's own checks, the bounds every number keeps (integers within int64, floats
+        finite), then the rules that tie parts together (the only place such rules live). The
+        one check of a config, whether made now or read back from a session."""
+        for f in fields(self):
+            if not _kind_ok(f.name, getattr(self, f.name), f.default):
+                raise ConfigError(f.name, f"{f.name} has the wrong type: {getattr(self, f.name)!r}")
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+            raise ConfigError("policy", f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         for part in PARTS:
             part.of(self).check()
+        for f in fields(self):  # what the parts leave unbounded
+            value = getattr(self, f.name)
+            if type(value) is int and not -INT_LIMIT <= value < INT_LIMIT:
+                raise ConfigError(f.name, f"{f.name} must be in -2**63..2**63-1, got {value}")
+            if type(value) is float and not math.isfinite(value):
+                raise ConfigError(f.name, f"{f.name} must be a finite number, got {value}")
+        if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
+            raise ConfigError("budget", f"budget {self.budget} leaves no room to cull: it must exceed "
+                              f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")
         if self.kv_store == "ring" and self.policy != "streaming":  # only it evicts the oldest window rows
-            raise ValueError(f"the ring store serves only the streaming policy, not {self.policy} "
-                             "(choose --policy streaming or --kv-store splice)")
+            raise ConfigError("kv_store", f"the ring store serves only the streaming policy, not {self.policy} "
+                                          "(choose --policy streaming or --kv-store splice)")
         if self.kv_store == "ring" and self.kv_format != "float":
-            raise ValueError(f"the ring store keeps float rows, not {self.kv_format} "
-                             "(choose --kv-format float or --kv-store splice)")
+            raise ConfigError("kv_store", f"the ring store keeps float rows, not {self.kv_format} "
+                                          "(choose --kv-format float or --kv-store splice)")
         evictable = self.budget - max(self.sinks, self.protect) - self.window
         if self.unit > evictable:
-            raise ValueError(f"unit {self.unit} is more rows than the policy can ever cull at budget {self.budget} "
-                             f"(budget - max(sinks, protect) - window = {evictable})")
+            raise ConfigError("unit", f"unit {self.unit} is more rows than the policy can ever cull at budget "
+                                      f"{self.budget} (budget - max(sinks, protect) - window = {evictable})")
         if self.repairer != "none" and self.unit not in (0, 2):
-            raise ValueError(f"the {self.repairer} repairer replaces pairs: it needs unit 2, not {self.unit} "
-                             "(use --repairer none with other units)")
-        POLICIES[self.policy].check(self)
+            raise ConfigError("repairer", f"the {self.repairer} repairer replaces pairs: it needs unit 2, not "
+                                          f"{self.unit} (use --repairer none with other units)")
         if self.gates and not POLICIES[self.policy].per_layer:
-            raise ValueError(f"--gates applies to policy smartkv, not {self.policy}")
+            raise ConfigError("gates", f"--gates applies to policy smartkv, not {self.policy}")
         if self.memory_rank != "gates" and not POLICIES[self.policy].per_layer:
-            raise ValueError(f"--memory-rank applies to policy smartkv, not {self.policy}")
+            raise ConfigError("memory_rank", f"--memory-rank applies to policy smartkv, not {self.policy}")
+        if self.gates:
+            _check_gate_file(self.gates)
+        try:
+            POLICIES[self.policy].check(self)  # what the policy needs of the budget, window and repairer
+        except ValueError as exc:
+            raise ConfigError("budget" if "budget" in str(exc) else "policy", str(exc)) from None
 
 
 def check_budget(lm, config: BrainConfig) -> None:
-    """ValueError for settings that cannot run on `lm`, before anything is allocated (a budget
-    beyond the model's positions would only fail hundreds of ticks in)."""
+    """ConfigError for settings that cannot run on `lm`, before anything is allocated (a budget
+    beyond the model's positions would only fail hundreds of ticks in): `validate`, then what
+    needs the model. A new run and a resumed session both pass here."""
     config.validate()
     if config.budget > lm.max_positions:
-        raise ValueError(f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+        raise ConfigError("budget", f"budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
     if outside := sorted(t for t in config.sampling.bias if t >= lm.vocab_size):
-        raise ValueError(f"logit_bias names token ids {outside} outside {lm.name}'s vocabulary of {lm.vocab_size}")
+        raise ConfigError("logit_bias", f"logit_bias names token ids {outside} outside {lm.name}'s vocabulary "
+                                        f"of {lm.vocab_size}")

@@ -48,6 +48,7 @@ from positronic import mirror
 from positronic import steps
 from positronic.mirror import MirrorFileError, MirrorInvariantError
 
+from .config import RESOLVED, ConfigError, check_budget
 from .loop import Brain, BrainConfig, cache_capacity
 from ..policies.recall import Digested
 from ..state import StateInvariantError, StateManager
@@ -303,39 +304,34 @@ BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_ma
                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": "",
                        "memory_rank": "gates"}
 
-# Settings whose None in BrainConfig means "the run's default", resolved when the config is
-# made: a session holds the resolved value, of this type.
-SAVED_RESOLVED = {"window": int, "memory_rank": str}
-
-
 def checked_config(path: Path, config) -> dict:
-    """The saved settings, complete and of the right types, or SessionError naming what is not
-    (a missing budget must not silently become the default, a string must not reach the loop)."""
-    fields = {f.name: f for f in dataclasses.fields(BrainConfig)}
+    """The saved settings, complete and valid, or SessionError naming what is not (a missing
+    budget must not silently become the default, a string must not reach the loop). Past the
+    names, the check is a new config's own (`BrainConfig.validate`): a session resumes only
+    with settings a new run would be allowed."""
+    fields = {f.name for f in dataclasses.fields(BrainConfig)}
     if not isinstance(config, dict):
         raise SessionError(f"{path}: settings missing")
-    if unknown := sorted(set(config) - set(fields)):
+    if unknown := sorted(set(config) - fields):
         raise SessionError(f"{path}: unknown settings: {unknown}")
     config = {**BEFORE_NEW_SETTINGS, **config}
-    if missing := sorted(set(fields) - set(config)):
+    if missing := sorted(fields - set(config)):
         raise SessionError(f"{path}: settings missing: {missing}")
-    for name, value in config.items():
-        default = fields[name].default
-        if name == "score_layers":
-            ok = value in ("last", "all") or (isinstance(value, list) and all(type(v) is int for v in value))
-        elif type(default) is float:
-            ok = type(value) in (int, float)
-        elif name in SAVED_RESOLVED:  # None in the dataclass means "the policy's default"; saved resolved
-            ok = type(value) is SAVED_RESOLVED[name]
-        else:
-            ok = type(value) is type(default)
-        if not ok:
-            raise SessionError(f"{path}: setting {name} has the wrong type: {value!r}")
+    for name, kind in RESOLVED.items():  # saved resolved: None here would be a file no run wrote
+        if type(config[name]) is not kind:
+            raise SessionError(f"{path}: setting {name} has the wrong type: {config[name]!r}")
     try:
         BrainConfig(**config).validate()
-    except ValueError as exc:
-        raise SessionError(f"{path}: {exc}") from None
+    except ConfigError as exc:
+        raise session_setting_error(path, exc) from None
     return config
+
+
+def session_setting_error(path: Path, exc: ConfigError) -> SessionError:
+    """A saved setting's ConfigError as the SessionError that names the file and the setting."""
+    message = str(exc)
+    return SessionError(f"{path}: setting {message}" if message.startswith(exc.field)
+                        else f"{path}: setting {exc.field}: {message}")
 
 
 def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
@@ -367,8 +363,12 @@ def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
 def load(directory: str | Path) -> tuple[mirror.Mirror, dict]:
     """The saved mirror and its metadata, validated (the parts that need no model)."""
     path = Path(directory) / MIRROR_FILE
-    if not path.is_file():
-        raise SessionError(f"{directory}: no saved session ({MIRROR_FILE} missing)")
+    try:  # a FIFO, a directory or a device there is named as such, and never opened to wait on
+        mirror.storage.regular_file(path)
+    except FileNotFoundError:
+        raise SessionError(f"{directory}: no saved session ({MIRROR_FILE} missing)") from None
+    except OSError as exc:
+        raise SessionError(f"{path}: {exc.strerror or exc}") from None
     try:
         saved, meta = mirror.load(path)
     except MirrorFileError as exc:
@@ -436,8 +436,10 @@ def read(lm, directory: str | Path) -> SessionFiles:
     if meta["model"] != lm.name:
         raise SessionError(f"{directory}: saved with model {meta['model']!r}, not {lm.name!r}")
     config = BrainConfig(**meta["config"])
-    if config.budget > lm.max_positions:
-        raise SessionError(f"{path}: budget {config.budget} is above {lm.name}'s {lm.max_positions} positions")
+    try:  # what a new run's settings must fit in this model, the same check
+        check_budget(lm, config)
+    except ConfigError as exc:
+        raise session_setting_error(path, exc) from None
     tensors = None if meta.get("cache") is None else _read_cache(directory, meta["cache"], _cache_bytes(lm, len(saved)))
     policy = _blobs_in(directory, meta["policy"]) if "policy" in meta else None
     return SessionFiles(directory, saved, meta, config, tensors, policy)

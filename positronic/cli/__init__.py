@@ -49,11 +49,15 @@ app.command("run", help="Run the brain (what `positronic` with no command does).
 
 
 @app.command()
-def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")) -> None:
+def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture."),
+           allow_download: bool = typer.Option(False, "--allow-download",
+                                               help="Fetch the model the fixture names from the hub if it is not "
+                                                    "local (off: a fixture from elsewhere cannot make this machine "
+                                                    "download anything).")) -> None:
     """Show what a captured tick does: its actions, and the text before and after."""
     from ..fixtures import print_replay
 
-    print_replay(file)
+    print_replay(file, allow_download=allow_download)
 
 
 app.command("eval")(eval_command)

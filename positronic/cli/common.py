@@ -11,9 +11,13 @@ from pathlib import Path
 
 import typer
 
+from ..brain.config import ConfigError
 from ..brain.loop import BrainConfig
 
 DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
+# --threads' ceiling: torch takes a C int (-t 2147483648 was "Overflow when unpacking long",
+# naming no flag), and threads past a host's cores only slow each forward down
+MAX_THREADS = 1024
 
 
 class UserError(Exception):
@@ -30,6 +34,20 @@ def show_version(value: bool) -> None:
             number = "unknown (not installed)"
         print(f"positronic-brain {number}")
         raise typer.Exit()
+
+
+def flag_error(exc: ConfigError, names, given=()) -> UserError:
+    """A setting's ConfigError as the UserError that names the command's flag for it (`--top-p
+    must be in (0, 1]` for top_p), when `names` (the command's parameters) has one: the
+    llama.cpp alias instead where that is what was `given`."""
+    message = str(exc)
+    if exc.field not in names:
+        return UserError(message)
+    name = next((alias for alias, field in FLAG_ALIASES.items() if field == exc.field and alias in given), exc.field)
+    flag = "--" + name.replace("_", "-")
+    if message.startswith(exc.field):
+        return UserError(flag + message[len(exc.field):])
+    return UserError(message if flag in message else f"{flag}: {message}")
 
 
 def set_threads(threads: int | None) -> None:
@@ -124,7 +142,10 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
         policy = choice.policy
         settings |= dict(policy=policy, recall=choice.recall)
     config = BrainConfig(**settings)
-    config.validate()
+    try:
+        config.validate()
+    except ConfigError as exc:
+        raise flag_error(exc, options, given_flags(ctx)) from None
     if choice is not None:  # said by the command once the model loaded, not above an error about anything else
         ctx.meta["policy_note"] = f"positronic: {choice.note}"
     if "window" in given_flags(ctx) and not takes_window(policy):

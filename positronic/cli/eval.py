@@ -9,10 +9,20 @@ from typing import Optional
 
 import typer
 
-from .common import DEFAULTS, UserError, set_threads, writable_directory
+from ..brain.config import MEMORY_RANKS
+from ..brain.session import MAX_TICK
+from ..kv.cache import STORES
+from ..util import MAX_TEXT_BYTES
+from .common import DEFAULTS, MAX_THREADS, UserError, given_flags, set_threads, writable_directory
+
+# options that only one mode reads: given to the other, they would be silently ignored
+GENERATE_ONLY = ("prompt_tokens", "seed")
+TEACHER_FORCED_ONLY = ("max_tokens", "segments", "probe", "probe_filler", "probe_at", "smooth")
+PROBE_ONLY = ("probe_filler", "probe_at")
 
 
 def eval_command(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2", "-m", "--model", help="Model, as for the run command."),
     text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
     budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
@@ -32,26 +42,35 @@ def eval_command(
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
-    generate: Optional[int] = typer.Option(None, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth are ignored; --recall is refused)."),
-    prompt_tokens: int = typer.Option(128, help="With --generate: the prompt is BOS + the first N tokens of --text."),
+    generate: Optional[int] = typer.Option(None, max=MAX_TICK, help="Generation mode: each policy and budget generates N tokens from the same prompt and seed; reports re-scored perplexity, distinct-4 and speed, and writes generation.csv/.json, texts/ and side_by_side.md. The teacher-forced perplexity and the probe are not run (--max-tokens, --segments, --probe, --probe-filler, --probe-at, --smooth, --gates, --recall are refused)."),
+    prompt_tokens: int = typer.Option(128, max=MAX_TEXT_BYTES + 1, help="With --generate: the prompt is BOS + the first N tokens of --text."),
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
     with --generate N, the quality of N freely generated tokens instead."""
+    refuse_unread_options(ctx, generate is not None, probe)
+    if memory_rank is not None and memory_rank not in MEMORY_RANKS:
+        raise UserError(f"--memory-rank must be one of {', '.join(MEMORY_RANKS)}, got {memory_rank!r}")
+    if kv_store not in STORES:
+        raise UserError(f"--kv-store must be one of {', '.join(STORES)}, got {kv_store!r}")
     writable_directory(out, "--out")
     set_threads(threads)
     if generate is not None:
         if recall:
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
-        if kv_store != "splice":
+        if kv_store == "ring":
             raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
         if memory_rank == "recent":  # SmartKVCache, which --generate runs, ranks by the gates alone
             raise UserError("--memory-rank applies to the teacher-forced eval, not (yet) to --generate")
+        if gates:  # --generate's SmartKVCache runs the gates shipped for the model
+            raise UserError("--gates applies to the teacher-forced eval, not (yet) to --generate")
+        if not 0 <= seed < 2**63:
+            raise UserError(f"--seed must be in 0..2**63-1, got {seed}")
         from ..evaluate.generation import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
@@ -68,3 +87,16 @@ def eval_command(
                   probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, repairer=repairer,
                   repair_batch=repair_batch, probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates,
                   kv_store=kv_store, memory_rank=memory_rank)
+
+
+def refuse_unread_options(ctx: typer.Context, generating: bool, probe: bool) -> None:
+    """UserError naming the options given that this eval would not read: the teacher-forced
+    eval's with --generate, --generate's without it, the probe's with --no-probe."""
+    given = given_flags(ctx)
+    for names, applies, to in ((GENERATE_ONLY, generating, "--generate"),
+                               (TEACHER_FORCED_ONLY, not generating, "the teacher-forced eval, not to --generate"),
+                               (PROBE_ONLY, generating or probe, "the retrieval probe (leave out --no-probe)")):
+        if unread := [name for name in names if name in given and not applies]:
+            flags = ", ".join("--probe/--no-probe" if name == "probe" else "--" + name.replace("_", "-")
+                              for name in unread)
+            raise UserError(f"{flags} {'apply' if len(unread) > 1 else 'applies'} to {to}")

@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from positronic.mirror.storage import regular_file
+
 from ..brain import session as sessions
 from ..brain.chat import LineReader
 from ..brain.config import BUDGET, RUN_BUDGET
@@ -22,8 +24,8 @@ from ..models import load_model, random_names
 from ..policies import POLICIES
 from ..tui.snapshot import shades
 from ..util import read_text_file
-from .common import (DEFAULTS, UserError, brain_config, freeze_heap, given_flags, refuse_changed_settings, set_threads,
-                     show_version, writable_directory)
+from .common import (DEFAULTS, MAX_THREADS, UserError, brain_config, freeze_heap, given_flags, refuse_changed_settings,
+                     set_threads, show_version, writable_directory)
 
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
 
@@ -33,7 +35,7 @@ def run(
     version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."),
     model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir, a .gguf file (converted once "
                               f"into the cache) or a hub id | random weights: {' | '.join(random_names())}"),
-    ticks: int = typer.Option(300, "-n", "--ticks", min=-1, help="Ticks (generated tokens) to run; -1: no limit (Ctrl-C ends the run)."),
+    ticks: int = typer.Option(300, "-n", "--ticks", min=-1, max=sessions.MAX_TICK, help="Ticks (generated tokens) to run, at most 2**53 (what a session counts exactly); -1: no limit (Ctrl-C ends the run)."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
@@ -61,7 +63,7 @@ def run(
     frequency_penalty: float = typer.Option(0.0, help="OpenAI's frequency penalty, -2..2: subtracted per occurrence in the last 64 tokens."),
     logit_bias: Optional[list[str]] = typer.Option(None, help="Add BIAS (-100..100) to token ID's logit: ID:BIAS, or llama.cpp's ID+BIAS / ID-BIAS; repeatable."),
     seed: int = typer.Option(0, "-s", "--seed", help="Sampling seed."),
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, help="CPU threads for torch (default: one per core)."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="Brightness policy: rows freed at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
@@ -69,7 +71,7 @@ def run(
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
-    save_every: int = typer.Option(100, min=1, help="Checkpoint every N ticks (with --session)."),
+    save_every: int = typer.Option(100, min=1, max=sessions.MAX_TICK, help="Checkpoint every N ticks (with --session)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run saved in --session."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in a --session directory that holds a saved one (replaced once the new run has started), and/or over an existing --events file."),
     no_tui: bool = typer.Option(False, "--no-tui", help="Plain progress instead of the live view."),
@@ -104,15 +106,36 @@ def run(
     if resume and (prompt is not None or prompt_file is not None):
         raise UserError("--prompt/--prompt-file start a run; a resumed run goes on from its saved context "
                         "(type a line to add a user turn, or start a new --session)")
+    given = given_flags(ctx)
+    for flag, needs, name in (("capture_ticks", capture, "--capture DIR"), ("save_every", session, "--session DIR")):
+        if flag in given and needs is None:  # read only with the other: alone it would be silently ignored
+            raise UserError(f"--{flag.replace('_', '-')} applies to {name.split()[0]}: give {name}")
+    if capture is not None:
+        from ..fixtures import parse_spec
+
+        try:
+            parse_spec(capture_ticks)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     if prompt_file is not None:
         try:
             prompt = read_text_file(prompt_file, "--prompt-file")
         except OSError as exc:
             raise UserError(str(exc)) from None
+    for needle in pin or ():  # the tokens are matched once the model loads; text that is not there never will be
+        if not needle or needle not in (DEFAULT_PROMPT if prompt is None else prompt):
+            raise UserError(f"--pin {needle!r} does not occur in the prompt")
     config = brain_config(ctx, ctx.params)
     # outputs are checked before the model loads, not found unwritable after the work
     if events is not None:
         writable_directory(events.parent, "--events")
+        if events.is_dir():
+            raise UserError(f"--events {events} is a directory: give a file")
+        if resume and events.exists():  # its header is read and it is rewritten: only a file of its own will do
+            try:
+                regular_file(events)
+            except OSError as exc:
+                raise UserError(f"--events {events} with --resume: {exc.strerror or exc}") from None
         if events.exists() and not (resume or overwrite):
             raise UserError(f"--events {events} already exists; replace it with --overwrite, or choose another file "
                             "(a --resume appends to it)")

@@ -13,6 +13,12 @@ from .stream import EvalError, make_config
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
 
 
+def most_tokens(text: str) -> int:
+    """More tokens than any tokenizer makes of `text`: every token covers a byte at least, but
+    for the word-start marker SentencePiece may put alone before the first one."""
+    return len(text.encode("utf-8")) + 1
+
+
 def read_text(path: Path | None) -> tuple[str, str]:
     """(text, its display name); OSError/EvalError with one-line messages."""
     path = Path(path) if path is not None else DEFAULT_TEXT
@@ -21,6 +27,17 @@ def read_text(path: Path | None) -> tuple[str, str]:
         raise EvalError(f"--text {path} is empty")
     return text, path.name
 
+
+# eval's options that set a run's BrainConfig field of the same name
+SETTING_FLAGS = ("budget", "sinks", "protect", "at_capacity", "repairer", "repair_batch", "kv_format", "kv_store",
+                 "gates", "memory_rank")
+
+
+def _flagged(message: str) -> str:
+    """A setting's message with its leading field name written as eval's flag ("sinks must be
+    >= 0" -> "--sinks must be >= 0")."""
+    field = message.split(" ", 1)[0].rstrip(":")
+    return "--" + field.replace("_", "-") + message[len(field):] if field in SETTING_FLAGS else message
 
 
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
@@ -39,14 +56,26 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     for name in policies:
         if name not in POLICIES:
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    # settings only some policies read: with none of those asked for they would go unused
+    if not any(POLICIES[name].per_layer for name in policies):
+        for flag, value in (("--gates", gates), ("--memory-rank", memory_rank)):
+            if value:
+                raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
+    if recall and not any(recallable(name) for name in policies):
+        raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
     for budget in budgets:
         for name in policies:
             for on in {False, recall and recallable(name)}:
-                make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
-                            repair_batch=repair_batch, recall=on, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                            memory_rank=memory_rank)
+                try:
+                    make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
+                                repairer=repairer, repair_batch=repair_batch, recall=on, kv_format=kv_format,
+                                gates=gates, kv_store=kv_store, memory_rank=memory_rank)
+                except EvalError as exc:
+                    raise EvalError(_flagged(str(exc))) from None
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if segments < 1:
+        raise EvalError(f"--segments must be >= 1, got {segments}")
     if smooth is not None and smooth < 1:
         raise EvalError(f"--smooth must be >= 1, got {smooth}")
     if probe and not 0.0 <= probe_at <= 1.0:
@@ -54,6 +83,9 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     if probe and probe_filler is not None and probe_filler < 0:
         raise EvalError(f"--probe-filler must be >= 0, got {probe_filler}")
     body, name = read_text(text)
+    if probe and probe_filler is not None and probe_filler > most_tokens(body):
+        raise EvalError(f"--probe-filler {probe_filler} is more tokens than any tokenizer makes of --text {name} "
+                        f"({len(body.encode('utf-8'))} bytes)")
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
 

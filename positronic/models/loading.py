@@ -69,10 +69,11 @@ def _longest_entry(tokenizer) -> int:
 
 
 def load_model(name: str = "smollm2", device: str | None = None,
-               dtype: str | torch.dtype | None = None) -> LoadedModel:
+               dtype: str | torch.dtype | None = None, *, allow_download: bool = True) -> LoadedModel:
     """Load model `name` onto `device` (default: cuda if available, else cpu) in `dtype`
     (default: float16 on cuda, float32 on cpu; "auto": the checkpoint's own dtype) and return
-    it as a `LoadedModel`."""
+    it as a `LoadedModel`. `allow_download=False`: a hub id is read from the local cache only,
+    never fetched (a name that came from an untrusted file)."""
     dev = _resolve_device(device)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     dt = None if auto else _resolve_dtype(dtype, dev)
@@ -81,7 +82,7 @@ def load_model(name: str = "smollm2", device: str | None = None,
             model, tokenizer = random_model(name.removeprefix("random:"), dev, dt or _resolve_dtype(None, dev))
         else:
             source, local_only = _resolve_source(name)
-            model, tokenizer = _pretrained(name, source, local_only, dev, dt)
+            model, tokenizer = _pretrained(name, source, local_only or not allow_download, dev, dt)
     return _wrap(name, model, tokenizer, dev, model.dtype)
 
 

@@ -25,7 +25,14 @@ import torch
 
 from .gates import DEFAULT_DEPTH, DEFAULT_HIDDEN, Gate, GateSet, spearman
 from .labels import LabelSet, LifespanRule, label_text, window_count
-from ..util import read_text_file
+from ..util import error_line, read_text_file
+
+
+# Sanity bounds, far past what was measured (256 wide, depth 3: 0.1M weights a layer): at
+# 4,096 wide a depth-3 gate holds 17M weights, more than a SmolLM2-135M layer it ranks rows for
+# (4.5M); past these a value is a typo that would allocate only after minutes of labelling.
+MAX_HIDDEN = 4096
+MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,36 @@ class TrainConfig:
     weight_decay: float = 1e-4
     validation: float = 0.1   # share of the training labels held back to pick the best epoch
     seed: int = 0
+
+    def check(self) -> None:
+        """ValueError naming the first setting no training can use (the message starts with
+        its name): none of them may leave a file of untrained or NaN gates behind."""
+        for name, low, high in (("hidden", 1, MAX_HIDDEN), ("depth", 1, MAX_DEPTH), ("epochs", 1, None),
+                                ("batch", 1, None), ("seed", 0, 2**63 - 1)):
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high):
+                bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+                raise ValueError(f"{name} must be {bounds}, got {value}")
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0) or (name == "lr" and value == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if name == 'lr' else '>= 0'}, got {value}")
+        if not 0 < self.validation < 1:
+            raise ValueError(f"validation must be a share in (0, 1), got {self.validation}")
+
+
+def check_rule(horizon: int, threshold: float, window: int) -> None:
+    """ValueError (starting with the setting's name) for a lifespan rule no useful label could
+    come out of. Attention is at most 1 and a window shows at most `window` rows, so a token
+    counts as used only if threshold < window; NaN would label every token unused."""
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+    if window < horizon + 2:
+        raise ValueError(f"window {window} leaves no token with a whole horizon of {horizon} after it "
+                         f"(it must be at least horizon + 2)")
+    if not (math.isfinite(threshold) and 0 < threshold < window):
+        raise ValueError(f"threshold must be a finite number in (0, window = {window}): attention above "
+                         f"threshold / rows is never reached past that, got {threshold}")
 
 
 def split(count: int, share: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,22 +190,25 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
 
     console = console or Console(stderr=True)
     started = time.perf_counter()
+    config.check()
     # files first: a missing or unusable text is reported before the model loads
-    texts_read = [(Path(p).name, _read(p)) for p in texts]
-    held_text = _read(heldout)
+    texts_read = [(Path(p).name, _read(p, "--text")) for p in texts]
+    held_text = _read(heldout, "--heldout")
     train_names = {Path(p).resolve() for p in texts}
     if Path(heldout).resolve() in train_names:
         raise ValueError(f"--heldout {heldout} is also a training --text: the held-out measurement needs an unseen text")
-    if labels is not None and not Path(labels).is_file():
-        raise ValueError(f"--labels {labels} does not exist")
+    train_labels = None if labels is None else _load_labels(Path(labels), per_head)
+    try:
+        if train_labels is not None:
+            rule = train_labels.rule  # the rule the labels were made with
+        check_rule(rule.horizon, rule.threshold, rule.window)
+    except ValueError as exc:
+        raise ValueError(f"--labels {labels}: its lifespan rule: {exc}" if train_labels is not None else str(exc)) \
+            from None
+    _check_windows(rule, max_tokens, ([] if labels is not None else texts_read) + [(Path(heldout).name, held_text)])
     lm = load_model(model, device="cpu", dtype="float32")
     with Bars(console) as bars:
         if labels is not None:
-            train_labels = LabelSet.load(labels)
-            rule = train_labels.rule
-            if (train_labels.heads > 1) != per_head:
-                raise ValueError(f"--labels {labels} holds {'per-head' if train_labels.heads > 1 else 'per-layer'} "
-                                 f"lifespans; {'add' if train_labels.heads > 1 else 'drop'} --per-head")
             total_windows = window_count(lm, held_text, rule, max_tokens)
         else:
             total_windows = sum(window_count(lm, t, rule, max_tokens) for _, t in texts_read) \
@@ -188,6 +228,11 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
         shared = None
         if shared_out is not None:
             shared = train_gates(train_labels, config, shared=True, on_step=advance, header=header)
+    for name, trained in (("--out", gates), ("--shared-out", shared)):
+        if trained is not None and not all(bool(t.isfinite().all()) for g in trained.gates
+                                           for t in g.state_dict().values()):
+            raise ValueError(f"training diverged: the gates for {name} hold NaN or infinite weights "
+                             f"(lower --lr, now {config.lr:g}); nothing was written")
     rho = heldout_spearman(gates, held_labels)
     gates.header["heldout_spearman"] = [round(r, 4) for r in rho]
     gates.save(out)
@@ -258,8 +303,43 @@ def report_table(report: TrainReport, heldout_name: str):
     return table
 
 
-def _read(path) -> str:
-    text = read_text_file(Path(path), "text")
+def _load_labels(path: Path, per_head: bool) -> LabelSet:
+    """--labels' LabelSet, read (safetensors: no code runs) before any model loads; ValueError
+    naming the file when it is not one that --save-labels wrote."""
+    from positronic.mirror.storage import regular_file
+
+    try:
+        regular_file(path)  # a FIFO named here is refused, not waited on
+    except FileNotFoundError:
+        raise ValueError(f"--labels {path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"--labels {path}: {exc.strerror or exc}") from None
+    try:
+        labels = LabelSet.load(path)
+    except Exception as exc:  # safetensors, JSON and the rule's own checks raise unrelated types
+        raise ValueError(f"--labels {path}: not a label file written by --save-labels ({error_line(exc)})") from None
+    if (labels.heads > 1) != per_head:
+        raise ValueError(f"--labels {path} holds {'per-head' if labels.heads > 1 else 'per-layer'} "
+                         f"lifespans; {'add' if labels.heads > 1 else 'drop'} --per-head")
+    return labels
+
+
+def _check_windows(rule: LifespanRule, max_tokens: int | None, texts: list[tuple[str, str]]) -> None:
+    """ValueError, before the model loads, for a text that cannot fill one labelling window
+    (its tokens are counted once the model loads; this bound needs none: a token covers a
+    byte at least, but for a word-start marker SentencePiece may put alone first)."""
+    need = rule.window - 1
+    if max_tokens is not None and max_tokens < need:
+        raise ValueError(f"--max-tokens {max_tokens} is fewer than the {need} text tokens a --window of {rule.window} "
+                         "needs")
+    for name, text in texts:
+        if len(text.encode("utf-8")) + 1 < need:
+            raise ValueError(f"--window {rule.window} needs {need} tokens of each text; {name} holds at most "
+                             f"{len(text.encode('utf-8')) + 1}")
+
+
+def _read(path, flag: str) -> str:
+    text = read_text_file(Path(path), flag)
     if not text.strip():
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{flag} {path} is empty")
     return text

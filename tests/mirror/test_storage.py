@@ -3,6 +3,7 @@ exactly, replace atomically, and refuse damaged, foreign or inconsistent files w
 
 import hashlib
 import os
+import re
 
 import pytest
 
@@ -147,3 +148,24 @@ def test_bounded_reads_follow_what_is_opened(tmp_path):
 def test_a_failed_atomic_write_names_its_file(tmp_path):
     with pytest.raises(OSError, match=f"cannot write {tmp_path}/missing/file: No such file or directory"):
         mirror.write_atomic(tmp_path / "missing" / "file", b"data")
+
+
+def test_regular_file_names_what_is_there_without_opening_it(tmp_path):
+    """What a command reads whole (a session's mirror.msgpack, an event log a resume appends to,
+    a fixture, saved labels) is checked first: a FIFO, a directory or a device is named as such
+    (it was reported "missing", or opening a FIFO waited for a writer forever), and a FIFO is
+    never opened to find out."""
+    from positronic.mirror.storage import regular_file
+
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x" * 3)
+    assert regular_file(plain).st_size == 3
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "zero"
+    link.symlink_to("/dev/zero")  # links are followed: what would be opened is checked
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory"), (link, "a character device")):
+        with pytest.raises(OSError, match=re.escape(f"not a regular file ({kind})")):
+            regular_file(path)
+    with pytest.raises(FileNotFoundError):
+        regular_file(tmp_path / "missing")

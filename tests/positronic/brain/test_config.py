@@ -86,3 +86,35 @@ def test_rules_across_parts_are_checked_by_the_record(settings, message):
 def test_the_defaults_are_valid_and_smartkv_gates_default_to_the_shipped_ones():
     BrainConfig().validate()
     assert SmartKVGates().gates == ""
+
+
+@pytest.mark.parametrize("settings, field, message", [
+    ({"refresh_kl": float("nan")}, "refresh_kl", "refresh_kl must be a finite number >= 0, got nan"),
+    ({"refresh_kl": float("inf")}, "refresh_kl", "refresh_kl must be a finite number >= 0, got inf"),
+    ({"budget": 2**64 - 1}, "budget", "budget must be in -2**63..2**63-1"),  # was an OverflowError in a policy
+    ({"protect": 2**63}, "protect", "protect must be in -2**63..2**63-1"),
+    ({"budget": "64"}, "budget", "budget has the wrong type: '64'"),
+    ({"recall": 1}, "recall", "recall has the wrong type: 1"),
+    ({"top_k": True}, "top_k", "top_k has the wrong type: True"),  # a bool is no count
+    ({"kv_format": "int3"}, "kv_format", "kv_format: unknown kv format 'int3'"),
+    ({"policy": "smartkv", "gates": "/dev/null"}, "gates", "gates /dev/null: not a regular file (a character device)"),
+    ({"policy": "smartkv", "gates": "/no/such.safetensors"}, "gates", "gates /no/such.safetensors does not exist"),
+])
+def test_validate_is_one_check_for_every_config_and_names_the_field(settings, field, message):
+    """A new config and one read back from a session pass the same validate(): types, bounds
+    (integers within int64, floats finite) and the parts' rules, each failure a ConfigError
+    whose field says which setting, its message starting with the field's name."""
+    from positronic.brain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        BrainConfig(**settings).validate()
+    assert caught.value.field == field and str(caught.value).startswith(field)
+
+
+def test_the_model_dependent_checks_name_their_field(tiny):
+    from positronic.brain.config import ConfigError, check_budget
+
+    for settings, field in (({"budget": 2**40}, "budget"), ({"logit_bias": "600:1"}, "logit_bias")):
+        with pytest.raises(ConfigError, match="random:tiny") as caught:
+            check_budget(tiny, BrainConfig(**settings))
+        assert caught.value.field == field

@@ -88,7 +88,7 @@ def test_resume_refuses_a_session_of_another_model(tmp_path, smol, tiny):
 @pytest.mark.parametrize("args, message", [
     (["--brightness", "glow"], "unknown brightness rule 'glow'"),
     (["--budget", "10"], "budget 10 leaves no room to cull"),
-    (["--top-p", "1.5"], r"top_p must be in \(0, 1\]"),
+    (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--temperature", "-1"], "Invalid value for .--temperature."),
     (["--ticks", "0"], "--ticks must be at least 1, or -1 for no limit"),
     # click words the bound its own way ("x>=-1" in the GPU machines' older click): the flag and -1 named
@@ -100,7 +100,7 @@ def test_resume_refuses_a_session_of_another_model(tmp_path, smol, tiny):
     (["--repairer", "oracle"], "unknown repairer 'oracle'"),
     (["--repairer", "self", "--repair-tokens", "2"], "the self repairer proposes exactly 1 token per pair, not 2"),
     (["--repairer", "self", "--unit", "1"], "the self repairer replaces pairs: it needs unit 2"),
-    (["--repair-tokens", "17"], "repair_tokens must be in 1..16"),
+    (["--repair-tokens", "17"], "--repair-tokens must be in 1..16"),
     (["--dtype", "float7"], "float7"),
     (["--no-such-flag"], "no-such-flag"),
     (["--store", "dynamic"], "store"),  # v1's KV store backends are gone, and so is the flag

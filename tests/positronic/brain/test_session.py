@@ -63,6 +63,11 @@ def saved_session(tiny, tmp_path):
     (lambda c: c.update(policy="lru"), "unknown policy 'lru'"),
     (lambda c: c.update(score_layers=[1.5]), "setting score_layers has the wrong type"),
     (lambda c: c.update(colour="blue"), "unknown settings: ['colour']"),
+    # the checks of a new config (BrainConfig.validate, check_budget): these resumed before
+    (lambda c: c.update(refresh_kl=float("nan")), "setting refresh_kl must be a finite number >= 0, got nan"),
+    (lambda c: c.update(budget=2**64 - 1), "setting budget must be in -2**63..2**63-1"),
+    (lambda c: c.update(budget=600), "setting budget 600 is above random:tiny's 512 positions"),
+    (lambda c: c.update(logit_bias="600:1.0"), "setting logit_bias names token ids [600] outside random:tiny's"),
 ])
 def test_a_session_with_bad_settings_is_refused_with_one_clear_error(tiny, tmp_path, edit, message):
     path, saved, meta = saved_session(tiny, tmp_path)
@@ -313,6 +318,18 @@ def test_an_old_session_whose_tokens_lie_outside_the_model_is_refused_not_crashe
                                                    "meta": meta}, use_bin_type=True))
     with pytest.raises(sessions.SessionError, match="outside random:tiny's vocabulary"):
         sessions.resume(tiny, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_mirror_file_that_is_not_a_regular_file_is_named_so_not_missing(tiny, tmp_path, kind):
+    """A mirror.msgpack that is a FIFO, a directory or /dev/zero was reported "missing" (and a
+    FIFO is never opened: that waits for a writer)."""
+    path = tmp_path / sessions.MIRROR_FILE
+    {"fifo": lambda: os.mkfifo(path), "directory": path.mkdir, "device": lambda: path.symlink_to("/dev/zero")}[kind]()
+    with pytest.raises(sessions.SessionError, match="mirror.msgpack: not a regular file"):
+        sessions.resume(tiny, tmp_path)
+    with pytest.raises(sessions.SessionError, match=r"no saved session \(mirror.msgpack missing\)"):
+        sessions.resume(tiny, tmp_path / "elsewhere")
 
 
 def test_a_cache_file_that_is_a_device_is_refused_without_reading_it(tiny, tmp_path):

@@ -138,8 +138,15 @@ def test_dtype_auto_and_a_family_model_run(capsys, run_cli):
     (["--window", "8", "--policy", "streaming"], "--window sets the recent rows of policies brightness and smartkv"),
     (["--unit", "1000", "-c", "64"], "unit 1000 is more rows than the policy can ever cull"),
     (["--temperature", "inf"], "temperature must be a finite number >= 0"),
-    (["--repetition-penalty", "inf"], "repetition_penalty must be in [0.01, 100.0]"),
-    (["--repetition-penalty", "1e-30"], "repetition_penalty must be in [0.01, 100.0]"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be in [0.01, 100.0]"),
+    (["--repetition-penalty", "1e-30"], "--repetition-penalty must be in [0.01, 100.0]"),
+    # issue 75: each of these was accepted, a traceback, or an error that named no flag
+    (["--refresh-kl", "inf"], "--refresh-kl must be a finite number >= 0, got inf"),
+    (["-c", str(2**64 - 1)], "--budget must be in -2**63..2**63-1"),
+    (["-t", "2147483648"], "Invalid value for '-t' / '--threads'"),
+    (["-n", str(2**63)], "Invalid value for '-n' / '--ticks'"),
+    (["--pin", "not in the prompt"], "--pin 'not in the prompt' does not occur in the prompt"),
+    (["--gates", "/dev/null"], "--gates /dev/null: not a regular file (a character device)"),
     (["-s", "-1"], "seed must be in 0..2**63-1"),
     (["-s", str(2**64)], "seed must be in 0..2**63-1"),
     (["--capture", "/dev/null"], "cannot use --capture /dev/null: /dev/null is not a directory"),
@@ -196,6 +203,39 @@ def test_a_resume_appends_only_to_its_own_event_log(tmp_path, capsys, run_cli):
     headers = [r for r in records if r.get("record") == "header"]
     assert len(headers) == 2 and headers[0]["run_id"] == headers[1]["run_id"]
     assert [r["tick"] for r in records if r.get("record") != "header"] == list(range(1, 9))
+
+
+def test_a_resume_with_events_that_are_no_regular_file_is_refused_at_once(tmp_path, capsys, run_cli):
+    """A resume reads its event log's header and rewrites the log: a FIFO there waited for a
+    writer forever, a device or a directory failed later; each is one line now, and nothing
+    changes."""
+    session = tmp_path / "s"
+    base = ["-m", "random:tiny", "--no-tui", "--no-input", "-c", "64", "--ticks", "2", "--session", str(session)]
+    assert run_cli(*base) == 0
+    saved = (session / "mirror.msgpack").read_bytes()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for events, message in ((fifo, "not a regular file (a FIFO)"), (Path("/dev/null"), "(a character device)"),
+                            (tmp_path, "is a directory")):
+        capsys.readouterr()
+        assert run_cli(*base, "--resume", "--events", str(events)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --events {events}") and message in err and err.count("\n") == 1
+    assert (session / "mirror.msgpack").read_bytes() == saved
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--capture-ticks", "all"], "--capture-ticks applies to --capture: give --capture DIR"),
+    (["--save-every", "5"], "--save-every applies to --session: give --session DIR"),
+    (["--capture", "CAPTURE", "--capture-ticks", "soon"], "--capture-ticks 'soon': expected"),
+])
+def test_an_option_read_only_with_another_is_refused_alone(args, message, tmp_path, capsys, run_cli):
+    """Given alone, these were silently ignored; a bad tick list was found once the model had loaded."""
+    args = [str(tmp_path / "c") if a == "CAPTURE" else a for a in args]
+    assert run_cli("-m", "no-such-model", "--no-tui", "--no-input", "-n", "1", *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "no-such-model" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_second_run_on_a_session_in_use_is_refused(tmp_path, capsys, run_cli):

@@ -32,12 +32,32 @@ def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys, eval_text, run_cli
     (["--budget", "48", "--probe-filler", "600"], "above random:tiny's 512 positions: --probe-filler can be at most"),
     (["--generate", "8", "--recall"], "--recall applies to the teacher-forced eval"),
     (["--repairer", "oracle"], "unknown repairer 'oracle'"),
+    # issue 75: accepted and never used, or refused only after the model had loaded
+    (["--memory-rank", "bogus"], "--memory-rank must be one of gates, recent, got 'bogus'"),
+    (["--gates", "x"], "--gates applies to policy smartkv, which is not among the --policy runs"),
+    (["--policy", "h2o", "--memory-rank", "gates"], "--memory-rank applies to policy smartkv"),
+    (["--policy", "none", "--recall"], "--recall adds runs with recall of the policies that evict"),
+    (["--kv-store", "ring"], "the ring store serves only the streaming policy, not brightness (choose --policy "
+                             "streaming or --kv-store splice)"),
+    (["--kv-format", "int3"], "--kv-format: unknown kv format 'int3'"),
+    (["--budget", str(2**64 - 1)], "--budget must be in -2**63..2**63-1"),
+    (["--segments", "0"], "--segments must be >= 1, got 0"),
+    (["--probe-filler", str(2**63)], f"--probe-filler {2**63} is more tokens than any tokenizer makes"),
+    (["-t", "2147483648"], "Invalid value for '-t' / '--threads'"),
+    (["--prompt-tokens", "64"], "--prompt-tokens applies to --generate"),
+    (["--seed", "1"], "--seed applies to --generate"),
+    (["--no-probe", "--probe-at", "0.5"], "--probe-at applies to the retrieval probe (leave out --no-probe)"),
+    (["--generate", "8", "--max-tokens", "64", "--smooth", "4"],
+     "--max-tokens, --smooth apply to the teacher-forced eval, not to --generate"),
+    (["--generate", "8", "--gates", "g.safetensors"], "--gates applies to the teacher-forced eval"),
+    (["--generate", "8", "--seed", "-1"], "--seed must be in 0..2**63-1, got -1"),
+    (["--generate", "8", "--kv-store", "heap"], "--kv-store must be one of splice, ring, got 'heap'"),
     # refused before anything runs (here the full-cache reference would run first)
     (["--repairer", "mlm:/nonexistent", "--budget", "48", "--max-tokens", "50", "--no-probe"],
      "masked LM directory '/nonexistent' does not exist"),
 ])
-def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys, run_cli):
-    assert run_cli("eval", "--model", "random:tiny", *args) == 2
+def test_cli_eval_bad_flags_give_one_line_and_exit_code_2(args, message, capsys, run_cli, tmp_path):
+    assert run_cli("eval", "--model", "random:tiny", "--out", str(tmp_path / "out"), *args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
 

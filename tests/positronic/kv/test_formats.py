@@ -446,7 +446,7 @@ def test_run_shows_the_format_and_its_bytes_per_token(tiny, capsys, run_cli):
 
 def test_an_unknown_format_gives_one_line_and_exit_code_2(capsys, run_cli):
     assert run_cli("--model", "random:tiny", "--ticks", "2", "--no-tui", "--kv-format", "int8") == 2
-    assert capsys.readouterr().err.strip() == "error: unknown kv format 'int8'; choose from float, int4, fp4, int4h"
+    assert capsys.readouterr().err.strip() == "error: --kv-format: unknown kv format 'int8'; choose from float, int4, fp4, int4h"
 
 
 def test_eval_runs_every_policy_and_the_reference_on_the_format(tiny, eval_text):

@@ -1,6 +1,7 @@
 """Training (positronic/smartkv/train.py and __main__.py): `positronic smartkv train` writes gate
 files that fit the model, and refuses bad options with one line and exit code 2."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,10 @@ def test_per_head_training_writes_a_gate_output_per_kv_head(tmp_path):
     held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 10)
     out, labels = tmp_path / "heads.safetensors", tmp_path / "labels.safetensors"
     common = ["-m", "positronic.smartkv", "train", "--model", "random:tiny", "--text", str(text), "--heldout", str(held),
-              "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1",
-              "--threshold", "1.05"]  # a random model's attention is near uniform: 2x the share is never reached
-    result = subprocess.run([sys.executable, *common, "--per-head", "--out", str(out), "--save-labels", str(labels)],
+              "--hidden", "16", "--epochs", "2", "--threads", "1"]
+    rule = ["--window", "96", "--horizon", "32",
+            "--threshold", "1.05"]  # a random model's attention is near uniform: 2x the share is never reached
+    result = subprocess.run([sys.executable, *common, *rule, "--per-head", "--out", str(out), "--save-labels", str(labels)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     from positronic.models import load_model
@@ -78,3 +80,62 @@ def test_train_command_checks_its_files_before_loading_a_model(tmp_path):
                              "--out", str(tmp_path / "g.safetensors")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: cannot read") and "missing.txt" in result.stderr
     assert not (tmp_path / "g.safetensors").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),  # wrote NaN gates, exit 0
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),  # wrote untrained gates, exit 0
+    (["--batch", "0"], "--batch must be >= 1, got 0"),  # ZeroDivisionError
+    (["--threshold", "nan"], "--threshold must be a finite number in (0, window = 1024)"),  # accepted
+    (["--threshold", "1024"], "--threshold must be a finite number in (0, window = 1024)"),  # no token ever used
+    (["--horizon", "0"], "--horizon must be >= 1, got 0"),
+    (["--window", "100", "--horizon", "99"], "--window 100 leaves no token with a whole horizon of 99"),
+    (["--window", "4000"], "--window 4000 needs 3999 tokens of each text; a.txt holds at most"),
+    (["--max-tokens", "100"], "--max-tokens 100 is fewer than the 1023 text tokens a --window of 1024 needs"),
+    (["--hidden", str(2**63)], "--hidden must be in 1..4096"),
+    (["--seed", "-1"], "--seed must be in 0..9223372036854775807, got -1"),
+    (["--threads", "2147483648"], "--threads must be in 1..1024"),
+    (["--threads", "0"], "--threads must be in 1..1024, got 0"),  # was taken as "not given"
+    (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),  # argparse's own, on one line
+    (["--labels", "/dev/zero"], "--labels /dev/zero: not a regular file (a character device)"),  # "does not exist"
+    (["--labels", "FIFO"], "not a regular file (a FIFO)"),
+    (["--labels", "a.txt"], "not a label file written by --save-labels"),
+    (["--labels", "a.txt", "--window", "64"], "--labels brings the labels and the lifespan rule they were made with: "
+                                              "leave out --window"),
+    (["--shared-out", "shared.bin"], "--shared-out shared.bin must end in .safetensors"),
+    (["--save-labels", "FIFO"], "--save-labels FIFO exists and is not a regular file"),
+    (["--heldout", "DIR"], "cannot read --heldout DIR"),
+])
+def test_bad_options_are_refused_in_one_line_before_the_model_loads(args, message, tmp_path, monkeypatch, capsys,
+                                                                    run_cli):
+    monkeypatch.chdir(tmp_path)
+    Path("a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    Path("b.txt").write_text("Pack my box with five dozen liquor jugs. " * 30)
+    os.mkfifo("FIFO")
+    Path("DIR").mkdir()
+    before = sorted(os.listdir())
+    code = run_cli("smartkv", "train", "--model", "no-such-model", "--text", "a.txt", "--heldout", "b.txt",
+                   "--out", "g.safetensors", *args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and "no-such-model" not in err
+    assert sorted(os.listdir()) == before
+
+
+def test_a_training_that_diverges_writes_no_gates(tmp_path, capsys, run_cli):
+    """--lr 1e30 is finite and passes the checks, and makes NaN weights: refused before any file
+    is written (with --lr inf such gates were written, exit 0)."""
+    text, held, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "g.safetensors"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 5)
+    torch_threads = torch.get_num_threads()
+    try:
+        code = run_cli("smartkv", "train", "--model", "random:tiny", "--text", str(text), "--heldout", str(held),
+                       "--out", str(out), "--window", "40", "--horizon", "8", "--hidden", "8", "--depth", "2",
+                       "--epochs", "2", "--batch", "64", "--threads", "1", "--lr", "1e30")
+    finally:
+        torch.set_num_threads(torch_threads)
+    err = capsys.readouterr().err
+    assert code == 2 and "error: training diverged: the gates for --out hold NaN or infinite weights" in err
+    assert not out.exists()
