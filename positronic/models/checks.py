@@ -17,6 +17,9 @@ refused even when no feature below rules it out.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import torch
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}  # pure rotations, attention_scaling 1.0
@@ -27,6 +30,19 @@ FAMILIES = {  # model_type -> what it is (proven by tests/positronic/models/test
     "qwen3": "Qwen3 (q/k RMSNorm before RoPE)",
     "phi3": "Phi-3 (fused qkv; its 4k models' sliding window kept wider than every position)",
 }
+MAX_LAYERS = 1024  # the deepest published decoders have ~130 layers; a header stating more is refused unbuilt
+_INT_RANGES = {  # config field -> (lowest, highest): far beyond every published model, below what cannot be built
+    "num_hidden_layers": (1, MAX_LAYERS),
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**17),
+    "intermediate_size": (1, 2**20),
+    "num_attention_heads": (1, 2**12),
+    "num_key_value_heads": (1, 2**12),
+    "head_dim": (2, 2**12),
+    "max_position_embeddings": (1, 2**30),
+}
+_OPTIONAL = {"num_key_value_heads", "head_dim"}  # None: as many as the heads; hidden_size / heads
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_REFUSALS = {
     "dynamic": "rescales its frequencies with the sequence length, so a stored key's rotation would change as "
                "the context grows",
@@ -48,9 +64,10 @@ def _rope(config) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
-def check_config(config) -> None:
+def check_config(config, fields: Mapping[str, str] | None = None) -> None:
     """Raise ModelError, naming the feature, unless `config` is a decoder of a proven family
-    whose layers all attend to the whole cache with pure-rotation RoPE."""
+    whose layers all attend to the whole cache with pure-rotation RoPE, with every size, id and
+    constant in its range (check_ranges; `fields` as there)."""
     model_type = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model type {model_type!r} is an encoder-decoder: only decoder-only causal LMs are supported")
@@ -89,6 +106,66 @@ def check_config(config) -> None:
     if model_type not in FAMILIES:
         raise ModelError(f"model type {model_type!r} is not supported: exact splicing is proven for "
                          f"{', '.join(sorted(FAMILIES))} (docs/models.md)")
+    check_ranges(config, fields)
+
+
+def check_ranges(config, fields: Mapping[str, str] | None = None) -> None:
+    """Raise ModelError, naming the field, unless every size, token id and constant of `config`
+    is one a model can be built from: sizes are integers within _INT_RANGES, heads divide
+    evenly, a head is an even number of channels (RoPE turns them in pairs), token ids are
+    within the vocabulary, RoPE's base and the norm's epsilon are finite. A value read from a
+    file that lies would otherwise surface as an IndexError, a ZeroDivisionError or an
+    allocation of terabytes deep inside transformers. `fields`: config field -> where the
+    value came from (a GGUF key), named beside it."""
+    def name(field: str) -> str:
+        return f"{field} ({fields[field]})" if fields and field in fields else field
+
+    values = {}
+    for field, (low, high) in _INT_RANGES.items():
+        value = getattr(config, field, None)
+        if value is None and field in _OPTIONAL:
+            continue
+        if type(value) is not int or not low <= value <= high:
+            raise ModelError(f"{name(field)} = {value!r} is out of range: an integer from {low} to {high} is required")
+        values[field] = value
+    heads = values["num_attention_heads"]
+    kv_heads = values.get("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ModelError(f"{name('num_attention_heads')} = {heads} is not a multiple of "
+                         f"{name('num_key_value_heads')} = {kv_heads}: each key head serves a whole group")
+    head_dim = values.get("head_dim")
+    if head_dim is None:
+        if values["hidden_size"] % heads:
+            raise ModelError(f"{name('hidden_size')} = {values['hidden_size']} is not divisible by "
+                             f"{name('num_attention_heads')} = {heads}, and no head_dim is given")
+        head_dim = values["hidden_size"] // heads
+    if head_dim % 2:
+        raise ModelError(f"{name('head_dim')} = {head_dim} is odd: RoPE rotates a head's channels in pairs")
+    vocab = values["vocab_size"]
+    for field in _TOKEN_IDS:
+        value = getattr(config, field, None)
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and (type(token) is not int or not 0 <= token < vocab):
+                raise ModelError(f"{name(field)} = {token!r} is not a token id: the vocabulary has {vocab} "
+                                 f"(0 to {vocab - 1})")
+    rope = _rope(config)
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None)) if isinstance(rope, dict) else None
+    if theta is not None and not _finite(theta, above=0):
+        raise ModelError(f"{name('rope_theta')} = {theta!r} is out of range: RoPE's base must be a finite number "
+                         "above 0")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if isinstance(rope, dict) and key in rope and not _finite(rope[key], above=0):
+            raise ModelError(f"RoPE {key} = {rope[key]!r} is out of range: a finite number above 0 is required")
+    eps = getattr(config, "rms_norm_eps", None)
+    if eps is not None and not _finite(eps, above=None):
+        raise ModelError(f"{name('rms_norm_eps')} = {eps!r} is out of range: a finite number from 0 is required")
+
+
+def _finite(value, above: float | None) -> bool:
+    """Whether `value` is a real number, finite, and above `above` (None: at least 0)."""
+    if type(value) not in (int, float) or not math.isfinite(value):
+        return False
+    return value > above if above is not None else value >= 0
 
 
 def position_limit(config) -> int:
@@ -143,3 +220,75 @@ def _check_attention_is_tapped(model, attention) -> None:
     if wrong:
         raise ModelError(f"{type(model).__name__}: layers {sorted(wrong)} attend with (heads, kv heads) "
                          f"{next(iter(wrong.values()))}, not the config's ({heads}, {kv_heads})")
+
+
+def model_tensors(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must hold for `config`'s model: name -> shape, from the model
+    built on the meta device (no memory is taken; check_ranges bounds the build's time). A tied
+    tensor (the output layer sharing the embeddings) is listed once, under its first name, as a
+    checkpoint stores it."""
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # a config transformers refuses to build from: one line, not a traceback
+        from ..util import error_line
+        raise ModelError(f"cannot build a model from the config: {error_line(e)}") from None
+    seen, tensors = set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tuple(tensor.shape)
+    return tensors
+
+
+def check_tensors(have: Mapping[str, tuple[int, ...]], need: Mapping[str, tuple[int, ...]], where: str,
+                  config_source: str = "the config") -> None:
+    """Raise ModelError unless `have` (a checkpoint's tensors: name -> shape) is exactly `need`:
+    a missing tensor would be initialised at random, one left over means the config describes
+    another model than the file holds (fewer layers, say), one of another shape would not load.
+    The message names the tensors, `where` the checkpoint."""
+    missing = [name for name in need if name not in have]
+    if missing:
+        raise ModelError(f"{where} lacks {tensor_list(missing)}, which the model needs: its weights would be made up")
+    for name, shape in need.items():
+        if tuple(have[name]) != tuple(shape):
+            raise ModelError(f"{where}: tensor {printable(name)} has shape {list(have[name])}, {config_source} makes it "
+                             f"{list(shape)}")
+    extra = [name for name in have if name not in need]
+    if extra:
+        raise ModelError(f"{where} holds {tensor_list(extra)}, which the model does not use: {config_source} describes "
+                         "another model than the file holds")
+
+
+def tensor_list(names: list[str], shown: int = 4) -> str:
+    """'tensor a' or 'tensors a, b, c, d and 5 more', each name printable."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ("tensor " if len(names) == 1 else "tensors ") + ", ".join(map(printable, names[:shown])) + more
+
+
+def printable(name: str) -> str:
+    """`name` as it is, or quoted with escapes where it holds a newline or another unprintable
+    character: a name read from a file must not break the one-line message it is put in."""
+    return name if name.isprintable() else repr(name)
+
+
+def check_loading_info(info: Mapping, where: str) -> None:
+    """Raise ModelError unless transformers' loading report (from_pretrained's
+    output_loading_info) says every weight came from the checkpoint as it is: transformers
+    initialises a missing or mis-shaped tensor at random and says so only in a log line."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelError(f"{where} lacks {tensor_list(missing)}, which the model needs: its weights would be made up")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, have, need = mismatched[0]
+        raise ModelError(f"{where}: tensor {printable(name)} has shape {list(have)}, the config makes it {list(need)}")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        raise ModelError(f"{where} holds {tensor_list(unexpected)}, which the model does not use: the config describes "
+                         "another model than the checkpoint holds")
+    errors = info.get("error_msgs") or []
+    if errors:
+        raise ModelError(f"{where}: {' '.join(str(errors[0]).split())}")

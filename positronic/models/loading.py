@@ -4,6 +4,8 @@ model as a `LoadedModel` with the shape facts the cache code needs."""
 from __future__ import annotations
 
 import functools
+import json
+import math
 import re
 import socket
 import threading
@@ -17,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..util import DTYPES, error_line, quiet_transformers
 from . import attention
-from .checks import ModelError, ModelNotAvailable, check_config, check_model, position_limit
+from .checks import (ModelError, ModelNotAvailable, check_config, check_loading_info, check_model, model_tensors,
+                     position_limit, printable, tensor_list)
 from .random_models import random_model, random_names
 from .gguf import gguf_cache
 from .linear import use_row_invariant_linear
@@ -140,10 +143,15 @@ def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt:
         try:
             config = transformers.AutoConfig.from_pretrained(source, local_files_only=local_files_only)
             check_config(config)
+            if Path(source).is_dir():
+                _check_checkpoint_holds(name, Path(source), config)
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
-            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,
-                                                         dtype=dt or _checkpoint_dtype(config, dev),
-                                                         attn_implementation="sdpa")
+            # a mis-shaped tensor is reported (and refused) rather than raised as a multi-line report
+            model, info = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,
+                                                               dtype=dt or _checkpoint_dtype(config, dev),
+                                                               attn_implementation="sdpa", output_loading_info=True,
+                                                               ignore_mismatched_sizes=True)
+            check_loading_info(info, f"model {name!r} ({source})")
             return model.to(dev), tokenizer
         except ModelError:
             raise
@@ -156,6 +164,43 @@ def _pretrained(name: str, source: str, local_only: bool, dev: torch.device, dt:
         f"model {name!r} ({source}) is not in the local Hugging Face cache and the hub {hub}: "
         f"on a networked machine run `hf download {source}` (or pass a local "
         "directory); the embedded model `smollm2` works offline")
+
+
+def _check_checkpoint_holds(name: str, source: Path, config) -> None:
+    """Before anything is allocated: refuse a config whose model has a tensor of another shape
+    than the directory's safetensors, or needs more values than they hold at all, naming the
+    tensors. transformers would allocate the model first, initialise at random what no file
+    holds and say so in a log line; a config that lies about its sizes would have it allocate
+    terabytes. What the names alone cannot settle (a checkpoint under other names) is left to
+    its loading report (check_loading_info)."""
+    if getattr(config, "quantization_config", None):
+        return  # packed weights hold fewer values than the parameters they stand for
+    index = source / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+            ["model.safetensors"]
+        if not all((source / file).is_file() for file in files):
+            return  # no safetensors (or a broken index): transformers' loading says what is wrong
+        from safetensors import safe_open
+        have = {}
+        for file in files:
+            with safe_open(str(source / file), "pt") as weights:
+                have.update({key: weights.get_slice(key).get_shape() for key in weights.keys()})
+    except Exception as e:
+        raise ModelError(f"cannot read the safetensors of model {name!r} ({source}): {error_line(e)}") from None
+    need = model_tensors(config)
+    wrong = [key for key in need if key in have and tuple(have[key]) != need[key]]
+    if wrong:
+        raise ModelError(f"model {name!r} ({source}): tensor {printable(wrong[0])} has shape {list(have[wrong[0]])}, "
+                         f"its config makes it {list(need[wrong[0]])}")
+    needed, held = sum(math.prod(s) for s in need.values()), sum(math.prod(s) for s in have.values())
+    missing = [key for key in need if key not in have]
+    if needed > held and missing:
+        raise ModelError(f"model {name!r} ({source}) lacks {tensor_list(missing)}, which the model needs: its weights "
+                         "would be made up")
+    if needed > held:
+        raise ModelError(f"model {name!r} ({source}): its config describes {needed:,} parameters, its safetensors "
+                         f"hold {held:,} values: the rest would be made up")
 
 
 def _checkpoint_dtype(config, dev: torch.device) -> torch.dtype:

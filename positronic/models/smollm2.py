@@ -28,8 +28,5 @@ def smollm2_gguf() -> Path:
 
 def smollm2_cache() -> Path:
     """Directory of the converted SmolLM2 (config, model.safetensors, tokenizer); converts the
-    GGUF there on first use."""
-    gguf = smollm2_gguf()
-    source = {"gguf": gguf.name, "bytes": gguf.stat().st_size,
-              "version": importlib.metadata.version(SMOLLM2_DIST)}
-    return gguf_cache(gguf, SMOLLM2_CACHE_NAME, stamp=source, label="SmolLM2")
+    GGUF there on first use, and again when the wheel's file changes (its sha256)."""
+    return gguf_cache(smollm2_gguf(), SMOLLM2_CACHE_NAME, label="SmolLM2")

@@ -94,6 +94,53 @@ def test_each_family_round_trips_through_a_local_directory(family, tmp_path):
     assert torch.equal(loaded.model(ids).logits, original.model(ids).logits)
 
 
+def _damaged(tiny, directory, change):
+    """random:tiny saved to `directory`, its safetensors changed by change(tensors) (name -> tensor)."""
+    import safetensors.torch
+    _saved(tiny, directory)
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
+    change(tensors)
+    safetensors.torch.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+def test_a_directory_lacking_a_tensor_is_refused_naming_it(tiny, tmp_path, one_line_error):
+    """transformers initialised the missing tensor at random and said so in a log line the
+    project mutes: exit 0, made-up weights."""
+    path = _damaged(tiny, tmp_path, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    message = one_line_error(ModelError, path, device="cpu")
+    assert "lacks tensor model.layers.1.mlp.down_proj.weight, which the model needs" in message
+
+
+def test_a_directory_tensor_of_another_shape_is_refused_naming_it(tiny, tmp_path, one_line_error):
+    path = _damaged(tiny, tmp_path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 32)}))
+    message = one_line_error(ModelError, path, device="cpu")
+    assert "tensor model.layers.0.mlp.up_proj.weight has shape [128, 32], its config makes it [128, 64]" in message
+
+
+def test_a_directory_tensor_the_model_does_not_use_is_refused_naming_it(tiny, tmp_path, one_line_error):
+    """A config of fewer layers than the checkpoint holds loaded the first ones and dropped the rest."""
+    path = _damaged(tiny, tmp_path, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}))
+    message = one_line_error(ModelError, path, device="cpu")
+    assert "holds tensor model.layers.2.mlp.up_proj.weight, which the model does not use" in message
+
+
+def test_a_directory_config_that_lies_about_sizes_is_refused_before_allocating(tiny, tmp_path, one_line_error):
+    """hidden_size 65536 with vocab 2^20: transformers allocated 64 GB before failing."""
+    import json
+    import time
+    path = _saved(tiny, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 65536, "vocab_size": 2**20,
+                                                      "intermediate_size": 2**18}))
+    start = time.perf_counter()
+    message = one_line_error(ModelError, path, device="cpu")
+    assert "tensor model.embed_tokens.weight has shape [512, 64], its config makes it [1048576, 65536]" in message
+    assert time.perf_counter() - start < 2
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bos_token_id": 2**31 - 1}))
+    assert "bos_token_id = 2147483647 is not a token id" in one_line_error(ModelError, path, device="cpu")
+
+
 @pytest.mark.slow
 def test_a_gguf_file_loads_like_the_embedded_model_and_converts_once(smol, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("POSITRONIC_CACHE", str(tmp_path))
