@@ -215,8 +215,8 @@ LIES = {  # name -> (make the file from the valid one, what the one line says)
     "5 dimensions": (lambda f: _poke(f, 5, tensor=3, part=2), "tensor blk.0.attn_v.weight has 5 dimensions"),
     "overlapping data": (lambda f: _poke(f, 0, tensor=1, part=5),
                          "tensor blk.0.attn_q.weight's data starts at offset 0; the table's order puts it at 131072"),
-    "type Q5_0": (lambda f: _poke(f, int(Q.Q5_0), tensor=0, part=4),
-                  "tensor token_embd.weight has ggml type Q5_0, which transformers' GGUF loader does not read"),
+    "type I32": (lambda f: _poke(f, int(Q.I32), tensor=0, part=4),  # integers: no loader takes them for weights
+                 "tensor token_embd.weight has ggml type I32, which transformers' GGUF loader does not read"),
     "cut short": (lambda f: (os.truncate(f, f.stat().st_size - 100), f)[1], "runs past the end of the file"),
     "header cut short": (lambda f: (os.truncate(f, 5000), f)[1],
                          r"item \d+ of tokenizer.ggml.tokens at byte \d+ needs \d+ bytes, \d+ are left"),
