@@ -182,6 +182,7 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.long  # 830 commands, ~25 s: in make test, not in make test-fast
 def test_every_option_is_refused_in_one_line_or_honoured(workdir, capsys, run_cli):
     pytest.importorskip("fastapi")  # serve is walked with its extra installed
     capsys.readouterr()

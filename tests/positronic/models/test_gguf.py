@@ -422,6 +422,7 @@ def fuzz_summary():
         print(f"  {count} x {message}")
 
 
+@pytest.mark.long  # the fuzzer: in make test, not in make test-fast
 def test_fuzzed_gguf_files_load_exactly_or_are_refused_in_one_line(base, fuzz_summary):
     reader = GGUFReader(base)
     numeric = sorted((key, field.types[0]) for key, field in reader.fields.items()

@@ -204,6 +204,17 @@ class Serve:
         return code
 
 
+def temporaries_in(directory: Path) -> set[Path]:
+    """The checkpoint files being written (`*.tmp`) in the session directories. A session the
+    server lets go before its first checkpoint takes its empty directory with it (sessions.Claim),
+    which can happen while the directory is being listed: then it is listed again."""
+    while True:
+        try:
+            return set(directory.glob("*/*.tmp"))
+        except FileNotFoundError:
+            continue
+
+
 def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_path, live_server, server_settings):
     reference = clients()
     with live_server(tiny, server_settings(tmp_path / "reference"), CONFIG) as server:
@@ -219,7 +230,7 @@ def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_p
     talking.start()
     try:
         while len(kills) < KILLS and talking.is_alive():
-            stale = set(serve.directory.glob("*/*.tmp"))  # left by earlier kills, until a session's next save
+            stale = temporaries_in(serve.directory)  # left by earlier kills, until a session's next save
             moment = rng.random()
             number = rng.choice([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM])
             when = "start-up" if moment < 0.2 else "checkpoint" if moment < 0.4 else "traffic"
@@ -231,13 +242,13 @@ def test_serve_killed_at_random_moments_loses_no_turn_of_any_session(tiny, tmp_p
                 serve.wait_url()
                 number = signal.SIGKILL
                 deadline = time.monotonic() + 10
-                while not set(serve.directory.glob("*/*.tmp")) - stale and time.monotonic() < deadline:
+                while not temporaries_in(serve.directory) - stale and time.monotonic() < deadline:
                     pass
             else:
                 serve.wait_url()
                 time.sleep(rng.uniform(0.05, 1.5))
             code = serve.kill(number)
-            temporaries = len(set(serve.directory.glob("*/*.tmp")) - stale)  # a checkpoint this kill cut mid-write
+            temporaries = len(temporaries_in(serve.directory) - stale)  # a checkpoint this kill cut mid-write
             kills.append((when, signal.Signals(number).name, code, temporaries))
             serve.start()
         serve.wait_url()
