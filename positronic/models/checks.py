@@ -243,6 +243,18 @@ def model_tensors(config) -> dict[str, tuple[int, ...]]:
     return tensors
 
 
+def stored_shapes(files: list) -> dict[str, tuple[int, ...]]:
+    """Every tensor the safetensors `files` hold: name -> shape, read from their headers only
+    (nothing is loaded). Errors are the files' own (OSError, safetensors' errors)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), "pt") as weights:
+            shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})
+    return shapes
+
+
 def check_tensors(have: Mapping[str, tuple[int, ...]], need: Mapping[str, tuple[int, ...]], where: str,
                   config_source: str = "the config") -> None:
     """Raise ModelError unless `have` (a checkpoint's tensors: name -> shape) is exactly `need`:

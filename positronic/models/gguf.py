@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from ..util import atomic_write_dir, error_line, quiet_transformers
 from .checks import (MAX_LAYERS, ModelError, check_config, check_loading_info, check_tensors, model_tensors,
-                     printable)
+                     printable, stored_shapes)
 
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 _MIN_ENTRY_BYTES, _MIN_TENSOR_BYTES = 13, 24  # empty name + type + one byte of value; empty name + n_dims + type + offset
@@ -385,10 +385,8 @@ def _entry_problem(directory: Path, source: dict) -> str | None:
     try:
         if json.loads((directory / "source.json").read_text()) != source:
             return "it was converted from another file"
-        from safetensors import safe_open
         config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
-        with safe_open(str(directory / "model.safetensors"), "pt") as weights:
-            have = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
+        have = stored_shapes([directory / "model.safetensors"])
         check_tensors(have, model_tensors(config), f"converted directory {str(directory)!r}")
         for file in ("tokenizer.json", "tokenizer_config.json"):
             if not (directory / file).is_file():

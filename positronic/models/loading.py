@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ..util import DTYPES, error_line, quiet_transformers
 from . import attention
 from .checks import (ModelError, ModelNotAvailable, check_config, check_loading_info, check_model, model_tensors,
-                     position_limit, printable, tensor_list)
+                     position_limit, printable, stored_shapes, tensor_list)
 from .random_models import random_model, random_names
 from .gguf import gguf_cache
 from .linear import use_row_invariant_linear
@@ -181,11 +181,7 @@ def _check_checkpoint_holds(name: str, source: Path, config) -> None:
             ["model.safetensors"]
         if not all((source / file).is_file() for file in files):
             return  # no safetensors (or a broken index): transformers' loading says what is wrong
-        from safetensors import safe_open
-        have = {}
-        for file in files:
-            with safe_open(str(source / file), "pt") as weights:
-                have.update({key: weights.get_slice(key).get_shape() for key in weights.keys()})
+        have = stored_shapes([source / file for file in files])
     except Exception as e:
         raise ModelError(f"cannot read the safetensors of model {name!r} ({source}): {error_line(e)}") from None
     need = model_tensors(config)
