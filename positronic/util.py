@@ -76,6 +76,27 @@ def is_int_list(value) -> bool:
     return type(value) is list and all(type(v) is int for v in value)
 
 
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, outermost first: what creating
+    `path` makes, for remove_empty to take back."""
+    missing = []
+    for parent in [path, *path.parents]:
+        if parent.exists() or parent.is_symlink():
+            break
+        missing.insert(0, parent)
+    return missing
+
+
+def remove_empty(made: list[Path]) -> None:
+    """Remove the directories of `made` (outermost first, as missing_dirs lists them), innermost
+    first, while they are empty: what an operation that failed or let go made, and no more."""
+    for path in reversed(made):
+        try:
+            path.rmdir()
+        except OSError:  # not empty (another's files) or gone: kept as it is
+            return
+
+
 def atomic_write_dir(target: Path, write) -> None:
     """Create directory `target` by calling write(tmp) on a temp dir beside it, then renaming it
     into place, so `target` is either absent/old or complete. A stale `target` is replaced;
@@ -83,7 +104,9 @@ def atomic_write_dir(target: Path, write) -> None:
 
     Every file is fsynced before the rename, as `mirror.write_atomic` does for one file: after
     a crash the renamed directory must not hold files whose data never reached the disk (a
-    cache stamped complete but holding zeros would be trusted on every later start)."""
+    cache stamped complete but holding zeros would be trusted on every later start). A write
+    that fails leaves no directory behind, not even the parents this call made."""
+    made = missing_dirs(target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -103,6 +126,8 @@ def atomic_write_dir(target: Path, write) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():
+            remove_empty(made)
 
 
 def _fsync(path: Path) -> None:

@@ -52,6 +52,7 @@ from .config import RESOLVED, ConfigError, check_budget
 from .loop import Brain, BrainConfig, cache_capacity
 from ..policies.recall import Digested
 from ..state import StateInvariantError, StateManager
+from ..util import missing_dirs, remove_empty
 
 MIRROR_FILE = "mirror.msgpack"
 CACHE_FILE = re.compile(r"kv-[0-9a-f]{16}\.safetensors")
@@ -98,16 +99,12 @@ class Claim:
 
     def __init__(self, directory: str | Path, who: str = "a run"):
         self.directory = Path(directory)
-        self._made = []  # the directories this claim creates, outermost first
-        for parent in [self.directory, *self.directory.parents]:
-            if parent.exists() or parent.is_symlink():
-                break
-            self._made.insert(0, parent)
+        self._made = missing_dirs(self.directory)  # what this claim creates, taken back on release
         try:
             self._fd = self._lock(f"{who} (pid {os.getpid()})")
         except BaseException:
             self._fd = None
-            self._remove_made()
+            remove_empty(self._made)
             raise
 
     def _lock(self, holder: str) -> int:
@@ -164,20 +161,13 @@ class Claim:
             # removed while still held: a claimant that opened this file finds it gone and starts again
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / LOCK_FILE)
-            self._remove_made()
+            remove_empty(self._made)
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
     def __del__(self):  # dropped without release (a pool never closed): its descriptor at least
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
-
-    def _remove_made(self) -> None:
-        for made in reversed(self._made):
-            try:
-                made.rmdir()
-            except OSError:  # not empty (a checkpoint, another's claim) or gone: kept as it is
-                return
 
 
 @contextlib.contextmanager

@@ -146,16 +146,7 @@ def gguf_cache(gguf: Path, name: str | None = None, *, label: str | None = None)
         if problem is not None:
             raise ModelError(f"the conversion of {where} failed its check: {problem}")
 
-    made = [path for path in [target.parent, *target.parent.parents] if not path.exists()]
-    try:
-        atomic_write_dir(target, write)
-    except BaseException:
-        for path in made:  # a refused conversion leaves no directory behind, not even an empty cache
-            try:
-                path.rmdir()
-            except OSError:
-                break
-        raise
+    atomic_write_dir(target, write)  # a refused conversion leaves no directory behind, not even an empty cache
     return target
 
 

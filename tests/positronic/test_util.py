@@ -29,12 +29,17 @@ def test_atomic_write_dir(tmp_path):
         raise RuntimeError("interrupted")
     with pytest.raises(RuntimeError):
         util.atomic_write_dir(target, broken)
-    assert not target.exists() and list(target.parent.iterdir()) == []
+    assert not target.exists() and not target.parent.exists(), "nothing left, not even the parent it made"
 
     util.atomic_write_dir(target, lambda tmp: (tmp / "a").write_text("old"))
     util.atomic_write_dir(target, lambda tmp: (tmp / "b").write_text("new"))
     assert sorted(p.name for p in target.iterdir()) == ["b"]
     assert [p.name for p in target.parent.iterdir()] == ["thing"]  # no temp dirs left
+
+    with pytest.raises(RuntimeError):  # a failed replacement keeps the complete one and its parent
+        util.atomic_write_dir(target, broken)
+    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    assert [p.name for p in target.parent.iterdir()] == ["thing"]
 
 
 def test_atomic_write_dir_syncs_every_file_before_the_rename(tmp_path, monkeypatch):
