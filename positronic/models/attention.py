@@ -84,6 +84,36 @@ class Ragged:
     parts: tuple[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None], ...]
 
 
+@dataclass(frozen=True)
+class Decode:
+    """One layer's rows in a Core v4 decode round (positronic/kv/slots.py): every slot's keys and
+    values [slots, kv_heads, capacity, head_dim] and the additive mask [slots, 1, 1, capacity]
+    that hides the rows past each slot's length."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+
+
+def decode_attention(query: torch.Tensor, rows: Decode, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per slot: query [slots, heads, 1, head_dim] -> output [slots, heads, 1,
+    head_dim] and log-normaliser [slots, heads, 1] float32.
+
+    Written out (grouped product, logsumexp, weights, product) rather than SDPA's fused kernel:
+    on a CPU that kernel splits the rows of a short query among its threads according to how
+    much work the whole batch holds, so a slot's output changed in its last bits with the number
+    of other slots; these products and reductions treat every slot and head alike whatever the
+    batch (tests/positronic/state/test_slots.py), at ~1.3x the fused kernel's time at B = 32."""
+    slots, heads, _, head_dim = query.shape
+    kv_heads = rows.keys.shape[1]
+    grouped = query.reshape(slots, kv_heads, heads // kv_heads, head_dim).float()
+    logits = grouped @ rows.keys.transpose(-1, -2).float() * scaling + rows.mask.float()  # [slots, kv, g, capacity]
+    log_norm = logits.logsumexp(dim=-1, keepdim=True)
+    weights = (logits - log_norm).exp().to(rows.values.dtype)
+    out = (weights @ rows.values).reshape(slots, heads, 1, head_dim)
+    return out.to(query.dtype), log_norm.reshape(slots, heads, 1)
+
+
 def _each(attend, module, query: torch.Tensor, ragged: Ragged, **kwargs) -> tuple[torch.Tensor, None]:
     """Each sequence's queries against its own rows -> [1, queries, heads, head_dim]."""
     return torch.cat([attend(module, query[:, :, first : first + count], keys, values, mask, **kwargs)[0]
@@ -98,7 +128,9 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value:
     [batch, q, heads, head_dim] (transformers' attention-function contract; no weights)."""
     active = _see(module, query, key, value, scaling)
     norms = None if active is None else active[2]
-    if isinstance(key, Ragged):
+    if isinstance(key, Decode):
+        out, log_norm = decode_attention(query, key, module.scaling if scaling is None else scaling)
+    elif isinstance(key, Ragged):
         outs, log_norms = zip(*(_grouped(module, query[:, :, first : first + count], keys, values, mask,
                                          dropout=dropout, scaling=scaling, norms=norms is not None)
                                 for first, count, keys, values, mask in key.parts))
@@ -107,7 +139,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor | Ragged, value:
     else:
         out, log_norm = _grouped(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, norms=norms is not None)
-    if log_norm is not None:
+    if log_norm is not None and norms is not None:
         norms(module, log_norm)
     return out.transpose(1, 2).contiguous(), None
 
@@ -150,7 +182,13 @@ def grouped_logits(query: torch.Tensor, keys_t: torch.Tensor, log_norm: torch.Te
 
 def tapped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' own "sdpa" attention function, with the tap."""
-    _see(module, query, key, value, kwargs.get("scaling"))
+    active = _see(module, query, key, value, kwargs.get("scaling"))
+    if isinstance(key, Decode):
+        scaling = kwargs.get("scaling") or module.scaling
+        out, log_norm = decode_attention(query, key, scaling)
+        if active is not None and active[2] is not None:
+            active[2](module, log_norm)
+        return out.transpose(1, 2).contiguous(), None
     if isinstance(key, Ragged):
         return _each(ALL_ATTENTION_FUNCTIONS["sdpa"], module, query, key, **kwargs)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)

@@ -1,0 +1,191 @@
+"""Core v4's state (positronic/state/slots.py): many sequences' rows in one set of tensors,
+edited a round at a time, equal to the single-sequence state and to themselves alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from positronic.state.manager import StateManager
+from positronic.state.slots import SlotState
+
+CAPACITY = 72
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(length)]
+
+
+def deletions(rng: random.Random, length: int) -> list[int]:
+    """Some rows of `length` (never the last: a round keeps the newest row's context)."""
+    if length < 12 or rng.random() < 0.5:
+        return []
+    return sorted(rng.sample(range(1, length - 1), rng.randint(1, 4)))
+
+
+def round_of(state: SlotState, edits: list[list[int]], tokens: list[int]):
+    deleted = torch.zeros((state.active, state.capacity), dtype=torch.bool)
+    for slot, rows in enumerate(edits):
+        deleted[slot, rows] = True
+    return state.apply(deleted, tokens)
+
+
+def test_a_slot_ticks_as_the_single_sequence_state_does(tiny):
+    """Deletes and an add a round, 40 rounds: the same live tokens, positions and next tokens
+    as a StateManager given the same edits; logits within float rounding (the slot attends over
+    its whole capacity under a mask, the manager over its live rows)."""
+    ids = prompt(1, 40)
+    reference = StateManager.from_tokens(tiny, ids, capacity=128)
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    state.join(StateManager.from_tokens(tiny, ids, capacity=128))
+    rng = random.Random(5)
+    for _ in range(40):
+        token = int(reference.next_logits.argmax())
+        rows = deletions(rng, len(reference)) if len(reference) > 50 else []
+        report = round_of(state, [rows], [token])
+        reference.apply([{"action": "delete", "position": row} for row in rows] + [{"action": "add", "token_id": token}])
+        assert not report.failed
+        assert state.mirror(0).live_token_ids() == reference.mirror.live_token_ids()
+        assert state.positions[0, : len(reference)].tolist() == reference.positions()
+        assert int(state.length[0]) == len(reference)
+        torch.testing.assert_close(state.next_logits[0], reference.next_logits, rtol=0, atol=1e-5)
+        assert int(state.next_logits[0].argmax()) == int(reference.next_logits.argmax())
+        torch.testing.assert_close(state.shares[0, : len(reference)], reference.last_attention.mean(dim=(0, 1)),
+                                   rtol=0, atol=1e-6)
+    state.mirror(0).check(tiny.max_positions)
+
+
+def run(tiny, prompts: list[list[int]], rounds: int, seed: int, *, leave_at: dict[int, int] | None = None):
+    """Sequences of `prompts` in one SlotState, `rounds` rounds of random deletes (sequence k's
+    drawn from Random(seed * 100 + k)) and greedy adds; sequence k leaves at round leave_at[k].
+    Returns each one's logits per round and its last K/V."""
+    state = SlotState(tiny, slots=len(prompts), capacity=CAPACITY)
+    for ids in prompts:
+        state.join(StateManager.from_tokens(tiny, ids, capacity=CAPACITY))
+    keys = list(range(len(prompts)))  # which sequence is in which slot
+    rngs = {k: random.Random(seed * 100 + k) for k in keys}
+    logits = {k: [] for k in keys}
+    for number in range(rounds):
+        for k, when in (leave_at or {}).items():
+            if when == number and k in keys:
+                state.leave(keys.index(k))
+                last = keys.pop()
+                if last != k:
+                    keys[keys.index(k)] = last
+        if not keys:
+            break
+        tokens = [int(state.next_logits[slot].argmax()) for slot in range(state.active)]
+        lengths = state.length[: state.active].tolist()
+        edits = [deletions(rngs[k], lengths[slot]) if lengths[slot] > 50 else [] for slot, k in enumerate(keys)]
+        assert not round_of(state, edits, tokens).failed
+        for slot, k in enumerate(keys):
+            logits[k].append(state.next_logits[slot].clone())
+    rows = {k: state.rows(slot) for slot, k in enumerate(keys)}
+    return logits, rows
+
+
+def test_batched_sequences_get_their_alone_numbers_bit_for_bit(tiny):
+    """Three sequences of different lengths in one state, one leaving half-way: each one's
+    logits every round and its K/V at the end equal those of a state holding it alone."""
+    prompts = [prompt(11, 30), prompt(12, 45), prompt(13, 52)]
+    together, rows = run(tiny, prompts, 30, seed=3, leave_at={1: 14})
+    for k, ids in enumerate(prompts):
+        alone, alone_rows = run_one(tiny, ids, 14 if k == 1 else 30, random.Random(3 * 100 + k))
+        assert len(together[k]) == len(alone)
+        for ours, theirs in zip(together[k], alone):
+            assert torch.equal(ours, theirs)
+        if k != 1:
+            assert torch.equal(rows[k][0], alone_rows[0]) and torch.equal(rows[k][1], alone_rows[1])
+
+
+def run_one(tiny, ids: list[int], rounds: int, rng: random.Random):
+    state = SlotState(tiny, slots=1, capacity=CAPACITY)
+    state.join(StateManager.from_tokens(tiny, ids, capacity=CAPACITY))
+    logits = []
+    for _ in range(rounds):
+        length = int(state.length[0])
+        assert not round_of(state, [deletions(rng, length) if length > 50 else []],
+                            [int(state.next_logits[0].argmax())]).failed
+        logits.append(state.next_logits[0].clone())
+    return logits, state.rows(0)
+
+
+def test_every_slot_layer0_equals_a_fresh_prefill_of_its_mirror(tiny, layer0_oracle):
+    """After rounds of deletes (gaps in the positions) each sequence's layer-0 K/V are what
+    plain transformers computes for its live tokens at their positions."""
+    state = SlotState(tiny, slots=3, capacity=CAPACITY)
+    for seed in (21, 22, 23):
+        state.join(StateManager.from_tokens(tiny, prompt(seed, 55), capacity=CAPACITY))
+    rng = random.Random(9)
+    for _ in range(12):
+        lengths = state.length[: state.active].tolist()
+        round_of(state, [deletions(rng, n) for n in lengths],
+                 [int(state.next_logits[s].argmax()) for s in range(state.active)])
+    for slot in range(state.active):
+        mirror = state.mirror(slot)
+        keys, values = state.rows(slot)
+        expected_keys, expected_values = layer0_oracle(tiny, mirror.live_token_ids(), mirror.positions())
+        torch.testing.assert_close(keys[0], expected_keys[0], rtol=0, atol=1e-4)
+        torch.testing.assert_close(values[0], expected_values[0], rtol=0, atol=1e-4)
+
+
+def test_a_failed_round_rebuilds_every_sequence_from_its_unchanged_mirror(tiny, monkeypatch):
+    """The forward fails half-way (after the gaps were closed): the report says so, no mirror
+    moved, and every sequence's rows are its mirror's again (the next round goes on)."""
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    for seed in (31, 32):
+        state.join(StateManager.from_tokens(tiny, prompt(seed, 56), capacity=CAPACITY))
+    before = [state.mirror(s).live_token_ids() for s in range(2)]
+    ledgers = [len(state.mirror(s).ledger) for s in range(2)]
+
+    forward, calls = tiny.model.forward, []
+
+    def broken(*args, **kwargs):  # the round's forward fails; the rebuilds' run
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the forward failed")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", broken)
+    report = round_of(state, [[3, 7], [10]], [5, 6])
+    monkeypatch.undo()
+    assert len(calls) == 3  # the round, then each sequence's rebuild
+    assert report.rebuilt and report.failed == [0, 1] and "the forward failed" in report.error
+    assert [state.mirror(s).live_token_ids() for s in range(2)] == before
+    assert [len(state.mirror(s).ledger) for s in range(2)] == ledgers
+    assert state.length[:2].tolist() == [56, 56]
+    assert state.tick(0) == 0
+    fresh = StateManager.from_tokens(tiny, before[0], capacity=CAPACITY)
+    torch.testing.assert_close(state.next_logits[0], fresh.next_logits, rtol=0, atol=1e-5)
+    assert not round_of(state, [[], []], [5, 6]).failed
+    assert state.mirror(0).live_token_ids() == before[0] + [5]
+
+
+def test_a_round_refuses_edits_of_the_wrong_shape_and_changes_nothing(tiny):
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    state.join(StateManager.from_tokens(tiny, prompt(41, 20), capacity=CAPACITY))
+    with pytest.raises(ValueError, match=r"a round of 1 sequences takes deleted \[1, 72\] and 1 tokens"):
+        state.apply(torch.zeros((2, CAPACITY), dtype=torch.bool), [1, 2])
+    assert state.tick(0) == 0 and len(state.mirror(0)) == 20
+
+
+def test_joining_refuses_what_does_not_fit(tiny):
+    state = SlotState(tiny, slots=1, capacity=CAPACITY)
+    with pytest.raises(ValueError, match="do not fit a slot of 72 rows"):
+        state.join(StateManager.from_tokens(tiny, prompt(51, 72), capacity=CAPACITY + 8))
+    state.join(StateManager.from_tokens(tiny, prompt(52, 10), capacity=CAPACITY))
+    with pytest.raises(ValueError, match="all 1 slots are in use"):
+        state.join(StateManager.from_tokens(tiny, prompt(53, 10), capacity=CAPACITY))
+
+
+def test_nan_filled_buffers_are_never_read(tiny, nan_fill):
+    """In the NaN-fill mode the slot buffers still start zeroed (masked rows multiply their
+    values by 0), and every round's logits are finite."""
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    state.join(StateManager.from_tokens(tiny, prompt(61, 12), capacity=CAPACITY))
+    for _ in range(5):
+        round_of(state, [[]], [int(state.next_logits[0].argmax())])
+        assert torch.isfinite(state.next_logits[0]).all()
