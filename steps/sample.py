@@ -218,3 +218,27 @@ def _validate(logits: Tensor, temperature, top_k, top_p, min_p, repetition_penal
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def greedy_many(logits: Tensor, recent: Tensor, penalties: Sequence[float]) -> list[int]:
+    """Step 1 of S greedy sequences at once: the argmax of each row of `logits` [S, vocab]
+    after its repetition penalty over its recent ids `recent` [S, window] (a row shorter than
+    the window repeats one of its own ids: a repeated id is penalised once either way).
+    Each row's token is `sample(logits[s], temperature=0, repetition_penalty=penalties[s],
+    recent_ids=...)`'s, to the bit: the same gather, where and scatter as transformers'
+    RepetitionPenaltyLogitsProcessor, sequences of one penalty together (a Python float, as
+    `sample` passes it). NonFiniteLogits names the rows that hold NaN or +inf or nothing finite."""
+    x = logits.detach().to(torch.float32, copy=True)  # the caller's logits are never written
+    top = x.max(dim=-1).values
+    if not bool(torch.isfinite(top).all()):
+        bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
+        raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
+    if recent.numel():
+        penalty = torch.tensor(penalties, dtype=torch.float64, device=x.device)
+        for value in sorted(set(penalties) - {1.0}):
+            rows = (penalty == value).nonzero().flatten()
+            part, ids = x[rows], recent[rows]
+            score = part.gather(1, ids)
+            score = torch.where(score < 0, score * value, score / value)
+            x[rows] = part.scatter(1, ids, score)
+    return x.argmax(dim=-1).tolist()

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mirror import Insertion, Mirror, plan_layout
+from positronic.mirror import Insertion, Mirror, plan_layout
 
-from steps.attention import layer_indices
+from positronic.steps.attention import layer_indices
 
 from ..kv import rope
 from ..kv.slots import SlotKV
@@ -69,12 +69,17 @@ class SlotState:
         device = lm.device
         self.length = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, capacity, dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(slots, capacity, dtype=torch.long, device=device)
         self.next_logits = torch.zeros(slots, lm.vocab_size, dtype=torch.float32, device=device)
         self.shares = torch.zeros(slots, capacity, dtype=torch.float32, device=device)
         self.row_state: dict[str, torch.Tensor] = {}
         self.row_fill: dict[str, float] = {}
         self._mirrors: list[Mirror] = []
         self._ticks: list[int] = []
+        # rounds the mirrors have not taken yet: (deleted [active, capacity], tokens, source) each,
+        # and per sequence how many of them its mirror has (`_fold`)
+        self._journal: list[tuple[torch.Tensor, list[int], str]] = []
+        self._folded: list[int] = []
         self._starts: list[float] = []  # the brightness a sequence's new ledger entries start at
         self.rebuilds = 0
         self.forward_seconds = 0.0  # the last round's model forward (its shares included)
@@ -90,8 +95,8 @@ class SlotState:
         return self.kv.capacity
 
     def mirror(self, slot: int) -> MirrorView:
-        """Sequence `slot`'s mirror, read-only."""
-        return MirrorView(self._mirrors[slot])
+        """Sequence `slot`'s mirror, read-only, with every round so far."""
+        return MirrorView(self._fold(slot))
 
     def tick(self, slot: int) -> int:
         """Rounds sequence `slot` has made (its ledger's tick), counted from its join's `tick`."""
@@ -123,8 +128,8 @@ class SlotState:
         if manager.per_layer or manager.kv_format != "float" or manager.kv_store != "splice":
             raise ValueError("Core v4 holds float rows shared by every layer (per-layer rows, 4-bit formats and the "
                              "ring store run on the single-sequence state)")
-        if rows + 1 > self.capacity:
-            raise ValueError(f"{rows} rows and the next token do not fit a slot of {self.capacity} rows")
+        if rows > self.capacity:
+            raise ValueError(f"{rows} rows do not fit a slot of {self.capacity} rows")
         if manager.last_attention is None:
             raise ValueError("the joining state has no attention row (its last edit did not write the newest row)")
         slot = self.active
@@ -134,27 +139,32 @@ class SlotState:
         self.length[slot] = rows
         self.positions[slot].zero_()
         self.positions[slot, :rows] = torch.tensor(manager.positions(), dtype=torch.long, device=device)
+        self.token_ids[slot].zero_()
+        self.token_ids[slot, :rows] = torch.tensor(manager.live_token_ids(), dtype=torch.long, device=device)
         self._take_newest(slot, manager)
         for name, values in self.row_state.items():
             values[slot].fill_(self.row_fill[name])
         for name, values in (row_state or {}).items():
             self.row_state[name][slot, :rows] = values.to(device)
         self._mirrors.append(manager._mirror)
+        self._folded.append(len(self._journal))
         self._ticks.append(tick)
         self._starts.append(manager.new_brightness)
         return slot
 
     def leave(self, slot: int) -> Mirror:
         """Sequence `slot` leaves; the last active sequence moves into its slot. Returns its mirror."""
+        self.fold()  # the journal's rounds name sequences by slot: taken before a slot changes hands
         last = self.active - 1
         mirror = self._mirrors[slot]
         if slot != last:
             self.kv.move(last, slot)
-            for tensor in (self.length, self.positions, self.next_logits, self.shares, *self.row_state.values()):
+            for tensor in (self.length, self.positions, self.token_ids, self.next_logits, self.shares,
+                           *self.row_state.values()):
                 tensor[slot] = tensor[last]
             self._mirrors[slot], self._ticks[slot] = self._mirrors[last], self._ticks[last]
             self._starts[slot] = self._starts[last]
-        for records in (self._mirrors, self._ticks, self._starts):
+        for records in (self._mirrors, self._ticks, self._starts, self._folded):
             records.pop()
         return mirror
 
@@ -173,101 +183,119 @@ class SlotState:
         (`[active, capacity]` bool, rows before the round) and adds `tokens[s]`. `row_state`:
         the presses' per-row state after this round's scoring (`{name: [active, capacity]}`,
         rows before the round), adopted only if the round goes through. All or nothing: a
-        failure rebuilds every sequence from its unchanged mirror (`RoundReport.rebuilt`)."""
-        active = self.active
+        failure rebuilds every sequence from its mirror (`RoundReport.rebuilt`).
+
+        The mirrors take the round later (`_fold`, when one is read): the round records its
+        edit (the deleted mask and the tokens) and the device tensors are the truth meanwhile,
+        so a round costs no Python per sequence. A round that reaches the model's position
+        limit folds that sequence's mirror at once and lets it lay the rows out."""
+        active, device = self.active, self.positions.device
         if deleted.shape != (active, self.capacity) or len(tokens) != active:
             raise ValueError(f"a round of {active} sequences takes deleted [{active}, {self.capacity}] and "
                              f"{active} tokens, got {tuple(deleted.shape)} and {len(tokens)}")
-        seconds, clock = {}, time.perf_counter()
-        gone = [[] for _ in range(active)]
-        for slot, row in deleted.nonzero().tolist():  # one copy to the host for the whole round
-            gone[slot].append(row)
-        plans = [self._plan(slot, gone[slot], tokens[slot], source) for slot in range(active)]
-        seconds["plan"] = (now := time.perf_counter()) - clock
-        report = RoundReport(seconds=seconds)
-        before = {name: values[:active].clone() for name, values in self.row_state.items()}
+        clock = time.perf_counter()
+        live = torch.arange(self.capacity, device=device)[None] < self.length[:active, None]
+        deleted = deleted & live
+        kept = live & ~deleted
+        length = kept.sum(dim=1) + 1
+        if bool((length > self.capacity).any()):
+            slot = int((length > self.capacity).nonzero()[0, 0])
+            raise ValueError(f"sequence {slot}: {int(length[slot])} rows after the round do not fit a slot of "
+                             f"{self.capacity} rows (its press must free rows first)")
+        position = torch.where(kept, self.positions[:active], -1).max(dim=1).values + 1  # after the last kept row
+        limited = (position >= self.lm.max_positions).nonzero().flatten().tolist()
+        packed = {slot: self._pack(slot, deleted[slot], tokens[slot], source) for slot in limited}
+        report = RoundReport(seconds={"plan": (now := time.perf_counter()) - clock})
         try:
-            positions, states = self._write(deleted, gone, plans, row_state or {})
-        except BaseException as exc:  # nothing committed: every mirror is the round's before
+            self._write(deleted, kept, length, position, tokens, packed, row_state or {})
+        except BaseException as exc:  # nothing recorded: every mirror (with the rounds before) is the truth
             report.rebuilt, report.failed, report.error = True, list(range(active)), f"{type(exc).__name__}: {exc}"
             self.rebuild()
             if not isinstance(exc, Exception):
                 raise
             return report
-        seconds["write"] = (clock := time.perf_counter()) - now
-        self.length[:active] = torch.tensor([layout.length for layout, _ in plans], device=self.length.device)
-        self.positions[:active] = positions
-        for name, values in states.items():
-            self.row_state[name][:active] = values
-        slot = 0
-        try:
-            for slot, (layout, texts) in enumerate(plans):
-                self._mirrors[slot].splice(layout, texts, tick=self._ticks[slot] + 1,
-                                            brightness=self._starts[slot])
-                self._ticks[slot] += 1
-        except BaseException as exc:  # the sequences not committed go back to their mirrors
-            report.failed, report.error = list(range(slot, active)), f"{type(exc).__name__}: {exc}"
-            for name, values in before.items():
-                self.row_state[name][slot:active] = values[slot:]
-            self.rebuild(report.failed)
-            if not isinstance(exc, Exception):
-                raise
-        seconds["commit"] = time.perf_counter() - clock
+        self._journal.append((deleted, list(tokens), source))
+        for slot in range(active):
+            self._ticks[slot] += 1
+        report.seconds["write"] = time.perf_counter() - now
         return report
 
-    def _plan(self, slot: int, gone: list[int], token: int, source: str):
-        """Sequence `slot`'s layout after deleting rows `gone` and adding `token`, and the new
-        token's text (nothing touched)."""
-        mirror = self._mirrors[slot]
-        layout = plan_layout(mirror.live.positions, gone, [Insertion(at=len(mirror), token_ids=(token,), source=source)],
-                             self.lm.max_positions)
-        return layout, row_plans.texts(self.lm.decode, mirror, layout)
+    def _pack(self, slot: int, deleted: torch.Tensor, token: int, source: str):
+        """Sequence `slot`'s layout after this round when its new token would pass the model's
+        position limit: every row packed down to 0, 1, 2, ... (mirror.plan_layout's rule)."""
+        mirror = self._fold(slot)
+        return plan_layout(mirror.live.positions, deleted.nonzero().flatten().tolist(),
+                           [Insertion(at=len(mirror), token_ids=(token,), source=source)], self.lm.max_positions)
 
     @torch.no_grad()
-    def _write(self, deleted, gone, plans, row_state):
-        """Close every edited slot's gaps, re-rotate keys whose position moved, and run the
-        round's forward. Returns the positions and per-row state after the round (to commit)."""
+    def _write(self, deleted, kept, length, position, tokens, packed, row_state) -> None:
+        """Close every edited slot's gaps (kept rows first, in row order), re-rotate the keys of
+        a packed slot, run the round's forward, then take its results. Until the forward has
+        returned nothing but the K/V buffers has changed."""
         active, device = self.active, self.positions.device
-        positions = self.positions[:active]
-        states = {name: row_state.get(name, values[:active]) for name, values in self.row_state.items()}
-        edited = [slot for slot in range(active) if gone[slot]]
-        if edited:
-            index = torch.tensor(edited, device=device)
-            # kept rows first, in row order; the deleted ones after them (overwritten by later rows)
-            order = torch.sort(deleted[index].to(torch.int8), dim=1, stable=True).indices
-            self.kv.compact(index, order)
-            positions = positions.clone()
-            positions[index] = positions[index].gather(1, order)
-            states = {name: _gathered(values, index, order) for name, values in states.items()}
-        new_rows = torch.tensor([layout.length - 1 for layout, _ in plans], device=device)
-        for slot, (layout, _) in enumerate(plans):
-            if layout.moved is not None:  # the model's position limit: every row packed down
-                self._rotate(slot, layout)
-                positions = positions.clone() if positions is self.positions[:active] else positions
-                positions[slot, : layout.length] = torch.tensor(layout.positions, device=device)
-        new_positions = torch.tensor([layout.positions[-1] for layout, _ in plans], device=device)
-        positions = positions.clone() if positions is self.positions[:active] else positions
-        positions[torch.arange(active, device=device), new_rows] = new_positions
-        for name, values in states.items():
-            values = values.clone() if values is self.row_state[name][:active] else values
-            values[torch.arange(active, device=device), new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype)
+        rows = torch.arange(active, device=device)
+        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices  # [active, capacity]
+        edited = (deleted.any(dim=1)).nonzero().flatten()
+        if len(edited):
+            self.kv.compact(edited, order[edited])
+        positions = self.positions[:active].gather(1, order)
+        for slot, layout in packed.items():  # rows keep their order; their positions move
+            old = positions[slot, : layout.length - 1]
+            new = torch.tensor(layout.positions[:-1], device=device)
+            self._rotate(slot, old, new)
+            positions[slot, : layout.length - 1] = new
+            position[slot] = layout.positions[-1]
+        new_rows = length - 1
+        positions[rows, new_rows] = position
+        token_ids = self.token_ids[:active].gather(1, order)
+        token_ids[rows, new_rows] = torch.tensor(tokens, device=device)
+        states = {}
+        for name, values in self.row_state.items():
+            values = row_state.get(name, values[:active]).gather(1, order)
+            values[rows, new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
         clock = time.perf_counter()
-        logits, shares = self._forward([layout.new_token_ids[-1] for layout, _ in plans], new_rows, new_positions)
+        logits, shares = self._forward(token_ids[rows, new_rows], new_rows, position)
         self.forward_seconds = time.perf_counter() - clock
-        self.next_logits[:active] = logits
-        self.shares[:active] = shares
-        return positions, states
+        self.next_logits[:active], self.shares[:active] = logits, shares
+        self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
+        for name, values in states.items():
+            self.row_state[name][:active] = values
 
-    def _rotate(self, slot: int, layout) -> None:
-        """Keys of `slot` from row `layout.moved` on, from their old positions to their new ones."""
-        first, last = layout.moved, layout.length - 1  # the new token is written at its own position
-        cos, sin = rope.rotation(self.lm.inv_freq, torch.tensor(layout.old_positions[first:last]),
-                                 torch.tensor(layout.positions[first:last]))
-        keys = self.kv.keys[:, slot, :, first:last]
-        self.kv.keys[:, slot, :, first:last] = rope.rotate(keys, cos.to(keys.device), sin.to(keys.device))
+    def _fold(self, slot: int) -> Mirror:
+        """Sequence `slot`'s mirror with every round since it was last read: each round's
+        layout planned and spliced in as `StateManager` would have (the same ticks, texts and
+        positions), which the device tensors already hold."""
+        mirror, start = self._mirrors[slot], self._folded[slot]
+        rounds = [entry for entry in self._journal[start:] if slot < len(entry[1])]
+        if rounds:
+            gone = torch.stack([entry[0][slot] for entry in rounds]).cpu()
+            tick = self._ticks[slot] - len(rounds)
+            for deleted, (_, tokens, source) in zip(gone, rounds):
+                tick += 1
+                layout = plan_layout(mirror.live.positions, deleted.nonzero().flatten().tolist(),
+                                     [Insertion(at=len(mirror), token_ids=(tokens[slot],), source=source)],
+                                     self.lm.max_positions)
+                mirror.splice(layout, row_plans.texts(self.lm.decode, mirror, layout), tick=tick,
+                              brightness=self._starts[slot])
+        self._folded[slot] = len(self._journal)
+        if all(done == len(self._journal) for done in self._folded):
+            self._journal.clear()
+            self._folded = [0] * len(self._folded)
+        return mirror
 
-    def _forward(self, tokens: list[int], rows: torch.Tensor, positions: torch.Tensor):
+    def fold(self) -> None:
+        """Bring every mirror up to the last round."""
+        for slot in range(self.active):
+            self._fold(slot)
+
+    def _rotate(self, slot: int, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Keys of rows `0..len(old)-1` of `slot` from positions `old` to `new` ([rows] each)."""
+        cos, sin = rope.rotation(self.lm.inv_freq, old.cpu(), new.cpu())
+        keys = self.kv.keys[:, slot, :, : len(old)]
+        self.kv.keys[:, slot, :, : len(old)] = rope.rotate(keys, cos.to(keys.device), sin.to(keys.device))
+
+    def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
         Returns logits [active, vocab] float32 and shares [active, capacity] float32."""
         lm, active = self.lm, self.active
@@ -276,7 +304,7 @@ class SlotState:
         mask = mask.masked_fill_(~visible, torch.finfo(lm.dtype).min)[:, None, None]  # [active, 1, 1, capacity]
         seen = _Seen()
         with attention.tap(seen.see, layers=self.attention_layers, norms=seen.norm):
-            out = lm.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None],
+            out = lm.model(input_ids=tokens[:, None],
                            position_ids=positions[:, None], attention_mask=mask,
                            **with_cache(self.kv.cache(active, rows, mask)), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
@@ -285,15 +313,17 @@ class SlotState:
     # --- failure ----------------------------------------------------------------------------
 
     def rebuild(self, slots=None) -> None:
-        """Recompute sequences' rows from their mirrors (default: every active one)."""
+        """Recompute sequences' rows from their mirrors (default: every active one), which first
+        take every round that went through."""
         for slot in range(self.active) if slots is None else slots:
-            manager = StateManager.from_mirror(self.lm, self._mirrors[slot], capacity=self.capacity,
+            manager = StateManager.from_mirror(self.lm, self._fold(slot), capacity=self.capacity,
                                                score_layers=self.attention_layers)
             rows = len(manager)
             saved = manager.tensors()
             self.kv.write(slot, saved["keys"], saved["values"])
             self.length[slot] = rows
             self.positions[slot, :rows] = torch.tensor(manager.positions(), dtype=torch.long)
+            self.token_ids[slot, :rows] = torch.tensor(manager.live_token_ids(), dtype=torch.long)
             self._take_newest(slot, manager)
             self.rebuilds += 1
 

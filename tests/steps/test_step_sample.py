@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from positronic.steps.sample import sample
+from positronic.steps.sample import NonFiniteLogits, sample
 
 
 def draws(logits, n=300, seed=0, **kw):
@@ -321,3 +321,33 @@ def test_top_k_draws_and_records_exactly_what_the_plain_rule_gives(ties, top_k):
                 logits[order[top_k]] = logits[order[top_k - 1]]
         s = sample(logits, temperature=0.8, top_k=top_k, generator=torch.Generator().manual_seed(seed))
         assert (s.token_id, s.top) == _reference_top_k_draw(logits, top_k, 0.8, seed)
+
+
+def test_greedy_many_picks_each_rows_sample_to_the_bit():
+    """Rows of different penalties and recent ids (a short row repeating its own first id):
+    each pick equals `sample` alone with temperature 0, ties and penalised ties included."""
+    from positronic.steps.sample import greedy_many
+
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=generator).round(decimals=1)  # many exact ties
+    logits[2] = -logits[2].abs()  # every logit negative: the penalty multiplies
+    recent = torch.randint(0, 50, (6, 8), generator=generator)
+    recent[3] = recent[3, 0]  # a short row: its one id repeated
+    recent[0, 0], recent[2, 0] = logits[0].argmax(), logits[2].argmax()  # the favourite penalised
+    before = logits.clone()
+    penalties = [1.1, 1.0, 1.3, 1.1, 2.0, 1.3]
+    want = [sample(logits[s], temperature=0, repetition_penalty=penalties[s],
+                   recent_ids=sorted(set(recent[s].tolist()))).token_id for s in range(6)]
+    assert greedy_many(logits, recent, penalties) == want
+    assert torch.equal(logits, before)  # the caller's logits are not written
+    assert greedy_many(logits, recent, [1.0] * 6) == logits.argmax(dim=-1).tolist()
+    assert want != logits.argmax(dim=-1).tolist()  # the penalties changed some pick
+
+
+def test_greedy_many_names_the_rows_without_finite_logits():
+    from positronic.steps.sample import greedy_many
+
+    logits = torch.zeros(3, 10)
+    logits[1, 4] = float("nan")
+    with pytest.raises(NonFiniteLogits, match=r"rows \[1\]"):
+        greedy_many(logits, torch.zeros(3, 0, dtype=torch.long), [1.0] * 3)

@@ -174,9 +174,12 @@ def test_a_round_refuses_edits_of_the_wrong_shape_and_changes_nothing(tiny):
 
 def test_joining_refuses_what_does_not_fit(tiny):
     state = SlotState(tiny, slots=1, capacity=CAPACITY)
-    with pytest.raises(ValueError, match="do not fit a slot of 72 rows"):
-        state.join(StateManager.from_tokens(tiny, prompt(51, 72), capacity=CAPACITY + 8))
-    state.join(StateManager.from_tokens(tiny, prompt(52, 10), capacity=CAPACITY))
+    with pytest.raises(ValueError, match="73 rows do not fit a slot of 72 rows"):
+        state.join(StateManager.from_tokens(tiny, prompt(51, 73), capacity=CAPACITY + 8))
+    state.join(StateManager.from_tokens(tiny, prompt(52, CAPACITY), capacity=CAPACITY))
+    with pytest.raises(ValueError, match="73 rows after the round do not fit a slot of 72 rows"):
+        round_of(state, [[]], [5])
+    assert state.tick(0) == 0 and len(state.mirror(0)) == CAPACITY
     with pytest.raises(ValueError, match="all 1 slots are in use"):
         state.join(StateManager.from_tokens(tiny, prompt(53, 10), capacity=CAPACITY))
 
@@ -189,3 +192,35 @@ def test_nan_filled_buffers_are_never_read(tiny, nan_fill):
     for _ in range(5):
         round_of(state, [[]], [int(state.next_logits[0].argmax())])
         assert torch.isfinite(state.next_logits[0]).all()
+
+
+def test_a_round_at_the_position_limit_packs_the_rows_down_as_the_single_state_does(tiny, layer0_oracle):
+    """With 80 positions, rounds of deletes go past the limit: the slot packs its rows down to
+    0, 1, 2, ... and re-rotates their keys, as a StateManager does; the same tokens follow and
+    layer 0 is still a fresh prefill's."""
+    import dataclasses
+
+    lm = dataclasses.replace(tiny, max_positions=80)
+    ids = prompt(71, 50)
+    reference = StateManager.from_tokens(lm, ids, capacity=CAPACITY)
+    state = SlotState(lm, slots=2, capacity=CAPACITY)
+    state.join(StateManager.from_tokens(lm, prompt(72, 30), capacity=CAPACITY))
+    state.join(StateManager.from_tokens(lm, ids, capacity=CAPACITY))
+    packed = 0
+    for number in range(60):
+        token = int(reference.next_logits.argmax())
+        rows = [5, 9] if number % 2 else []
+        other = int(state.next_logits[0].argmax())
+        report = round_of(state, [[2] if number % 2 else [], rows], [other, token])
+        reference.apply([{"action": "delete", "position": row} for row in rows] + [{"action": "add", "token_id": token}])
+        assert not report.failed
+        packed += reference.positions()[0] == 0 and reference.positions()[-1] == len(reference) - 1
+        assert state.positions[1, : len(reference)].tolist() == reference.positions()
+        assert int(state.next_logits[1].argmax()) == int(reference.next_logits.argmax())
+        torch.testing.assert_close(state.next_logits[1], reference.next_logits, rtol=0, atol=1e-4)
+    assert packed  # the limit was reached
+    mirror = state.mirror(1)
+    assert mirror.live_token_ids() == reference.mirror.live_token_ids()
+    keys, _ = state.rows(1)
+    expected, _ = layer0_oracle(lm, mirror.live_token_ids(), mirror.positions())
+    torch.testing.assert_close(keys[0], expected[0], rtol=0, atol=1e-4)

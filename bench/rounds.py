@@ -1,0 +1,97 @@
+"""Core v4's rounds against today's batch: the host's time per round as B grows.
+
+    python bench/rounds.py [--model random:tiny] [--budget 256] [--sizes 1 8 32] [--ticks 16]
+                           [--repeats 3] [--policies streaming h2o]
+
+For each policy and B, B brains (different prompts, all past their budget, so every round
+edits) make `--ticks` tokens each two ways, in turn, `--repeats` rounds:
+  batch    `positronic.batch.Batch`: each brain's own tick, in Python, one forward for all;
+  core v4  `positronic.batch.Engine`: one round of batched tensor work for all
+           (positronic/state/slots.py, positronic/presses/).
+It prints ms per round for both, the engine's forward and its host time outside the forward
+per round, that time against B = 1's, the time the mirrors then take to catch up on the
+rounds (`fold`, per round: ledger entries and token texts, Python per sequence, done when a
+mirror is read rather than in the round), and whether both made the same tokens (greedy: the
+two attend over different widths, so a near-tie may differ in the last bits; the share of
+equal tokens is printed). Medians over the rounds; the header notes the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batch import batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
+
+from positronic.batch.engine import Engine  # noqa: E402
+from positronic.models import load_model  # noqa: E402
+
+
+def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]]]:
+    engine = Engine(lm, slots=len(group), capacity=budget, score_layers=group[0].config.recorded_layers)
+    for k, brain in enumerate(group):
+        engine.join(k, brain)
+    tokens = [[] for _ in group]
+    forward = 0.0
+    start = time.perf_counter()
+    for _ in range(ticks):
+        for k, token in engine.step().items():
+            tokens[k].append(token)
+        forward += engine.state.forward_seconds
+    seconds = (time.perf_counter() - start) / ticks
+    start = time.perf_counter()
+    engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
+    return seconds, forward / ticks, (time.perf_counter() - start) / ticks, tokens
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="random:tiny")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--ticks", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policies", nargs="+", default=["streaming", "h2o"])
+    args = parser.parse_args(argv)
+    lm = load_model(args.model)
+    print(f"model {args.model}  {lm.device.type}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  "
+          f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
+          f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
+          f"{'speed-up':>8} {'fold ms':>8} {'equal':>6}")
+    for policy in args.policies:
+        config = configs(policy, args.budget)
+        first_outside = None
+        for size in args.sizes:
+            old, new, forward, fold, same = [], [], [], [], []
+            for _ in range(args.repeats):
+                seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks)
+                old.append(seconds / args.ticks)
+                seconds, seconds_forward, seconds_fold, new_tokens = with_engine(
+                    lm, brains(lm, size, config, args.budget), args.ticks, args.budget)
+                new.append(seconds)
+                forward.append(seconds_forward)
+                fold.append(seconds_fold)
+                pairs = [(a, b) for x, y in zip(old_tokens, new_tokens) for a, b in zip(x, y)]
+                same.append(sum(a == b for a, b in pairs) / len(pairs))
+            old_ms, new_ms = statistics.median(old) * 1e3, statistics.median(new) * 1e3
+            forward_ms = statistics.median(forward) * 1e3
+            outside = statistics.median(n - f for n, f in zip(new, forward)) * 1e3
+            first_outside = first_outside or outside
+            print(f"{policy:10} {size:>3} {old_ms:>9.1f} {new_ms:>8.1f} {forward_ms:>8.1f} {outside:>8.2f} "
+                  f"{outside / first_outside:>6.2f}x {old_ms / new_ms:>7.2f}x {statistics.median(fold) * 1e3:>8.2f} "
+                  f"{min(same):>6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Core v4's decode loop: every sequence's tick as one round of batched tensor work.
+
+    engine = Engine(lm, slots=32, capacity=256)
+    engine.join("a", Brain.start(lm, prompt_a, BrainConfig(policy="h2o", budget=256, temperature=0)))
+    engine.join("b", Brain.start(lm, prompt_b, BrainConfig(policy="streaming", budget=256, temperature=0)))
+    for _ in range(100):
+        tokens = engine.step()        # {"a": token id, "b": token id}: one round
+    mirror = engine.leave("a")
+
+A round, for the S active sequences at once (positronic/state/slots.py holds them):
+
+1. sample: the argmax of every greedy sequence's logits `[S, vocab]` in one call; a sequence
+   that samples (temperature, penalties) draws with its own generator, as alone;
+2. score: each press (positronic/presses/) scores the rows of its sequences from the last
+   forward's attention shares `[S, capacity]` and its per-row state, all at once;
+3. select: the shared selection picks each sequence's rows to delete (`[S, capacity]` bool);
+4. apply: one edit for all (`SlotState.apply`): the gaps closed by one gather, one forward
+   writing every new token, the mirrors committed.
+
+Sequences with the same press and settings score together: the loop is over kinds of press,
+never over sequences. What does not run here yet (the single-sequence `Brain` and the
+greenlet `Batch` do): recall, SmartKV's per-layer rows, repairers, 4-bit formats, the ring
+store, pins made after joining, refreshes, typed input and teacher forcing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Hashable
+
+import torch
+
+from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample
+
+from ..presses import PRESSES, Rows, make_press
+from ..state.slots import SlotState
+
+
+@dataclass
+class Sequence:
+    """An engine's record of one sequence: its press, settings and sampler."""
+
+    key: Hashable
+    press: object
+    config: object
+    generator: torch.Generator
+    greedy: bool
+    clock: int = 0  # rounds its press has scored
+    carried: dict = field(default_factory=dict)  # the press's per-sequence state (random: its generator)
+
+
+def press_for(config):
+    """The press of `config.policy` with the settings `config` gives it (every field of the
+    press's Settings that BrainConfig has, by name: a press's new setting needs no plumbing)."""
+    if config.policy not in PRESSES:
+        raise ValueError(f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}")
+    return make_press(config.policy, config)
+
+
+def carried(press, brain) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """What `brain`'s policy carries, as `press` keeps it: per-row state of its live rows
+    (`{name: [rows]}`), per-sequence state, and the rounds it has scored."""
+    policy, mirror = brain.policy, brain.state.mirror
+    ids = mirror.live.ledger_ids
+    rows, scorer = {}, getattr(policy, "scorer", None)
+    for name, (dtype, fill) in press.row_state.items():
+        if name == "brightness":
+            values = [mirror.ledger[i].brightness for i in ids]
+        else:  # a keyed scorer's number per ledger id (h2o's sums, scored's last access)
+            values = [scorer.value.get(i, fill) for i in ids]
+        rows[name] = torch.tensor(values, dtype=dtype)
+    sequence = press.sequence_state()
+    if "generator" in sequence:
+        sequence["generator"] = scorer.generator.get_state()
+    return rows, sequence, getattr(scorer, "clock", 0)
+
+
+UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), ("kv_store", "splice"),
+               ("refresh_every", 0), ("refresh_kl", 0.0))
+
+
+class Engine:
+    """Up to `slots` sequences of at most `capacity` rows each (the largest budget among
+    them), ticking in rounds; see the module docstring."""
+
+    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last"):
+        self.lm = lm
+        self.state = SlotState(lm, slots=slots, capacity=capacity, score_layers=score_layers)
+        self.sequences: list[Sequence] = []  # in slot order
+        self.finished: dict[Hashable, object] = {}  # mirrors of sequences their press stopped
+        self.seconds: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def keys(self) -> list[Hashable]:
+        return [sequence.key for sequence in self.sequences]
+
+    def join(self, key: Hashable, brain, press=None) -> None:
+        """Take a started `Brain` (prompt prefilled and pruned) in; it must not tick again.
+        `press`: the press its rounds run (default: its config's policy's, with its settings)."""
+        config = brain.config
+        if key in self.keys():
+            raise ValueError(f"sequence {key!r} is already in the engine")
+        for name, plain in UNSUPPORTED:
+            if getattr(config, name) != plain:
+                raise ValueError(f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})")
+        if config.budget > self.state.capacity:
+            raise ValueError(f"budget {config.budget} does not fit the engine's {self.state.capacity} rows a sequence")
+        if brain._pending:
+            raise ValueError("typed input does not run on Core v4 yet: join once it is read")
+        press = press if press is not None else press_for(config)
+        mirror = brain.state.mirror
+        for name, (dtype, fill) in press.row_state.items():
+            self.state.declare(f"{press.name}.{name}", dtype, fill)
+        self.state.declare("pinned", torch.bool, False)
+        rows, sequence, clock = carried(press, brain)
+        row_state = {f"{press.name}.{name}": values for name, values in rows.items()}
+        row_state["pinned"] = torch.tensor([mirror.ledger[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool)
+        self.state.join(brain.state, tick=brain.tick, row_state=row_state)
+        generator = torch.Generator()
+        generator.set_state(brain.generator.get_state())
+        self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
+                                       carried=sequence))
+
+    def leave(self, key: Hashable):
+        """Sequence `key` leaves; returns its mirror (the last sequence takes its slot)."""
+        slot = self.keys().index(key)
+        last = self.sequences.pop()
+        if slot < len(self.sequences):
+            self.sequences[slot] = last
+        return self.state.leave(slot)
+
+    @torch.no_grad()
+    def step(self) -> dict[Hashable, int]:
+        """One round: every active sequence makes one token; returns them by key. A sequence
+        whose press stops it (policy none at capacity) makes its last token in this round and
+        leaves after it (its mirror goes to `finished`)."""
+        clock = time.perf_counter()
+        state, active = self.state, len(self.sequences)
+        if not active:
+            return {}
+        tokens = self._sample(state.next_logits[:active])
+        self.seconds = {"sample": (now := time.perf_counter()) - clock}
+        device = state.length.device
+        deleted = torch.zeros((active, state.capacity), dtype=torch.bool, device=device)
+        stopped = torch.zeros(active, dtype=torch.bool, device=device)
+        row_state, sequence_state = {}, {}
+        for press, members in self._groups():
+            index = torch.tensor(members, device=device)
+            rows = Rows(length=state.length[index], positions=state.positions[index], shares=state.shares[index],
+                        pinned=state.row_state["pinned"][index])
+            names = {name: f"{press.name}.{name}" for name in press.row_state}
+            inputs = {name: state.row_state[full][index] for name, full in names.items()}
+            for name in press.sequence_state():
+                inputs[name] = torch.stack([self.sequences[m].carried[name] for m in members])
+            clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
+            plan = press.plan(rows, inputs, clocks)
+            deleted[index] = plan.deleted
+            stopped[index] = plan.stop
+            for name, full in names.items():
+                merged = row_state.get(full, state.row_state[full][:active].clone())
+                merged[index] = plan.next[name]
+                row_state[full] = merged
+            for name in press.sequence_state():
+                for m, value in zip(members, plan.next[name]):
+                    sequence_state[m, name] = value
+        planned = time.perf_counter()
+        self.seconds["policy"] = planned - now
+        report = state.apply(deleted, tokens, row_state=row_state)
+        self.seconds["apply"] = time.perf_counter() - planned
+        self.seconds.update({f"apply.{k}": v for k, v in report.seconds.items()})
+        made = {}
+        for slot, sequence in enumerate(self.sequences):
+            if slot in report.failed:
+                continue
+            sequence.clock += 1
+            sequence.carried.update({name: value.clone() for (m, name), value in sequence_state.items() if m == slot})
+            made[sequence.key] = tokens[slot]
+        for slot in reversed(stopped.nonzero().flatten().tolist()):
+            if slot not in report.failed:
+                key = self.sequences[slot].key
+                self.finished[key] = self.leave(key)
+        return made
+
+    def _groups(self):
+        """(press, slots) for each press among the active sequences, equal presses together."""
+        groups: dict[tuple, tuple[object, list[int]]] = {}
+        for slot, sequence in enumerate(self.sequences):
+            key = (sequence.press.name, sequence.press.settings)
+            groups.setdefault(key, (sequence.press, []))[1].append(slot)
+        return groups.values()
+
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        """Step 1 for every sequence: the greedy ones in one batched argmax per penalty window
+        (their repetition penalties applied as `steps.sample` would), each other one its own
+        draw. Rows whose logits are not finite are rebuilt from their mirrors first, as a
+        Brain does; if they stay so, NonFiniteLogits."""
+        state = self.state
+        bad = (~torch.isfinite(logits.max(dim=-1).values)).nonzero().flatten().tolist()
+        if bad:
+            state.rebuild(bad)
+            logits = state.next_logits[: len(self.sequences)]
+        tokens: list[int] = [0] * len(self.sequences)
+        windows: dict[int, list[int]] = {}
+        for slot, sequence in enumerate(self.sequences):
+            if sequence.greedy:
+                windows.setdefault(sequence.config.penalty_window, []).append(slot)
+        for window, slots in windows.items():
+            index = torch.tensor(slots, device=logits.device)
+            rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
+            recent = state.token_ids[index].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
+            for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
+                tokens[slot] = token
+        for slot, sequence in enumerate(self.sequences):
+            if not sequence.greedy:
+                cfg = sequence.config
+                length = int(state.length[slot])
+                recent = state.token_ids[slot, max(0, length - cfg.penalty_window) : length].tolist()
+                tokens[slot] = sample(
+                    logits[slot], temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                    repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty,
+                    frequency_penalty=cfg.frequency_penalty, logit_bias=cfg.sampling.bias, recent_ids=recent,
+                    generator=sequence.generator).token_id
+        return tokens
+
+
+def _greedy(config) -> bool:
+    """Whether `config` picks by argmax after at most a repetition penalty (`greedy_many`)."""
+    return (config.temperature <= GREEDY_BELOW and not config.presence_penalty and not config.frequency_penalty
+            and not config.sampling.bias)

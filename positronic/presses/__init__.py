@@ -1,0 +1,58 @@
+"""Presses: the eviction policies of positronic/policies/ as batched tensor scorers over S
+sequences, in the manner of kvpress's presses, on one shared selection (select.py).
+
+A press (base.Press) scores every row of S sequences at once ([S, N] tensors, rows compact:
+rows past a sequence's length are padding) and `select` deletes the lowest units, exactly as
+the per-sequence policy of the same name does today (tests/positronic/presses/):
+
+    streaming   the oldest middle rows go (StreamingLLM, llama.cpp --kv-eviction 1)
+    h2o         the least accumulated attention goes (Heavy-Hitter Oracle)
+    scored      the least recently accessed rows go (llama.cpp --kv-eviction 2)
+    brightness  the halo rules ttl / vote, units of `unit` rows (no repairer)
+    random      uniformly random selectable rows, from each sequence's own generator
+    none        no eviction: stop at capacity, or llama.cpp's context shift
+
+`PRESSES` maps a name to its class; `register` adds one; `make_press(name, settings)` builds
+one from its settings, a mapping of them or a BrainConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Plan, Press, Rows, Settings, mean_after_sinks
+from .brightness import BrightnessPress, BrightnessSettings
+from .h2o import H2OPress
+from .none import NoEvictionPress, NoEvictionSettings
+from .random import RandomPress, RandomSettings
+from .scored import ScoredPress
+from .select import bounds, lowest_rows, select
+from .streaming import StreamingPress
+
+PRESSES: dict[str, type[Press]] = {}
+
+
+def register(cls: type[Press]) -> type[Press]:
+    """Make `cls` available as `make_press(cls.name, ...)` (usable as a class decorator)."""
+    if PRESSES.get(cls.name, cls) is not cls:
+        raise ValueError(f"press {cls.name!r} is already registered")
+    PRESSES[cls.name] = cls
+    return cls
+
+
+for _press in (StreamingPress, H2OPress, ScoredPress, BrightnessPress, RandomPress, NoEvictionPress):
+    register(_press)
+
+
+def make_press(name: str, settings: Any) -> Press:
+    """The press `name` with `settings`: its Settings, a mapping of them, or a BrainConfig."""
+    try:
+        cls = PRESSES[name]
+    except KeyError:
+        raise ValueError(f"unknown press {name!r}; choose from {', '.join(PRESSES)}") from None
+    return cls(settings)
+
+
+__all__ = ["PRESSES", "BrightnessPress", "BrightnessSettings", "H2OPress", "NoEvictionPress", "NoEvictionSettings",
+           "Plan", "Press", "RandomPress", "RandomSettings", "Rows", "ScoredPress", "Settings", "StreamingPress",
+           "bounds", "lowest_rows", "make_press", "mean_after_sinks", "register", "select"]

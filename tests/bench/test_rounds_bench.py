@@ -1,0 +1,13 @@
+"""bench/rounds.py stays runnable: a tiny run prints a row per policy and size, Core v4's
+rounds against today's batch, with the share of equal tokens."""
+
+
+def test_rounds_bench_prints_a_row_per_policy_and_size(run_script):
+    out = run_script("rounds", "--model", "random:tiny", "--budget", "48", "--sizes", "1", "3",
+                     "--ticks", "4", "--repeats", "1", "--policies", "streaming", "h2o", check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["streaming"], ["h2o"])]
+    assert [(row[0], row[1]) for row in rows] == [("streaming", "1"), ("streaming", "3"), ("h2o", "1"), ("h2o", "3")]
+    for row in rows:
+        batch_ms, core_ms, forward_ms, outside_ms = map(float, row[2:6])
+        assert batch_ms > 0 and core_ms > forward_ms > 0 and outside_ms > 0
+        assert row[-1] == "100.0%"  # greedy tokens of the two equal on the CPU in float32

@@ -1,0 +1,162 @@
+"""Core v4's engine (positronic/batch/engine.py): every sequence's tick as one batched round.
+Each press makes the tokens today's Brain makes; batched sequences make what they make alone."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from positronic.batch.engine import Engine
+from positronic.brain.loop import Brain, BrainConfig
+from positronic.presses import Press, Settings
+
+PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "none"]
+TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))  # 119 ids, repeats within the penalty window
+
+
+def config_for(policy: str, **extra) -> BrainConfig:
+    settings = dict(policy=policy, budget=48, temperature=0, seed=3)
+    if policy == "none":
+        settings["at_capacity"] = "shift"
+    return BrainConfig(**{**settings, **extra})
+
+
+def prompt(lm, offset: int, length: int) -> list[int]:
+    return [lm.bos_id] + TEXT[offset : offset + length]
+
+
+@pytest.mark.parametrize("policy", PRESSES)
+def test_each_press_makes_todays_tokens(tiny, policy):
+    """60 ticks past the budget (every press edits): the engine's tokens, live rows and
+    positions are those of today's Brain with the policy of the same name."""
+    config = config_for(policy)
+    brain = Brain.start(tiny, prompt(tiny, 0, 70), config)
+    engine = Engine(tiny, slots=2, capacity=config.budget, score_layers=config.recorded_layers)
+    engine.join("a", Brain.start(tiny, prompt(tiny, 0, 70), config))
+    for _ in range(60):
+        assert engine.step() == {"a": brain.step().token_id}
+    mirror = engine.state.mirror(0)
+    assert mirror.live_token_ids() == brain.state.mirror.live_token_ids()
+    assert mirror.positions() == brain.state.mirror.positions()
+    assert len(mirror.ledger) == len(brain.state.mirror.ledger)
+    assert [e.state for e in mirror.ledger.entries] == [e.state for e in brain.state.mirror.ledger.entries]
+    mirror.check(tiny.max_positions)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_the_embedded_model_makes_todays_tokens(smol, policy):
+    config = config_for(policy, budget=64)
+    ids = smol.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    brain = Brain.start(smol, [smol.bos_id] + ids, config)
+    engine = Engine(smol, slots=1, capacity=64, score_layers=config.recorded_layers)
+    engine.join(0, Brain.start(smol, [smol.bos_id] + ids, config))
+    assert [engine.step()[0] for _ in range(24)] == [brain.step().token_id for _ in range(24)]
+
+
+def alone(lm, policy: str, offset: int, rounds: int, **extra) -> list[int]:
+    config = config_for(policy, **extra)
+    engine = Engine(lm, slots=1, capacity=64, score_layers=config.recorded_layers)
+    engine.join("x", Brain.start(lm, prompt(lm, offset, 50 + offset % 17), config))
+    return [engine.step()["x"] for _ in range(rounds)]
+
+
+@pytest.mark.parametrize("size", [3, 8])
+def test_batched_sequences_make_their_alone_tokens_as_they_join_and_leave(tiny, size):
+    """B sequences of mixed presses, budgets and samplers (greedy and seeded sampling) join and
+    leave at random rounds: each makes, token for token, what it makes in an engine alone."""
+    rng = random.Random(size)
+    plans = []
+    for k in range(size):
+        policy = PRESSES[k % len(PRESSES)]
+        extra = dict(budget=rng.choice([40, 48, 56]), seed=k)
+        if k % 3 == 1:
+            extra.update(temperature=0.8, top_k=20)
+        joins = rng.randrange(0, 10)
+        plans.append((k, policy, 5 * k, joins, joins + rng.randrange(8, 30), extra))
+    engine = Engine(tiny, slots=size, capacity=64, score_layers="last")
+    made = {k: [] for k, *_ in plans}
+    for number in range(45):
+        for k, policy, offset, joins, leaves, extra in plans:
+            if number == joins:
+                config = config_for(policy, **extra)
+                engine.join(k, Brain.start(tiny, prompt(tiny, offset, 50 + offset % 17), config))
+            if number == leaves and k in engine.keys():
+                engine.leave(k)
+        for k, token in engine.step().items():
+            made[k].append(token)
+    for k, policy, offset, joins, leaves, extra in plans:
+        assert made[k] == alone(tiny, policy, offset, len(made[k]), **extra), f"sequence {k} ({policy})"
+
+
+@dataclass(frozen=True)
+class NewestSettings(Settings):
+    spare: int = 0  # rows at the end, besides the press's window, never selected
+
+
+class NewestFirst(Press):
+    """A press written in one file, here: the newest middle rows go first (the reverse of
+    streaming), `spare` extra rows at the end kept."""
+
+    name = "newest-first"
+    Settings = NewestSettings
+
+    def window(self, length):
+        return super().window(length) + self.settings.spare
+
+    def score(self, rows, state, clock):
+        return -rows.positions.double(), {}
+
+
+def test_a_press_written_in_one_file_runs_with_its_own_setting(tiny):
+    """The press's settings come from BrainConfig's fields by name (budget, sinks) and its own
+    default (`spare`); rounds past the budget evict the newest selectable rows."""
+    config = config_for("streaming")
+    engine = Engine(tiny, slots=1, capacity=48)
+    press = NewestFirst(NewestSettings(budget=48, spare=2))
+    engine.join("n", Brain.start(tiny, prompt(tiny, 0, 70), config), press=press)
+    before = engine.state.mirror(0).live.ledger_ids
+    engine.step()
+    mirror = engine.state.mirror(0)
+    gone = [i for i in before if i not in mirror.live.ledger_ids]
+    window = int(press.window(torch.tensor([48]))[0])
+    assert gone == before[48 - window - press.batch() : 48 - window]
+
+
+def test_settings_that_do_not_run_on_core_v4_are_refused_by_name(tiny):
+    engine = Engine(tiny, slots=2, capacity=48)
+    for extra, name in ((dict(recall=True), "recall"), (dict(kv_format="int4"), "kv_format"),
+                        (dict(policy="brightness", repairer="self"), "repairer")):
+        brain = Brain.start(tiny, prompt(tiny, 0, 20), config_for(extra.pop("policy", "h2o"), **extra))
+        with pytest.raises(ValueError, match=f"{name}=.* does not run on Core v4 yet"):
+            engine.join("x", brain)
+    with pytest.raises(ValueError, match="budget 64 does not fit the engine's 48 rows"):
+        engine.join("x", Brain.start(tiny, prompt(tiny, 0, 20), config_for("h2o", budget=64)))
+    assert len(engine) == 0
+
+
+def test_policy_none_with_stop_makes_its_last_token_and_leaves(tiny):
+    config = config_for("none", at_capacity="stop", budget=40)
+    engine = Engine(tiny, slots=1, capacity=40)
+    engine.join("s", Brain.start(tiny, prompt(tiny, 0, 30), config))
+    rounds = 0
+    while len(engine):
+        engine.step()
+        rounds += 1
+    assert rounds == 9 and len(engine.finished["s"]) == 40  # 31 rows, 9 tokens: the cache exactly full
+
+
+def test_logits_that_are_not_finite_rebuild_that_sequence_and_it_goes_on(tiny):
+    """A garbage row (NaN logits) is rebuilt from the mirror before it samples, as a Brain does:
+    the sequence makes the tokens of an undisturbed run."""
+    config = config_for("h2o")
+    want = alone(tiny, "h2o", 5, 12)
+    engine = Engine(tiny, slots=1, capacity=64)
+    engine.join("x", Brain.start(tiny, prompt(tiny, 5, 50 + 5 % 17), config))
+    made = [engine.step()["x"] for _ in range(6)]
+    engine.state.next_logits[0, 7] = float("nan")
+    made += [engine.step()["x"] for _ in range(6)]
+    assert engine.state.rebuilds == 1
+    assert made[:6] == want[:6] and made[6] == want[6]
