@@ -149,7 +149,7 @@ class Engine:
         row_state, sequence_state = {}, {}
         for press, members in self._groups():
             index = torch.tensor(members, device=device)
-            rows = Rows(length=state.length[index], positions=state.positions[index], shares=state.shares[index],
+            rows = Rows(length=state.length[index], positions=state.positions[index, 0], shares=state.shares[index],
                         pinned=state.row_state["pinned"][index])
             names = {name: f"{press.name}.{name}" for name in press.row_state}
             inputs = {name: state.row_state[full][index] for name, full in names.items()}
@@ -210,7 +210,7 @@ class Engine:
         for window, slots in windows.items():
             index = torch.tensor(slots, device=logits.device)
             rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
-            recent = state.token_ids[index].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
             for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
                 tokens[slot] = token
@@ -218,7 +218,7 @@ class Engine:
             if not sequence.greedy:
                 cfg = sequence.config
                 length = int(state.length[slot])
-                recent = state.token_ids[slot, max(0, length - cfg.penalty_window) : length].tolist()
+                recent = state.token_ids[slot, 0, max(0, length - cfg.penalty_window) : length].tolist()
                 tokens[slot] = sample(
                     logits[slot], temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                     repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty,

@@ -62,10 +62,14 @@ class SlotKV:
         return self.keys[:, slot, :, :rows].clone(), self.values[:, slot, :, :rows].clone()
 
     def compact(self, slots: torch.Tensor, order: torch.Tensor) -> None:
-        """Row j of slot `slots[e]` := its row `order[e, j]` (`slots` [E], `order` [E, capacity]):
-        one gather of all layers' rows of the edited slots, keys and values."""
-        index = order[None, :, None, :, None].expand(self.keys.shape[0], -1, self.keys.shape[2], -1,
-                                                      self.keys.shape[4])
+        """Row j of lane l of slot `slots[e]` := its row `order[e, l, j]` (`slots` [E], `order`
+        [E, lanes, capacity]; lanes 1, layers, or layers × kv heads: a lane's rows move in
+        every layer and kv head it spans): one gather of the edited slots' rows, keys and values."""
+        layers, _, kv_heads, capacity, head_dim = self.keys.shape
+        edited, lanes = order.shape[:2]
+        index = order.reshape(edited, -1, kv_heads if lanes == layers * kv_heads else 1, capacity)
+        index = index.expand(-1, layers, -1, -1).transpose(0, 1)  # [layers, E, kv_heads or 1, capacity]
+        index = index[..., None].expand(-1, -1, kv_heads, -1, head_dim)
         for buffer in (self.keys, self.values):
             buffer[:, slots] = buffer[:, slots].gather(3, index)
 

@@ -4,15 +4,27 @@
 mirrors. Sequence s lives in slot s (the first `active` slots are in use); its rows are
 rows `0..length[s]-1` of the slot, and next to them the state keeps, as device tensors:
 
-    length      [slots] int64             live rows
-    positions   [slots, capacity] int64   each row's RoPE position
-    row_state   {name: [slots, capacity]} what a press keeps per row (presses/base.py)
-    next_logits [slots, vocab] float32    from the forward that wrote each newest row
-    shares      [slots, capacity] float32 that forward's newest token's attention share of
-                                          each row (mean over heads, then recorded layers)
+    length      [slots] int64                    live rows (the same in every lane)
+    positions   [slots, lanes, capacity] int64   each row's RoPE position
+    token_ids   [slots, lanes, capacity] int64   each row's token
+    row_state   {name: [slots, capacity] or [slots, lanes, capacity]}
+                                                 what a press keeps per row (presses/base.py)
+    next_logits [slots, vocab] float32           from the forward that wrote each newest row
+    shares      [slots, capacity] float32        that forward's newest token's attention share
+                                                 of each row (mean over heads, then recorded
+                                                 layers), for sequences whose lanes agree
+    lane_shares [slots, lanes, capacity] float32 the same per lane (a lane's query heads), when
+                                                 every layer is recorded
+
+A *lane* is a set of rows one part of the cache keeps (mirror/layer_rows.py): with `lanes`
+1 every layer holds the same rows; with `lanes` = layers each layer keeps its own, and with
+layers × kv_heads each kv head of each layer (SmartKV's per-layer memories). Every lane of a
+sequence holds the same number of rows; a sequence whose mirror has no per-layer rows keeps
+every lane alike, so one state serves both kinds.
 
 A round (`apply`) takes one edit for every active sequence at once: the rows each deletes
-(`deleted [active, capacity] bool`, rows before the round) and the token each adds. It plans
+(`deleted [active, capacity]` or, lane by lane, `[active, lanes, capacity]` bool, rows before
+the round) and the token each adds. It plans
 every mirror's layout first (nothing touched), closes the gaps of every edited slot with one
 gather for all layers (`SlotKV.compact`), runs one forward that writes each new token's K/V
 into the row after its slot's last and records the attention shares, and then commits each
@@ -59,24 +71,28 @@ class RoundReport:
 class SlotState:
     """K/V and per-row tensors of up to `slots` sequences of `capacity` rows each, and their
     mirrors; see the module docstring. `score_layers`: the layers whose attention the shares
-    average ("last", "all" or indices)."""
+    average ("last", "all" or indices). `lanes`: 1, the model's layers, or layers × kv heads."""
 
-    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last"):
-        self.lm = lm
+    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int = 1):
+        if lanes not in (1, lm.num_layers, lm.num_layers * lm.num_kv_heads):
+            raise ValueError(f"lanes must be 1, {lm.num_layers} (layers) or {lm.num_layers * lm.num_kv_heads} "
+                             f"(layers x kv heads), got {lanes}")
+        self.lm, self.lanes = lm, lanes
         self.attention_layers = layer_indices(score_layers, lm.num_layers)
         self.kv = SlotKV(layers=lm.num_layers, slots=slots, kv_heads=lm.num_kv_heads, capacity=capacity,
                          head_dim=lm.head_dim, dtype=lm.dtype, device=lm.device)
         device = lm.device
         self.length = torch.zeros(slots, dtype=torch.long, device=device)
-        self.positions = torch.zeros(slots, capacity, dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(slots, capacity, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, lanes, capacity, dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(slots, lanes, capacity, dtype=torch.long, device=device)
         self.next_logits = torch.zeros(slots, lm.vocab_size, dtype=torch.float32, device=device)
         self.shares = torch.zeros(slots, capacity, dtype=torch.float32, device=device)
+        self.lane_shares = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
         self.row_state: dict[str, torch.Tensor] = {}
         self.row_fill: dict[str, float] = {}
         self._mirrors: list[Mirror] = []
         self._ticks: list[int] = []
-        # rounds the mirrors have not taken yet: (deleted [active, capacity], tokens, source) each,
+        # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, source) each,
         # and per sequence how many of them its mirror has (`_fold`)
         self._journal: list[tuple[torch.Tensor, list[int], str]] = []
         self._folded: list[int] = []
@@ -108,14 +124,16 @@ class SlotState:
 
     # --- sequences join and leave (between rounds) ---------------------------------------------
 
-    def declare(self, name: str, dtype: torch.dtype, fill: float) -> None:
-        """A press's per-row state `name`: `[slots, capacity]` of `dtype`, new rows at `fill`."""
+    def declare(self, name: str, dtype: torch.dtype, fill: float, *, lanes: bool = False) -> None:
+        """A press's per-row state `name`: `[slots, capacity]` (`lanes`: `[slots, lanes,
+        capacity]`) of `dtype`, new rows at `fill`."""
+        shape = self.positions.shape if lanes else self.positions[:, 0].shape
         if name in self.row_state:
-            if self.row_state[name].dtype != dtype or self.row_fill[name] != fill:
-                raise ValueError(f"per-row state {name!r} is already kept as {self.row_state[name].dtype}, "
-                                 f"new rows at {self.row_fill[name]}")
+            if (self.row_state[name].dtype, self.row_state[name].shape, self.row_fill[name]) != (dtype, shape, fill):
+                raise ValueError(f"per-row state {name!r} is already kept as {self.row_state[name].dtype} "
+                                 f"{tuple(self.row_state[name].shape)}, new rows at {self.row_fill[name]}")
             return
-        self.row_state[name] = torch.full(self.positions.shape, fill, dtype=dtype, device=self.positions.device)
+        self.row_state[name] = torch.full(shape, fill, dtype=dtype, device=self.positions.device)
         self.row_fill[name] = fill
 
     def join(self, manager: StateManager, *, tick: int = 0, row_state: dict[str, torch.Tensor] | None = None) -> int:
@@ -124,28 +142,26 @@ class SlotState:
         per-row values of its live rows, `{name: [rows]}` (others start at their fill)."""
         if self.active == self.kv.slots:
             raise ValueError(f"all {self.kv.slots} slots are in use")
-        rows = len(manager)
-        if manager.per_layer or manager.kv_format != "float" or manager.kv_store != "splice":
-            raise ValueError("Core v4 holds float rows shared by every layer (per-layer rows, 4-bit formats and the "
-                             "ring store run on the single-sequence state)")
+        rows = manager.rows_per_layer
+        if manager.kv_format != "float" or manager.kv_store != "splice":
+            raise ValueError("Core v4 holds float rows in the splice store (4-bit formats and the ring store run on "
+                             "the single-sequence state)")
+        if manager.per_layer and manager.mirror.layers.num_layers != self.lanes:
+            raise ValueError(f"the joining state keeps {manager.mirror.layers.num_layers} lanes, this one {self.lanes}")
         if rows > self.capacity:
             raise ValueError(f"{rows} rows do not fit a slot of {self.capacity} rows")
-        if manager.last_attention is None:
+        if manager.next_logits is None or (manager.last_attention is None and not manager.per_layer):
             raise ValueError("the joining state has no attention row (its last edit did not write the newest row)")
         slot = self.active
         saved = manager.tensors()
         self.kv.write(slot, saved["keys"], saved["values"])
-        device = self.positions.device
         self.length[slot] = rows
-        self.positions[slot].zero_()
-        self.positions[slot, :rows] = torch.tensor(manager.positions(), dtype=torch.long, device=device)
-        self.token_ids[slot].zero_()
-        self.token_ids[slot, :rows] = torch.tensor(manager.live_token_ids(), dtype=torch.long, device=device)
+        self._set_rows(slot, manager._mirror)
         self._take_newest(slot, manager)
         for name, values in self.row_state.items():
             values[slot].fill_(self.row_fill[name])
         for name, values in (row_state or {}).items():
-            self.row_state[name][slot, :rows] = values.to(device)
+            self.row_state[name][slot, ..., :rows] = values.to(self.positions.device)
         self._mirrors.append(manager._mirror)
         self._folded.append(len(self._journal))
         self._ticks.append(tick)
@@ -160,7 +176,7 @@ class SlotState:
         if slot != last:
             self.kv.move(last, slot)
             for tensor in (self.length, self.positions, self.token_ids, self.next_logits, self.shares,
-                           *self.row_state.values()):
+                           self.lane_shares, *self.row_state.values()):
                 tensor[slot] = tensor[last]
             self._mirrors[slot], self._ticks[slot] = self._mirrors[last], self._ticks[last]
             self._starts[slot] = self._starts[last]
@@ -168,41 +184,71 @@ class SlotState:
             records.pop()
         return mirror
 
+    def _set_rows(self, slot: int, mirror: Mirror) -> None:
+        """Slot `slot`'s positions and token ids, lane by lane, from `mirror` (its rows as a
+        StateManager lays them out: the live map's, or each lane's own with per-layer rows)."""
+        device, entries = self.positions.device, mirror.ledger.entries
+        if mirror.layers is None:
+            lanes = [mirror.live.ledger_ids] * self.lanes
+        else:
+            lanes = mirror.layers.rows
+        where = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
+        rows = len(lanes[0])
+        self.positions[slot].zero_()
+        self.token_ids[slot].zero_()
+        self.positions[slot, :, :rows] = torch.tensor([[where[i] for i in ids] for ids in lanes], device=device)
+        self.token_ids[slot, :, :rows] = torch.tensor([[entries[i].token_id for i in ids] for ids in lanes],
+                                                       device=device)
+
     def _take_newest(self, slot: int, manager: StateManager) -> None:
-        """What the forward that wrote `manager`'s newest row left: its logits and shares."""
+        """What the forward that wrote `manager`'s newest row left: its logits, and its shares
+        where the rows are shared (a per-layer state records no attention row; its next round
+        scores from the round's own forward)."""
         rows = len(manager)
         self.next_logits[slot] = manager.next_logits.to(self.next_logits.device, torch.float32)
         self.shares[slot].zero_()
-        self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
+        self.lane_shares[slot].zero_()
+        if manager.last_attention is not None:
+            self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
 
     # --- the round -------------------------------------------------------------------------
 
     def apply(self, deleted: torch.Tensor, tokens: list[int], *, row_state: dict[str, torch.Tensor] | None = None,
               source: str = "generated") -> RoundReport:
         """One round for every active sequence: sequence s deletes its rows `deleted[s]`
-        (`[active, capacity]` bool, rows before the round) and adds `tokens[s]`. `row_state`:
-        the presses' per-row state after this round's scoring (`{name: [active, capacity]}`,
-        rows before the round), adopted only if the round goes through. All or nothing: a
-        failure rebuilds every sequence from its mirror (`RoundReport.rebuilt`).
+        (`[active, capacity]`, or `[active, lanes, capacity]` lane by lane: bool, rows before
+        the round; every lane of a sequence keeps as many) and adds `tokens[s]` to every lane.
+        `row_state`: the presses' per-row state after this round's scoring (rows before the
+        round), adopted only if the round goes through. All or nothing: a failure rebuilds
+        every sequence from its mirror (`RoundReport.rebuilt`).
 
         The mirrors take the round later (`_fold`, when one is read): the round records its
         edit (the deleted mask and the tokens) and the device tensors are the truth meanwhile,
         so a round costs no Python per sequence. A round that reaches the model's position
         limit folds that sequence's mirror at once and lets it lay the rows out."""
         active, device = self.active, self.positions.device
-        if deleted.shape != (active, self.capacity) or len(tokens) != active:
-            raise ValueError(f"a round of {active} sequences takes deleted [{active}, {self.capacity}] and "
-                             f"{active} tokens, got {tuple(deleted.shape)} and {len(tokens)}")
+        if deleted.dim() == 2:
+            deleted = deleted[:, None].expand(-1, self.lanes, -1)
+        if deleted.shape != (active, self.lanes, self.capacity) or len(tokens) != active:
+            raise ValueError(f"a round of {active} sequences takes deleted [{active}, {self.capacity}] or "
+                             f"[{active}, {self.lanes}, {self.capacity}] and {active} tokens, got "
+                             f"{tuple(deleted.shape)} and {len(tokens)}")
         clock = time.perf_counter()
-        live = torch.arange(self.capacity, device=device)[None] < self.length[:active, None]
+        live = (torch.arange(self.capacity, device=device) < self.length[:active, None])[:, None]  # [active, 1, capacity]
         deleted = deleted & live
         kept = live & ~deleted
-        length = kept.sum(dim=1) + 1
+        counts = kept.sum(dim=2)  # [active, lanes]
+        if bool((counts != counts[:, :1]).any()):
+            slot = int((counts != counts[:, :1]).any(dim=1).nonzero()[0, 0])
+            raise ValueError(f"sequence {slot}: its lanes would keep different numbers of rows "
+                             f"({sorted(set(counts[slot].tolist()))})")
+        length = counts[:, 0] + 1
         if bool((length > self.capacity).any()):
             slot = int((length > self.capacity).nonzero()[0, 0])
             raise ValueError(f"sequence {slot}: {int(length[slot])} rows after the round do not fit a slot of "
                              f"{self.capacity} rows (its press must free rows first)")
-        position = torch.where(kept, self.positions[:active], -1).max(dim=1).values + 1  # after the last kept row
+        # after the union's last kept row (every lane holds the newest rows: the window)
+        position = torch.where(kept, self.positions[:active], -1).amax(dim=(1, 2)) + 1
         limited = (position >= self.lm.max_positions).nonzero().flatten().tolist()
         packed = {slot: self._pack(slot, deleted[slot], tokens[slot], source) for slot in limited}
         report = RoundReport(seconds={"plan": (now := time.perf_counter()) - clock})
@@ -220,64 +266,77 @@ class SlotState:
         report.seconds["write"] = time.perf_counter() - now
         return report
 
+    def _edit(self, mirror: Mirror, deleted: torch.Tensor, token: int, source: str):
+        """The mirror's plan of one round of one sequence (`deleted` [lanes, capacity] on the
+        host): (layout, per-lane drops or None)."""
+        if mirror.layers is None:
+            gone = deleted[0].nonzero().flatten().tolist()
+            return plan_layout(mirror.live.positions, gone, [Insertion(at=len(mirror), token_ids=(token,),
+                                                                       source=source)], self.lm.max_positions), None
+        drops = [lane.nonzero().flatten().tolist() for lane in deleted]
+        heads = self.lanes // self.lm.num_layers
+        return row_plans.LaneRows(mirror, drops, [token], source, self.lm.max_positions, heads).layout, drops
+
     def _pack(self, slot: int, deleted: torch.Tensor, token: int, source: str):
         """Sequence `slot`'s layout after this round when its new token would pass the model's
         position limit: every row packed down to 0, 1, 2, ... (mirror.plan_layout's rule)."""
         mirror = self._fold(slot)
-        return plan_layout(mirror.live.positions, deleted.nonzero().flatten().tolist(),
-                           [Insertion(at=len(mirror), token_ids=(token,), source=source)], self.lm.max_positions)
+        layout, _ = self._edit(mirror, deleted.cpu(), token, source)
+        return layout
 
     @torch.no_grad()
     def _write(self, deleted, kept, length, position, tokens, packed, row_state) -> None:
-        """Close every edited slot's gaps (kept rows first, in row order), re-rotate the keys of
-        a packed slot, run the round's forward, then take its results. Until the forward has
-        returned nothing but the K/V buffers has changed."""
+        """Close every edited slot's gaps lane by lane (kept rows first, in row order), move the
+        positions of a packed slot (re-rotating its keys), run the round's forward, then take
+        its results. Until the forward has returned only the K/V buffers have changed."""
         active, device = self.active, self.positions.device
         rows = torch.arange(active, device=device)
-        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices  # [active, capacity]
-        edited = (deleted.any(dim=1)).nonzero().flatten()
+        order = torch.sort((~kept).to(torch.int8), dim=2, stable=True).indices  # [active, lanes, capacity]
+        edited = deleted.any(dim=2).any(dim=1).nonzero().flatten()
         if len(edited):
             self.kv.compact(edited, order[edited])
-        positions = self.positions[:active].gather(1, order)
-        for slot, layout in packed.items():  # rows keep their order; their positions move
-            old = positions[slot, : layout.length - 1]
-            new = torch.tensor(layout.positions[:-1], device=device)
+        positions = self.positions[:active].gather(2, order)
+        for slot, layout in packed.items():  # every row keeps its place; positions move to the layout's
+            added = set(layout.new_rows)  # (an added row's "old" position is its new one: left out)
+            new_of = {old: new for row, (old, new) in enumerate(zip(layout.old_positions, layout.positions))
+                      if row not in added}
+            old = positions[slot, :, : layout.length - 1]
+            new = torch.tensor([[new_of[p] for p in lane] for lane in old.tolist()], device=device)
             self._rotate(slot, old, new)
-            positions[slot, : layout.length - 1] = new
+            positions[slot, :, : layout.length - 1] = new
             position[slot] = layout.positions[-1]
         new_rows = length - 1
-        positions[rows, new_rows] = position
-        token_ids = self.token_ids[:active].gather(1, order)
-        token_ids[rows, new_rows] = torch.tensor(tokens, device=device)
+        positions[rows, :, new_rows] = position[:, None]
+        token_ids = self.token_ids[:active].gather(2, order)
+        token_ids[rows, :, new_rows] = torch.tensor(tokens, device=device)[:, None]
         states = {}
         for name, values in self.row_state.items():
-            values = row_state.get(name, values[:active]).gather(1, order)
-            values[rows, new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
+            values = row_state.get(name, values[:active])
+            values = values.gather(1, order[:, 0]) if values.dim() == 2 else values.gather(2, order)
+            values[rows, ..., new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
         clock = time.perf_counter()
-        logits, shares = self._forward(token_ids[rows, new_rows], new_rows, position)
+        logits, shares, lane_shares = self._forward(token_ids[rows, 0, new_rows], new_rows, position)
         self.forward_seconds = time.perf_counter() - clock
-        self.next_logits[:active], self.shares[:active] = logits, shares
+        self.next_logits[:active], self.shares[:active], self.lane_shares[:active] = logits, shares, lane_shares
         self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
         for name, values in states.items():
             self.row_state[name][:active] = values
 
     def _fold(self, slot: int) -> Mirror:
         """Sequence `slot`'s mirror with every round since it was last read: each round's
-        layout planned and spliced in as `StateManager` would have (the same ticks, texts and
-        positions), which the device tensors already hold."""
+        layout planned and spliced in as `StateManager` would have (the same ticks, texts,
+        positions and per-lane rows), which the device tensors already hold."""
         mirror, start = self._mirrors[slot], self._folded[slot]
         rounds = [entry for entry in self._journal[start:] if slot < len(entry[1])]
         if rounds:
-            gone = torch.stack([entry[0][slot] for entry in rounds]).cpu()
+            gone = torch.stack([entry[0][slot] for entry in rounds]).cpu()  # one copy: [rounds, lanes, capacity]
             tick = self._ticks[slot] - len(rounds)
             for deleted, (_, tokens, source) in zip(gone, rounds):
                 tick += 1
-                layout = plan_layout(mirror.live.positions, deleted.nonzero().flatten().tolist(),
-                                     [Insertion(at=len(mirror), token_ids=(tokens[slot],), source=source)],
-                                     self.lm.max_positions)
+                layout, drops = self._edit(mirror, deleted, tokens[slot], source)
                 mirror.splice(layout, row_plans.texts(self.lm.decode, mirror, layout), tick=tick,
-                              brightness=self._starts[slot])
+                              brightness=self._starts[slot], layer_drops=drops)
         self._folded[slot] = len(self._journal)
         if all(done == len(self._journal) for done in self._folded):
             self._journal.clear()
@@ -290,14 +349,24 @@ class SlotState:
             self._fold(slot)
 
     def _rotate(self, slot: int, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Keys of rows `0..len(old)-1` of `slot` from positions `old` to `new` ([rows] each)."""
-        cos, sin = rope.rotation(self.lm.inv_freq, old.cpu(), new.cpu())
-        keys = self.kv.keys[:, slot, :, : len(old)]
-        self.kv.keys[:, slot, :, : len(old)] = rope.rotate(keys, cos.to(keys.device), sin.to(keys.device))
+        """Keys of rows `0..n-1` of `slot`, lane by lane, from positions `old` to `new`
+        ([lanes, n] each): a lane is every layer, one layer, or one kv head of one layer."""
+        layers, kv_heads, rows = self.lm.num_layers, self.lm.num_kv_heads, old.shape[1]
+        for lane in range(self.lanes):
+            if self.lanes == 1:
+                where = (slice(None), slot, slice(None), slice(0, rows))
+            elif self.lanes == layers:
+                where = (lane, slot, slice(None), slice(0, rows))
+            else:
+                where = (lane // kv_heads, slot, slice(lane % kv_heads, lane % kv_heads + 1), slice(0, rows))
+            cos, sin = rope.rotation(self.lm.inv_freq, old[lane].cpu(), new[lane].cpu())
+            keys = self.kv.keys[where]
+            self.kv.keys[where] = rope.rotate(keys, cos.to(keys.device), sin.to(keys.device))
 
     def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
-        Returns logits [active, vocab] float32 and shares [active, capacity] float32."""
+        Returns logits [active, vocab], shares [active, capacity] and lane shares [active,
+        lanes, capacity] (zeros unless every layer is recorded), all float32."""
         lm, active = self.lm, self.active
         visible = torch.arange(self.capacity, device=rows.device)[None] <= rows[:, None]  # [active, capacity]
         mask = torch.zeros(visible.shape, dtype=lm.dtype, device=rows.device)
@@ -308,7 +377,11 @@ class SlotState:
                            position_ids=positions[:, None], attention_mask=mask,
                            **with_cache(self.kv.cache(active, rows, mask)), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
-        return logits, seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])
+        per_head = seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])  # [active, layers, heads, capacity]
+        lane_shares = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
+        if self.lanes > 1 and len(self.attention_layers) == lm.num_layers:
+            lane_shares = per_head.reshape(active, self.lanes, -1, self.capacity).mean(dim=2)
+        return logits, per_head.mean(dim=(1, 2)), lane_shares
 
     # --- failure ----------------------------------------------------------------------------
 
@@ -316,23 +389,15 @@ class SlotState:
         """Recompute sequences' rows from their mirrors (default: every active one), which first
         take every round that went through."""
         for slot in range(self.active) if slots is None else slots:
-            manager = StateManager.from_mirror(self.lm, self._fold(slot), capacity=self.capacity,
+            mirror = self._fold(slot)
+            manager = StateManager.from_mirror(self.lm, mirror, capacity=self.capacity,
                                                score_layers=self.attention_layers)
-            rows = len(manager)
             saved = manager.tensors()
             self.kv.write(slot, saved["keys"], saved["values"])
-            self.length[slot] = rows
-            self.positions[slot, :rows] = torch.tensor(manager.positions(), dtype=torch.long)
-            self.token_ids[slot, :rows] = torch.tensor(manager.live_token_ids(), dtype=torch.long)
+            self.length[slot] = manager.rows_per_layer
+            self._set_rows(slot, mirror)
             self._take_newest(slot, manager)
             self.rebuilds += 1
-
-
-def _gathered(values: torch.Tensor, index: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """`values` [active, capacity] with the rows of sequences `index` reordered by `order`."""
-    values = values.clone()
-    values[index] = values[index].gather(1, order)
-    return values
 
 
 class _Seen:
@@ -354,10 +419,10 @@ class _Seen:
         self.norms[module.layer_idx] = log_norm[:, :, -1]
 
     def shares(self, kv: SlotKV, layers: list[int], active: int, mask: torch.Tensor) -> torch.Tensor:
-        """[active, capacity] float32: each row's attention share, mean over heads then layers.
-        exp(logit − log-normaliser) is elementwise, so a row's share does not depend on how
-        many other rows or sequences the product covered."""
-        total = None
+        """[active, layers, heads, capacity] float32: each row's attention share per recorded
+        layer and query head. exp(logit − log-normaliser) is elementwise, so a row's share does
+        not depend on how many other rows or sequences the product covered."""
+        shares = []
         for layer in layers:
             query = self.queries[layer].float() * self.scaling  # [active, heads, d]
             keys = kv.keys[layer, :active]  # [active, kv, capacity, d]
@@ -366,6 +431,5 @@ class _Seen:
             logits = logits.reshape(active, heads, -1) + mask.float()[:, None]
             norm = self.norms.get(layer)
             norm = logits.logsumexp(dim=-1) if norm is None else norm.float()
-            share = (logits - norm[..., None]).exp().mean(dim=1)
-            total = share if total is None else total + share
-        return total / len(layers)
+            shares.append((logits - norm[..., None]).exp())
+        return torch.stack(shares, dim=1)

@@ -49,7 +49,7 @@ def test_a_slot_ticks_as_the_single_sequence_state_does(tiny):
         reference.apply([{"action": "delete", "position": row} for row in rows] + [{"action": "add", "token_id": token}])
         assert not report.failed
         assert state.mirror(0).live_token_ids() == reference.mirror.live_token_ids()
-        assert state.positions[0, : len(reference)].tolist() == reference.positions()
+        assert state.positions[0, 0, : len(reference)].tolist() == reference.positions()
         assert int(state.length[0]) == len(reference)
         torch.testing.assert_close(state.next_logits[0], reference.next_logits, rtol=0, atol=1e-5)
         assert int(state.next_logits[0].argmax()) == int(reference.next_logits.argmax())
@@ -167,7 +167,7 @@ def test_a_failed_round_rebuilds_every_sequence_from_its_unchanged_mirror(tiny, 
 def test_a_round_refuses_edits_of_the_wrong_shape_and_changes_nothing(tiny):
     state = SlotState(tiny, slots=2, capacity=CAPACITY)
     state.join(StateManager.from_tokens(tiny, prompt(41, 20), capacity=CAPACITY))
-    with pytest.raises(ValueError, match=r"a round of 1 sequences takes deleted \[1, 72\] and 1 tokens"):
+    with pytest.raises(ValueError, match=r"a round of 1 sequences takes deleted \[1, 72\] or \[1, 1, 72\] and 1 tokens"):
         state.apply(torch.zeros((2, CAPACITY), dtype=torch.bool), [1, 2])
     assert state.tick(0) == 0 and len(state.mirror(0)) == 20
 
@@ -215,7 +215,7 @@ def test_a_round_at_the_position_limit_packs_the_rows_down_as_the_single_state_d
         reference.apply([{"action": "delete", "position": row} for row in rows] + [{"action": "add", "token_id": token}])
         assert not report.failed
         packed += reference.positions()[0] == 0 and reference.positions()[-1] == len(reference) - 1
-        assert state.positions[1, : len(reference)].tolist() == reference.positions()
+        assert state.positions[1, 0, : len(reference)].tolist() == reference.positions()
         assert int(state.next_logits[1].argmax()) == int(reference.next_logits.argmax())
         torch.testing.assert_close(state.next_logits[1], reference.next_logits, rtol=0, atol=1e-4)
     assert packed  # the limit was reached
@@ -224,3 +224,54 @@ def test_a_round_at_the_position_limit_packs_the_rows_down_as_the_single_state_d
     keys, _ = state.rows(1)
     expected, _ = layer0_oracle(lm, mirror.live_token_ids(), mirror.positions())
     torch.testing.assert_close(keys[0], expected[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [1, 2])  # lanes per layer: the whole layer, or each kv head
+def test_lanes_keep_their_own_rows_as_the_per_layer_state_does(tiny, heads):
+    """Each lane drops its own rows every round (a sequence of shared rows beside it): the
+    per-lane rows, positions, K/V and next tokens are those of a per-layer StateManager given
+    the same drops, and the union's live map is the same."""
+    from positronic.state import rows as row_plans
+
+    ids, lanes = prompt(81, 50), tiny.num_layers * heads
+    reference = StateManager.from_tokens(tiny, ids, capacity=CAPACITY)
+    reference.split_layers(heads)
+    joining = StateManager.from_tokens(tiny, ids, capacity=CAPACITY)
+    joining.split_layers(heads)
+    state = SlotState(tiny, slots=2, capacity=CAPACITY, lanes=lanes)
+    state.join(StateManager.from_tokens(tiny, prompt(82, 30), capacity=CAPACITY))
+    state.join(joining)
+    rng = random.Random(4)
+    for _ in range(30):
+        token, rows = int(reference.next_logits.argmax()), reference.rows_per_layer
+        drops = [sorted(rng.sample(range(1, rows - 1), 2)) if rows > 45 else [] for _ in range(lanes)]
+        deleted = torch.zeros((2, lanes, CAPACITY), dtype=torch.bool)
+        for lane, dropped in enumerate(drops):
+            deleted[1, lane, dropped] = True
+        report = state.apply(deleted, [int(state.next_logits[0].argmax()), token])
+        reference.apply(([{"action": "drop", "rows": drops}] if any(drops) else []) + [{"action": "add", "token_id": token}])
+        assert not report.failed
+        assert int(state.next_logits[1].argmax()) == int(reference.next_logits.argmax())
+        torch.testing.assert_close(state.next_logits[1], reference.next_logits, rtol=0, atol=1e-5)
+    mirror, rows = state.mirror(1), reference.rows_per_layer
+    assert mirror.layers.rows == reference.mirror.layers.rows
+    assert mirror.live_token_ids() == reference.mirror.live_token_ids()
+    assert state.positions[1, :, :rows].tolist() == row_plans.lane_positions(reference.mirror)
+    keys, values = state.rows(1)
+    saved = reference.tensors()
+    torch.testing.assert_close(keys, saved["keys"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(values, saved["values"], rtol=0, atol=1e-5)
+    mirror.check(tiny.max_positions)
+    assert state.mirror(0).layers is None and state.positions[0, 0].tolist() == state.positions[0, -1].tolist()
+
+
+def test_lanes_that_would_keep_different_numbers_of_rows_are_refused(tiny):
+    joining = StateManager.from_tokens(tiny, prompt(91, 40), capacity=CAPACITY)
+    joining.split_layers(1)
+    state = SlotState(tiny, slots=1, capacity=CAPACITY, lanes=tiny.num_layers)
+    state.join(joining)
+    deleted = torch.zeros((1, tiny.num_layers, CAPACITY), dtype=torch.bool)
+    deleted[0, 0, 5] = True
+    with pytest.raises(ValueError, match=r"sequence 0: its lanes would keep different numbers of rows \(\[39, 40\]\)"):
+        state.apply(deleted, [7])
+    assert state.tick(0) == 0 and int(state.length[0]) == 40
