@@ -14,7 +14,7 @@ With an API key (`serve --api-key`, or $POSITRONIC_API_KEY) every request but GE
 `Authorization: Bearer KEY`, else 401 before anything else runs (ApiKey); CORS headers are sent
 only for the origins given with --cors-origin.
 
-Each conversation is a brain of its own (positronic/server/sessions.py): the session id is the
+Each conversation is a brain of its own (positronic/server/conversation.py): the session id is the
 request's `user` field or its `X-Session-Id` header (1-64 of A-Z a-z 0-9 _ -); a request with
 neither gets a fresh brain that is thrown away after it. A session's first request prefills its
 prompt (pruned to the budget by the policy if longer); each later one appends only its new part to the live brain: for a
@@ -40,10 +40,15 @@ shutdown (GracefulServer) cuts streams at their next token with a final error ev
 replies finish within the graceful period (a second Ctrl-C ends the wait), and checkpoints only
 what clients received.
 
-The parts: the request bodies and the error shape (schemas.py), the answers whole or as
-server-sent events (streaming.py), retried requests (answers.py), the work behind the
-endpoints (service.py: BrainServer), the conversations (sessions.py), chat text and stop
-strings (text.py), metrics (metrics.py), the tokenizer endpoints (tokens.py).
+The parts: the request bodies and the error shape (schemas.py), the checks beyond them
+(rules.py), the server put together and a request's course (service.py: BrainServer), a
+request's input made ready (prepare.py), the model worker and its forward thread (worker.py), a
+session's conversation (conversation.py), one request's turn (turn.py), the sessions in memory
+(pool.py), the reply built (replies.py) and written whole or as server-sent events
+(streaming.py), several choices (choices.py), retried requests (answers.py), a chat's history
+(history.py), log-probabilities (logprobs.py), chat text and stop strings (text.py), metrics
+(metrics.py), the tokenizer endpoints (tokens.py). docs/batching.md ("In the server") walks one
+request through them.
 """
 
 from __future__ import annotations
@@ -69,8 +74,9 @@ from ..brain.loop import BrainConfig
 from . import tokens
 from .metrics import Metrics
 from .schemas import APIError, ChatBody, CompletionBody, read_body
+from .pool import SessionUnusable
+from .rules import check_session_id
 from .service import BrainServer, ServerSettings
-from .sessions import SessionUnusable, check_session_id
 
 log = logging.getLogger("positronic.server.app")
 

@@ -40,7 +40,7 @@ def merge_whole(answers: list[dict]) -> dict:
 
 
 async def merge_events(streams: list, include_usage: bool):
-    """The payloads of one streamed `n` = 1 answer per choice (`BrainServer.events`, each asked
+    """The payloads of one streamed `n` = 1 answer per choice (`replies.events`, each asked
     with include_usage so that the merged usage can be counted) -> one answer's payloads. A
     choice's error body is passed on as it is. Closing this iterator (the client left) closes
     every choice's, so each lets go of its conversation at once."""

@@ -64,7 +64,7 @@ class StreamOptions(BaseModel):
 
 class GenerationBody(BaseModel):
     """What both generation endpoints take. A field not defined here is refused (400 naming
-    it) unless it is empty or in IGNORED (BrainServer.check): nothing is silently ignored.
+    it) unless it is empty or in IGNORED (rules.check): nothing is silently ignored.
     The sampling fields go to steps/sample.py, the run's own sampler."""
 
     model_config = ConfigDict(extra="allow")

@@ -18,7 +18,7 @@ import torch
 
 from positronic.batch import Batch, Rounds, WorkLock, offload, rounds, wait
 from positronic.brain.loop import Brain, BrainConfig
-from positronic.server.sessions import ModelWorker
+from positronic.server.worker import ModelWorker
 from positronic.state.forward import MEETING
 
 from .test_batch import PROMPTS

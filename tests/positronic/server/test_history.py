@@ -9,8 +9,9 @@ import time
 
 import httpx
 
-from positronic.server import sessions as server_sessions
+from positronic.server.conversation import Conversation
 from positronic.server.history import History
+from positronic.server.turn import Turn
 
 MODEL = "random:tiny"
 
@@ -83,7 +84,7 @@ def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
     reply too, not the text as it stood when the client left; the retry replays the answer
     (nothing generated), and after a restart from the checkpoints the session still agrees
     with the client that sends its history back."""
-    last_tick, original = threading.Event(), server_sessions.Turn._next_token
+    last_tick, original = threading.Event(), Turn._next_token
 
     def slow_last(turn):
         if turn.reply is not None and len(turn.reply.ids) == turn.max_tokens - 1:
@@ -91,7 +92,7 @@ def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
             time.sleep(0.5)  # the client leaves meanwhile
         return original(turn)
 
-    monkeypatch.setattr(server_sessions.Turn, "_next_token", slow_last)
+    monkeypatch.setattr(Turn, "_next_token", slow_last)
     settings = server_settings(tmp_path)
     said = [{"role": "user", "content": "one"}]
     body = {"model": MODEL, "user": "h5", "messages": said, "max_tokens": 6, "ignore_eos": True}
@@ -115,7 +116,7 @@ def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
 def test_a_retry_that_mends_the_record_is_a_change_to_checkpoint(tiny):
     """A replayed answer generates nothing, yet the record it mends must reach the checkpoint:
     the conversation is dirty exactly when the record changed."""
-    conversation = server_sessions.Conversation("s")
+    conversation = Conversation("s")
     conversation.history = History([("user", "one"), ("assistant", "a cut rep")])
     conversation.replied("a cut rep", again=True)
     assert not conversation.dirty
@@ -130,7 +131,7 @@ def test_a_stream_the_shutdown_cut_is_in_the_history_as_the_client_got_it(tiny, 
     the same, and the client's next chat (without a key) goes on."""
     from positronic.server.service import BrainServer
 
-    cut, original = {"now": False, "held": ""}, server_sessions.Turn._next_token
+    cut, original = {"now": False, "held": ""}, Turn._next_token
 
     def watched(turn):
         record, piece = original(turn)
@@ -140,7 +141,7 @@ def test_a_stream_the_shutdown_cut_is_in_the_history_as_the_client_got_it(tiny, 
             cut.update(now=True, held=held)  # cut at the next token, with this held back
         return record, piece
 
-    monkeypatch.setattr(server_sessions.Turn, "_next_token", watched)
+    monkeypatch.setattr(Turn, "_next_token", watched)
     monkeypatch.setattr(BrainServer, "is_stopping", lambda self: cut["now"])
     said = [{"role": "user", "content": "one"}]
     body = {"model": MODEL, "user": "h6", "messages": said, "max_tokens": 40, "ignore_eos": True, "stream": True}

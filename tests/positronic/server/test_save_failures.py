@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from positronic.server.app import exit_status
-from positronic.server.sessions import ModelWorker, PoolFull, SaveFailed, SessionPool
+from positronic.server.pool import PoolFull, SaveFailed, SessionPool
+from positronic.server.worker import ModelWorker
 
 MODEL = "random:tiny"
 

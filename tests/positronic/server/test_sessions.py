@@ -1,5 +1,6 @@
-"""The server's sessions (positronic/server/sessions.py): a pool of at most max_sessions in
-memory, the least recently used checkpointed to disk and resumed exactly, idle ones freed."""
+"""The server's sessions (positronic/server/pool.py, conversation.py, worker.py, turn.py): a
+pool of at most max_sessions in memory, the least recently used checkpointed to disk and resumed
+exactly, idle ones freed."""
 
 import asyncio
 import os
@@ -15,8 +16,10 @@ import pytest
 from positronic.batch import offload
 from positronic.brain import session as brain_session
 from positronic.brain.loop import Brain
-from positronic.server.sessions import (Conversation, ModelWorker, PoolFull, SessionInUse, SessionPool,
-                                        SessionUnusable, check_session_id, describe)
+from positronic.server.conversation import Conversation, describe
+from positronic.server.pool import PoolFull, SessionInUse, SessionPool, SessionUnusable
+from positronic.server.rules import check_session_id
+from positronic.server.worker import ModelWorker
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -319,7 +322,7 @@ def test_a_requests_reply_is_one_job_and_stops_before_its_next_tick_once_nobody_
     made each round wait for the event loop to start the next job): the tokens are those of the
     same brain stepped directly. A reader of the session gets in between two of its ticks. A
     consumer that stops listening (a client gone) stops the job before its next tick."""
-    from positronic.server.sessions import Turn
+    from positronic.server.turn import Turn
 
     async def reply(worker, conversation, max_tokens, *, leave_after=None):
         """The turn, and its reply's length when its consumer stopped listening (None: never)."""

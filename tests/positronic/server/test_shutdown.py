@@ -140,7 +140,7 @@ def test_a_stop_cuts_a_stream_cleanly_and_answers_a_whole_reply(tiny, tmp_path, 
 
 def test_a_whole_reply_the_stop_cannot_wait_for_gets_503_and_is_not_saved(tiny, tmp_path, server_settings,
                                                                           graceful, caplog, monkeypatch):
-    from positronic.server.sessions import Turn
+    from positronic.server.turn import Turn
 
     original = Turn._next_token
 
