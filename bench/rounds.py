@@ -1,7 +1,7 @@
 """Core v4's rounds against today's batch: the host's time per round as B grows.
 
     python bench/rounds.py [--model random:tiny] [--budget 256] [--sizes 1 8 32] [--ticks 16]
-                           [--repeats 3] [--policies streaming h2o]
+                           [--repeats 3] [--policies streaming h2o smartkv]
 
 For each policy and B, B brains (different prompts, all past their budget, so every round
 edits) make `--ticks` tokens each two ways, in turn, `--repeats` rounds:
@@ -13,7 +13,8 @@ per round, that time against B = 1's, the time the mirrors then take to catch up
 rounds (`fold`, per round: ledger entries and token texts, Python per sequence, done when a
 mirror is read rather than in the round), and whether both made the same tokens (greedy: the
 two attend over different widths, so a near-tie may differ in the last bits; the share of
-equal tokens is printed). Medians over the rounds; the header notes the load.
+equal tokens is printed). Medians over the rounds; the header notes the load. smartkv (without
+recall) runs the model's shipped gates, or untrained ones for a random model (bench/batch.py's).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from batch import batched, brains, configs  # noqa: E402  (bench/batch.py: the s
 
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.models import load_model  # noqa: E402
+from positronic.smartkv.gates import bench_gates  # noqa: E402
 
 
 def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]]]:
@@ -68,8 +71,10 @@ def main(argv=None) -> int:
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
           f"{'speed-up':>8} {'fold ms':>8} {'equal':>6}")
+    folder = tempfile.TemporaryDirectory()
+    _, gates = bench_gates(lm, folder.name)
     for policy in args.policies:
-        config = configs(policy, args.budget)
+        config = configs(policy, args.budget, gates)
         first_outside = None
         for size in args.sizes:
             old, new, forward, fold, same = [], [], [], [], []

@@ -13,14 +13,20 @@ A round, for the S active sequences at once (positronic/state/slots.py holds the
    that samples (temperature, penalties) draws with its own generator, as alone;
 2. score: each press (positronic/presses/) scores the rows of its sequences from the last
    forward's attention shares `[S, capacity]` and its per-row state, all at once;
-3. select: the shared selection picks each sequence's rows to delete (`[S, capacity]` bool);
+3. select: the shared selection picks each sequence's rows to delete (`[S, capacity]` bool;
+   a press whose lanes keep their own rows, smartkv, picks them lane by lane, `[S, lanes, capacity]`);
 4. apply: one edit for all (`SlotState.apply`): the gaps closed by one gather, one forward
    writing every new token, the mirrors committed.
 
+Lanes: an engine keeps `lanes` per sequence (1, layers, or layers x kv heads: SlotState); a
+smartkv sequence needs its gates' (a lane per layer, or per kv head of a layer), and sequences
+of shared-row presses run beside it with every lane alike. By default the engine takes the
+lanes of the first sequence that joins it.
+
 Sequences with the same press and settings score together: the loop is over kinds of press,
 never over sequences. What does not run here yet (the single-sequence `Brain` and the
-greenlet `Batch` do): recall, SmartKV's per-layer rows, repairers, 4-bit formats, the ring
-store, pins made after joining, refreshes, typed input and teacher forcing.
+greenlet `Batch` do): recall, SmartKV's pins, repairers, 4-bit formats, the ring store, pins
+made after joining, refreshes, typed input and teacher forcing.
 """
 
 from __future__ import annotations
@@ -60,8 +66,12 @@ def press_for(config):
 
 def carried(press, brain) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
     """What `brain`'s policy carries, as `press` keeps it: per-row state of its live rows
-    (`{name: [rows]}`), per-sequence state, and the rounds it has scored."""
+    (`{name: [rows]}`, or `[lanes, rows]` for a press with lanes), per-sequence state, and the
+    rounds it has scored."""
     policy, mirror = brain.policy, brain.state.mirror
+    own = press.carry(policy, mirror)  # a press that reads its policy's state itself (smartkv's memories)
+    if own is not None:
+        return own, press.sequence_state(), 0
     ids = mirror.live.ledger_ids
     rows, scorer = {}, getattr(policy, "scorer", None)
     for name, (dtype, fill) in press.row_state.items():
@@ -84,9 +94,10 @@ class Engine:
     """Up to `slots` sequences of at most `capacity` rows each (the largest budget among
     them), ticking in rounds; see the module docstring."""
 
-    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last"):
-        self.lm = lm
-        self.state = SlotState(lm, slots=slots, capacity=capacity, score_layers=score_layers)
+    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int | None = None):
+        self.lm, self._lanes = lm, lanes  # lanes None: the first joining sequence's
+        self._shape = dict(slots=slots, capacity=capacity, score_layers=score_layers)
+        self.state = SlotState(lm, **self._shape, lanes=lanes or 1)
         self.sequences: list[Sequence] = []  # in slot order
         self.finished: dict[Hashable, object] = {}  # mirrors of sequences their press stopped
         self.seconds: dict[str, float] = {}
@@ -111,18 +122,34 @@ class Engine:
         if brain._pending:
             raise ValueError("typed input does not run on Core v4 yet: join once it is read")
         press = press if press is not None else press_for(config)
+        press.bind(self.lm, brain.policy)
+        self._take_lanes(press)
         mirror = brain.state.mirror
         for name, (dtype, fill) in press.row_state.items():
-            self.state.declare(f"{press.name}.{name}", dtype, fill)
+            self.state.declare(f"{press.name}.{name}", dtype, fill, lanes=press.lanes > 1)
         self.state.declare("pinned", torch.bool, False)
         rows, sequence, clock = carried(press, brain)
         row_state = {f"{press.name}.{name}": values for name, values in rows.items()}
-        row_state["pinned"] = torch.tensor([mirror.ledger[i].pinned for i in mirror.live.ledger_ids], dtype=torch.bool)
+        ids = mirror.live.ledger_ids if mirror.layers is None else mirror.layers.rows[0]  # lane 0's rows
+        row_state["pinned"] = torch.tensor([mirror.ledger[i].pinned for i in ids], dtype=torch.bool)
         self.state.join(brain.state, tick=brain.tick, row_state=row_state)
         generator = torch.Generator()
         generator.set_state(brain.generator.get_state())
         self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
                                        carried=sequence))
+
+    def _take_lanes(self, press) -> None:
+        """Make sure this engine keeps `press`'s lanes: an empty engine whose lanes were not
+        given takes them (its state is made anew); otherwise ValueError."""
+        state = self.state
+        if press.lanes not in (1, state.lanes):
+            if self.sequences or self._lanes is not None:
+                raise ValueError(f"press {press.name} keeps rows in {press.lanes} lanes and this engine in "
+                                 f"{state.lanes}: make the engine with lanes={press.lanes}")
+            self.state = state = SlotState(self.lm, **self._shape, lanes=press.lanes)
+        if press.reads_lane_peaks and len(state.attention_layers) != self.lm.num_layers:
+            raise ValueError(f"press {press.name} ranks by every layer's attention: make the engine with "
+                             "score_layers='all'")
 
     def leave(self, key: Hashable):
         """Sequence `key` leaves; returns its mirror (the last sequence takes its slot)."""
@@ -144,20 +171,19 @@ class Engine:
         tokens = self._sample(state.next_logits[:active])
         self.seconds = {"sample": (now := time.perf_counter()) - clock}
         device = state.length.device
-        deleted = torch.zeros((active, state.capacity), dtype=torch.bool, device=device)
+        deleted = torch.zeros((active, state.lanes, state.capacity), dtype=torch.bool, device=device)
         stopped = torch.zeros(active, dtype=torch.bool, device=device)
         row_state, sequence_state = {}, {}
         for press, members in self._groups():
             index = torch.tensor(members, device=device)
-            rows = Rows(length=state.length[index], positions=state.positions[index, 0], shares=state.shares[index],
-                        pinned=state.row_state["pinned"][index])
+            rows = self._rows(press, index)
             names = {name: f"{press.name}.{name}" for name in press.row_state}
             inputs = {name: state.row_state[full][index] for name, full in names.items()}
             for name in press.sequence_state():
                 inputs[name] = torch.stack([self.sequences[m].carried[name] for m in members])
             clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
             plan = press.plan(rows, inputs, clocks)
-            deleted[index] = plan.deleted
+            deleted[index] = plan.deleted if plan.deleted.dim() == 3 else plan.deleted[:, None]  # shared: every lane
             stopped[index] = plan.stop
             for name, full in names.items():
                 merged = row_state.get(full, state.row_state[full][:active].clone())
@@ -184,6 +210,18 @@ class Engine:
                 self.finished[key] = self.leave(key)
         return made
 
+    def _rows(self, press, index: torch.Tensor) -> Rows:
+        """What `press` reads of the sequences in slots `index` [S]: lane 0's rows (every
+        lane's when they differ), and a reader of their K/V if it reads keys."""
+        state, lanes = self.state, press.lanes > 1
+
+        def read(members: torch.Tensor, rows: torch.Tensor):
+            return state.read(index[members], rows)
+        return Rows(length=state.length[index], positions=state.positions[index, 0], shares=state.shares[index],
+                    pinned=state.row_state["pinned"][index], lane_positions=state.positions[index] if lanes else None,
+                    lane_peaks=state.lane_peaks[index] if press.reads_lane_peaks else None,
+                    read=read if press.reads_keys else None)
+
     def _groups(self):
         """(press, slots) for each press among the active sequences, equal presses together."""
         groups: dict[tuple, tuple[object, list[int]]] = {}
@@ -203,14 +241,18 @@ class Engine:
             state.rebuild(bad)
             logits = state.next_logits[: len(self.sequences)]
         tokens: list[int] = [0] * len(self.sequences)
-        windows: dict[int, list[int]] = {}
+        windows: dict[tuple[int, bool], list[int]] = {}
         for slot, sequence in enumerate(self.sequences):
             if sequence.greedy:
-                windows.setdefault(sequence.config.penalty_window, []).append(slot)
-        for window, slots in windows.items():
+                windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
+        for (window, lanes), slots in windows.items():
             index = torch.tensor(slots, device=logits.device)
-            rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
-            recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            if lanes:
+                recent, newest = union_recent(state, index, window)
+                recent = torch.where(newest, recent, recent[:, :1])  # a repeated id is penalised once either way
+            else:
+                rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
+                recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
             for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
                 tokens[slot] = token
@@ -218,13 +260,37 @@ class Engine:
             if not sequence.greedy:
                 cfg = sequence.config
                 length = int(state.length[slot])
-                recent = state.token_ids[slot, 0, max(0, length - cfg.penalty_window) : length].tolist()
+                if sequence.press.lanes > 1:
+                    ids, newest = union_recent(state, torch.tensor([slot], device=logits.device), cfg.penalty_window)
+                    recent = ids[0][newest[0]].flip(0).tolist()  # oldest first, as the live map's tail
+                else:
+                    recent = state.token_ids[slot, 0, max(0, length - cfg.penalty_window) : length].tolist()
                 tokens[slot] = sample(
                     logits[slot], temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                     repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty,
                     frequency_penalty=cfg.frequency_penalty, logit_bias=cfg.sampling.bias, recent_ids=recent,
                     generator=sequence.generator).token_id
         return tokens
+
+
+def union_recent(state: SlotState, index: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `window` tokens of the sequences in slots `index` [S] as their mirrors' live maps
+    end (the union of every lane's rows: what a Brain's penalties look at), newest first: token
+    ids [S, K] and which of them are those tokens [S, K] bool (the rest repeat some of them).
+    A token among the union's last `window` is among the last `window` rows of every lane that
+    holds it, so only those rows are read; where every lane holds the same ones, lane 0's are it."""
+    take = min(window, state.capacity)
+    rows = (state.length[index, None] - take + torch.arange(take, device=index.device)).clamp(min=0)  # [S, take]
+    rows = rows[:, None].expand(-1, state.lanes, -1)  # short sequences repeat their row 0
+    ids, positions = state.token_ids[index].gather(2, rows), state.positions[index].gather(2, rows)  # [S, L, take]
+    if bool((positions == positions[:, :1]).all()):
+        ids, positions = ids[:, 0].flip(1), positions[:, 0].flip(1)
+    else:  # the newest distinct positions of all lanes
+        order = positions.flatten(1).argsort(dim=1, descending=True)
+        ids, positions = ids.flatten(1).gather(1, order), positions.flatten(1).gather(1, order)
+    first = torch.ones_like(positions, dtype=torch.bool)
+    first[:, 1:] = positions[:, 1:] != positions[:, :-1]
+    return ids, first & (first.cumsum(dim=1) <= window)
 
 
 def _greedy(config) -> bool:

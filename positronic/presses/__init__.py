@@ -11,6 +11,8 @@ the per-sequence policy of the same name does today (tests/positronic/presses/):
     brightness  the halo rules ttl / vote, units of `unit` rows (no repairer)
     random      uniformly random selectable rows, from each sequence's own generator
     none        no eviction: stop at capacity, or llama.cpp's context shift
+    smartkv     SmartKV's memories (without recall): each lane (a layer, or a kv head of one)
+                keeps its own rows, chosen by learned gates (positronic/smartkv/)
 
 `PRESSES` maps a name to its class; `register` adds one; `make_press(name, settings)` builds
 one from its settings, a mapping of them or a BrainConfig.
@@ -27,6 +29,7 @@ from .none import NoEvictionPress, NoEvictionSettings
 from .random import RandomPress, RandomSettings
 from .scored import ScoredPress
 from .select import bounds, lowest_rows, select
+from .smartkv import SmartKVPress, SmartKVSettings
 from .streaming import StreamingPress
 
 PRESSES: dict[str, type[Press]] = {}
@@ -40,7 +43,7 @@ def register(cls: type[Press]) -> type[Press]:
     return cls
 
 
-for _press in (StreamingPress, H2OPress, ScoredPress, BrightnessPress, RandomPress, NoEvictionPress):
+for _press in (StreamingPress, H2OPress, ScoredPress, BrightnessPress, RandomPress, NoEvictionPress, SmartKVPress):
     register(_press)
 
 
@@ -54,5 +57,6 @@ def make_press(name: str, settings: Any) -> Press:
 
 
 __all__ = ["PRESSES", "BrightnessPress", "BrightnessSettings", "H2OPress", "NoEvictionPress", "NoEvictionSettings",
-           "Plan", "Press", "RandomPress", "RandomSettings", "Rows", "ScoredPress", "Settings", "StreamingPress",
+           "Plan", "Press", "RandomPress", "RandomSettings", "Rows", "ScoredPress", "Settings", "SmartKVPress",
+           "SmartKVSettings", "StreamingPress",
            "bounds", "lowest_rows", "make_press", "mean_after_sinks", "register", "select"]

@@ -16,7 +16,7 @@ never writes its inputs, so a round that fails is simply not adopted.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
@@ -39,6 +39,14 @@ class Rows:
     # recorded layers), as `steps.scores` gives it; junk past length
     shares: Tensor
     pinned: Tensor  # [S, N] bool: rows the user pinned (never selected)
+    # A press whose rows differ by lane (`Press.lanes` > 1, L lanes) reads these too:
+    lane_positions: Tensor | None = None  # [S, L, N] int64: each lane's rows' positions
+    # [S, L, N] float32: the newest token's largest attention share of each row over the query
+    # heads reading the lane (zeros: no forward recorded them, e.g. just rebuilt); with every layer recorded
+    lane_peaks: Tensor | None = None
+    # A press that reads keys (`reads_keys`): read(members [n], rows [n]) -> copies of keys,
+    # values [n, layers, kv_heads, head_dim], row rows[i] of sequence members[i] in every lane
+    read: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,11 @@ class Settings:
 
 @dataclass(frozen=True)
 class Plan:
-    """One round of a press: the rows it deletes and the state to adopt once the round commits."""
+    """One round of a press: the rows it deletes and the state to adopt once the round commits.
+    A press with lanes (`Press.lanes` > 1) gives `deleted` and `values` lane by lane, [S, L, N]."""
 
     deleted: Tensor  # [S, N] bool: never a padding, pinned or protected row
-    need: Tensor  # [S] int64: rows it was to free (deleted.sum(1) < need: too few were selectable)
+    need: Tensor  # [S] int64: rows it was to free (per lane; deleted.sum(-1) < need: too few were selectable)
     values: Tensor  # [S, N] float64: the scores it selected by (junk past length)
     next: dict[str, Tensor]  # the next row and sequence state: current only once the round commits
     stop: Tensor  # [S] bool: the press cannot continue (none at capacity with at_capacity="stop")
@@ -103,13 +112,27 @@ class Press:
     name: ClassVar[str] = "press"
     Settings: ClassVar[type[Settings]] = Settings
     unit: int = 1  # rows per unit
-    row_state: dict[str, tuple[torch.dtype, float]] = {}  # name -> (dtype, a new row's value)
+    # name -> (dtype, a new row's value); with lanes > 1 kept per lane, [S, L, N]
+    row_state: dict[str, tuple[torch.dtype, float]] = {}
+    lanes: int = 1  # lanes that keep their own rows (1: every lane alike; more: known once `bind` has run)
+    reads_keys: ClassVar[bool] = False  # its rounds read rows' keys and values (`Rows.read`)
+    reads_lane_peaks: bool = False  # its rounds read `Rows.lane_peaks` (every layer's attention recorded)
 
     def __init__(self, settings: Settings | Mapping | Any):
         self.settings = self.Settings.of(settings)
         self.check()
 
     # --- per press ----------------------------------------------------------------------------
+
+    def bind(self, lm, policy=None) -> None:
+        """Ready the press for `lm`'s sequences before one joins (`policy`: the joining brain's,
+        whose loaded parts a press may share); most need nothing of the model."""
+
+    def carry(self, policy, mirror) -> dict[str, Tensor] | None:
+        """A joining sequence's per-row state, read from today's policy of the same name and its
+        mirror (`{name: [rows]}`, with lanes `[lanes, rows]`), or None: the engine reads it
+        the common way (brightness from the ledger, a keyed scorer's values)."""
+        return None
 
     def score(self, rows: Rows, state: dict[str, Tensor], clock: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """values [S, N] float64 (lower = less worth keeping) and the next state (new tensors).

@@ -15,6 +15,8 @@ rows `0..length[s]-1` of the slot, and next to them the state keeps, as device t
                                                  layers), for sequences whose lanes agree
     lane_shares [slots, lanes, capacity] float32 the same per lane (a lane's query heads), when
                                                  every layer is recorded
+    lane_peaks  [slots, lanes, capacity] float32 the largest of a lane's heads' shares instead
+                                                 of their mean (SmartKV's recent-use rank)
 
 A *lane* is a set of rows one part of the cache keeps (mirror/layer_rows.py): with `lanes`
 1 every layer holds the same rows; with `lanes` = layers each layer keeps its own, and with
@@ -88,6 +90,7 @@ class SlotState:
         self.next_logits = torch.zeros(slots, lm.vocab_size, dtype=torch.float32, device=device)
         self.shares = torch.zeros(slots, capacity, dtype=torch.float32, device=device)
         self.lane_shares = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
+        self.lane_peaks = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
         self.row_state: dict[str, torch.Tensor] = {}
         self.row_fill: dict[str, float] = {}
         self._mirrors: list[Mirror] = []
@@ -121,6 +124,11 @@ class SlotState:
     def rows(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of sequence `slot`'s live K/V: keys, values `[layers, kv_heads, rows, head_dim]`."""
         return self.kv.read(slot, int(self.length[slot]))
+
+    def read(self, slots: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of row `rows[i]` of slot `slots[i]` in every lane ([n] int64 each): keys,
+        values `[n, layers, kv_heads, head_dim]` (a row every lane holds: a press's window row)."""
+        return self.kv.keys[:, slots, :, rows], self.kv.values[:, slots, :, rows]
 
     # --- sequences join and leave (between rounds) ---------------------------------------------
 
@@ -176,7 +184,7 @@ class SlotState:
         if slot != last:
             self.kv.move(last, slot)
             for tensor in (self.length, self.positions, self.token_ids, self.next_logits, self.shares,
-                           self.lane_shares, *self.row_state.values()):
+                           self.lane_shares, self.lane_peaks, *self.row_state.values()):
                 tensor[slot] = tensor[last]
             self._mirrors[slot], self._ticks[slot] = self._mirrors[last], self._ticks[last]
             self._starts[slot] = self._starts[last]
@@ -202,14 +210,29 @@ class SlotState:
 
     def _take_newest(self, slot: int, manager: StateManager) -> None:
         """What the forward that wrote `manager`'s newest row left: its logits, and its shares
-        where the rows are shared (a per-layer state records no attention row; its next round
-        scores from the round's own forward)."""
+        where the rows are shared. A per-layer state records no attention row, but the newest
+        query and log-normaliser of every layer when all are recorded: the lane shares are
+        taken from those and the lanes' keys (just written), as `RowReader.lane_scores` does."""
         rows = len(manager)
         self.next_logits[slot] = manager.next_logits.to(self.next_logits.device, torch.float32)
         self.shares[slot].zero_()
         self.lane_shares[slot].zero_()
+        self.lane_peaks[slot].zero_()
         if manager.last_attention is not None:
             self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
+        query, norm = manager.last_query, manager.last_log_norm
+        if (manager.per_layer and query is not None and norm is not None and len(query) == self.lm.num_layers
+                and self._every_lane(len(self.attention_layers))):
+            rows = manager.rows_per_layer
+            keys = self.kv.keys[:, slot, :, :rows]  # [layers, kv_heads, rows, head_dim]
+            logits = attention.grouped_logits(query, keys.transpose(-1, -2), norm)  # [layers, kv, group, rows]
+            logits = logits.reshape(self.lanes, -1, rows)  # a lane's query heads together
+            self.lane_shares[slot, :, :rows] = logits.exp().mean(dim=1)
+            self.lane_peaks[slot, :, :rows] = logits.amax(dim=1).exp()
+
+    def _every_lane(self, recorded: int) -> bool:
+        """Whether lane shares are taken: lanes apart and `recorded` layers (every one)."""
+        return self.lanes > 1 and recorded == self.lm.num_layers
 
     # --- the round -------------------------------------------------------------------------
 
@@ -300,10 +323,11 @@ class SlotState:
             added = set(layout.new_rows)  # (an added row's "old" position is its new one: left out)
             new_of = {old: new for row, (old, new) in enumerate(zip(layout.old_positions, layout.positions))
                       if row not in added}
-            old = positions[slot, :, : layout.length - 1]
+            kept_rows = int(length[slot]) - 1  # every lane's (the layout's length is the union's)
+            old = positions[slot, :, :kept_rows]
             new = torch.tensor([[new_of[p] for p in lane] for lane in old.tolist()], device=device)
             self._rotate(slot, old, new)
-            positions[slot, :, : layout.length - 1] = new
+            positions[slot, :, :kept_rows] = new
             position[slot] = layout.positions[-1]
         new_rows = length - 1
         positions[rows, :, new_rows] = position[:, None]
@@ -316,9 +340,10 @@ class SlotState:
             values[rows, ..., new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
         clock = time.perf_counter()
-        logits, shares, lane_shares = self._forward(token_ids[rows, 0, new_rows], new_rows, position)
+        logits, shares, lane_shares, lane_peaks = self._forward(token_ids[rows, 0, new_rows], new_rows, position)
         self.forward_seconds = time.perf_counter() - clock
         self.next_logits[:active], self.shares[:active], self.lane_shares[:active] = logits, shares, lane_shares
+        self.lane_peaks[:active] = lane_peaks
         self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
         for name, values in states.items():
             self.row_state[name][:active] = values
@@ -365,8 +390,8 @@ class SlotState:
 
     def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
-        Returns logits [active, vocab], shares [active, capacity] and lane shares [active,
-        lanes, capacity] (zeros unless every layer is recorded), all float32."""
+        Returns logits [active, vocab], shares [active, capacity], lane shares and lane peaks
+        [active, lanes, capacity] (zeros unless every layer is recorded), all float32."""
         lm, active = self.lm, self.active
         visible = torch.arange(self.capacity, device=rows.device)[None] <= rows[:, None]  # [active, capacity]
         mask = torch.zeros(visible.shape, dtype=lm.dtype, device=rows.device)
@@ -378,10 +403,11 @@ class SlotState:
                            **with_cache(self.kv.cache(active, rows, mask)), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
         per_head = seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])  # [active, layers, heads, capacity]
-        lane_shares = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
-        if self.lanes > 1 and len(self.attention_layers) == lm.num_layers:
-            lane_shares = per_head.reshape(active, self.lanes, -1, self.capacity).mean(dim=2)
-        return logits, per_head.mean(dim=(1, 2)), lane_shares
+        lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
+        if self._every_lane(len(self.attention_layers)):
+            per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
+            lane_shares, lane_peaks = per_lane.mean(dim=2), per_lane.amax(dim=2)
+        return logits, per_head.mean(dim=(1, 2)), lane_shares, lane_peaks
 
     # --- failure ----------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from positronic.batch.engine import Engine
+from positronic.batch.engine import Engine, union_recent
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.presses import Press, Settings
+from positronic.smartkv.gates import bench_gates
 
 PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "none"]
 TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))  # 119 ids, repeats within the penalty window
@@ -89,6 +90,38 @@ def test_batched_sequences_make_their_alone_tokens_as_they_join_and_leave(tiny, 
             made[k].append(token)
     for k, policy, offset, joins, leaves, extra in plans:
         assert made[k] == alone(tiny, policy, offset, len(made[k]), **extra), f"sequence {k} ({policy})"
+
+
+def test_smartkv_sequences_run_beside_shared_rows_and_make_their_brains_tokens(tiny, tmp_path):
+    """An engine of a lane per layer: smartkv sequences (greedy, sampling, two budgets) beside
+    h2o and streaming ones (every lane alike), joining and leaving at different rounds: each
+    makes its own Brain's tokens, and a smartkv sequence's penalties look at the union of its
+    lanes' rows, the last tokens of its mirror's live map."""
+    _, gates = bench_gates(tiny, tmp_path)
+    plans = [("smartkv", {}, 0, 45), ("h2o", {}, 0, 30), ("smartkv", dict(temperature=0.8, top_k=20), 3, 45),
+             ("streaming", {}, 6, 45), ("smartkv", dict(budget=56, seed=9), 12, 40)]  # policy, settings, joins, leaves
+    configs = [config_for(policy, **({"gates": gates} if policy == "smartkv" else {}), **extra)
+               for policy, extra, _, _ in plans]
+    brains = {k: Brain.start(tiny, prompt(tiny, 7 * k, 60), cfg) for k, cfg in enumerate(configs)}
+    engine = Engine(tiny, slots=5, capacity=64, lanes=tiny.num_layers)
+    made, wanted = {k: [] for k in brains}, {k: [] for k in brains}
+    for number in range(45):
+        for k, (_, _, joins, leaves) in enumerate(plans):
+            if number == joins:
+                engine.join(k, Brain.start(tiny, prompt(tiny, 7 * k, 60), configs[k]))
+            if number == leaves:
+                engine.leave(k)
+        for k, token in engine.step().items():
+            made[k].append(token)
+            wanted[k].append(brains[k].step().token_id)
+        for k in (0, 2, 4):
+            if k in engine.keys():
+                slot = engine.keys().index(k)
+                for window in (5, 40, 64):
+                    ids, newest = union_recent(engine.state, torch.tensor([slot]), window)
+                    assert ids[0][newest[0]].flip(0).tolist() == engine.state.mirror(slot).live_token_ids()[-window:]
+    assert made == wanted and all(len(tokens) > 25 for tokens in made.values())
+    assert engine.state.mirror(engine.keys().index(0)).layers.rows == brains[0].state.mirror.layers.rows
 
 
 @dataclass(frozen=True)
