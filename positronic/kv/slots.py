@@ -64,14 +64,21 @@ class SlotKV:
     def compact(self, slots: torch.Tensor, order: torch.Tensor) -> None:
         """Row j of lane l of slot `slots[e]` := its row `order[e, l, j]` (`slots` [E], `order`
         [E, lanes, capacity]; lanes 1, layers, or layers × kv heads: a lane's rows move in
-        every layer and kv head it spans): one gather of the edited slots' rows, keys and values."""
-        layers, _, kv_heads, capacity, head_dim = self.keys.shape
+        every layer and kv head it spans). Only the rows that move are copied, keys and values
+        each with one `index_select` and one `index_copy_` over the buffer's rows: an edit near
+        a lane's end (a window row, a memory row) moves few, where a gather of whole slots
+        copied every row of every layer three times."""
+        layers, slots_total, kv_heads, capacity, head_dim = self.keys.shape
         edited, lanes = order.shape[:2]
         index = order.reshape(edited, -1, kv_heads if lanes == layers * kv_heads else 1, capacity)
-        index = index.expand(-1, layers, -1, -1).transpose(0, 1)  # [layers, E, kv_heads or 1, capacity]
-        index = index[..., None].expand(-1, -1, kv_heads, -1, head_dim)
+        index = index.expand(-1, layers, kv_heads, -1).transpose(0, 1)  # [layers, E, kv_heads, capacity]
+        moving = index != torch.arange(capacity, device=index.device)
+        layer, entry, head, row = moving.nonzero(as_tuple=True)
+        first = ((layer * slots_total + slots[entry]) * kv_heads + head) * capacity  # each lane's row 0, flat
+        target, source = first + row, first + index[layer, entry, head, row]
         for buffer in (self.keys, self.values):
-            buffer[:, slots] = buffer[:, slots].gather(3, index)
+            rows = buffer.view(-1, head_dim)
+            rows.index_copy_(0, target, rows.index_select(0, source))
 
     def move(self, source: int, target: int) -> None:
         """Slot `target` := slot `source` (the last sequence takes a leaving one's slot)."""
