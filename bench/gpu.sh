@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
-#   bash bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve ...]   (default: the first six)
+#   bash bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve|rounds ...]   (default: the first six)
 #
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
 # invariance: which modules of random:tinyllama give a row other bits among 8 or 32 packed rows
@@ -20,6 +20,10 @@
 #        jobs as greenlets of the forward thread since 2026-11-30): appended to batch.txt (at most 8
 #        files come back). Not in the default set: the six fill one 10-minute call; ask for it in
 #        a call of its own (about 2 minutes: a fresh server per level).
+# rounds: Core v4 (docs/core.md): B = 1, 8, 32, 64 sequences as one round on random:tinyllama in
+#        float16 and bfloat16, against today's batch, with whether every sequence's tokens equal
+#        its tokens alone (bench/rounds.py, streaming and smartkv without recall). Not in the
+#        default set yet (about 3 minutes, not yet run on a GPU): ask for it with the parts it fits beside.
 # Each part runs under a time limit sized for a 15-minute loan of a GPU (one call: start, all parts,
 # about 6 minutes on an H200 on 2026-11-30, before the invariance part, which adds one to two:
 # each tiled layer is checked untiled too).
@@ -40,7 +44,7 @@
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
 #     && bash bench/gpu.sh $OUT
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve ...]}
+out=${1:?usage: bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve|rounds ...]}
 shift
 parts=${*:-tests invariance host batch bench suite}
 mkdir -p "$out"
@@ -86,6 +90,10 @@ for part in $parts; do
           --warm 60 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
     serve) timeout 200 $pin python3 bench/serve_load.py -m random:tinyllama --device cuda --levels 8 1 --rounds 1 \
           --requests 4 --max-tokens 32 --budget 256 2>&1 | tee -a "$out/batch.txt" ;;
+    rounds) for dtype in float16 bfloat16; do
+          timeout 100 $pin python3 bench/rounds.py --model random:tinyllama --device cuda --dtype $dtype \
+              --sizes 1 8 32 64 --ticks 8 --repeats 1 --budget 256 --policies streaming smartkv 2>&1
+        done | tee "$out/rounds.txt" ;;
     suite) CUDA_VISIBLE_DEVICES= timeout 500 python3 -m pytest -q -rfE -p no:cacheprovider -m "not slow and not smollm2" 2>&1 | tee "$out/suite.txt" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

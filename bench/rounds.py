@@ -13,7 +13,11 @@ per round, that time against B = 1's, the time the mirrors then take to catch up
 rounds (`fold`, per round: ledger entries and token texts, Python per sequence, done when a
 mirror is read rather than in the round), and whether both made the same tokens (greedy: the
 two attend over different widths, so a near-tie may differ in the last bits; the share of
-equal tokens is printed). Medians over the rounds; the header notes the load. smartkv (without
+equal tokens is printed), and (`alone`, B > 1) the share of sequences whose tokens in the round
+equal those they make in an engine of their own: Core v4 promises all of them, on any device
+and dtype. Medians over the rounds; the header notes the load.
+
+    python bench/rounds.py --model random:tinyllama --device cuda --dtype bfloat16 --sizes 1 8 32 64 smartkv (without
 recall) runs the model's shipped gates, or untrained ones for a random model (bench/batch.py's).
 """
 
@@ -40,6 +44,8 @@ from positronic.smartkv.gates import bench_gates  # noqa: E402
 
 
 def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]]]:
+    """ms a round, of which the forward (on a GPU: its launch, not its run), the mirrors' catching
+    up per round, and each sequence's tokens."""
     engine = Engine(lm, slots=len(group), capacity=budget, score_layers=group[0].config.recorded_layers)
     for k, brain in enumerate(group):
         engine.join(k, brain)
@@ -50,6 +56,8 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
         for k, token in engine.step().items():
             tokens[k].append(token)
         forward += engine.state.forward_seconds
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / ticks
     start = time.perf_counter()
     engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
@@ -59,26 +67,29 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random:tiny")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ticks", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", nargs="+", default=["streaming", "h2o"])
     args = parser.parse_args(argv)
-    lm = load_model(args.model)
+    dtype = args.dtype or ("float16" if (args.device or "").startswith("cuda") else "float32")
+    lm = load_model(args.model, device=args.device, dtype=dtype)
     print(f"model {args.model}  {lm.device.type}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  "
           f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
-          f"{'speed-up':>8} {'fold ms':>8} {'equal':>6}")
+          f"{'speed-up':>8} {'fold ms':>8} {'equal':>6} {'alone':>6}")
     folder = tempfile.TemporaryDirectory()
     _, gates = bench_gates(lm, folder.name)
     for policy in args.policies:
         config = configs(policy, args.budget, gates)
         first_outside = None
         for size in args.sizes:
-            old, new, forward, fold, same = [], [], [], [], []
-            for _ in range(args.repeats):
+            old, new, forward, fold, same, alone = [], [], [], [], [], "-"
+            for repeat in range(args.repeats):
                 seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks)
                 old.append(seconds / args.ticks)
                 seconds, seconds_forward, seconds_fold, new_tokens = with_engine(
@@ -88,13 +99,17 @@ def main(argv=None) -> int:
                 fold.append(seconds_fold)
                 pairs = [(a, b) for x, y in zip(old_tokens, new_tokens) for a, b in zip(x, y)]
                 same.append(sum(a == b for a, b in pairs) / len(pairs))
+                if size > 1 and repeat == 0:  # each sequence in an engine of its own: batched must equal alone
+                    lone = [with_engine(lm, [brain], args.ticks, args.budget)[3][0]
+                            for brain in brains(lm, size, config, args.budget)]
+                    alone = f"{sum(x == y for x, y in zip(lone, new_tokens)) / size:.0%}"
             old_ms, new_ms = statistics.median(old) * 1e3, statistics.median(new) * 1e3
             forward_ms = statistics.median(forward) * 1e3
             outside = statistics.median(n - f for n, f in zip(new, forward)) * 1e3
             first_outside = first_outside or outside
             print(f"{policy:10} {size:>3} {old_ms:>9.1f} {new_ms:>8.1f} {forward_ms:>8.1f} {outside:>8.2f} "
                   f"{outside / first_outside:>6.2f}x {old_ms / new_ms:>7.2f}x {statistics.median(fold) * 1e3:>8.2f} "
-                  f"{min(same):>6.1%}")
+                  f"{min(same):>6.1%} {alone:>6}")
     return 0
 
 
