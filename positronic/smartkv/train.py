@@ -157,6 +157,20 @@ def steps_needed(labels: LabelSet, config: TrainConfig, shared: bool) -> int:
 
 
 @torch.no_grad()
+def check_informative(labels: LabelSet, source: str) -> None:
+    """ValueError unless every layer's (and head's) labels take more than one value: with one,
+    the model's attention tells no token from another there (a model of random weights does
+    this), so a gate has nothing to learn and Spearman's rank correlation is undefined."""
+    flat = [layer for layer in range(labels.num_layers)
+            if any(bool((column == column[0]).all()) for column in labels.labels[layer].T)]
+    if flat:
+        value = float(labels.labels[flat[0]].flatten()[0])
+        raise ValueError(f"{source}: every token has the same lifespan label in layer{'s' * (len(flat) > 1)} "
+                         f"{', '.join(map(str, flat[:8]))}{' ...' if len(flat) > 8 else ''} ({value:g}): the model's "
+                         "attention tells no token from another there (random weights?), so there is nothing to "
+                         "train or measure; nothing was written")
+
+
 def heldout_spearman(gates: GateSet, labels: LabelSet) -> list[float]:
     """Spearman correlation of predicted and true labels, per layer (per-head gates: the mean
     over the layer's kv heads)."""
@@ -217,10 +231,14 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
         if labels is None:
             train_labels = LabelSet.concat([label_text(lm, t, rule, max_tokens=max_tokens, name=n, on_window=advance,
                                                        per_head=per_head) for n, t in texts_read])
+            check_informative(train_labels, "the training text")
             if save_labels is not None:
                 train_labels.save(save_labels)
+        if labels is not None:
+            check_informative(train_labels, f"--labels {labels}")
         held_labels = label_text(lm, held_text, rule, max_tokens=max_tokens, name=Path(heldout).name,
                                  on_window=advance, per_head=per_head)
+        check_informative(held_labels, f"--heldout {Path(heldout).name}")
         steps = steps_needed(train_labels, config, False) + (steps_needed(train_labels, config, True) if shared_out else 0)
         advance = bars.task("gates", steps)
         header = {"model": model, "heldout": Path(heldout).name}
@@ -234,6 +252,10 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
             raise ValueError(f"training diverged: the gates for {name} hold NaN or infinite weights "
                              f"(lower --lr, now {config.lr:g}); nothing was written")
     rho = heldout_spearman(gates, held_labels)
+    if undefined := [layer for layer, r in enumerate(rho) if not math.isfinite(r)]:
+        raise ValueError(f"the gates predict one score for every held-out token in layer"
+                         f"{'s' * (len(undefined) > 1)} {', '.join(map(str, undefined[:8]))}: their rank correlation "
+                         "is undefined, so they cannot rank a memory; nothing was written")
     gates.header["heldout_spearman"] = [round(r, 4) for r in rho]
     gates.save(out)
     rho_shared = None

@@ -24,7 +24,8 @@ def test_train_command_writes_gates_that_fit_the_model(tmp_path):
     shared = tmp_path / "shared.safetensors"
     result = subprocess.run([sys.executable, "-m", "positronic.smartkv", "train", "--model", "random:tiny",
                              "--text", str(text), "--heldout", str(held), "--out", str(out), "--shared-out", str(shared),
-                             "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1"],
+                             "--window", "96", "--horizon", "32", "--hidden", "16", "--epochs", "2", "--threads", "1",
+                             "--threshold", "1"],  # random weights attend near uniformly: a lower bar tells rows apart
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "held-out Spearman" in result.stdout and "mean" in result.stdout
@@ -35,7 +36,7 @@ def test_train_command_writes_gates_that_fit_the_model(tmp_path):
         gates = GateSet.load(path)
         gates.check_model(lm.model.config)
         assert gates.shared == is_shared and len(gates.header["heldout_spearman"]) == 2
-        assert gates.header["lifespan"] == {"horizon": 32, "threshold": 2.0, "window": 96}
+        assert gates.header["lifespan"] == {"horizon": 32, "threshold": 1.0, "window": 96}
     bad = subprocess.run([sys.executable, str(ROOT / "run.py"), "smartkv", "train", "--model", "random:tiny",
                           "--text", str(text), "--heldout", str(text), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -133,9 +134,32 @@ def test_a_training_that_diverges_writes_no_gates(tmp_path, capsys, run_cli):
     try:
         code = run_cli("smartkv", "train", "--model", "random:tiny", "--text", str(text), "--heldout", str(held),
                        "--out", str(out), "--window", "40", "--horizon", "8", "--hidden", "8", "--depth", "2",
-                       "--epochs", "2", "--batch", "64", "--threads", "1", "--lr", "1e30")
+                       "--epochs", "2", "--batch", "64", "--threads", "1", "--lr", "1e30", "--threshold", "1")
     finally:
         torch.set_num_threads(torch_threads)
     err = capsys.readouterr().err
     assert code == 2 and "error: training diverged: the gates for --out hold NaN or infinite weights" in err
     assert not out.exists()
+
+
+def test_labels_that_tell_no_token_from_another_are_refused_and_nothing_is_written(tmp_path, capsys, run_cli):
+    """random:tiny attends near uniformly, so at the default threshold (2x a uniform share) no
+    token is ever "used": every lifespan label is 0, there is nothing to learn and Spearman is
+    undefined. Refused in one line naming the layers, exit 2, no gates and no label file (it
+    printed a table of nan, exited 0 and wrote the gates)."""
+    text, held = tmp_path / "a.txt", tmp_path / "b.txt"
+    out, saved = tmp_path / "g.safetensors", tmp_path / "labels.safetensors"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    held.write_text("Pack my box with five dozen liquor jugs, said the sphinx. " * 5)
+    torch_threads = torch.get_num_threads()
+    try:
+        code = run_cli("smartkv", "train", "--model", "random:tiny", "--text", str(text), "--heldout", str(held),
+                       "--out", str(out), "--save-labels", str(saved), "--window", "40", "--horizon", "8",
+                       "--hidden", "8", "--epochs", "1", "--threads", "1")
+    finally:
+        torch.set_num_threads(torch_threads)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # the rest: progress lines
+    assert code == 2 and len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert errors[0].startswith("error: the training text: every token has the same lifespan label in layers 0, 1 (0)")
+    assert not out.exists() and not saved.exists()
