@@ -111,6 +111,21 @@ def moving_average(values: list[float], window: int) -> tuple[list[int], list[fl
     return xs, ys
 
 
+# each policy its own colour: the full cache is black, the budget line grey, recall a dash-dot of its policy's
+COLORS = {"brightness": "tab:orange", "streaming": "tab:blue", "scored": "tab:green", "h2o": "tab:red",
+          "none": "tab:purple", "smartkv": "tab:brown", "random": "tab:pink"}
+SPARE = ("tab:olive", "tab:cyan", "gold", "navy", "teal", "maroon")
+
+
+def policy_colors(policies: list[str]) -> dict[str, str]:
+    """A colour per policy, no two alike: the fixed ones, then spares for a policy registered
+    later (matplotlib's cycle would give it a colour another policy already has)."""
+    colors, spare = {}, iter(SPARE)
+    for policy in dict.fromkeys(policies):
+        colors[policy] = COLORS.get(policy) or next(spare, "black")
+    return colors
+
+
 def plot(report: EvalReport, path: Path, *, smooth: int | None = None) -> None:
     """NLL over position (moving average), one subplot per budget, one line per policy."""
     import matplotlib
@@ -121,8 +136,7 @@ def plot(report: EvalReport, path: Path, *, smooth: int | None = None) -> None:
     budgets = list(dict.fromkeys(run.budget for run in report.runs))
     window = smooth or max(8, (report.stream_tokens - 1) // 16)
     fig, axes = plt.subplots(len(budgets), 1, figsize=(10, 3.2 * len(budgets)), sharex=True, squeeze=False)
-    colors = {"brightness": "tab:orange", "streaming": "tab:blue", "scored": "tab:green", "h2o": "tab:red",
-              "none": "tab:purple"}
+    colors = policy_colors([run.policy for run in report.runs])
     for ax, budget in zip(axes[:, 0], budgets):
         if report.reference and report.reference.nll:
             ax.plot(*moving_average(report.reference.nll, window), color="black", linestyle="--", linewidth=1.2,

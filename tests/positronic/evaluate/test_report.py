@@ -35,3 +35,17 @@ def test_delta_is_the_answer_nll_minus_the_full_caches_in_table_csv_and_json(tin
 
 def test_moving_average_is_trailing():
     assert moving_average([1, 2, 3, 4], 2) == ([2, 3, 4], [1.5, 2.5, 3.5])
+
+
+def test_every_policy_in_a_plot_has_a_colour_of_its_own():
+    """smartkv (the default) was drawn in matplotlib's next cycle colour, which another policy
+    already had; every registered policy and one registered later now differ, and none is the
+    full cache's black or the budget line's grey."""
+    from positronic.evaluate.report import policy_colors
+    from positronic.policies import POLICIES
+
+    names = list(POLICIES) + ["smartkv", "a-later-policy"]
+    colors = policy_colors(names)
+    assert set(colors) == set(names)
+    assert len(set(colors.values())) == len(colors)
+    assert not {"black", "grey", "gray"} & set(colors.values())
