@@ -25,7 +25,7 @@ from ..brain.config import logit_bias_text
 from ..brain.loop import BrainConfig
 from . import answers
 from .conversation import Conversation, evicts_nothing
-from .schemas import IGNORED, APIError, GenerationBody, Message, message_text, refuse_unknown
+from .schemas import ACTED_ON, IGNORED, APIError, ChatBody, GenerationBody, Message, message_text, refuse_unknown
 
 SESSION_HEADER = "x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -74,7 +74,7 @@ def check(body: GenerationBody, lm, settings) -> None:
     if body.n is not None and not 1 <= body.n <= most:
         raise APIError(400, f"n must be in 1..{most} (each choice is a sequence of its own: at most "
                             f"--max-sessions and --max-pending), got {body.n}", param="n", code="invalid_value")
-    refuse_unknown(body, ignored=IGNORED)
+    refuse_unknown(body, ignored=IGNORED, acted_on=ACTED_ON["chat" if isinstance(body, ChatBody) else "completion"])
     if body.stream_options is not None:
         refuse_unknown(body.stream_options, "stream_options")
 

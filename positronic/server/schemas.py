@@ -25,6 +25,11 @@ SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: JSON's "\ud800" e
 # field this server does not implement is refused with 400 naming it, unless it is empty
 # (null, false, 0, "", [] or {}: "off")
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+# other servers' fields whose value changes the answer, per body: taken at the value this server acts
+# on, refused (400 naming the field) at any other; the chat always ends with the assistant's prefix
+# (its reply is the assistant's turn), and a reply's text holds every token but the one ending it
+ACTED_ON = {"chat": {"add_generation_prompt": True, "skip_special_tokens": False},
+            "completion": {"skip_special_tokens": False}}
 # why a field OpenAI's clients send on a message or a content part is refused (any other is too)
 NOT_HONOURED = {"name": "the chat is written from each message's role and content only",
                 "tool_calls": "this server runs no tools", "tool_call_id": "this server runs no tools",
@@ -121,15 +126,28 @@ def empty(value) -> bool:
     return value is None or value in (False, "", [], {})
 
 
-def refuse_unknown(model: BaseModel, at: str | None = None, ignored: tuple[str, ...] = ()) -> None:
+def refuse_unknown(model: BaseModel, at: str | None = None, ignored: tuple[str, ...] = (),
+                   acted_on: dict | None = None) -> None:
     """400 naming the first field of `model` that its class does not define (`at`: where the
     model is in the body, "messages.0"), unless it is empty or `ignored`: nothing is silently
-    dropped."""
+    dropped. A field of `acted_on` is taken at the value this server acts on, refused at any
+    other (there `false` is not "off": it asks for something else)."""
     for name, value in (model.model_extra or {}).items():
+        if acted_on and name in acted_on:
+            if value != acted_on[name] or type(value) is not type(acted_on[name]):
+                param = f"{at}.{name}" if at else name
+                raise APIError(400, f"{param}: this server acts as {name}={json_value(acted_on[name])} only, got "
+                                    f"{json_value(value)}", param=param, code="unsupported")
+            continue
         if name not in ignored and not empty(value):
             param = f"{at}.{name}" if at else name
             why = f" ({NOT_HONOURED[name]})" if name in NOT_HONOURED else ""
             raise APIError(400, f"{param} is not supported by this server{why}", param=param, code="unsupported")
+
+
+def json_value(value) -> str:
+    """`value` as JSON spells it (true, false, null), for a message."""
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else repr(value)
 
 
 def _too_deep() -> APIError:

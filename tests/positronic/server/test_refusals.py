@@ -210,3 +210,26 @@ def test_sampling_at_the_edges_of_the_range_streams_a_whole_reply(live, sampling
 def test_a_field_of_several_forms_is_named_without_the_form_tried(live, path, body, param):
     error = error_of(live.post(path, body))
     assert error["param"] == param and error["message"].startswith(f"{param}: ")
+
+
+# -- other servers' switches: taken at the value this server acts on, refused at any other ------------
+
+@pytest.mark.parametrize("path, fields, param, status", [
+    ("/v1/chat/completions", {"add_generation_prompt": True}, None, 200),  # what a chat turn is here
+    ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt", 400),
+    ("/v1/chat/completions", {"add_generation_prompt": 1}, "add_generation_prompt", 400),
+    ("/v1/chat/completions", {"skip_special_tokens": False}, None, 200),  # a reply's text keeps them
+    ("/v1/chat/completions", {"skip_special_tokens": True}, "skip_special_tokens", 400),
+    ("/v1/completions", {"skip_special_tokens": True}, "skip_special_tokens", 400),
+    ("/v1/completions", {"add_generation_prompt": True}, "add_generation_prompt", 400),  # no chat, no prompt
+])
+def test_a_switch_is_taken_only_at_the_value_this_server_acts_on(live, path, fields, param, status):
+    """add_generation_prompt: false was answered 200 with the assistant's prefix added anyway:
+    a reply written as if the field had never been sent (vLLM's and llama-server's switches)."""
+    chat = {**CHAT, "messages": [{"role": "user", "content": "hi"}]}
+    body = {**chat, **fields} if path.endswith("chat/completions") else {**GOOD, **fields}
+    response = live.post(path, body)
+    assert response.status_code == status, response.text
+    if status == 400:
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "unsupported")
