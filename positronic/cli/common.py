@@ -77,7 +77,8 @@ def freeze_heap() -> None:
 
 
 
-FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect"}
+FLAG_ALIASES = {"kv_eviction": "policy", "kv_sink_tokens": "sinks", "kv_protected_tokens": "protect",
+                "n_gpu_layers": "device"}
 
 
 def given_flags(ctx: typer.Context) -> set[str]:

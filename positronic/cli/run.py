@@ -35,17 +35,17 @@ def run(
     version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."),
     model: str = typer.Option("smollm2", "-m", "--model", help="smollm2 (embedded) | tinyllama | a local dir, a .gguf file (converted once "
                               f"into the cache) or a hub id | random weights: {' | '.join(random_names())}"),
-    ticks: int = typer.Option(300, "-n", "--ticks", min=-1, max=sessions.MAX_TICK, help="Ticks (generated tokens) to run, at most 2**53 (what a session counts exactly); -1: no limit (Ctrl-C ends the run)."),
+    ticks: int = typer.Option(300, "-n", "--ticks", "--n-predict", min=-1, max=sessions.MAX_TICK, help="Ticks (generated tokens) to run, at most 2**53 (what a session counts exactly); -1: no limit (Ctrl-C ends the run)."),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
-    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    prompt_file: Optional[Path] = typer.Option(None, "-f", "--prompt-file", "--file", help="Read the prompt from this file (llama.cpp: -f/--file)."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py). On by default where the default policy is smartkv; --no-recall turns it off."),
     policy: str = typer.Option("brightness", show_default=False, help=f"Maintenance policy: {' | '.join(POLICIES)} (default: smartkv with recall where SmartKV gates exist for the model, as for smollm2, else brightness; docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates (the lifespan the gates predict) | recent (that, times (1 + the attention the lane paid the row lately) squared; docs/smartkv.md). Default: recent with recall (as the default policy runs), gates without: each the best measured."),
-    budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
+    budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", "--ctx-size", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
-    protect: int = typer.Option(0, min=0, help="Protected prefix rows (e.g. a system prompt)."),
+    protect: int = typer.Option(0, "--protect", "--keep", min=0, help="Protected prefix rows (e.g. a system prompt; llama.cpp: --keep)."),
     window: Optional[int] = typer.Option(None, min=0, help="Most recent rows never culled (default: 32; policy smartkv: half the budget)."),
     brightness: str = typer.Option(DEFAULTS.brightness, help="Brightness rule: ttl | vote."),
     ttl_decay: float = typer.Option(DEFAULTS.ttl_decay, min=0.0, help="ttl rule: brightness lost per tick."),
@@ -54,10 +54,10 @@ def run(
     repairer: str = typer.Option(DEFAULTS.repairer, help="none (cull only) | bridge (keep the pair's best token when it beats culling) | self (the model's guess) | mlm:PATH."),
     repair_tokens: int = typer.Option(1, min=1, help="Tokens a masked-LM repairer may propose per pair (self, bridge: exactly 1)."),
     bridge_margin: float = typer.Option(DEFAULTS.bridge_margin, help="Bridge repairer: nats by which keeping a token must beat culling the pair."),
-    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
+    temperature: float = typer.Option(0.7, "--temperature", "--temp", min=0.0, help="Sampling temperature (<= 0.001 is greedy)."),
     top_k: int = typer.Option(50, min=0, help="Top-k filter (0 = off)."),
     top_p: float = typer.Option(0.95, help="Top-p filter (1 = off)."),
-    repetition_penalty: float = typer.Option(1.1, help="Repetition penalty (1 = off)."),
+    repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", "--repeat-penalty", help="Repetition penalty (1 = off)."),
     min_p: float = typer.Option(0.0, help="Min-p filter: keep tokens at least this fraction as likely as the most likely one (0 = off)."),
     presence_penalty: float = typer.Option(0.0, help="OpenAI's presence penalty, -2..2: subtracted once from each token in the last 64."),
     frequency_penalty: float = typer.Option(0.0, help="OpenAI's frequency penalty, -2..2: subtracted per occurrence in the last 64 tokens."),
@@ -68,6 +68,7 @@ def run(
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", min=0, help="llama.cpp alias of --device: 0 = cpu; any N > 0 = cuda, every layer (no partial offload)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
@@ -107,6 +108,13 @@ def run(
         raise UserError("--prompt/--prompt-file start a run; a resumed run goes on from its saved context "
                         "(type a line to add a user turn, or start a new --session)")
     given = given_flags(ctx)
+    if n_gpu_layers is not None:  # llama.cpp's -ngl says where the model runs (with --device: refused as both)
+        import torch
+
+        if n_gpu_layers and not torch.cuda.is_available():
+            raise UserError(f"--n-gpu-layers {n_gpu_layers} puts the model on a GPU, and none is available here "
+                            "(-ngl 0: the CPU)")
+        device = "cpu" if n_gpu_layers == 0 else "cuda"
     for flag, needs, name in (("capture_ticks", capture, "--capture DIR"), ("save_every", session, "--session DIR")):
         if flag in given and needs is None:  # read only with the other: alone it would be silently ignored
             raise UserError(f"--{flag.replace('_', '-')} applies to {name.split()[0]}: give {name}")

@@ -45,6 +45,28 @@ def test_a_llama_cpp_alias_and_its_flag_together_are_refused(capsys, run_cli):
     assert "--kv-sink-tokens and --sinks" in capsys.readouterr().err
 
 
+def test_llama_cpps_long_flags_run_the_brain_their_own_flags_run(capsys, run_cli, tmp_path):
+    """llama-cli's --ctx-size, --n-predict, --temp, --repeat-penalty, --keep, -f/--file and -ngl
+    (issue 73: each was "No such option", and -ngl 0 parsed as -n gl)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hi there, said the fox to the hound.", encoding="utf-8")
+    torch_threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for args in (["--ctx-size", "48", "--n-predict", "9", "--temp", "0", "--repeat-penalty", "1.3", "--keep", "2",
+                      "-f", str(prompt), "-ngl", "0"],
+                     ["--budget", "48", "--ticks", "9", "--temperature", "0", "--repetition-penalty", "1.3",
+                      "--protect", "2", "--prompt-file", str(prompt), "--device", "cpu"]):
+            assert run_cli("-m", "random:tiny", *args, "--no-tui", "--no-input", "-t", "1") == 0
+            outputs.append(capsys.readouterr().out)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert "ticks 9 in" in outputs[0] and "budget 48" in outputs[0]
+    assert outputs[0].split("\n--- summary")[0] == outputs[1].split("\n--- summary")[0]
+    assert run_cli("-m", "random:tiny", "-ngl", "0", "--device", "cpu", "--no-tui") == 2
+    assert "--n-gpu-layers and --device set the same thing" in capsys.readouterr().err
+
+
 def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys, run_cli):
     torch_threads = torch.get_num_threads()
     try:

@@ -68,6 +68,7 @@ ALLOWED = {
                                                               "never bridges"),
     ("run", "kv_eviction"): ({"0"}, "0 is llama.cpp's none"),
     ("run", "kv_sink_tokens"): ({"0"}, _N), ("run", "kv_protected_tokens"): ({"0"}, _N),
+    ("run", "n_gpu_layers"): ({"0"}, "llama.cpp's -ngl 0: the CPU"),
     ("run", "session"): ({"DIR"}, "a new session in an empty directory"),
     ("run", "capture"): ({"DIR"}, "fixtures go into a directory"),
     # eval
