@@ -25,7 +25,7 @@ lanes of the first sequence that joins it.
 
 Sequences with the same press and settings score together: the loop is over kinds of press,
 never over sequences. What does not run here yet (the single-sequence `Brain` and the
-greenlet `Batch` do): recall, SmartKV's pins, repairers, 4-bit formats, the ring store, pins
+greenlet `Batch` do): recall with a press other than smartkv, SmartKV's pins, repairers, 4-bit formats, the ring store, pins
 made after joining, refreshes, typed input and teacher forcing.
 """
 
@@ -40,7 +40,7 @@ import torch
 from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample
 
 from ..presses import PRESSES, Rows, make_press
-from ..state.slots import SlotState
+from ..state.slots import Inserts, SlotState
 
 
 @dataclass
@@ -115,6 +115,8 @@ class Engine:
         if key in self.keys():
             raise ValueError(f"sequence {key!r} is already in the engine")
         for name, plain in UNSUPPORTED:
+            if name == "recall" and config.policy == "smartkv":
+                continue  # the smartkv press runs recall (presses/recall.py)
             if getattr(config, name) != plain:
                 raise ValueError(f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})")
         if config.budget > self.state.capacity:
@@ -128,11 +130,14 @@ class Engine:
         for name, (dtype, fill) in press.row_state.items():
             self.state.declare(f"{press.name}.{name}", dtype, fill, lanes=press.lanes > 1)
         self.state.declare("pinned", torch.bool, False)
+        for name, (shape, dtype, fill) in press.slot_state.items():
+            self.state.declare_sequence(f"{press.name}.{name}", shape, dtype, fill)
         rows, sequence, clock = carried(press, brain)
+        slots = {f"{press.name}.{name}": value for name, value in press.carry_slots(brain.policy, mirror).items()}
         row_state = {f"{press.name}.{name}": values for name, values in rows.items()}
         ids = mirror.live.ledger_ids if mirror.layers is None else mirror.layers.rows[0]  # lane 0's rows
         row_state["pinned"] = torch.tensor([mirror.ledger[i].pinned for i in ids], dtype=torch.bool)
-        self.state.join(brain.state, tick=brain.tick, row_state=row_state)
+        self.state.join(brain.state, tick=brain.tick, row_state=row_state, sequence_state=slots)
         generator = torch.Generator()
         generator.set_state(brain.generator.get_state())
         self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
@@ -147,7 +152,7 @@ class Engine:
                 raise ValueError(f"press {press.name} keeps rows in {press.lanes} lanes and this engine in "
                                  f"{state.lanes}: make the engine with lanes={press.lanes}")
             self.state = state = SlotState(self.lm, **self._shape, lanes=press.lanes)
-        if press.reads_lane_peaks and len(state.attention_layers) != self.lm.num_layers:
+        if (press.reads_lane_peaks or press.reads_query) and len(state.attention_layers) != self.lm.num_layers:
             raise ValueError(f"press {press.name} ranks by every layer's attention: make the engine with "
                              "score_layers='all'")
 
@@ -173,12 +178,15 @@ class Engine:
         device = state.length.device
         deleted = torch.zeros((active, state.lanes, state.capacity), dtype=torch.bool, device=device)
         stopped = torch.zeros(active, dtype=torch.bool, device=device)
-        row_state, sequence_state = {}, {}
+        row_state, sequence_state, slot_state, writes, inserts = {}, {}, {}, {}, []
         for press, members in self._groups():
             index = torch.tensor(members, device=device)
             rows = self._rows(press, index)
             names = {name: f"{press.name}.{name}" for name in press.row_state}
             inputs = {name: state.row_state[full][index] for name, full in names.items()}
+            # per-sequence tensors: the slots' own where the group is every slot in order (no copy)
+            at = slice(0, active) if members == list(range(active)) else index
+            inputs |= {name: state.sequence_state[f"{press.name}.{name}"][at] for name in press.slot_state}
             for name in press.sequence_state():
                 inputs[name] = torch.stack([self.sequences[m].carried[name] for m in members])
             clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
@@ -192,9 +200,27 @@ class Engine:
             for name in press.sequence_state():
                 for m, value in zip(members, plan.next[name]):
                     sequence_state[m, name] = value
+            for name in press.slot_state:
+                full = f"{press.name}.{name}"
+                if name in plan.next:
+                    merged = slot_state.get(full, state.sequence_state[full][:active].clone())
+                    merged[index] = plan.next[name]
+                    slot_state[full] = merged
+                if name in plan.writes:
+                    local, items, values, axis = plan.writes[name]
+                    if full in writes:  # another group of the same press name (other settings)
+                        slots, before, given, _ = writes[full]
+                        local, items, values = torch.cat([slots, index[local]]), torch.cat([before, items]), \
+                            torch.cat([given, values])
+                        writes[full] = (local, items, values, axis)
+                    else:
+                        writes[full] = (index[local], items, values, axis)
+            if plan.inserts is not None:
+                inserts.append((index, plan.inserts, names))
         planned = time.perf_counter()
         self.seconds["policy"] = planned - now
-        report = state.apply(deleted, tokens, row_state=row_state)
+        report = state.apply(deleted, tokens, row_state=row_state, inserts=self._inserts(inserts, active),
+                             sequence_state=slot_state, sequence_writes=writes)
         self.seconds["apply"] = time.perf_counter() - planned
         self.seconds.update({f"apply.{k}": v for k, v in report.seconds.items()})
         made = {}
@@ -210,6 +236,32 @@ class Engine:
                 self.finished[key] = self.leave(key)
         return made
 
+    def _inserts(self, given: list, active: int) -> Inserts | None:
+        """The round's rows coming back for every active sequence, from each press group's
+        (`[members, ...]`, row state by the press's names) padded to the widest."""
+        if not given:
+            return None
+        state, device = self.state, self.state.length.device
+        width = max(part.taken.shape[2] for _, part, _ in given)
+        layers, kv_heads, head_dim = self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim
+        taken = torch.zeros((active, state.lanes, width), dtype=torch.bool, device=device)
+        positions = torch.zeros((active, width), dtype=torch.long, device=device)
+        token_ids = torch.zeros_like(positions)
+        keys = torch.zeros((active, width, layers, kv_heads, head_dim), dtype=state.kv.keys.dtype, device=device)
+        values = torch.zeros_like(keys)
+        row_state = {}
+        for index, part, names in given:
+            j = part.taken.shape[2]
+            taken[index, :, :j], positions[index, :j], token_ids[index, :j] = part.taken, part.positions, part.token_ids
+            keys[index, :j], values[index, :j] = part.keys, part.values
+            for name, value in part.row_state.items():
+                full = names[name]
+                if full not in row_state:
+                    fill = state.row_fill[full]
+                    row_state[full] = torch.full((active, state.lanes, width), fill, dtype=value.dtype, device=device)
+                row_state[full][index, :, :j] = value
+        return Inserts(taken, positions, token_ids, keys, values, row_state)
+
     def _rows(self, press, index: torch.Tensor) -> Rows:
         """What `press` reads of the sequences in slots `index` [S]: lane 0's rows (every
         lane's when they differ), and a reader of their K/V if it reads keys."""
@@ -220,7 +272,10 @@ class Engine:
         return Rows(length=state.length[index], positions=state.positions[index, 0], shares=state.shares[index],
                     pinned=state.row_state["pinned"][index], lane_positions=state.positions[index] if lanes else None,
                     lane_peaks=state.lane_peaks[index] if press.reads_lane_peaks else None,
-                    read=read if press.reads_keys else None)
+                    read=read if press.reads_keys else None,
+                    query=state.queries[index] if press.reads_query else None,
+                    log_norm=state.log_norms[index] if press.reads_query else None,
+                    token_ids=state.token_ids[index, 0] if press.reads_query else None)
 
     def _groups(self):
         """(press, slots) for each press among the active sequences, equal presses together."""

@@ -61,24 +61,36 @@ class SlotKV:
         """Copies of rows `0..rows-1` of `slot`: keys, values `[layers, kv_heads, rows, head_dim]`."""
         return self.keys[:, slot, :, :rows].clone(), self.values[:, slot, :, :rows].clone()
 
-    def compact(self, slots: torch.Tensor, order: torch.Tensor) -> None:
+    def compact(self, slots: torch.Tensor, order: torch.Tensor, stored: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> None:
         """Row j of lane l of slot `slots[e]` := its row `order[e, l, j]` (`slots` [E], `order`
         [E, lanes, capacity]; lanes 1, layers, or layers × kv heads: a lane's rows move in
         every layer and kv head it spans). Only the rows that move are copied, keys and values
         each with one `index_select` and one `index_copy_` over the buffer's rows: an edit near
         a lane's end (a window row, a memory row) moves few, where a gather of whole slots
-        copied every row of every layer three times."""
+        copied every row of every layer three times.
+
+        `stored`: keys, values `[E, J, layers, kv_heads, head_dim]` of rows coming back (recall):
+        an `order` entry `capacity + j` takes row j of them, written (`index_copy_`) after the
+        moves, in the lanes that name it."""
         layers, slots_total, kv_heads, capacity, head_dim = self.keys.shape
         edited, lanes = order.shape[:2]
         index = order.reshape(edited, -1, kv_heads if lanes == layers * kv_heads else 1, capacity)
         index = index.expand(-1, layers, kv_heads, -1).transpose(0, 1)  # [layers, E, kv_heads, capacity]
-        moving = index != torch.arange(capacity, device=index.device)
+        moving = (index != torch.arange(capacity, device=index.device)) & (index < capacity)
         layer, entry, head, row = moving.nonzero(as_tuple=True)
         first = ((layer * slots_total + slots[entry]) * kv_heads + head) * capacity  # each lane's row 0, flat
         target, source = first + row, first + index[layer, entry, head, row]
         for buffer in (self.keys, self.values):
             rows = buffer.view(-1, head_dim)
             rows.index_copy_(0, target, rows.index_select(0, source))
+        if stored is None:
+            return
+        layer, entry, head, row = (index >= capacity).nonzero(as_tuple=True)
+        target = ((layer * slots_total + slots[entry]) * kv_heads + head) * capacity + row
+        taken = index[layer, entry, head, row] - capacity
+        for buffer, given in zip((self.keys, self.values), stored):
+            buffer.view(-1, head_dim).index_copy_(0, target, given[entry, taken, layer, head].to(buffer.dtype))
 
     def move(self, source: int, target: int) -> None:
         """Slot `target` := slot `source` (the last sequence takes a leaving one's slot)."""

@@ -15,7 +15,7 @@ never writes its inputs, so a round that fails is simply not adopted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
@@ -47,6 +47,10 @@ class Rows:
     # A press that reads keys (`reads_keys`): read(members [n], rows [n]) -> copies of keys,
     # values [n, layers, kv_heads, head_dim], row rows[i] of sequence members[i] in every lane
     read: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+    # A press that reads the newest query (`reads_query`, every layer recorded): recall's
+    query: Tensor | None = None  # [S, layers, heads, head_dim] float32, scaled and rotated
+    log_norm: Tensor | None = None  # [S, layers, heads] float32: log Σ exp(q·k) over each lane's rows
+    token_ids: Tensor | None = None  # [S, N] int64: each row's token (lane 0's)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,11 @@ class Plan:
     values: Tensor  # [S, N] float64: the scores it selected by (junk past length)
     next: dict[str, Tensor]  # the next row and sequence state: current only once the round commits
     stop: Tensor  # [S] bool: the press cannot continue (none at capacity with at_capacity="stop")
+    # rows coming back (recall): a state.slots.Inserts over these S sequences, its row state by
+    # the press's own names; None: none
+    inserts: Any = None
+    # per-sequence tensors written in place (`slot_state`): name -> (members [n], items [n], values, axis)
+    writes: dict = field(default_factory=dict)
 
 
 def mean_after_sinks(shares: Tensor, length: Tensor, sinks: int) -> Tensor:
@@ -117,6 +126,10 @@ class Press:
     lanes: int = 1  # lanes that keep their own rows (1: every lane alike; more: known once `bind` has run)
     reads_keys: ClassVar[bool] = False  # its rounds read rows' keys and values (`Rows.read`)
     reads_lane_peaks: bool = False  # its rounds read `Rows.lane_peaks` (every layer's attention recorded)
+    reads_query: bool = False  # its rounds read `Rows.query` and `log_norm` (every layer recorded)
+    # per-sequence tensors the state keeps in its slot: name -> (shape, dtype, fill); in `plan`'s
+    # state by name, the next values in `Plan.next` (replaced) or `Plan.writes` (written in place)
+    slot_state: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = {}
 
     def __init__(self, settings: Settings | Mapping | Any):
         self.settings = self.Settings.of(settings)
@@ -133,6 +146,10 @@ class Press:
         mirror (`{name: [rows]}`, with lanes `[lanes, rows]`), or None: the engine reads it
         the common way (brightness from the ledger, a keyed scorer's values)."""
         return None
+
+    def carry_slots(self, policy, mirror) -> dict[str, Tensor]:
+        """A joining sequence's `slot_state` tensors, read from today's policy (others at their fill)."""
+        return {}
 
     def score(self, rows: Rows, state: dict[str, Tensor], clock: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """values [S, N] float64 (lower = less worth keeping) and the next state (new tensors).

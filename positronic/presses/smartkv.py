@@ -46,14 +46,17 @@ from ..smartkv.cache import KeyUnrotator, value_log_norms
 from ..smartkv.gates import GateSet
 from ..smartkv.policy import MEMORY_RANKS, SmartKVPolicy, load_gates
 from ..smartkv.recent import BETA, DECAY
-from ..smartkv.rows import FLOOR
+from ..smartkv.rows import FLOOR, HELD
+from ..state.slots import Inserts
 from .base import Plan, Press, Settings
+from .recall import NEVER, LaneIndex
 
 
 @dataclass(frozen=True)
 class SmartKVSettings(Settings):
     gates: str = ""  # a gate file; "": those shipped for the model
     memory_rank: str = "gates"  # gates | recent
+    recall: bool = False  # tokens lanes dropped come back when a lane looks for them (recall.py)
 
     def __post_init__(self):
         super().__post_init__()
@@ -100,7 +103,11 @@ class SmartKVPress(Press):
         if settings.memory_rank == "recent":
             self.row_state["used"] = (torch.float64, 0.0)
             self.reads_lane_peaks = True
+        if settings.recall:  # a row taken back ranks from its return ("born") and is held until "until"
+            self.row_state |= {"born": (torch.float64, -1.0), "until": (torch.float64, 0.0)}
+            self.reads_query = True
         super().__init__(settings)
+        self.index: LaneIndex | None = None
         self.keep = max(settings.sinks, settings.protect)
         self.gates: GateSet | None = None
         self._lm = self._stacked = None
@@ -124,6 +131,11 @@ class SmartKVPress(Press):
         self.lanes = lm.num_layers * self.heads
         self.unrotate = KeyUnrotator(lm.inv_freq)
         self._lm, self._stacked = lm, None
+        if self.settings.recall:
+            size = SmartKVPolicy.memory_size(self.settings)
+            self.index = LaneIndex(lm, lanes=self.lanes, heads=self.heads, size=size, share=SmartKVPolicy.recall_share,
+                                   span=SmartKVPolicy.recall_span(size), hold=SmartKVPolicy.recall_hold)
+            self.slot_state = self.index.declarations()
 
     # --- a round ------------------------------------------------------------------------------
 
@@ -139,17 +151,89 @@ class SmartKVPress(Press):
         position = positions[:, 0].gather(1, at[:, None])[:, 0]  # [S]
         weight = self._weigh(rows, state["weight"], torch.where(offers, at, -1))
         next = {"weight": weight}
-        rank = weight * (positions.double() - (position + s.window - self.horizon)[:, None, None]).clamp(
-            min=FLOOR * self.horizon)
+        born = positions.double()  # what a row's age counts from: its position, or its return (recall)
+        if "born" in state:
+            born = torch.where(state["born"] >= 0, state["born"], born)
         if "used" in state:
             next["used"] = used = self._attend(rows, state["used"])
-            rank = rank * (1.0 + used) ** BETA
+
+        def ranks(now: Tensor) -> Tensor:  # [S, L, N] at step now [S]
+            rank = weight * (born - (now - self.horizon)[:, None, None]).clamp(min=FLOOR * self.horizon)
+            if "used" in state:
+                rank = rank * (1.0 + used) ** BETA
+            return rank if self.index is None else self.index.held(rank, state["until"], now)
+
+        rank = ranks(position + s.window)
         row = torch.arange(capacity, device=length.device)
         candidate = (row >= self.keep) & (row <= at[:, None])  # [S, N]: the memory and the leaving row
-        lowest = torch.where(candidate[:, None], rank, math.inf).argmin(dim=2)  # [S, L]: the first, ties to the older
+        masked = torch.where(candidate[:, None], rank, math.inf)
+        ties = masked == masked.amin(dim=2, keepdim=True)
+        lowest = torch.where(ties, born, math.inf).argmin(dim=2)  # [S, L]: ties to the older (then the lower row)
         deleted = torch.zeros((count, lanes, capacity), dtype=torch.bool, device=length.device).scatter(
             2, lowest[..., None], full[:, None, None].expand(-1, lanes, 1))
-        return Plan(deleted, full.long(), rank, next, torch.zeros_like(full))
+        plan = Plan(deleted, full.long(), rank, next, torch.zeros_like(full))
+        return plan if self.index is None else self._recall(rows, state, plan, ranks, born, candidate, offers, at)
+
+    def _recall(self, rows, state, plan: Plan, ranks, born: Tensor, candidate: Tensor, offers: Tensor, at: Tensor) -> Plan:
+        """Recall's part of the round (recall.py): the lookup where the memories are full, each
+        lane taking tokens back dropping as many of its weakest memory rows (after the offer),
+        the rows coming back, and the index's next state with the window-leavers' K/V."""
+        s, index, length, positions = self.settings, self.index, rows.length, rows.lane_positions
+        count, lanes, capacity = positions.shape
+        device, ring = length.device, index.capacity
+        row = torch.arange(capacity, device=device)
+        newest = positions[:, 0].gather(1, (length - 1).clamp(min=0)[:, None])[:, 0]
+        now = newest + 1  # the new token's position: where a token's return counts from
+        stored = state["recall.count"]
+        filled = torch.arange(ring, device=device) < stored[:, None]
+        looking = offers & (length >= s.budget - 1)  # the memories are full once this round's token is offered
+        # the positions were packed since the index was filled: its keys are stale, it starts again
+        forget = looking & (newest <= torch.where(filled, state["recall.positions"], -1).amax(dim=1))
+        clock = state["recall.clock"] + looking.long()
+        lane_rows = torch.where(row < length[:, None, None], positions, torch.iinfo(torch.long).max)
+        looks = looking & ~forget & (now < index.max_positions)  # no return in a round that packs
+        taking = index.look(rows, state, looks, lane_rows, clock)  # [S, L, ring]
+        deleted = plan.deleted | index.weakest(ranks(now), born, candidate[:, None] & ~plan.deleted, taking.sum(dim=2))
+        next = dict(plan.next) | {"born": state["born"], "until": state["until"]}  # rows kept keep theirs
+        back = taking.any(dim=1)  # [S, ring]: the tokens coming back into some lane
+        inserts = None
+        if (width := int(back.sum(dim=1).max())) > 0:
+            slots = torch.sort((~back).to(torch.int8), dim=1, stable=True).indices[:, :width]  # [S, J]
+            taken = taking.gather(2, slots[:, None].expand(-1, lanes, -1)) & back.gather(1, slots)[:, None]
+            members = torch.arange(count, device=device)[:, None]
+            when = now.double()[:, None, None].expand(-1, lanes, width)
+            row_state = {"weight": state["recall.weights"].gather(1, slots[..., None].expand(-1, -1, lanes)).transpose(1, 2),
+                         "born": when, "until": when + index.hold}
+            row_state |= {"used": torch.zeros_like(when)} if "used" in next else {}
+            inserts = Inserts(taken, state["recall.positions"].gather(1, slots), state["recall.tokens"].gather(1, slots),
+                              state["recall.keys"][members, :, :, slots], state["recall.values"][members, :, :, slots],
+                              row_state)
+        back_at = torch.where(taking.transpose(1, 2), clock[:, None, None], state["recall.back_at"])
+        back_at = torch.where(forget[:, None, None], NEVER, back_at)
+        start, stored = torch.where(forget, 0, state["recall.next"]), torch.where(forget, 0, stored)
+        # the tokens leaving the window (every lane holds them) join the index, in the ring's next slots
+        offered = state["recall.offered"]
+        leaving = (offers[:, None] & (row >= self.keep) & (row <= at[:, None])
+                   & (positions[:, 0] > offered[:, None]))  # [S, N]
+        joining = leaving.sum(dim=1)
+        slot_of = (start[:, None] + leaving.long().cumsum(dim=1) - 1) % ring
+        members, where = leaving.nonzero(as_tuple=True)
+        items = slot_of[members, where]
+        keys, values = rows.read(members, where)  # [M, layers, kv_heads, head_dim]
+        recalled = {}
+        for name, source in (("positions", positions[members, 0, where]), ("tokens", rows.token_ids[members, where]),
+                             ("weights", next["weight"][members, :, where]), ("back_at", None)):
+            value = back_at if name == "back_at" else state[f"recall.{name}"]
+            value = value.clone()
+            value[members, items] = NEVER if source is None else source
+            recalled[name] = value
+        next |= {f"recall.{name}": value for name, value in recalled.items()}
+        next |= {"recall.count": (stored + joining).clamp(max=ring), "recall.next": (start + joining) % ring,
+                 "recall.clock": clock, "recall.restored": state["recall.restored"] + back.sum(dim=1),
+                 "recall.offered": torch.where(offers, torch.maximum(offered, positions[:, 0].gather(1, at[:, None])[:, 0]),
+                                               offered)}
+        writes = {"recall.keys": (members, items, keys, 3), "recall.values": (members, items, values, 3)}
+        return Plan(deleted, plan.need, plan.values, next, plan.stop, inserts, writes)
 
     def _weigh(self, rows, weight: Tensor, at: Tensor) -> Tensor:
         """weight [S, L, N] with every row up to the leaving one scored: the leaving row, and
@@ -199,14 +283,17 @@ class SmartKVPress(Press):
         (and recent-use sums) at the rows that hold them; for the tokens it has not offered yet
         (the window, and after a short prompt those its first tick offers in one go), the
         scores it already has and the window's sums. ValueError for what this press cannot
-        take (pins, recall) or a state whose rows do not lie as it keeps them."""
-        if policy.recall is not None or policy.pinned_out or any(mirror.ledger[i].pinned for i in mirror.live.ledger_ids):
-            raise ValueError("smartkv with pinned rows or recall does not run on Core v4 yet")
+        take (pins) or a state whose rows do not lie as it keeps them. With recall: where each
+        memory row's age counts from and until when it is held (a token taken back)."""
+        if policy.pinned_out or any(mirror.ledger[i].pinned for i in mirror.live.ledger_ids):
+            raise ValueError("smartkv with pinned rows does not run on Core v4 yet")
+        if (policy.recall is not None) != self.settings.recall:
+            raise ValueError("the smartkv policy's recall and the press's differ")
         ids = np.array(mirror.layers.rows, dtype=np.int64)  # [lanes, rows], ledger ids ascending in each
         memory, keep, lanes, rows = policy.memory, self.keep, *ids.shape
         stored = keep + memory.count  # rows past it are not offered yet: the same tokens in every lane
         slots = np.argsort(memory.ids[:, : memory.count], axis=1)  # each lane's memory in row (ledger) order
-        if (lanes != self.lanes or rows > self.settings.budget or memory.until[:, : memory.count].any()
+        if (lanes != self.lanes or rows > self.settings.budget or (memory.until[:, : memory.count].any() and not self.settings.recall)
                 or (ids[:, keep:stored] != np.take_along_axis(memory.ids[:, : memory.count], slots, axis=1)).any()
                 or (ids[:, stored:] <= policy.offered).any() or (ids[:, stored:] != ids[0, stored:]).any()):
             raise ValueError("the smartkv policy's memories do not lie as the press keeps them (kept rows, "
@@ -223,4 +310,13 @@ class SmartKVPress(Press):
                 if (k := column.get(int(ids[0, row]))) is not None:
                     used[:, row] = memory.window_used[:, k]
         carried = {"weight": torch.from_numpy(weight)}
+        if self.settings.recall:
+            born, until = np.full((lanes, rows), -1.0), np.zeros((lanes, rows))
+            born[:, keep:stored] = np.take_along_axis(memory.positions[:, : memory.count], slots, axis=1)
+            until[:, keep:stored] = np.take_along_axis(memory.until[:, : memory.count], slots, axis=1)
+            carried |= {"born": torch.from_numpy(born), "until": torch.from_numpy(until)}
         return carried | ({"used": torch.from_numpy(used)} if "used" in self.row_state else {})
+
+    def carry_slots(self, policy: SmartKVPolicy, mirror) -> dict[str, Tensor]:
+        """Recall's index, as today's policy keeps it (recall.py, `LaneIndex.carry`)."""
+        return {} if self.index is None else self.index.carry(policy.recall, policy.offered, mirror)

@@ -70,6 +70,20 @@ class RoundReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Inserts:
+    """Rows coming back in a round (recall), up to J tokens per sequence, each into the lanes
+    that take it (tokens those lanes do not hold), at its place in position order, with the
+    K/V it had (keys rotated at its position) and its per-row state."""
+
+    taken: torch.Tensor  # [active, lanes, J] bool: lane l of sequence s takes token j
+    positions: torch.Tensor  # [active, J] int64
+    token_ids: torch.Tensor  # [active, J] int64
+    keys: torch.Tensor  # [active, J, layers, kv_heads, head_dim]
+    values: torch.Tensor
+    row_state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [active, lanes, J] (or [active, J])
+
+
 class SlotState:
     """K/V and per-row tensors of up to `slots` sequences of `capacity` rows each, and their
     mirrors; see the module docstring. `score_layers`: the layers whose attention the shares
@@ -93,11 +107,19 @@ class SlotState:
         self.lane_peaks = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
         self.row_state: dict[str, torch.Tensor] = {}
         self.row_fill: dict[str, float] = {}
+        # a press's per-sequence tensors (recall's index): name -> [slots, *shape], moved with the slot
+        self.sequence_state: dict[str, torch.Tensor] = {}
+        self.sequence_fill: dict[str, float] = {}
+        # the newest token's query (scaled, rotated) and log-normaliser in every layer, when every
+        # layer is recorded (recall scores its index with them)
+        self.queries = torch.zeros(slots, lm.num_layers, lm.num_heads, lm.head_dim, dtype=torch.float32, device=device)
+        self.log_norms = torch.zeros(slots, lm.num_layers, lm.num_heads, dtype=torch.float32, device=device)
         self._mirrors: list[Mirror] = []
         self._ticks: list[int] = []
-        # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, source) each,
+        # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, source,
+        # rows coming back: (taken [active, lanes, J], positions [active, J]) or None) each,
         # and per sequence how many of them its mirror has (`_fold`)
-        self._journal: list[tuple[torch.Tensor, list[int], str]] = []
+        self._journal: list[tuple[torch.Tensor, list[int], str, tuple | None]] = []
         self._folded: list[int] = []
         self._starts: list[float] = []  # the brightness a sequence's new ledger entries start at
         self.rebuilds = 0
@@ -144,10 +166,25 @@ class SlotState:
         self.row_state[name] = torch.full(shape, fill, dtype=dtype, device=self.positions.device)
         self.row_fill[name] = fill
 
-    def join(self, manager: StateManager, *, tick: int = 0, row_state: dict[str, torch.Tensor] | None = None) -> int:
+    def declare_sequence(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> None:
+        """A press's per-sequence tensor `name`: `[slots, *shape]` of `dtype`, a joining sequence's
+        at `fill` unless it brings its own."""
+        full = (self.kv.slots, *shape)
+        if name in self.sequence_state:
+            kept = self.sequence_state[name]
+            if (kept.dtype, tuple(kept.shape), self.sequence_fill[name]) != (dtype, full, fill):
+                raise ValueError(f"per-sequence state {name!r} is already kept as {kept.dtype} {tuple(kept.shape)}, "
+                                 f"filled with {self.sequence_fill[name]}")
+            return
+        self.sequence_state[name] = torch.full(full, fill, dtype=dtype, device=self.positions.device)
+        self.sequence_fill[name] = fill
+
+    def join(self, manager: StateManager, *, tick: int = 0, row_state: dict[str, torch.Tensor] | None = None,
+             sequence_state: dict[str, torch.Tensor] | None = None) -> int:
         """Take `manager`'s sequence into the next free slot (its mirror becomes this state's;
         the manager must not be used again) and return the slot. `row_state`: the press's
-        per-row values of its live rows, `{name: [rows]}` (others start at their fill)."""
+        per-row values of its live rows, `{name: [rows]}` (others start at their fill);
+        `sequence_state`: its per-sequence tensors (`declare_sequence`; others at their fill)."""
         if self.active == self.kv.slots:
             raise ValueError(f"all {self.kv.slots} slots are in use")
         rows = manager.rows_per_layer
@@ -170,6 +207,10 @@ class SlotState:
             values[slot].fill_(self.row_fill[name])
         for name, values in (row_state or {}).items():
             self.row_state[name][slot, ..., :rows] = values.to(self.positions.device)
+        for name, values in self.sequence_state.items():
+            values[slot].fill_(self.sequence_fill[name])
+        for name, values in (sequence_state or {}).items():
+            self.sequence_state[name][slot] = values.to(self.positions.device)
         self._mirrors.append(manager._mirror)
         self._folded.append(len(self._journal))
         self._ticks.append(tick)
@@ -184,7 +225,8 @@ class SlotState:
         if slot != last:
             self.kv.move(last, slot)
             for tensor in (self.length, self.positions, self.token_ids, self.next_logits, self.shares,
-                           self.lane_shares, self.lane_peaks, *self.row_state.values()):
+                           self.lane_shares, self.lane_peaks, self.queries, self.log_norms, *self.row_state.values(),
+                           *self.sequence_state.values()):
                 tensor[slot] = tensor[last]
             self._mirrors[slot], self._ticks[slot] = self._mirrors[last], self._ticks[last]
             self._starts[slot] = self._starts[last]
@@ -218,11 +260,15 @@ class SlotState:
         self.shares[slot].zero_()
         self.lane_shares[slot].zero_()
         self.lane_peaks[slot].zero_()
+        self.queries[slot].zero_()
+        self.log_norms[slot].zero_()
         if manager.last_attention is not None:
             self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
         query, norm = manager.last_query, manager.last_log_norm
         if (manager.per_layer and query is not None and norm is not None and len(query) == self.lm.num_layers
                 and self._every_lane(len(self.attention_layers))):
+            self.queries[slot] = query.to(self.queries.device, torch.float32)
+            self.log_norms[slot] = norm.to(self.log_norms.device, torch.float32)
             rows = manager.rows_per_layer
             keys = self.kv.keys[:, slot, :, :rows]  # [layers, kv_heads, rows, head_dim]
             logits = attention.grouped_logits(query, keys.transpose(-1, -2), norm)  # [layers, kv, group, rows]
@@ -237,12 +283,17 @@ class SlotState:
     # --- the round -------------------------------------------------------------------------
 
     def apply(self, deleted: torch.Tensor, tokens: list[int], *, row_state: dict[str, torch.Tensor] | None = None,
-              source: str = "generated") -> RoundReport:
+              source: str = "generated", inserts: Inserts | None = None,
+              sequence_state: dict[str, torch.Tensor] | None = None, sequence_writes: dict | None = None) -> RoundReport:
         """One round for every active sequence: sequence s deletes its rows `deleted[s]`
         (`[active, capacity]`, or `[active, lanes, capacity]` lane by lane: bool, rows before
         the round; every lane of a sequence keeps as many) and adds `tokens[s]` to every lane.
-        `row_state`: the presses' per-row state after this round's scoring (rows before the
-        round), adopted only if the round goes through. All or nothing: a failure rebuilds
+        `inserts`: tokens coming back into lanes that lack them (recall), each at its place in
+        position order with its stored K/V, in the same compaction (a lane's kept rows plus
+        its inserts are as many in every lane of a sequence). `row_state`: the presses'
+        per-row state after this round's scoring (rows before the round), adopted only if the
+        round goes through, as are the presses' per-sequence tensors (`sequence_state`,
+        `sequence_writes`: `_adopt_sequences`). All or nothing: a failure rebuilds
         every sequence from its mirror (`RoundReport.rebuilt`).
 
         The mirrors take the round later (`_fold`, when one is read): the round records its
@@ -261,6 +312,9 @@ class SlotState:
         deleted = deleted & live
         kept = live & ~deleted
         counts = kept.sum(dim=2)  # [active, lanes]
+        if inserts is not None:
+            self._check_inserts(inserts, kept)
+            counts = counts + inserts.taken.sum(dim=2)
         if bool((counts != counts[:, :1]).any()):
             slot = int((counts != counts[:, :1]).any(dim=1).nonzero()[0, 0])
             raise ValueError(f"sequence {slot}: its lanes would keep different numbers of rows "
@@ -273,32 +327,69 @@ class SlotState:
         # after the union's last kept row (every lane holds the newest rows: the window)
         position = torch.where(kept, self.positions[:active], -1).amax(dim=(1, 2)) + 1
         limited = (position >= self.lm.max_positions).nonzero().flatten().tolist()
+        if inserts is not None and limited and bool(inserts.taken[limited].any()):
+            raise ValueError(f"sequence {limited[0]}: rows come back in the round that packs its positions")
         packed = {slot: self._pack(slot, deleted[slot], tokens[slot], source) for slot in limited}
         report = RoundReport(seconds={"plan": (now := time.perf_counter()) - clock})
         try:
-            self._write(deleted, kept, length, position, tokens, packed, row_state or {})
+            self._write(deleted, kept, length, position, tokens, packed, row_state or {}, inserts)
+            self._adopt_sequences(sequence_state or {}, sequence_writes or {})
         except BaseException as exc:  # nothing recorded: every mirror (with the rounds before) is the truth
             report.rebuilt, report.failed, report.error = True, list(range(active)), f"{type(exc).__name__}: {exc}"
             self.rebuild()
             if not isinstance(exc, Exception):
                 raise
             return report
-        self._journal.append((deleted, list(tokens), source))
+        back = None if inserts is None else (inserts.taken, inserts.positions)
+        self._journal.append((deleted, list(tokens), source, back))
         for slot in range(active):
             self._ticks[slot] += 1
         report.seconds["write"] = time.perf_counter() - now
         return report
 
-    def _edit(self, mirror: Mirror, deleted: torch.Tensor, token: int, source: str):
+    def _check_inserts(self, inserts: Inserts, kept: torch.Tensor) -> None:
+        """ValueError unless `inserts` fit this round: its shapes, lanes that hold rows apart,
+        and no lane taking back a token it keeps."""
+        active, lanes = kept.shape[:2]
+        taken = inserts.taken
+        if taken.dim() != 3 or taken.shape[:2] != (active, lanes) or inserts.positions.shape != (active, taken.shape[2]):
+            raise ValueError(f"rows coming back take taken [{active}, {lanes}, J] and positions [{active}, J], got "
+                             f"{tuple(taken.shape)} and {tuple(inserts.positions.shape)}")
+        if not bool(taken.any()):
+            return
+        if lanes == 1:
+            raise ValueError("rows come back lane by lane: this state keeps every lane alike")
+        held = kept[..., None] & (self.positions[:active, :, :, None] == inserts.positions[:, None, None, :])
+        clash = (held.any(dim=2) & taken).nonzero()
+        if len(clash):
+            slot, lane, j = clash[0].tolist()
+            raise ValueError(f"sequence {slot}: lane {lane} takes back position {int(inserts.positions[slot, j])}, "
+                             "which it holds")
+
+    def _adopt_sequences(self, replaced: dict[str, torch.Tensor], writes: dict) -> None:
+        """The presses' per-sequence tensors after the round: `replaced` {name: [active, ...]},
+        then `writes` {name: (slots [n], items [n], values [n, ...], axis)}: `values[i]` into
+        `tensor[slots[i]]` at item `items[i]` of the tensor's axis `axis` (recall's ring)."""
+        for name, values in replaced.items():
+            self.sequence_state[name][: len(values)] = values
+        for name, (slots, items, values, axis) in writes.items():
+            if len(slots):
+                tensor = self.sequence_state[name]
+                where = [slice(None)] * tensor.dim()
+                where[0], where[axis] = slots, items
+                tensor[tuple(where)] = values.to(tensor.dtype)
+
+    def _edit(self, mirror: Mirror, deleted: torch.Tensor, token: int, source: str, inserts: list[list[int]] | None = None):
         """The mirror's plan of one round of one sequence (`deleted` [lanes, capacity] on the
-        host): (layout, per-lane drops or None)."""
+        host; `inserts`: the ledger ids each lane takes back): (layout, per-lane drops or None)."""
         if mirror.layers is None:
             gone = deleted[0].nonzero().flatten().tolist()
             return plan_layout(mirror.live.positions, gone, [Insertion(at=len(mirror), token_ids=(token,),
                                                                        source=source)], self.lm.max_positions), None
         drops = [lane.nonzero().flatten().tolist() for lane in deleted]
         heads = self.lanes // self.lm.num_layers
-        return row_plans.LaneRows(mirror, drops, [token], source, self.lm.max_positions, heads).layout, drops
+        return row_plans.LaneRows(mirror, drops, [token], source, self.lm.max_positions, heads,
+                                  inserts=inserts).layout, drops
 
     def _pack(self, slot: int, deleted: torch.Tensor, token: int, source: str):
         """Sequence `slot`'s layout after this round when its new token would pass the model's
@@ -308,17 +399,34 @@ class SlotState:
         return layout
 
     @torch.no_grad()
-    def _write(self, deleted, kept, length, position, tokens, packed, row_state) -> None:
-        """Close every edited slot's gaps lane by lane (kept rows first, in row order), move the
-        positions of a packed slot (re-rotating its keys), run the round's forward, then take
-        its results. Until the forward has returned only the K/V buffers have changed."""
-        active, device = self.active, self.positions.device
+    def _write(self, deleted, kept, length, position, tokens, packed, row_state, inserts=None) -> None:
+        """Close every edited slot's gaps lane by lane (kept rows first, in row order; rows
+        coming back merged in by position, their stored K/V written), move the positions of a
+        packed slot (re-rotating its keys), run the round's forward, then take its results.
+        Until the forward has returned only the K/V buffers have changed."""
+        active, device, capacity = self.active, self.positions.device, self.capacity
         rows = torch.arange(active, device=device)
-        order = torch.sort((~kept).to(torch.int8), dim=2, stable=True).indices  # [active, lanes, capacity]
-        edited = deleted.any(dim=2).any(dim=1).nonzero().flatten()
+        positions, token_ids = self.positions[:active], self.token_ids[:active]
+        stored = None
+        if inserts is None or not bool(inserts.taken.any()):
+            order = torch.sort((~kept).to(torch.int8), dim=2, stable=True).indices  # [active, lanes, capacity]
+            edited = deleted.any(dim=2).any(dim=1).nonzero().flatten()
+            inserts = None
+        else:  # kept rows and rows coming back, each lane in position order (rows ascend with position)
+            taken, lanes = inserts.taken, self.lanes
+            back = inserts.positions[:, None].expand(-1, lanes, -1)
+            never = torch.iinfo(torch.long).max
+            key = torch.cat([torch.where(kept, positions, never), torch.where(taken, back, never)], dim=2)
+            order = torch.sort(key, dim=2, stable=True).indices[:, :, :capacity]
+            row = torch.arange(capacity, device=device)
+            order = torch.where((row >= length[:, None, None] - 1) & (order >= capacity), row, order)  # past the rows: stay
+            edited = (deleted.any(dim=2) | taken.any(dim=2)).any(dim=1).nonzero().flatten()
+            positions, token_ids = torch.cat([positions, back], dim=2), torch.cat(
+                [token_ids, inserts.token_ids[:, None].expand(-1, lanes, -1)], dim=2)
+            stored = (inserts.keys[edited], inserts.values[edited])
         if len(edited):
-            self.kv.compact(edited, order[edited])
-        positions = self.positions[:active].gather(2, order)
+            self.kv.compact(edited, order[edited], stored)
+        positions = positions.gather(2, order)
         for slot, layout in packed.items():  # every row keeps its place; positions move to the layout's
             added = set(layout.new_rows)  # (an added row's "old" position is its new one: left out)
             new_of = {old: new for row, (old, new) in enumerate(zip(layout.old_positions, layout.positions))
@@ -331,19 +439,28 @@ class SlotState:
             position[slot] = layout.positions[-1]
         new_rows = length - 1
         positions[rows, :, new_rows] = position[:, None]
-        token_ids = self.token_ids[:active].gather(2, order)
+        token_ids = token_ids.gather(2, order)
         token_ids[rows, :, new_rows] = torch.tensor(tokens, device=device)[:, None]
         states = {}
         for name, values in self.row_state.items():
             values = row_state.get(name, values[:active])
+            if inserts is not None:  # rows coming back: their own state, or the fill
+                given = inserts.row_state.get(name)
+                if given is None:
+                    given = torch.full((*values.shape[:-1], inserts.taken.shape[2]), self.row_fill[name],
+                                       dtype=values.dtype, device=device)
+                values = torch.cat([values, given.to(values.dtype)], dim=-1)
             values = values.gather(1, order[:, 0]) if values.dim() == 2 else values.gather(2, order)
             values[rows, ..., new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
         clock = time.perf_counter()
-        logits, shares, lane_shares, lane_peaks = self._forward(token_ids[rows, 0, new_rows], new_rows, position)
+        logits, shares, lane_shares, lane_peaks, queries, norms = self._forward(token_ids[rows, 0, new_rows], new_rows,
+                                                                                position)
         self.forward_seconds = time.perf_counter() - clock
         self.next_logits[:active], self.shares[:active], self.lane_shares[:active] = logits, shares, lane_shares
         self.lane_peaks[:active] = lane_peaks
+        if queries is not None:
+            self.queries[:active], self.log_norms[:active] = queries, norms
         self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
         for name, values in states.items():
             self.row_state[name][:active] = values
@@ -357,16 +474,33 @@ class SlotState:
         if rounds:
             gone = torch.stack([entry[0][slot] for entry in rounds]).cpu()  # one copy: [rounds, lanes, capacity]
             tick = self._ticks[slot] - len(rounds)
-            for deleted, (_, tokens, source) in zip(gone, rounds):
+            for deleted, (_, tokens, source, back) in zip(gone, rounds):
                 tick += 1
-                layout, drops = self._edit(mirror, deleted, tokens[slot], source)
+                inserts = self._taken_back(mirror, back[0][slot], back[1][slot]) if back is not None else None
+                layout, drops = self._edit(mirror, deleted, tokens[slot], source, inserts)
                 mirror.splice(layout, row_plans.texts(self.lm.decode, mirror, layout), tick=tick,
-                              brightness=self._starts[slot], layer_drops=drops)
+                              brightness=self._starts[slot], layer_drops=drops, layer_inserts=inserts)
         self._folded[slot] = len(self._journal)
         if all(done == len(self._journal) for done in self._folded):
             self._journal.clear()
             self._folded = [0] * len(self._folded)
         return mirror
+
+    @staticmethod
+    def _taken_back(mirror: Mirror, taken: torch.Tensor, positions: torch.Tensor) -> list[list[int]] | None:
+        """The ledger ids each lane takes back in a round (`taken` [lanes, J], `positions` [J]),
+        found by position: a live token's, else the newest culled one's (None: none come back)."""
+        taken = taken.cpu()
+        if not bool(taken.any()):
+            return None
+        wanted = positions.cpu().tolist()
+        where = dict(zip(mirror.live.positions, mirror.live.ledger_ids))
+        missing = set(wanted) - set(where)
+        if missing:
+            for ledger_id, entry in enumerate(mirror.ledger.entries):
+                if entry.state == "culled" and entry.position in missing:
+                    where[entry.position] = ledger_id
+        return [sorted(where[wanted[j]] for j in lane.nonzero().flatten().tolist()) for lane in taken]
 
     def fold(self) -> None:
         """Bring every mirror up to the last round."""
@@ -391,7 +525,9 @@ class SlotState:
     def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
         Returns logits [active, vocab], shares [active, capacity], lane shares and lane peaks
-        [active, lanes, capacity] (zeros unless every layer is recorded), all float32."""
+        [active, lanes, capacity] (zeros unless every layer is recorded), all float32, and with
+        every layer recorded the queries (scaled) [active, layers, heads, head_dim] and
+        log-normalisers [active, layers, heads] (else None, None)."""
         lm, active = self.lm, self.active
         visible = torch.arange(self.capacity, device=rows.device)[None] <= rows[:, None]  # [active, capacity]
         mask = torch.zeros(visible.shape, dtype=lm.dtype, device=rows.device)
@@ -404,10 +540,13 @@ class SlotState:
         logits = out.logits[:, -1].float()
         per_head = seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])  # [active, layers, heads, capacity]
         lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
+        queries = norms = None
         if self._every_lane(len(self.attention_layers)):
             per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
             lane_shares, lane_peaks = per_lane.mean(dim=2), per_lane.amax(dim=2)
-        return logits, per_head.mean(dim=(1, 2)), lane_shares, lane_peaks
+            queries = torch.stack([seen.queries[layer].float() * seen.scaling for layer in range(lm.num_layers)], dim=1)
+            norms = torch.stack([seen.norms[layer].float() for layer in range(lm.num_layers)], dim=1)
+        return logits, per_head.mean(dim=(1, 2)), lane_shares, lane_peaks, queries, norms
 
     # --- failure ----------------------------------------------------------------------------
 

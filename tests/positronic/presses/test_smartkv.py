@@ -240,11 +240,12 @@ def test_the_carried_state_is_todays_memories_and_scores(tiny, gate_file):
 
 
 def test_what_does_not_run_on_the_press_yet_is_refused_with_the_reason(tiny, gate_file):
-    with pytest.raises(ValueError, match=r"recall=True does not run on Core v4 yet"):
+    with pytest.raises(ValueError, match="press smartkv ranks by every layer's attention: make the engine with "
+                                         "score_layers='all'"):  # recall reads every layer's query
         Engine(tiny, slots=1, capacity=48).join(0, Brain.start(tiny, prompt(tiny, 0, 20), config(gate_file, recall=True)))
     pinned = Brain.start(tiny, prompt(tiny, 0, 20), config(gate_file))
     pinned.state.pin([5])
-    with pytest.raises(ValueError, match="smartkv with pinned rows or recall does not run on Core v4 yet"):
+    with pytest.raises(ValueError, match="smartkv with pinned rows does not run on Core v4 yet"):
         Engine(tiny, slots=1, capacity=48).join(0, pinned)
     engine = Engine(tiny, slots=2, capacity=48, lanes=1)
     with pytest.raises(ValueError, match=r"press smartkv keeps rows in \d+ lanes and this engine in 1: make the "
