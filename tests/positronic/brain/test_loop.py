@@ -92,7 +92,7 @@ def test_resume_refuses_a_session_of_another_model(tmp_path, smol, tiny):
     (["--temperature", "-1"], "Invalid value for .--temperature."),
     (["--ticks", "0"], "--ticks must be at least 1, or -1 for no limit"),
     # click words the bound its own way ("x>=-1" in the GPU machines' older click): the flag and -1 named
-    (["--ticks", "-2"], "Invalid value for .-n. / .--ticks.: .*(greater than or equal to -1|-2 is not in the range x>=-1)"),
+    (["--ticks", "-2"], "Invalid value for .-n. / .--ticks. / .--n-predict.: .*(greater than or equal to -1|-2 is not in the range x>=-1)"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read --prompt-file"),
     (["--resume"], "--resume needs --session"),
     (["--model", "no-such-model"], "no-such-model"),
