@@ -122,16 +122,22 @@ def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
               f"{len(gaps)} tokens meanwhile, longest gap {max(gaps):.2f} s, median {statistics.median(gaps):.2f} s")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2")
+def batch_arguments(parser: argparse.ArgumentParser, *, model: str, sizes: list[int], ticks: int,
+                    policies: list[str]) -> None:
+    """The options this script and bench/rounds.py share (B brains of a model, ticked in rounds)."""
+    parser.add_argument("--model", default=model)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--ticks", type=int, default=24)
+    parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
+    parser.add_argument("--ticks", type=int, default=ticks)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--policies", nargs="+", default=["streaming", "smartkv+recall"])
+    parser.add_argument("--policies", nargs="+", default=policies)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    batch_arguments(parser, model="smollm2", sizes=[1, 2, 4, 8], ticks=24, policies=["streaming", "smartkv+recall"])
     parser.add_argument("--stall", type=int, default=0, metavar="TOKENS",
                         help="measure how long a prompt of TOKENS holds up a generating sequence instead")
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 64], help="prefill chunk sizes (--stall)")

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch import batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
+from batch import batch_arguments, batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
 
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.models import load_model  # noqa: E402
@@ -66,17 +66,9 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random:tiny")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None, help="default: float16 on cuda, float32 on cpu")
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--ticks", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--policies", nargs="+", default=["streaming", "h2o"])
+    batch_arguments(parser, model="random:tiny", sizes=[1, 8, 32], ticks=16, policies=["streaming", "h2o"])
     args = parser.parse_args(argv)
-    dtype = args.dtype or ("float16" if (args.device or "").startswith("cuda") else "float32")
-    lm = load_model(args.model, device=args.device, dtype=dtype)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     print(f"model {args.model}  {lm.device.type}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  "
           f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
