@@ -39,7 +39,10 @@ import torch
 
 from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample
 
+from ..policies.scorers import Keyed
 from ..presses import PRESSES, Rows, make_press
+from ..state.manager import default_capacity
+from ..state.readonly import MirrorView
 from ..state.slots import Inserts, SlotState
 
 
@@ -54,6 +57,8 @@ class Sequence:
     greedy: bool
     clock: int = 0  # rounds its press has scored
     carried: dict = field(default_factory=dict)  # the press's per-sequence state (random: its generator)
+    culled: int = 0  # its ledger's culled tokens when it joined
+    rebuilds: int = 0  # its rounds that failed (rebuilt from its mirror)
 
 
 def press_for(config):
@@ -86,6 +91,20 @@ def carried(press, brain) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     return rows, sequence, getattr(scorer, "clock", 0)
 
 
+def restore(press, policy, live_ids: list[int], rows: dict[str, torch.Tensor], sequence: dict[str, torch.Tensor],
+            clock: int) -> None:
+    """`carried` backwards: `policy` (today's, of the press's name) takes the state the press
+    kept for a sequence leaving the engine: a keyed scorer its numbers by ledger id
+    (`live_ids`, the live rows' in row order; `rows`: {name: [rows]}) and the rounds scored,
+    the random scorer its generator. Brightness goes to the mirror (`SlotState.release`)."""
+    scorer = getattr(policy, "scorer", None)
+    for name, values in rows.items():
+        if name != "brightness":
+            scorer.current = Keyed(dict(zip(live_ids, values.tolist())), clock, [])
+    if "generator" in sequence:
+        scorer.generator.set_state(sequence["generator"])
+
+
 UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), ("kv_store", "splice"),
                ("refresh_every", 0), ("refresh_kl", 0.0))
 
@@ -108,21 +127,37 @@ class Engine:
     def keys(self) -> list[Hashable]:
         return [sequence.key for sequence in self.sequences]
 
-    def join(self, key: Hashable, brain, press=None) -> None:
-        """Take a started `Brain` (prompt prefilled and pruned) in; it must not tick again.
-        `press`: the press its rounds run (default: its config's policy's, with its settings)."""
+    def refusal(self, brain, *, returning: bool = False) -> str | None:
+        """Why `brain` cannot join this engine (its settings or state), or None: it can.
+        `returning`: it must also be able to leave into a Brain again (`hand_back`)."""
         config = brain.config
-        if key in self.keys():
-            raise ValueError(f"sequence {key!r} is already in the engine")
+        if config.policy not in PRESSES:
+            return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
         for name, plain in UNSUPPORTED:
             if name == "recall" and config.policy == "smartkv":
                 continue  # the smartkv press runs recall (presses/recall.py)
             if getattr(config, name) != plain:
-                raise ValueError(f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})")
+                return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
         if config.budget > self.state.capacity:
-            raise ValueError(f"budget {config.budget} does not fit the engine's {self.state.capacity} rows a sequence")
+            return f"budget {config.budget} does not fit the engine's {self.state.capacity} rows a sequence"
         if brain._pending:
-            raise ValueError("typed input does not run on Core v4 yet: join once it is read")
+            return "typed input does not run on Core v4 yet: join once it is read"
+        if returning and brain.state.per_layer:
+            return "a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a Brain yet"
+        if returning and len(self.sequences) == self.state.kv.slots:
+            return f"all {self.state.kv.slots} slots are in use"
+        return None
+
+    def join(self, key: Hashable, brain, press=None, *, config=None) -> None:
+        """Take a started `Brain` (prompt prefilled and pruned) in; it must not tick again
+        unless it comes back (`hand_back`). `press`: the press its rounds run (default: its
+        config's policy's, with its settings); `config`: its settings here, when they differ
+        from the brain's own in sampling only (a request's temperature)."""
+        if key in self.keys():
+            raise ValueError(f"sequence {key!r} is already in the engine")
+        if (reason := self.refusal(brain)) is not None:
+            raise ValueError(reason)
+        config = brain.config if config is None else config
         press = press if press is not None else press_for(config)
         press.bind(self.lm, brain.policy)
         self._take_lanes(press)
@@ -141,7 +176,7 @@ class Engine:
         generator = torch.Generator()
         generator.set_state(brain.generator.get_state())
         self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
-                                       carried=sequence))
+                                       carried=sequence, culled=MirrorView(mirror).ledger.count("culled")))
 
     def _take_lanes(self, press) -> None:
         """Make sure this engine keeps `press`'s lanes: an empty engine whose lanes were not
@@ -163,6 +198,31 @@ class Engine:
         if slot < len(self.sequences):
             self.sequences[slot] = last
         return self.state.leave(slot)
+
+    def hand_back(self, key: Hashable, brain) -> None:
+        """Sequence `key` leaves into `brain`, the Brain it joined from: its state (rows copied
+        out, `SlotState.release`), tick, sampler and policy state as the rounds left them, so
+        it ticks on alone exactly as if it had made those rounds itself. ValueError (nothing
+        changes) for a sequence whose lanes keep their own rows (smartkv), not yet."""
+        slot = self.keys().index(key)
+        sequence, state = self.sequences[slot], self.state
+        if sequence.press.lanes > 1:
+            raise ValueError("a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a "
+                             "Brain yet")
+        rows = int(state.length[slot])
+        kept = {name: state.row_state[f"{sequence.press.name}.{name}"][slot, :rows].cpu()
+                for name in sequence.press.row_state}
+        brightness = kept["brightness"].tolist() if "brightness" in kept else None
+        tick = state.tick(slot)
+        manager = state.release(slot, capacity=default_capacity(max(rows, brain.config.budget)), brightness=brightness)
+        last = self.sequences.pop()
+        if slot < len(self.sequences):
+            self.sequences[slot] = last
+        brain.state, brain.tick = manager, tick
+        brain.generator.set_state(sequence.generator.get_state())
+        restore(sequence.press, brain.policy, manager.mirror.live.ledger_ids, kept, sequence.carried, sequence.clock)
+        brain.counts["culls"] += manager.mirror.ledger.count("culled") - sequence.culled
+        brain.counts["rebuilds"] += sequence.rebuilds
 
     @torch.no_grad()
     def step(self) -> dict[Hashable, int]:
@@ -226,6 +286,7 @@ class Engine:
         made = {}
         for slot, sequence in enumerate(self.sequences):
             if slot in report.failed:
+                sequence.rebuilds += 1
                 continue
             sequence.clock += 1
             sequence.carried.update({name: value.clone() for (m, name), value in sequence_state.items() if m == slot})

@@ -17,6 +17,10 @@ rows `0..length[s]-1` of the slot, and next to them the state keeps, as device t
                                                  every layer is recorded
     lane_peaks  [slots, lanes, capacity] float32 the largest of a lane's heads' shares instead
                                                  of their mean (SmartKV's recent-use rank)
+    attention   [slots, recorded layers, heads, capacity] float32
+                                                 the shares before the mean (`last_attention`)
+    row_state["predicted"] [slots, lanes, capacity] int64
+                                                 each row's greedy next token (its forward's argmax)
 
 A *lane* is a set of rows one part of the cache keeps (mirror/layer_rows.py): with `lanes`
 1 every layer holds the same rows; with `lanes` = layers each layer keeps its own, and with
@@ -55,6 +59,7 @@ from ..kv.slots import SlotKV
 from ..models import attention
 from ..models.compat import with_cache
 from . import rows as row_plans
+from .checks import StateInvariantError
 from .manager import StateManager
 from .readonly import MirrorView
 
@@ -105,8 +110,14 @@ class SlotState:
         self.shares = torch.zeros(slots, capacity, dtype=torch.float32, device=device)
         self.lane_shares = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
         self.lane_peaks = torch.zeros(slots, lanes, capacity, dtype=torch.float32, device=device)
+        # that forward's attention itself, per recorded layer and query head (what a StateManager
+        # keeps as `last_attention`: a sequence leaving into one scores its next tick from it)
+        self.attention = torch.zeros(slots, len(self.attention_layers), lm.num_heads, capacity, dtype=torch.float32,
+                                     device=device)
         self.row_state: dict[str, torch.Tensor] = {}
         self.row_fill: dict[str, float] = {}
+        # each row's greedy next token from the forward that wrote it (ContextView.predicted)
+        self.declare("predicted", torch.long, 0, lanes=True)
         # a press's per-sequence tensors (recall's index): name -> [slots, *shape], moved with the slot
         self.sequence_state: dict[str, torch.Tensor] = {}
         self.sequence_fill: dict[str, float] = {}
@@ -207,6 +218,7 @@ class SlotState:
             values[slot].fill_(self.row_fill[name])
         for name, values in (row_state or {}).items():
             self.row_state[name][slot, ..., :rows] = values.to(self.positions.device)
+        self._set_predicted(slot, manager._mirror, manager._predicted)
         for name, values in self.sequence_state.items():
             values[slot].fill_(self.sequence_fill[name])
         for name, values in (sequence_state or {}).items():
@@ -225,7 +237,8 @@ class SlotState:
         if slot != last:
             self.kv.move(last, slot)
             for tensor in (self.length, self.positions, self.token_ids, self.next_logits, self.shares,
-                           self.lane_shares, self.lane_peaks, self.queries, self.log_norms, *self.row_state.values(),
+                           self.lane_shares, self.lane_peaks, self.attention, self.queries, self.log_norms,
+                           *self.row_state.values(),
                            *self.sequence_state.values()):
                 tensor[slot] = tensor[last]
             self._mirrors[slot], self._ticks[slot] = self._mirrors[last], self._ticks[last]
@@ -233,6 +246,35 @@ class SlotState:
         for records in (self._mirrors, self._ticks, self._starts, self._folded):
             records.pop()
         return mirror
+
+    def release(self, slot: int, *, capacity: int, brightness: list[float] | None = None) -> StateManager:
+        """Sequence `slot` leaves as a StateManager of its own (`capacity` rows), its rows copied
+        out as they are, so it ticks on alone exactly as if it had made its rounds itself (the
+        last slot takes its place). `brightness`: its live rows' brightness, which a press kept
+        (the mirror's ledger takes it). The copy is checked as a resumed session's is (layer 0
+        against a fresh prefill of the mirror, `StateManager.from_saved`); a copy that fails
+        the check is rebuilt from the mirror instead. Shared rows only: a sequence whose
+        lanes keep their own rows cannot leave into one yet (ValueError, nothing changes)."""
+        mirror = self._fold(slot)
+        if mirror.layers is not None:
+            raise ValueError("a sequence whose lanes keep their own rows cannot leave the engine as a state of its "
+                             "own yet")
+        rows = int(self.length[slot])
+        keys, values = self.rows(slot)
+        tensors = {"keys": keys.cpu(), "values": values.cpu(),
+                   "predicted": self.row_state["predicted"][slot, 0, :rows].cpu(),
+                   "next_logits": self.next_logits[slot].cpu(),
+                   "last_attention": self.attention[slot, :, :, :rows].cpu().contiguous()}
+        if brightness is not None:
+            mirror.set_brightness(brightness)
+        options = dict(capacity=capacity, score_layers=self.attention_layers, brightness=self._starts[slot])
+        try:
+            manager = StateManager.from_saved(self.lm, mirror, tensors, **options)
+        except (ValueError, StateInvariantError):  # the copy does not describe the mirror: recompute it
+            manager = StateManager.from_mirror(self.lm, mirror, **options)
+            self.rebuilds += 1
+        self.leave(slot)
+        return manager
 
     def _set_rows(self, slot: int, mirror: Mirror) -> None:
         """Slot `slot`'s positions and token ids, lane by lane, from `mirror` (its rows as a
@@ -250,6 +292,15 @@ class SlotState:
         self.token_ids[slot, :, :rows] = torch.tensor([[entries[i].token_id for i in ids] for ids in lanes],
                                                        device=device)
 
+    def _set_predicted(self, slot: int, mirror: Mirror, predicted: list[int]) -> None:
+        """Slot `slot`'s per-row predictions, lane by lane, from a StateManager's (`predicted`:
+        one per live row of `mirror`)."""
+        of = dict(zip(mirror.live.ledger_ids, predicted))
+        lanes = [mirror.live.ledger_ids] * self.lanes if mirror.layers is None else mirror.layers.rows
+        values = self.row_state["predicted"]
+        values[slot].zero_()
+        values[slot, :, : len(lanes[0])] = torch.tensor([[of[i] for i in ids] for ids in lanes], device=values.device)
+
     def _take_newest(self, slot: int, manager: StateManager) -> None:
         """What the forward that wrote `manager`'s newest row left: its logits, and its shares
         where the rows are shared. A per-layer state records no attention row, but the newest
@@ -258,12 +309,14 @@ class SlotState:
         rows = len(manager)
         self.next_logits[slot] = manager.next_logits.to(self.next_logits.device, torch.float32)
         self.shares[slot].zero_()
+        self.attention[slot].zero_()
         self.lane_shares[slot].zero_()
         self.lane_peaks[slot].zero_()
         self.queries[slot].zero_()
         self.log_norms[slot].zero_()
         if manager.last_attention is not None:
             self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
+            self.attention[slot, :, :, :rows] = manager.last_attention.float().to(self.attention.device)
         query, norm = manager.last_query, manager.last_log_norm
         if (manager.per_layer and query is not None and norm is not None and len(query) == self.lm.num_layers
                 and self._every_lane(len(self.attention_layers))):
@@ -454,10 +507,12 @@ class SlotState:
             values[rows, ..., new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
         clock = time.perf_counter()
-        logits, shares, lane_shares, lane_peaks, queries, norms = self._forward(token_ids[rows, 0, new_rows], new_rows,
-                                                                                position)
+        logits, per_head, lane_shares, lane_peaks, queries, norms = self._forward(token_ids[rows, 0, new_rows],
+                                                                                  new_rows, position)
         self.forward_seconds = time.perf_counter() - clock
-        self.next_logits[:active], self.shares[:active], self.lane_shares[:active] = logits, shares, lane_shares
+        states["predicted"][rows, :, new_rows] = logits.argmax(dim=-1)[:, None]
+        self.next_logits[:active], self.lane_shares[:active] = logits, lane_shares
+        self.attention[:active], self.shares[:active] = per_head, per_head.mean(dim=(1, 2))
         self.lane_peaks[:active] = lane_peaks
         if queries is not None:
             self.queries[:active], self.log_norms[:active] = queries, norms
@@ -524,7 +579,7 @@ class SlotState:
 
     def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
-        Returns logits [active, vocab], shares [active, capacity], lane shares and lane peaks
+        Returns logits [active, vocab], shares [active, recorded layers, heads, capacity], lane shares and lane peaks
         [active, lanes, capacity] (zeros unless every layer is recorded), all float32, and with
         every layer recorded the queries (scaled) [active, layers, heads, head_dim] and
         log-normalisers [active, layers, heads] (else None, None)."""
@@ -546,7 +601,7 @@ class SlotState:
             lane_shares, lane_peaks = per_lane.mean(dim=2), per_lane.amax(dim=2)
             queries = torch.stack([seen.queries[layer].float() * seen.scaling for layer in range(lm.num_layers)], dim=1)
             norms = torch.stack([seen.norms[layer].float() for layer in range(lm.num_layers)], dim=1)
-        return logits, per_head.mean(dim=(1, 2)), lane_shares, lane_peaks, queries, norms
+        return logits, per_head, lane_shares, lane_peaks, queries, norms
 
     # --- failure ----------------------------------------------------------------------------
 
@@ -561,6 +616,7 @@ class SlotState:
             self.kv.write(slot, saved["keys"], saved["values"])
             self.length[slot] = manager.rows_per_layer
             self._set_rows(slot, mirror)
+            self._set_predicted(slot, mirror, manager._predicted)
             self._take_newest(slot, manager)
             self.rebuilds += 1
 

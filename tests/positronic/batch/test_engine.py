@@ -193,3 +193,52 @@ def test_logits_that_are_not_finite_rebuild_that_sequence_and_it_goes_on(tiny):
     made += [engine.step()["x"] for _ in range(6)]
     assert engine.state.rebuilds == 1
     assert made[:6] == want[:6] and made[6] == want[6]
+
+
+@pytest.mark.parametrize("policy", PRESSES)
+def test_a_sequence_handed_back_ticks_on_as_if_it_had_never_left_its_brain(tiny, policy):
+    """A Brain ticks 10 times alone, 40 rounds in an engine beside another sequence, is handed
+    back, and ticks 30 more alone (a second stay of 20 rounds between): its tokens, live rows,
+    ledger, brightness, tick, sampler and policy state are those of a Brain that made every
+    tick itself (seeded sampling for two of the presses)."""
+    extra = dict(temperature=0.8, top_k=20) if policy in ("h2o", "random") else {}
+    config = config_for(policy, **extra)
+    want = Brain.start(tiny, prompt(tiny, 0, 70), config)
+    expected = [want.step().token_id for _ in range(100)]
+    brain = Brain.start(tiny, prompt(tiny, 0, 70), config)
+    engine = Engine(tiny, slots=2, capacity=64, score_layers=config.recorded_layers)
+    engine.join("other", Brain.start(tiny, prompt(tiny, 9, 40), config_for("streaming")))
+    made = [brain.step().token_id for _ in range(10)]
+    for stay, alone_after in ((40, 20), (20, 10)):
+        assert engine.refusal(brain, returning=True) is None
+        engine.join("b", brain)
+        made += [engine.step()["b"] for _ in range(stay)]
+        engine.hand_back("b", brain)
+        assert engine.keys() == ["other"]
+        made += [brain.step().token_id for _ in range(alone_after)]
+    assert made == expected
+    mine, theirs = brain.state.mirror, want.state.mirror
+    assert mine.live_token_ids() == theirs.live_token_ids() and mine.positions() == theirs.positions()
+    assert [(e.token_id, e.state, e.tick_born, e.tick_died, e.brightness) for e in mine.ledger] == \
+        [(e.token_id, e.state, e.tick_born, e.tick_died, e.brightness) for e in theirs.ledger]
+    assert brain.tick == want.tick == 100
+    assert torch.equal(brain.generator.get_state(), want.generator.get_state())
+    if policy in ("h2o", "scored"):  # h2o's sums to the last bits of a share: the engine's attention is
+        live = set(theirs.live.ledger_ids)  # written out, a Brain's is the model's kernel (docs/core.md)
+        assert brain.policy.scorer.value == pytest.approx(
+            {k: v for k, v in want.policy.scorer.value.items() if k in live}, rel=1e-6, abs=0)
+        assert brain.policy.scorer.clock == want.policy.scorer.clock
+    brain.state.check(deep=True)
+
+
+def test_a_sequence_that_keeps_lanes_apart_is_not_handed_back_yet(tiny, tmp_path):
+    _, gates = bench_gates(tiny, tmp_path)
+    config = config_for("smartkv", gates=gates)
+    brain = Brain.start(tiny, prompt(tiny, 0, 60), config)
+    engine = Engine(tiny, slots=1, capacity=64, lanes=tiny.num_layers)
+    assert "cannot leave the engine into a Brain yet" in engine.refusal(brain, returning=True)
+    engine.join("s", brain)
+    engine.step()
+    with pytest.raises(ValueError, match="cannot leave the engine into a Brain yet"):
+        engine.hand_back("s", brain)
+    assert engine.keys() == ["s"]
