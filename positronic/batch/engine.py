@@ -120,6 +120,8 @@ class Engine:
         self.sequences: list[Sequence] = []  # in slot order
         self.finished: dict[Hashable, object] = {}  # mirrors of sequences their press stopped
         self.seconds: dict[str, float] = {}
+        self.removed: dict[Hashable, list[int]] = {}  # the last round's deleted rows (lane 0's) of each sequence
+        self.rounds = 0  # rounds run
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -283,6 +285,10 @@ class Engine:
                              sequence_state=slot_state, sequence_writes=writes)
         self.seconds["apply"] = time.perf_counter() - planned
         self.seconds.update({f"apply.{k}": v for k, v in report.seconds.items()})
+        self.rounds += 1
+        self.removed = {sequence.key: [] for sequence in self.sequences}
+        for slot, row in deleted[:, 0].nonzero().tolist():  # one copy a round: the server's eviction counts
+            self.removed[self.sequences[slot].key].append(row)
         made = {}
         for slot, sequence in enumerate(self.sequences):
             if slot in report.failed:

@@ -14,6 +14,11 @@ Two ways to drive it:
 - `serve()`: a thread of its own runs works that any thread `submit`s, each as soon as it
   comes, until `stop()` (the server's forward thread: a session's request is one work).
 
+A work whose sequence is in a Core v4 engine (positronic/batch/engine.py; the server's replies)
+pauses at `tick(engine, key)` instead: the engine's round runs once every one of its sequences'
+works waits for it (a round ticks them all), beside the shared forwards of the works that tick
+their own brains, and each work resumes with its sequence's token.
+
 A work that must block (a checkpoint written to disk) hands that part to a helper thread,
 `offload(fn)`, and pauses until it is done: the others' rounds go on meanwhile. `wait(future)`
 pauses a work until a future is done (`WorkLock` is built on it).
@@ -67,6 +72,15 @@ class _Pause:
 
     def __init__(self, lm, part):
         self.lm, self.part = lm, part
+
+
+class _Tick:
+    """A work waiting for its sequence's token from an engine's next round."""
+
+    __slots__ = ("engine", "key")
+
+    def __init__(self, engine, key):
+        self.engine, self.key = engine, key
 
 
 class _Wait:
@@ -202,10 +216,9 @@ class Rounds:
             while not over():
                 self._wake.clear()
                 moved = self._start_new() + self._resume_waited()
-                if self._paused:
-                    self._round()
-                elif not moved and not over():
-                    self._wake.wait()
+                ran = self._round() if self._paused else False
+                if not ran and not moved and not over():
+                    self._wake.wait()  # every work waits on something else (a tick's fellows among them)
         finally:
             self._driver = None
             torch.set_grad_enabled(self._grad)
@@ -242,12 +255,19 @@ class Rounds:
             self._went(work, work.let.switch(self._waiting.pop(work)))
         return len(ready)
 
-    def _round(self) -> None:
-        """The paused works' forwards, one per model, then each work resumed with its result."""
+    def _round(self) -> bool:
+        """The paused works' forwards, one per model, and the round of every engine whose
+        sequences' works all wait for it; then each work resumed with its result. Returns
+        whether anything ran (an engine waits while a work of one of its sequences waits on
+        something else: its round would tick that sequence too)."""
         paused, self._paused = self._paused, {}
         groups: dict[int, list[_Work]] = {}
+        engines: dict[int, list[_Work]] = {}
         for work, pause in paused.items():
-            groups.setdefault(id(pause.lm), []).append(work)
+            if isinstance(pause, _Tick):
+                engines.setdefault(id(pause.engine), []).append(work)
+            else:
+                groups.setdefault(id(pause.lm), []).append(work)
         results = {}
         with self._forward_threads():
             for works in groups.values():  # one forward feeds one model
@@ -257,14 +277,29 @@ class Rounds:
                 self.fed += len(works)
                 self.retries += retried
                 self.on_forward(len(works))
+            for works in engines.values():
+                engine = paused[works[0]].engine
+                if {paused[work].key for work in works} != set(engine.keys()):
+                    self._paused.update((work, paused[work]) for work in works)  # not yet: a fellow is elsewhere
+                    continue
+                try:
+                    made = engine.step()
+                    outcomes = [made.get(paused[work].key) for work in works]  # None: its round failed (rebuilt)
+                except Exception as error:
+                    outcomes = [Failed(error)] * len(works)
+                results.update(zip(works, outcomes))
+                self.forwards += 1
+                self.fed += len(works)
+                self.on_forward(len(works))
         for work, result in results.items():
             self._went(work, work.let.switch(result))
+        return bool(results)
 
     def _went(self, work: _Work, where) -> None:
         """A work switched back: paused at a forward, waiting, or done. The driver's grad mode
         again (the next greenlet to start starts in it)."""
         torch.set_grad_enabled(self._grad)
-        if isinstance(where, _Pause):
+        if isinstance(where, (_Pause, _Tick)):
             self._paused[work] = where
         elif isinstance(where, _Wait):
             self._waiting[work] = where.future
@@ -304,6 +339,20 @@ class Rounds:
         part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers,
                        weights=weights)
         result = self._pause(_Pause(lm, part))
+        if isinstance(result, Failed):
+            raise result.error
+        return result
+
+    def tick(self, engine, key: Hashable) -> int | None:
+        """From the work of sequence `key` of `engine` (positronic/batch/engine.py): pauses until
+        the engine's next round, which runs once every one of its sequences' works waits for it;
+        the token the round made for `key`, or None if its round failed (the sequence was
+        rebuilt from its mirror and made nothing)."""
+        if not self.inside():
+            raise RuntimeError("an engine's round through Rounds must come from a work that Rounds is running")
+        if key not in engine.keys():
+            raise ValueError(f"sequence {key!r} is not in the engine")
+        result = self._pause(_Tick(engine, key))
         if isinstance(result, Failed):
             raise result.error
         return result
@@ -380,6 +429,17 @@ def wait(future: concurrent.futures.Future):
     """`Rounds.wait` in a work (the others' rounds go on); else the future's result, blocking."""
     meeting = _meeting()
     return future.result() if meeting is None else meeting.wait(future)
+
+
+def tick(engine, key: Hashable) -> int | None:
+    """`Rounds.tick` in a work; else the engine's round now (its only sequence's caller: a
+    round ticks every sequence in it)."""
+    meeting = _meeting()
+    if meeting is not None:
+        return meeting.tick(engine, key)
+    if engine.keys() != [key]:
+        raise RuntimeError("outside a Rounds work an engine's round is stepped by the caller of its only sequence")
+    return engine.step().get(key)
 
 
 def offload(function: Callable, *args, **kwargs):

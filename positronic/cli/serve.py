@@ -60,6 +60,12 @@ def _server_options(
         "refuse", help="A chat request whose earlier messages differ from its session's (an edited or regenerated "
                        "message): refuse (409 history_mismatch) | rebuild (start the session again from the request's "
                        "messages)."),
+    engine: bool = typer.Option(
+        True, "--engine/--no-engine",
+        help="Run replies' ticks as rounds of Core v4's batched engine where a session's settings run there (its "
+             "policy's press, shared rows: not smartkv, repairers, 4-bit formats or the ring store yet), one "
+             "engine of up to --max-sessions sequences (64 at most) per budget; --no-engine: every tick a "
+             "brain's own, its forward shared with the others'."),
     checkpoint_each_request: bool = typer.Option(
         True, "--checkpoint-each-request/--checkpoint-when-idle",
         help="Write a session to disk at the end of each request, before its answer's last byte (a kill loses "
@@ -187,7 +193,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"],
                                   checkpoint_each_request=options["checkpoint_each_request"],
-                                  history_edits=options["history_edits"], threads=threads)
+                                  history_edits=options["history_edits"], threads=threads,
+                                  engine_slots=min(options["max_sessions"], 64) if options["engine"] else 0)
         return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
                              api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
                              log_level=options["log_level"].value)

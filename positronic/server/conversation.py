@@ -21,14 +21,17 @@ chat's turns), while the request holds the lock and no job of the session is run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..brain import session as sessions
-from ..batch import WorkLock, offload
+from ..batch import WorkLock, offload, rounds
+from ..batch.engine import Engine
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
 from .history import History
@@ -67,6 +70,7 @@ class Conversation:
         self.history = History(None)  # a chat session's messages (history.py), checkpointed with it
         self.stepping = WorkLock()  # held through each tick: a reader in another job waits for its end
         self.claim: sessions.Claim | None = None  # its directory, held while it is in the pool (SessionPool)
+        self.seat: tuple[Engine, object] | None = None  # (engine, key) while its reply ticks in an engine's rounds
 
     # -- on the model worker --------------------------------------------------------------
 
@@ -110,6 +114,55 @@ class Conversation:
             return self._tick(None)
         finally:
             self.brain.config = own
+
+    @contextlib.contextmanager
+    def decoding(self, engine: Engine | None, sampling: dict) -> Iterator[Callable[[], TickRecord]]:
+        """A reply's ticks: yields `tick()`, which generates one token with `sampling` in place
+        of the session's own settings (`step`). With `engine` (ModelWorker.engine_for) the brain
+        joins it and each tick is its part of the engine's next round, shared with every other
+        session's there; on the way out it is handed back, its state, tick, sampler and policy
+        as if it had made the ticks itself (Engine.hand_back). While it is in the engine,
+        `describe` reads the engine's mirror of it."""
+        if engine is None:
+            yield functools.partial(self.step, sampling)
+            return
+        brain, key = self.brain, ("conversation", id(self))
+        engine.join(key, brain, config=dataclasses.replace(brain.config, **sampling) if sampling else None)
+        self.seat = (engine, key)
+        try:
+            yield functools.partial(self._round, engine, key)
+        finally:
+            self.seat = None
+            try:
+                engine.hand_back(key, brain)
+            except Exception:  # its rows could not come back: the engine lets it go, the session is not trusted
+                if key in engine.keys():
+                    engine.leave(key)
+                self.broken = True
+                raise
+
+    def _round(self, engine: Engine, key) -> TickRecord:
+        """One token of a reply in the engine's next round (`decoding`), recorded as a tick."""
+        start = time.perf_counter()
+        self.dirty = True
+        with self.stepping:
+            token = rounds.tick(engine, key)
+        slot = engine.keys().index(key)
+        removed = engine.removed.get(key, []) if token is not None else []
+        record = TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text="",
+                            actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
+                            outcomes=[], live_length=int(engine.state.length[slot]), brightness_min=0.0,
+                            brightness_mean=0.0, brightness_max=0.0, rebuilt=token is None,
+                            error=None if token is not None else "the engine's round failed: rebuilt from the mirror")
+        self.on_tick(record, time.perf_counter() - start)
+        return record
+
+    def next_logits(self):
+        """The logits the next generated token is drawn from ([vocab] float32, a copy in an engine)."""
+        if self.seat is not None:
+            engine, key = self.seat
+            return engine.state.next_logits[engine.keys().index(key)].clone()
+        return self.brain.state.next_logits
 
     def _tick(self, force: int | None, *, forced: bool = False) -> TickRecord:
         config = self.brain.config
@@ -159,6 +212,10 @@ class Conversation:
 
     def describe(self) -> dict:
         """The session's state for clients: counts, and its text (transcript and live)."""
+        if self.seat is not None:  # its reply ticks in an engine: the engine's mirror of it is the truth
+            engine, key = self.seat
+            slot = engine.keys().index(key)
+            return describe(engine.state.mirror(slot), engine.state.tick(slot), self.brain.config.budget)
         return describe(self.brain.state.mirror, self.brain.tick, self.brain.config.budget)
 
 

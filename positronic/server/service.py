@@ -66,6 +66,7 @@ class ServerSettings:
     checkpoint_each_request: bool = True  # write a session through to disk before each answer's last byte
     history_edits: str = "refuse"  # a chat whose earlier messages differ from its session's: refuse (409) | rebuild
     threads: int | None = None  # torch's threads in the forward thread (None: this thread's when the server is made)
+    engine_slots: int = 16  # sequences per Core v4 engine whose rounds run replies' ticks (0: none; worker.py)
 
 
 class BrainServer:
@@ -82,7 +83,8 @@ class BrainServer:
         # the tokenizer's split-special-tokens switch is shared state (ChatFormat.literal).
         self.text_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="positronic-text")
         lm.fewest_tokens("")  # the vocabulary's longest entry, read once now rather than by a request
-        self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads)
+        self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads,
+                                  engine_slots=settings.engine_slots)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.preparer = Preparer(lm, config, self.worker, self.format, self.off_loop,

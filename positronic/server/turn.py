@@ -135,25 +135,29 @@ class Turn:
                 post((None, len(self.entries)))
             self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
                                ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
+        if self.reply.done:
+            return
         failed = 0
-        while not self.reply.done:
-            if halt.is_set() or stopping():
-                return
-            record, piece = self._next_token()
-            if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
-                failed += 1
-                if failed >= MAX_FAILED_TICKS:
-                    raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
-                continue
-            failed = 0
-            post(((piece,), len(self.entries)))
+        # the reply's ticks: rounds of the worker's engine where its settings run there, else its brain's own
+        with conversation.decoding(self.worker.engine_for(conversation.brain), self.sampling) as tick:
+            while not self.reply.done:
+                if halt.is_set() or stopping():
+                    return
+                record, piece = self._next_token(tick)
+                if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
+                    failed += 1
+                    if failed >= MAX_FAILED_TICKS:
+                        raise RuntimeError(f"{failed} ticks in a row failed: {record.error}")
+                    continue
+                failed = 0
+                post(((piece,), len(self.entries)))
 
-    def _next_token(self) -> tuple[TickRecord, str]:
+    def _next_token(self, tick: Callable[[], TickRecord]) -> tuple[TickRecord, str]:
         """On the model worker: one tick, and its token taken into the reply in the same job, so
         that a token the brain took is always the reply's (a request cancelled while the job
         runs, by a client leaving, loses the text's piece but not the token: a retry sends it)."""
-        logits = self.conversation.brain.state.next_logits if self.logprobs is not None else None
-        record = self.conversation.step(self.sampling)
+        logits = self.conversation.next_logits() if self.logprobs is not None else None
+        record = tick()
         if record.rebuilt:
             return record, ""
         kept = len(self.reply.ids)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batch import Rounds
+from ..batch.engine import Engine
+from positronic.steps.attention import layer_indices
 from ..batch.threads import set_threads
 
 if TYPE_CHECKING:
@@ -46,9 +48,14 @@ class ModelWorker:
     do not. The forwards run with torch's `threads`, the jobs' own ops with one
     (positronic/batch/threads.py says why)."""
 
-    def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None):
+    def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None,
+                 engine_slots: int = 0):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
+        # Core v4 (positronic/batch/engine.py): a reply's ticks run as rounds of one engine per
+        # budget and scored layers, `engine_slots` sequences each (0: none; every tick a brain's own)
+        self.engine_slots = engine_slots
+        self._engines: dict[tuple, Engine] = {}
         self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
         serving = threading.Event()
@@ -62,6 +69,28 @@ class ModelWorker:
         self._owned: dict[int, concurrent.futures.Future] = {}  # a conversation's (id) last job
         self.ticking: dict[int, asyncio.Future] = {}  # conversation (id) -> its request's turn in progress (`stream`)
         self._closed = False
+
+    def engine_for(self, brain) -> Engine | None:
+        """In a job: the engine `brain`'s reply ticks in (made the first time one is needed), or
+        None where it cannot (no engines, settings Core v4 does not run yet, a policy that
+        stops at capacity, every slot in use): it ticks on its own then."""
+        config = brain.config
+        if not self.engine_slots or (config.policy == "none" and config.at_capacity == "stop"):
+            return None
+        key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)))
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = Engine(brain.state.lm, slots=self.engine_slots, capacity=config.budget,
+                            score_layers=list(key[2]))
+        if engine.refusal(brain, returning=True) is not None:
+            return None
+        self._engines[key] = engine
+        return engine
+
+    @property
+    def engine_rounds(self) -> int:
+        """Rounds the engines have run (each one token for every sequence in it)."""
+        return sum(engine.rounds for engine in self._engines.values())
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
         """Run `fn(*args)` as a job; `owner`: the conversation it touches, whose jobs run one

@@ -261,10 +261,11 @@ class SlotState:
                              "own yet")
         rows = int(self.length[slot])
         keys, values = self.rows(slot)
+        # copies, never views of the slot: the next sequence in it overwrites them (`.cpu()` on the CPU copies nothing)
         tensors = {"keys": keys.cpu(), "values": values.cpu(),
-                   "predicted": self.row_state["predicted"][slot, 0, :rows].cpu(),
-                   "next_logits": self.next_logits[slot].cpu(),
-                   "last_attention": self.attention[slot, :, :, :rows].cpu().contiguous()}
+                   "predicted": self.row_state["predicted"][slot, 0, :rows].to("cpu", copy=True),
+                   "next_logits": self.next_logits[slot].to("cpu", copy=True),
+                   "last_attention": self.attention[slot, :, :, :rows].to("cpu", copy=True).contiguous()}
         if brightness is not None:
             mirror.set_brightness(brightness)
         options = dict(capacity=capacity, score_layers=self.attention_layers, brightness=self._starts[slot])

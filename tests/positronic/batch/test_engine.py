@@ -198,7 +198,8 @@ def test_logits_that_are_not_finite_rebuild_that_sequence_and_it_goes_on(tiny):
 @pytest.mark.parametrize("policy", PRESSES)
 def test_a_sequence_handed_back_ticks_on_as_if_it_had_never_left_its_brain(tiny, policy):
     """A Brain ticks 10 times alone, 40 rounds in an engine beside another sequence, is handed
-    back, and ticks 30 more alone (a second stay of 20 rounds between): its tokens, live rows,
+    back (another sequence then ticks in its slot), and ticks 20 alone, 20 in the engine, 10
+    alone: its tokens, live rows,
     ledger, brightness, tick, sampler and policy state are those of a Brain that made every
     tick itself (seeded sampling for two of the presses)."""
     extra = dict(temperature=0.8, top_k=20) if policy in ("h2o", "random") else {}
@@ -215,6 +216,11 @@ def test_a_sequence_handed_back_ticks_on_as_if_it_had_never_left_its_brain(tiny,
         made += [engine.step()["b"] for _ in range(stay)]
         engine.hand_back("b", brain)
         assert engine.keys() == ["other"]
+        # another sequence takes the slot and ticks there: nothing the brain took back is a view of it
+        engine.join("filler", Brain.start(tiny, prompt(tiny, 20, 45), config_for("h2o")))
+        for _ in range(3):
+            engine.step()
+        engine.leave("filler")
         made += [brain.step().token_id for _ in range(alone_after)]
     assert made == expected
     mine, theirs = brain.state.mirror, want.state.mirror

@@ -86,11 +86,11 @@ def test_a_reply_whose_last_tick_outlived_its_client_is_recorded_whole_and_kept(
     with the client that sends its history back."""
     last_tick, original = threading.Event(), Turn._next_token
 
-    def slow_last(turn):
+    def slow_last(turn, tick):
         if turn.reply is not None and len(turn.reply.ids) == turn.max_tokens - 1:
             last_tick.set()
             time.sleep(0.5)  # the client leaves meanwhile
-        return original(turn)
+        return original(turn, tick)
 
     monkeypatch.setattr(Turn, "_next_token", slow_last)
     settings = server_settings(tmp_path)
@@ -133,8 +133,8 @@ def test_a_stream_the_shutdown_cut_is_in_the_history_as_the_client_got_it(tiny, 
 
     cut, original = {"now": False, "held": ""}, Turn._next_token
 
-    def watched(turn):
-        record, piece = original(turn)
+    def watched(turn, tick):
+        record, piece = original(turn, tick)
         reply = turn.reply
         held = reply._decode()[reply._decoded:]
         if len(reply.ids) >= 2 and held and not reply.done and not cut["now"]:

@@ -144,9 +144,9 @@ def test_a_whole_reply_the_stop_cannot_wait_for_gets_503_and_is_not_saved(tiny, 
 
     original = Turn._next_token
 
-    def slow(turn):  # 4,000 tokens take >= 8 s, whatever the machine: the 1 s graceful period cannot wait
+    def slow(turn, tick):  # 4,000 tokens take >= 8 s, whatever the machine: the 1 s graceful period cannot wait
         time.sleep(0.002)
-        return original(turn)
+        return original(turn, tick)
 
     monkeypatch.setattr(Turn, "_next_token", slow)
     settings = server_settings(tmp_path)

@@ -1,0 +1,41 @@
+"""Replies ticked as rounds of Core v4's engine (ServerSettings.engine_slots, `serve --engine`):
+the same answers as every session ticking its own brain, through concurrent clients that lose
+answers and retry them (a reply left half-way goes back to its brain and comes again)."""
+
+from __future__ import annotations
+
+import threading
+
+from positronic.brain.loop import BrainConfig
+from tests.positronic.server.test_kill_soak import CONFIG, clients, converse
+
+
+def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int):
+    talking = clients()  # a greedy chat, a seeded sampled chat, greedy completions; a quarter of the answers lost
+    with live_server(tiny, server_settings(tmp_path / f"slots-{engine_slots}", engine_slots=engine_slots),
+                     CONFIG) as server:
+        converse(lambda: server.url, talking, threading.Event())
+        rounds = server.server.worker.engine_rounds
+        generated = server.metric("positronic_generated_tokens_total")
+    assert not any(client.failures for client in talking), [client.failures for client in talking]
+    return {client.session: client.answers for client in talking}, rounds, generated, \
+        sum(client.attempts - len(client.answers) for client in talking)
+
+
+def test_replies_in_engine_rounds_are_the_replies_of_brains_ticking_alone(tiny, tmp_path, live_server,
+                                                                         server_settings):
+    alone, rounds_alone, generated_alone, _ = answers(tiny, tmp_path, live_server, server_settings, 0)
+    batched, rounds, generated, retried = answers(tiny, tmp_path, live_server, server_settings, 16)
+    assert rounds_alone == 0 and rounds > 0
+    assert retried > 0, "no answer was lost and asked again: the test would not see a reply leave half-way"
+    assert batched == alone
+    assert generated == generated_alone
+
+
+def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server, server_settings, chat):
+    """A repairer (not on Core v4 yet) keeps a session on its own brain; it still answers."""
+    config = BrainConfig(budget=96, temperature=0.0, seed=0, repairer="self")
+    with live_server(tiny, server_settings(tmp_path, engine_slots=16), config) as server:
+        reply = chat(server.client(), "r1", "hello", max_tokens=6)
+        assert reply.usage.completion_tokens == 6
+        assert server.server.worker.engine_rounds == 0
