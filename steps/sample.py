@@ -220,6 +220,74 @@ def _validate(logits: Tensor, temperature, top_k, top_p, min_p, repetition_penal
             raise ValueError(f"{name} must be a finite number, got {value}")
 
 
+def sample_many(logits: Tensor, recent: Tensor, settings: Sequence[tuple[float, int, float, float, float]],
+                generators: Sequence[torch.Generator]) -> list[int]:
+    """Step 1 of S sampling sequences at once: row s's token is `sample(logits[s],
+    temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r, recent_ids=...,
+    generator=generators[s])`'s for `settings[s]` = (t, k, p, m, r), to the bit and with the
+    same draw from its generator. The penalties, temperature, top-k, top-p and min-p run over
+    every row of one setting at once (the same row-wise operations `sample` runs on one row);
+    only the draw is a call per row, each from its own generator. Rows without a bias or
+    presence / frequency penalties only (`sample` takes those). `recent` [S, window] as in
+    `greedy_many`. A row whose top-k cut falls inside a tie, or whose penalties leave a
+    non-finite logit, is drawn by `sample` itself. NonFiniteLogits as `greedy_many`."""
+    x = logits.detach().to(torch.float32, copy=True)
+    top = x.max(dim=-1).values
+    if not bool(torch.isfinite(top).all()):
+        bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
+        raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
+    vocab = x.shape[-1]
+    x = _repetition(x, recent, [setting[4] for setting in settings])
+    tokens: list[int | None] = [None] * len(settings)
+    groups: dict[tuple, list[int]] = {}
+    for row, setting in enumerate(settings):
+        groups.setdefault(tuple(setting[:4]), []).append(row)
+    for (temperature, top_k, top_p, min_p), rows in groups.items():
+        if temperature <= GREEDY_BELOW:
+            raise ValueError("sample_many draws: greedy rows go to greedy_many")
+        part = x[rows]
+        finite = torch.isfinite(part.max(dim=-1).values)  # an extreme penalty: `sample` mends it
+        part = part - part.max(dim=-1, keepdim=True).values
+        tempered = TemperatureLogitsWarper(float(min(temperature, TEMPERATURE_CAP)))(recent, part)
+        candidates, exact = None, finite
+        if top_k and top_k < vocab:
+            values, ids = tempered.topk(min(max(TOP_N, top_k) + 1, vocab))
+            exact = exact & (values[:, top_k] < values[:, top_k - 1])  # a tie at the cut: `sample`'s own rule
+            candidates = ids[:, :top_k].sort(dim=1).values
+            tempered = tempered.gather(1, candidates)
+        if top_p < 1.0:
+            tempered = TopPLogitsWarper(float(top_p))(recent, tempered)
+        if min_p > 0.0:
+            tempered = MinPLogitsWarper(float(min_p))(recent, tempered)
+        kept = torch.softmax(tempered, dim=-1)
+        for k, row in enumerate(rows):
+            if not bool(exact[k]):
+                continue
+            pick = int(torch.multinomial(kept[k], 1, generator=generators[row]))
+            tokens[row] = pick if candidates is None else int(candidates[k, pick])
+    for row, token in enumerate(tokens):
+        if token is None:
+            temperature, top_k, top_p, min_p, penalty = settings[row]
+            ids = dict.fromkeys(recent[row].tolist()) if recent.numel() else ()  # `sample` penalises each id once
+            tokens[row] = sample(logits[row], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repetition_penalty=penalty, recent_ids=list(ids), generator=generators[row]).token_id
+    return tokens
+
+
+def _repetition(x: Tensor, recent: Tensor, penalties: Sequence[float]) -> Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor on each row of x [S, vocab] (in place)
+    with its own penalty (a Python float, as `sample` passes it) over its ids `recent` [S, n]."""
+    if recent.numel():
+        penalty = torch.tensor(penalties, dtype=torch.float64, device=x.device)
+        for value in sorted(set(penalties) - {1.0}):
+            rows = (penalty == value).nonzero().flatten()
+            part, ids = x[rows], recent[rows]
+            score = part.gather(1, ids)
+            score = torch.where(score < 0, score * value, score / value)
+            x[rows] = part.scatter(1, ids, score)
+    return x
+
+
 def greedy_many(logits: Tensor, recent: Tensor, penalties: Sequence[float]) -> list[int]:
     """Step 1 of S greedy sequences at once: the argmax of each row of `logits` [S, vocab]
     after its repetition penalty over its recent ids `recent` [S, window] (a row shorter than
@@ -233,12 +301,4 @@ def greedy_many(logits: Tensor, recent: Tensor, penalties: Sequence[float]) -> l
     if not bool(torch.isfinite(top).all()):
         bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
         raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
-    if recent.numel():
-        penalty = torch.tensor(penalties, dtype=torch.float64, device=x.device)
-        for value in sorted(set(penalties) - {1.0}):
-            rows = (penalty == value).nonzero().flatten()
-            part, ids = x[rows], recent[rows]
-            score = part.gather(1, ids)
-            score = torch.where(score < 0, score * value, score / value)
-            x[rows] = part.scatter(1, ids, score)
-    return x.argmax(dim=-1).tolist()
+    return _repetition(x, recent, penalties).argmax(dim=-1).tolist()

@@ -37,7 +37,7 @@ from typing import Hashable
 
 import torch
 
-from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample
+from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample, sample_many
 
 from ..policies.scorers import Keyed
 from ..presses import PRESSES, Rows, make_press
@@ -378,8 +378,22 @@ class Engine:
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
             for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
                 tokens[slot] = token
+        drawn: dict[int, list[int]] = {}  # penalty window -> slots: the common samplers at once (steps.sample_many)
         for slot, sequence in enumerate(self.sequences):
-            if not sequence.greedy:
+            if not sequence.greedy and sequence.press.lanes == 1 and _batched_draw(sequence.config):
+                drawn.setdefault(sequence.config.penalty_window, []).append(slot)
+        for window, slots in drawn.items():
+            index = torch.tensor(slots, device=logits.device)
+            rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
+            recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            configs = [self.sequences[slot].config for slot in slots]
+            settings = [(c.temperature, c.top_k, c.top_p, c.min_p, c.repetition_penalty) for c in configs]
+            made = sample_many(logits[index], recent, settings, [self.sequences[slot].generator for slot in slots])
+            for slot, token in zip(slots, made):
+                tokens[slot] = token
+        drawn = {slot for slots in drawn.values() for slot in slots}
+        for slot, sequence in enumerate(self.sequences):
+            if not sequence.greedy and slot not in drawn:
                 cfg = sequence.config
                 length = int(state.length[slot])
                 if sequence.press.lanes > 1:
@@ -413,6 +427,12 @@ def union_recent(state: SlotState, index: torch.Tensor, window: int) -> tuple[to
     first = torch.ones_like(positions, dtype=torch.bool)
     first[:, 1:] = positions[:, 1:] != positions[:, :-1]
     return ids, first & (first.cumsum(dim=1) <= window)
+
+
+def _batched_draw(config) -> bool:
+    """Whether `config` samples with only what `steps.sample_many` draws for many at once
+    (no bias, no presence or frequency penalty)."""
+    return not (config.presence_penalty or config.frequency_penalty or config.sampling.bias)
 
 
 def _greedy(config) -> bool:

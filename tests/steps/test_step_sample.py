@@ -351,3 +351,32 @@ def test_greedy_many_names_the_rows_without_finite_logits():
     logits[1, 4] = float("nan")
     with pytest.raises(NonFiniteLogits, match=r"rows \[1\]"):
         greedy_many(logits, torch.zeros(3, 0, dtype=torch.long), [1.0] * 3)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_sample_many_draws_each_rows_sample_with_its_own_generator(vocab):
+    """Rows of different settings (temperature, top-k with and without a tie at its cut, top-p,
+    min-p, penalties, an extreme penalty) and recent ids: each row's token is `sample`'s with
+    the same generator, and every generator ends where `sample` leaves it, over 40 draws."""
+    from positronic.steps.sample import sample_many
+
+    generator = torch.Generator().manual_seed(vocab)
+    settings = [(0.7, 50, 0.95, 0.0, 1.1), (0.7, 50, 0.95, 0.0, 1.1), (1.3, 0, 1.0, 0.0, 1.0),
+                (0.5, 5, 1.0, 0.1, 1.3), (0.9, 0, 0.8, 0.0, 1.1), (0.7, 50, 0.95, 0.0, 1e-37), (2.0, 3, 0.5, 0.2, 1.0)]
+    rows = len(settings)
+    for draw in range(40):
+        logits = torch.randn(rows, vocab, generator=generator) * 3
+        if draw % 4 == 0:  # ties at row 3's top-k cut (its 5th and 6th largest alike) and many ties in row 6
+            order = logits[3].argsort(descending=True)
+            logits[3, order[5]] = logits[3, order[4]]
+            logits[6] = logits[6].round()
+        recent = torch.randint(0, vocab, (rows, 16), generator=generator)
+        recent[1] = recent[1, 0]  # a short row: one id repeated
+        logits[5, recent[5, 0]] = 50.0  # divided by row 5's penalty it passes float32's largest: `sample` mends it
+        mine = [torch.Generator().manual_seed(100 * draw + r) for r in range(rows)]
+        theirs = [torch.Generator().manual_seed(100 * draw + r) for r in range(rows)]
+        want = [sample(logits[r], temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=pen,
+                       recent_ids=recent[r].tolist(), generator=theirs[r]).token_id
+                for r, (t, k, p, m, pen) in enumerate(settings)]
+        assert sample_many(logits, recent, settings, mine) == want, f"draw {draw}"
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, theirs))
