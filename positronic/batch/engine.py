@@ -26,7 +26,8 @@ lanes of the first sequence that joins it.
 Sequences with the same press and settings score together: the loop is over kinds of press,
 never over sequences. What does not run here yet (the single-sequence `Brain` and the
 greenlet `Batch` do): recall with a press other than smartkv, SmartKV's pins, repairers, 4-bit formats, the ring store, pins
-made after joining, refreshes, typed input and teacher forcing.
+made after joining, refreshes. Input (typed turns, forced tokens) is given to a round
+(`step(given)`) by the caller, which keeps the queue (the server's Conversation).
 """
 
 from __future__ import annotations
@@ -142,8 +143,6 @@ class Engine:
                 return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
         if config.budget > self.state.capacity:
             return f"budget {config.budget} does not fit the engine's {self.state.capacity} rows a sequence"
-        if brain._pending:
-            return "typed input does not run on Core v4 yet: join once it is read"
         if returning and brain.state.per_layer:
             return "a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a Brain yet"
         if returning and len(self.sequences) == self.state.kv.slots:
@@ -227,15 +226,25 @@ class Engine:
         brain.counts["rebuilds"] += sequence.rebuilds
 
     @torch.no_grad()
-    def step(self) -> dict[Hashable, int]:
-        """One round: every active sequence makes one token; returns them by key. A sequence
-        whose press stops it (policy none at capacity) makes its last token in this round and
-        leaves after it (its mirror goes to `finished`)."""
+    def step(self, given: dict[Hashable, tuple[int, str]] | None = None) -> dict[Hashable, int]:
+        """One round: every active sequence makes one token; returns them by key. `given`:
+        sequences that add a token they were given instead of drawing one, {key: (token id,
+        ledger source)} ("user" for typed input, "generated" for a forced token, as
+        `Brain.step` records them; their samplers do not move). A sequence whose press stops
+        it (policy none at capacity) makes its last token in this round and leaves after it
+        (its mirror goes to `finished`)."""
         clock = time.perf_counter()
         state, active = self.state, len(self.sequences)
         if not active:
             return {}
-        tokens = self._sample(state.next_logits[:active])
+        given = given or {}
+        if unknown := set(given) - set(self.keys()):
+            raise ValueError(f"tokens given for sequences not in the engine: {sorted(map(repr, unknown))}")
+        slots = {key: slot for slot, key in enumerate(self.keys())}
+        tokens = self._sample(state.next_logits[:active], skip={slots[key] for key in given})
+        sources = ["generated"] * active
+        for key, (token, source) in given.items():
+            tokens[slots[key]], sources[slots[key]] = int(token), source
         self.seconds = {"sample": (now := time.perf_counter()) - clock}
         device = state.length.device
         deleted = torch.zeros((active, state.lanes, state.capacity), dtype=torch.bool, device=device)
@@ -282,7 +291,8 @@ class Engine:
         planned = time.perf_counter()
         self.seconds["policy"] = planned - now
         report = state.apply(deleted, tokens, row_state=row_state, inserts=self._inserts(inserts, active),
-                             sequence_state=slot_state, sequence_writes=writes)
+                             sequence_state=slot_state, sequence_writes=writes,
+                             source=sources if given else "generated")
         self.seconds["apply"] = time.perf_counter() - planned
         self.seconds.update({f"apply.{k}": v for k, v in report.seconds.items()})
         self.rounds += 1
@@ -352,11 +362,12 @@ class Engine:
             groups.setdefault(key, (sequence.press, []))[1].append(slot)
         return groups.values()
 
-    def _sample(self, logits: torch.Tensor) -> list[int]:
+    def _sample(self, logits: torch.Tensor, skip: set[int] = frozenset()) -> list[int]:
         """Step 1 for every sequence: the greedy ones in one batched argmax per penalty window
         (their repetition penalties applied as `steps.sample` would), each other one its own
         draw. Rows whose logits are not finite are rebuilt from their mirrors first, as a
-        Brain does; if they stay so, NonFiniteLogits."""
+        Brain does; if they stay so, NonFiniteLogits. Slots in `skip` draw nothing (their
+        token is given; their entry is 0)."""
         state = self.state
         bad = (~torch.isfinite(logits.max(dim=-1).values)).nonzero().flatten().tolist()
         if bad:
@@ -365,7 +376,7 @@ class Engine:
         tokens: list[int] = [0] * len(self.sequences)
         windows: dict[tuple[int, bool], list[int]] = {}
         for slot, sequence in enumerate(self.sequences):
-            if sequence.greedy:
+            if sequence.greedy and slot not in skip:
                 windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
         for (window, lanes), slots in windows.items():
             index = torch.tensor(slots, device=logits.device)
@@ -380,6 +391,8 @@ class Engine:
                 tokens[slot] = token
         drawn: dict[int, list[int]] = {}  # penalty window -> slots: the common samplers at once (steps.sample_many)
         for slot, sequence in enumerate(self.sequences):
+            if slot in skip:
+                continue
             if not sequence.greedy and sequence.press.lanes == 1 and _batched_draw(sequence.config):
                 drawn.setdefault(sequence.config.penalty_window, []).append(slot)
         for window, slots in drawn.items():
@@ -393,7 +406,7 @@ class Engine:
                 tokens[slot] = token
         drawn = {slot for slots in drawn.values() for slot in slots}
         for slot, sequence in enumerate(self.sequences):
-            if not sequence.greedy and slot not in drawn:
+            if not sequence.greedy and slot not in drawn and slot not in skip:
                 cfg = sequence.config
                 length = int(state.length[slot])
                 if sequence.press.lanes > 1:

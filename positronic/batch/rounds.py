@@ -75,12 +75,13 @@ class _Pause:
 
 
 class _Tick:
-    """A work waiting for its sequence's token from an engine's next round."""
+    """A work waiting for its sequence's token from an engine's next round (`given`: the token
+    and ledger source it adds instead of drawing one)."""
 
-    __slots__ = ("engine", "key")
+    __slots__ = ("engine", "key", "given")
 
-    def __init__(self, engine, key):
-        self.engine, self.key = engine, key
+    def __init__(self, engine, key, given=None):
+        self.engine, self.key, self.given = engine, key, given
 
 
 class _Wait:
@@ -282,8 +283,9 @@ class Rounds:
                 if {paused[work].key for work in works} != set(engine.keys()):
                     self._paused.update((work, paused[work]) for work in works)  # not yet: a fellow is elsewhere
                     continue
+                given = {paused[work].key: paused[work].given for work in works if paused[work].given is not None}
                 try:
-                    made = engine.step()
+                    made = engine.step(given)
                     outcomes = [made.get(paused[work].key) for work in works]  # None: its round failed (rebuilt)
                 except Exception as error:
                     outcomes = [Failed(error)] * len(works)
@@ -343,16 +345,17 @@ class Rounds:
             raise result.error
         return result
 
-    def tick(self, engine, key: Hashable) -> int | None:
+    def tick(self, engine, key: Hashable, given: tuple[int, str] | None = None) -> int | None:
         """From the work of sequence `key` of `engine` (positronic/batch/engine.py): pauses until
         the engine's next round, which runs once every one of its sequences' works waits for it;
-        the token the round made for `key`, or None if its round failed (the sequence was
-        rebuilt from its mirror and made nothing)."""
+        the token the round made for `key` (`given`: (token id, ledger source) it adds instead
+        of drawing one: input read), or None if its round failed (the sequence was rebuilt from
+        its mirror and added nothing)."""
         if not self.inside():
             raise RuntimeError("an engine's round through Rounds must come from a work that Rounds is running")
         if key not in engine.keys():
             raise ValueError(f"sequence {key!r} is not in the engine")
-        result = self._pause(_Tick(engine, key))
+        result = self._pause(_Tick(engine, key, given))
         if isinstance(result, Failed):
             raise result.error
         return result
@@ -431,15 +434,15 @@ def wait(future: concurrent.futures.Future):
     return future.result() if meeting is None else meeting.wait(future)
 
 
-def tick(engine, key: Hashable) -> int | None:
+def tick(engine, key: Hashable, given: tuple[int, str] | None = None) -> int | None:
     """`Rounds.tick` in a work; else the engine's round now (its only sequence's caller: a
     round ticks every sequence in it)."""
     meeting = _meeting()
     if meeting is not None:
-        return meeting.tick(engine, key)
+        return meeting.tick(engine, key, given)
     if engine.keys() != [key]:
         raise RuntimeError("outside a Rounds work an engine's round is stepped by the caller of its only sequence")
-    return engine.step().get(key)
+    return engine.step({key: given} if given is not None else None).get(key)
 
 
 def offload(function: Callable, *args, **kwargs):

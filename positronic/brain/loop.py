@@ -128,6 +128,13 @@ class Brain:
         """The token ids of typed input not added yet, in order (saved with a session)."""
         return tuple(self._pending)
 
+    def input_added(self) -> int:
+        """The first queued typed token went in by another way than `step` (a round of Core
+        v4's engine, which the caller gave it to): it leaves the queue; returns it."""
+        if not self._pending:
+            raise ValueError("no typed input is queued")
+        return self._pending.popleft()
+
     def say(self, text: str) -> list[int]:
         """Queue `text` as a user turn (positronic/brain/chat.py): the following ticks that force
         nothing add its tokens one per tick instead of sampling (ledger source "user"), then

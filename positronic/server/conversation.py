@@ -47,6 +47,15 @@ def evicts_nothing(config: BrainConfig) -> bool:
     return config.policy == "none" and config.at_capacity == "stop"
 
 
+@dataclasses.dataclass(frozen=True)
+class Ticks:
+    """A turn's two kinds of tick (`Conversation.decoding`): `read()` adds the next queued input
+    token (None when none is left), `generate()` draws one."""
+
+    read: Callable[[], TickRecord | None]
+    generate: Callable[[], TickRecord]
+
+
 class Conversation:
     """One session's brain (None until its first request) and the forced tokens it still has
     to read (a reply's closing, a completion's text); typed turns wait in the brain itself
@@ -116,21 +125,22 @@ class Conversation:
             self.brain.config = own
 
     @contextlib.contextmanager
-    def decoding(self, engine: Engine | None, sampling: dict) -> Iterator[Callable[[], TickRecord]]:
-        """A reply's ticks: yields `tick()`, which generates one token with `sampling` in place
-        of the session's own settings (`step`). With `engine` (ModelWorker.engine_for) the brain
-        joins it and each tick is its part of the engine's next round, shared with every other
-        session's there; on the way out it is handed back, its state, tick, sampler and policy
-        as if it had made the ticks itself (Engine.hand_back). While it is in the engine,
-        `describe` reads the engine's mirror of it."""
+    def decoding(self, engine: Engine | None, sampling: dict) -> Iterator[Ticks]:
+        """A turn's ticks (`Ticks`): `read()` adds the next queued input token (`read_one`),
+        `generate()` one token drawn with `sampling` in place of the session's own settings
+        (`step`). With `engine` (ModelWorker.engine_for) the brain joins it and each tick is
+        its part of the engine's next round, shared with every other session's there; on the
+        way out it is handed back, its state, tick, sampler and policy as if it had made the
+        ticks itself (Engine.hand_back). While it is in the engine, `describe` and
+        `last_token` read the engine's record of it."""
         if engine is None:
-            yield functools.partial(self.step, sampling)
+            yield Ticks(self.read_one, functools.partial(self.step, sampling))
             return
         brain, key = self.brain, ("conversation", id(self))
         engine.join(key, brain, config=dataclasses.replace(brain.config, **sampling) if sampling else None)
         self.seat = (engine, key)
         try:
-            yield functools.partial(self._round, engine, key)
+            yield Ticks(functools.partial(self._read_round, engine, key), functools.partial(self._round, engine, key))
         finally:
             self.seat = None
             try:
@@ -141,18 +151,34 @@ class Conversation:
                 self.broken = True
                 raise
 
-    def _round(self, engine: Engine, key) -> TickRecord:
-        """One token of a reply in the engine's next round (`decoding`), recorded as a tick."""
+    def _read_round(self, engine: Engine, key) -> TickRecord | None:
+        """`read_one` in the engine's next round: the next forced token (source "generated"),
+        else the next typed one ("user"), given to the round instead of a draw."""
+        if not self.reading:
+            return None
+        given = (self.forced[0], "generated") if self.forced else (self.brain.pending_input[0], "user")
+        record = self._round(engine, key, given)
+        if not record.rebuilt:
+            if self.forced:
+                self.forced.popleft()
+            else:
+                self.brain.input_added()
+        return record
+
+    def _round(self, engine: Engine, key, given: tuple[int, str] | None = None) -> TickRecord:
+        """One token in the engine's next round (`decoding`), drawn or `given` (token id,
+        ledger source), recorded as a tick."""
         start = time.perf_counter()
         self.dirty = True
         with self.stepping:
-            token = rounds.tick(engine, key)
+            token = rounds.tick(engine, key, given)
         slot = engine.keys().index(key)
         removed = engine.removed.get(key, []) if token is not None else []
         record = TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text="",
                             actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
                             outcomes=[], live_length=int(engine.state.length[slot]), brightness_min=0.0,
                             brightness_mean=0.0, brightness_max=0.0, rebuilt=token is None,
+                            source="generated" if given is None else given[1],
                             error=None if token is not None else "the engine's round failed: rebuilt from the mirror")
         self.on_tick(record, time.perf_counter() - start)
         return record
@@ -201,6 +227,10 @@ class Conversation:
             self.dirty = True
 
     def last_token(self) -> int:
+        if self.seat is not None:
+            engine, key = self.seat
+            slot = engine.keys().index(key)
+            return int(engine.state.token_ids[slot, 0, int(engine.state.length[slot]) - 1])
         return self.brain.state.live_token_ids()[-1]
 
     def between_ticks(self, fn: Callable[[], object]):

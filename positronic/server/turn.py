@@ -127,23 +127,23 @@ class Turn:
         or `stopping()` (the server is shutting down) is found before a tick. Posts, after each
         tick, ((piece,) for a generated token or None for one read, entries ready)."""
         conversation = self.conversation
-        if self.reply is None:
-            while conversation.reading:
-                if halt.is_set() or stopping():
-                    return
-                self._read_one()
-                post((None, len(self.entries)))
-            self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
-                               ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
-        if self.reply.done:
+        if self.reply is not None and self.reply.done:
             return
-        failed = 0
-        # the reply's ticks: rounds of the worker's engine where its settings run there, else its brain's own
-        with conversation.decoding(self.worker.engine_for(conversation.brain), self.sampling) as tick:
+        # the turn's ticks: rounds of the worker's engine where its settings run there, else its brain's own
+        with conversation.decoding(self.worker.engine_for(conversation.brain), self.sampling) as ticks:
+            if self.reply is None:
+                while conversation.reading:
+                    if halt.is_set() or stopping():
+                        return
+                    self._read_one(ticks.read)
+                    post((None, len(self.entries)))
+                self.reply = Reply(self.lm, conversation.last_token(), self.max_tokens, self.stops,
+                                   ignore_eos=self.ignore_eos, stop_ids=self.stop_ids)
+            failed = 0
             while not self.reply.done:
                 if halt.is_set() or stopping():
                     return
-                record, piece = self._next_token(tick)
+                record, piece = self._next_token(ticks.generate)
                 if record.rebuilt:  # the tick failed and added nothing (the state was rebuilt)
                     failed += 1
                     if failed >= MAX_FAILED_TICKS:
@@ -166,12 +166,11 @@ class Turn:
             self.entries.append(self._entry(logits, record.token_id))
         return record, piece
 
-    def _read_one(self) -> None:
-        """On the model worker: the next input token read (Conversation.read_one), with its
-        log-probability under the context before it when `echo` asks for it."""
-        conversation = self.conversation
-        logits = conversation.brain.state.next_logits if self.echo else None
-        record = conversation.read_one()
+    def _read_one(self, read: Callable[[], TickRecord | None]) -> None:
+        """On the model worker: the next input token read (`read`: Conversation.read_one or its
+        engine round), with its log-probability under the context before it when `echo` asks."""
+        logits = self.conversation.next_logits() if self.echo else None
+        record = read()
         if logits is not None and record is not None and not record.rebuilt:
             self.read.append(self._entry(logits, record.token_id))
 

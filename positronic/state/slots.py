@@ -127,7 +127,7 @@ class SlotState:
         self.log_norms = torch.zeros(slots, lm.num_layers, lm.num_heads, dtype=torch.float32, device=device)
         self._mirrors: list[Mirror] = []
         self._ticks: list[int] = []
-        # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, source,
+        # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, sources,
         # rows coming back: (taken [active, lanes, J], positions [active, J]) or None) each,
         # and per sequence how many of them its mirror has (`_fold`)
         self._journal: list[tuple[torch.Tensor, list[int], str, tuple | None]] = []
@@ -337,11 +337,12 @@ class SlotState:
     # --- the round -------------------------------------------------------------------------
 
     def apply(self, deleted: torch.Tensor, tokens: list[int], *, row_state: dict[str, torch.Tensor] | None = None,
-              source: str = "generated", inserts: Inserts | None = None,
+              source: str | list[str] = "generated", inserts: Inserts | None = None,
               sequence_state: dict[str, torch.Tensor] | None = None, sequence_writes: dict | None = None) -> RoundReport:
         """One round for every active sequence: sequence s deletes its rows `deleted[s]`
         (`[active, capacity]`, or `[active, lanes, capacity]` lane by lane: bool, rows before
-        the round; every lane of a sequence keeps as many) and adds `tokens[s]` to every lane.
+        the round; every lane of a sequence keeps as many) and adds `tokens[s]` to every lane,
+        its ledger source `source` (one for all, or `source[s]`: "user" for typed input).
         `inserts`: tokens coming back into lanes that lack them (recall), each at its place in
         position order with its stored K/V, in the same compaction (a lane's kept rows plus
         its inserts are as many in every lane of a sequence). `row_state`: the presses'
@@ -383,7 +384,10 @@ class SlotState:
         limited = (position >= self.lm.max_positions).nonzero().flatten().tolist()
         if inserts is not None and limited and bool(inserts.taken[limited].any()):
             raise ValueError(f"sequence {limited[0]}: rows come back in the round that packs its positions")
-        packed = {slot: self._pack(slot, deleted[slot], tokens[slot], source) for slot in limited}
+        sources = [source] * active if isinstance(source, str) else list(source)
+        if len(sources) != active:
+            raise ValueError(f"a round of {active} sequences takes one source or {active}, got {len(sources)}")
+        packed = {slot: self._pack(slot, deleted[slot], tokens[slot], sources[slot]) for slot in limited}
         report = RoundReport(seconds={"plan": (now := time.perf_counter()) - clock})
         try:
             self._write(deleted, kept, length, position, tokens, packed, row_state or {}, inserts)
@@ -395,7 +399,7 @@ class SlotState:
                 raise
             return report
         back = None if inserts is None else (inserts.taken, inserts.positions)
-        self._journal.append((deleted, list(tokens), source, back))
+        self._journal.append((deleted, list(tokens), sources, back))
         for slot in range(active):
             self._ticks[slot] += 1
         report.seconds["write"] = time.perf_counter() - now
@@ -530,10 +534,10 @@ class SlotState:
         if rounds:
             gone = torch.stack([entry[0][slot] for entry in rounds]).cpu()  # one copy: [rounds, lanes, capacity]
             tick = self._ticks[slot] - len(rounds)
-            for deleted, (_, tokens, source, back) in zip(gone, rounds):
+            for deleted, (_, tokens, sources, back) in zip(gone, rounds):
                 tick += 1
                 inserts = self._taken_back(mirror, back[0][slot], back[1][slot]) if back is not None else None
-                layout, drops = self._edit(mirror, deleted, tokens[slot], source, inserts)
+                layout, drops = self._edit(mirror, deleted, tokens[slot], sources[slot], inserts)
                 mirror.splice(layout, row_plans.texts(self.lm.decode, mirror, layout), tick=tick,
                               brightness=self._starts[slot], layer_drops=drops, layer_inserts=inserts)
         self._folded[slot] = len(self._journal)

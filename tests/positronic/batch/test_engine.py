@@ -248,3 +248,43 @@ def test_a_sequence_that_keeps_lanes_apart_is_not_handed_back_yet(tiny, tmp_path
     with pytest.raises(ValueError, match="cannot leave the engine into a Brain yet"):
         engine.hand_back("s", brain)
     assert engine.keys() == ["s"]
+
+
+def test_input_given_to_rounds_is_read_as_a_brain_reads_it(tiny):
+    """Forced tokens and a typed turn given to the engine's rounds (Engine.step(given)) beside
+    another sequence that samples: the ledger (tokens, sources, ticks), the live rows and the
+    tokens drawn after them are a lone Brain's that read the same input itself; the sampler
+    does not move for a given token."""
+    config = config_for("h2o", budget=64, temperature=0.8, top_k=20)
+    forced = [41, 42, 43]
+
+    def run_alone():
+        brain = Brain.start(tiny, prompt(tiny, 0, 60), config)
+        made = [brain.step().token_id for _ in range(5)]
+        made += [brain.step(force).token_id for force in forced]
+        brain.say("hi")
+        while brain.pending_input:
+            made.append(brain.step().token_id)
+        return brain, made + [brain.step().token_id for _ in range(20)]
+
+    want, expected = run_alone()
+    brain = Brain.start(tiny, prompt(tiny, 0, 60), config)
+    engine = Engine(tiny, slots=2, capacity=64)
+    engine.join("other", Brain.start(tiny, prompt(tiny, 9, 40), config_for("streaming", temperature=0.9)))
+    engine.join("b", brain)
+    made = [engine.step()["b"] for _ in range(5)]
+    made += [engine.step({"b": (force, "generated")})["b"] for force in forced]
+    brain.say("hi")
+    while brain.pending_input:
+        made.append(engine.step({"b": (brain.pending_input[0], "user")})["b"])
+        brain.input_added()
+    made += [engine.step()["b"] for _ in range(20)]
+    engine.hand_back("b", brain)
+    assert made == expected
+    mine, theirs = brain.state.mirror, want.state.mirror
+    assert [(e.token_id, e.source, e.state, e.tick_born) for e in mine.ledger] == \
+        [(e.token_id, e.source, e.state, e.tick_born) for e in theirs.ledger]
+    assert "user" in {e.source for e in mine.ledger}
+    assert torch.equal(brain.generator.get_state(), want.generator.get_state())
+    with pytest.raises(ValueError, match="not in the engine"):
+        engine.step({"nobody": (5, "user")})
