@@ -280,9 +280,9 @@ class Engine:
                 if name in plan.writes:
                     local, items, values, axis = plan.writes[name]
                     if full in writes:  # another group of the same press name (other settings)
-                        slots, before, given, _ = writes[full]
-                        local, items, values = torch.cat([slots, index[local]]), torch.cat([before, items]), \
-                            torch.cat([given, values])
+                        their_slots, their_items, their_values, _ = writes[full]
+                        local, items, values = torch.cat([their_slots, index[local]]), \
+                            torch.cat([their_items, items]), torch.cat([their_values, values])
                         writes[full] = (local, items, values, axis)
                     else:
                         writes[full] = (index[local], items, values, axis)
