@@ -106,8 +106,26 @@ def restore(press, policy, live_ids: list[int], rows: dict[str, torch.Tensor], s
         scorer.generator.set_state(sequence["generator"])
 
 
+GIVEN_SOURCES = ("user", "generated")  # ledger sources of given tokens: typed input, forced tokens
+
 UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), ("kv_store", "splice"),
                ("refresh_every", 0), ("refresh_kl", 0.0))
+
+
+def unsupported(brain, *, returning: bool = False) -> str | None:
+    """Why `brain`'s settings or state cannot run on any engine (None: they can), before one
+    is made. `returning`: it must also be able to leave into a Brain again (`Engine.hand_back`)."""
+    config = brain.config
+    if config.policy not in PRESSES:
+        return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
+    for name, plain in UNSUPPORTED:
+        if name == "recall" and config.policy == "smartkv":
+            continue  # the smartkv press runs recall (presses/recall.py)
+        if getattr(config, name) != plain:
+            return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
+    if returning and brain.state.per_layer:
+        return "a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a Brain yet"
+    return None
 
 
 class Engine:
@@ -131,20 +149,13 @@ class Engine:
         return [sequence.key for sequence in self.sequences]
 
     def refusal(self, brain, *, returning: bool = False) -> str | None:
-        """Why `brain` cannot join this engine (its settings or state), or None: it can.
-        `returning`: it must also be able to leave into a Brain again (`hand_back`)."""
-        config = brain.config
-        if config.policy not in PRESSES:
-            return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
-        for name, plain in UNSUPPORTED:
-            if name == "recall" and config.policy == "smartkv":
-                continue  # the smartkv press runs recall (presses/recall.py)
-            if getattr(config, name) != plain:
-                return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
-        if config.budget > self.state.capacity:
-            return f"budget {config.budget} does not fit the engine's {self.state.capacity} rows a sequence"
-        if returning and brain.state.per_layer:
-            return "a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a Brain yet"
+        """Why `brain` cannot join this engine (its settings or state, `unsupported`; the
+        engine's room), or None: it can. `returning`: it must also be able to leave into a
+        Brain again (`hand_back`)."""
+        if (reason := unsupported(brain, returning=returning)) is not None:
+            return reason
+        if brain.config.budget > self.state.capacity:
+            return f"budget {brain.config.budget} does not fit the engine's {self.state.capacity} rows a sequence"
         if returning and len(self.sequences) == self.state.kv.slots:
             return f"all {self.state.kv.slots} slots are in use"
         return None
@@ -240,11 +251,15 @@ class Engine:
         given = given or {}
         if unknown := set(given) - set(self.keys()):
             raise ValueError(f"tokens given for sequences not in the engine: {sorted(map(repr, unknown))}")
+        for key, (token, source) in given.items():
+            if not (isinstance(token, int) and 0 <= token < self.lm.vocab_size) or source not in GIVEN_SOURCES:
+                raise ValueError(f"sequence {key!r}: a given token is (id in 0..{self.lm.vocab_size - 1}, one of "
+                                 f"{GIVEN_SOURCES}), got ({token!r}, {source!r})")
         slots = {key: slot for slot, key in enumerate(self.keys())}
         tokens = self._sample(state.next_logits[:active], skip={slots[key] for key in given})
         sources = ["generated"] * active
         for key, (token, source) in given.items():
-            tokens[slots[key]], sources[slots[key]] = int(token), source
+            tokens[slots[key]], sources[slots[key]] = token, source
         self.seconds = {"sample": (now := time.perf_counter()) - clock}
         device = state.length.device
         deleted = torch.zeros((active, state.lanes, state.capacity), dtype=torch.bool, device=device)

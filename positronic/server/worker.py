@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batch import Rounds
-from ..batch.engine import Engine
+from ..batch.engine import Engine, unsupported
 from positronic.steps.attention import layer_indices
 from ..batch.threads import set_threads
 
@@ -54,6 +54,8 @@ class ModelWorker:
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
         # Core v4 (positronic/batch/engine.py): a reply's ticks run as rounds of one engine per
         # budget and scored layers, `engine_slots` sequences each (0: none; every tick a brain's own)
+        if isinstance(engine_slots, bool) or not isinstance(engine_slots, int) or engine_slots < 0:
+            raise ValueError(f"engine_slots must be a whole number of at least 0 (0: no engine), got {engine_slots!r}")
         self.engine_slots = engine_slots
         self._engines: dict[tuple, Engine] = {}
         self.meeting = Rounds(on_forward=on_forward)
@@ -76,6 +78,8 @@ class ModelWorker:
         stops at capacity, every slot in use): it ticks on its own then."""
         config = brain.config
         if not self.engine_slots or (config.policy == "none" and config.at_capacity == "stop"):
+            return None
+        if unsupported(brain, returning=True) is not None:  # before an engine's buffers are made for it
             return None
         key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)))
         engine = self._engines.get(key)

@@ -288,3 +288,8 @@ def test_input_given_to_rounds_is_read_as_a_brain_reads_it(tiny):
     assert torch.equal(brain.generator.get_state(), want.generator.get_state())
     with pytest.raises(ValueError, match="not in the engine"):
         engine.step({"nobody": (5, "user")})
+    rounds = engine.state.tick(0)
+    for bad in ((tiny.vocab_size, "user"), (-1, "user"), (5, "prompt"), (5.0, "user")):
+        with pytest.raises(ValueError, match="a given token is"):
+            engine.step({"other": bad})
+    assert engine.state.tick(0) == rounds and engine.keys() == ["other"]  # nothing changed

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from positronic.batch.engine import Engine
 from positronic.brain.loop import BrainConfig
 from tests.positronic.server.test_kill_soak import CONFIG, clients, converse
 
@@ -32,10 +35,26 @@ def test_replies_in_engine_rounds_are_the_replies_of_brains_ticking_alone(tiny, 
     assert generated == generated_alone
 
 
-def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server, server_settings, chat):
-    """A repairer (not on Core v4 yet) keeps a session on its own brain; it still answers."""
+def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server, server_settings, chat,
+                                                    monkeypatch):
+    """A repairer (not on Core v4 yet) keeps a session on its own brain; it still answers, and
+    no engine's buffers are made for it."""
+    from positronic.server import worker
+
+    made = []
+    monkeypatch.setattr(worker, "Engine", lambda *args, **kwargs: made.append(1) or Engine(*args, **kwargs))
     config = BrainConfig(budget=96, temperature=0.0, seed=0, repairer="self")
     with live_server(tiny, server_settings(tmp_path, engine_slots=16), config) as server:
-        reply = chat(server.client(), "r1", "hello", max_tokens=6)
-        assert reply.usage.completion_tokens == 6
+        for turn in range(2):
+            reply = chat(server.client(), "r1", f"hello {turn}", max_tokens=6)
+            assert reply.usage.completion_tokens == 6
         assert server.server.worker.engine_rounds == 0
+    assert made == []
+
+
+def test_engine_slots_must_be_a_whole_number():
+    from positronic.server.worker import ModelWorker
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="engine_slots must be a whole number"):
+            ModelWorker(engine_slots=bad)
