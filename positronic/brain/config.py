@@ -168,9 +168,14 @@ class Memory(Part):
     kv_store: str = "splice"  # where rows live: splice (one window of a buffer) | ring (streaming only)
     refresh_every: int = 0  # rebuild the cache from the mirror every N ticks (0 = never)
     refresh_kl: float = 0.0  # or: every 50 ticks measure KL(fresh ‖ spliced); rebuild above this (0 = off)
+    # The shared-row policies edit once every N ticks, freeing N rows (the live length moves
+    # between budget - N + 1 and budget: the budget stays hard). 0: each policy's own schedule,
+    # llama.cpp's budget // 16 + 1 (brightness: repair_batch). SmartKV drops one memory row per
+    # lane every tick and none shifts half its rows: neither takes it.
+    evict_every: int = 0
 
     def check(self) -> None:
-        _nonnegative(self, "sinks", "protect", "window", "refresh_every")
+        _nonnegative(self, "sinks", "protect", "window", "refresh_every", "evict_every")
         _finite_nonnegative(self, "refresh_kl")  # inf would measure every 50 ticks and never rebuild
         _checked("kv_format", kv_formats.check_format, self.kv_format)
         _checked("kv_store", check_store, self.kv_store)
@@ -329,6 +334,7 @@ class BrainConfig:
     recall: bool = _default(Memory, "recall")
     refresh_every: int = _default(Memory, "refresh_every")
     refresh_kl: float = _default(Memory, "refresh_kl")
+    evict_every: int = _default(Memory, "evict_every")
     kv_format: str = _default(Memory, "kv_format")
     kv_store: str = _default(Memory, "kv_store")
     gates: str = _default(SmartKVGates, "gates")
@@ -419,10 +425,24 @@ class BrainConfig:
             raise ConfigError("memory_rank", f"--memory-rank applies to policy smartkv, not {self.policy}")
         if self.gates:
             _check_gate_file(self.gates)
+        if self.evict_every:
+            self._check_evict_every()
         try:
             POLICIES[self.policy].check(self)  # what the policy needs of the budget, window and repairer
         except ValueError as exc:
             raise ConfigError("budget" if "budget" in str(exc) else "policy", str(exc)) from None
+
+    def _check_evict_every(self) -> None:
+        policy = POLICIES[self.policy]
+        if policy.per_layer or self.policy == "none":
+            raise ConfigError("evict_every", f"evict_every applies to the shared-row policies, not {self.policy} "
+                                             + ("(it drops one memory row per lane every tick)" if policy.per_layer
+                                                else "(it shifts half its rows when full)"))
+        free = len(steps.selectable_rows(self.budget, sinks=self.sinks, protect=self.protect,
+                                         window=policy.window(self, self.budget)))
+        if self.evict_every > free:
+            raise ConfigError("evict_every", f"evict_every {self.evict_every} frees more rows at once than policy "
+                                             f"{self.policy} can take at budget {self.budget} ({free} evictable rows)")
 
 
 def check_budget(lm, config: BrainConfig) -> None:

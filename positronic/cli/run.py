@@ -65,6 +65,7 @@ def run(
     seed: int = typer.Option(0, "-s", "--seed", help="Sampling seed."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="Brightness policy: rows freed at once when the budget is reached (1 = one per tick; 8 keeps a CPU tick near plain decoding)."),
+    evict_every: int = typer.Option(0, min=0, help="Shared-row policies (brightness, streaming, scored, h2o, random): edit once every N ticks, freeing N rows (1: one row every tick; the live length stays within budget - N + 1..budget). 0: each policy's own (llama.cpp's budget/16 + 1; brightness: --repair-batch). Quality and speed of N: bench/results/policies.md."),
     refresh_every: int = typer.Option(0, min=0, help="Rebuild the cache from the mirror every N ticks (0 = never)."),
     refresh_kl: float = typer.Option(0.0, min=0.0, help="Every 50 ticks measure KL(fresh || spliced) in nats; rebuild above this (0 = off)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),

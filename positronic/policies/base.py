@@ -112,9 +112,10 @@ class Policy:
 
     @classmethod
     def batch(cls, config) -> int:
-        """Rows freed at once when the cache is full (llama.cpp's batch + the row this tick's
-        token needs: the live length drops to `budget - batch_size` after the add)."""
-        return batch_size(config.budget) + 1
+        """Rows freed at once when the cache is full, so the policy edits once every `batch`
+        ticks: `evict_every` if set, else llama.cpp's batch + the row this tick's token needs
+        (the live length drops to `budget - batch_size` after the add)."""
+        return config.evict_every or batch_size(config.budget) + 1
 
     # --- shared -----------------------------------------------------------------------------
 

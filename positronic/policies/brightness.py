@@ -32,8 +32,10 @@ class BrightnessPolicy(Policy):
 
     @classmethod
     def batch(cls, config):
-        """`config.repair_batch` rows (1: one row a tick at the budget), fewer when a small
-        budget leaves fewer free rows."""
+        """`evict_every` if set (BrainConfig.validate checks it fits), else `config.repair_batch`
+        rows (1: one row a tick at the budget), fewer when a small budget leaves fewer free rows."""
+        if config.evict_every:
+            return config.evict_every
         free = steps.selectable_rows(config.budget, sinks=config.sinks, protect=config.protect,
                                      window=config.window)
         return max(1, min(config.repair_batch, len(free)))

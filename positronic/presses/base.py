@@ -62,9 +62,10 @@ class Settings:
     sinks: int = 4  # attention-sink rows never selected
     protect: int = 0  # a protected prefix, counted from row 0 (the longer of sinks and protect wins)
     window: int | None = None  # recent rows never selected, for a press that takes it as a setting
+    evict_every: int = 0  # edit once every N rounds, freeing N rows (0: the press's own `batch`)
 
     def __post_init__(self):
-        for name in ("budget", "sinks", "protect", "window"):
+        for name in ("budget", "sinks", "protect", "window", "evict_every"):
             value = getattr(self, name)
             if name == "window" and value is None:
                 continue
@@ -166,9 +167,10 @@ class Press:
         return (length // 4).clamp(min=RECENT_MIN)
 
     def batch(self) -> int:
-        """Rows freed at once when the cache is full: llama.cpp's batch, max(1, budget // 16),
-        plus the row this round's token needs."""
-        return max(1, self.settings.budget // 16) + 1
+        """Rows freed at once when the cache is full, so a sequence edits once every `batch`
+        rounds: `evict_every` if set, else llama.cpp's batch, max(1, budget // 16), plus the
+        row this round's token needs."""
+        return self.settings.evict_every or max(1, self.settings.budget // 16) + 1
 
     def stops(self, length: Tensor) -> Tensor:
         """[S] bool: sequences the press cannot continue (none at capacity)."""

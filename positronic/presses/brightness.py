@@ -77,8 +77,11 @@ class BrightnessPress(Press):
         return torch.full_like(length, DEFAULT_WINDOW if window is None else window)
 
     def batch(self):
-        """`repair_batch` rows, fewer when a full cache leaves fewer selectable rows (at least 1)."""
+        """`evict_every` if set (`check` refuses more than can be selected), else `repair_batch`
+        rows, fewer when a full cache leaves fewer selectable rows (at least 1)."""
         s = self.settings
+        if s.evict_every:
+            return s.evict_every
         free = steps.selectable_rows(s.budget, sinks=s.sinks, protect=s.protect, window=self.window_at(s.budget))
         return max(1, min(s.repair_batch, len(free)))
 

@@ -20,6 +20,8 @@ class NoEvictionSettings(Settings):
         super().__post_init__()
         if self.at_capacity not in ("stop", "shift"):
             raise ValueError(f"at_capacity must be 'stop' or 'shift', got {self.at_capacity!r}")
+        if self.evict_every:
+            raise ValueError("evict_every applies to the shared-row policies, not none (it shifts half its rows when full)")
 
 
 class NoEvictionPress(Press):

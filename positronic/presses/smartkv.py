@@ -64,6 +64,9 @@ class SmartKVSettings(Settings):
             raise ValueError(f"memory_rank must be one of {', '.join(MEMORY_RANKS)}, got {self.memory_rank!r}")
         if not isinstance(self.gates, str):
             raise ValueError(f"gates must be a path or '', got {self.gates!r}")
+        if self.evict_every:
+            raise ValueError("evict_every applies to the shared-row policies, not smartkv (it drops one memory row "
+                             "per lane every tick)")
 
 
 class StackedGates:

@@ -47,6 +47,22 @@ def test_each_press_makes_todays_tokens(tiny, policy):
     mirror.check(tiny.max_positions)
 
 
+@pytest.mark.parametrize("policy,every", [("h2o", 1), ("scored", 6), ("brightness", 3)])
+def test_editing_every_n_rounds_makes_todays_tokens(tiny, policy, every):
+    """evict_every reaches the press by name (Settings.of) and the rounds edit when the Brain does."""
+    config = config_for(policy, evict_every=every)
+    brain = Brain.start(tiny, prompt(tiny, 0, 40), config)
+    engine = Engine(tiny, slots=2, capacity=config.budget, score_layers=config.recorded_layers)
+    engine.join("a", Brain.start(tiny, prompt(tiny, 0, 40), config))
+    assert engine.sequences[0].press.batch() == every
+    lengths = []
+    for _ in range(40):
+        assert engine.step() == {"a": brain.step().token_id}
+        lengths.append(int(engine.state.length[0]))
+    assert engine.state.mirror(0).live_token_ids() == brain.state.mirror.live_token_ids()
+    assert min(lengths[lengths.index(config.budget):]) == config.budget - every + 1
+
+
 @pytest.mark.parametrize("policy", ["streaming", "h2o"])
 def test_the_embedded_model_makes_todays_tokens(smol, policy):
     config = config_for(policy, budget=64)

@@ -77,6 +77,11 @@ def test_each_part_refuses_its_own_bad_values_and_the_record_reports_them(part, 
     ({"policy": "streaming", "gates": "g.safetensors"}, "--gates applies to policy smartkv"),
     ({"budget": 20, "window": 16}, "budget 20 leaves no room to cull"),
     ({"policy": "nope"}, "unknown policy 'nope'"),
+    ({"policy": "smartkv", "evict_every": 4}, "evict_every applies to the shared-row policies, not smartkv"),
+    ({"policy": "none", "evict_every": 1}, "evict_every applies to the shared-row policies, not none"),
+    ({"policy": "h2o", "budget": 64, "evict_every": 40}, "evict_every 40 frees more rows at once than policy h2o "
+                                                         "can take at budget 64 \\(28 evictable rows\\)"),
+    ({"policy": "brightness", "budget": 64, "window": 32, "evict_every": 29}, "evict_every 29 frees more rows"),
 ])
 def test_rules_across_parts_are_checked_by_the_record(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -89,6 +94,8 @@ def test_the_defaults_are_valid_and_smartkv_gates_default_to_the_shipped_ones():
 
 
 @pytest.mark.parametrize("settings, field, message", [
+    ({"evict_every": -1}, "evict_every", "evict_every must be >= 0, got -1"),
+    ({"policy": "smartkv", "evict_every": 2}, "evict_every", "evict_every applies to the shared-row policies"),
     ({"refresh_kl": float("nan")}, "refresh_kl", "refresh_kl must be a finite number >= 0, got nan"),
     ({"refresh_kl": float("inf")}, "refresh_kl", "refresh_kl must be a finite number >= 0, got inf"),
     ({"budget": 2**64 - 1}, "budget", "budget must be in -2**63..2**63-1"),  # was an OverflowError in a policy

@@ -234,6 +234,29 @@ def test_100_brain_ticks_stay_within_budget_and_consistent(tiny, name, at_capaci
     brain.state.check(deep=True)
 
 
+@pytest.mark.parametrize("name,every", [("streaming", 1), ("h2o", 5), ("brightness", 3), ("scored", 12)])
+def test_evict_every_edits_once_every_n_ticks_freeing_n_rows_and_keeps_the_budget(tiny, name, every):
+    """The budget stays hard (live <= budget after every tick) and the policy edits exactly
+    on every Nth tick once full, freeing N rows: the live length cycles budget - N + 1 .. budget."""
+    cfg = BrainConfig(policy=name, budget=48, evict_every=every, seed=1, window=8)
+    cfg.validate()
+    brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), cfg)
+    edits, lengths = [], []
+    for tick in range(120):
+        record = brain.step()
+        deleted = sum(a["action"] == "delete" for a in record.actions)
+        if deleted:
+            edits.append((tick, deleted))
+        lengths.append(record.live_length)
+    assert max(lengths) == 48
+    full = lengths.index(48)
+    assert min(lengths[full:]) == 48 - every + 1
+    assert {count for _, count in edits} == {every}, "N rows each time"
+    gaps = {b - a for (a, _), (b, _) in zip(edits, edits[1:])}
+    assert gaps == {every}, f"an edit every {every} ticks, not {gaps}"
+    brain.state.check(deep=True)
+
+
 def test_none_stop_ends_the_run_with_the_cache_full(tiny):
     cfg = BrainConfig(policy="none", budget=48, at_capacity="stop", seed=1)
     brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), cfg)

@@ -37,6 +37,11 @@ CASES = [
     ("brightness", dict(budget=60, window=6, unit=2, ttl_gain=10.0)),  # the reference gain: rows saturate, ties
     ("brightness", dict(budget=80, window=12, unit=3, sinks=2, brightness="vote")),
     ("brightness", dict(budget=60, window=16, brightness="vote", repair_batch=3)),
+    # editing every N rounds (evict_every): one row every round, and a few at a time
+    ("h2o", dict(budget=64, evict_every=1)),
+    ("scored", dict(budget=48, evict_every=5)),
+    ("streaming", dict(budget=100, evict_every=31)),
+    ("brightness", dict(budget=60, window=16, evict_every=2)),
 ]
 
 
@@ -326,7 +331,8 @@ def test_registry_and_make_press():
 
 @pytest.mark.parametrize("name", ["streaming", "h2o", "scored", "random", "brightness"])
 def test_window_batch_and_due_are_the_policys(name):
-    for settings in (dict(budget=48), dict(budget=100, protect=10), dict(budget=512, window=64), dict(budget=130)):
+    for settings in (dict(budget=48), dict(budget=100, protect=10), dict(budget=512, window=64), dict(budget=130),
+                     dict(budget=64, evict_every=1), dict(budget=100, protect=10, evict_every=7)):
         cfg = config(name, **settings)
         press, policy = make_press(name, cfg), make_policy(name, None, cfg)
         lengths = list(range(0, settings["budget"] + 40))
