@@ -9,7 +9,7 @@ from ..policies import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 from ..util import read_text_file
 from .report import progress_bars, table, table_console, write_outputs
-from .stream import EvalError, make_config
+from .stream import EvalError, make_config, takes_evict_every
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
 
 
@@ -29,7 +29,8 @@ def read_text(path: Path | None) -> tuple[str, str]:
 
 
 # eval's options that set a run's BrainConfig field of the same name
-SETTING_FLAGS = ("budget", "sinks", "protect", "at_capacity", "repairer", "repair_batch", "kv_format", "kv_store",
+SETTING_FLAGS = ("budget", "sinks", "protect", "at_capacity", "repairer", "repair_batch", "evict_every", "kv_format",
+                 "kv_store",
                  "gates", "memory_rank")
 
 
@@ -44,7 +45,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
          dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
-         repair_batch: int | None = None, probe_at: float = 0.0, recall: bool = False,
+         repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0, recall: bool = False,
          kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str | None = None) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
     from rich.console import Console
@@ -61,6 +62,9 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         for flag, value in (("--gates", gates), ("--memory-rank", memory_rank)):
             if value:
                 raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
+    if evict_every and not any(takes_evict_every(name) for name in policies):
+        raise EvalError("--evict-every applies to the shared-row policies (brightness, streaming, scored, h2o, "
+                        "random), none of which is among the --policy runs")
     if recall and not any(recallable(name) for name in policies):
         raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
     for budget in budgets:
@@ -68,7 +72,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
             for on in {False, recall and recallable(name)}:
                 try:
                     make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                repairer=repairer, repair_batch=repair_batch, recall=on, kv_format=kv_format,
+                                repairer=repairer, repair_batch=repair_batch,
+                                evict_every=evict_every, recall=on, kv_format=kv_format,
                                 gates=gates, kv_store=kv_store, memory_rank=memory_rank)
                 except EvalError as exc:
                     raise EvalError(_flagged(str(exc))) from None
@@ -99,6 +104,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
                           sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
+                          evict_every=evict_every,
                           probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates, kv_store=kv_store,
                           memory_rank=memory_rank, progress=progress,
                           on_run=done,

@@ -191,6 +191,7 @@ def prompt_of(lm, text: str, prompt_tokens: int) -> list[int]:
 
 def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sinks: int = 4, protect: int = 0,
                    at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
+                   evict_every: int = 0,
                    score_layers="last", kv_format: str = "float") -> dict[tuple[str, int], BrainConfig]:
     """EvalError for anything that cannot run (before a model is loaded or a file written);
     returns the BrainConfig of every (policy, budget), seed not yet set."""
@@ -202,6 +203,7 @@ def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sink
         raise EvalError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     return {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                 score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
+                                evict_every=evict_every,
                                 kv_format=kv_format)
             for b in budgets for p in policies}
 
@@ -218,6 +220,7 @@ def score_run(lm, prompt_ids: list[int], run: GenerationRun) -> GenerationRun:
 def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, generate: int,
                         prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, sinks: int = 4, protect: int = 0,
                         at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
+                        evict_every: int = 0,
                         score_layers="last", reference: bool = True, progress=None, on_run=None,
                         text_name: str = "", kv_format: str = "float") -> GenerationReport:
     """Generate `generate` tokens per (policy, budget) from BOS + the first `prompt_tokens`
@@ -228,7 +231,8 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     configs = check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks,
                              protect=protect, at_capacity=at_capacity, repairer=repairer,
-                             repair_batch=repair_batch, score_layers=score_layers, kv_format=kv_format)
+                             repair_batch=repair_batch,
+                             evict_every=evict_every, score_layers=score_layers, kv_format=kv_format)
     if max(budgets) > lm.max_positions:
         raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
     if prompt_tokens + 1 > lm.max_positions:
@@ -269,6 +273,7 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
                     repetition_penalty=sampling.repetition_penalty, penalty_window=sampling.penalty_window,
                     sinks=sinks, protect=protect, at_capacity=at_capacity, score_layers=score_layers,
                     repairer=repairer, repair_batch=repair_batch, kv_format=kv_format,
+                    **({"evict_every": evict_every} if evict_every else {}),
                     rescore="full history, plain forward, float32 log_softmax",
                     torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
                     threads=torch.get_num_threads())
@@ -382,7 +387,7 @@ def write_generation_outputs(report: GenerationReport, out: Path) -> dict[str, P
 def main(*, generate: int, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, out: Path = Path("eval_results"),
          sinks: int = 4, protect: int = 0, at_capacity: str = "shift", device: str | None = None,
-         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None,
+         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
          kv_format: str = "float") -> GenerationReport:
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
     print the table, write the files. Returns the GenerationReport."""
@@ -393,7 +398,8 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
     policies = list(policies or DEFAULT_POLICIES)
     budgets = list(budgets or DEFAULT_BUDGETS)
     check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks, protect=protect,
-                   at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch, kv_format=kv_format)
+                   at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
+                   evict_every=evict_every, kv_format=kv_format)
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype)
     err = Console(stderr=True)
@@ -409,6 +415,7 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
         report = evaluate_generation(lm, body, policies=policies, budgets=budgets, generate=generate,
                                      prompt_tokens=prompt_tokens, seed=seed, sinks=sinks, protect=protect,
                                      at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
+                                     evict_every=evict_every,
                                      progress=progress, on_run=done, text_name=name, kv_format=kv_format)
     if report.note:
         print(f"note: {report.note}", file=sys.stderr)

@@ -36,13 +36,16 @@ class StreamResult:
 
 
 def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last", repairer: str | None = None, repair_batch: int | None = None,
+                score_layers="last", repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
                 recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
                 memory_rank: str | None = None) -> BrainConfig:
     """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run.
+    `evict_every`: how often the shared-row policies edit (0: each one's own; the others keep theirs).
     `gates`: policy smartkv's gate file ("" = the gates shipped for the model); `memory_rank`: its
     memory's rank (gates | recent; None: the run's default, recent with recall)."""
     chosen = {"repairer": repairer, "repair_batch": repair_batch}
+    if evict_every and takes_evict_every(policy):  # as --gates: the policies that take it, in a sweep of several
+        chosen["evict_every"] = evict_every
     config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
                          score_layers=score_layers, recall=recall, kv_format=kv_format, kv_store=kv_store,
                          gates=gates if (policy in POLICIES and POLICIES[policy].per_layer) else "",  # smartkv's only
@@ -54,6 +57,11 @@ def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, a
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     return config
+
+
+def takes_evict_every(policy: str) -> bool:
+    """Whether `policy` edits in batches that `evict_every` sets (the shared-row policies but none)."""
+    return policy in POLICIES and not POLICIES[policy].per_layer and policy != "none"
 
 
 def reference_config(length: int, *, sinks: int = 4, protect: int = 0, score_layers="last",

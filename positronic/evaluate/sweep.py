@@ -65,7 +65,7 @@ def recallable(policy: str) -> bool:
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
              segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             repairer: str | None = None, repair_batch: int | None = None, probe_at: float = 0.0,
+             repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0,
              recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
              memory_rank: str | None = None, progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
@@ -92,6 +92,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     variants = [(p, r) for p in policies for r in ((False, True) if recall and recallable(p) else (False,))]
     configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                       score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
+                                      evict_every=evict_every,
                                       recall=r, kv_format=kv_format, gates=gates, kv_store=kv_store,
                                       memory_rank=memory_rank)
                for b in budgets for p, r in variants}
@@ -153,6 +154,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
                     probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, kv_format=kv_format,
                     **({"kv_store": kv_store} if kv_store != "splice" else {}),  # earlier results read as before
+                    **({"evict_every": evict_every} if evict_every else {}),
                     kv_bytes_per_token=kv_formats.bytes_per_token(kv_format, layers=lm.num_layers,
                                                                   kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                                                                   dtype=lm.dtype),

@@ -21,6 +21,22 @@ def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys, eval_text, run_cli
     assert DEFAULT_TEXT.is_file()
 
 
+def test_evict_every_sets_the_shared_row_policies_and_leaves_the_others(tmp_path, capsys, eval_text, run_cli):
+    """In a sweep of several policies --evict-every reaches those that take it (as --gates reaches
+    smartkv alone): h2o edits 7 rows every 7 ticks (its own batch at 48 is 4: 44 deletes here),
+    none keeps its shift, and the files say N."""
+    text = tmp_path / "t.txt"
+    text.write_text(eval_text)
+    out = tmp_path / "res"
+    assert run_cli("eval", "--model", "random:tiny", "--text", str(text), "--budget", "48", "--policy", "h2o",
+                   "--policy", "none", "--evict-every", "7", "--max-tokens", "90", "--no-probe", "--out", str(out)) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["evict_every"] == 7
+    runs = {run["label"]: run for run in data["runs"]}
+    assert runs["h2o@48"]["deletes"] % 7 == 0 and runs["h2o@48"]["deletes"] > 0
+    assert runs["none@48"]["deletes"] > 0
+
+
 @pytest.mark.parametrize("args,message", [
     (["--policy", "lru"], "unknown policy 'lru'"),
     (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
@@ -39,6 +55,9 @@ def test_cli_eval_writes_table_csv_json_png(tmp_path, capsys, eval_text, run_cli
     (["--policy", "none", "--recall"], "--recall adds runs with recall of the policies that evict"),
     (["--kv-store", "ring"], "the ring store serves only the streaming policy, not brightness (choose --policy "
                              "streaming or --kv-store splice)"),
+    (["--policy", "none", "--evict-every", "4"], "--evict-every applies to the shared-row policies"),
+    (["--policy", "h2o", "--budget", "64", "--evict-every", "50"],
+     "--evict-every 50 frees more rows at once than policy h2o can take at budget 64"),
     (["--kv-format", "int3"], "--kv-format: unknown kv format 'int3'"),
     (["--budget", str(2**64 - 1)], "--budget must be in -2**63..2**63-1"),
     (["--segments", "0"], "--segments must be >= 1, got 0"),
