@@ -41,6 +41,24 @@ def _flagged(message: str) -> str:
     return "--" + field.replace("_", "-") + message[len(field):] if field in SETTING_FLAGS else message
 
 
+def default_sweep(model: str, budget: int, *, sinks: int, protect: int, gates: str,
+                  memory_rank: str | None) -> tuple[list[str], tuple[str, ...]]:
+    """The policies an eval without --policy runs: DEFAULT_POLICIES and the one `run` and `serve`
+    pick for `model` (brain/defaults.py: SmartKV with recall where gates ship for it, its rank
+    the default's), as the smallest budget allows; and those of them that run with recall."""
+    from ..brain.config import BrainConfig
+    from ..brain.defaults import default_policy
+
+    try:
+        config = BrainConfig(budget=budget, sinks=sinks, protect=protect, gates=gates)
+    except (TypeError, ValueError):  # the flags' own checks say what is wrong, below
+        return list(DEFAULT_POLICIES), ()
+    choice = default_policy(model, config, recall=None, memory_rank=memory_rank)
+    if choice.policy in DEFAULT_POLICIES and not choice.recall:
+        return list(DEFAULT_POLICIES), ()
+    return [*DEFAULT_POLICIES, choice.policy], ((choice.policy,) if choice.recall else ())
+
+
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
@@ -52,8 +70,12 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
 
     from ..models import load_model
 
-    policies = list(policies or DEFAULT_POLICIES)
     budgets = list(budgets or DEFAULT_BUDGETS)
+    recalled: tuple[str, ...] = ()
+    if not policies:  # the sweep of the shared-row policies, and the product's own default for the model
+        policies, recalled = default_sweep(model, min(budgets), sinks=sinks, protect=protect, gates=gates,
+                                           memory_rank=memory_rank)
+    policies = list(policies)
     for name in policies:
         if name not in POLICIES:
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
@@ -106,7 +128,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
                           probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
                           evict_every=evict_every,
                           probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                          memory_rank=memory_rank, progress=progress,
+                          memory_rank=memory_rank, recalled=recalled, progress=progress,
                           on_run=done,
                           text_name=name)
     table_console().print(table(report))

@@ -67,13 +67,14 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
              probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
              repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0,
              recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
-             memory_rank: str | None = None, progress=None, on_run=None,
+             memory_rank: str | None = None, recalled: tuple[str, ...] = (), progress=None, on_run=None,
              text_name: str = "") -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
     full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
     (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
     filler before it). `recall`: every policy that can recall (not `none`) also runs with
-    recall on. `gates`, `memory_rank`: smartkv's gate file and memory rank (None:
+    recall on; `recalled`: policies that run with recall on alone (the product's default policy,
+    SmartKV with recall, in a sweep of the others without). `gates`, `memory_rank`: smartkv's gate file and memory rank (None:
     each run's default, recent with recall).
     `kv_format`: how every run, the reference included, stores its cache rows. `kv_store`:
     where the policies' runs keep them (ring: streaming only); the full-cache reference
@@ -89,7 +90,8 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if segments < 1:
         raise EvalError(f"segments must be >= 1, got {segments}")
-    variants = [(p, r) for p in policies for r in ((False, True) if recall and recallable(p) else (False,))]
+    variants = [(p, r) for p in policies
+                for r in ((False, True) if recall and recallable(p) else (True,) if p in recalled else (False,))]
     configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
                                       score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
                                       evict_every=evict_every,

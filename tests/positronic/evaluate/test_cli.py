@@ -37,6 +37,23 @@ def test_evict_every_sets_the_shared_row_policies_and_leaves_the_others(tmp_path
     assert runs["none@48"]["deletes"] > 0
 
 
+def test_an_eval_without_policy_runs_the_products_default_beside_the_sweep():
+    """The policy `run` and `serve` pick is in every default eval: SmartKV with recall (ranked by
+    recent use) where gates ship for the model, recall on for it alone; brightness, already in
+    the sweep, elsewhere; a budget SmartKV cannot run with falls back to it as `run` does."""
+    from positronic.brain.config import BrainConfig
+    from positronic.evaluate.cli import default_sweep
+    from positronic.evaluate.stream import make_config
+    from positronic.evaluate.sweep import DEFAULT_POLICIES
+
+    policies, recalled = default_sweep("smollm2", 128, sinks=4, protect=0, gates="", memory_rank=None)
+    assert policies == [*DEFAULT_POLICIES, "smartkv"] and recalled == ("smartkv",)
+    config = make_config("smartkv", 128, recall=True)
+    assert (config.recall, config.memory_rank) == (True, BrainConfig(policy="smartkv", recall=True).memory_rank)
+    assert default_sweep("random:tiny", 128, sinks=4, protect=0, gates="", memory_rank=None) == (list(DEFAULT_POLICIES), ())
+    assert default_sweep("smollm2", 8, sinks=4, protect=0, gates="", memory_rank=None) == (list(DEFAULT_POLICIES), ())
+
+
 @pytest.mark.parametrize("args,message", [
     (["--policy", "lru"], "unknown policy 'lru'"),
     (["--text", "/nonexistent/x.txt"], "cannot read --text /nonexistent/x.txt"),
@@ -50,7 +67,8 @@ def test_evict_every_sets_the_shared_row_policies_and_leaves_the_others(tmp_path
     (["--repairer", "oracle"], "unknown repairer 'oracle'"),
     # issue 75: accepted and never used, or refused only after the model had loaded
     (["--memory-rank", "bogus"], "--memory-rank must be one of gates, recent, got 'bogus'"),
-    (["--gates", "x"], "--gates applies to policy smartkv, which is not among the --policy runs"),
+    (["--policy", "h2o", "--gates", "x"], "--gates applies to policy smartkv, which is not among the --policy runs"),
+    (["--gates", "x"], "--gates x does not exist"),  # without --policy the gates make smartkv the default, as in run
     (["--policy", "h2o", "--memory-rank", "gates"], "--memory-rank applies to policy smartkv"),
     (["--policy", "none", "--recall"], "--recall adds runs with recall of the policies that evict"),
     (["--kv-store", "ring"], "the ring store serves only the streaming policy, not brightness (choose --policy "
