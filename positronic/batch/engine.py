@@ -114,7 +114,8 @@ UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), 
 
 def unsupported(brain, *, returning: bool = False) -> str | None:
     """Why `brain`'s settings or state cannot run on any engine (None: they can), before one
-    is made. `returning`: it must also be able to leave into a Brain again (`Engine.hand_back`)."""
+    is made. `returning`: it must also be able to leave into a Brain again (`Engine.hand_back`;
+    every sequence that joins can)."""
     config = brain.config
     if config.policy not in PRESSES:
         return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
@@ -123,8 +124,9 @@ def unsupported(brain, *, returning: bool = False) -> str | None:
             continue  # the smartkv press runs recall (presses/recall.py)
         if getattr(config, name) != plain:
             return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
-    if returning and brain.state.per_layer:
-        return "a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a Brain yet"
+    if brain.state.per_layer and (getattr(brain.policy, "pinned_out", None)
+                                  or any(brain.state.mirror.ledger[i].pinned for i in brain.state.mirror.live.ledger_ids)):
+        return "smartkv with pinned rows does not run on Core v4 yet"
     return None
 
 
@@ -215,15 +217,14 @@ class Engine:
         """Sequence `key` leaves into `brain`, the Brain it joined from: its state (rows copied
         out, `SlotState.release`), tick, sampler and policy state as the rounds left them, so
         it ticks on alone exactly as if it had made those rounds itself. ValueError (nothing
-        changes) for a sequence whose lanes keep their own rows (smartkv), not yet."""
+        changes: nothing does yet)."""
         slot = self.keys().index(key)
         sequence, state = self.sequences[slot], self.state
-        if sequence.press.lanes > 1:
-            raise ValueError("a sequence whose lanes keep their own rows (smartkv) cannot leave the engine into a "
-                             "Brain yet")
-        rows = int(state.length[slot])
-        kept = {name: state.row_state[f"{sequence.press.name}.{name}"][slot, :rows].cpu()
-                for name in sequence.press.row_state}
+        press, rows = sequence.press, int(state.length[slot])
+        kept = {name: state.row_state[f"{press.name}.{name}"][slot, ..., :rows].to("cpu", copy=True)
+                for name in press.row_state}  # [rows], or [lanes, rows] with lanes apart
+        slots = {name: state.sequence_state[f"{press.name}.{name}"][slot].to("cpu", copy=True)
+                 for name in press.slot_state}
         brightness = kept["brightness"].tolist() if "brightness" in kept else None
         tick = state.tick(slot)
         manager = state.release(slot, capacity=default_capacity(max(rows, brain.config.budget)), brightness=brightness)
@@ -232,7 +233,8 @@ class Engine:
             self.sequences[slot] = last
         brain.state, brain.tick = manager, tick
         brain.generator.set_state(sequence.generator.get_state())
-        restore(sequence.press, brain.policy, manager.mirror.live.ledger_ids, kept, sequence.carried, sequence.clock)
+        if not press.restore(brain.policy, manager.mirror, kept, slots):
+            restore(press, brain.policy, manager.mirror.live.ledger_ids, kept, sequence.carried, sequence.clock)
         brain.counts["culls"] += manager.mirror.ledger.count("culled") - sequence.culled
         brain.counts["rebuilds"] += sequence.rebuilds
 

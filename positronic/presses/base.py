@@ -148,6 +148,13 @@ class Press:
         the common way (brightness from the ledger, a keyed scorer's values)."""
         return None
 
+    def restore(self, policy, mirror, rows: dict[str, Tensor], slots: dict[str, Tensor]) -> bool:
+        """`carry` backwards, for a sequence leaving into its Brain: today's `policy` takes the
+        state the press kept (`rows`: {name: [rows]}, or `[lanes, rows]`; `slots`: its
+        `slot_state` tensors) for the rows of `mirror`. False: the engine restores it the
+        common way (a keyed scorer's values, the random scorer's generator)."""
+        return False
+
     def carry_slots(self, policy, mirror) -> dict[str, Tensor]:
         """A joining sequence's `slot_state` tensors, read from today's policy (others at their fill)."""
         return {}

@@ -93,6 +93,33 @@ class LaneIndex:
             ("restored", recall.restored))}
         return {f"recall.{name}": value for name, value in state.items()}
 
+    def restore(self, recall, mirror, index: dict[str, Tensor]) -> None:
+        """`carry` backwards: today's `LaneRecall` takes the ring as the press left it, slot for
+        slot (its tokens' ledger ids found by position and token in `mirror`), with each token's
+        scores per lane (log4 of its weights), the lanes' last returns and the clocks. The
+        press keeps no predictions of indexed tokens: they come back as 0."""
+        n, ring = int(index["count"]), self.capacity
+        places = {}
+        live = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
+        for ledger_id, entry in enumerate(mirror.ledger.entries):
+            position = live.get(ledger_id, entry.position)
+            if position is not None:
+                places[(position, entry.token_id)] = ledger_id
+        positions, tokens = index["positions"][:n].tolist(), index["tokens"][:n].tolist()
+        ids = [places[place] for place in zip(positions, tokens)]
+        keys = values = None
+        if n:
+            keys, values = (index[name][:, :, :n].float() for name in ("keys", "values"))
+        recall._set_rows(ids, positions, [0] * n, keys, values)
+        recall.next = int(index["next"]) % ring if n else 0
+        weights = index["weights"][:n]
+        recall.scores = {i: (torch.log(w) / math.log(4.0)).tolist() for i, w in zip(ids, weights)}
+        back_at = index["back_at"][:n]
+        recall.lane_back_at = {(ids[slot], lane): int(back_at[slot, lane])
+                               for slot, lane in (back_at != NEVER).nonzero().tolist()}
+        recall.back_at, recall.awake = {}, False
+        recall.clock, recall.restored = int(index["clock"]), int(index["restored"])
+
     # --- a round ---------------------------------------------------------------------------------
 
     def look(self, rows, index: dict[str, Tensor], looks: Tensor, held_positions: Tensor, clock: Tensor) -> Tensor:

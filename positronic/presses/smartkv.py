@@ -320,6 +320,47 @@ class SmartKVPress(Press):
             carried |= {"born": torch.from_numpy(born), "until": torch.from_numpy(until)}
         return carried | ({"used": torch.from_numpy(used)} if "used" in self.row_state else {})
 
+    def restore(self, policy: SmartKVPolicy, mirror, rows: dict[str, Tensor], slots: dict[str, Tensor]) -> bool:
+        """`carry` backwards, for a sequence leaving into its Brain: `policy`'s memories are each
+        lane's rows past the kept ones and before the `window` newest (not offered yet), in row
+        order, with their weights (scores: log4 of them), ages (`born`), holds and recent-use
+        sums; the window's sums and any scores it carried; `offered`, the token before the
+        window; recall's index (`LaneIndex.restore`). Not to the bit where the press does not
+        keep what today's memory does: a memory's internal slot order (its rows go in row order;
+        it breaks ties only when every memory row of a lane is held) and the predictions of the
+        indexed tokens (what the live view shows of a token taken back)."""
+        ids = np.array(mirror.layers.rows, dtype=np.int64)  # [lanes, n], ledger ids ascending in each
+        lanes, n = ids.shape
+        keep = self.keep
+        unoffered = min(self.settings.window, max(n - keep, 0))  # the window's tokens: the same in every lane
+        count = max(n - keep - unoffered, 0)
+        held, window = slice(keep, keep + count), slice(n - unoffered, n)
+        weight = rows["weight"].numpy()
+        where = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
+        born = np.vectorize(where.__getitem__, otypes=[np.float64])(ids) if n else np.zeros((lanes, 0))
+        if "born" in rows:  # a token taken back ages from its return
+            born = np.where(rows["born"].numpy() >= 0, rows["born"].numpy(), born)
+        memory = type(policy.memory)(lanes, policy.size, policy.horizon)
+        memory.count = count
+        memory.ids[:, :count], memory.weights[:, :count] = ids[:, held], weight[:, held]
+        memory.scores[:, :count] = np.log(weight[:, held]) / math.log(4.0)
+        memory.positions[:, :count] = born[:, held]
+        if "until" in rows:
+            memory.until[:, :count] = rows["until"].numpy()[:, held]
+        if memory.watches:
+            used = rows["used"].numpy()
+            memory.used[:, :count] = used[:, held]
+            memory.window_ids, memory.window_used = ids[0, window].copy(), used[:, window].copy()
+        scored = weight[0, window] > 0  # window tokens scored before they joined, kept as they were
+        policy.memory, policy.pinned_out = memory, frozenset()
+        policy.offered = int(ids[0, n - unoffered]) - 1 if count else -1
+        policy.scores = {int(i): (np.log(weight[:, window][:, k]) / math.log(4.0)).tolist()
+                         for k, i in enumerate(ids[0, window]) if scored[k]}
+        if self.index is not None:
+            self.index.restore(policy.recall, mirror, {name.removeprefix("recall."): value
+                                                       for name, value in slots.items()})
+        return True
+
     def carry_slots(self, policy: SmartKVPolicy, mirror) -> dict[str, Tensor]:
         """Recall's index, as today's policy keeps it (recall.py, `LaneIndex.carry`)."""
         return {} if self.index is None else self.index.carry(policy.recall, policy.offered, mirror)

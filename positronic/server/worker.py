@@ -81,7 +81,9 @@ class ModelWorker:
             return None
         if unsupported(brain, returning=True) is not None:  # before an engine's buffers are made for it
             return None
-        key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)))
+        lanes = ("smartkv", config.gates) if brain.state.per_layer else "shared"  # an engine keeps one kind of lanes
+        key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)),
+               lanes)
         engine = self._engines.get(key)
         if engine is None:
             engine = Engine(brain.state.lm, slots=self.engine_slots, capacity=config.budget,

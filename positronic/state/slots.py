@@ -253,19 +253,20 @@ class SlotState:
         last slot takes its place). `brightness`: its live rows' brightness, which a press kept
         (the mirror's ledger takes it). The copy is checked as a resumed session's is (layer 0
         against a fresh prefill of the mirror, `StateManager.from_saved`); a copy that fails
-        the check is rebuilt from the mirror instead. Shared rows only: a sequence whose
-        lanes keep their own rows cannot leave into one yet (ValueError, nothing changes)."""
+        the check is rebuilt from the mirror instead. With lanes apart (a per-layer mirror) each
+        lane's rows go into the state's own rows for it, and the newest query and log-normaliser
+        of every layer with them (what a per-layer state records instead of an attention row)."""
         mirror = self._fold(slot)
-        if mirror.layers is not None:
-            raise ValueError("a sequence whose lanes keep their own rows cannot leave the engine as a state of its "
-                             "own yet")
         rows = int(self.length[slot])
         keys, values = self.rows(slot)
         # copies, never views of the slot: the next sequence in it overwrites them (`.cpu()` on the CPU copies nothing)
-        tensors = {"keys": keys.cpu(), "values": values.cpu(),
-                   "predicted": self.row_state["predicted"][slot, 0, :rows].to("cpu", copy=True),
-                   "next_logits": self.next_logits[slot].to("cpu", copy=True),
-                   "last_attention": self.attention[slot, :, :, :rows].to("cpu", copy=True).contiguous()}
+        tensors = {"keys": keys.cpu(), "values": values.cpu(), "predicted": self._live_predicted(slot, mirror),
+                   "next_logits": self.next_logits[slot].to("cpu", copy=True)}
+        if mirror.layers is None:
+            tensors["last_attention"] = self.attention[slot, :, :, :rows].to("cpu", copy=True).contiguous()
+        elif self._every_lane(len(self.attention_layers)) and bool(self.log_norms[slot].any()):
+            tensors |= {"last_query": self.queries[slot].to("cpu", copy=True),
+                        "last_log_norm": self.log_norms[slot].to("cpu", copy=True)}
         if brightness is not None:
             mirror.set_brightness(brightness)
         options = dict(capacity=capacity, score_layers=self.attention_layers, brightness=self._starts[slot])
@@ -276,6 +277,18 @@ class SlotState:
             self.rebuilds += 1
         self.leave(slot)
         return manager
+
+    def _live_predicted(self, slot: int, mirror: Mirror) -> torch.Tensor:
+        """[live rows] int64: each live token's prediction (the mirror's live order), from the
+        lane that holds it (the union of the lanes' rows, with lanes apart)."""
+        rows = int(self.length[slot])
+        predicted = self.row_state["predicted"][slot, :, :rows].cpu()
+        if mirror.layers is None:
+            return predicted[0].clone()
+        of = {}
+        for lane, ids in enumerate(mirror.layers.rows):
+            of.update(zip(ids, predicted[lane].tolist()))
+        return torch.tensor([of[i] for i in mirror.live.ledger_ids], dtype=torch.long)
 
     def _set_rows(self, slot: int, mirror: Mirror) -> None:
         """Slot `slot`'s positions and token ids, lane by lane, from `mirror` (its rows as a

@@ -19,6 +19,7 @@ from positronic.presses import Rows, SmartKVPress, make_press
 from positronic.smartkv import GateSet
 from positronic.smartkv.recent import RecentMemories
 from positronic.smartkv.rows import Memories
+from tests.positronic.batch.test_engine import in_and_out
 
 TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))  # 119 ids, repeats within the penalty window
 
@@ -264,3 +265,34 @@ def test_what_does_not_run_on_the_press_yet_is_refused_with_the_reason(tiny, gat
         SmartKVPress(dict(budget=20, sinks=4, window=16))
     with pytest.raises(ValueError, match="memory_rank must be one of"):
         SmartKVPress(dict(budget=48, window=24, memory_rank="often"))
+
+
+@pytest.mark.parametrize("extra", [dict(memory_rank="gates"), dict(memory_rank="recent"), dict(recall=True)],
+                         ids=["gates", "recent", "recall"])
+def test_a_sequence_handed_back_ticks_on_as_if_it_had_never_left_its_brain(tiny, gate_file, extra):
+    """10 ticks alone, 40 rounds, 20 alone, 20 rounds, 10 alone (another smartkv sequence ticking
+    in the vacated slot between): the tokens and every lane's rows of a Brain that made every tick
+    itself, and its policy's memories (each lane's tokens, ages, holds, weights; the recent-use
+    sums to the last bits of a share), the token last offered and recall's index."""
+    cfg = config(gate_file, **extra)
+    want = Brain.start(tiny, prompt(tiny, 0, 60), cfg)
+    expected = [want.step().token_id for _ in range(100)]
+    brain = Brain.start(tiny, prompt(tiny, 0, 60), cfg)
+    lanes = len(brain.state.mirror.layers.rows)
+    engine = Engine(tiny, slots=2, capacity=64, score_layers=cfg.recorded_layers, lanes=lanes)
+    assert in_and_out(engine, brain, lambda: Brain.start(tiny, prompt(tiny, 20, 45), cfg)) == expected
+    assert brain.state.mirror.layers.rows == want.state.mirror.layers.rows
+    assert brain.tick == want.tick and brain.policy.offered == want.policy.offered
+    mine, theirs = brain.policy.memory, want.policy.memory
+    assert mine.count == theirs.count
+    for lane in range(mine.layers):  # the same tokens, whatever slot order each memory keeps them in
+        held = {int(i): k for k, i in enumerate(theirs.ids[lane, : theirs.count])}
+        order = [held[int(i)] for i in mine.ids[lane, : mine.count]]
+        for name in ("positions", "until", "weights"):
+            np.testing.assert_allclose(getattr(mine, name)[lane, : mine.count], getattr(theirs, name)[lane, order],
+                                       rtol=1e-5)
+        if theirs.watches:
+            np.testing.assert_allclose(mine.used[lane, : mine.count], theirs.used[lane, order], rtol=1e-4, atol=1e-6)
+    if cfg.recall:
+        assert brain.policy.recall.ids == want.policy.recall.ids and brain.policy.recall.clock == want.policy.recall.clock
+    brain.state.check(deep=True)

@@ -4,19 +4,21 @@ answers and retry them (a reply left half-way goes back to its brain and comes a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
 from positronic.batch.engine import Engine
 from positronic.brain.loop import BrainConfig
+from positronic.smartkv.gates import bench_gates
 from tests.positronic.server.test_kill_soak import CONFIG, clients, converse
 
 
-def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int):
+def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int, config=CONFIG):
     talking = clients()  # a greedy chat, a seeded sampled chat, greedy completions; a quarter of the answers lost
     with live_server(tiny, server_settings(tmp_path / f"slots-{engine_slots}", engine_slots=engine_slots),
-                     CONFIG) as server:
+                     config) as server:
         converse(lambda: server.url, talking, threading.Event())
         rounds = server.server.worker.engine_rounds
         generated = server.metric("positronic_generated_tokens_total")
@@ -25,10 +27,18 @@ def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int):
         sum(client.attempts - len(client.answers) for client in talking)
 
 
+@pytest.mark.parametrize("policy", ["brightness", "smartkv"])
 def test_replies_in_engine_rounds_are_the_replies_of_brains_ticking_alone(tiny, tmp_path, live_server,
-                                                                         server_settings):
-    alone, rounds_alone, generated_alone, _ = answers(tiny, tmp_path, live_server, server_settings, 0)
-    batched, rounds, generated, retried = answers(tiny, tmp_path, live_server, server_settings, 16)
+                                                                         server_settings, policy):
+    """The random model's default, and the embedded model's (smartkv with recall, ranked by
+    recent use: its lanes keep their own rows) with untrained gates."""
+    config = CONFIG
+    if policy == "smartkv":
+        _, gates = bench_gates(tiny, tmp_path)
+        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, memory_rank="recent", gates=gates,
+                                     window=48)
+    alone, rounds_alone, generated_alone, _ = answers(tiny, tmp_path, live_server, server_settings, 0, config)
+    batched, rounds, generated, retried = answers(tiny, tmp_path, live_server, server_settings, 16, config)
     assert rounds_alone == 0 and rounds > 0
     assert retried > 0, "no answer was lost and asked again: the test would not see a reply leave half-way"
     assert batched == alone
