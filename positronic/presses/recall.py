@@ -122,17 +122,21 @@ class LaneIndex:
 
     # --- a round ---------------------------------------------------------------------------------
 
-    def look(self, rows, index: dict[str, Tensor], looks: Tensor, held_positions: Tensor, clock: Tensor) -> Tensor:
-        """bool [S, lanes, capacity]: the indexed tokens each lane takes back this round.
+    def look(self, rows, index: dict[str, Tensor], looks: Tensor, held_positions: Tensor,
+             clock: Tensor) -> tuple[Tensor, Tensor]:
+        """bool [S, lanes, capacity]: the indexed tokens each lane takes back this round, and
+        int64 [S, capacity]: the ring's slots in the order they come back (nearest the match first,
+        as today's lookup lists them; slots past the filled ones last).
         looks [S] bool: sequences whose memories are full (and whose positions were not packed);
         held_positions [S, lanes, N] int64: each lane's rows' positions (a large value past the
         rows), ascending; clock [S]: this round's clock (the looks so far, this one included)."""
         count = index["recall.count"]
         S, ring = count.shape[0], self.capacity
         none = torch.zeros((S, self.lanes, ring), dtype=torch.bool, device=count.device)
+        in_ring = torch.arange(ring, device=count.device).expand(S, -1)
         looks = looks & (count > 0)
         if not bool(looks.any()):
-            return none
+            return none, in_ring
         filled = torch.arange(ring, device=count.device) < count[:, None]  # [S, ring]
         used = int(count.max())  # slots past every sequence's count hold nothing
         keys = index["recall.keys"][..., :used, :]  # [S, layers, kv_heads, used, head_dim]
@@ -162,18 +166,19 @@ class LaneIndex:
         lined = eligible.gather(2, order[:, None].expand(-1, self.lanes, -1))
         taking = lined & (lined.cumsum(dim=2) <= self.room)
         none[..., :used] = torch.zeros_like(taking).scatter_(2, order[:, None].expand(-1, self.lanes, -1), taking)
-        return none
+        return none, torch.cat([order, in_ring[:, used:]], dim=1)
 
     @staticmethod
-    def weakest(rank: Tensor, born: Tensor, candidate: Tensor, count: Tensor) -> Tensor:
-        """bool [S, lanes, N]: the `count` [S, lanes] lowest-ranked `candidate` rows of each lane
-        (ties to the older `born`, then the lower row): what `Memories.take_back` replaces."""
+    def weakest(rank: Tensor, slot: Tensor, candidate: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+        """bool [S, lanes, N]: the `count` [S, lanes] lowest-ranked `candidate` rows of each lane,
+        ties to the lower memory `slot` [S, lanes, N] (today's memory takes the first slot of
+        equal ranks: `Memories.take_back`); and int64 [S, lanes, N], the rows in that order."""
         row = torch.arange(rank.shape[2], device=rank.device)
-        by_born = torch.sort(torch.where(candidate, born, math.inf), dim=2, stable=True).indices
-        ranks = torch.where(candidate, rank, math.inf).gather(2, by_born)
-        order = by_born.gather(2, torch.sort(ranks, dim=2, stable=True).indices)
+        by_slot = torch.sort(torch.where(candidate, slot, math.inf), dim=2, stable=True).indices
+        ranks = torch.where(candidate, rank, math.inf).gather(2, by_slot)
+        order = by_slot.gather(2, torch.sort(ranks, dim=2, stable=True).indices)
         chosen = row < count[..., None]
-        return torch.zeros_like(candidate).scatter_(2, order, chosen) & candidate
+        return torch.zeros_like(candidate).scatter_(2, order, chosen) & candidate, order
 
     def held(self, rank: Tensor, until: Tensor, now: Tensor) -> Tensor:
         """`rank` with rows held (until > now) at HELD, as `Memories._ranks`."""

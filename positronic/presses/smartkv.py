@@ -107,7 +107,10 @@ class SmartKVPress(Press):
             self.row_state["used"] = (torch.float64, 0.0)
             self.reads_lane_peaks = True
         if settings.recall:  # a row taken back ranks from its return ("born") and is held until "until"
-            self.row_state |= {"born": (torch.float64, -1.0), "until": (torch.float64, 0.0)}
+            # "slot": a memory row's place in today's memory (-1: not in it), which breaks the ties
+            # recall makes (rows taken back together share their age; every row held ranks alike)
+            self.row_state |= {"born": (torch.float64, -1.0), "until": (torch.float64, 0.0),
+                               "slot": (torch.float64, -1.0)}
             self.reads_query = True
         super().__init__(settings)
         self.index: LaneIndex | None = None
@@ -171,11 +174,27 @@ class SmartKVPress(Press):
         candidate = (row >= self.keep) & (row <= at[:, None])  # [S, N]: the memory and the leaving row
         masked = torch.where(candidate[:, None], rank, math.inf)
         ties = masked == masked.amin(dim=2, keepdim=True)
-        lowest = torch.where(ties, born, math.inf).argmin(dim=2)  # [S, L]: ties to the older (then the lower row)
+        if "slot" in state:  # ties to the older, then the lower slot; the leaving row's after all (`Memories.offer`)
+            slot = torch.where((row == at[:, None])[:, None], float(SmartKVPolicy.memory_size(s)), state["slot"])
+            oldest = ties & (born == torch.where(ties, born, math.inf).amin(dim=2, keepdim=True))
+            lowest = torch.where(oldest, slot, math.inf).argmin(dim=2)
+            next["slot"] = self._slotted(state["slot"], lowest, at, offers, full)
+        else:
+            lowest = torch.where(ties, born, math.inf).argmin(dim=2)  # [S, L]: ties to the older (then the lower row)
         deleted = torch.zeros((count, lanes, capacity), dtype=torch.bool, device=length.device).scatter(
             2, lowest[..., None], full[:, None, None].expand(-1, lanes, 1))
         plan = Plan(deleted, full.long(), rank, next, torch.zeros_like(full))
         return plan if self.index is None else self._recall(rows, state, plan, ranks, born, candidate, offers, at)
+
+    def _slotted(self, slot: Tensor, lowest: Tensor, at: Tensor, offers: Tensor, full: Tensor) -> Tensor:
+        """slot [S, L, N] with the leaving row's place in each lane's memory: the next free one
+        while the memory fills (its rows so far), then the place of the row it replaces."""
+        slot = slot.clone()
+        members = offers.nonzero()[:, 0]
+        freed = slot.gather(2, lowest[..., None])[..., 0]  # [S, L]
+        place = torch.where(full[:, None], freed, (at - self.keep).double()[:, None])
+        slot[members, :, at[members]] = place[members]
+        return slot
 
     def _recall(self, rows, state, plan: Plan, ranks, born: Tensor, candidate: Tensor, offers: Tensor, at: Tensor) -> Plan:
         """Recall's part of the round (recall.py): the lookup where the memories are full, each
@@ -195,8 +214,10 @@ class SmartKVPress(Press):
         clock = state["recall.clock"] + looking.long()
         lane_rows = torch.where(row < length[:, None, None], positions, torch.iinfo(torch.long).max)
         looks = looking & ~forget & (now < index.max_positions)  # no return in a round that packs
-        taking = index.look(rows, state, looks, lane_rows, clock)  # [S, L, ring]
-        deleted = plan.deleted | index.weakest(ranks(now), born, candidate[:, None] & ~plan.deleted, taking.sum(dim=2))
+        taking, near = index.look(rows, state, looks, lane_rows, clock)  # [S, L, ring], [S, ring]
+        slot = plan.next["slot"]
+        weakest, weak = index.weakest(ranks(now), slot, candidate[:, None] & ~plan.deleted, taking.sum(dim=2))
+        deleted = plan.deleted | weakest
         next = dict(plan.next) | {"born": state["born"], "until": state["until"]}  # rows kept keep theirs
         back = taking.any(dim=1)  # [S, ring]: the tokens coming back into some lane
         inserts = None
@@ -208,6 +229,11 @@ class SmartKVPress(Press):
             row_state = {"weight": state["recall.weights"].gather(1, slots[..., None].expand(-1, -1, lanes)).transpose(1, 2),
                          "born": when, "until": when + index.hold}
             row_state |= {"used": torch.zeros_like(when)} if "used" in next else {}
+            # a lane's returns, in the order they come back, take the places of its weakest rows in turn
+            along = near[:, None].expand(-1, lanes, -1)
+            turn = torch.zeros_like(along).scatter_(2, along, taking.gather(2, along).long().cumsum(dim=2) - 1)
+            row_state["slot"] = slot.gather(2, weak).gather(2, turn.gather(2, slots[:, None].expand(-1, lanes, -1))
+                                                            .clamp(min=0))
             inserts = Inserts(taken, state["recall.positions"].gather(1, slots), state["recall.tokens"].gather(1, slots),
                               state["recall.keys"][members, :, :, slots], state["recall.values"][members, :, :, slots],
                               row_state)
@@ -317,7 +343,9 @@ class SmartKVPress(Press):
             born, until = np.full((lanes, rows), -1.0), np.zeros((lanes, rows))
             born[:, keep:stored] = np.take_along_axis(memory.positions[:, : memory.count], slots, axis=1)
             until[:, keep:stored] = np.take_along_axis(memory.until[:, : memory.count], slots, axis=1)
-            carried |= {"born": torch.from_numpy(born), "until": torch.from_numpy(until)}
+            place = np.full((lanes, rows), -1.0)
+            place[:, keep:stored] = slots  # the memory slot of each of its rows
+            carried |= {"born": torch.from_numpy(born), "until": torch.from_numpy(until), "slot": torch.from_numpy(place)}
         return carried | ({"used": torch.from_numpy(used)} if "used" in self.row_state else {})
 
     def restore(self, policy: SmartKVPolicy, mirror, rows: dict[str, Tensor], slots: dict[str, Tensor]) -> bool:
@@ -325,10 +353,10 @@ class SmartKVPress(Press):
         lane's rows past the kept ones and before the `window` newest (not offered yet), in row
         order, with their weights (scores: log4 of them), ages (`born`), holds and recent-use
         sums; the window's sums and any scores it carried; `offered`, the token before the
-        window; recall's index (`LaneIndex.restore`). Not to the bit where the press does not
-        keep what today's memory does: a memory's internal slot order (its rows go in row order;
-        it breaks ties only when every memory row of a lane is held) and the predictions of the
-        indexed tokens (what the live view shows of a token taken back)."""
+        window; recall's index (`LaneIndex.restore`). Each lane's memory rows go into the slots
+        today's memory keeps them in (`slot`, kept with recall, whose returns make the ties a
+        slot breaks; row order without). Not kept: the predictions of the indexed tokens (what the
+        live view shows of a token taken back)."""
         ids = np.array(mirror.layers.rows, dtype=np.int64)  # [lanes, n], ledger ids ascending in each
         lanes, n = ids.shape
         keep = self.keep
@@ -342,14 +370,18 @@ class SmartKVPress(Press):
             born = np.where(rows["born"].numpy() >= 0, rows["born"].numpy(), born)
         memory = type(policy.memory)(lanes, policy.size, policy.horizon)
         memory.count = count
-        memory.ids[:, :count], memory.weights[:, :count] = ids[:, held], weight[:, held]
-        memory.scores[:, :count] = np.log(weight[:, held]) / math.log(4.0)
-        memory.positions[:, :count] = born[:, held]
+        # each lane's memory rows in the slots today's memory keeps them in (row order without recall)
+        place = (rows["slot"].numpy()[:, held].astype(np.int64) if "slot" in rows
+                 else np.broadcast_to(np.arange(count), (lanes, count)))
+        lane = np.arange(lanes)[:, None]
+        memory.ids[lane, place], memory.weights[lane, place] = ids[:, held], weight[:, held]
+        memory.scores[lane, place] = np.log(weight[:, held]) / math.log(4.0)
+        memory.positions[lane, place] = born[:, held]
         if "until" in rows:
-            memory.until[:, :count] = rows["until"].numpy()[:, held]
+            memory.until[lane, place] = rows["until"].numpy()[:, held]
         if memory.watches:
             used = rows["used"].numpy()
-            memory.used[:, :count] = used[:, held]
+            memory.used[lane, place] = used[:, held]
             memory.window_ids, memory.window_used = ids[0, window].copy(), used[:, window].copy()
         scored = weight[0, window] > 0  # window tokens scored before they joined, kept as they were
         policy.memory, policy.pinned_out = memory, frozenset()

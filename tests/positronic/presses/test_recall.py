@@ -63,13 +63,19 @@ def test_the_index_is_todays_and_the_tokens_too(tiny, gates):
 
 def test_tokens_come_back_into_the_lanes_todays_recall_names(tiny, gates, monkeypatch):
     """A low threshold: tokens come back every round (restores happen), into the lanes and in
-    place of the rows today's recall names, with the Brain's tokens, for the 10 rounds until
-    every memory row is held (then the two break ties among held rows differently: the press by
-    age and row, today's memory by its slot order, which the press does not keep)."""
+    place of the rows today's recall names, with the Brain's tokens, for 50 rounds: past the
+    point where every memory row of a lane is held and rows taken back together share their
+    age, so their ties go as today's memory breaks them, by its slot order (the press's `slot`)."""
     monkeypatch.setattr(SmartKVPolicy, "recall_share", 0.02)
     cfg = config(gates)
-    engine, brain = run_beside(tiny, cfg, [tiny.bos_id] + TEXT[:70], 10)
-    assert brain.policy.recall.restored >= 10 and restored(engine, 0) == brain.policy.recall.restored
+    engine, brain = run_beside(tiny, cfg, [tiny.bos_id] + TEXT[:70], 50)
+    assert brain.policy.recall.restored >= 50 and restored(engine, 0) == brain.policy.recall.restored
+    slot = engine.state.row_state["smartkv.slot"][0]  # [lanes, capacity]: each memory row's place today
+    memory = brain.policy.memory
+    for lane, ids in enumerate(engine.state.mirror(0).layers.rows):
+        places = {int(i): k for k, i in enumerate(memory.ids[lane, : memory.count])}
+        assert [int(slot[lane, row]) for row, i in enumerate(ids) if i in places] == \
+            [places[i] for i in ids if i in places]
     mirror = engine.state.mirror(0)
     mirror.check(tiny.max_positions)
     assert [e.state for e in mirror.ledger.entries] == [e.state for e in brain.state.mirror.ledger.entries]
@@ -131,3 +137,26 @@ def test_a_lane_taking_back_a_token_it_holds_is_refused_and_nothing_changes(tiny
         state.apply(deleted, [5], inserts=inserts)
     assert torch.equal(state.positions, before[0]) and torch.equal(state.kv.keys, before[1])
     assert int(state.length[0]) == before[2]
+
+
+def test_a_sequence_taking_tokens_back_is_handed_back_and_goes_on_as_its_brain(tiny, gates, monkeypatch):
+    """Returns every round (a low threshold): 10 ticks alone, 40 rounds, 20 alone, 20 rounds, 10
+    alone make a lone Brain's 100 tokens, lanes, restores and index, and each lane's memory in
+    the slots the lone Brain's keeps it (ties among rows held or taken back together go by them)."""
+    from tests.positronic.batch.test_engine import in_and_out
+
+    monkeypatch.setattr(SmartKVPolicy, "recall_share", 0.02)
+    cfg = config(gates)
+    ids = [tiny.bos_id] + TEXT[:70]
+    want = Brain.start(tiny, ids, cfg)
+    expected = [want.step().token_id for _ in range(100)]
+    brain = Brain.start(tiny, ids, cfg)
+    engine = Engine(tiny, slots=2, capacity=cfg.budget, score_layers=cfg.recorded_layers, lanes=tiny.num_layers)
+    assert in_and_out(engine, brain, lambda: Brain.start(tiny, [tiny.bos_id] + TEXT[5:60], cfg)) == expected
+    assert brain.state.mirror.layers.rows == want.state.mirror.layers.rows
+    mine, theirs = brain.policy.memory, want.policy.memory
+    assert (mine.ids == theirs.ids).all() and (mine.until == theirs.until).all()
+    assert brain.policy.recall.restored == want.policy.recall.restored > 100
+    assert brain.policy.recall.ids == want.policy.recall.ids
+    assert brain.policy.recall.lane_back_at == want.policy.recall.lane_back_at
+    brain.state.check(deep=True)
