@@ -20,6 +20,16 @@ servers in one process, and the library's global registry would add their counts
     positronic_session_save_failures_total         checkpoints that could not be written
     positronic_requests_in_flight
 
+and beside them vLLM's names, each labelled model_name, so that a dashboard made for vLLM reads
+this server (what each counts here: docs/server.md, "Metrics"):
+
+    vllm:num_requests_running, vllm:num_requests_waiting   generation requests ticking / queued
+    vllm:kv_cache_usage_perc                      live rows over budget, sessions in memory (0..1)
+    vllm:prompt_tokens_total, vllm:generation_tokens_total
+    vllm:request_success_total{finished_reason}   replies ended: stop | length | abort (cut short)
+    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+    vllm:e2e_request_latency_seconds              histograms (the last: generation requests answered)
+
 Counters and histograms are fed as things happen (prometheus_client adds a `…_created` time to
 each). The families from tokens per second on are read at scrape time (ScrapeTime): the tick
 rate from here, the rest from what the server hands `render`. `Metrics.content_type` is the
@@ -48,15 +58,16 @@ INTER_TOKEN_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 60.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")  # what vLLM's request metrics count
 
 
 class ScrapeTime(Collector):
     """The families read from the server when it is scraped rather than counted here: the
     last `render`'s inputs, and the tick rate of the moment."""
 
-    def __init__(self, tokens_per_second):
-        self.tokens_per_second = tokens_per_second
-        self.given = dict(sessions={}, session_states={}, session_events={}, in_flight=0, save_failures=0)
+    def __init__(self, tokens_per_second, model_name: str):
+        self.tokens_per_second, self.model_name = tokens_per_second, model_name
+        self.given = dict(sessions={}, session_states={}, session_events={}, in_flight=0, save_failures=0, running=0)
 
     def collect(self):
         given = self.given
@@ -82,6 +93,18 @@ class ScrapeTime(Collector):
                                   value=given["save_failures"])
         yield GaugeMetricFamily("positronic_requests_in_flight", "Generation requests in the server, queued included.",
                                 value=given["in_flight"])
+        running = min(given["running"], given["in_flight"])
+        rows = sum(length for length, _ in given["sessions"].values())
+        room = sum(cap for _, cap in given["sessions"].values())
+        for name, text, value in (
+                ("vllm:num_requests_running", "Generation requests whose turn is ticking.", running),
+                ("vllm:num_requests_waiting", "Generation requests queued (for a session slot or their "
+                                              "session's previous request).", given["in_flight"] - running),
+                ("vllm:kv_cache_usage_perc", "Live rows over the budgets of the sessions in memory (1 = full).",
+                 rows / room if room else 0.0)):
+            family = GaugeMetricFamily(name, text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class Metrics:
@@ -92,10 +115,11 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST  # of what `render` writes
 
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self.registry = CollectorRegistry()
         counter = partial(Counter, registry=self.registry)
         histogram = partial(Histogram, registry=self.registry)
+        self.model_name = model_name
         self.requests = counter("positronic_requests", "HTTP requests answered, by endpoint and status.",
                                 ["endpoint", "status"])
         self.latency = histogram("positronic_request_duration_seconds",
@@ -116,9 +140,10 @@ class Metrics:
         self.resurrections = counter("positronic_resurrections", "Evicted rows brought back by recall.")
         self.batch = histogram("positronic_batch_sequences", "Sequences fed by each model forward (batched ticks).",
                                buckets=BATCH_BUCKETS)
+        self.vllm = VLLMNames(counter, histogram, model_name)
         self._recent: deque[tuple[float, float]] = deque()  # (time, seconds) of recent ticks
         self._recent_lock = threading.Lock()  # ticks come from the model thread, scrapes from the loop
-        self._scrape = ScrapeTime(self.tokens_per_second)
+        self._scrape = ScrapeTime(self.tokens_per_second, model_name)
         self.registry.register(self._scrape)
         self._render_lock = threading.Lock()  # a scrape's inputs stay put until its text is written
 
@@ -137,22 +162,30 @@ class Metrics:
         """One model forward of the batching worker, and how many sequences it fed."""
         self.batch.observe(sequences)
 
-    def record_reply(self, prompt_tokens: int, generated_tokens: int) -> None:
-        """One request's tokens: read into the brain, and generated for its reply."""
+    def record_reply(self, prompt_tokens: int, generated_tokens: int, finish_reason: str | None = "stop") -> None:
+        """One request's tokens: read into the brain, and generated for its reply, which ended
+        with `finish_reason` (stop, length; None: cut short, vLLM's "abort")."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
+        self.vllm.generation_tokens.inc(generated_tokens)
+        self.vllm.success.labels(self.model_name, finish_reason or "abort").inc()
 
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         self.latency.labels(endpoint).observe(seconds)
+        if endpoint in GENERATION_ENDPOINTS and status == 200:
+            self.vllm.e2e.observe(seconds)
 
     def record_first_token(self, seconds: float) -> None:
         """A generation request's arrival to its first generated token's text being ready."""
         self.first_token.observe(seconds)
+        self.vllm.first_token.observe(seconds)
 
     def record_inter_token(self, seconds: float) -> None:
         """The gap between two consecutive generated tokens of one reply."""
         self.inter_token.observe(seconds)
+        self.vllm.inter_token.observe(seconds)
 
     def record_token(self, first: bool, seconds: float) -> None:
         """A generated token: the request's first (seconds since the request arrived) or a later one."""
@@ -168,11 +201,30 @@ class Metrics:
         return count / busy if busy > 0 else 0.0
 
     def render(self, *, sessions: dict[str, tuple[int, int]], session_states: dict[str, int],
-               session_events: dict[str, int], in_flight: int, save_failures: int = 0) -> str:
+               session_events: dict[str, int], in_flight: int, save_failures: int = 0, running: int = 0) -> str:
         """The exposition text. `sessions`: id -> (live length, budget) of each session in
-        memory; `session_states`: count per state; `session_events`: saved/resumed/freed counts."""
+        memory; `session_states`: count per state; `session_events`: saved/resumed/freed counts;
+        `running`: the requests in flight whose turn is ticking (the rest wait)."""
         with self._render_lock:
             self._scrape.given = dict(sessions=sessions, session_states=session_states,
                                       session_events=session_events, in_flight=in_flight,
-                                      save_failures=save_failures)
+                                      save_failures=save_failures, running=running)
             return generate_latest(self.registry).decode()
+
+
+class VLLMNames:
+    """The counters and histograms vLLM exposes, by vLLM's names and buckets' meaning, labelled
+    model_name (fed beside the project's own by `Metrics`)."""
+
+    def __init__(self, counter, histogram, model_name: str):
+        named = ["model_name"]
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens read.", named).labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.", named).labels(model_name)
+        self.success = counter("vllm:request_success", "Generation requests ended, by finish reason.",
+                               ["model_name", "finished_reason"])
+        self.first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first generated token.",
+                                     named, buckets=FIRST_TOKEN_BUCKETS).labels(model_name)
+        self.inter_token = histogram("vllm:inter_token_latency_seconds", "Gap between consecutive generated tokens.",
+                                     named, buckets=INTER_TOKEN_BUCKETS).labels(model_name)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Generation request latency, first byte in to "
+                             "last byte out.", named, buckets=LATENCY_BUCKETS).labels(model_name)

@@ -110,7 +110,8 @@ async def reply(server, request: Request, begun: Begun, chat: bool) -> dict | No
             raise
         finally:
             await server.checkpoint(conversation, begun.answer, turn)
-            server.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
+            server.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated,
+                                            turn.reply.finish_reason if turn.reply else None)
         entries = (turn.prepared.echoed + turn.read if echoed is not None else []) + turn.entries
         logprobs = logprobs_of(server.lm, chat, entries) if turn.logprobs is not None else None
         text = (echoed or "") + turn.reply.text
@@ -179,7 +180,8 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
             finally:
                 if not checkpointed:  # (it waits for a tick left running: its token is counted too)
                     await server.checkpoint(conversation, answer, turn)
-                server.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated)
+                server.metrics.record_reply(0 if turn.retried else turn.prepared.tokens, turn.generated,
+                                            turn.reply.finish_reason if turn.reply else None)
     except ServerStopping:
         if rest:
             yield writer.piece(rest)

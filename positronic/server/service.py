@@ -76,7 +76,7 @@ class BrainServer:
     def __init__(self, lm, config: BrainConfig, settings: ServerSettings):
         self.lm, self.config, self.settings = lm, config, settings
         self.created = int(time.time())
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name=lm.name)
         self.format = ChatFormat(lm)
         # Tokenizing runs here, off the event loop (a 1 MB prompt takes about a second, and the
         # loop meanwhile answers /health and sends every stream's tokens), one call at a time:
@@ -314,4 +314,5 @@ class BrainServer:
                   "active": sum(1 for c in self.pool.loaded.values() if c.users)}
         events = {"saved": self.pool.saved, "resumed": self.pool.resumed, "freed": self.pool.freed}
         return self.metrics.render(sessions=live, session_states=states, session_events=events,
-                                   in_flight=self.in_flight, save_failures=self.pool.save_failures)
+                                   in_flight=self.in_flight, save_failures=self.pool.save_failures,
+                                   running=len(self.worker.ticking))

@@ -47,8 +47,21 @@ def test_metrics_count_tokens_requests_and_maintenance(tiny, tmp_path, live_serv
     assert buckets == sorted(buckets) and buckets[-1] == 2
     assert "# TYPE positronic_request_duration_seconds histogram" in text
     for line in text.splitlines():  # every sample line is NAME{LABELS} NUMBER
-        assert line.startswith("#") or re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+.\deInf]+',
+        assert line.startswith("#") or re.fullmatch(r'[a-z_:][a-z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+.\deInf]+',
                                                     line), line
+    # vLLM's names beside them, labelled with the model: what a vLLM dashboard reads
+    named = dict(model_name=MODEL)
+    assert metric(text, "vllm:generation_tokens_total", **named) == generated
+    assert metric(text, "vllm:prompt_tokens_total", **named) == metric(text, "positronic_prompt_tokens_total")
+    assert metric(text, "vllm:request_success_total", finished_reason="length", **named) == 2  # both ran to max_tokens
+    assert metric(text, "vllm:time_to_first_token_seconds_count", **named) == 2
+    assert metric(text, "vllm:inter_token_latency_seconds_count", **named) == generated - 2
+    assert metric(text, "vllm:e2e_request_latency_seconds_count", **named) == 2  # the 400 is not a request served
+    assert metric(text, "vllm:num_requests_running", **named) == 0 == metric(text, "vllm:num_requests_waiting", **named)
+    sessions = re.findall(r'^positronic_live_length\{session="([^"]*)"\}', text, re.M)
+    live = sum(metric(text, "positronic_live_length", session=sid) for sid in sessions)
+    room = sum(metric(text, "positronic_budget", session=sid) for sid in sessions)
+    assert sessions and metric(text, "vllm:kv_cache_usage_perc", **named) == live / room
 
 
 def record(actions, rebuilt=False):
@@ -130,6 +143,19 @@ def test_first_token_and_inter_token_observations_are_counted_and_bucketed(metri
     assert metric(text, gap + "_count") == 5 and metric(text, gap + "_sum") == sum((0.008, 0.012, 0.09, 0.11, 3.0))
     assert [metric(text, gap + "_bucket", le=le) for le in ("0.01", "0.02", "0.1", "0.15", "2.5", "+Inf")] == \
         [1, 2, 3, 4, 4, 5], "GPU and CPU speeds fall in buckets of their own"
+
+
+def test_vllm_request_gauges_split_in_flight_and_a_cut_reply_is_an_abort(metric):
+    metrics = Metrics(model_name="m")
+    metrics.record_reply(prompt_tokens=3, generated_tokens=1, finish_reason=None)
+    metrics.record_reply(prompt_tokens=3, generated_tokens=4, finish_reason="stop")
+    text = metrics.render(sessions={"a": (30, 40), "b": (10, 40)}, session_states={}, session_events={}, in_flight=5,
+                          running=2)
+    assert metric(text, "vllm:request_success_total", finished_reason="abort", model_name="m") == 1
+    assert metric(text, "vllm:request_success_total", finished_reason="stop", model_name="m") == 1
+    assert metric(text, "vllm:num_requests_running", model_name="m") == 2
+    assert metric(text, "vllm:num_requests_waiting", model_name="m") == 3
+    assert metric(text, "vllm:kv_cache_usage_perc", model_name="m") == 0.5
 
 
 def test_two_servers_metrics_do_not_share_values(metric):
