@@ -63,9 +63,13 @@ def _server_options(
     engine: bool = typer.Option(
         True, "--engine/--no-engine",
         help="Run replies' ticks as rounds of Core v4's batched engine where a session's settings run there (its "
-             "policy's press, shared rows: not smartkv, repairers, 4-bit formats or the ring store yet), one "
-             "engine of up to --max-sessions sequences (64 at most) per budget; --no-engine: every tick a "
-             "brain's own, its forward shared with the others'."),
+             "policy's press, smartkv included; not repairers, 4-bit formats, the ring store or pins on smartkv "
+             "yet), one engine of up to --max-sessions sequences (64 at most) per budget and kind of lanes; "
+             "--no-engine: every tick a brain's own, its forward shared with the others'."),
+    served_model_name: Optional[list[str]] = typer.Option(
+        None, metavar="NAME",
+        help="A model id requests may name and answers carry (repeatable; vLLM's flag): the first is the one "
+             "/v1/models lists first and /metrics labels. Default: the -m string."),
     checkpoint_each_request: bool = typer.Option(
         True, "--checkpoint-each-request/--checkpoint-when-idle",
         help="Write a session to disk at the end of each request, before its answer's last byte (a kill loses "
@@ -168,6 +172,9 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
         check_access(options["api_key"], options["cors_origin"] or [])
+        names = options["served_model_name"] or []
+        if any(not name.strip() for name in names) or len(set(names)) != len(names):
+            raise UserError(f"--served-model-name must be distinct, non-empty names, got {names}")
         check_address(options["host"], options["port"])
         from ..brain import session as sessions
 
@@ -194,7 +201,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   default_max_tokens=options["default_max_tokens"],
                                   checkpoint_each_request=options["checkpoint_each_request"],
                                   history_edits=options["history_edits"], threads=threads,
-                                  engine_slots=min(options["max_sessions"], 64) if options["engine"] else 0)
+                                  engine_slots=min(options["max_sessions"], 64) if options["engine"] else 0,
+                                  served_model_names=tuple(options["served_model_name"] or ()))
         return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
                              api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
                              log_level=options["log_level"].value)

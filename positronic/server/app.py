@@ -221,9 +221,9 @@ def create_app(lm, config: BrainConfig, settings: ServerSettings, *, api_key: st
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != lm.name:
+        if model_id not in server.names:
             raise APIError(404, f"the model {model_id!r} does not exist here", param="model", code="model_not_found")
-        return server.model_card()
+        return server.model_card(model_id)
 
     @app.get("/v1/sessions/{session_id}")
     async def session(session_id: str):
@@ -313,7 +313,8 @@ def serve_forever(lm, config: BrainConfig, settings: ServerSettings, *, host: st
     level = getattr(logging, log_level.upper())
     logging.basicConfig(level=max(level, logging.INFO), format="%(levelname)s:     %(message)s")
     logging.getLogger("positronic").setLevel(level)
-    print(f"serving {lm.name} (policy {config.policy}, budget {config.budget}, at most {settings.max_sessions} "
+    served = f" as {', '.join(settings.served_model_names)}" if settings.served_model_names else ""
+    print(f"serving {lm.name}{served} (policy {config.policy}, budget {config.budget}, at most {settings.max_sessions} "
           f"sessions in memory; checkpoints in {settings.session_dir}"
           f"{'; an API key is required' if api_key is not None else ''})", flush=True)
     app = create_app(lm, config, settings, api_key=api_key, cors_origins=cors_origins)

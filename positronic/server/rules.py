@@ -56,6 +56,22 @@ def session_id(request: Request, user: str | None) -> str | None:
         raise APIError(400, str(exc), param="user" if header is None else None, code="invalid_session_id") from None
 
 
+def served_names(lm, settings) -> tuple[str, ...]:
+    """The model ids the server answers to (the first names it in answers that name none):
+    `served_model_names`, or the model's own name. ValueError for an empty or repeated one."""
+    names = tuple(settings.served_model_names) or (lm.name,)
+    if any(not isinstance(name, str) or not name.strip() for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"served model names must be distinct, non-empty strings, got {list(names)}")
+    return names
+
+
+def check_model(model: str | None, names: tuple[str, ...]) -> None:
+    """404 unless `model` is one of the names the server answers to (None: not given, fine)."""
+    if model is not None and model not in names:
+        raise APIError(404, f"the model {model!r} does not exist here; this server serves "
+                            f"{', '.join(map(repr, names))}", param="model", code="model_not_found")
+
+
 def max_choices(settings) -> int:
     """The most choices (`n`) a request may ask for: each is a sequence of its own."""
     return min(settings.max_sessions, settings.max_pending)
@@ -64,9 +80,7 @@ def max_choices(settings) -> int:
 def check(body: GenerationBody, lm, settings) -> None:
     """What both generation endpoints check first: the model, best_of, n, and the fields this
     server does not implement (refused unless empty)."""
-    if body.model != lm.name:
-        raise APIError(404, f"the model {body.model!r} does not exist here; this server serves {lm.name!r}",
-                       param="model", code="model_not_found")
+    check_model(body.model, served_names(lm, settings))
     if body.best_of not in (None, 1):
         raise APIError(400, "best_of: one candidate per choice is supported (best_of 1; n asks for several "
                             "choices)", param="best_of", code="invalid_value")

@@ -67,6 +67,8 @@ class ServerSettings:
     history_edits: str = "refuse"  # a chat whose earlier messages differ from its session's: refuse (409) | rebuild
     threads: int | None = None  # torch's threads in the forward thread (None: this thread's when the server is made)
     engine_slots: int = 16  # sequences per Core v4 engine whose rounds run replies' ticks (0: none; worker.py)
+    # the model ids requests may name (vLLM's --served-model-name): () the model's own name, as `-m` gave it
+    served_model_names: tuple[str, ...] = ()
 
 
 class BrainServer:
@@ -75,8 +77,9 @@ class BrainServer:
 
     def __init__(self, lm, config: BrainConfig, settings: ServerSettings):
         self.lm, self.config, self.settings = lm, config, settings
+        self.names = rules.served_names(lm, settings)
         self.created = int(time.time())
-        self.metrics = Metrics(model_name=lm.name)
+        self.metrics = Metrics(model_name=self.names[0])
         self.format = ChatFormat(lm)
         # Tokenizing runs here, off the event loop (a 1 MB prompt takes about a second, and the
         # loop meanwhile answers /health and sends every stream's tokens), one call at a time:
@@ -258,7 +261,7 @@ class BrainServer:
         except BaseException:
             await held.aclose()
             raise
-        return Begun(held, conversation, turn, answer, (ChatWriter if chat else CompletionWriter)(self.lm.name),
+        return Begun(held, conversation, turn, answer, (ChatWriter if chat else CompletionWriter)(body.model),
                      {"X-Session-Id": session_id} if session_id else None,
                      replies.echo_text(self.lm, body.prompt) if echo else None)
 
@@ -295,14 +298,15 @@ class BrainServer:
     # -- the other endpoints --
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [self.model_card(name) for name in self.names]}
 
-    def model_card(self) -> dict:
-        return {"id": self.lm.name, "object": "model", "created": self.created, "owned_by": "positronic",
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "positronic",
+                "root": self.lm.name,  # vLLM's: the model behind a served name
                 "max_model_len": self.config.budget}  # vLLM's name for the context a request may fill
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.lm.name, "budget": self.config.budget, "policy": self.config.policy,
+        return {"status": "ok", "model": self.names[0], "budget": self.config.budget, "policy": self.config.policy,
                 "sessions": {"in_memory": len(self.pool.loaded), "slots_in_use": self.pool.in_use,
                              "max": self.settings.max_sessions, "unsaved": sorted(self.pool.unsaved)},
                 "requests_in_flight": self.in_flight, "max_pending": self.settings.max_pending}

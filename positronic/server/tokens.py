@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from .rules import check_model
 from .schemas import APIError, Message, message_text, refuse_unknown
 
 # Other servers' tokenize fields that change the answer: taken only at the value this server acts
@@ -40,18 +41,12 @@ class DetokenizeBody(BaseModel):
     tokens: list[StrictInt]
 
 
-def check_model(lm, model: str | None) -> None:
-    if model is not None and model != lm.name:
-        raise APIError(404, f"the model {model!r} does not exist here; this server serves {lm.name!r}",
-                       param="model", code="model_not_found")
-
-
 def tokenize(server, body: TokenizeBody) -> dict:
     """The ids a fresh session would prefill for the body's prompt or messages (`server`: the
     app's BrainServer, read only: its model, chat format and budget). It tokenizes: the app
     calls it in the server's text thread (BrainServer.off_loop)."""
     lm = server.lm
-    check_model(lm, body.model)
+    check_model(body.model, server.names)
     given = [name for name in ("prompt", "content", "messages") if getattr(body, name) is not None]
     if len(given) != 1:
         raise APIError(400, "a tokenize request takes one of prompt, content (the same) and messages, "
@@ -92,7 +87,7 @@ def wants_bos(body: TokenizeBody) -> bool:
 def detokenize(server, body: DetokenizeBody) -> dict:
     """The text of the body's ids, special tokens included, under vLLM's name and llama-server's."""
     lm = server.lm
-    check_model(lm, body.model)
+    check_model(body.model, server.names)
     refuse_unknown(body)
     for i, token in enumerate(body.tokens):
         if not 0 <= token < lm.vocab_size:

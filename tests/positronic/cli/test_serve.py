@@ -19,6 +19,10 @@ def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cl
     assert "budget 20" in capsys.readouterr().err
     assert run_cli("serve", "-m", MODEL, "--max-tokens", "10", "--default-max-tokens", "20",
                    "--session-dir", str(tmp_path)) == 2
+    capsys.readouterr()
+    assert run_cli("serve", "-m", MODEL, "--served-model-name", "a", "--served-model-name", "a",
+                   "--session-dir", str(tmp_path)) == 2
+    assert "--served-model-name must be distinct, non-empty names" in capsys.readouterr().err
 
 
 def test_a_second_server_on_a_session_dir_in_use_is_refused_before_loading_a_model(tmp_path, capsys, run_cli,

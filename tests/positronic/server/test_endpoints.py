@@ -183,7 +183,36 @@ def test_the_model_card_has_the_context_length(live, server_config):
     assert listed.model_extra["max_model_len"] == server_config.budget
     card = live.get(f"/v1/models/{MODEL}").json()
     assert card == {"id": MODEL, "object": "model", "created": card["created"], "owned_by": "positronic",
-                    "max_model_len": server_config.budget}
+                    "root": MODEL, "max_model_len": server_config.budget}
+
+
+def test_served_model_names_are_the_ids_requests_name_and_answers_carry(tiny, tmp_path, live_server, server_settings,
+                                                                         metric):
+    """vLLM's --served-model-name: the server answers to each name (and no longer to the -m
+    string), an answer carries the name its request gave, /v1/models lists them (root: the
+    model behind them), /metrics labels vLLM's families with the first."""
+    with live_server(tiny, server_settings(tmp_path, served_model_names=("gpt-tiny", "alias"))) as server:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == ["gpt-tiny", "alias"]
+        assert server.get("/v1/models/alias").json()["root"] == MODEL
+        assert client.completions.create(model="alias", prompt="hi", max_tokens=2).model == "alias"
+        answer = client.chat.completions.create(model="gpt-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=2)
+        assert answer.model == "gpt-tiny"
+        for refused in (server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                        server.post("/tokenize", {"model": MODEL, "prompt": "hi"}), server.get(f"/v1/models/{MODEL}")):
+            assert refused.status_code == 404 and MODEL in refused.json()["error"]["message"]
+        assert server.post("/tokenize", {"model": "alias", "prompt": "hi"}).status_code == 200
+        assert server.get("/health").json()["model"] == "gpt-tiny"
+        assert metric(server.get("/metrics").text, "vllm:generation_tokens_total", model_name="gpt-tiny") == 4
+
+
+def test_served_model_names_must_be_distinct_and_not_empty(tiny, tmp_path, server_settings, server_config):
+    from positronic.server.app import create_app
+
+    for bad in (("a", "a"), ("",), (" ",)):
+        with pytest.raises(ValueError, match="served model names must be distinct, non-empty strings"):
+            create_app(tiny, server_config, server_settings(tmp_path, served_model_names=bad))
 
 
 # -- the API key ----------------------------------------------------------------------------------
