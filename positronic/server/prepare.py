@@ -76,10 +76,7 @@ class Preparer:
         session reads the prompt's tokens after its context. With `echo`, the prompt tokens'
         log-probabilities where they are prefilled (a running session's: Turn.read)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: one prompt per request is supported", param="prompt",
-                               code="invalid_value")
-            prompt = prompt[0]
+            prompt = prompt[0]  # a list of one (several are choices of their own: rules.prompts_of)
         if isinstance(prompt, list):
             ids = list(prompt)
         else:  # known too long by its length alone: refused before any encoding

@@ -93,19 +93,35 @@ def check(body: GenerationBody, lm, settings) -> None:
         refuse_unknown(body.stream_options, "stream_options")
 
 
+def prompts_of(body: GenerationBody) -> list | None:
+    """The prompts of a completion whose `prompt` lists several (strings, or token lists), as
+    vLLM and OpenAI take a batch: None for one prompt (a string, a token list, a list of one)."""
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        return prompt
+    return None
+
+
 def check_choices(request: Request, body: GenerationBody, lm, settings, seed: int) -> int:
-    """n > 1 (choices.py): no session, no Idempotency-Key, and every choice's seed (`seed`: the
-    server's, when the request gives none) within 2**63 - 1. The first choice's seed."""
+    """n > 1 or a list of prompts (choices.py): no session, no Idempotency-Key, at most
+    `max_choices` sequences in all, and every choice's seed (`seed`: the server's, when the
+    request gives none) within 2**63 - 1. The first choice's seed."""
     check(body, lm, settings)
+    prompts = prompts_of(body)
+    what, param = ("a list of prompts", "prompt") if prompts else ("n > 1", "n")
     if session_id(request, body.user) is not None:
-        raise APIError(400, "n > 1 is for requests without a session: a session continues one conversation, and "
+        raise APIError(400, f"{what} is for requests without a session: a session continues one conversation, and "
                             "each choice is a conversation of its own (drop the user field and the X-Session-Id "
-                            "header)", param="n", code="invalid_value")
+                            "header)", param=param, code="invalid_value")
     if request.headers.get(answers.HEADER) is not None:
-        raise APIError(400, "n > 1 cannot be combined with an Idempotency-Key (a key keeps one answer of a "
-                            "session)", param="n", code="invalid_value")
+        raise APIError(400, f"{what} cannot be combined with an Idempotency-Key (a key keeps one answer of a "
+                            "session)", param=param, code="invalid_value")
+    if prompts and len(prompts) * (body.n or 1) > (most := max_choices(settings)):
+        raise APIError(400, f"{len(prompts)} prompts x n = {body.n or 1} are {len(prompts) * (body.n or 1)} "
+                            f"sequences, above this server's {most} at once (--max-sessions and --max-pending)",
+                       param="prompt", code="invalid_value")
     base = seed if body.seed is None else body.seed
-    if base + body.n > 2**63:
+    if base + (body.n or 1) > 2**63:
         raise APIError(400, f"seed: choice {body.n - 1} would sample with seed {base + body.n - 1}, past 2**63 - 1",
                        param="seed", code="invalid_value")
     return base

@@ -218,7 +218,7 @@ class BrainServer:
         answer at once (the whole reply) or as server-sent events. A request that uvicorn
         cancels (its graceful shutdown timed out) is answered 503."""
         try:
-            if (body.n or 1) > 1:
+            if (body.n or 1) > 1 or rules.prompts_of(body):
                 return await self._choices(request, body, chat)
             return await self._generate(request, body, chat)
         except asyncio.CancelledError:
@@ -266,11 +266,14 @@ class BrainServer:
                      replies.echo_text(self.lm, body.prompt) if echo else None)
 
     async def _choices(self, request: Request, body: GenerationBody, chat: bool) -> Response:
-        """n > 1 (choices.py): choice i is this request with n = 1 and seed + i, each a throwaway
-        sequence, all run side by side."""
+        """n > 1 or a list of prompts (choices.py): choice j of prompt i (index i * n + j) is this
+        request with that prompt alone, n = 1 and seed + j, each a throwaway sequence, all run
+        side by side."""
         base = rules.check_choices(request, body, self.lm, self.settings, self.config.seed)
+        n, prompts = body.n or 1, rules.prompts_of(body) or [getattr(body, "prompt", None)]
         update = {"n": 1, **({"stream_options": StreamOptions(include_usage=True)} if body.stream else {})}
-        bodies = [body.model_copy(update={**update, "seed": base + index}) for index in range(body.n)]
+        bodies = [body.model_copy(update={**update, "seed": base + index, **({} if chat else {"prompt": prompt})})
+                  for prompt in prompts for index in range(n)]
         tasks: list[asyncio.Task] = []
         try:
             async with asyncio.TaskGroup() as group:
@@ -284,7 +287,7 @@ class BrainServer:
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(as_events(merge_events([replies.events(self, one, each, chat)
-                                                       for one, each in zip(begun, bodies)], include)))
+                                                       for one, each in zip(begun, bodies)], include, n)))
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(replies.reply(self, request, one, chat)) for one in begun]
@@ -293,7 +296,7 @@ class BrainServer:
         answered = [task.result() for task in tasks]
         if any(reply is None for reply in answered):
             return Response(status_code=499)  # the client left
-        return JSONResponse(merge_whole(answered))
+        return JSONResponse(merge_whole(answered, n))
 
     # -- the other endpoints --
 

@@ -31,6 +31,32 @@ def test_each_choice_is_the_single_request_with_its_own_seed(live):
     assert len(states) == 3 and all(state["session"] is None for state in states)
 
 
+def test_a_list_of_prompts_answers_each_as_its_own_request(live):
+    """vLLM's and OpenAI's batched completion: choice i * n + j is prompt i alone with seed + j;
+    usage counts each prompt once; strings and token lists alike; streamed the same."""
+    client = live.client()
+    prompts = ["Once upon", "The sea was", "In the"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, seed=5, **HOT)
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, seed=5 + j, **HOT)
+             for p in prompts for j in range(2)]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = [[1, 40, 41, 42], [1, 90, 91]]
+    tokens = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in tokens.choices] == [client.completions.create(model=MODEL, prompt=p, max_tokens=4,
+                                                                          temperature=0).choices[0].text for p in ids]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, seed=5, stream=True,
+                                            stream_options={"include_usage": True}, **HOT))
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in batch.choices]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
 def test_without_a_seed_choice_0_is_what_n_1_answers(live, chat):
     client = live.client()
     two = chat(client, None, "Tell me more", max_tokens=8, n=2, **HOT)
@@ -89,6 +115,9 @@ def test_the_choices_share_forwards(live):
     ({"n": 10_000}, {}, "n", "n must be in 1.."),
     ({"n": 2, "seed": 2**63 - 1}, {}, "seed", "past 2**63 - 1"),
     ({"best_of": 2}, {}, "best_of", "best_of 1"),
+    ({"prompt": ["a", "b"], "user": "s1"}, {}, "prompt", "a list of prompts is for requests without a session"),
+    ({"prompt": ["a", "b"]}, {"Idempotency-Key": "k1"}, "prompt", "Idempotency-Key"),
+    ({"prompt": ["a"] * 9, "n": 2}, {}, "prompt", "9 prompts x n = 2 are 18 sequences, above this server's 16"),
 ])
 def test_choices_that_cannot_run_are_refused_and_nothing_is_held(live, body, headers, param, words):
     sessions = len(live.server.pool.loaded)
