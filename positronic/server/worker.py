@@ -49,7 +49,7 @@ class ModelWorker:
     (positronic/batch/threads.py says why)."""
 
     def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None,
-                 engine_slots: int = 0):
+                 engine_slots: int = 0, engine_lanes: bool = False):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
         # Core v4 (positronic/batch/engine.py): a reply's ticks run as rounds of one engine per
@@ -57,6 +57,10 @@ class ModelWorker:
         if isinstance(engine_slots, bool) or not isinstance(engine_slots, int) or engine_slots < 0:
             raise ValueError(f"engine_slots must be a whole number of at least 0 (0: no engine), got {engine_slots!r}")
         self.engine_slots = engine_slots
+        # SmartKV sessions (lanes apart) in engines too: off by default. On a 2-core CPU with SmolLM2
+        # they made 0.68x the tokens/s of ticking alone (the forward bounds a round there, and each
+        # request's join and hand-back copy ~94 MB of recall index: bench/results/server.md)
+        self.engine_lanes = engine_lanes
         self._engines: dict[tuple, Engine] = {}
         self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
@@ -80,6 +84,8 @@ class ModelWorker:
         if not self.engine_slots or (config.policy == "none" and config.at_capacity == "stop"):
             return None
         if unsupported(brain, returning=True) is not None:  # before an engine's buffers are made for it
+            return None
+        if brain.state.per_layer and not self.engine_lanes:
             return None
         lanes = ("smartkv", config.gates) if brain.state.per_layer else "shared"  # an engine keeps one kind of lanes
         key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)),

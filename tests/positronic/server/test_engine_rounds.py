@@ -17,8 +17,8 @@ from tests.positronic.server.test_kill_soak import CONFIG, clients, converse
 
 def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int, config=CONFIG):
     talking = clients()  # a greedy chat, a seeded sampled chat, greedy completions; a quarter of the answers lost
-    with live_server(tiny, server_settings(tmp_path / f"slots-{engine_slots}", engine_slots=engine_slots),
-                     config) as server:
+    with live_server(tiny, server_settings(tmp_path / f"slots-{engine_slots}", engine_slots=engine_slots,
+                                           engine_smartkv=True), config) as server:
         converse(lambda: server.url, talking, threading.Event())
         rounds = server.server.worker.engine_rounds
         generated = server.metric("positronic_generated_tokens_total")
@@ -45,15 +45,19 @@ def test_replies_in_engine_rounds_are_the_replies_of_brains_ticking_alone(tiny, 
     assert generated == generated_alone
 
 
+@pytest.mark.parametrize("setting", ["repairer", "smartkv"])
 def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server, server_settings, chat,
-                                                    monkeypatch):
-    """A repairer (not on Core v4 yet) keeps a session on its own brain; it still answers, and
-    no engine's buffers are made for it."""
+                                                    monkeypatch, setting):
+    """A repairer (not on Core v4 yet), and SmartKV unless engine_smartkv asks for it, keep a
+    session on its own brain; it still answers, and no engine's buffers are made for it."""
     from positronic.server import worker
 
     made = []
     monkeypatch.setattr(worker, "Engine", lambda *args, **kwargs: made.append(1) or Engine(*args, **kwargs))
     config = BrainConfig(budget=96, temperature=0.0, seed=0, repairer="self")
+    if setting == "smartkv":
+        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, gates=bench_gates(tiny, tmp_path)[1],
+                                     window=48)
     with live_server(tiny, server_settings(tmp_path, engine_slots=16), config) as server:
         for turn in range(2):
             reply = chat(server.client(), "r1", f"hello {turn}", max_tokens=6)
