@@ -216,8 +216,9 @@ class Engine:
     def hand_back(self, key: Hashable, brain) -> None:
         """Sequence `key` leaves into `brain`, the Brain it joined from: its state (rows copied
         out, `SlotState.release`), tick, sampler and policy state as the rounds left them, so
-        it ticks on alone exactly as if it had made those rounds itself. ValueError (nothing
-        changes: nothing does yet)."""
+        it ticks on alone exactly as if it had made those rounds itself (a press whose lanes
+        keep their own rows restores its policy itself: `Press.restore`). ValueError if `key`
+        is not in the engine."""
         slot = self.keys().index(key)
         sequence, state = self.sequences[slot], self.state
         press, rows = sequence.press, int(state.length[slot])
