@@ -59,6 +59,7 @@ ALLOWED = {
     ("run", "presence_penalty"): ({"-1", "0"}, "OpenAI's range is -2..2"),
     ("run", "frequency_penalty"): ({"-1", "0"}, "OpenAI's range is -2..2"),
     ("run", "refresh_every"): ({"0"}, "0 never refreshes"),
+    ("run", "evict_every"): ({"0"}, "0 keeps each policy's own batch"),
     ("run", "refresh_kl"): ({"0", str(2**63), str(2**64)}, "0 is off; a finite threshold no KL reaches never "
                                                            "rebuilds, as asked"),
     ("run", "temperature"): ({"0", str(2**63), str(2**64)}, "0 is greedy; a huge temperature samples uniformly"),
@@ -81,6 +82,7 @@ ALLOWED = {
     ("eval", "probe_at"): ({"0"}, "the fact first"),
     ("eval", "probe_filler"): ({"0"}, "a probe without filler"),
     ("eval", "seed"): ({"0"}, "a seed"),
+    ("eval", "evict_every"): ({"0"}, "0 keeps each policy's own batch"),
     # serve: its own options
     ("serve", "port"): ({"0"}, "0 is any free port, printed"),
     ("serve", "session_dir"): ({"DIR"}, "sessions go into a directory"),
@@ -91,6 +93,7 @@ ALLOWED = {
     ("serve", "max_body"): (HUGE, "a body limit no request reaches"),
     ("serve", "max_tokens"): (HUGE, "a limit never reached: a request's own max_tokens and the positions bound it"),
     ("serve", "api_key"): ({"bogus", "FIFO", "DIR"}, "any printable word is a key"),
+    ("serve", "served_model_name"): ({"bogus", "FIFO", "DIR"}, "any non-empty word names the model"),
     # smartkv train
     ("smartkv", "text"): ({"FIFO", "FILE"}, "a file, or a pipe read like one"),
     ("smartkv", "heldout"): ({"FIFO"}, "a file, or a pipe read like one"),

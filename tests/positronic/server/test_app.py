@@ -231,7 +231,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "ok"}], "max_to
     # past the model's 512 positions (a prompt past the budget alone is pruned, not refused)
     ("/v1/completions", {**GOOD, "prompt": "x" * 600}, {}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, {}, 400, "prompt", "invalid_value"),
-    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, {}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"], "user": "s1"}, {}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {**GOOD, "user": "a/b"}, {}, 400, "user", "invalid_session_id"),
     ("/v1/completions", {**GOOD, "user": "x" * 65}, {}, 400, "user", "invalid_session_id"),
     ("/v1/completions", {**GOOD, "user": ""}, {}, 400, "user", "invalid_session_id"),
