@@ -57,6 +57,19 @@ def test_a_list_of_prompts_answers_each_as_its_own_request(live):
     assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
 
 
+def test_lm_evals_batched_loglikelihood_request_scores_each_prompt_as_alone(live):
+    """lm-eval's local-completions above batch size 1: token lists, echo, logprobs, one new token;
+    each choice's prompt log-probabilities are those of the prompt sent alone."""
+    prompts = [[1, 40, 41, 42, 43], [1, 90, 91, 92], [1, 7, 8]]
+    body = {"model": MODEL, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    batch = live.post("/v1/completions", {**body, "prompt": prompts}).json()
+    alone = [live.post("/v1/completions", {**body, "prompt": p}).json()["choices"][0] for p in prompts]
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["logprobs"]["token_logprobs"] for c in batch["choices"]] == [a["logprobs"]["token_logprobs"]
+                                                                           for a in alone]
+    assert [c["text"] for c in batch["choices"]] == [a["text"] for a in alone]
+
+
 def test_without_a_seed_choice_0_is_what_n_1_answers(live, chat):
     client = live.client()
     two = chat(client, None, "Tell me more", max_tokens=8, n=2, **HOT)
