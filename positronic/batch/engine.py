@@ -112,10 +112,9 @@ UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), 
                ("refresh_every", 0), ("refresh_kl", 0.0))
 
 
-def unsupported(brain, *, returning: bool = False) -> str | None:
+def unsupported(brain) -> str | None:
     """Why `brain`'s settings or state cannot run on any engine (None: they can), before one
-    is made. `returning`: it must also be able to leave into a Brain again (`Engine.hand_back`;
-    every sequence that joins can)."""
+    is made. Every sequence that joins can leave into its Brain again (`Engine.hand_back`)."""
     config = brain.config
     if config.policy not in PRESSES:
         return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
@@ -154,7 +153,7 @@ class Engine:
         """Why `brain` cannot join this engine (its settings or state, `unsupported`; the
         engine's room), or None: it can. `returning`: it must also be able to leave into a
         Brain again (`hand_back`)."""
-        if (reason := unsupported(brain, returning=returning)) is not None:
+        if (reason := unsupported(brain)) is not None:
             return reason
         if brain.config.budget > self.state.capacity:
             return f"budget {brain.config.budget} does not fit the engine's {self.state.capacity} rows a sequence"

@@ -364,8 +364,9 @@ class SmartKVPress(Press):
         count = max(n - keep - unoffered, 0)
         held, window = slice(keep, keep + count), slice(n - unoffered, n)
         weight = rows["weight"].numpy()
-        where = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
-        born = np.vectorize(where.__getitem__, otypes=[np.float64])(ids) if n else np.zeros((lanes, 0))
+        live = np.array(mirror.live.ledger_ids, dtype=np.int64)  # every lane's rows are among them
+        order = np.argsort(live, kind="stable")
+        born = np.array(mirror.live.positions, dtype=np.float64)[order[np.searchsorted(live[order], ids)]]
         if "born" in rows:  # a token taken back ages from its return
             born = np.where(rows["born"].numpy() >= 0, rows["born"].numpy(), born)
         memory = type(policy.memory)(lanes, policy.size, policy.horizon)

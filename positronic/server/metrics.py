@@ -44,7 +44,7 @@ from collections import deque
 from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..state.actions import rows_of
@@ -141,6 +141,11 @@ class Metrics:
         self.batch = histogram("positronic_batch_sequences", "Sequences fed by each model forward (batched ticks).",
                                buckets=BATCH_BUCKETS)
         self.vllm = VLLMNames(counter, histogram, model_name)
+        # the rest of vLLM's families are the project's own, named vLLM's way when scraped
+        self.registry.register(Renamed({self.prompt_tokens: "vllm:prompt_tokens",
+                                        self.generated_tokens: "vllm:generation_tokens",
+                                        self.first_token: "vllm:time_to_first_token_seconds",
+                                        self.inter_token: "vllm:inter_token_latency_seconds"}, model_name))
         self._recent: deque[tuple[float, float]] = deque()  # (time, seconds) of recent ticks
         self._recent_lock = threading.Lock()  # ticks come from the model thread, scrapes from the loop
         self._scrape = ScrapeTime(self.tokens_per_second, model_name)
@@ -167,8 +172,6 @@ class Metrics:
         with `finish_reason` (stop, length; None: cut short, vLLM's "abort")."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
-        self.vllm.prompt_tokens.inc(prompt_tokens)
-        self.vllm.generation_tokens.inc(generated_tokens)
         self.vllm.success.labels(self.model_name, finish_reason or "abort").inc()
 
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -180,12 +183,10 @@ class Metrics:
     def record_first_token(self, seconds: float) -> None:
         """A generation request's arrival to its first generated token's text being ready."""
         self.first_token.observe(seconds)
-        self.vllm.first_token.observe(seconds)
 
     def record_inter_token(self, seconds: float) -> None:
         """The gap between two consecutive generated tokens of one reply."""
         self.inter_token.observe(seconds)
-        self.vllm.inter_token.observe(seconds)
 
     def record_token(self, first: bool, seconds: float) -> None:
         """A generated token: the request's first (seconds since the request arrived) or a later one."""
@@ -213,18 +214,28 @@ class Metrics:
 
 
 class VLLMNames:
-    """The counters and histograms vLLM exposes, by vLLM's names and buckets' meaning, labelled
-    model_name (fed beside the project's own by `Metrics`)."""
+    """vLLM's families the project's own do not count (`Renamed` gives the others), labelled
+    model_name, fed by `Metrics`: replies by finish reason, generation requests' latency."""
 
     def __init__(self, counter, histogram, model_name: str):
-        named = ["model_name"]
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens read.", named).labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.", named).labels(model_name)
         self.success = counter("vllm:request_success", "Generation requests ended, by finish reason.",
                                ["model_name", "finished_reason"])
-        self.first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first generated token.",
-                                     named, buckets=FIRST_TOKEN_BUCKETS).labels(model_name)
-        self.inter_token = histogram("vllm:inter_token_latency_seconds", "Gap between consecutive generated tokens.",
-                                     named, buckets=INTER_TOKEN_BUCKETS).labels(model_name)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Generation request latency, first byte in to "
-                             "last byte out.", named, buckets=LATENCY_BUCKETS).labels(model_name)
+                             "last byte out.", ["model_name"], buckets=LATENCY_BUCKETS).labels(model_name)
+
+
+class Renamed(Collector):
+    """Metrics of the registry's own under other names (vLLM's), each sample labelled
+    model_name: the same numbers, counted once."""
+
+    def __init__(self, names: dict, model_name: str):
+        self.names, self.model_name = names, model_name
+
+    def collect(self):
+        for metric, name in self.names.items():
+            for family in metric.collect():
+                renamed = Metric(name, family.documentation, family.type)
+                for sample in family.samples:  # NAME_total, NAME_bucket, NAME_created, ...: the suffix kept
+                    renamed.add_sample(name + sample.name[len(family.name):],
+                                       {**sample.labels, "model_name": self.model_name}, sample.value)
+                yield renamed

@@ -88,7 +88,7 @@ class BrainServer:
         self.text_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="positronic-text")
         lm.fewest_tokens("")  # the vocabulary's longest entry, read once now rather than by a request
         self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads,
-                                  engine_slots=settings.engine_slots, engine_lanes=settings.engine_smartkv)
+                                  engine_slots=settings.engine_slots, engine_smartkv=settings.engine_smartkv)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.preparer = Preparer(lm, config, self.worker, self.format, self.off_loop,

@@ -49,7 +49,7 @@ class ModelWorker:
     (positronic/batch/threads.py says why)."""
 
     def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None,
-                 engine_slots: int = 0, engine_lanes: bool = False):
+                 engine_slots: int = 0, engine_smartkv: bool = False):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
         # Core v4 (positronic/batch/engine.py): a reply's ticks run as rounds of one engine per
@@ -60,7 +60,7 @@ class ModelWorker:
         # SmartKV sessions (lanes apart) in engines too: off by default. On a 2-core CPU with SmolLM2
         # they made 0.68x the tokens/s of ticking alone (the forward bounds a round there, and each
         # request's join and hand-back copy ~94 MB of recall index: bench/results/server.md)
-        self.engine_lanes = engine_lanes
+        self.engine_smartkv = engine_smartkv
         self._engines: dict[tuple, Engine] = {}
         self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
@@ -83,9 +83,9 @@ class ModelWorker:
         config = brain.config
         if not self.engine_slots or (config.policy == "none" and config.at_capacity == "stop"):
             return None
-        if unsupported(brain, returning=True) is not None:  # before an engine's buffers are made for it
+        if unsupported(brain) is not None:  # before an engine's buffers are made for it
             return None
-        if brain.state.per_layer and not self.engine_lanes:
+        if brain.state.per_layer and not self.engine_smartkv:
             return None
         lanes = ("smartkv", config.gates) if brain.state.per_layer else "shared"  # an engine keeps one kind of lanes
         key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)),

@@ -130,7 +130,7 @@ class SlotState:
         # rounds the mirrors have not taken yet: (deleted [active, lanes, capacity], tokens, sources,
         # rows coming back: (taken [active, lanes, J], positions [active, J]) or None) each,
         # and per sequence how many of them its mirror has (`_fold`)
-        self._journal: list[tuple[torch.Tensor, list[int], str, tuple | None]] = []
+        self._journal: list[tuple[torch.Tensor, list[int], list[str], tuple | None]] = []
         self._folded: list[int] = []
         self._starts: list[float] = []  # the brightness a sequence's new ledger entries start at
         self.rebuilds = 0
@@ -285,10 +285,10 @@ class SlotState:
         predicted = self.row_state["predicted"][slot, :, :rows].cpu()
         if mirror.layers is None:
             return predicted[0].clone()
-        of = {}
-        for lane, ids in enumerate(mirror.layers.rows):
-            of.update(zip(ids, predicted[lane].tolist()))
-        return torch.tensor([of[i] for i in mirror.live.ledger_ids], dtype=torch.long)
+        ids = torch.tensor(mirror.layers.rows, dtype=torch.long).flatten()  # [lanes * rows]
+        order = torch.sort(ids, stable=True)
+        at = torch.searchsorted(order.values, torch.tensor(mirror.live.ledger_ids, dtype=torch.long))
+        return predicted.flatten()[order.indices[at]]  # a live token is in some lane: found
 
     def _set_rows(self, slot: int, mirror: Mirror) -> None:
         """Slot `slot`'s positions and token ids, lane by lane, from `mirror` (its rows as a
