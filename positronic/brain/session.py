@@ -50,6 +50,7 @@ from positronic.mirror import MirrorFileError, MirrorInvariantError
 
 from .config import RESOLVED, ConfigError, check_budget
 from .loop import Brain, BrainConfig, cache_capacity
+from ..models.weights import FORMATS
 from ..policies.recall import Digested
 from ..state import StateInvariantError, StateManager
 from ..util import missing_dirs, remove_empty
@@ -194,6 +195,7 @@ def save(directory: str | Path, brain: Brain, model_name: str, note: dict | None
     mirror.write_atomic(directory / cache_name, data)
     meta = {
         "model": model_name,
+        **({"weights": brain.state.lm.weights} if brain.state.lm.weights != "float32" else {}),
         "tick": brain.tick,
         "config": dataclasses.asdict(brain.config),
         "generator": bytes(brain.generator_state().numpy().tobytes()),
@@ -328,6 +330,8 @@ def _check_meta(path: Path, saved: mirror.Mirror, meta: dict) -> None:
     """SessionError naming the first part of the metadata that is missing or malformed."""
     if not isinstance(meta.get("model"), str):
         raise SessionError(f"{path}: model missing")
+    if meta.get("weights", "float32") not in FORMATS:
+        raise SessionError(f"{path}: weights {str(meta.get('weights'))[:40]!r} is not one of {', '.join(FORMATS)}")
     tick = meta.get("tick")
     last = max((t for e in saved.ledger.entries for t in (e.tick_born, e.tick_died) if t is not None), default=0)
     if type(tick) is not int or not last <= tick <= MAX_TICK:
@@ -425,6 +429,10 @@ def read(lm, directory: str | Path) -> SessionFiles:
     path = directory / MIRROR_FILE
     if meta["model"] != lm.name:
         raise SessionError(f"{directory}: saved with model {meta['model']!r}, not {lm.name!r}")
+    weights = meta.get("weights", "float32")  # its rows were computed by layers of this format
+    if weights != lm.weights:
+        raise SessionError(f"{directory}: saved with --weights {weights}, this model runs {lm.weights}: "
+                           f"resume with --weights {weights}")
     config = BrainConfig(**meta["config"])
     try:  # what a new run's settings must fit in this model, the same check
         check_budget(lm, config)

@@ -71,6 +71,7 @@ def run(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", min=0, help="llama.cpp alias of --device: 0 = cpu; any N > 0 = cuda, every layer (no partial offload)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
+    weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): int8 for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...), else float32. int8: fastest on a CPU; int4: least memory."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, max=sessions.MAX_TICK, help="Checkpoint every N ticks (with --session)."),
@@ -177,7 +178,7 @@ def run(
     if live:
         from ..tui.app import loading
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
-        lm = load_model(model, device=device, dtype=dtype)
+        lm = load_model(model, device=device, dtype=dtype, weights=weights)
         freeze_heap()
         if resume:
             brain = sessions.resume(lm, session)

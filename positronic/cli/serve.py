@@ -30,7 +30,7 @@ from .common import UserError, freeze_heap, set_threads, writable_directory
 RUN_OPTIONS = ("model", "policy", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
                "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "memory_rank", "temperature", "top_k",
-               "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "refresh_every", "refresh_kl", "evict_every", "device", "dtype", "threads")
+               "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "refresh_every", "refresh_kl", "evict_every", "device", "dtype", "weights", "threads")
 
 
 class LogLevel(str, enum.Enum):
@@ -193,7 +193,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         # slow every forward (positronic/batch/threads.py)
         threads = options["threads"] or torch.get_num_threads()
         set_threads(1)
-        lm = load_model(options["model"], device=options["device"], dtype=options["dtype"])
+        lm = load_model(options["model"], device=options["device"], dtype=options["dtype"], weights=options["weights"])
         freeze_heap()
         check_budget(lm, config)
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)

@@ -62,7 +62,7 @@ def default_sweep(model: str, budget: int, *, sinks: int, protect: int, gates: s
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
-         dtype: str | None = None, smooth: int | None = None, repairer: str | None = None,
+         dtype: str | None = None, weights: str | None = None, smooth: int | None = None, repairer: str | None = None,
          repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0, recall: bool = False,
          kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str | None = None) -> EvalReport:
     """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
@@ -113,7 +113,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     if probe and probe_filler is not None and probe_filler > most_tokens(body):
         raise EvalError(f"--probe-filler {probe_filler} is more tokens than any tokenizer makes of --text {name} "
                         f"({len(body.encode('utf-8'))} bytes)")
-    lm = load_model(model, device=device, dtype=dtype)
+    lm = load_model(model, device=device, dtype=dtype, weights=weights)
     err = Console(stderr=True)
 
     def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run

@@ -276,6 +276,7 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
                     **({"evict_every": evict_every} if evict_every else {}),
                     rescore="full history, plain forward, float32 log_softmax",
                     torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
+                    **({"weights": lm.weights} if lm.weights != "float32" else {}),
                     threads=torch.get_num_threads())
     return GenerationReport(lm.name, text_name, prompt_ids, lm.decode(prompt_ids[1:]), settings, runs, ref, note)
 
@@ -387,7 +388,7 @@ def write_generation_outputs(report: GenerationReport, out: Path) -> dict[str, P
 def main(*, generate: int, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, out: Path = Path("eval_results"),
          sinks: int = 4, protect: int = 0, at_capacity: str = "shift", device: str | None = None,
-         dtype: str | None = None, repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
+         dtype: str | None = None, weights: str | None = None, repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
          kv_format: str = "float") -> GenerationReport:
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
     print the table, write the files. Returns the GenerationReport."""
@@ -401,7 +402,7 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
                    at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
                    evict_every=evict_every, kv_format=kv_format)
     body, name = read_text(text)
-    lm = load_model(model, device=device, dtype=dtype)
+    lm = load_model(model, device=device, dtype=dtype, weights=weights)
     err = Console(stderr=True)
 
     def done(run: GenerationRun) -> None:  # without a terminal the bars do not redraw: one line per run

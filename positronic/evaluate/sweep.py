@@ -161,6 +161,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
                                                                   kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                                                                   dtype=lm.dtype),
                     torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."),
+                    **({"weights": lm.weights} if lm.weights != "float32" else {}),
                     device=str(lm.device), threads=torch.get_num_threads())
     return EvalReport(lm.name, text_name, len(ids), settings, runs, ref)
 

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import socket
+import sys
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .random_models import random_model, random_names
 from .gguf import gguf_cache
 from .linear import use_row_invariant_linear
 from .tiles import use_row_tiles
+from .weights import WEIGHTS, layer_bytes, quantized_gguf, use_weights, weights_note
 from .smollm2 import smollm2_cache
 
 TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -48,6 +50,7 @@ class LoadedModel:
     bos_id: int
     eos_id: int | None
     inv_freq: torch.Tensor
+    weights: str = "float32"  # the linear layers' format (weights.py): float32 | bfloat16 | int8 | int4
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no special tokens added (the caller adds BOS itself)."""
@@ -72,21 +75,39 @@ def _longest_entry(tokenizer) -> int:
 
 
 def load_model(name: str = "smollm2", device: str | None = None,
-               dtype: str | torch.dtype | None = None, *, allow_download: bool = True) -> LoadedModel:
+               dtype: str | torch.dtype | None = None, *, weights: str | None = None,
+               allow_download: bool = True) -> LoadedModel:
     """Load model `name` onto `device` (default: cuda if available, else cpu) in `dtype`
-    (default: float16 on cuda, float32 on cpu; "auto": the checkpoint's own dtype) and return
-    it as a `LoadedModel`. `allow_download=False`: a hub id is read from the local cache only,
-    never fetched (a name that came from an untrusted file)."""
+    (default: float16 on cuda, float32 on cpu; "auto": the checkpoint's own dtype), its linear
+    layers in the format `weights` names (weights.py; None: "auto", which is int8 for a GGUF
+    file of quantized weights and the loaded dtype otherwise), and return it as a
+    `LoadedModel`. `allow_download=False`: a hub id is read from the local cache only, never
+    fetched (a name that came from an untrusted file)."""
     dev = _resolve_device(device)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     dt = None if auto else _resolve_dtype(dtype, dev)
+    weights = _resolve_weights(name, weights, dev, dt)
     with quiet_transformers():
         if name.startswith("random:"):
             model, tokenizer = random_model(name.removeprefix("random:"), dev, dt or _resolve_dtype(None, dev))
         else:
             source, local_only = _resolve_source(name)
             model, tokenizer = _pretrained(name, source, local_only or not allow_download, dev, dt)
-    return _wrap(name, model, tokenizer, dev, model.dtype)
+    return _wrap(name, model, tokenizer, dev, model.dtype, weights)
+
+
+def _resolve_weights(name: str, weights: str | None, dev: torch.device, dt: torch.dtype | None) -> str:
+    """The linear layers' format for `weights` (None: "auto"), refused where it cannot run."""
+    asked = (weights or "auto").lower()
+    if asked not in WEIGHTS:
+        raise ModelError(f"bad weights {weights!r}: expected {', '.join(WEIGHTS)}")
+    if asked == "auto":
+        chosen = "int8" if dev.type == "cpu" and dt in (None, torch.float32) and quantized_gguf(name) else "float32"
+        return chosen
+    if asked != "float32" and (dev.type != "cpu" or dt not in (None, torch.float32)):
+        raise ModelError(f"--weights {asked} runs on the CPU with float32 activations only "
+                         f"(here: {dev.type}, {dt or 'the checkpoint dtype'}); on a GPU use --dtype")
+    return asked
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -229,9 +250,16 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return bool(result)
 
 
-def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> LoadedModel:
+def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weights: str = "float32") -> LoadedModel:
     model.eval().requires_grad_(False)
     model.set_attn_implementation(attention.for_device(dev))
+    if weights != "float32" and dt != torch.float32:
+        raise ModelError(f"--weights {weights} needs float32 activations; model {name!r} loaded as {dt}")
+    if weights != "float32":
+        before = _linear_bytes(model)
+        layers = use_weights(model, weights)
+        print(f"weights: {weights} for {layers} linear layers of {name} ({before / 1e6:.0f} MB -> "
+              f"{_linear_bytes(model) / 1e6:.0f} MB){weights_note(weights)}", file=sys.stderr, flush=True)
     if dev.type == "cpu":
         use_row_invariant_linear(model)  # a row's numbers do not depend on the rows beside it
     elif dev.type == "cuda" and dt in (torch.float16, torch.bfloat16):
@@ -251,4 +279,9 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype) -> Lo
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         vocab_size=config.vocab_size, max_positions=position_limit(config),
         bos_id=int(bos), eos_id=None if eos is None else int(eos),
-        inv_freq=rotary.inv_freq.detach().to("cpu", torch.float32).clone())
+        inv_freq=rotary.inv_freq.detach().to("cpu", torch.float32).clone(), weights=weights)
+
+
+def _linear_bytes(model) -> int:
+    """Bytes the linear layers' weights take (as loaded, or as weights.py's layers hold them)."""
+    return sum(layer_bytes(module) for module in model.modules())

@@ -1,0 +1,229 @@
+"""The linear layers' weights in the format the user asks for: `--weights float32 | bfloat16 |
+int8 | int4 | auto` (docs/weights.md has the measured speeds and perplexities).
+
+A decode step on a CPU reads every weight once; at SmolLM2's size that read is most of a
+token's time, so fewer bytes a weight is more tokens a second. Each format is a layer type of
+its own that replaces `nn.Linear` (the projections, the MLP, the logits; embeddings and norms
+stay as loaded):
+
+    int8      Int8Linear: each output row's weights as int8 with one float32 scale (symmetric,
+              per channel); each input row quantized to 8 bits on its own (7 on a CPU without
+              VNNI, where fbgemm's 8-bit sums would saturate), then fbgemm's integer product.
+              An integer sum is exact, so a row's output is the same bits whatever rows come
+              with it, in whatever order the kernel adds: batched = alone and decode = prefill
+              hold by construction, as RowInvariantLinear makes them hold for float32
+              (linear.py). torch's own int8 kernels (`_int_mm`, `_weight_int8pack_mm`, oneDNN's
+              qlinear) measured 3-20x slower than fbgemm's here (docs/weights.md).
+    int4      Int4Linear: 4 bits a weight in groups of 32 along the input, a scale and an
+              offset per group (the form of llama.cpp's Q4_1), through torch's CPU int4 kernel
+              (`_weight_int4pack_mm_for_cpu`) on float32 inputs. A GGUF's Q4_1 blocks come
+              back from its float32 conversion exactly (`quantize_int4` finds each block's
+              minimum and step as llama.cpp set them), so the file's quantization is kept.
+    bfloat16  BFloat16Linear: the weights in bfloat16, each product in bfloat16, the output
+              float32 again.
+    float32   the layers as loaded (RowInvariantLinear on a CPU).
+
+`auto` is float32 for a float checkpoint and int8 for a GGUF whose linear weights are quantized
+(Q8_0, Q4_0, Q4_1, K-quants): int8 is the fastest exact-enough format measured on the hosts
+this was built on (docs/weights.md), and int4's kernel is slower than float32's there.
+Quantization changes the numbers, not the cache's exactness: every exactness test runs for
+every format against that format's own forward (tests/positronic/models/test_weights.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+FORMATS = ("float32", "bfloat16", "int8", "int4")  # what a loaded model's linear layers can be
+WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
+GROUP = 32  # int4's group along the input, llama.cpp's block
+
+
+def has_vnni() -> bool:
+    """Whether this CPU adds u8 x s8 products into int32 directly (AVX512-VNNI / AVX-VNNI):
+    without it fbgemm pairs them in int16, which saturates for 8-bit inputs."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+REDUCE_RANGE = not has_vnni()  # 7-bit inputs where 8-bit ones would saturate (AVX2's vpmaddubsw)
+TINY = torch.finfo(torch.float32).tiny
+ENDS = torch.tensor([[1.0, -1.0]])  # two input columns that pin every product's input range
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W as int8 per output row and x quantized row by row, by fbgemm
+    (module docstring). `packed` holds W [out, in + 2] (two zero columns at the end) and its
+    per-row scales; `in_features`, `out_features` as nn.Linear's.
+
+    fbgemm's dynamic product quantizes its whole input with one range, its minimum to its
+    maximum, so a row's numbers would depend on the rows beside it. Here each row is divided
+    by its own largest magnitude and two columns holding +1 and -1 are appended (their weights
+    are zero), so every input spans exactly [-1, 1] whatever its rows: one fixed quantization,
+    each row's 8 bits its own, the integer sums exact, the output multiplied back by the row's
+    magnitude. A row's output is the same bits alone, beside others, or in a prompt chunk."""
+
+    def __init__(self, packed, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed, self.in_features, self.out_features = packed, in_features, out_features
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        padded = torch.cat([weight, weight.new_zeros(weight.shape[0], ENDS.shape[1])], 1)
+        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack still takes them
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(padded, scale.double(), torch.zeros(len(scale), dtype=torch.long),
+                                                   0, torch.qint8)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        # the bias is added after the row's magnitude is multiplied back, not by fbgemm
+        return cls(torch.ops.quantized.linear_prepack(quantized, None), linear.in_features, linear.out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        magnitude = torch.linalg.vector_norm(flat, float("inf"), -1, keepdim=True).clamp_min_(TINY)
+        pinned = torch.cat([flat / magnitude, ENDS.expand(flat.shape[0], -1)], 1)
+        out = torch.ops.quantized.linear_dynamic(pinned, self.packed, REDUCE_RANGE).mul_(magnitude)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] float (in a multiple of GROUP) -> (codes int32 [out, in] in 0..15,
+    step [out, in / GROUP], minimum [out, in / GROUP]): w ≈ minimum + step * code, each group
+    of GROUP inputs from its own minimum to its own maximum in 15 steps, as llama.cpp's Q4_1.
+    A group that was Q4_1 already (its values minimum + step * code) comes back exactly, to
+    float32 rounding."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = (high - low) / 15
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), step, low
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4 bits a weight, groups of GROUP inputs with a step and a
+    minimum each (module docstring), by torch's CPU int4 kernel. `packed`: the kernel's layout
+    of the codes; `scales_and_zeros` float32 [in / GROUP, out, 2]."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        """Whether the kernel takes the layer's shape (whole groups; outputs by 16)."""
+        return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        codes, step, low = quantize_int4(linear.weight)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # the kernel computes (code - 8) * scale + zero
+        scales_and_zeros = torch.stack([step.t(), (low + 8 * step).t()], -1).contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        return cls(packed, scales_and_zeros, bias, linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={GROUP}"
+
+
+class BFloat16Linear(nn.Module):
+    """y = x W^T + b computed in bfloat16 (weights stored so), returned in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "BFloat16Linear":
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
+        return cls(linear.weight.detach().to(torch.bfloat16).clone(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
+
+
+def use_weights(model: nn.Module, weights: str) -> int:
+    """Replace every nn.Linear of `model` (a CPU float model) by the layer type of `weights`
+    ("int8", "int4", "bfloat16"; "float32" changes nothing), in place. The logits layer of an
+    int4 model is int8: llama.cpp's 4-bit files keep it (and the embedding it is often tied
+    to) at 6-8 bits, a 4-bit one costs more than all the others; so is a layer whose shape the
+    int4 kernel does not take (Int4Linear.fits). Returns how many changed."""
+    if weights == "float32":
+        return 0
+    layer_type = LAYERS[weights]
+    output = model.get_output_embeddings()
+    names = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, module in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        kind = Int8Linear if layer_type is Int4Linear and (module is output or not Int4Linear.fits(module)) else layer_type
+        setattr(parent, child, kind.from_linear(module))
+    return len(names)
+
+
+def layer_bytes(module: nn.Module) -> int:
+    """Bytes a linear layer's weights take in memory (0 for any other module)."""
+    if isinstance(module, nn.Linear):
+        return module.weight.numel() * module.weight.element_size()
+    if isinstance(module, Int8Linear):
+        return (module.in_features + ENDS.shape[1] + 4) * module.out_features  # int8 values, a float32 scale a row
+    if isinstance(module, Int4Linear):
+        return module.packed.numel() + module.scales_and_zeros.numel() * 4
+    if isinstance(module, BFloat16Linear):
+        return module.weight.numel() * 2
+    return 0
+
+
+def weights_note(weights: str) -> str:
+    """What the loader's line adds about `weights` on this host."""
+    if weights == "int8":
+        return "; inputs quantized to 7 bits (no VNNI here)" if REDUCE_RANGE else ""
+    if weights == "int4":
+        return "; the logits layer int8"
+    return ""
+
+
+def quantized_gguf(name: str) -> bool:
+    """Whether `name` is a GGUF file whose linear weights are quantized (not F32/F16/BF16)."""
+    if not name.lower().endswith(".gguf"):
+        return False
+    from pathlib import Path
+
+    from .gguf import read_header
+    from gguf import GGMLQuantizationType as Q
+    header = read_header(Path(name).expanduser().resolve())
+    floats = {Q.F32, Q.F16, Q.BF16}
+    return any(tensor.ggml_type not in floats for tensor in header.tensors.values() if len(tensor.shape) == 2)

@@ -1,0 +1,119 @@
+"""--weights: the linear layers as int8, int4 or bfloat16 (positronic/models/weights.py).
+
+Quantization changes a model's numbers, not the cache's exactness: the families' exactness
+tests (test_families.py) run again here on quantized models, each against that model's own
+plain transformers forward — layer 0 equals a fresh prefill after edits, decode equals one
+forward, a batched forward gives each sequence its alone numbers bit for bit, a rebuild is a
+plain prefill in every layer, a session resumes token for token."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from positronic.brain import session as sessions
+from positronic.brain.loop import Brain, BrainConfig
+from positronic.models import ModelError, load_model, smollm2_gguf
+from positronic.models.weights import GROUP, Int4Linear, Int8Linear, quantize_int4
+
+from .test_families import (prompt, test_a_batched_forward_gives_each_sequence_its_alone_numbers_bit_for_bit,  # noqa: F401
+                            test_a_rebuild_is_a_plain_prefill_in_every_layer_and_the_attention_row_is_eager_attentions,
+                            test_a_session_saves_and_resumes_token_for_token, test_incremental_decode_equals_one_forward,
+                            test_layer0_equals_a_fresh_prefill_after_random_edits)
+
+# qwen2: biases on q, k, v; phi3: fused qkv and gate_up projections
+CASES = [("llama3", "int8"), ("qwen2", "int8"), ("phi3", "int8"), ("llama3", "int4"), ("qwen2", "bfloat16")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{w}" for f, w in CASES])
+def family(request):
+    """A tiny random model of one family, its linear layers in one --weights format (the name
+    the families' tests take)."""
+    name, weights = request.param
+    lm = load_model(f"random:{name}", device="cpu", dtype="float32", weights=weights)
+    assert lm.weights == weights
+    assert not any(type(m) is nn.Linear or type(m).__name__ == "RowInvariantLinear" for m in lm.model.modules())
+    return lm
+
+
+def test_an_int8_row_is_the_same_bits_alone_and_among_others_and_close_to_float32():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 64)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(40, 96) * torch.rand(40, 1) * 10
+    x[3] = 0  # a row of zeros stays zeros (no 0/0)
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(row[None]) for row in x]))
+    assert torch.equal(layer(x[5:9]), together[5:9])
+    want = linear(x)
+    assert torch.equal(together[3], linear.bias.detach())
+    error = (together - want).norm() / want.norm()
+    assert error < 0.03, f"int8 relative error {error:.3f}"
+
+
+def test_int4_keeps_a_q4_1_block_exactly_and_is_close_on_others():
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (16, 4 * GROUP))
+    codes[:, ::GROUP] = 0  # llama.cpp's Q4_1: each block's minimum at code 0, its maximum at 15
+    codes[:, 1::GROUP] = 15
+    step, low = torch.rand(16, 4) * 0.1 + 0.01, torch.randn(16, 4)
+    weight = (low.repeat_interleave(GROUP, 1) + step.repeat_interleave(GROUP, 1) * codes)
+    got_codes, got_step, got_low = quantize_int4(weight)
+    assert torch.equal(got_codes, codes.to(torch.int32))
+    back = got_low.repeat_interleave(GROUP, 1) + got_step.repeat_interleave(GROUP, 1) * got_codes
+    torch.testing.assert_close(back, weight, rtol=0, atol=1e-6)
+    linear = nn.Linear(4 * GROUP, 16, bias=False)
+    linear.weight.data = weight
+    x = torch.randn(5, 4 * GROUP)
+    torch.testing.assert_close(Int4Linear.from_linear(linear)(x), linear(x), rtol=0, atol=1e-4)
+
+
+def test_the_embedded_ggufs_q4_1_weights_are_kept_exactly_by_int4():
+    import safetensors.torch
+    from positronic.models import smollm2_cache
+    tensors = safetensors.torch.load_file(str(smollm2_cache() / "model.safetensors"))
+    weight = tensors["model.layers.3.mlp.down_proj.weight"]  # Q4_1 in the file
+    codes, step, low = quantize_int4(weight)
+    back = (low[..., None] + step[..., None] * codes.reshape(*step.shape, GROUP).float()).reshape(weight.shape)
+    assert torch.equal(back, weight)
+
+
+def test_auto_is_int8_for_a_quantized_gguf_and_float32_otherwise(capfd):
+    lm = load_model(str(smollm2_gguf()), device="cpu")
+    assert lm.weights == "int8"
+    assert "weights: int8 for 211 linear layers" in capfd.readouterr().err
+    assert load_model("random:tiny", device="cpu").weights == "float32"
+    assert load_model("random:tiny", device="cpu", weights="auto").weights == "float32"
+
+
+@pytest.mark.parametrize("weights, dtype, problem", [
+    ("int3", "float32", "bad weights 'int3': expected float32, bfloat16, int8, int4, auto"),
+    ("int8", "bfloat16", "--weights int8 runs on the CPU with float32 activations only"),
+])
+def test_a_format_that_cannot_run_is_refused_by_name(weights, dtype, problem):
+    with pytest.raises(ModelError, match=problem):
+        load_model("random:tiny", device="cpu", dtype=dtype, weights=weights)
+
+
+def test_a_session_resumes_only_on_the_weights_it_was_saved_with(tmp_path):
+    int8 = load_model("random:tiny", device="cpu", weights="int8")
+    brain = Brain.start(int8, prompt(int8, 20), BrainConfig(budget=64, temperature=0.0))
+    for _ in range(5):
+        brain.step()
+    sessions.save(tmp_path, brain, int8.name)
+    float32 = load_model("random:tiny", device="cpu")
+    with pytest.raises(sessions.SessionError, match="saved with --weights int8, this model runs float32"):
+        sessions.resume(float32, tmp_path)
+    assert sessions.resume(int8, tmp_path).tick == 5
+
+
+def test_run_takes_weights_from_the_command_line(tmp_path):
+    events = tmp_path / "events.jsonl"
+    done = subprocess.run([sys.executable, "run.py", "--model", "random:tiny", "--weights", "int8", "--ticks", "12",
+                           "--budget", "64", "--no-tui", "--events", str(events), "--temperature", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "weights: int8 for" in done.stderr
+    assert len(events.read_text().splitlines()) >= 12
