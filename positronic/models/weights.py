@@ -32,6 +32,7 @@ every format against that format's own forward (tests/positronic/models/test_wei
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -172,12 +173,85 @@ class BFloat16Linear(nn.Module):
         return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
 
 
+class Int8Embedding(nn.Module):
+    """nn.Embedding with each token's row as int8 and one float32 scale (symmetric): a lookup
+    reads 1 byte a value instead of 4 (SmolLM2's table: 113 MB -> 28 MB)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, padding_idx: int | None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = values.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("values", values)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        weight = embedding.weight.detach().float()
+        scale = weight.abs().amax(1, keepdim=True).clamp_min(TINY) / 127
+        return cls(torch.round(weight / scale).to(torch.int8), scale, embedding.padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.values[ids].float().mul_(self.scale[ids])
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
 LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers a decoder feeds one input
+
+
+class Fused(nn.Module):
+    """Sibling layers that read the same input (a layer's q, k and v; gate and up) as one
+    layer of their stacked outputs: one product, one input quantization, where there were
+    two or three. Each sibling becomes a `Part` that takes its columns. The first part asked
+    for an input computes all of them; the others take theirs from it, each once (a part asked
+    again, or for another tensor, computes anew), so nothing is served past the call it was
+    computed for."""
+
+    def __init__(self, layer: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.layer, self.sizes = layer, sizes
+        self._input, self._outputs, self._taken = None, None, set()
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._input or index in self._taken:
+            self._input, self._outputs, self._taken = x, self.layer(x).split(self.sizes, -1), set()
+        self._taken.add(index)
+        out = self._outputs[index]
+        if len(self._taken) == len(self.sizes):
+            self._input, self._outputs = None, None
+        return out
+
+
+class Part(nn.Module):
+    """One sibling of a `Fused` layer: its columns of the fused output."""
+
+    def __init__(self, fused: Fused, index: int, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features, self.index = in_features, out_features, index
+        self.__dict__["fused"] = fused  # the parent holds it as a module; a second registration would count it twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.output(x, self.index)
+
+
+def fuse(layer_type, linears: list[nn.Linear]) -> Fused:
+    """`linears` (one input width) as one layer of `layer_type` over their stacked weights."""
+    stacked = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                        bias=any(m.bias is not None for m in linears))
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([m.weight for m in linears]))
+        if stacked.bias is not None:
+            stacked.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                          for m in linears]))
+    return Fused(layer_type.from_linear(stacked), [m.out_features for m in linears])
 
 
 def use_weights(model: nn.Module, weights: str) -> int:
     """Replace every nn.Linear of `model` (a CPU float model) by the layer type of `weights`
-    ("int8", "int4", "bfloat16"; "float32" changes nothing), in place. The logits layer of an
+    ("int8", "int4", "bfloat16"; "float32" changes nothing), in place; for int8 and int4 the
+    token embedding too (Int8Embedding). The logits layer of an
     int4 model is int8: llama.cpp's 4-bit files keep it (and the embedding it is often tied
     to) at 6-8 bits, a 4-bit one costs more than all the others; so is a layer whose shape the
     int4 kernel does not take (Int4Linear.fits). Returns how many changed."""
@@ -185,13 +259,31 @@ def use_weights(model: nn.Module, weights: str) -> int:
         return 0
     layer_type = LAYERS[weights]
     output = model.get_output_embeddings()
-    names = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    for name, module in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        kind = Int8Linear if layer_type is Int4Linear and (module is output or not Int4Linear.fits(module)) else layer_type
-        setattr(parent, child, kind.from_linear(module))
-    return len(names)
+    changed = 0
+    for parent in list(model.modules()):
+        linears = {name: child for name, child in parent.named_children() if type(child) is nn.Linear}
+        for names in SIBLINGS:
+            group = [linears[name] for name in names if name in linears]
+            if len(group) == len(names) and len({m.in_features for m in group}) == 1 and \
+                    (layer_type is not Int4Linear or all(map(Int4Linear.fits, group))):
+                parent.fused = fuse(layer_type, group)  # "fused": its parts' shared layer, once in the module tree
+                for index, name in enumerate(names):
+                    setattr(parent, name, Part(parent.fused, index, group[index].in_features, group[index].out_features))
+                    del linears[name]
+                changed += len(names)
+        for name, module in linears.items():
+            kind = Int8Linear if layer_type is Int4Linear and (module is output or not Int4Linear.fits(module)) \
+                else layer_type
+            setattr(parent, name, kind.from_linear(module))
+            changed += 1
+    if weights in ("int8", "int4") and type(model.get_input_embeddings()) is nn.Embedding:
+        model.set_input_embeddings(Int8Embedding.from_embedding(model.get_input_embeddings()))
+    # what is left (norms, an embedding of another kind) may lie in the checkpoint's mapped file, which keeps the
+    # whole mapping alive and the float weights' pages resident: copied, the file is let go
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    gc.collect()
+    return changed
 
 
 def layer_bytes(module: nn.Module) -> int:

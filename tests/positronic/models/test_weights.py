@@ -117,3 +117,18 @@ def test_run_takes_weights_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "weights: int8 for" in done.stderr
     assert len(events.read_text().splitlines()) >= 12
+
+
+def test_fused_siblings_serve_each_part_once_per_input():
+    torch.manual_seed(2)
+    from positronic.models.weights import Part, fuse
+    q, k = nn.Linear(64, 32), nn.Linear(64, 16)
+    fused = fuse(Int8Linear, [q, k])
+    parts = [Part(fused, 0, 64, 32), Part(fused, 1, 64, 16)]
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    alone = [Int8Linear.from_linear(q), Int8Linear.from_linear(k)]
+    assert torch.equal(parts[0](x), alone[0](x)) and torch.equal(parts[1](x), alone[1](x))
+    assert torch.equal(parts[0](x), alone[0](x))
+    x.mul_(2)  # the same tensor written in place: the part asked again computes anew
+    assert torch.equal(parts[0](x), alone[0](x))
+    assert torch.equal(parts[1](y), alone[1](y))  # another input: computed, not the cached one
