@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded model's)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--weights", nargs="+", default=["float32", "int8", "int4"])
+    parser.add_argument("--weights", nargs="+", default=["float32", "int8"])  # int4: see docs/weights.md
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 384])
     parser.add_argument("--prompt-tokens", type=int, default=450)
     parser.add_argument("--tokens", type=int, default=256)

@@ -26,7 +26,7 @@ from .random_models import random_model, random_names
 from .gguf import gguf_cache
 from .linear import use_row_invariant_linear
 from .tiles import use_row_tiles
-from .weights import WEIGHTS, layer_bytes, quantized_gguf, use_weights, weights_note
+from .weights import CALIBRATION, WEIGHTS, layer_bytes, quantized_gguf, use_weights, weights_note
 from .smollm2 import smollm2_cache
 
 TINYLLAMA_ID = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -257,7 +257,10 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weigh
         raise ModelError(f"--weights {weights} needs float32 activations; model {name!r} loaded as {dt}")
     if weights != "float32":
         before = _linear_bytes(model)
-        layers = use_weights(model, weights)
+        first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+        words = list(tokenizer.encode(CALIBRATION, add_special_tokens=False))
+        calibration = torch.tensor([([first] if first is not None else []) + words])
+        layers = use_weights(model, weights, calibration)
         print(f"weights: {weights} for {layers} linear layers of {name} ({before / 1e6:.0f} MB -> "
               f"{_linear_bytes(model) / 1e6:.0f} MB){weights_note(weights)}", file=sys.stderr, flush=True)
     if dev.type == "cpu":

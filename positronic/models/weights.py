@@ -7,8 +7,9 @@ its own that replaces `nn.Linear` (the projections, the MLP, the logits; embeddi
 stay as loaded):
 
     int8      Int8Linear: each output row's weights as int8 with one float32 scale (symmetric,
-              per channel); each input row quantized to 8 bits on its own (7 on a CPU without
-              VNNI, where fbgemm's 8-bit sums would saturate), then fbgemm's integer product.
+              per channel; 7 bits on a CPU without VNNI, where fbgemm's 8-bit sums would
+              saturate); each input row quantized to 8 bits on its own, then fbgemm's integer
+              product.
               An integer sum is exact, so a row's output is the same bits whatever rows come
               with it, in whatever order the kernel adds: batched = alone and decode = prefill
               hold by construction, as RowInvariantLinear makes them hold for float32
@@ -38,6 +39,8 @@ import warnings
 import torch
 from torch import nn
 
+from .linear import row_invariant
+
 FORMATS = ("float32", "bfloat16", "int8", "int4")  # what a loaded model's linear layers can be
 WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
 GROUP = 32  # int4's group along the input, llama.cpp's block
@@ -54,32 +57,51 @@ def has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-REDUCE_RANGE = not has_vnni()  # 7-bit inputs where 8-bit ones would saturate (AVX2's vpmaddubsw)
+# fbgemm adds u8 x s8 products in pairs into int16 on a CPU without VNNI: 255 * 127 * 2 overflows
+# it (and saturates silently), 255 * 63 * 2 does not. So there the weights take 7 bits and the
+# inputs keep 8: on SmolLM2 (docs/weights.md) 7-bit inputs cost 10% of perplexity, 7-bit
+# weights 0.1%. With VNNI both take 8.
+WEIGHT_LEVELS = 127 if has_vnni() else 63
 TINY = torch.finfo(torch.float32).tiny
 ENDS = torch.tensor([[1.0, -1.0]])  # two input columns that pin every product's input range
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 per output row and x quantized row by row, by fbgemm
-    (module docstring). `packed` holds W [out, in + 2] (two zero columns at the end) and its
-    per-row scales; `in_features`, `out_features` as nn.Linear's.
+    (module docstring); the few input channels `outliers` names run in float32 beside it.
+    `packed` holds W [out, in + 2] (the outlier columns and two columns at the end zero) and
+    its per-row scales; `outlier_weight` [out, outliers]; `in_features`, `out_features` as
+    nn.Linear's.
 
     fbgemm's dynamic product quantizes its whole input with one range, its minimum to its
     maximum, so a row's numbers would depend on the rows beside it. Here each row is divided
     by its own largest magnitude and two columns holding +1 and -1 are appended (their weights
     are zero), so every input spans exactly [-1, 1] whatever its rows: one fixed quantization,
     each row's 8 bits its own, the integer sums exact, the output multiplied back by the row's
-    magnitude. A row's output is the same bits alone, beside others, or in a prompt chunk."""
+    magnitude. The outlier channels (a decoder's inputs carry a few channels ten times the
+    others: the largest of a calibration forward, `calibrate`) are taken out first, or they
+    would set every row's range and leave the rest a few levels; their product is oneDNN's
+    row-invariant one (linear.py). A row's output is the same bits alone, beside others, or in
+    a prompt chunk."""
 
-    def __init__(self, packed, in_features: int, out_features: int, bias: torch.Tensor | None):
+    def __init__(self, packed, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 outliers: torch.Tensor | None = None, outlier_weight: torch.Tensor | None = None):
         super().__init__()
         self.packed, self.in_features, self.out_features = packed, in_features, out_features
         self.register_buffer("bias", bias)
+        self.register_buffer("outliers", outliers)
+        self.register_buffer("outlier_weight", outlier_weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    def from_linear(cls, linear: nn.Linear, outliers: torch.Tensor | None = None) -> "Int8Linear":
+        weight = linear.weight.detach().float().clone()
+        outlier_weight = None
+        if outliers is not None and len(outliers):
+            outlier_weight = weight[:, outliers].contiguous()
+            weight[:, outliers] = 0
+        else:
+            outliers = None
+        scale = weight.abs().amax(1).clamp_min(TINY) / WEIGHT_LEVELS
         padded = torch.cat([weight, weight.new_zeros(weight.shape[0], ENDS.shape[1])], 1)
         with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack still takes them
             warnings.simplefilter("ignore", UserWarning)
@@ -87,19 +109,56 @@ class Int8Linear(nn.Module):
                                                    0, torch.qint8)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         # the bias is added after the row's magnitude is multiplied back, not by fbgemm
-        return cls(torch.ops.quantized.linear_prepack(quantized, None), linear.in_features, linear.out_features, bias)
+        return cls(torch.ops.quantized.linear_prepack(quantized, None), linear.in_features, linear.out_features, bias,
+                   outliers, outlier_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
+        if self.outliers is not None:
+            extra = row_invariant(flat.index_select(1, self.outliers), self.outlier_weight, None)
+            flat = flat.index_fill(1, self.outliers, 0.0)
         magnitude = torch.linalg.vector_norm(flat, float("inf"), -1, keepdim=True).clamp_min_(TINY)
         pinned = torch.cat([flat / magnitude, ENDS.expand(flat.shape[0], -1)], 1)
-        out = torch.ops.quantized.linear_dynamic(pinned, self.packed, REDUCE_RANGE).mul_(magnitude)
+        out = torch.ops.quantized.linear_dynamic(pinned, self.packed, False).mul_(magnitude)
+        if self.outliers is not None:
+            out.add_(extra)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        outliers = 0 if self.outliers is None else len(self.outliers)
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"outliers={outliers}"
+
+
+OUTLIERS = 4  # input channels per layer kept in float32 (SmolLM2, 512 tokens: 0, 2, 4, 8 -> x1.070, 1.016, 1.011, 1.014)
+CALIBRATION = (  # Lewis Carroll, Alice's Adventures in Wonderland (1865), chapter 1: public domain
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
+    "once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations "
+    "in it, 'and what is the use of a book,' thought Alice 'without pictures or conversations?' So she was "
+    "considering in her own mind (as well as she could, for the hot day made her feel very sleepy and stupid), "
+    "whether the pleasure of making a daisy-chain would be worth the trouble of getting up and picking the "
+    "daisies, when suddenly a White Rabbit with pink eyes ran close by her.")
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, ids: torch.Tensor, count: int = OUTLIERS) -> dict[nn.Linear, torch.Tensor]:
+    """The `count` input channels of every nn.Linear of `model` with the largest magnitude
+    over one forward of `ids` [1, tokens] (sorted channel ids, int64)."""
+    peaks, hooks = {}, []
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            def record(layer, inputs, output):
+                peak = inputs[0].detach().reshape(-1, layer.in_features).abs().amax(0)
+                peaks[layer] = torch.maximum(peaks[layer], peak) if layer in peaks else peak
+            hooks.append(module.register_forward_hook(record))
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {layer: peak.topk(min(count, len(peak))).indices.sort().values for layer, peak in peaks.items()}
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,7 +195,7 @@ class Int4Linear(nn.Module):
         return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, outliers=None) -> "Int4Linear":
         codes, step, low = quantize_int4(linear.weight)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         # the kernel computes (code - 8) * scale + zero
@@ -165,7 +224,7 @@ class BFloat16Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "BFloat16Linear":
+    def from_linear(cls, linear: nn.Linear, outliers=None) -> "BFloat16Linear":
         bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
         return cls(linear.weight.detach().to(torch.bfloat16).clone(), bias)
 
@@ -236,8 +295,9 @@ class Part(nn.Module):
         return self.fused.output(x, self.index)
 
 
-def fuse(layer_type, linears: list[nn.Linear]) -> Fused:
-    """`linears` (one input width) as one layer of `layer_type` over their stacked weights."""
+def fuse(layer_type, linears: list[nn.Linear], outliers: torch.Tensor | None = None) -> Fused:
+    """`linears` (one input width, one input) as one layer of `layer_type` over their stacked
+    weights (`outliers`: Int8Linear's float channels)."""
     stacked = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                         bias=any(m.bias is not None for m in linears))
     with torch.no_grad():
@@ -245,19 +305,23 @@ def fuse(layer_type, linears: list[nn.Linear]) -> Fused:
         if stacked.bias is not None:
             stacked.bias.copy_(torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
                                           for m in linears]))
-    return Fused(layer_type.from_linear(stacked), [m.out_features for m in linears])
+    return Fused(layer_type.from_linear(stacked, outliers), [m.out_features for m in linears])
 
 
-def use_weights(model: nn.Module, weights: str) -> int:
+def use_weights(model: nn.Module, weights: str, calibration: torch.Tensor | None = None) -> int:
     """Replace every nn.Linear of `model` (a CPU float model) by the layer type of `weights`
-    ("int8", "int4", "bfloat16"; "float32" changes nothing), in place; for int8 and int4 the
-    token embedding too (Int8Embedding). The logits layer of an
+    ("int8", "int4", "bfloat16"; "float32" changes nothing), in place; for int4, the format
+    for least memory, the token embedding too (Int8Embedding: on SmolLM2 it cost 1.5% of
+    perplexity, so int8 keeps its float32 one; a lookup reads one row, the same time). The logits layer of an
     int4 model is int8: llama.cpp's 4-bit files keep it (and the embedding it is often tied
     to) at 6-8 bits, a 4-bit one costs more than all the others; so is a layer whose shape the
-    int4 kernel does not take (Int4Linear.fits). Returns how many changed."""
+    int4 kernel does not take (Int4Linear.fits). `calibration` [1, tokens]: the ids whose
+    forward finds each int8 layer's outlier channels (`calibrate`; None: none kept apart).
+    Returns how many changed."""
     if weights == "float32":
         return 0
     layer_type = LAYERS[weights]
+    outliers = calibrate(model, calibration) if calibration is not None and weights in ("int8", "int4") else {}
     output = model.get_output_embeddings()
     changed = 0
     for parent in list(model.modules()):
@@ -266,7 +330,7 @@ def use_weights(model: nn.Module, weights: str) -> int:
             group = [linears[name] for name in names if name in linears]
             if len(group) == len(names) and len({m.in_features for m in group}) == 1 and \
                     (layer_type is not Int4Linear or all(map(Int4Linear.fits, group))):
-                parent.fused = fuse(layer_type, group)  # "fused": its parts' shared layer, once in the module tree
+                parent.fused = fuse(layer_type, group, outliers.get(group[0]))  # "fused": its parts' shared layer, once in the module tree
                 for index, name in enumerate(names):
                     setattr(parent, name, Part(parent.fused, index, group[index].in_features, group[index].out_features))
                     del linears[name]
@@ -274,9 +338,9 @@ def use_weights(model: nn.Module, weights: str) -> int:
         for name, module in linears.items():
             kind = Int8Linear if layer_type is Int4Linear and (module is output or not Int4Linear.fits(module)) \
                 else layer_type
-            setattr(parent, name, kind.from_linear(module))
+            setattr(parent, name, kind.from_linear(module, outliers.get(module)))
             changed += 1
-    if weights in ("int8", "int4") and type(model.get_input_embeddings()) is nn.Embedding:
+    if weights == "int4" and type(model.get_input_embeddings()) is nn.Embedding:  # int8's costs 1.5% of perplexity
         model.set_input_embeddings(Int8Embedding.from_embedding(model.get_input_embeddings()))
     # what is left (norms, an embedding of another kind) may lie in the checkpoint's mapped file, which keeps the
     # whole mapping alive and the float weights' pages resident: copied, the file is let go
@@ -302,7 +366,7 @@ def layer_bytes(module: nn.Module) -> int:
 def weights_note(weights: str) -> str:
     """What the loader's line adds about `weights` on this host."""
     if weights == "int8":
-        return "; inputs quantized to 7 bits (no VNNI here)" if REDUCE_RANGE else ""
+        return "" if WEIGHT_LEVELS == 127 else "; weights in 7 bits (no VNNI here: 8 would overflow fbgemm's sums)"
     if weights == "int4":
         return "; the logits layer int8"
     return ""

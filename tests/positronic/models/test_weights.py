@@ -132,3 +132,32 @@ def test_fused_siblings_serve_each_part_once_per_input():
     x.mul_(2)  # the same tensor written in place: the part asked again computes anew
     assert torch.equal(parts[0](x), alone[0](x))
     assert torch.equal(parts[1](y), alone[1](y))  # another input: computed, not the cached one
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_batch_of_quantized_brains_ticks_each_exactly_as_alone(weights, alone, batched):
+    """Through the budget (edits every tick), greedy and seeded sampling: each sequence's
+    tokens are the ones it makes alone on the same weights."""
+    lm = load_model("random:tiny", device="cpu", weights=weights)
+    prompts = [prompt(lm, 30, seed=1), prompt(lm, 36, seed=2), prompt(lm, 25, seed=3)]
+    configs = [dict(policy="h2o", budget=44, seed=1, temperature=0),
+               dict(policy="streaming", budget=48, seed=2, temperature=1.0),
+               dict(policy="scored", budget=40, seed=3, temperature=0.8, top_k=20)]
+    want = [alone(lm, p, 30, **c) for p, c in zip(prompts, configs)]
+    assert batched(lm, prompts, configs, 30)[1] == want
+
+
+def test_an_outlier_channel_runs_apart_and_the_rest_keep_their_precision():
+    """A decoder's inputs carry a few channels far above the rest: quantized with them, every
+    other channel gets a few levels; kept apart in float32 (row-invariant still), they do not."""
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 64, bias=False)
+    x = torch.randn(12, 96)
+    x[:, 7] *= 200
+    want = linear(x)
+    together = Int8Linear.from_linear(linear)(x)
+    apart_layer = Int8Linear.from_linear(linear, torch.tensor([7]))
+    apart = apart_layer(x)
+    assert torch.equal(apart, torch.cat([apart_layer(row[None]) for row in x]))
+    error = lambda y: ((y - want).norm() / want.norm()).item()  # noqa: E731
+    assert error(apart) < error(together) / 3, (error(apart), error(together))
