@@ -1,20 +1,19 @@
 """The linear layers' weights in the format the user asks for: `--weights float32 | bfloat16 |
 int8 | int4 | auto` (docs/weights.md has the measured speeds and perplexities).
 
-A decode step on a CPU reads every weight once; at SmolLM2's size that read is most of a
-token's time, so fewer bytes a weight is more tokens a second. Each format is a layer type of
-its own that replaces `nn.Linear` (the projections, the MLP, the logits; embeddings and norms
-stay as loaded):
+A decode step on a CPU reads every weight once, so fewer bytes a weight is less time a token
+(how much less depends on what else a tick spends: bench/results/weights.md). Each format is a
+layer type of its own that replaces `nn.Linear` (the projections, the MLP, the logits; norms
+stay as loaded, the embedding too except for int4's `Int8Embedding`):
 
     int8      Int8Linear: each output row's weights as int8 with one float32 scale (symmetric,
               per channel; 7 bits on a CPU without VNNI, where fbgemm's 8-bit sums would
               saturate); each input row quantized to 8 bits on its own, then fbgemm's integer
-              product.
-              An integer sum is exact, so a row's output is the same bits whatever rows come
+              product; each layer's few outlier input channels apart, in float32. An integer sum is exact, so a row's output is the same bits whatever rows come
               with it, in whatever order the kernel adds: batched = alone and decode = prefill
               hold by construction, as RowInvariantLinear makes them hold for float32
               (linear.py). torch's own int8 kernels (`_int_mm`, `_weight_int8pack_mm`, oneDNN's
-              qlinear) measured 3-20x slower than fbgemm's here (docs/weights.md).
+              qlinear) measured 7-21x slower than fbgemm's here (bench/results/weights.md).
     int4      Int4Linear: 4 bits a weight in groups of 32 along the input, a scale and an
               offset per group (the form of llama.cpp's Q4_1), through torch's CPU int4 kernel
               (`_weight_int4pack_mm_for_cpu`) on float32 inputs. A GGUF's Q4_1 blocks come
@@ -25,8 +24,9 @@ stay as loaded):
     float32   the layers as loaded (RowInvariantLinear on a CPU).
 
 `auto` is float32 for a float checkpoint and int8 for a GGUF whose linear weights are quantized
-(Q8_0, Q4_0, Q4_1, K-quants): int8 is the fastest exact-enough format measured on the hosts
-this was built on (docs/weights.md), and int4's kernel is slower than float32's there.
+(Q8_0, Q4_0, Q4_1, K-quants): int8 is the fastest format measured on the host this was built
+on (an AVX2 CPU), 1.5-3% from float32's perplexity, and int4's kernel is 10x slower than
+float32's there.
 Quantization changes the numbers, not the cache's exactness: every exactness test runs for
 every format against that format's own forward (tests/positronic/models/test_weights.py).
 """
@@ -378,8 +378,15 @@ def quantized_gguf(name: str) -> bool:
         return False
     from pathlib import Path
 
+    from .checks import ModelError
     from .gguf import read_header
     from gguf import GGMLQuantizationType as Q
-    header = read_header(Path(name).expanduser().resolve())
+    path = Path(name).expanduser().resolve()
+    if not path.is_file():  # missing, or a pipe whose read would block: the load refuses it
+        return False
+    try:
+        header = read_header(path)
+    except (ModelError, OSError):
+        return False  # the load that follows refuses the file, naming what is wrong with it
     floats = {Q.F32, Q.F16, Q.BF16}
     return any(tensor.ggml_type not in floats for tensor in header.tensors.values() if len(tensor.shape) == 2)

@@ -146,7 +146,7 @@ def test_a_gguf_file_loads_like_the_embedded_model_and_converts_once(smol, tmp_p
     monkeypatch.setenv("POSITRONIC_CACHE", str(tmp_path))
     gguf = str(models.smollm2_gguf())
     capfd.readouterr()
-    lm = load_model(gguf, device="cpu")
+    lm = load_model(gguf, device="cpu", weights="float32")  # the de-quantized file: the embedded model's numbers
     assert "converting" in capfd.readouterr().err
     (converted,) = tmp_path.glob("gguf-*")  # in $POSITRONIC_CACHE, not the user's cache
     assert lm.name == gguf and lm.dtype == torch.float32
@@ -162,6 +162,7 @@ def test_a_gguf_file_loads_like_the_embedded_model_and_converts_once(smol, tmp_p
     stamp = {f.name: f.stat().st_mtime_ns for f in converted.iterdir()}
     again = load_model(gguf, device="cpu")
     assert "converting" not in capfd.readouterr().err, "the second load reads the converted directory"
+    assert again.weights == "int8", "a quantized GGUF runs int8 unless asked otherwise (docs/weights.md)"
     assert {f.name: f.stat().st_mtime_ns for f in converted.iterdir()} == stamp
     assert again.encode("Hello world") == lm.encode("Hello world")
 
