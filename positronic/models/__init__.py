@@ -16,6 +16,7 @@ per family (random weights, built-in tokenizer). Failures are `ModelError`s whos
     checks.py         what a model must be for exact splicing; ModelError; the position limit
     attention.py      the attention functions and their tap
     linear.py         CPU float32 linear layers whose rows do not change each other's numbers
+    weights.py        --weights: int8, int4 and bfloat16 linear layers, rows still independent
     tiles.py          the same on a GPU in half precision: row-wise layers in fixed 64-row tiles
     compat.py         with_cache: the keyword a Cache goes under in this transformers version
 """
