@@ -8,7 +8,8 @@ Each round runs, in turn and for each thread count: llama.cpp (llama-cpp-python 
 venv, a child process per run: `Llama(n_ctx=1024)`, the prompt evaluated at once, then
 --tokens greedy tokens one `eval` each), and this project on the same file (`load_model(gguf,
 weights=W)`, `Brain.start` on the same prompt ids, then --tokens greedy ticks) for every
---weights format and --budgets budget. Budget 1024 holds prompt and reply (no eviction, as
+--weights format and --budgets budget; and Hugging Face `generate` on the file's float32
+conversion, loaded the library's default way (sdpa; --no-hf leaves it out). Budget 1024 holds prompt and reply (no eviction, as
 llama.cpp's run); a budget under prompt + reply keeps the default policy evicting every tick
 from the prompt on. llama.cpp runs without a context shift (its n_ctx holds everything), so
 the evicting rows compare maintenance-on against llama.cpp at its fastest.
@@ -63,6 +64,24 @@ def llamacpp_run(python: Path, gguf: Path, threads: int, prompt: list[int], toke
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def hf_run(model, threads: int, prompt: list[int], tokens: int) -> dict:
+    """Hugging Face `generate` as a user calls it (the model loaded the library's default way:
+    float32, sdpa, its DynamicCache), greedy: a one-token run times the prompt, a
+    tokens + 1 one the rest."""
+    import torch
+
+    torch.set_num_threads(threads)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        prompt_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False)
+        whole = time.perf_counter() - start
+    return {"prompt_s": prompt_s, "decode_s": whole - prompt_s, "tokens": out[0, len(prompt):][:tokens].tolist()}
+
+
 def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int) -> dict:
     import torch
 
@@ -90,6 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llamacpp-python", type=Path, default=LLAMACPP_PYTHON)
+    parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face generate (float32, sdpa)")
     parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args(argv)
     if not args.llamacpp_python.is_file():
@@ -99,6 +119,12 @@ def main(argv=None) -> int:
 
     gguf = (args.gguf or smollm2_gguf()).resolve()
     models = {w: load_model(str(gguf), device="cpu", weights=w) for w in args.weights}
+    hf = None
+    if not args.no_hf:  # the same converted weights, loaded as transformers loads them by default
+        from transformers import AutoModelForCausalLM
+
+        from positronic.models import gguf_cache
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf_cache(gguf))).eval()
     lm = next(iter(models.values()))
     prompt = [lm.bos_id] + lm.encode(TEXT.read_text(encoding="utf-8"))[: args.prompt_tokens - 1]
     runs: dict[tuple, list[dict]] = {}
@@ -108,6 +134,11 @@ def main(argv=None) -> int:
             runs.setdefault(key, []).append(llamacpp_run(args.llamacpp_python, gguf, threads, prompt, args.tokens))
             print(f"round {repeat + 1}: llama.cpp, {threads} threads: {_line(runs[key][-1], len(prompt))}",
                   file=sys.stderr, flush=True)
+            if hf is not None:
+                key = ("hf generate", "float32", 0, threads)
+                runs.setdefault(key, []).append(hf_run(hf, threads, prompt, args.tokens))
+                print(f"round {repeat + 1}: hf generate, {threads} threads: {_line(runs[key][-1], len(prompt))}",
+                      file=sys.stderr, flush=True)
             for weights, model in models.items():
                 for budget in args.budgets:
                     key = ("project", weights, budget, threads)
@@ -135,10 +166,10 @@ def table(runs: dict, prompt: int, tokens: int, gguf: Path) -> str:
     for key in runs:
         engine, weights, budget, threads = key
         base = median(("llama.cpp", "gguf", 0, threads), "decode_s")
-        reference = runs.get(("project", "float32", budget, threads))
+        reference = runs.get(("project", "float32", budget or 1024, threads))
         same = "" if engine == "llama.cpp" or not reference else \
             f"{sum(a == b for a, b in zip(runs[key][0]['tokens'], reference[0]['tokens']))}/{tokens}"
-        lines.append(f"| {engine} | {weights} | {budget or 'n_ctx 1024'} | {threads} | {median(key, 'prompt_s'):.0f} | "
+        lines.append(f"| {engine} | {weights} | {budget or ('n_ctx 1024' if engine == 'llama.cpp' else 'full')} | {threads} | {median(key, 'prompt_s'):.0f} | "
                      f"{median(key, 'decode_s'):.1f} | {median(key, 'decode_s') / base:.2f} | {same} |")
     return "\n".join(lines)
 

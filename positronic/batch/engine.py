@@ -151,8 +151,8 @@ class Engine:
 
     def refusal(self, brain, *, returning: bool = False) -> str | None:
         """Why `brain` cannot join this engine (its settings or state, `unsupported`; the
-        engine's room), or None: it can. `returning`: it must also be able to leave into a
-        Brain again (`hand_back`)."""
+        engine's room), or None: it can. `returning`: it joins now and is handed back after
+        (the server's reply), so a full engine refuses it too."""
         if (reason := unsupported(brain)) is not None:
             return reason
         if brain.config.budget > self.state.capacity:

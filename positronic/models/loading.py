@@ -102,8 +102,7 @@ def _resolve_weights(name: str, weights: str | None, dev: torch.device, dt: torc
     if asked not in WEIGHTS:
         raise ModelError(f"bad weights {weights!r}: expected {', '.join(WEIGHTS)}")
     if asked == "auto":
-        chosen = "int8" if dev.type == "cpu" and dt in (None, torch.float32) and quantized_gguf(name) else "float32"
-        return chosen
+        return "int8" if dev.type == "cpu" and dt in (None, torch.float32) and quantized_gguf(name) else "float32"
     if asked != "float32" and (dev.type != "cpu" or dt not in (None, torch.float32)):
         raise ModelError(f"--weights {asked} runs on the CPU with float32 activations only "
                          f"(here: {dev.type}, {dt or 'the checkpoint dtype'}); on a GPU use --dtype")
@@ -255,11 +254,11 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weigh
     model.set_attn_implementation(attention.for_device(dev))
     if weights != "float32" and dt != torch.float32:
         raise ModelError(f"--weights {weights} needs float32 activations; model {name!r} loaded as {dt}")
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     if weights != "float32":
         before = _linear_bytes(model)
-        first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
         words = list(tokenizer.encode(CALIBRATION, add_special_tokens=False))
-        calibration = torch.tensor([([first] if first is not None else []) + words])
+        calibration = torch.tensor([([bos] if bos is not None else []) + words])
         layers = use_weights(model, weights, calibration)
         print(f"weights: {weights} for {layers} linear layers of {name} ({before / 1e6:.0f} MB -> "
               f"{_linear_bytes(model) / 1e6:.0f} MB){weights_note(weights)}", file=sys.stderr, flush=True)
@@ -269,7 +268,6 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weigh
         use_row_tiles(model)  # the same on a GPU, where float32 keeps them already
     check_model(name, model, tokenizer)  # the config first, before its probe runs the model
     config, rotary = model.config, model.model.rotary_emb
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id
     if bos is None:
         raise ModelError(f"model {name!r} has no BOS token id")
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id

@@ -66,6 +66,12 @@ TINY = torch.finfo(torch.float32).tiny
 ENDS = torch.tensor([[1.0, -1.0]])  # two input columns that pin every product's input range
 
 
+def row_scales(weight: torch.Tensor, levels: int) -> torch.Tensor:
+    """weight [rows, columns] -> float32 [rows, 1]: each row's symmetric step, its largest
+    magnitude at `levels` (a row of zeros gets the smallest step, not 0)."""
+    return weight.abs().amax(1, keepdim=True).clamp_min(TINY) / levels
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 per output row and x quantized row by row, by fbgemm
     (module docstring); the few input channels `outliers` names run in float32 beside it.
@@ -101,7 +107,7 @@ class Int8Linear(nn.Module):
             weight[:, outliers] = 0
         else:
             outliers = None
-        scale = weight.abs().amax(1).clamp_min(TINY) / WEIGHT_LEVELS
+        scale = row_scales(weight, WEIGHT_LEVELS)[:, 0]
         padded = torch.cat([weight, weight.new_zeros(weight.shape[0], ENDS.shape[1])], 1)
         with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's prepack still takes them
             warnings.simplefilter("ignore", UserWarning)
@@ -246,7 +252,7 @@ class Int8Embedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
         weight = embedding.weight.detach().float()
-        scale = weight.abs().amax(1, keepdim=True).clamp_min(TINY) / 127
+        scale = row_scales(weight, 127)
         return cls(torch.round(weight / scale).to(torch.int8), scale, embedding.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -265,8 +271,8 @@ class Fused(nn.Module):
     layer of their stacked outputs: one product, one input quantization, where there were
     two or three. Each sibling becomes a `Part` that takes its columns. The first part asked
     for an input computes all of them; the others take theirs from it, each once (a part asked
-    again, or for another tensor, computes anew), so nothing is served past the call it was
-    computed for."""
+    again, or for another tensor, computes anew). The input is known by identity: a decoder
+    hands its siblings one tensor and does not write it between their calls."""
 
     def __init__(self, layer: nn.Module, sizes: list[int]):
         super().__init__()
@@ -355,7 +361,8 @@ def layer_bytes(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.weight.numel() * module.weight.element_size()
     if isinstance(module, Int8Linear):
-        return (module.in_features + ENDS.shape[1] + 4) * module.out_features  # int8 values, a float32 scale a row
+        apart = 0 if module.outliers is None else module.outlier_weight.numel() * 4
+        return (module.in_features + ENDS.shape[1] + 4) * module.out_features + apart  # int8 values, a scale a row
     if isinstance(module, Int4Linear):
         return module.packed.numel() + module.scales_and_zeros.numel() * 4
     if isinstance(module, BFloat16Linear):
