@@ -7,7 +7,8 @@ For each policy and batch size B, B brains (different prompts, all past their bu
 every tick edits) tick `--ticks` times two ways, in turn, `--repeats` rounds:
   alone     one after another, each tick a forward of its own (what the server did before
             batching: one model thread, one brain step at a time);
-  batched   `positronic.batch.Batch`: every brain's tick as alone, one forward for all.
+  batched   `positronic.batch.Batch`: the brains Core v4 runs seated in engine rounds (one round of
+            batched tensor work a tick); with `--no-engine` every brain's own tick, one forward for all.
 It prints ms per token (a tick of B brains makes B tokens), tokens/s, batched / alone, and
 the batch's speed-up over B = 1, medians over the rounds; the header notes the load and
 torch's threads. The brains' tokens are compared too: batched must equal alone (a mismatch
@@ -25,6 +26,7 @@ generating sequence's longest gap between two tokens while the prompt goes in, p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -65,21 +67,29 @@ def alone(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
     for _ in range(ticks):
         for k, brain in enumerate(group):
             tokens[k].append(brain.step().token_id)
-    return time.perf_counter() - start, tokens
+    return (time.perf_counter() - start) / ticks, tokens
 
 
-def batched(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
-    batch = Batch()
+def batched(group: list[Brain], ticks: int, *, engine: bool = True) -> tuple[float, list[list[int]]]:
+    """Seconds a tick over `ticks` ticks of `group` as one Batch (seated in engines, or with
+    `engine=False` each brain's own tick and one forward for all), the first (the seating) untimed,
+    and each brain's tokens."""
+    batch = Batch(engine=engine)
     for k, brain in enumerate(group):
         batch.join(k, brain)
     tokens = [[] for _ in group]
+    for k, record in batch.step().items():  # seats the brains an engine runs: a copy of their rows, once
+        if isinstance(record, Exception):
+            raise record
+        tokens[k].append(record.token_id)
+    ticks -= 1
     start = time.perf_counter()
     for _ in range(ticks):
         for k, record in batch.step().items():
             if isinstance(record, Exception):
                 raise record
             tokens[k].append(record.token_id)
-    return time.perf_counter() - start, tokens
+    return (time.perf_counter() - start) / max(ticks, 1), tokens
 
 
 def stall(lm, tokens: int, budget: int, chunks: list[int]) -> None:
@@ -138,6 +148,8 @@ def batch_arguments(parser: argparse.ArgumentParser, *, model: str, sizes: list[
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     batch_arguments(parser, model="smollm2", sizes=[1, 2, 4, 8], ticks=24, policies=["streaming", "smartkv+recall"])
+    parser.add_argument("--no-engine", dest="engine", action="store_false",
+                        help="Batch(engine=False): every brain's own tick, one shared forward")
     parser.add_argument("--stall", type=int, default=0, metavar="TOKENS",
                         help="measure how long a prompt of TOKENS holds up a generating sequence instead")
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 64], help="prefill chunk sizes (--stall)")
@@ -160,12 +172,12 @@ def main(argv=None) -> int:
         for size in args.sizes:
             times = {"alone": [], "batched": []}
             for _ in range(args.repeats):
-                for mode, run in (("alone", alone), ("batched", batched)):
+                for mode, run in (("alone", alone), ("batched", functools.partial(batched, engine=args.engine))):
                     group = brains(lm, size, config, args.budget)
                     for brain in group:  # one untimed tick each: first-tick work out of the way
                         brain.step()
                     seconds, tokens = run(group, args.ticks)
-                    times[mode].append(seconds / (args.ticks * size))
+                    times[mode].append(seconds / size)
                     if mode == "alone":
                         want = tokens
                     elif tokens != want:

@@ -5,7 +5,7 @@
 
 For each policy and B, B brains (different prompts, all past their budget, so every round
 edits) make `--ticks` tokens each two ways, in turn, `--repeats` rounds:
-  batch    `positronic.batch.Batch`: each brain's own tick, in Python, one forward for all;
+  batch    `positronic.batch.Batch(engine=False)`: each brain's own tick, in Python, one forward for all;
   core v4  `positronic.batch.Engine`: one round of batched tensor work for all
            (positronic/state/slots.py, positronic/presses/).
 It prints ms per round for both, the engine's forward and its host time outside the forward
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
         for size in args.sizes:
             old, new, forward, fold, same, alone = [], [], [], [], [], "-"
             for repeat in range(args.repeats):
-                seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks)
-                old.append(seconds / args.ticks)
+                seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks + 1, engine=False)
+                old.append(seconds)
                 seconds, seconds_forward, seconds_fold, new_tokens = with_engine(
                     lm, brains(lm, size, config, args.budget), args.ticks, args.budget)
                 new.append(seconds)

@@ -206,10 +206,10 @@ def _alone(lm, prompt, ticks: int, **config) -> list[int]:
     return [brain.step().token_id for _ in range(ticks)]
 
 
-def _batched(lm, prompts, configs: list[dict], ticks: int):
+def _batched(lm, prompts, configs: list[dict], ticks: int, *, engine: bool = True):
     from positronic.batch import Batch
 
-    batch = Batch()
+    batch = Batch(engine=engine)
     for name, (prompt, config) in enumerate(zip(prompts, configs)):
         batch.join(name, Brain.start(lm, prompt, BrainConfig(**config)))
     got = [[] for _ in configs]

@@ -32,6 +32,7 @@ from pathlib import Path
 from ..brain import session as sessions
 from ..batch import WorkLock, offload, rounds
 from ..batch.engine import Engine
+from ..batch.seats import Seats
 from ..brain.loop import Brain, BrainConfig, TickRecord
 from .answers import Answers
 from .history import History
@@ -172,14 +173,7 @@ class Conversation:
         self.dirty = True
         with self.stepping:
             token = rounds.tick(engine, key, given)
-        slot = engine.keys().index(key)
-        removed = engine.removed.get(key, []) if token is not None else []
-        record = TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text="",
-                            actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
-                            outcomes=[], live_length=int(engine.state.length[slot]), brightness_min=0.0,
-                            brightness_mean=0.0, brightness_max=0.0, rebuilt=token is None,
-                            source="generated" if given is None else given[1],
-                            error=None if token is not None else "the engine's round failed: rebuilt from the mirror")
+        record = Seats.record(engine, key, token, source="generated" if given is None else given[1])
         self.on_tick(record, time.perf_counter() - start)
         return record
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batch import Rounds
-from ..batch.engine import Engine, unsupported
-from positronic.steps.attention import layer_indices
+from ..batch.engine import Engine
+from ..batch.seats import Seats
 from ..batch.threads import set_threads
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class ModelWorker:
         # they made 0.68x the tokens/s of ticking alone (the forward bounds a round there, and each
         # request's join and hand-back copy ~94 MB of recall index: bench/results/server.md)
         self.engine_smartkv = engine_smartkv
-        self._engines: dict[tuple, Engine] = {}
+        self.seats = Seats(slots=engine_slots, smartkv=engine_smartkv) if engine_slots else None
         self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
         serving = threading.Event()
@@ -77,32 +77,16 @@ class ModelWorker:
         self._closed = False
 
     def engine_for(self, brain) -> Engine | None:
-        """In a job: the engine `brain`'s reply ticks in (made the first time one is needed), or
-        None where it cannot (no engines, settings Core v4 does not run yet, a policy that
-        stops at capacity, every slot in use): it ticks on its own then."""
-        config = brain.config
-        if not self.engine_slots or (config.policy == "none" and config.at_capacity == "stop"):
-            return None
-        if unsupported(brain) is not None:  # before an engine's buffers are made for it
-            return None
-        if brain.state.per_layer and not self.engine_smartkv:
-            return None
-        lanes = ("smartkv", config.gates) if brain.state.per_layer else "shared"  # an engine keeps one kind of lanes
-        key = (id(brain.state.lm), config.budget, tuple(layer_indices(config.recorded_layers, brain.state.lm.num_layers)),
-               lanes)
-        engine = self._engines.get(key)
-        if engine is None:
-            engine = Engine(brain.state.lm, slots=self.engine_slots, capacity=config.budget,
-                            score_layers=list(key[2]))
-        if engine.refusal(brain, returning=True) is not None:
-            return None
-        self._engines[key] = engine
-        return engine
+        """In a job: the engine `brain`'s reply ticks in (seats.py: one of its kind with a free
+        slot and room for its budget, made the first time one is needed), or None where it
+        cannot (no engines, settings Core v4 does not run yet, a policy that stops at capacity,
+        SmartKV without engine_smartkv, every slot in use): it ticks on its own then."""
+        return None if self.seats is None else self.seats.engine_for(brain)
 
     @property
     def engine_rounds(self) -> int:
         """Rounds the engines have run (each one token for every sequence in it)."""
-        return sum(engine.rounds for engine in self._engines.values())
+        return 0 if self.seats is None else self.seats.rounds
 
     async def run(self, fn: Callable, *args, owner: Conversation | None = None):
         """Run `fn(*args)` as a job; `owner`: the conversation it touches, whose jobs run one

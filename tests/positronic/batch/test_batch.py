@@ -53,10 +53,13 @@ def test_one_forward_over_several_caches_gives_each_what_it_gets_alone(tiny, wei
             assert torch.equal(layer.keys, other.keys) and torch.equal(layer.values, other.values)
 
 
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "brains"])
 @pytest.mark.parametrize("policy", ["brightness", "streaming", "scored", "h2o", "none", "random"])
-def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy, alone, batched):
+def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy, alone, batched, engine):
     """Greedy and seeded sampling, different prompts and budgets, through the budget (edits
-    every tick): each sequence's tokens are the ones it makes alone, and its state checks."""
+    every tick): each sequence's tokens are the ones it makes alone, and its state checks.
+    In engine rounds (one engine, room for the widest budget) or each brain's own tick with
+    one shared forward (`engine=False`)."""
     configs = [dict(policy=policy, budget=44, seed=1, temperature=0),
                dict(policy=policy, budget=48, seed=2, temperature=1.0),
                dict(policy=policy, budget=40, seed=3, temperature=0.8, top_k=20)]
@@ -65,9 +68,13 @@ def test_a_batch_ticks_every_policy_exactly_as_alone(tiny, policy, alone, batche
             config["at_capacity"] = "shift"
     ticks = 30
     want = [alone(tiny, prompt, ticks, **config) for prompt, config in zip(PROMPTS, configs)]
-    batch, got = batched(tiny, PROMPTS, configs, ticks)
+    batch, got = batched(tiny, PROMPTS, configs, ticks, engine=engine)
     assert got == want
-    assert batch.meeting.forwards == ticks and batch.meeting.fed == ticks * len(configs)
+    if engine:
+        assert batch.seated == [0, 1, 2] and len(batch.seats.engines) == 1 and batch.seats.rounds == ticks
+        assert batch.meeting.forwards == 0
+    else:
+        assert batch.meeting.forwards == ticks and batch.meeting.fed == ticks * len(configs)
     for brain in batch.brains.values():
         brain.state.check(deep=True)
 
@@ -219,3 +226,32 @@ def test_a_shared_forward_run_again_first_takes_back_the_rows_it_appended(tiny):
     part.undo_appends()
     assert [layer.length for layer in cache.layers] == [3, 3]
 
+
+
+def test_seated_sequences_records_and_forced_tokens_are_those_of_brains_alone(tiny):
+    """In engine rounds, a tick's record has the token, its text, the tick and the live length
+    a Brain's own tick records, and a forced token is read as `Brain.step(force)` reads it; a
+    forced token outside the vocabulary is refused before anything ticks."""
+    configs = [dict(policy="streaming", budget=40, temperature=0), dict(policy="h2o", budget=44, seed=4, temperature=0.9)]
+    force = {5: {0: 17}, 9: {1: 300}, 10: {0: 3, 1: 4}}
+    lone = [started(tiny, prompt, **config) for prompt, config in zip(PROMPTS, configs)]
+    want = [[lone[n].step(force.get(t, {}).get(n)) for t in range(24)] for n in range(2)]
+    batch = Batch()
+    for name, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        batch.join(name, started(tiny, prompt, **config))
+    got = [[], []]
+    for t in range(24):
+        if t == 7:
+            with pytest.raises(ValueError, match="forced token is an id in"):
+                batch.step(force={0: tiny.vocab_size})
+        for name, record in batch.step(force=force.get(t)).items():
+            got[name].append(record)
+    assert batch.seated == [0, 1] and batch.seats.rounds == 24
+    for mine, theirs in zip(got, want):
+        assert [(r.token_id, r.text, r.tick, r.live_length, r.rebuilt) for r in mine] == \
+               [(r.token_id, r.text, r.tick, r.live_length, r.rebuilt) for r in theirs]
+    brains = batch.brains  # handed back: their ledgers read as the lone brains'
+    assert batch.seated == []
+    for name in (0, 1):
+        ledger, other = brains[name].state.mirror.ledger, lone[name].state.mirror.ledger
+        assert [(e.token_id, e.source, e.text) for e in ledger] == [(e.token_id, e.source, e.text) for e in other]

@@ -50,10 +50,10 @@ def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server
                                                     monkeypatch, setting):
     """A repairer (not on Core v4 yet), and SmartKV unless engine_smartkv asks for it, keep a
     session on its own brain; it still answers, and no engine's buffers are made for it."""
-    from positronic.server import worker
+    from positronic.batch import seats
 
     made = []
-    monkeypatch.setattr(worker, "Engine", lambda *args, **kwargs: made.append(1) or Engine(*args, **kwargs))
+    monkeypatch.setattr(seats, "Engine", lambda *args, **kwargs: made.append(1) or Engine(*args, **kwargs))
     config = BrainConfig(budget=96, temperature=0.0, seed=0, repairer="self")
     if setting == "smartkv":
         config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, gates=bench_gates(tiny, tmp_path)[1],
