@@ -67,17 +67,19 @@ class LaneIndex:
         if recall.capacity != self.capacity or recall.cooldown != self.cooldown or recall.every != 1:
             raise ValueError("the recall index's capacity, cooldown or schedule differ from the press's")
         n, state = len(recall.ids), {}
-        keys = torch.zeros(self.layers, self.kv_heads, self.capacity, self.head_dim, dtype=self.dtype)
-        values = torch.zeros_like(keys)
+        # the filled slots only (the state keeps the rest at its fill): the ring is ~94 MB for SmolLM2
+        keys = values = torch.zeros(self.layers, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
         if n:
-            keys[:, :, :n] = recall.keys[..., :n].transpose(2, 3).to(self.dtype)
-            values[:, :, :n] = recall.values[:, :, :n].to(self.dtype)
+            keys = recall.keys[..., :n].transpose(2, 3).to(self.dtype)
+            values = recall.values[:, :, :n].to(self.dtype)
         positions, tokens = torch.zeros(self.capacity, dtype=torch.long), torch.zeros(self.capacity, dtype=torch.long)
         weights = torch.zeros(self.capacity, self.lanes, dtype=torch.float64)
         back_at = torch.full((self.capacity, self.lanes), NEVER, dtype=torch.long)
-        for slot, ledger_id in enumerate(recall.ids):
-            positions[slot], tokens[slot] = recall.positions[slot], mirror.ledger[ledger_id].token_id
-            weights[slot] = torch.tensor([4.0 ** float(score) for score in recall.scores[ledger_id]], dtype=torch.float64)
+        if n:
+            positions[:n] = torch.tensor(recall.positions[:n], dtype=torch.long)
+            tokens[:n] = torch.tensor([mirror.ledger[ledger_id].token_id for ledger_id in recall.ids], dtype=torch.long)
+            weights[:n] = torch.tensor([[4.0 ** float(score) for score in recall.scores[ledger_id]]
+                                        for ledger_id in recall.ids], dtype=torch.float64)
         where = {ledger_id: slot for slot, ledger_id in enumerate(recall.ids)}
         for (ledger_id, lane), clock in recall.lane_back_at.items():
             if ledger_id in where:

@@ -195,7 +195,8 @@ class SlotState:
         """Take `manager`'s sequence into the next free slot (its mirror becomes this state's;
         the manager must not be used again) and return the slot. `row_state`: the press's
         per-row values of its live rows, `{name: [rows]}` (others start at their fill);
-        `sequence_state`: its per-sequence tensors (`declare_sequence`; others at their fill)."""
+        `sequence_state`: its per-sequence tensors (`declare_sequence`; others at their fill; a
+        tensor shorter than the declared shape fills its leading part, the rest at the fill)."""
         if self.active == self.kv.slots:
             raise ValueError(f"all {self.kv.slots} slots are in use")
         rows = manager.rows_per_layer
@@ -208,6 +209,10 @@ class SlotState:
             raise ValueError(f"{rows} rows do not fit a slot of {self.capacity} rows")
         if manager.next_logits is None or (manager.last_attention is None and not manager.per_layer):
             raise ValueError("the joining state has no attention row (its last edit did not write the newest row)")
+        for name, values in (sequence_state or {}).items():
+            shape = self.sequence_state[name].shape[1:]
+            if values.dim() != len(shape) or any(a > b for a, b in zip(values.shape, shape)):
+                raise ValueError(f"per-sequence state {name!r} is {tuple(shape)} a sequence, got {tuple(values.shape)}")
         slot = self.active
         saved = manager.tensors()
         self.kv.write(slot, saved["keys"], saved["values"])
@@ -222,7 +227,8 @@ class SlotState:
         for name, values in self.sequence_state.items():
             values[slot].fill_(self.sequence_fill[name])
         for name, values in (sequence_state or {}).items():
-            self.sequence_state[name][slot] = values.to(self.positions.device)
+            target = self.sequence_state[name][slot]
+            target[tuple(slice(0, size) for size in values.shape)] = values.to(self.positions.device)
         self._mirrors.append(manager._mirror)
         self._folded.append(len(self._journal))
         self._ticks.append(tick)
@@ -247,10 +253,11 @@ class SlotState:
             records.pop()
         return mirror
 
-    def release(self, slot: int, *, capacity: int, brightness: list[float] | None = None) -> StateManager:
-        """Sequence `slot` leaves as a StateManager of its own (`capacity` rows), its rows copied
-        out as they are, so it ticks on alone exactly as if it had made its rounds itself (the
-        last slot takes its place). `brightness`: its live rows' brightness, which a press kept
+    def copy_out(self, slot: int, *, capacity: int, brightness: list[float] | None = None) -> StateManager:
+        """Sequence `slot` as a StateManager of its own (`capacity` rows), its rows copied out as
+        they are, so it ticks on alone exactly as if it had made its rounds itself; it stays in
+        its slot until `leave` (its mirror is the manager's now: it must not run another round).
+        `brightness`: its live rows' brightness, which a press kept
         (the mirror's ledger takes it). The copy is checked as a resumed session's is (layer 0
         against a fresh prefill of the mirror, `StateManager.from_saved`); a copy that fails
         the check is rebuilt from the mirror instead. With lanes apart (a per-layer mirror) each
@@ -275,7 +282,6 @@ class SlotState:
         except (ValueError, StateInvariantError):  # the copy does not describe the mirror: recompute it
             manager = StateManager.from_mirror(self.lm, mirror, **options)
             self.rebuilds += 1
-        self.leave(slot)
         return manager
 
     def _live_predicted(self, slot: int, mirror: Mirror) -> torch.Tensor:
@@ -293,27 +299,33 @@ class SlotState:
     def _set_rows(self, slot: int, mirror: Mirror) -> None:
         """Slot `slot`'s positions and token ids, lane by lane, from `mirror` (its rows as a
         StateManager lays them out: the live map's, or each lane's own with per-layer rows)."""
-        device, entries = self.positions.device, mirror.ledger.entries
-        if mirror.layers is None:
-            lanes = [mirror.live.ledger_ids] * self.lanes
-        else:
-            lanes = mirror.layers.rows
-        where = dict(zip(mirror.live.ledger_ids, mirror.live.positions))
-        rows = len(lanes[0])
+        entries = mirror.ledger.entries
+        positions = self._by_lane(mirror, mirror.live.positions)
+        tokens = self._by_lane(mirror, [entries[i].token_id for i in mirror.live.ledger_ids])
         self.positions[slot].zero_()
         self.token_ids[slot].zero_()
-        self.positions[slot, :, :rows] = torch.tensor([[where[i] for i in ids] for ids in lanes], device=device)
-        self.token_ids[slot, :, :rows] = torch.tensor([[entries[i].token_id for i in ids] for ids in lanes],
-                                                       device=device)
+        self.positions[slot, :, :positions.shape[1]] = positions
+        self.token_ids[slot, :, :tokens.shape[1]] = tokens
 
     def _set_predicted(self, slot: int, mirror: Mirror, predicted: list[int]) -> None:
         """Slot `slot`'s per-row predictions, lane by lane, from a StateManager's (`predicted`:
         one per live row of `mirror`)."""
-        of = dict(zip(mirror.live.ledger_ids, predicted))
-        lanes = [mirror.live.ledger_ids] * self.lanes if mirror.layers is None else mirror.layers.rows
+        by_lane = self._by_lane(mirror, predicted)
         values = self.row_state["predicted"]
         values[slot].zero_()
-        values[slot, :, : len(lanes[0])] = torch.tensor([[of[i] for i in ids] for ids in lanes], device=values.device)
+        values[slot, :, : by_lane.shape[1]] = by_lane
+
+    def _by_lane(self, mirror: Mirror, live_values: list[int]) -> torch.Tensor:
+        """[lanes, rows] int64: `live_values` (one per live row of `mirror`, in its live order) laid
+        out as the lanes hold the rows (the live map's order in every lane, or each lane's own)."""
+        values = torch.tensor(live_values, dtype=torch.long)
+        if mirror.layers is None:
+            return values.expand(self.lanes, -1).to(self.positions.device)
+        live = torch.tensor(mirror.live.ledger_ids, dtype=torch.long)
+        order = torch.sort(live)
+        lanes = torch.tensor(mirror.layers.rows, dtype=torch.long)  # [lanes, rows] ledger ids
+        at = torch.searchsorted(order.values, lanes)  # every lane's row is a live token
+        return values[order.indices[at]].to(self.positions.device)
 
     def _take_newest(self, slot: int, manager: StateManager) -> None:
         """What the forward that wrote `manager`'s newest row left: its logits, and its shares

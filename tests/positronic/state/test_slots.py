@@ -275,3 +275,19 @@ def test_lanes_that_would_keep_different_numbers_of_rows_are_refused(tiny):
     with pytest.raises(ValueError, match=r"sequence 0: its lanes would keep different numbers of rows \(\[39, 40\]\)"):
         state.apply(deleted, [7])
     assert state.tick(0) == 0 and int(state.length[0]) == 40
+
+
+def test_a_joining_sequences_shorter_per_sequence_tensor_fills_the_leading_part_and_a_larger_one_is_refused(tiny):
+    """What a press's index relies on (recall carries only its filled slots): the rest of the
+    slot's tensor is at the fill, not what the slot's last sequence left there."""
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    state.declare_sequence("index", (3, 5), torch.float32, -1.0)
+    state.join(StateManager.from_tokens(tiny, prompt(1, 20), capacity=64), sequence_state={"index": torch.ones(3, 5)})
+    state.leave(0)
+    state.join(StateManager.from_tokens(tiny, prompt(2, 20), capacity=64),
+               sequence_state={"index": torch.full((3, 2), 7.0)})
+    index = state.sequence_state["index"][0]
+    assert index[:, :2].eq(7).all() and index[:, 2:].eq(-1).all()
+    with pytest.raises(ValueError, match=r"per-sequence state 'index' is \(3, 5\) a sequence, got \(3, 6\)"):
+        state.join(StateManager.from_tokens(tiny, prompt(3, 20), capacity=64),
+                   sequence_state={"index": torch.zeros(3, 6)})
