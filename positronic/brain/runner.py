@@ -26,7 +26,8 @@ from typing import Callable
 from positronic import mirror
 
 from . import session as sessions
-from .chat import TurnRefused
+from .chat import END_OF_INPUT, TurnRefused
+from .dialogue import Dialogue
 from .loop import Brain, TickRecord
 
 RSS_SAMPLES = (1000, 10000)  # ticks at which resident memory is recorded
@@ -127,8 +128,10 @@ class Runner:
 
     def __init__(self, brain: Brain, model_name: str, ticks: int | None, *, events: Path | None = None,
                  append_events: bool = False, session: Path | None = None, save_every: int = 100,
-                 inputs: queue.SimpleQueue | None = None, on_refused: Callable[[str], None] | None = None):
+                 inputs: queue.SimpleQueue | None = None, on_refused: Callable[[str], None] | None = None,
+                 dialogue: Dialogue | None = None):
         self.brain, self.model_name, self.ticks = brain, model_name, ticks
+        self.dialogue = dialogue  # conversation mode: its turns instead of `inputs` (dialogue.py)
         self.events, self.append_events = events, append_events
         self.session, self.save_every = session, save_every
         self.inputs = inputs
@@ -141,6 +144,8 @@ class Runner:
                 line = self.inputs.get_nowait()
             except queue.Empty:
                 return
+            if line is END_OF_INPUT:  # a story run goes on after its input ends
+                continue
             try:
                 self.brain.say(line)
             except TurnRefused as exc:
@@ -167,8 +172,16 @@ class Runner:
             for done in itertools.count(1) if self.ticks is None else range(1, self.ticks + 1):  # None: no limit
                 if stops.signal is not None:
                     break
-                self.take_input()
-                record = brain.step()
+                force = None
+                if self.dialogue is not None:  # the reply's closing, or a wait for the next line
+                    going, force = self.dialogue.before_tick(brain, lambda: stops.signal is not None)
+                    if not going:
+                        break
+                else:
+                    self.take_input()
+                record = brain.step(force)
+                if self.dialogue is not None:
+                    self.dialogue.after_tick(record)
                 result.ticks, result.seconds = done, time.perf_counter() - start
                 if log:
                     log.write(json.dumps(record.to_json()) + "\n")
@@ -187,7 +200,8 @@ class Runner:
             if log:
                 log.close()
             if self.session and not brain.state.broken:
-                self.take_input()  # a line typed during the last tick is saved, fed on resume
+                if self.dialogue is None:
+                    self.take_input()  # a line typed during the last tick is saved, fed on resume
                 result.saved_to = sessions.save(self.session, brain, self.model_name)
         if stops.signal is not None:
             result.interrupted, result.signal = True, stops.signal

@@ -17,6 +17,7 @@ from positronic.mirror.storage import regular_file
 
 from ..brain import session as sessions
 from ..brain.chat import LineReader
+from ..brain.dialogue import CHAT_TEMPLATES, Dialogue
 from ..brain.config import BUDGET, RUN_BUDGET
 from ..brain.loop import Brain, TickRecord
 from ..brain.runner import Runner, RunResult, events_run_id, summary
@@ -87,6 +88,10 @@ def run(
     capture_ticks: str = typer.Option("repairs", help="Ticks to capture: repairs | all | a list like 5,17,40."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
+    conversation: Optional[bool] = typer.Option(None, "--conversation/--no-conversation", "-cnv/-no-cnv", show_default=False, help="Conversation mode (llama-cli's -cnv): each line on stdin a user turn in the model's chat template, the reply generated until the model ends its turn or -n tokens, then the next line; -p is the system message. Default: on when stdin is a pipe, no prompt is given and the model has a chat template (docs/cli.md)."),
+    interactive: bool = typer.Option(False, "-i", "--interactive", help="llama.cpp's interactive mode: here conversation mode (-cnv), with the plain 'User:/Assistant:' frame where the model has no chat template."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Conversation mode: a reply does not end at end-of-sequence, only at -n tokens (a story run never stops there anyway)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help=f"The chat template typed lines are framed in: {' | '.join(CHAT_TEMPLATES)} (plain: 'User:/Assistant:'), a Jinja template, or a file of one. Default: the model's own."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
@@ -106,6 +111,12 @@ def run(
         raise UserError("--pin marks prompt text at the start of a run; a resumed run keeps the pins it has")
     if overwrite and ((session is None and events is None) or resume):
         raise UserError("--overwrite needs --session DIR or --events FILE and starts a new run: it cannot go with --resume")
+    if interactive and conversation is False:
+        raise UserError("-i/--interactive is conversation mode here: it cannot go with --no-conversation")
+    conversation = True if interactive else conversation
+    if conversation and read_input is False:
+        raise UserError("conversation mode reads its turns from stdin: it cannot go with --no-input")
+    template = chat_template_text(chat_template) if chat_template is not None else None
     if resume and (prompt is not None or prompt_file is not None):
         raise UserError("--prompt/--prompt-file start a run; a resumed run goes on from its saved context "
                         "(type a line to add a user turn, or start a new --session)")
@@ -169,19 +180,49 @@ def run(
             if events is not None and events.exists() and events_run_id(events) != meta.get("run_id"):
                 raise UserError(f"--events {events} is not this session's event log (its header names another run, "
                                 "or none): a resumed run appends only to its own; choose another file")
-    live = not (no_tui or not sys.stdout.isatty())
-    typing, fd = input_source(read_input, live)
+    # a pipe of lines and no prompt may be questions for a chat model (decided once it loads): plain output
+    maybe_chat = conversation is None and prompt is None and not resume and not stdin_is_terminal()
+    live = not (no_tui or not sys.stdout.isatty() or conversation or maybe_chat)
+    typing, fd = input_source(True if conversation else read_input, live)
     inputs = queue.SimpleQueue() if typing else None
     if typing == "lines":  # read from now on (while the model loads too); stopped when the command ends
-        ctx.call_on_close(LineReader(fd, inputs).start().close)
+        ctx.call_on_close(LineReader(fd, inputs, mark_end=bool(conversation or maybe_chat)).start().close)
+    if conversation and typing != "lines":
+        raise UserError("conversation mode reads its turns from stdin, and there is none here")
     set_threads(threads)
     if live:
         from ..tui.app import loading
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
         lm = load_model(model, device=device, dtype=dtype, weights=weights)
         freeze_heap()
+        if template is not None:
+            lm.tokenizer.chat_template = template or None  # "" (plain): none
+        if maybe_chat and typing == "lines" and getattr(lm.tokenizer, "chat_template", None):
+            conversation = True
+            print(f"conversation mode: the lines on stdin are questions for {lm.name}'s chat template "
+                  "(-no-cnv: a story run that reads them as turns)", file=sys.stderr)
+        dialogue = None
+        if conversation:
+            dialogue = Dialogue(lm, inputs, reply_tokens=None if ticks == -1 else ticks, ignore_eos=ignore_eos,
+                                on_refused=lambda message: print(message, file=sys.stderr, flush=True),
+                                prompt=terminal_prompt if stdin_is_terminal() else lambda: None)
         if resume:
             brain = sessions.resume(lm, session)
+        elif dialogue is not None:
+            try:
+                first = dialogue.wait()
+            except KeyboardInterrupt:
+                raise typer.Exit(128 + int(signal.SIGINT)) from None
+            if first is None:
+                print("conversation mode: no line on stdin, nothing to answer", file=sys.stderr)
+                return
+            prompt_ids = dialogue.opening(first, system=prompt)
+            if len(prompt_ids) + 1 > lm.max_positions:
+                raise UserError(f"the first turn is {len(prompt_ids)} tokens, more than {lm.name}'s "
+                                f"{lm.max_positions} positions")
+            brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
+            if overwrite and session is not None:
+                sessions.save(session, brain, lm.name)
         else:
             text = DEFAULT_PROMPT if prompt is None else prompt
             if (fewest := lm.fewest_tokens(text)) + 1 > lm.max_positions:  # before encoding: that alone took minutes
@@ -195,10 +236,14 @@ def run(
         from ..fixtures import Capture
 
         brain.observers.append(Capture(capture, lm, capture_ticks))
-    runner = Runner(brain, lm.name, None if ticks == -1 else ticks, events=events, append_events=resume, session=session,
-                    save_every=save_every, inputs=inputs)
+    runner = Runner(brain, lm.name, None if ticks == -1 or dialogue else ticks, events=events, append_events=resume,
+                    session=session, save_every=save_every, inputs=inputs, dialogue=dialogue)
     note = ctx.meta.get("policy_note")  # which default policy, and why (brain_config)
-    if not live:
+    if dialogue is not None:
+        if note:
+            print(note, file=sys.stderr)
+        result = run_dialogue(brain, lm, runner, dialogue)
+    elif not live:
         if note:
             print(note, file=sys.stderr)
         result = run_plain(brain, lm, runner, show_prompt=not resume)
@@ -230,6 +275,57 @@ def input_source(read_input: bool | None, live: bool) -> tuple[str | None, int |
         return None, None
     return "lines", fd
 
+
+
+def stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):  # no stdin, or one without a descriptor (pytest's)
+        return True  # nothing to read lines from: never taken for a pipe of questions
+
+
+def terminal_prompt() -> None:
+    sys.stdout.write("> ")
+    sys.stdout.flush()
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template's Jinja text ("" for plain): a name, a file, or a template itself."""
+    if value in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[value]
+    if "{{" not in value and "{%" not in value:
+        path = Path(value)
+        if not path.is_file():
+            raise UserError(f"--chat-template {value!r} is not a template name ({', '.join(CHAT_TEMPLATES)}), "
+                            "a file, or a Jinja template")
+        try:
+            value = read_text_file(path, "--chat-template")
+        except OSError as exc:
+            raise UserError(str(exc)) from None
+    try:
+        import jinja2
+
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"--chat-template: the Jinja template does not parse: {exc.message} (line {exc.lineno})") from None
+    return value
+
+
+def run_dialogue(brain: Brain, lm, runner: Runner, dialogue: Dialogue) -> RunResult:
+    """Conversation mode: each reply's text to stdout (a line break after it), the summary to
+    stderr at the end of the input."""
+    out = sys.stdout
+
+    def on_tick(record: TickRecord, result: RunResult) -> None:
+        if dialogue.shown:
+            out.write(record.text)
+        if dialogue.ended:
+            out.write("\n")
+        out.flush()
+
+    result = runner.run(on_tick)
+    sys.stderr.write(summary(brain, lm, result) + f"\nreplies {dialogue.replies}\n")
+    return result
 
 
 def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResult:

@@ -26,7 +26,7 @@ from .conversation import Conversation
 from .history import History
 from .logprobs import of_prompt
 from .schemas import APIError, GenerationBody, Message, message_text
-from .text import ChatFormat
+from ..brain.chat import ChatFormat
 from .turn import Prepared, Turn
 from .worker import ModelWorker
 

@@ -42,7 +42,7 @@ from .prepare import Preparer
 from .replies import Begun
 from .schemas import APIError, GenerationBody, StreamOptions, stops_of
 from .streaming import ChatWriter, CompletionWriter, EventStream, as_events
-from .text import ChatFormat
+from ..brain.chat import ChatFormat
 from .turn import Turn
 from .worker import ModelWorker
 

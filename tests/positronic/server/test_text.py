@@ -3,7 +3,8 @@ holds back a character cut in half, and the chat template's framing of a running
 
 import pytest
 
-from positronic.server.text import ChatFormat, Reply, StopScanner
+from positronic.brain.chat import ChatFormat
+from positronic.server.text import Reply, StopScanner
 
 
 def test_the_stop_scanner_never_sends_part_of_a_stop_string():
