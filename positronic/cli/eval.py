@@ -16,7 +16,8 @@ from ..util import MAX_TEXT_BYTES
 from .common import DEFAULTS, MAX_THREADS, UserError, given_flags, set_threads, writable_directory
 
 # options that only one mode reads: given to the other, they would be silently ignored
-GENERATE_ONLY = ("prompt_tokens", "seed")
+GENERATE_ONLY = ("prompt_tokens",)
+TASK_ONLY = ("context", "instances")
 TEACHER_FORCED_ONLY = ("max_tokens", "segments", "probe", "probe_filler", "probe_at", "smooth")
 PROBE_ONLY = ("probe_filler", "probe_at")
 
@@ -52,16 +53,33 @@ def eval_command(
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
+    task: Optional[list[str]] = typer.Option(None, help="Task mode: retrieval tasks in the manner of RULER, generated from --seed (needle | multikey | multivalue | variables | recall | all; repeatable): the share of instances each cache answers exactly, the full cache's beside (docs/eval.md, 'Tasks'). --text is the haystack."),
+    context: int = typer.Option(2048, help="With --task: tokens of each instance's context (haystack and facts), pruned to the budget before the question comes."),
+    instances: int = typer.Option(8, help="With --task: instances of each task."),
 ) -> None:
     """Perplexity of a text through a bounded cache, per policy and budget, plus a retrieval probe;
-    with --generate N, the quality of N freely generated tokens instead."""
-    refuse_unread_options(ctx, generate is not None, probe)
+    with --generate N, the quality of N freely generated tokens instead; with --task, retrieval
+    tasks answered exactly or not."""
+    if task and generate is not None:
+        raise UserError("--task and --generate are two modes of eval: give one")
+    refuse_unread_options(ctx, generate is not None, probe, bool(task))
     if memory_rank is not None and memory_rank not in MEMORY_RANKS:
         raise UserError(f"--memory-rank must be one of {', '.join(MEMORY_RANKS)}, got {memory_rank!r}")
     if kv_store not in STORES:
         raise UserError(f"--kv-store must be one of {', '.join(STORES)}, got {kv_store!r}")
     writable_directory(out, "--out")
     set_threads(threads)
+    if not 0 <= seed < 2**63:
+        raise UserError(f"--seed must be in 0..2**63-1, got {seed}")
+    if task:
+        from ..evaluate.tasks import main as tasks_main
+
+        tasks_main(tasks=task, model=model, text=text, budgets=budget, policies=policy, context=context,
+                   instances=instances, seed=seed, out=out, sinks=sinks, protect=protect, at_capacity=at_capacity,
+                   recall=recall, device=device, dtype=dtype, weights=weights, repairer=repairer,
+                   repair_batch=repair_batch, evict_every=evict_every, kv_format=kv_format, gates=gates,
+                   kv_store=kv_store, memory_rank=memory_rank)
+        return
     if generate is not None:
         if recall:
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
@@ -71,8 +89,6 @@ def eval_command(
             raise UserError("--memory-rank applies to the teacher-forced eval, not (yet) to --generate")
         if gates:  # --generate's SmartKVCache runs the gates shipped for the model
             raise UserError("--gates applies to the teacher-forced eval, not (yet) to --generate")
-        if not 0 <= seed < 2**63:
-            raise UserError(f"--seed must be in 0..2**63-1, got {seed}")
         from ..evaluate.generation import main as generation_main
 
         report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
@@ -92,13 +108,17 @@ def eval_command(
                   kv_store=kv_store, memory_rank=memory_rank)
 
 
-def refuse_unread_options(ctx: typer.Context, generating: bool, probe: bool) -> None:
+def refuse_unread_options(ctx: typer.Context, generating: bool, probe: bool, tasks: bool = False) -> None:
     """UserError naming the options given that this eval would not read: the teacher-forced
-    eval's with --generate, --generate's without it, the probe's with --no-probe."""
+    eval's with --generate or --task, --generate's and --task's without them, the probe's with
+    --no-probe, --seed outside --generate and --task."""
     given = given_flags(ctx)
     for names, applies, to in ((GENERATE_ONLY, generating, "--generate"),
-                               (TEACHER_FORCED_ONLY, not generating, "the teacher-forced eval, not to --generate"),
-                               (PROBE_ONLY, generating or probe, "the retrieval probe (leave out --no-probe)")):
+                               (TASK_ONLY, tasks, "--task"),
+                               (("seed",), generating or tasks, "--generate and --task"),
+                               (TEACHER_FORCED_ONLY, not generating and not tasks,
+                                "the teacher-forced eval, not to --generate or --task"),
+                               (PROBE_ONLY, generating or tasks or probe, "the retrieval probe (leave out --no-probe)")):
         if unread := [name for name in names if name in given and not applies]:
             flags = ", ".join("--probe/--no-probe" if name == "probe" else "--" + name.replace("_", "-")
                               for name in unread)

@@ -59,6 +59,24 @@ def default_sweep(model: str, budget: int, *, sinks: int, protect: int, gates: s
     return [*DEFAULT_POLICIES, choice.policy], ((choice.policy,) if choice.recall else ())
 
 
+def check_policies(policies: list[str], *, gates: str, memory_rank: str | None, evict_every: int,
+                   recall: bool) -> None:
+    """EvalError for an unknown policy, and for a setting that none of `policies` reads (it would
+    go unused)."""
+    for name in policies:
+        if name not in POLICIES:
+            raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    if not any(POLICIES[name].per_layer for name in policies):
+        for flag, value in (("--gates", gates), ("--memory-rank", memory_rank)):
+            if value:
+                raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
+    if evict_every and not any(takes_evict_every(name) for name in policies):
+        raise EvalError("--evict-every applies to the shared-row policies (brightness, streaming, scored, h2o, "
+                        "random), none of which is among the --policy runs")
+    if recall and not any(recallable(name) for name in policies):
+        raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
+
+
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
          out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
          at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
@@ -76,19 +94,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         policies, recalled = default_sweep(model, min(budgets), sinks=sinks, protect=protect, gates=gates,
                                            memory_rank=memory_rank)
     policies = list(policies)
-    for name in policies:
-        if name not in POLICIES:
-            raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    # settings only some policies read: with none of those asked for they would go unused
-    if not any(POLICIES[name].per_layer for name in policies):
-        for flag, value in (("--gates", gates), ("--memory-rank", memory_rank)):
-            if value:
-                raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
-    if evict_every and not any(takes_evict_every(name) for name in policies):
-        raise EvalError("--evict-every applies to the shared-row policies (brightness, streaming, scored, h2o, "
-                        "random), none of which is among the --policy runs")
-    if recall and not any(recallable(name) for name in policies):
-        raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
+    check_policies(policies, gates=gates, memory_rank=memory_rank, evict_every=evict_every, recall=recall)
     for budget in budgets:
         for name in policies:
             for on in {False, recall and recallable(name)}:
