@@ -21,6 +21,7 @@ a brain that fails rebuilds itself from its mirror as it would alone, and the ot
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Hashable
 
 from ..brain.loop import Brain, TickRecord
@@ -103,18 +104,18 @@ class Batch:
         there (a brain of its kind seated or standing: an engine round of one is slower than
         the brain's own tick, 6.6 against 5.7 ms on random:tiny on a 2-core CPU); an engine
         made now gets room for the largest budget among the brains of its kind still standing."""
-        if self.seats is None:
+        if self.seats is None or len(self._seated) == len(self._brains):
             return
-        kinds: dict[tuple, list[Hashable]] = {}
+        company = Counter(self.seats.kind(self._brains[name]) for name in self._seated)
+        waiting: dict[tuple, list[Hashable]] = {}
         for name, brain in self._brains.items():
-            if self.seats.refusal(brain) is None:
-                kinds.setdefault(self.seats.kind(brain), []).append(name)
-        for names in kinds.values():
-            standing = [name for name in names if name not in self._seated]
-            if not standing or len(names) < 2:
+            if name not in self._seated and self.seats.refusal(brain) is None:
+                waiting.setdefault(self.seats.kind(brain), []).append(name)
+        for kind, names in waiting.items():
+            if len(names) + company[kind] < 2:
                 continue
-            widest = max(self._brains[name].config.budget for name in standing)
-            for name in standing:
+            widest = max(self._brains[name].config.budget for name in names)
+            for name in names:
                 engine = self.seats.engine_for(self._brains[name], capacity=widest)
                 if engine is not None:
                     engine.join(name, self._brains[name])

@@ -315,7 +315,7 @@ def test_the_server_chats_with_the_models_own_template_and_continues_a_session(n
                                                                                 server_settings):
     """A family model whose tokenizer has a chat template (ChatML, as Qwen's): the server writes
     the conversation with it and a session's second turn continues the first."""
-    from positronic.server.text import ChatFormat
+    from positronic.brain.chat import ChatFormat
 
     lm = load_model(f"random:{name}", device="cpu", dtype="float32")
     lm.tokenizer.chat_template = CHATML
