@@ -136,4 +136,4 @@ class Batch:
             made = engine.step(given)
         except Exception as error:  # refused before anything changed
             return {name: error for name in engine.keys()}
-        return {name: Seats.record(engine, name, made.get(name), previous=previous[name]) for name in engine.keys()}
+        return Seats.records(engine, made, previous)

@@ -105,10 +105,23 @@ class Seats:
         delete actions), its tick and live length. A round keeps no brightness per tick (the
         brain's ledger has it again once it leaves): the record's brightness fields are 0."""
         slot = engine.keys().index(key)
-        removed = engine.removed.get(key, []) if token is not None else []
-        text = "" if token is None or previous is None else span_texts(engine.lm.decode, [token], previous)[0]
-        return TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text=text,
-                          actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
-                          outcomes=[], live_length=int(engine.state.length[slot]), brightness_min=0.0,
-                          brightness_mean=0.0, brightness_max=0.0, rebuilt=token is None, source=source,
-                          error=None if token is not None else "the engine's round failed: rebuilt from the mirror")
+        return _record(engine, slot, key, token, source, previous, int(engine.state.length[slot]))
+
+    @staticmethod
+    def records(engine: Engine, made: dict[Hashable, int], previous: dict[Hashable, int]) -> dict[Hashable, TickRecord]:
+        """`record` of every sequence of the engine's last round (all drew or were forced: source
+        "generated"), the live lengths read in one copy."""
+        lengths = engine.state.length[:len(engine)].tolist()
+        return {key: _record(engine, slot, key, made.get(key), "generated", previous.get(key), lengths[slot])
+                for slot, key in enumerate(engine.keys())}
+
+
+def _record(engine: Engine, slot: int, key: Hashable, token: int | None, source: str, previous: int | None,
+            length: int) -> TickRecord:
+    removed = engine.removed.get(key, []) if token is not None else []
+    text = "" if token is None or previous is None else span_texts(engine.lm.decode, [token], previous)[0]
+    return TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text=text,
+                      actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
+                      outcomes=[], live_length=length, brightness_min=0.0, brightness_mean=0.0, brightness_max=0.0,
+                      rebuilt=token is None, source=source,
+                      error=None if token is not None else "the engine's round failed: rebuilt from the mirror")
