@@ -57,6 +57,7 @@ def sample(
     logit_bias: Mapping[int, float] | None = None,
     recent_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
+    allowed: Tensor | None = None,
 ) -> Sample:
     """Sample one token id from `logits` (shape [vocab], any float dtype), through
     transformers' logits processors, in vLLM's order:
@@ -76,6 +77,9 @@ def sample(
        the top_k survivors, each keeping at least the most likely token, so the set is never empty.
 
     generator: a CPU `torch.Generator`; the same seed gives the same token.
+    allowed: [vocab] bool, the only tokens that may be drawn (a grammar's mask,
+    positronic/brain/grammar.py): the others' logits are -inf before step 1, so the record's
+    top candidates and every filter see the allowed ones only.
 
     Raises NonFiniteLogits if `logits` hold NaN or +inf or nothing finite (before drawing: the
     generator is untouched), ValueError for bad arguments.
@@ -90,6 +94,11 @@ def sample(
     if not bool(torch.isfinite(top_logit)):
         raise NonFiniteLogits(f"the logits hold {'NaN' if bool(x.isnan().any()) else 'inf or no finite value'}: "
                               f"their largest is {float(top_logit)}")
+    if allowed is not None:
+        if allowed.shape != (vocab,) or allowed.dtype != torch.bool or not bool(allowed.any()):
+            raise ValueError(f"allowed must be a [{vocab}] bool tensor with a token allowed, got "
+                             f"{tuple(allowed.shape)} {allowed.dtype}")
+        x = x.masked_fill(~allowed.to(x.device), -math.inf)
     recent = torch.tensor([int(i) for i in recent_ids], dtype=torch.long)[None]  # [1, n]
     if recent.numel() and (int(recent.min()) < 0 or int(recent.max()) >= vocab):
         raise ValueError(f"recent_ids must lie in [0, {vocab}), got {sorted(set(recent[0].tolist()))}")

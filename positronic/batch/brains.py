@@ -132,6 +132,8 @@ class Batch:
         rebuilt from its mirror: rebuilt, as a Brain's failed tick)."""
         given = {name: (force[name], "generated") for name in engine.keys() if name in force}
         previous = Seats.last_tokens(engine)
+        for sequence in engine.sequences:  # a grammar set or cleared on the brain since it sat down
+            sequence.constraint = self._brains[sequence.key].constraint
         try:
             made = engine.step(given)
         except Exception as error:  # refused before anything changed

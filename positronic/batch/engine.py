@@ -10,7 +10,8 @@
 A round, for the S active sequences at once (positronic/state/slots.py holds them):
 
 1. sample: the argmax of every greedy sequence's logits `[S, vocab]` in one call; a sequence
-   that samples (temperature, penalties) draws with its own generator, as alone;
+   that samples (temperature, penalties) or keeps to a grammar (its brain's `constraint`) draws
+   with its own generator, as alone;
 2. score: each press (positronic/presses/) scores the rows of its sequences from the last
    forward's attention shares `[S, capacity]` and its per-row state, all at once;
 3. select: the shared selection picks each sequence's rows to delete (`[S, capacity]` bool;
@@ -60,6 +61,7 @@ class Sequence:
     carried: dict = field(default_factory=dict)  # the press's per-sequence state (random: its generator)
     culled: int = 0  # its ledger's culled tokens when it joined
     rebuilds: int = 0  # its rounds that failed (rebuilt from its mirror)
+    constraint: object = None  # its brain's grammar (brain/grammar.py): it draws on its own, masked
 
 
 def press_for(config):
@@ -189,7 +191,8 @@ class Engine:
         generator = torch.Generator()
         generator.set_state(brain.generator.get_state())
         self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
-                                       carried=sequence, culled=MirrorView(mirror).ledger.count("culled")))
+                                       carried=sequence, culled=MirrorView(mirror).ledger.count("culled"),
+                                       constraint=brain.constraint))
 
     def _take_lanes(self, press) -> None:
         """Make sure this engine keeps `press`'s lanes: an empty engine whose lanes were not
@@ -322,6 +325,8 @@ class Engine:
                 sequence.rebuilds += 1
                 continue
             sequence.clock += 1
+            if sequence.constraint is not None and sequence.key not in given:  # a drawn token moves its grammar
+                sequence.constraint.advance(tokens[slot])
             sequence.carried.update({name: value.clone() for (m, name), value in sequence_state.items() if m == slot})
             made[sequence.key] = tokens[slot]
         for slot in reversed(stopped.nonzero().flatten().tolist()):
@@ -393,7 +398,7 @@ class Engine:
         tokens: list[int] = [0] * len(self.sequences)
         windows: dict[tuple[int, bool], list[int]] = {}
         for slot, sequence in enumerate(self.sequences):
-            if sequence.greedy and slot not in skip:
+            if sequence.greedy and sequence.constraint is None and slot not in skip:
                 windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
         for (window, lanes), slots in windows.items():
             index = torch.tensor(slots, device=logits.device)
@@ -410,7 +415,8 @@ class Engine:
         for slot, sequence in enumerate(self.sequences):
             if slot in skip:
                 continue
-            if not sequence.greedy and sequence.press.lanes == 1 and _batched_draw(sequence.config):
+            if (not sequence.greedy and sequence.constraint is None and sequence.press.lanes == 1
+                    and _batched_draw(sequence.config)):
                 drawn.setdefault(sequence.config.penalty_window, []).append(slot)
         for window, slots in drawn.items():
             index = torch.tensor(slots, device=logits.device)
@@ -423,7 +429,7 @@ class Engine:
                 tokens[slot] = token
         drawn = {slot for slots in drawn.values() for slot in slots}
         for slot, sequence in enumerate(self.sequences):
-            if not sequence.greedy and slot not in drawn and slot not in skip:
+            if (not sequence.greedy or sequence.constraint is not None) and slot not in drawn and slot not in skip:
                 cfg = sequence.config
                 length = int(state.length[slot])
                 if sequence.press.lanes > 1:
@@ -435,7 +441,8 @@ class Engine:
                     logits[slot], temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                     repetition_penalty=cfg.repetition_penalty, presence_penalty=cfg.presence_penalty,
                     frequency_penalty=cfg.frequency_penalty, logit_bias=cfg.sampling.bias, recent_ids=recent,
-                    generator=sequence.generator).token_id
+                    generator=sequence.generator,
+                    allowed=None if sequence.constraint is None else sequence.constraint.allowed()).token_id
         return tokens
 
 

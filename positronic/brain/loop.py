@@ -26,6 +26,7 @@ from positronic import steps
 
 from . import chat
 from .config import BrainConfig, check_budget  # noqa: F401  (BrainConfig is imported from here too)
+from .grammar import Constraint  # noqa: F401  (a type; llguidance is imported only when a grammar is made)
 from ..state.actions import loggable
 from ..policies import POLICIES, make_policy
 from ..state.manager import StateManager, default_capacity
@@ -122,6 +123,9 @@ class Brain:
         self.counts = {"repairs": 0, "culls": 0, "rebuilds": 0, "refreshes": 0}
         self.last_divergence: float | None = None
         self._pending: deque[int] = deque(pending_input)  # user-turn tokens still to add
+        # a grammar every drawn token keeps to (brain/grammar.py; the caller sets and clears it:
+        # a reply's, never saved with a session); given tokens neither read nor move it
+        self.constraint: Constraint | None = None
 
     @property
     def pending_input(self) -> tuple[int, ...]:
@@ -215,7 +219,8 @@ class Brain:
                                         top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
                                         presence_penalty=cfg.presence_penalty,
                                         frequency_penalty=cfg.frequency_penalty, logit_bias=cfg.sampling.bias,
-                                        recent_ids=recent, generator=self.generator).token_id
+                                        recent_ids=recent, generator=self.generator,
+                                        allowed=None if self.constraint is None else self.constraint.allowed()).token_id
                 try:
                     token_id = draw()
                 except steps.NonFiniteLogits:  # the cache held garbage: recompute it from the mirror, draw again
@@ -248,6 +253,8 @@ class Brain:
             raise
         if not report.rebuilt:  # the tick commits: the policy's next state becomes current
             self.policy.commit(plan.next, report.probe_logprobs)
+            if self.constraint is not None and source == "generated" and force is None:
+                self.constraint.advance(token_id)
             if source == "user":
                 self._pending.popleft()
         for observer in self.observers:

@@ -11,6 +11,7 @@ touches a brain.
     rules.max_tokens_of(body, chat, settings)         # the reply's length bound
     rules.session_id(request, body.user)              # the session the request names, or None
     rules.sampling(body, lm.vocab_size)               # its sampling fields as BrainConfig settings
+    rules.constraint_of(body, lm)                     # the grammar its reply keeps to (off the event loop)
     rules.prompt_limit(lm, config)                    # the most tokens a fresh brain may take
     rules.check_room(conversation, adding, "prompt")  # a session that evicts nothing: does it fit?
 """
@@ -22,6 +23,7 @@ import re
 from fastapi import Request
 
 from ..brain.config import logit_bias_text
+from ..brain.grammar import Grammar, GrammarError, is_lark
 from ..brain.loop import BrainConfig
 from . import answers
 from .conversation import Conversation, evicts_nothing
@@ -172,6 +174,74 @@ def sampling(body: GenerationBody, vocab_size: int) -> dict:
             bias[int(key)] = float(amount)
         chosen["logit_bias"] = logit_bias_text(bias)
     return chosen
+
+
+GRAMMAR_FIELDS = ("response_format", "grammar", "json_schema", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar")
+
+
+def grammar_of(body: GenerationBody) -> tuple[Grammar, str] | None:
+    """What the request's reply must match (brain/grammar.py), and the field that asked; None:
+    free text. 400 naming the field for a grammar that cannot be read, or for two asked at once."""
+    asked = [name for name in GRAMMAR_FIELDS if getattr(body, name) is not None]
+    if body.response_format is not None and body.response_format.type == "text":
+        if body.response_format.json_schema is not None:
+            raise APIError(400, "response_format.json_schema is for type json_schema", param="response_format",
+                           code="invalid_value")
+        asked.remove("response_format")
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise APIError(400, f"{asked[0]} and {asked[1]} both constrain the reply: give one", param=asked[1],
+                       code="invalid_value")
+    name = asked[0]
+    try:
+        return _grammar(name, getattr(body, name)), name
+    except GrammarError as exc:
+        raise APIError(400, f"{name}: {exc}", param=name, code="invalid_value") from None
+
+
+def _grammar(name: str, value) -> Grammar:
+    if name == "response_format":
+        if value.type == "json_object":
+            if value.json_schema is not None:
+                raise GrammarError("json_schema is for type json_schema, not json_object")
+            return Grammar.json_object()
+        if value.json_schema is None:
+            raise GrammarError("type json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}")
+        return Grammar.json_schema(value.json_schema.schema_)
+    if name == "structured_outputs":
+        given = {key: item for key, item in value.model_dump(by_alias=True).items()
+                 if item is not None and item is not False}
+        if len(given) != 1:
+            raise GrammarError(f"give one of json, regex, choice, grammar, json_object, got {sorted(given) or 'none'}")
+        (kind, item), = given.items()
+        name, value = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar", "json_object": "json_object"}[kind], item
+    if name == "json_object":
+        return Grammar.json_object()
+    if name in ("json_schema", "guided_json"):
+        return Grammar.json_schema(value)
+    if name == "grammar":
+        return Grammar.gbnf(value)
+    if name == "guided_grammar":  # vLLM takes GBNF or Lark
+        return Grammar.lark(value) if is_lark(value) else Grammar.gbnf(value)
+    if name == "guided_regex":
+        return Grammar.regex(value)
+    return Grammar.choice(value)  # guided_choice
+
+
+def constraint_of(body: GenerationBody, lm):
+    """The request's grammar made ready for `lm`'s tokens (run off the event loop: a large
+    grammar takes a while to build), or None; 400 naming the field when it cannot be used."""
+    asked = grammar_of(body)
+    if asked is None:
+        return None
+    grammar, name = asked
+    try:
+        return grammar.constraint(lm)
+    except GrammarError as exc:
+        raise APIError(400, f"{name}: {exc}", param=name, code="invalid_value") from None
 
 
 def stop_ids(body: GenerationBody, vocab_size: int) -> set[int]:

@@ -56,10 +56,35 @@ class APIError(Exception):
 Number = Annotated[float, Field(strict=True)]  # a JSON number, not a string of one
 
 
+JSONSchema = dict | StrictBool  # a JSON schema: an object (or true / false)
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the reply must match, and its name."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr = Field(max_length=64)
+    schema_: JSONSchema = Field({}, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None  # the reply matches the schema whole either way
+
+
 class ResponseFormat(BaseModel):
-    """Only plain text: a JSON mode or schema is refused by name (nothing here constrains output)."""
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema
+    (positronic/brain/grammar.py holds the reply to it)."""
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regular expression, a choice of
+    strings, a grammar (GBNF or Lark), or any JSON object."""
+    model_config = ConfigDict(extra="forbid")
+    json_: JSONSchema | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -84,7 +109,15 @@ class GenerationBody(BaseModel):
     frequency_penalty: Number | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[StrictStr, Annotated[float, Field(strict=True, ge=-100, le=100, allow_inf_nan=False)]] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's: token ids that end the reply
+    # what the reply must match (one of these; rules.grammar_of): OpenAI's, llama-server's and vLLM's names
     response_format: ResponseFormat | None = None
+    grammar: StrictStr | None = None  # llama-server's: GBNF
+    json_schema: JSONSchema | None = None  # llama-server's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: JSONSchema | StrictStr | None = None  # vLLM's older names
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1)
+    guided_grammar: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None

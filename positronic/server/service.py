@@ -248,10 +248,12 @@ class BrainServer:
         session_id = rules.session_id(request, body.user)
         key = answers.check_key(request.headers.get(answers.HEADER), session_id)
         top, echo = rules.logprob_options(body, chat, key)
+        constraint = await self.off_loop(rules.constraint_of, body, self.lm)  # before a session is touched
         vocab = self.lm.vocab_size
         options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=rules.sampling(body, vocab),
                        ignore_eos=body.ignore_eos, stop_ids=rules.stop_ids(body, vocab),
-                       on_token=self.metrics.record_token, started=arrived, logprobs=top, echo=echo, chat=chat)
+                       on_token=self.metrics.record_token, started=arrived, logprobs=top, echo=echo, chat=chat,
+                       constraint=constraint)
         held = contextlib.AsyncExitStack()
         try:
             await held.enter_async_context(self.admission())

@@ -67,9 +67,10 @@ class Reply:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, token_id: int, *, stopped: bool = False) -> str:
+    def add(self, token_id: int, *, stopped: bool = False, complete: bool = False) -> str:
         """Take the next generated token; returns the text it makes sendable (maybe "").
-        `stopped`: the brain cannot go on (policy none at capacity with --at-capacity stop)."""
+        `stopped`: the brain cannot go on (policy none at capacity with --at-capacity stop);
+        `complete`: the reply's grammar is whole and takes nothing more (finish_reason stop)."""
         if self.done:
             raise RuntimeError("the reply is already finished")
         self.tokens += 1
@@ -83,6 +84,8 @@ class Reply:
             self._decoded = max(self._decoded, ready)
             if hit:
                 self.finish_reason = "stop"
+            elif complete:
+                piece += self._finish("stop")
             elif stopped or self.tokens >= self.max_tokens:
                 piece += self._finish("length")
         self.text += piece

@@ -69,7 +69,7 @@ class Turn:
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
                  stop_ids: Collection[int] = (), reply: Reply | None = None, retried: bool = False,
                  on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None,
-                 logprobs: int | None = None, echo: bool = False, chat: bool = False):
+                 logprobs: int | None = None, echo: bool = False, chat: bool = False, constraint=None):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
         self.ignore_eos, self.stop_ids = ignore_eos, stop_ids
@@ -85,6 +85,11 @@ class Turn:
         self.entries: list[TokenLogprob] = []  # the reply's tokens (with logprobs)
         self.ready = 0  # of `entries`, those of the tokens `pieces()` has yielded so far (the job runs ahead)
         self.prepared = Prepared(0)  # what its input did (Preparer.begin_turn)
+        # the grammar its reply keeps to (brain/grammar.py; rules.constraint_of), at the reply's end so far
+        self.constraint = constraint
+        if constraint is not None and reply is not None:
+            for token_id in reply.ids:  # a retried reply's tokens were drawn under the same grammar
+                constraint.advance(token_id)
 
     @property
     def generated(self) -> int:
@@ -129,6 +134,14 @@ class Turn:
         conversation = self.conversation
         if self.reply is not None and self.reply.done:
             return
+        conversation.brain.constraint = self.constraint  # its draws only: the input it reads is given
+        try:
+            self._ticks(halt, stopping, post)
+        finally:
+            conversation.brain.constraint = None
+
+    def _ticks(self, halt: threading.Event, stopping: Callable[[], bool], post: Callable[[object], None]) -> None:
+        conversation = self.conversation
         # the turn's ticks: rounds of the worker's engine where its settings run there, else its brain's own
         with conversation.decoding(self.worker.engine_for(conversation.brain), self.sampling) as ticks:
             if self.reply is None:
@@ -161,7 +174,8 @@ class Turn:
         if record.rebuilt:
             return record, ""
         kept = len(self.reply.ids)
-        piece = self.reply.add(record.token_id, stopped=record.stopped)
+        complete = self.constraint is not None and self.constraint.done
+        piece = self.reply.add(record.token_id, stopped=record.stopped, complete=complete)
         if logits is not None and len(self.reply.ids) > kept:  # a token of the text (not the one ending it)
             self.entries.append(self._entry(logits, record.token_id))
         return record, piece

@@ -73,7 +73,7 @@ def test_penalties_change_what_is_drawn(live):
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"100000": 1}}, "logit_bias"),
     ({"stop_token_ids": [100000]}, "stop_token_ids"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"best_of_n_made_up": 3}, "best_of_n_made_up"),
     ({"suffix": "and so on"}, "suffix"),
