@@ -27,10 +27,24 @@ from .history import History
 from .logprobs import of_prompt
 from .schemas import APIError, GenerationBody, Message, message_text
 from ..brain.chat import ChatFormat
+from .tools import Tools
 from .turn import Prepared, Turn
 from .worker import ModelWorker
 
 log = logging.getLogger("positronic.server.app")
+
+
+def prompt_messages(said: list[tuple[str, str]], tools: Tools | None) -> list[dict]:
+    """A fresh conversation's messages for the chat template: a tool's answer as a user turn
+    (its text carries the tags), and the tools described in the system message (the first
+    one's text extended, or one put first)."""
+    messages = [{"role": "user" if role == "tool" else role, "content": text} for role, text in said]
+    if tools is not None:
+        if messages and messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": messages[0]["content"].rstrip() + "\n\n" + tools.preamble()}
+        else:
+            messages.insert(0, {"role": "system", "content": tools.preamble()})
+    return messages
 
 
 class Preparer:
@@ -108,18 +122,20 @@ class Preparer:
         conversation.queue(forced=ids)
         return Prepared(len(ids), [], 0, "teacher-forced through the session's bounded cache")
 
-    async def prepare_chat(self, conversation: Conversation, messages: list[Message], seed: int | None) -> int:
+    async def prepare_chat(self, conversation: Conversation, messages: list[Message], seed: int | None,
+                           tools: Tools | None = None) -> int:
         """Queue a chat's new part: a fresh brain prefills the whole conversation in the chat
-        template; a running session reads the user messages after the last assistant
-        message, each as a user turn, after closing its previous reply. Returns the tokens added."""
+        template (with `tools`, their description in its system message: tools.py); a running
+        session reads the user messages (and tools' answers) after the last assistant message,
+        each as a user turn, after closing its previous reply. Returns the tokens added."""
         texts = [message_text(message, i) for i, message in enumerate(messages)]
         said = [(m.role, t) for m, t in zip(messages, texts)]
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         new = list(range(last + 1, len(messages)))
-        if conversation.brain is not None and (not new or any(messages[i].role != "user" for i in new)):
-            raise APIError(400, "messages: in a running session a request ends with its new user message(s) after "
-                                "the last assistant message (the session remembers the rest)", param="messages",
-                           code="invalid_value")
+        if conversation.brain is not None and (not new or any(messages[i].role not in ("user", "tool") for i in new)):
+            raise APIError(400, "messages: in a running session a request ends with its new user message(s) (or "
+                                "tools' answers) after the last assistant message (the session remembers the rest)",
+                           param="messages", code="invalid_value")
         if conversation.brain is not None and (at := conversation.history.differs(said[:last + 1])) is not None:
             if self.history_edits != "rebuild":
                 name = f"session {conversation.id!r}" if conversation.id else "the session"
@@ -136,8 +152,7 @@ class Preparer:
             limit, why = rules.prompt_limit(self.lm, config)
             if (fewest := 1 + sum(self.lm.fewest_tokens(text.strip()) for _, text in said)) > limit:
                 raise rules.too_long("the conversation", fewest, limit, why, "messages", at_least=True)
-            ids = await self.off_loop(self.format.conversation,
-                                      [{"role": role, "content": text} for role, text in said])
+            ids = await self.off_loop(self.format.conversation, prompt_messages(said, tools))
             if len(ids) > limit:
                 raise rules.too_long("the conversation", len(ids), limit, why, "messages")
             prepared = await self.begin_session(conversation, ids, config, None)
@@ -179,7 +194,7 @@ class Preparer:
                 turn.prepared = Prepared(answer.prompt_tokens)
                 return turn, answer
         if chat:
-            prepared = await self.prepare_chat(conversation, body.messages, body.seed)
+            prepared = await self.prepare_chat(conversation, body.messages, body.seed, options.get("tools"))
         else:
             echo = options["logprobs"] if options["echo"] else None
             prepared = await self.prepare_completion(conversation, body.prompt, body.seed, echo)

@@ -115,7 +115,10 @@ async def reply(server, request: Request, begun: Begun, chat: bool) -> dict | No
         entries = (turn.prepared.echoed + turn.read if echoed is not None else []) + turn.entries
         logprobs = logprobs_of(server.lm, chat, entries) if turn.logprobs is not None else None
         text = (echoed or "") + turn.reply.text
-        answer = begun.writer.whole(text, turn.reply.finish_reason, usage(turn), logprobs)
+        if (made := turn.tool_calls()) is not None:
+            answer = begun.writer.whole(made[0], turn.reply.finish_reason, usage(turn), logprobs, tool_calls=made[1])
+        else:
+            answer = begun.writer.whole(text, turn.reply.finish_reason, usage(turn), logprobs)
         answer["positronic"] = extension(conversation, turn)
     return answer
 
@@ -133,7 +136,9 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
     an error event; so does the shutdown, at the next token, once every token generated has been
     sent (the session keeps just those, and a retry with its Idempotency-Key continues the reply).
     With echo the prompt comes first, in a chunk of its own; with logprobs each chunk
-    carries its tokens' (a token whose text was held back rides with the next chunk)."""
+    carries its tokens' (a token whose text was held back rides with the next chunk). A reply
+    that may call tools is held until it ends, then sent as one chunk: its calls
+    (`delta.tool_calls`, finish_reason "tool_calls"), or its text."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     held, conversation, turn, answer, writer, echoed = (begun.held, begun.conversation, begun.turn, begun.answer,
                                                         begun.writer, begun.echoed)
@@ -144,6 +149,7 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
         return logprobs_of(server.lm, chat, entries, offset) if listed else None
 
     rest = ""  # what a reply the shutdown cut was holding back: sent before the error event
+    held_back = turn.tools is not None  # a reply that may be tool calls is sent when it is known to be or not
     try:
         async with held:
             checkpointed = False
@@ -156,22 +162,31 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
                         if echoed is not None:  # the prompt was read by now (its logprobs too)
                             yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
                             offset, echoed = len(echoed), None
+                        if held_back:
+                            continue
                         new, sent = turn.entries[sent : turn.ready], turn.ready
                         yield writer.piece(piece, logprobs(new))
                         offset += len(piece)
                 if echoed is not None:
                     yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
+                finish = turn.reply.finish_reason
+                if held_back:
+                    new, sent = turn.entries[sent:], len(turn.entries)
+                    if (made := turn.tool_calls()) is not None:
+                        yield writer.calls(made[0], made[1], logprobs(new))
+                        finish = "tool_calls"
+                    elif turn.reply.text or new:
+                        yield writer.piece(turn.reply.text, logprobs(new))
                 await server.checkpoint(conversation, answer, turn)
                 checkpointed = True
-                closing = writer.closing(turn.reply.finish_reason,
-                                         logprobs(turn.entries[sent:]) if sent < len(turn.entries) else None)
+                closing = writer.closing(finish, logprobs(turn.entries[sent:]) if sent < len(turn.entries) else None)
                 closing["positronic"] = extension(conversation, turn)
                 yield closing
                 if include_usage:
                     yield writer.usage(usage(turn))
             except ServerStopping:
                 if turn.reply is not None:  # cut before the checkpoint: it records the reply as sent
-                    rest = turn.reply.cut()
+                    rest = (turn.reply.text if held_back else "") + turn.reply.cut()
                 raise
             except asyncio.CancelledError:
                 if server.stopping:  # uvicorn's shutdown timed out on this stream (not a client leaving)

@@ -231,10 +231,17 @@ def _grammar(name: str, value) -> Grammar:
     return Grammar.choice(value)  # guided_choice
 
 
-def constraint_of(body: GenerationBody, lm):
+def constraint_of(body: GenerationBody, lm, tools=None):
     """The request's grammar made ready for `lm`'s tokens (run off the event loop: a large
-    grammar takes a while to build), or None; 400 naming the field when it cannot be used."""
+    grammar takes a while to build), or None; 400 naming the field when it cannot be used.
+    `tools` (server/tools.py): a tool_choice that requires a call holds the reply to one."""
     asked = grammar_of(body)
+    called = tools.grammar() if tools is not None else None
+    if called is not None:
+        if asked is not None:
+            raise APIError(400, f"tool_choice and {asked[1]} both constrain the reply: give one", param=asked[1],
+                           code="invalid_value")
+        asked = called, "tools"
     if asked is None:
         return None
     grammar, name = asked

@@ -32,7 +32,6 @@ ACTED_ON = {"chat": {"add_generation_prompt": True, "skip_special_tokens": False
             "completion": {"skip_special_tokens": False}}
 # why a field OpenAI's clients send on a message or a content part is refused (any other is too)
 NOT_HONOURED = {"name": "the chat is written from each message's role and content only",
-                "tool_calls": "this server runs no tools", "tool_call_id": "this server runs no tools",
                 "cache_control": "a session keeps its own context; no prompt cache is set by request"}
 
 
@@ -140,14 +139,57 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """An assistant message's call, as an answer gave it (server/tools.py)."""
+    model_config = ConfigDict(extra="forbid")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: StrictStr | None = None  # a tool's answer: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of its arguments
+    strict: StrictBool | None = None  # its calls match the schema whole either way ("required", a named function)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(GenerationBody):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP)
@@ -275,28 +317,44 @@ def message_text(message: Message, index: int) -> str:
     """A message's content as text: a string ("" is fine), or its text parts joined; a 400
     naming `messages.N.content` when it has none (missing, null, no parts) or a part is not text,
     and naming the field when the message or a part has one this server does not honour
-    (`name`, `tool_calls`, `cache_control`, ...: refuse_unknown)."""
+    (`name`, `cache_control`, ...: refuse_unknown). An assistant's tool calls are the text the
+    model wrote for them after its content, and a tool's answer the user turn that carries it
+    (server/tools.py)."""
+    from .tools import call_text, response_text
+
     refuse_unknown(message, f"messages.{index}")
     param = f"messages.{index}.content"
+    if message.tool_calls and message.role != "assistant":
+        raise APIError(400, f"messages.{index}.tool_calls: only an assistant message makes tool calls",
+                       param=f"messages.{index}.tool_calls", code="invalid_value")
+    if message.tool_call_id is not None and message.role != "tool":
+        raise APIError(400, f"messages.{index}.tool_call_id: only a tool message answers a call",
+                       param=f"messages.{index}.tool_call_id", code="invalid_value")
     content = message.content
+    if message.tool_calls and content in (None, "", []):
+        return call_text([(call.function.name, call.function.arguments) for call in message.tool_calls])
     if content is None or content == []:
         got = ("missing" if "content" not in message.model_fields_set else "null" if content is None
                else "an empty list")
         raise APIError(400, f"{param}: a message needs its content (a string, or a list of text parts), got {got}",
                        param=param, code="invalid_value")
     if isinstance(content, str):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        if part.type != "text":
-            raise APIError(400, f"{param}: only text parts are supported, not {part.type!r}", param=param,
-                           code="invalid_value")
-        refuse_unknown(part, f"{param}.{i}")
-        if part.text is None:
-            raise APIError(400, f"{param}.{i}.text: a text part needs its text", param=f"{param}.{i}.text",
-                           code="invalid_value")
-        texts.append(part.text)
-    return "".join(texts)
+        text = content
+    else:
+        texts = []
+        for i, part in enumerate(content):
+            if part.type != "text":
+                raise APIError(400, f"{param}: only text parts are supported, not {part.type!r}", param=param,
+                               code="invalid_value")
+            refuse_unknown(part, f"{param}.{i}")
+            if part.text is None:
+                raise APIError(400, f"{param}.{i}.text: a text part needs its text", param=f"{param}.{i}.text",
+                               code="invalid_value")
+            texts.append(part.text)
+        text = "".join(texts)
+    if message.tool_calls:
+        return call_text([(call.function.name, call.function.arguments) for call in message.tool_calls], text)
+    return response_text(text) if message.role == "tool" else text
 
 
 def stops_of(stop: str | list[str] | None) -> list[str]:

@@ -42,6 +42,7 @@ from .prepare import Preparer
 from .replies import Begun
 from .schemas import APIError, GenerationBody, StreamOptions, stops_of
 from .streaming import ChatWriter, CompletionWriter, EventStream, as_events
+from .tools import Tools
 from ..brain.chat import ChatFormat
 from .turn import Turn
 from .worker import ModelWorker
@@ -209,7 +210,7 @@ class BrainServer:
             if answer is not None:
                 answer.reply = turn.reply
             if turn.reply is not None and turn.chat:
-                conversation.replied(turn.reply.text, again=turn.retried)
+                conversation.replied(turn.recorded_text(), again=turn.retried)
             if not self.settings.checkpoint_each_request or conversation.id is None or conversation.cut:
                 return
             await self.pool.checkpoint(conversation)
@@ -248,12 +249,13 @@ class BrainServer:
         session_id = rules.session_id(request, body.user)
         key = answers.check_key(request.headers.get(answers.HEADER), session_id)
         top, echo = rules.logprob_options(body, chat, key)
-        constraint = await self.off_loop(rules.constraint_of, body, self.lm)  # before a session is touched
+        tools = Tools.of(body) if chat else None
+        constraint = await self.off_loop(rules.constraint_of, body, self.lm, tools)  # before a session is touched
         vocab = self.lm.vocab_size
         options = dict(max_tokens=max_tokens, stops=stops_of(body.stop), sampling=rules.sampling(body, vocab),
                        ignore_eos=body.ignore_eos, stop_ids=rules.stop_ids(body, vocab),
                        on_token=self.metrics.record_token, started=arrived, logprobs=top, echo=echo, chat=chat,
-                       constraint=constraint)
+                       constraint=constraint, tools=tools)
         held = contextlib.AsyncExitStack()
         try:
             await held.enter_async_context(self.admission())

@@ -92,9 +92,14 @@ class ChatWriter:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None,
+              tool_calls: list[dict] | None = None) -> dict:
+        """`tool_calls`: the reply calls tools (`text` is its content before them, null when empty)."""
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message, finish_reason = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}, "tool_calls"
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                              "finish_reason": finish_reason}], "usage": usage}
 
     def opening(self) -> dict:
@@ -105,6 +110,12 @@ class ChatWriter:
 
     def closing(self, finish_reason: str, logprobs: dict | None = None) -> dict:
         return self._chunk({}, finish_reason, logprobs)
+
+    def calls(self, content: str, tool_calls: list[dict], logprobs: dict | None = None) -> dict:
+        """The chunk of a reply's tool calls, whole (a client adds up `delta.tool_calls` by index)."""
+        delta = {"content": content or None,
+                 "tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+        return self._chunk(delta, None, logprobs)
 
     def usage(self, usage: dict) -> dict:
         return {**self._chunk({}, None), "choices": [], "usage": usage}

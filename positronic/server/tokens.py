@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from .prepare import prompt_messages
 from .rules import check_model
 from .schemas import APIError, Message, message_text, refuse_unknown
 
@@ -57,7 +58,7 @@ def tokenize(server, body: TokenizeBody) -> dict:
     bos = wants_bos(body)
     if body.messages is not None:
         texts = [message_text(message, i) for i, message in enumerate(body.messages)]
-        ids = server.format.conversation([{"role": m.role, "content": t} for m, t in zip(body.messages, texts)])
+        ids = server.format.conversation(prompt_messages([(m.role, t) for m, t in zip(body.messages, texts)], None))
         if not bos and ids[:1] == [lm.bos_id]:
             ids = ids[1:]
     else:

@@ -28,6 +28,7 @@ from ..brain.loop import TickRecord
 from .conversation import Conversation
 from .logprobs import TokenLogprob, of_logits
 from .text import Reply
+from .tools import call_text
 from .worker import ModelWorker
 
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up
@@ -69,7 +70,7 @@ class Turn:
                  stops: list[str] = (), sampling: dict | None = None, ignore_eos: bool = False,
                  stop_ids: Collection[int] = (), reply: Reply | None = None, retried: bool = False,
                  on_token: Callable[[bool, float], None] = lambda first, seconds: None, started: float | None = None,
-                 logprobs: int | None = None, echo: bool = False, chat: bool = False, constraint=None):
+                 logprobs: int | None = None, echo: bool = False, chat: bool = False, constraint=None, tools=None):
         self.conversation, self.worker, self.lm = conversation, worker, lm
         self.max_tokens, self.stops, self.sampling = max_tokens, stops, sampling or {}
         self.ignore_eos, self.stop_ids = ignore_eos, stop_ids
@@ -87,6 +88,7 @@ class Turn:
         self.prepared = Prepared(0)  # what its input did (Preparer.begin_turn)
         # the grammar its reply keeps to (brain/grammar.py; rules.constraint_of), at the reply's end so far
         self.constraint = constraint
+        self.tools = tools  # the functions the reply may call (tools.py), or None
         if constraint is not None and reply is not None:
             for token_id in reply.ids:  # a retried reply's tokens were drawn under the same grammar
                 constraint.advance(token_id)
@@ -95,6 +97,21 @@ class Turn:
     def generated(self) -> int:
         """Tokens this request generated (a retry's earlier part not counted)."""
         return (self.reply.tokens if self.reply is not None else 0) - self.earlier_tokens
+
+    def tool_calls(self) -> tuple[str, list[dict]] | None:
+        """(content, OpenAI's tool_calls) when the finished reply calls the request's tools."""
+        if self.tools is None or self.reply is None or self.reply.finish_reason != "stop":
+            return None
+        return self.tools.calls(self.reply.text)
+
+    def recorded_text(self) -> str:
+        """The reply as the session's history keeps it: its text, or for calls the text a client
+        sending them back is read as (tools.call_text), so that the history matches it."""
+        made = self.tool_calls()
+        if made is None:
+            return self.reply.text
+        content, calls = made
+        return call_text([(call["function"]["name"], call["function"]["arguments"]) for call in calls], content)
 
     async def pieces(self, gone: Callable[[], Awaitable[bool]] | None = None,
                      stop: Callable[[], bool] | None = None) -> AsyncIterator[str]:

@@ -238,7 +238,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "ok"}], "max_to
     ("/v1/completions", GOOD, {"X-Session-Id": "../etc"}, 400, None, "invalid_session_id"),
     ("/v1/completions", {**GOOD, "user": "a"}, {"X-Session-Id": "b"}, 400, "user", "invalid_session_id"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, {}, 400, "messages", "invalid_value"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, {}, 400, "messages.0.role",
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, {}, 400, "messages.0.role",
      "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400,
      "messages.0.content", "invalid_value"),

@@ -92,7 +92,7 @@ MESSAGES = {"messages": CHAT[1:2]}
     ("/tokenize", {**MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", "unsupported"),
     ("/tokenize", {"messages": []}, 400, "messages", "invalid_value"),
     ("/tokenize", {"messages": "hi"}, 400, "messages", "invalid_value"),
-    ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
+    ("/tokenize", {"messages": [{"role": "function", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
     ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages.0.content", "invalid_value"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0.content",
      "invalid_value"),

@@ -118,13 +118,9 @@ def test_an_empty_string_is_content(live):
 
 # -- fields on messages and content parts that nothing here honours -----------------------------------
 
-TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-
 
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user", "content": "hi", "name": "bob"}], "messages.0.name"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-      {"role": "user", "content": "and?"}], "messages.1.tool_calls"),
     ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
      "messages.0.content.0.cache_control"),
     ([{"role": "system", "content": "be brief", "weight": 2}, {"role": "user", "content": "hi"}], "messages.0.weight"),
