@@ -124,4 +124,6 @@ def _record(engine: Engine, slot: int, key: Hashable, token: int | None, source:
                       actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
                       outcomes=[], live_length=length, brightness_min=0.0, brightness_mean=0.0, brightness_max=0.0,
                       rebuilt=token is None, source=source,
+                      complete=token is not None and (constraint := engine.sequences[slot].constraint) is not None
+                      and constraint.done,
                       error=None if token is not None else "the engine's round failed: rebuilt from the mirror")

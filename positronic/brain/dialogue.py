@@ -8,7 +8,8 @@
 The context is one conversation in the model's chat template, written as the server writes its
 chats (chat.ChatFormat): the first line opens it (after a system message, where one is given),
 a reply is generated until the model ends its turn (its end-of-sequence token: ChatML's
-<|im_end|>; `ignore_eos` leaves only the limit) or `reply_tokens` tokens, the template's
+<|im_end|>; `ignore_eos` leaves only the limit), its `grammar` is whole (each reply keeps to
+it from its first token), or `reply_tokens` tokens, the template's
 closing is read in after it, and the next line is said (Brain.say: the same frame as a line
 typed into a running story). At the end of the input the run ends. The policy keeps the
 context inside its budget across turns as it does for a story: a conversation may be far
@@ -22,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .chat import END_OF_INPUT, ChatFormat, TurnRefused
+from .grammar import Grammar
 from .loop import Brain, TickRecord
 
 # --chat-template by name: the common formats, for a model whose tokenizer carries none (a GGUF
@@ -45,8 +47,10 @@ class Dialogue:
     `prompt()`: called before each wait (a terminal's "> ")."""
 
     def __init__(self, lm, lines: queue.SimpleQueue, *, reply_tokens: int | None, ignore_eos: bool = False,
-                 on_refused: Callable[[str], None] = lambda message: None, prompt: Callable[[], None] = lambda: None):
+                 on_refused: Callable[[str], None] = lambda message: None, prompt: Callable[[], None] = lambda: None,
+                 grammar: Grammar | None = None):
         self.lm, self.lines, self.reply_tokens = lm, lines, reply_tokens
+        self.grammar = grammar  # each reply keeps to it (a fresh constraint a reply), and ends when it is whole
         self.format = ChatFormat(lm)
         self.enders = set() if ignore_eos or lm.eos_id is None else {lm.eos_id}
         self.on_refused, self.prompt = on_refused, prompt
@@ -95,7 +99,12 @@ class Dialogue:
                 self.on_refused(str(exc))
                 continue
             self.waiting, self.replying, self.reply = False, True, 0
+            self.constrain(brain)
         return True, None
+
+    def constrain(self, brain: Brain) -> None:
+        """The reply about to begin keeps to the grammar, from its first token (none: free)."""
+        brain.constraint = self.grammar.constraint(self.lm) if self.grammar is not None else None
 
     def after_tick(self, record: TickRecord) -> tuple[bool, bool]:
         """Take the tick's record: (whether its token is the reply's text, not the turn read
@@ -115,8 +124,8 @@ class Dialogue:
         if record.source == "user" or not self.replying:
             return False, False
         self.reply += 1
-        ended = record.token_id in self.enders
-        if ended or (self.reply_tokens is not None and self.reply >= self.reply_tokens):
+        ended = record.token_id in self.enders  # its end-of-turn token: not the reply's text
+        if ended or record.complete or (self.reply_tokens is not None and self.reply >= self.reply_tokens):
             self.replying = False
             self.replies += 1
             self.closing.extend(self.format.reply_end(record.token_id))

@@ -80,6 +80,7 @@ class TickRecord:
     seconds: dict[str, float] = field(default_factory=dict)  # per step
     removed: list[dict] = field(default_factory=list)  # {"ledger_id", "text"} of each row the edits took out
     live_tokens: int | None = None  # tokens some layer holds (the live map); > live_length only when layers differ
+    complete: bool = False  # the brain's grammar (brain/grammar.py) is whole after this token: nothing may follow
 
     def __post_init__(self):
         if self.live_tokens is None:
@@ -283,7 +284,8 @@ class Brain:
             actions=actions, outcomes=plan.outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
-            source=source, seconds=seconds, removed=removed)
+            source=source, seconds=seconds, removed=removed,
+            complete=self.constraint is not None and self.constraint.done)
 
     KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
 

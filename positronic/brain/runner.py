@@ -51,6 +51,7 @@ class RunResult:
     interrupted: bool = False
     signal: int | None = None  # the signal that ended the run (SIGINT, SIGTERM), if one did
     stopped: bool = False  # the policy ended the run
+    complete: bool = False  # the run's grammar was whole (run --grammar): nothing could follow
     saved_to: Path | None = None
     rss_mb: dict[int, float] = field(default_factory=dict)  # ticks run -> RSS
 
@@ -193,6 +194,9 @@ class Runner:
                 if record.stopped:
                     result.stopped = True
                     break
+                if record.complete and self.dialogue is None:  # the run's grammar is whole: nothing may follow
+                    result.complete = True
+                    break
         except KeyboardInterrupt:  # outside the main thread signals cannot be deferred
             result.interrupted, result.signal = True, signal.SIGINT
         finally:
@@ -212,7 +216,8 @@ def summary(brain: Brain, lm, result: RunResult) -> str:
     """The closing lines of a run, in words."""
     c, ledger = brain.counts, brain.state.mirror.ledger
     lines = [
-        "--- summary ---" + (" (interrupted)" if result.interrupted else "") + (" (policy stopped)" if result.stopped else ""),
+        "--- summary ---" + (" (interrupted)" if result.interrupted else "") + (" (policy stopped)" if result.stopped else "")
+        + (" (grammar complete)" if result.complete else ""),
         f"model {lm.name} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), "
         f"policy {brain.config.policy}",
         f"ticks {result.ticks} in {result.seconds:.1f} s ({result.ticks / max(result.seconds, 1e-9):.2f} tok/s); "

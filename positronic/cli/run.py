@@ -92,6 +92,10 @@ def run(
     interactive: bool = typer.Option(False, "-i", "--interactive", help="llama.cpp's interactive mode: here conversation mode (-cnv), with the plain 'User:/Assistant:' frame where the model has no chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Conversation mode: a reply does not end at end-of-sequence, only at -n tokens (a story run never stops there anyway)."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help=f"The chat template typed lines are framed in: {' | '.join(CHAT_TEMPLATES)} (plain: 'User:/Assistant:'), a Jinja template, or a file of one. Default: the model's own."),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="llama.cpp's GBNF grammar the generated text keeps to (in conversation mode, each reply); the run ends when it is whole. Needs llguidance (the serve extra)."),
+    grammar_file: Optional[Path] = typer.Option(None, "--grammar-file", help="--grammar read from a file."),
+    json_schema: Optional[str] = typer.Option(None, "-j", "--json-schema", help="A JSON schema the generated text is JSON for (llama.cpp's -j; '{}' any JSON value)."),
+    json_schema_file: Optional[Path] = typer.Option(None, "--json-schema-file", help="--json-schema read from a file."),
 ) -> None:
     """Run the brain (the default command)."""
     if ctx.invoked_subcommand is not None:
@@ -117,6 +121,9 @@ def run(
     if conversation and read_input is False:
         raise UserError("conversation mode reads its turns from stdin: it cannot go with --no-input")
     template = chat_template_text(chat_template) if chat_template is not None else None
+    wanted = grammar_of(grammar, grammar_file, json_schema, json_schema_file)
+    if wanted is not None and resume:
+        raise UserError("--grammar/--json-schema hold a run's text from its start: they cannot go with --resume")
     if resume and (prompt is not None or prompt_file is not None):
         raise UserError("--prompt/--prompt-file start a run; a resumed run goes on from its saved context "
                         "(type a line to add a user turn, or start a new --session)")
@@ -205,7 +212,8 @@ def run(
         if conversation:
             dialogue = Dialogue(lm, inputs, reply_tokens=None if ticks == -1 else ticks, ignore_eos=ignore_eos,
                                 on_refused=lambda message: print(message, file=sys.stderr, flush=True),
-                                prompt=terminal_prompt if stdin_is_terminal() else lambda: None)
+                                prompt=terminal_prompt if stdin_is_terminal() else lambda: None, grammar=wanted)
+        constraint = checked_constraint(wanted, lm) if wanted is not None else None  # refused before any tick
         if resume:
             brain = sessions.resume(lm, session)
         elif dialogue is not None:
@@ -232,6 +240,8 @@ def run(
             brain = Brain.start(lm, prompt_ids, config, pins=pin or ())
             if overwrite and session is not None:  # at once, so that a resume after a crash cannot continue the old run
                 sessions.save(session, brain, lm.name)
+    if constraint is not None:
+        brain.constraint = constraint  # the first reply's, or the run's
     if capture is not None:
         from ..fixtures import Capture
 
@@ -255,6 +265,40 @@ def run(
             print(note, file=sys.stderr)
     if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
         raise typer.Exit(128 + int(result.signal or signal.SIGINT))
+
+
+def grammar_of(gbnf: str | None, gbnf_file: Path | None, schema: str | None, schema_file: Path | None):
+    """The grammar the run's text keeps to (brain/grammar.py), or None; UserError for two at
+    once, an unreadable file, or a grammar that cannot be read."""
+    from ..brain.grammar import Grammar, GrammarError
+
+    given = {name: value for name, value in (("--grammar", gbnf), ("--grammar-file", gbnf_file),
+                                             ("--json-schema", schema), ("--json-schema-file", schema_file))
+             if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UserError(f"give one of {', '.join(given)}: each says what the whole text keeps to")
+    (name, value), = given.items()
+    if isinstance(value, Path):
+        try:
+            value = value.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{name} {value}: cannot be read ({exc})") from None
+    try:
+        return Grammar.gbnf(value) if "grammar" in name else Grammar.json_schema(value)
+    except GrammarError as exc:
+        raise UserError(f"{name}: {exc}") from None
+
+
+def checked_constraint(grammar, lm):
+    """`grammar` made ready for `lm`'s tokens; UserError when it cannot be used."""
+    from ..brain.grammar import GrammarError
+
+    try:
+        return grammar.constraint(lm)
+    except GrammarError as exc:
+        raise UserError(str(exc)) from None
 
 
 def input_source(read_input: bool | None, live: bool) -> tuple[str | None, int | None]:

@@ -123,3 +123,54 @@ def test_a_question_piped_to_the_embedded_model_is_answered_as_a_chat(smol):
     assert "Paris" in out and "im_start" not in out and "clockmaker" not in out
     done = cli("-no-cnv", "-n", "8", stdin=b"What is the capital of France?\n", model="smollm2")
     assert done.returncode == 0 and "clockmaker" in done.stdout.decode()
+
+
+def test_each_reply_keeps_to_the_grammar_and_ends_when_it_is_whole(tiny):
+    """With a grammar (run -j/--grammar in conversation mode) each reply is drawn under a fresh
+    constraint and ends when the grammar is whole, before the limit; the turns read in between
+    are not constrained."""
+    pytest.importorskip("llguidance")
+    from positronic.brain.grammar import Grammar
+
+    grammar = Grammar.json_schema({"type": "integer", "minimum": 0, "maximum": 120})
+    dialogue = Dialogue(tiny, lines("again", "and again"), reply_tokens=40, grammar=grammar)
+    brain = Brain.start(tiny, dialogue.opening("how old?"), BrainConfig(budget=96, temperature=1.0, seed=3))
+    dialogue.constrain(brain)
+    replies, current = [], []
+
+    def on_tick(record, result):
+        if dialogue.shown:
+            current.append(record.token_id)
+        if dialogue.ended:
+            replies.append(tiny.decode(current))
+            current.clear()
+    Runner(brain, tiny.name, None, dialogue=dialogue).run(on_tick)
+    assert len(replies) == 3 and dialogue.replies == 3
+    assert all(reply.isdigit() and 0 <= int(reply) <= 120 for reply in replies), replies
+
+
+def test_run_with_a_grammar_writes_text_that_matches_it_then_ends(tmp_path, run_cli, capsys):
+    """`run -j SCHEMA` and `--grammar-file GBNF`: the generated text is exactly what the grammar
+    allows, and the run ends when it is whole (before -n); a grammar that cannot be read, two at
+    once, or one with --resume are refused by name before the model runs."""
+    pytest.importorskip("llguidance")
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    base = ("--model", "random:tiny", "--no-tui", "--no-input", "-n", "80")
+    assert run_cli(*base, "-p", "Data:", "-j", json.dumps(schema)) == 0
+    out = capsys.readouterr().out
+    text = out.split("\n--- summary ---")[0].removeprefix("Data:")
+    assert set(json.loads(text)) == {"n"} and "(grammar complete)" in out
+    (tmp_path / "g.gbnf").write_text('root ::= ("yes" | "no") "."\n')
+    assert run_cli(*base, "-p", "Q:", "--grammar-file", str(tmp_path / "g.gbnf"), "--temp", "1") == 0
+    out = capsys.readouterr().out
+    assert re.match(r"Q:(yes|no)\.\n--- summary --- \(grammar complete\)", out), out
+    for flags, message in [(("--grammar", "root ::= nope"), "Rule 'nope' not found"),
+                           (("--grammar", 'root ::= "a"', "-j", "{}"), "give one of --grammar, --json-schema"),
+                           (("--json-schema-file", str(tmp_path / "missing.json")), "cannot be read"),
+                           (("-j", "{}", "--resume", "--session", str(tmp_path / "s")), "cannot go with --resume")]:
+        assert run_cli(*base, *flags) != 0
+        assert message in capsys.readouterr().err, flags
