@@ -91,10 +91,29 @@ def entry() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+LIST_FLAGS = ("--served-model-name",)  # vLLM's flags that take several values after one flag
+
+
+def spread_lists(argv: list[str]) -> list[str]:
+    """vLLM's `--served-model-name a b` as `--served-model-name a --served-model-name b` (the
+    form the options take here): the words after such a flag, up to the next option, are its
+    values. Nothing else takes bare words there, so nothing else changes meaning."""
+    spread, flag = [], None
+    for word in argv:
+        if word.startswith("-"):
+            flag = word if word in LIST_FLAGS else None
+            spread.append(word)
+        elif flag is not None and spread[-1] != flag:
+            spread += [flag, word]
+        else:
+            spread.append(word)
+    return spread
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for anything the user can fix."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=spread_lists(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
         if code == 130:  # click turned a Ctrl-C (e.g. while the model loads) into a return code
             print("interrupted", file=sys.stderr)
         if isinstance(code, int) and code:

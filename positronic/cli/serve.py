@@ -73,7 +73,8 @@ def _server_options(
              "bounds a round there); where the host bounds it (a GPU) try it on."),
     served_model_name: Optional[list[str]] = typer.Option(
         None, metavar="NAME",
-        help="A model id requests may name and answers carry (repeatable; vLLM's flag): the first is the one "
+        help="Model ids requests may name and answers carry (vLLM's flag: `--served-model-name a b`, or the flag "
+             "repeated): the first is the one "
              "/v1/models lists first and /metrics labels. Default: the -m string."),
     checkpoint_each_request: bool = typer.Option(
         True, "--checkpoint-each-request/--checkpoint-when-idle",

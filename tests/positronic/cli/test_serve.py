@@ -23,6 +23,16 @@ def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cl
     assert run_cli("serve", "-m", MODEL, "--served-model-name", "a", "--served-model-name", "a",
                    "--session-dir", str(tmp_path)) == 2
     assert "--served-model-name must be distinct, non-empty names" in capsys.readouterr().err
+    # vLLM's spelling, several names after one flag: the same names, checked the same way
+    assert run_cli("serve", "-m", MODEL, "--served-model-name", "a", "a", "--session-dir", str(tmp_path)) == 2
+    assert "--served-model-name must be distinct, non-empty names, got ['a', 'a']" in capsys.readouterr().err
+
+
+def test_several_names_after_one_flag_are_each_a_value():
+    from positronic.cli import spread_lists
+
+    assert spread_lists(["serve", "--served-model-name", "a", "b", "--port", "0", "-p", "x", "y"]) == [
+        "serve", "--served-model-name", "a", "--served-model-name", "b", "--port", "0", "-p", "x", "y"]
 
 
 def test_a_second_server_on_a_session_dir_in_use_is_refused_before_loading_a_model(tmp_path, capsys, run_cli,
