@@ -29,6 +29,7 @@ from .conversation import Conversation
 from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from .schemas import APIError, GenerationBody
 from .streaming import ChatWriter, CompletionWriter, EventStream, as_events
+from .tools import CallScanner
 from .turn import ClientGone, ServerStopping, Turn
 
 log = logging.getLogger("positronic.server.app")
@@ -137,8 +138,9 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
     sent (the session keeps just those, and a retry with its Idempotency-Key continues the reply).
     With echo the prompt comes first, in a chunk of its own; with logprobs each chunk
     carries its tokens' (a token whose text was held back rides with the next chunk). A reply
-    that may call tools is held until it ends, then sent as one chunk: its calls
-    (`delta.tool_calls`, finish_reason "tool_calls"), or its text."""
+    that may call tools streams its text until a call may begin (tools.CallScanner); from there
+    it is held and sent at the end as one chunk: its calls (`delta.tool_calls`, finish_reason
+    "tool_calls"), or the rest of its text."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     held, conversation, turn, answer, writer, echoed = (begun.held, begun.conversation, begun.turn, begun.answer,
                                                         begun.writer, begun.echoed)
@@ -149,7 +151,7 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
         return logprobs_of(server.lm, chat, entries, offset) if listed else None
 
     rest = ""  # what a reply the shutdown cut was holding back: sent before the error event
-    held_back = turn.tools is not None  # a reply that may be tool calls is sent when it is known to be or not
+    calls = CallScanner() if turn.tools is not None else None  # holds what may be a tool call
     try:
         async with held:
             checkpointed = False
@@ -162,7 +164,7 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
                         if echoed is not None:  # the prompt was read by now (its logprobs too)
                             yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
                             offset, echoed = len(echoed), None
-                        if held_back:
+                        if calls is not None and not (piece := calls.push(piece)):
                             continue
                         new, sent = turn.entries[sent : turn.ready], turn.ready
                         yield writer.piece(piece, logprobs(new))
@@ -170,13 +172,13 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
                 if echoed is not None:
                     yield writer.piece(echoed, logprobs(turn.prepared.echoed + turn.read))
                 finish = turn.reply.finish_reason
-                if held_back:
+                if calls is not None:
                     new, sent = turn.entries[sent:], len(turn.entries)
-                    if (made := turn.tool_calls()) is not None:
-                        yield writer.calls(made[0], made[1], logprobs(new))
+                    if (made := turn.tool_calls()) is not None:  # its content before them was sent
+                        yield writer.calls(made[0][len(calls.sent.strip()):].strip(), made[1], logprobs(new))
                         finish = "tool_calls"
-                    elif turn.reply.text or new:
-                        yield writer.piece(turn.reply.text, logprobs(new))
+                    elif (rest := calls.flush()) or new:
+                        yield writer.piece(rest, logprobs(new))
                 await server.checkpoint(conversation, answer, turn)
                 checkpointed = True
                 closing = writer.closing(finish, logprobs(turn.entries[sent:]) if sent < len(turn.entries) else None)
@@ -186,7 +188,7 @@ async def events(server, begun: Begun, body: GenerationBody, chat: bool):
                     yield writer.usage(usage(turn))
             except ServerStopping:
                 if turn.reply is not None:  # cut before the checkpoint: it records the reply as sent
-                    rest = (turn.reply.text if held_back else "") + turn.reply.cut()
+                    rest = (calls.flush() if calls is not None else "") + turn.reply.cut()
                 raise
             except asyncio.CancelledError:
                 if server.stopping:  # uvicorn's shutdown timed out on this stream (not a client leaving)

@@ -33,6 +33,37 @@ CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.DO
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function name
 
 
+class CallScanner:
+    """A streamed reply that may call tools, piece by piece: text is sent as it comes until a
+    call may begin (a `<tool_call>` tag, or a reply that opens with `{`: a bare call object);
+    from there it is held, to be sent as calls or, if it was none, as text at the end."""
+
+    def __init__(self):
+        self.sent, self.held, self.holding = "", "", False
+
+    def push(self, text: str) -> str:
+        """The part of `text` safe to send now."""
+        if self.holding:
+            self.held += text
+            return ""
+        text, self.held = self.held + text, ""
+        if not self.sent.strip() and (self.sent + text).lstrip().startswith("{"):
+            self.holding, self.held = True, text
+            return ""
+        if (at := text.find(OPEN)) >= 0:
+            self.holding, self.held, text = True, text[at:], text[:at]
+        else:  # a tail that may grow into the tag waits for the next piece
+            keep = max((k for k in range(1, len(OPEN)) if text.endswith(OPEN[:k])), default=0)
+            self.held, text = text[len(text) - keep:], text[:len(text) - keep]
+        self.sent += text
+        return text
+
+    def flush(self) -> str:
+        """What is held, once the reply has ended and made no calls."""
+        text, self.held = self.held, ""
+        return text
+
+
 def response_text(content: str) -> str:
     """A tool's answer (a "tool" message) as the user turn that carries it to the model."""
     return f"<tool_response>\n{content}\n</tool_response>"

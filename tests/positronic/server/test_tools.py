@@ -129,3 +129,28 @@ def test_an_auto_reply_is_read_for_calls_to_offered_functions_only():
     assert tools.grammar() is None  # auto: the model chooses
     # the text a call is read back as is the same however its arguments were spelt
     assert call_text([("clock", '{"zone":"UTC"}')]) == call_text([("clock", {"zone": "UTC"})])
+
+
+def test_a_streamed_reply_that_may_call_tools_sends_its_text_until_a_call_may_begin():
+    from positronic.server.tools import CallScanner
+
+    scanner = CallScanner()
+    assert [scanner.push(p) for p in ["Let me ", "check. <to", "ol_call>\n{", '"name"']] == ["Let me ", "check. ", "", ""]
+    assert scanner.sent == "Let me check. " and scanner.flush().startswith("<tool_call>\n{")
+    scanner = CallScanner()
+    assert [scanner.push(p) for p in [" ", "{", '"a": 1}']] == [" ", "", ""] and scanner.flush() == '{"a": 1}'
+    scanner = CallScanner()
+    assert [scanner.push(p) for p in ["a <", "b> c"]] == ["a ", "<b> c"]  # not the tag after all
+
+
+def test_an_auto_reply_streamed_is_the_whole_one(live):
+    """tool_choice auto (the default with tools): the model answers in text here, streamed as it
+    comes, and the streamed text is the whole reply's."""
+    fields = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0.9, seed=6,
+                  extra_body={"ignore_eos": True})
+    whole = live.client().chat.completions.create(**fields).choices[0]
+    chunks = [chunk.choices[0] for chunk in live.client().chat.completions.create(stream=True, **fields)
+              if chunk.choices]
+    assert whole.message.tool_calls is None and whole.finish_reason == "length"
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+    assert sum(bool(c.delta.content) for c in chunks) > 2  # sent piece by piece, not held to the end
