@@ -171,24 +171,31 @@ def library_things() -> list[tuple[str, callable]]:
                                    **with_cache(SpliceCache(lm.model.config, max_cache_len=64)))
         return torch.equal(plain, cached)
 
-    def batch_of_two():
-        import torch
+    def batch_of_four(model: str, policy: str, budget: int, chars: int):
+        def check():
+            import torch
 
-        from positronic import SpliceCache, load_model, with_cache
-        lm = load_model("random:tiny")
-        ids = torch.tensor([[lm.bos_id, 5, 6, 7], [lm.bos_id, 9, 10, 11]])
-        out = lm.model.generate(ids, max_new_tokens=4, do_sample=False,
-                                **with_cache(SpliceCache(lm.model.config, max_cache_len=64)))
-        return out.shape == (2, 8)
-
-    def press():
-        import positronic
-        return hasattr(positronic, "press")
+            import positronic
+            lm = positronic.load_model(model)
+            text = (ROOT / "texts" / "alice_ch1-2.txt").read_text(encoding="utf-8")
+            prompts = [[lm.bos_id] + lm.encode(text[i * chars:(i + 1) * chars + chars // 3 * i]) for i in range(4)]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with positronic.press(lm, policy=policy, budget=budget):
+                out = lm.model.generate(ids, attention_mask=mask, max_new_tokens=12)
+                alone = [lm.model.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
+                         for p in prompts]
+            got = [out[i, width:width + len(a)].tolist() for i, a in enumerate(alone)]
+            return got == alone, "" if got == alone else f"rows equal alone: {[g == a for g, a in zip(got, alone)]}"
+        return check
 
     return [
         ("model.generate(ids, cache=SpliceCache(...)): the tokens of plain generate", same_as_plain_generate),
-        ("model.generate with a batch of 2 and a positronic cache (issue 73 item 1: not built)", batch_of_two),
-        ("with positronic.press(model, policy=..., compression_ratio=...) (issue 73 item 1: not built)", press),
+        ("with positronic.press(load_model('smollm2'), budget=128): generate(4 padded rows) = each row alone "
+         "(the default policy)", batch_of_four("smollm2", "default", 128, 600)),
+        ("with positronic.press(model, tokenizer, policy='h2o', budget=64): generate(4 rows) = each row alone",
+         batch_of_four("random:tiny", "h2o", 64, 120)),
     ]
 
 

@@ -11,8 +11,10 @@ from .kv.cache import SpliceCache, SpliceLayer
 from .models import LoadedModel, ModelError, ModelNotAvailable, load_model, with_cache
 from .smartkv import GateSet, SmartKVCache
 from .state import ApplyReport, InjectedFault, StateInvariantError, StateManager
+from .batch.generate import press
 
 __all__ = [
     "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
-    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model", "with_cache",
+    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model", "press",
+    "with_cache",
 ]

@@ -249,6 +249,15 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return bool(result)
 
 
+def wrap_model(model, tokenizer, name: str | None = None) -> LoadedModel:
+    """A LoadedModel around a model and tokenizer the caller already holds (its own
+    `from_pretrained`), on the model's device and dtype. The model is changed in place as
+    `load_model` changes its own (eval mode, no gradients, the project's attention
+    implementation, row-invariant CPU linears): `positronic.press` puts it back afterwards."""
+    return _wrap(name or getattr(model.config, "_name_or_path", "") or type(model).__name__, model, tokenizer,
+                 model.device, model.dtype)
+
+
 def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weights: str = "float32") -> LoadedModel:
     model.eval().requires_grad_(False)
     model.set_attn_implementation(attention.for_device(dev))
