@@ -4,6 +4,9 @@
     lm = load_model("smollm2")
     sm = StateManager.from_tokens(lm, [lm.bos_id] + lm.encode("Once upon a time"))
     report = sm.apply([{"action": "add", "token_id": 42}])
+
+    brain = Brain.start(lm, [lm.bos_id] + lm.encode("Once upon a time"), BrainConfig(budget=128))
+    record = brain.step()                  # one tick: sample, score, select, apply
 """
 
 from .state.actions import ActionError
@@ -12,9 +15,11 @@ from .models import LoadedModel, ModelError, ModelNotAvailable, load_model, with
 from .smartkv import GateSet, SmartKVCache
 from .state import ApplyReport, InjectedFault, StateInvariantError, StateManager
 from .batch.generate import press
+from .batch import Batch
+from .brain.loop import Brain, BrainConfig, TickRecord
 
 __all__ = [
-    "ActionError", "ApplyReport", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
-    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "load_model", "press",
-    "with_cache",
+    "ActionError", "ApplyReport", "Batch", "Brain", "BrainConfig", "GateSet", "InjectedFault", "LoadedModel", "ModelError", "ModelNotAvailable",
+    "SmartKVCache", "SpliceCache", "SpliceLayer", "StateInvariantError", "StateManager", "TickRecord", "load_model",
+    "press", "with_cache",
 ]
