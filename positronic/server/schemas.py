@@ -16,6 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from .hermes import call_text, response_text
+
 MAX_TOP = 20  # alternatives a token's logprobs may list (OpenAI's limit)
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -320,8 +322,6 @@ def message_text(message: Message, index: int) -> str:
     (`name`, `cache_control`, ...: refuse_unknown). An assistant's tool calls are the text the
     model wrote for them after its content, and a tool's answer the user turn that carries it
     (server/tools.py)."""
-    from .tools import call_text, response_text
-
     refuse_unknown(message, f"messages.{index}")
     param = f"messages.{index}.content"
     if message.tool_calls and message.role != "assistant":

@@ -15,7 +15,7 @@ form (brain/grammar.py: the arguments to the function's own JSON schema); with "
 chooses, and a reply that makes calls in that form (or is one bare call object) is answered as
 `tool_calls` with finish_reason "tool_calls". A tool's answer (a message of role "tool") is read
 as a user turn between `<tool_response>` and `</tool_response>`, and an assistant message's
-earlier calls as the text the model wrote for them (`call_text`).
+earlier calls as the text the model wrote for them (hermes.py: `call_text`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import uuid
 from dataclasses import dataclass
 
 from ..brain.grammar import JSON_OPTIONS, Grammar, GrammarError
+from .hermes import CLOSE, OPEN
 from .schemas import APIError
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.DOTALL)
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function name
 
@@ -62,27 +62,6 @@ class CallScanner:
         """What is held, once the reply has ended and made no calls."""
         text, self.held = self.held, ""
         return text
-
-
-def response_text(content: str) -> str:
-    """A tool's answer (a "tool" message) as the user turn that carries it to the model."""
-    return f"<tool_response>\n{content}\n</tool_response>"
-
-
-def call_text(calls: list[tuple[str, dict | str]], content: str = "") -> str:
-    """The text an assistant's calls [(name, arguments)] are written as in the context (what the
-    model writes for them), after its content if it has any. Arguments given as a JSON string are
-    read first, so that the same call is the same text however it was spelt."""
-    parts = [content] if content else []
-    for name, arguments in calls:
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass  # kept as sent: the model sees the string it was given
-        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        parts.append(f"{OPEN}\n{call}\n{CLOSE}")
-    return "\n".join(parts)
 
 
 @dataclass(frozen=True)

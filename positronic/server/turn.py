@@ -28,7 +28,7 @@ from ..brain.loop import TickRecord
 from .conversation import Conversation
 from .logprobs import TokenLogprob, of_logits
 from .text import Reply
-from .tools import call_text
+from .hermes import call_text
 from .worker import ModelWorker
 
 MAX_FAILED_TICKS = 3  # ticks in a row that fail (rebuilt, nothing added) before a request gives up

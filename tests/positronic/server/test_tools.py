@@ -7,7 +7,8 @@ import json
 import pytest
 
 from positronic.server.schemas import ChatBody
-from positronic.server.tools import Tools, call_text
+from positronic.server.hermes import call_text
+from positronic.server.tools import Tools
 
 pytest.importorskip("llguidance")
 
