@@ -280,11 +280,11 @@ def grammar_of(gbnf: str | None, gbnf_file: Path | None, schema: str | None, sch
     if len(given) > 1:
         raise UserError(f"give one of {', '.join(given)}: each says what the whole text keeps to")
     (name, value), = given.items()
-    if isinstance(value, Path):
+    if isinstance(value, Path):  # a file, or a pipe read like one (bounded: /dev/zero stops)
         try:
-            value = value.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{name} {value}: cannot be read ({exc})") from None
+            value = read_text_file(value, name)
+        except OSError as exc:
+            raise UserError(str(exc)) from None
     try:
         return Grammar.gbnf(value) if "grammar" in name else Grammar.json_schema(value)
     except GrammarError as exc:

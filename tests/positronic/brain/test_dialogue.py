@@ -170,7 +170,7 @@ def test_run_with_a_grammar_writes_text_that_matches_it_then_ends(tmp_path, run_
     assert re.match(r"Q:(yes|no)\.\n--- summary --- \(grammar complete\)", out), out
     for flags, message in [(("--grammar", "root ::= nope"), "Rule 'nope' not found"),
                            (("--grammar", 'root ::= "a"', "-j", "{}"), "give one of --grammar, --json-schema"),
-                           (("--json-schema-file", str(tmp_path / "missing.json")), "cannot be read"),
+                           (("--json-schema-file", str(tmp_path / "missing.json")), "cannot read --json-schema-file"),
                            (("-j", "{}", "--resume", "--session", str(tmp_path / "s")), "cannot go with --resume")]:
         assert run_cli(*base, *flags) != 0
         assert message in capsys.readouterr().err, flags

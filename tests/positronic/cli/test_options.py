@@ -106,7 +106,8 @@ ALLOWED = {
     ("smartkv", "save_labels"): ({"FILE"}, "replaced, as --out is"),
 }
 SERVE_SHARED = {"run"}  # serve's run options are checked as the run's: the same allowances
-PIPES = {("run", "prompt_file"), ("eval", "text"), ("smartkv", "text"), ("smartkv", "heldout")}
+PIPES = {("run", "prompt_file"), ("eval", "text"), ("smartkv", "text"), ("smartkv", "heldout"),
+         ("run", "grammar_file"), ("run", "json_schema_file")}
 
 
 def click_options(name: str):
