@@ -1,5 +1,5 @@
 """The core install runs without the optional extras: `serve` (fastapi, uvicorn,
-prometheus_client) and `eval`'s plot (matplotlib) are extras, named by the command that needs
+prometheus_client, llguidance) and `eval`'s plot (matplotlib) are extras, named by the command that needs
 them; `make setup` (the README's set-up) installs them all."""
 
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-SERVE = {"fastapi", "uvicorn", "prometheus_client"}
+SERVE = {"fastapi", "uvicorn", "prometheus_client", "llguidance"}  # llguidance: the grammars of structured output
 
 # run a command of run.py with the extras' modules missing (an import of one raises ImportError)
 WITHOUT = """
@@ -31,7 +31,7 @@ def test_the_extras_are_declared_and_make_setup_installs_them():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {d.split(">")[0].split("<")[0].split("=")[0] for d in project["dependencies"]}
     assert not core & (SERVE | {"matplotlib"})
-    assert set(project["optional-dependencies"]["serve"]) == SERVE
+    assert {d.split(">")[0] for d in project["optional-dependencies"]["serve"]} == SERVE
     assert project["optional-dependencies"]["eval"] == ["matplotlib"]
     assert "'.[serve,eval,dev]'" in (ROOT / "Makefile").read_text()
 
@@ -43,6 +43,10 @@ def test_the_main_job_runs_without_the_extras_and_serve_says_what_to_install():
     served = without(SERVE, "serve", "-m", "random:tiny", "--port", "0")
     assert served.returncode != 0 and "Traceback" not in served.stderr
     assert "pip install 'positronic-brain[serve]'" in served.stderr and "fastapi" in served.stderr
+    held = without({"llguidance"}, "--model", "random:tiny", "--ticks", "5", "--no-tui", "--no-input", "--grammar",
+                   'root ::= "a"')
+    assert held.returncode == 2 and "Traceback" not in held.stderr
+    assert "needs llguidance: pip install 'positronic-brain[serve]'" in held.stderr
 
 
 @pytest.mark.long
