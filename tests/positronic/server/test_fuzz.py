@@ -102,7 +102,8 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "user"
                                  "content": st.one_of(TEXT, TEXT, st.lists(PART, min_size=1, max_size=3))},
                                 optional={"name": TEXT})
 BAD_MESSAGE = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["tool", "function", "", 3, None])}, optional={"content": TEXT}),
+    st.fixed_dictionaries({"role": st.sampled_from(["function", "", 3, None])}, optional={"content": TEXT}),
+    st.fixed_dictionaries({"role": st.just("tool")}),  # a tool's answer without its content
     st.fixed_dictionaries({"role": st.just("user")}, optional={"content": st.one_of(st.none(), st.just([]),
                                                                                     st.lists(BAD_PART, min_size=1,
                                                                                              max_size=2),
