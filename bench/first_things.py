@@ -191,7 +191,7 @@ def library_things() -> list[tuple[str, callable]]:
         return check
 
     return [
-        ("model.generate(ids, cache=SpliceCache(...)): the tokens of plain generate", same_as_plain_generate),
+        ("model.generate(ids, **with_cache(SpliceCache(...))): the tokens of plain generate", same_as_plain_generate),
         ("with positronic.press(load_model('smollm2'), budget=128): generate(4 padded rows) = each row alone "
          "(the default policy)", batch_of_four("smollm2", "default", 128, 600)),
         ("with positronic.press(model, tokenizer, policy='h2o', budget=64): generate(4 rows) = each row alone",
