@@ -9,6 +9,7 @@
     atomic_write_dir        build a directory beside its place, fsync it, rename it in
     read_text_file          a user's text file (--prompt-file, --text), read with a bound
     from_list               torch.tensor(a list of Python numbers), in a third of the time
+    parse_options           "name=value,name=value" (a press's own settings) as a dict
 
 Writing a single file atomically is `positronic.mirror.write_atomic` (temporary file, fsync,
 rename): the mirror package has no torch and no dependency on this one, so it keeps its own.
@@ -38,6 +39,31 @@ def from_list(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 MAX_TEXT_BYTES = 64 << 20  # a text file a command reads: 64 MiB is ~15M tokens, past every model's positions
+
+
+def parse_options(text: str) -> dict[str, int | float | bool | str]:
+    """`"name=value,name=value"` as {name: value}: a value is an int, a float, true/false, or
+    else the text itself. ValueError for an item without `=`, an empty or repeated name."""
+    options: dict[str, int | float | bool | str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not name.isidentifier():
+            raise ValueError(f"a policy option is NAME=VALUE, got {item!r}")
+        if name in options:
+            raise ValueError(f"policy option {name!r} is given twice")
+        options[name] = _option_value(value)
+    return options
+
+
+def _option_value(value: str) -> int | float | bool | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def read_text_file(path: Path, flag: str, limit: int = MAX_TEXT_BYTES) -> str:

@@ -42,6 +42,7 @@ import torch
 from positronic.steps.sample import GREEDY_BELOW, greedy_many, sample, sample_many
 
 from ..policies.scorers import Keyed
+from ..policies.pressed import PressPolicy
 from ..presses import PRESSES, Rows, make_press
 from ..state.manager import default_capacity
 from ..state.readonly import MirrorView
@@ -77,6 +78,8 @@ def carried(press, brain) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     (`{name: [rows]}`, or `[lanes, rows]` for a press with lanes), per-sequence state, and the
     rounds it has scored."""
     policy, mirror = brain.policy, brain.state.mirror
+    if isinstance(policy, PressPolicy):  # the press itself, ticking alone: its own state as it is
+        return policy.carried(mirror.live.ledger_ids)
     own = press.carry(policy, mirror)  # a press that reads its policy's state itself (smartkv's memories)
     if own is not None:
         return own, press.sequence_state(), 0
@@ -100,6 +103,9 @@ def restore(press, policy, live_ids: list[int], rows: dict[str, torch.Tensor], s
     kept for a sequence leaving the engine: a keyed scorer its numbers by ledger id
     (`live_ids`, the live rows' in row order; `rows`: {name: [rows]}) and the rounds scored,
     the random scorer its generator. Brightness goes to the mirror (`SlotState.copy_out`)."""
+    if isinstance(policy, PressPolicy):
+        policy.restored(live_ids, rows, sequence, clock)
+        return
     scorer = getattr(policy, "scorer", None)
     for name, values in rows.items():
         if name != "brightness":
@@ -159,6 +165,8 @@ class Engine:
             return reason
         if brain.config.budget > self.state.capacity:
             return f"budget {brain.config.budget} does not fit the engine's {self.state.capacity} rows a sequence"
+        if (rows := brain.state.rows_per_layer) > self.state.capacity:  # pins can hold a pruned prompt past its budget
+            return f"its {rows} live rows do not fit the engine's {self.state.capacity} rows a sequence"
         if returning and len(self.sequences) == self.state.kv.slots:
             return f"all {self.state.kv.slots} slots are in use"
         return None

@@ -339,6 +339,8 @@ class BrainConfig:
     kv_store: str = _default(Memory, "kv_store")
     gates: str = _default(SmartKVGates, "gates")
     memory_rank: str | None = _default(SmartKVGates, "memory_rank")
+    # a press's own settings, "name=value,..." (a policy made from a press, policies/pressed.py)
+    policy_options: str = ""
 
     def __post_init__(self):
         if self.window is None:
@@ -427,10 +429,22 @@ class BrainConfig:
             _check_gate_file(self.gates)
         if self.evict_every:
             self._check_evict_every()
+        if self.policy_options:
+            self._check_policy_options()
         try:
             POLICIES[self.policy].check(self)  # what the policy needs of the budget, window and repairer
         except ValueError as exc:
             raise ConfigError("budget" if "budget" in str(exc) else "policy", str(exc)) from None
+
+    def _check_policy_options(self) -> None:
+        policy = POLICIES[self.policy]
+        if not hasattr(policy, "press_class"):
+            raise ConfigError("policy_options", f"policy {self.policy} takes no policy options (its settings have "
+                                                "flags of their own); they are for policies made from a press")
+        try:
+            policy.make_press(self)
+        except ValueError as exc:
+            raise ConfigError("policy_options", str(exc)) from None
 
     def _check_evict_every(self) -> None:
         policy = POLICIES[self.policy]

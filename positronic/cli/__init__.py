@@ -113,6 +113,9 @@ def spread_lists(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for anything the user can fix."""
     try:
+        from ..presses import load_entry_points
+
+        load_entry_points()  # presses other packages declare: --policy NAME takes them
         code = app(args=spread_lists(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
         if code == 130:  # click turned a Ctrl-C (e.g. while the model loads) into a return code
             print("interrupted", file=sys.stderr)

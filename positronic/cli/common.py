@@ -132,7 +132,8 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
                                                options.get("kv_protected_tokens"))
     names = {f.name for f in dataclasses.fields(BrainConfig)}
     settings = ({name: value for name, value in options.items() if name in names}
-                | dict(policy=policy, sinks=sinks, protect=protect, logit_bias=logit_bias_option(options)))
+                | dict(policy=policy, sinks=sinks, protect=protect, logit_bias=logit_bias_option(options),
+                       policy_options=",".join(options.get("policy_option") or ())))
     given, choice = given_flags(ctx), None
     if "model" in options and not ({"policy", "kv_eviction"} & given) and not options.get("resume"):
         from ..brain.defaults import default_policy
@@ -146,6 +147,8 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
     try:
         config.validate()
     except ConfigError as exc:
+        if exc.field == "policy_options":
+            raise UserError(f"--policy-option: {exc}") from None
         raise flag_error(exc, options, given_flags(ctx)) from None
     if choice is not None:  # said by the command once the model loaded, not above an error about anything else
         ctx.meta["policy_note"] = f"positronic: {choice.note}"

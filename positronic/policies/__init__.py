@@ -11,6 +11,8 @@ selector and protected-rows rule; the plan → commit protocol):
     random      uniformly random selectable rows go, drawn from the run's seed (the baseline papers report)
     smartkv     per-layer rows: each layer keeps its own gate-ranked memory (registered by
                 positronic/smartkv/policy.py, which imports this package, never the other way)
+    knorm, ...  a press (positronic/presses/) without a policy of its own, ticking one sequence
+                (pressed.py): `presses.register` adds one
 
 `POLICIES` maps a name to its class; `register` adds one (a class with `name`, `check`,
 `window`, `batch`, `default_window`, `per_layer`, `plan`, `prune`, `commit`, `state`,

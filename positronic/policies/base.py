@@ -144,10 +144,13 @@ class Policy:
 
     def prune(self, view, scores: list[float], target: int) -> PolicyPlan:
         """Deletes that bring the live length down to `target` rows at once (a bulk prune:
-        no repairs, which would free one row per pair at best, and no recall)."""
-        return self._plan(view, scores, {}, lambda length: max(0, length - target), repair=False)
+        no repairs, which would free one row per pair at best, and no recall). The recent window
+        is the pruned context's (`target` rows and the one added with them), not the long
+        prompt's: a window of a quarter of 4x the budget would leave the budget no room."""
+        return self._plan(view, scores, {}, lambda length: max(0, length - target), repair=False, kept=target + 1)
 
-    def _plan(self, view, scores, seconds, need, *, repair: bool = True, typed: bool = False) -> PolicyPlan:
+    def _plan(self, view, scores, seconds, need, *, repair: bool = True, typed: bool = False,
+              kept: int | None = None) -> PolicyPlan:
         clock = time.perf_counter()
         if len(scores) != len(view):
             raise ValueError(f"{len(scores)} scores for {len(view)} live rows")
@@ -159,7 +162,7 @@ class Policy:
         recalling = self.recall is not None  # the stand-in's calls are not recall's time
         seconds["recall"] = clock - now if recalling else 0.0
         count = need(len(values) + len(lookup.back))
-        actions, outcomes, gone = self.free(view, values, count, repair=repair)
+        actions, outcomes, gone = self.free(view, values, count, repair=repair, kept=kept)
         if count:  # rows that could not be freed are not brought back (the budget is hard)
             lookup.fit(freed_rows(actions) - need(len(values)))
         now = time.perf_counter()
@@ -187,11 +190,13 @@ class Policy:
         """The recall the policy consults each tick: its `recall`, or a stand-in that recalls nothing."""
         return NO_RECALL if self.recall is None else self.recall
 
-    def select(self, values: list[float], count: int, size: int, *, exclude=()) -> list[tuple[int, ...]]:
-        """The lowest `count` units of `size` rows under this policy's protected-rows rule."""
+    def select(self, values: list[float], count: int, size: int, *, exclude=(),
+               kept: int | None = None) -> list[tuple[int, ...]]:
+        """The lowest `count` units of `size` rows under this policy's protected-rows rule, its
+        recent window that of a context of `kept` rows (default: the live length)."""
         cfg = self.config
         return steps.select_units(values, count, size=size, sinks=cfg.sinks, protect=cfg.protect,
-                                  window=self.window(cfg, len(values)), exclude=exclude)
+                                  window=self.window(cfg, kept or len(values)), exclude=exclude)
 
     def next_probes(self, view, values: list[float], gone: list[int], count: int) -> tuple[Probes | None, Any]:
         """Probes for the units next in line (the lowest once this tick's are gone), for a
@@ -225,7 +230,8 @@ class Policy:
         for name, part in parts.items():
             part.load_state(state[name])
 
-    def free(self, view, values: list[float], need: int, *, repair: bool = True) -> tuple[list[dict], list, list[int]]:
+    def free(self, view, values: list[float], need: int, *, repair: bool = True,
+             kept: int | None = None) -> tuple[list[dict], list, list[int]]:
         """Actions that free at least `need` rows: the lowest units, repaired when a proposal
         frees a row (and `repair`), else deleted. If that is not enough, repairs become deletes
         (the latest first), then single rows make up what fragmented units could not.
@@ -235,7 +241,7 @@ class Policy:
         chosen: list[tuple[tuple[int, ...], list[int]]] = []  # (unit, proposal); [] = delete
         freed = 0
         pinned = pinned_rows(view)
-        for unit in self.select(values, need, self.unit, exclude=pinned):
+        for unit in self.select(values, need, self.unit, exclude=pinned, kept=kept):
             if freed >= need:
                 break
             proposal = self.repairer.propose(view, unit) if repair and self.repairer else []
@@ -251,7 +257,7 @@ class Policy:
                 freed += len(proposal)
         gone = [row for unit, _ in chosen for row in unit]
         if freed < need:
-            rows = self.select(values, need - freed, 1, exclude=gone + pinned)
+            rows = self.select(values, need - freed, 1, exclude=gone + pinned, kept=kept)
             chosen += [(unit, []) for unit in rows]
             gone += [row for (row,) in rows]
             freed += len(rows)

@@ -25,6 +25,7 @@ from typing import Any
 from .base import Plan, Press, Rows, Settings, mean_after_sinks
 from .brightness import BrightnessPress, BrightnessSettings
 from .h2o import H2OPress
+from .knorm import KeyNormPress, KeyNormSettings
 from .none import NoEvictionPress, NoEvictionSettings
 from .random import RandomPress, RandomSettings
 from .scored import ScoredPress
@@ -36,15 +37,43 @@ PRESSES: dict[str, type[Press]] = {}
 
 
 def register(cls: type[Press]) -> type[Press]:
-    """Make `cls` available as `make_press(cls.name, ...)` (usable as a class decorator)."""
-    if PRESSES.get(cls.name, cls) is not cls:
-        raise ValueError(f"press {cls.name!r} is already registered")
-    PRESSES[cls.name] = cls
+    """Make `cls` available as `make_press(cls.name, ...)` and, where no policy has its name,
+    as a policy too (`--policy NAME` in run, serve and eval; its own settings by
+    `--policy-option NAME=VALUE`): policies/pressed.py ticks it one sequence at a time. Usable
+    as a class decorator; ValueError if another press or policy has the name."""
+    from ..policies import POLICIES, register as register_policy
+    from ..policies.pressed import policy_of
+
+    _add(cls)
+    if cls.name not in POLICIES:
+        register_policy(policy_of(cls))
     return cls
 
 
+def _add(cls: type[Press]) -> None:
+    if PRESSES.get(cls.name, cls) is not cls:
+        raise ValueError(f"press {cls.name!r} is already registered")
+    PRESSES[cls.name] = cls
+
+
+def load_entry_points() -> list[str]:
+    """Register the presses other packages declare (entry point group "positronic.presses",
+    each a module or a Press class: importing it registers it); their names. A command calls
+    this once at start, so `pip install` is all a press package needs."""
+    from importlib.metadata import entry_points
+
+    names = []
+    for point in entry_points(group="positronic.presses"):
+        loaded = point.load()
+        if isinstance(loaded, type) and issubclass(loaded, Press) and loaded.name not in PRESSES:
+            register(loaded)
+        names.append(point.name)
+    return names
+
+
 for _press in (StreamingPress, H2OPress, ScoredPress, BrightnessPress, RandomPress, NoEvictionPress, SmartKVPress):
-    register(_press)
+    _add(_press)  # each has a policy of its own (positronic/policies/)
+register(KeyNormPress)  # ticks alone through policies/pressed.py
 
 
 def make_press(name: str, settings: Any) -> Press:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from positronic import steps
+from positronic.util import parse_options
 
 from .select import bounds, select
 
@@ -75,12 +76,22 @@ class Settings:
     @classmethod
     def of(cls, source: Any) -> "Settings":
         """These settings from `source`: one of them, a mapping of fields, or any object with
-        attributes of the same names (a BrainConfig; fields it lacks keep their defaults)."""
+        attributes of the same names (a BrainConfig; fields it lacks keep their defaults, and
+        its `policy_options` give the press's own). ValueError naming a setting it lacks."""
         if isinstance(source, cls):
             return source
+        names = [f.name for f in fields(cls)]
         if isinstance(source, Mapping):
-            return cls(**source)
-        return cls(**{f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)})
+            given = dict(source)
+        else:
+            given = {name: getattr(source, name) for name in names if hasattr(source, name)}
+            given |= parse_options(getattr(source, "policy_options", "") or "")
+        if unknown := sorted(set(given) - set(names)):
+            raise ValueError(f"this press has no setting {unknown[0]!r}; its settings: {', '.join(names)}")
+        try:
+            return cls(**given)
+        except TypeError as exc:  # a setting without a default that `source` does not give
+            raise ValueError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -207,15 +218,19 @@ class Press:
         budget = self.settings.budget
         return torch.where(length < budget, 0, length - budget + self.batch())
 
-    def bounds(self, length: Tensor) -> tuple[Tensor, Tensor]:
-        """start, stop [S]: the selectable rows [start, stop) of each sequence."""
-        return bounds(length, max(self.settings.sinks, self.settings.protect), self.window(length))
+    def bounds(self, length: Tensor, kept: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """start, stop [S]: the selectable rows [start, stop) of each sequence (`kept`: the
+        recent window is that of a context of `kept` rows, a prune's; default `length`)."""
+        window = self.window(length if kept is None else kept)
+        return bounds(length, max(self.settings.sinks, self.settings.protect), window)
 
-    def plan(self, rows: Rows, state: dict[str, Tensor], clock: Tensor, need: Tensor | None = None) -> Plan:
+    def plan(self, rows: Rows, state: dict[str, Tensor], clock: Tensor, need: Tensor | None = None,
+             kept: Tensor | None = None) -> Plan:
         """Score, then select `need` rows per sequence (default `due`; `length - target` prunes
-        down to a target, as `Policy.prune`). Nothing changes until the caller adopts `next`."""
+        down to a target, as `Policy.prune`, with the recent window of the `kept` [S] rows that
+        remain). Nothing changes until the caller adopts `next`."""
         values, next = self.score(rows, state, clock)
         need = self.due(rows.length) if need is None else need
-        start, stop = self.bounds(rows.length)
+        start, stop = self.bounds(rows.length, kept)
         deleted = select(values, rows.length, need, start, stop, rows.pinned, self.unit)
         return Plan(deleted, need, values, next, self.stops(rows.length))

@@ -12,9 +12,10 @@ import torch
 from positronic.batch.engine import Engine, union_recent
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.presses import Press, Settings
+from positronic.state.manager import StateManager
 from positronic.smartkv.gates import bench_gates
 
-PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "none"]
+PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "none", "knorm"]  # knorm: a press without a policy of its own
 TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))  # 119 ids, repeats within the penalty window
 
 
@@ -183,6 +184,9 @@ def test_settings_that_do_not_run_on_core_v4_are_refused_by_name(tiny):
             engine.join("x", brain)
     with pytest.raises(ValueError, match="budget 64 does not fit the engine's 48 rows"):
         engine.join("x", Brain.start(tiny, prompt(tiny, 0, 20), config_for("h2o", budget=64)))
+    over = Brain(StateManager.from_tokens(tiny, prompt(tiny, 0, 60)), config_for("h2o"))  # made by hand, 61 rows
+    with pytest.raises(ValueError, match="its 61 live rows do not fit the engine's 48 rows"):
+        engine.join("x", over)
     assert len(engine) == 0
 
 

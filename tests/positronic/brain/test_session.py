@@ -207,6 +207,7 @@ STREAM_CONFIGS = {
     "h2o": BrainConfig(budget=48, policy="h2o", seed=2),
     "scored": BrainConfig(budget=48, policy="scored", seed=3),
     "bridge": BrainConfig(budget=48, repairer="bridge", seed=4),
+    "knorm": BrainConfig(budget=48, policy="knorm", policy_options="mix=0.25", seed=5),  # a press's policy
 }
 
 

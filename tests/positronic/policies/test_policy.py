@@ -267,16 +267,18 @@ def test_none_stop_ends_the_run_with_the_cache_full(tiny):
     assert all([a["action"] for a in r.actions] == ["add"] for r in records), "no deletes, only the adds"
 
 
-@pytest.mark.parametrize("name", ["brightness", "streaming", "scored", "h2o", "none"])
-def test_a_prompt_longer_than_the_budget_is_pruned_before_the_first_tick(tiny, name):
-    prompt = [tiny.bos_id] + [(7 * i) % 500 + 5 for i in range(99)]
+@pytest.mark.parametrize("length", [100, 240])  # 240: a quarter of it (llama.cpp's window) is more than the budget
+@pytest.mark.parametrize("name", ["brightness", "streaming", "scored", "h2o", "none", "knorm"])
+def test_a_prompt_longer_than_the_budget_is_pruned_before_the_first_tick(tiny, name, length):
+    prompt = [tiny.bos_id] + [(7 * i) % 500 + 5 for i in range(length - 1)]
     brain = Brain.start(tiny, prompt, BrainConfig(policy=name, budget=48, at_capacity="shift", seed=1))
     sm = brain.state
-    assert brain.tick == 0 and len(sm) <= 48
+    assert brain.tick == 0 and len(sm) == 48, "pruned to the budget exactly: the budget is hard"
     assert sm.live_token_ids()[:4] == prompt[:4], "the sinks stay"
     last = sm.mirror.ledger[sm.mirror.live.ledger_ids[-1]]
-    assert (last.token_id, last.source, sm.positions()[-1]) == (prompt[-1], "prompt", 99), "the prompt's last token, in place"
-    assert len(sm.mirror.ledger) == 100, "every prompt token is in the ledger, the pruned ones culled"
+    assert (last.token_id, last.source, sm.positions()[-1]) == (prompt[-1], "prompt", length - 1), \
+        "the prompt's last token, in place"
+    assert len(sm.mirror.ledger) == length, "every prompt token is in the ledger, the pruned ones culled"
     assert sm.next_logits is not None
     sm.check(deep=True)
     for _ in range(5):
