@@ -11,6 +11,8 @@ the per-sequence policy of the same name does today (tests/positronic/presses/):
     brightness  the halo rules ttl / vote, units of `unit` rows (no repairer)
     random      uniformly random selectable rows, from each sequence's own generator
     none        no eviction: stop at capacity, or llama.cpp's context shift
+    knorm       the largest-norm keys go (kvpress's KnormPress): a press with no policy of its own,
+                ticking alone through policies/pressed.py
     smartkv     SmartKV's memories (without recall): each lane (a layer, or a kv head of one)
                 keeps its own rows, chosen by learned gates (positronic/smartkv/)
 
@@ -85,7 +87,8 @@ def make_press(name: str, settings: Any) -> Press:
     return cls(settings)
 
 
-__all__ = ["PRESSES", "BrightnessPress", "BrightnessSettings", "H2OPress", "NoEvictionPress", "NoEvictionSettings",
+__all__ = ["PRESSES", "BrightnessPress", "BrightnessSettings", "H2OPress", "KeyNormPress", "KeyNormSettings",
+           "NoEvictionPress", "NoEvictionSettings",
            "Plan", "Press", "RandomPress", "RandomSettings", "Rows", "ScoredPress", "Settings", "SmartKVPress",
            "SmartKVSettings", "StreamingPress",
-           "bounds", "lowest_rows", "make_press", "mean_after_sinks", "register", "select"]
+           "bounds", "load_entry_points", "lowest_rows", "make_press", "mean_after_sinks", "register", "select"]

@@ -12,15 +12,15 @@ from positronic.brain.config import (BUDGET, PARTS, Brightness, BrainConfig, Con
 
 
 def test_every_field_of_the_record_is_defined_by_exactly_one_part_with_the_same_default():
-    """One place for defaults: the record's defaults are the parts' (policy aside, which names
-    the part that applies), and no setting belongs to two parts."""
+    """One place for defaults: the record's defaults are the parts' (policy and its press's own
+    options aside, which name the part that applies), and no setting belongs to two parts."""
     owners: dict[str, type] = {}
     for part in PARTS:
         for field in dataclasses.fields(part):
             assert field.name not in owners, f"{field.name} is in {owners.get(field.name)} and {part}"
             owners[field.name] = part
     record = {field.name: field.default for field in dataclasses.fields(BrainConfig)}
-    assert set(record) - set(owners) == {"policy"}
+    assert set(record) - set(owners) == {"policy", "policy_options"}
     assert set(owners) <= set(record)
     for name, part in owners.items():
         assert record[name] == next(f.default for f in dataclasses.fields(part) if f.name == name), name

@@ -312,7 +312,7 @@ def test_bounds_are_selectable_rows():
 
 
 def test_registry_and_make_press():
-    assert set(PRESSES) == {"streaming", "h2o", "scored", "brightness", "random", "none", "smartkv"}
+    assert set(PRESSES) == {"streaming", "h2o", "scored", "brightness", "random", "none", "smartkv", "knorm"}
     assert set(PRESSES) <= set(POLICIES)
     assert (press_base.RECENT_MIN, press_base.DEFAULT_WINDOW) == (policy_base.RECENT_MIN, policy_base.DEFAULT_WINDOW)
     cfg = config("brightness", budget=64, window=8, unit=3, brightness="vote")
