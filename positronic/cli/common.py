@@ -172,10 +172,11 @@ def logit_bias_option(options: dict) -> str:
 
 def takes_window(policy: str) -> bool:
     """Whether `policy` reads the configured --window (its class defines `window` itself,
-    not the llama.cpp rule of the shared base)."""
+    not the llama.cpp rule of the shared base; a policy made from a press: the press does)."""
     from ..policies import POLICIES
 
-    return "window" in vars(POLICIES.get(policy, object))
+    cls = POLICIES.get(policy, object)
+    return "window" in vars(getattr(cls, "press_class", cls))
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,

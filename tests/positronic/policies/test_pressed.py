@@ -81,6 +81,28 @@ def test_run_takes_it_by_name_saves_it_and_resumes_it(tiny, stride, run_cli, tmp
     assert run_cli("-m", "random:tiny", "--session", str(tmp_path / "s"), "--resume", "--ticks", "20", "--no-tui") == 0
     assert sessions.resume(tiny, tmp_path / "s").tick == 80
     assert run_cli(*common[:4], "--policy-option", "stride=x", "--ticks", "5", "--no-tui") == 2
+    assert run_cli(*common[:4], "--window", "8", "--ticks", "5", "--no-tui") == 2, "its window is llama.cpp's"
+
+
+def test_a_press_with_a_window_of_its_own_takes_window(tiny, run_cli, tmp_path):
+    """--window reaches a press whose `window` reads it (as brightness's does)."""
+
+    class Windowed(StridePress):
+        name = "windowed"
+
+        def window(self, length):
+            return torch.full_like(length, self.settings.window if self.settings.window is not None else 32)
+
+    presses.register(Windowed)
+    try:
+        events = tmp_path / "events.jsonl"
+        assert run_cli("-m", "random:tiny", "--policy", "windowed", "--window", "8", "--budget", "48", "--ticks",
+                       "60", "--no-tui", "--temperature", "0", "--events", str(events)) == 0
+        brain = Brain.start(tiny, [tiny.bos_id] + list(range(10, 30)), BrainConfig(policy="windowed", window=8,
+                                                                                  budget=48))
+        assert brain.policy.press.window_at(48) == 8
+    finally:
+        PRESSES.pop("windowed"), POLICIES.pop("windowed")
 
 
 def test_the_server_runs_it(tiny, stride, live_server, server_settings, tmp_path):
