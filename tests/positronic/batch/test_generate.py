@@ -53,13 +53,13 @@ def test_past_the_budget_each_row_of_a_batch_makes_its_tokens_alone(model, tiny,
     assert [out[i, width:].tolist() for i in range(4)] == alone
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streaming"])
-def test_prompts_several_times_the_budget_each_row_makes_its_tokens_alone(model, tiny, policy):
+@pytest.mark.parametrize("policy, options", [("h2o", ""), ("streaming", ""), ("knorm", "mix=0.2")])
+def test_prompts_several_times_the_budget_each_row_makes_its_tokens_alone(model, tiny, policy, options):
     """Prompts 2-5x the budget (a pruned prompt once kept a window of a quarter of its own
     length, the budget's worth, and one row past the budget, so no engine seat fitted it)."""
     prompts = [[1] + [(11 * i + 7 * row) % 400 + 5 for i in range(120 + 40 * row)] for row in range(4)]
     ids, mask, width = padded(prompts)
-    with press(model, tiny.tokenizer, policy=policy, budget=48):
+    with press(model, tiny.tokenizer, policy=policy, budget=48, policy_options=options):  # knorm: a press's policy
         out = model.generate(ids, attention_mask=mask, max_new_tokens=12)
         alone = [model.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist() for p in prompts]
     assert [out[i, width:width + len(a)].tolist() for i, a in enumerate(alone)] == alone  # a row may end early
