@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .base import DEFAULT_WINDOW, PolicyPlan
+from .recall import raw
 
 if TYPE_CHECKING:  # presses/__init__ imports this module to register a press's policy
     from ..presses.base import Press, Rows
-
-TENSOR_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool, torch.uint8)}
-
 
 class PressPolicy:
     """The policy of one press (`press_class`), one sequence at a time; see the module docstring."""
@@ -184,7 +182,7 @@ class PressPolicy:
 
 def _plain(tensor: torch.Tensor) -> dict:
     """A tensor as a session's plain data: dtype, shape and its bytes."""
-    return {"dtype": str(tensor.dtype), "shape": list(tensor.shape), "data": tensor.contiguous().numpy().tobytes()}
+    return {"dtype": str(tensor.dtype), "shape": list(tensor.shape), "data": raw(tensor)}
 
 
 def _tensors(policy: str, saved, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
@@ -200,7 +198,7 @@ def _tensors(policy: str, saved, dtypes: dict[str, torch.dtype]) -> dict[str, to
             and all(type(n) is int and n >= 0 for n in item["shape"])
         if not ok or len(item["data"]) != math.prod(item["shape"]) * dtype.itemsize:
             raise ValueError(f"policy {policy}: saved {name!r} is not a {dtype} tensor of its shape")
-        out[name] = torch.frombuffer(bytearray(item["data"]), dtype=dtype).reshape(item["shape"]).clone() \
+        out[name] = torch.frombuffer(bytearray(item["data"]), dtype=torch.uint8).view(dtype).reshape(item["shape"]) \
             if item["data"] else torch.empty(item["shape"], dtype=dtype)
     return out
 
