@@ -270,7 +270,7 @@ def _wrap(name: str, model, tokenizer, dev: torch.device, dt: torch.dtype, weigh
         calibration = torch.tensor([([bos] if bos is not None else []) + words])
         layers = use_weights(model, weights, calibration)
         print(f"weights: {weights} for {layers} linear layers of {name} ({before / 1e6:.0f} MB -> "
-              f"{_linear_bytes(model) / 1e6:.0f} MB){weights_note(weights)}", file=sys.stderr, flush=True)
+              f"{_linear_bytes(model) / 1e6:.0f} MB){weights_note(weights, model)}", file=sys.stderr, flush=True)
     if dev.type == "cpu":
         use_row_invariant_linear(model)  # a row's numbers do not depend on the rows beside it
     elif dev.type == "cuda" and dt in (torch.float16, torch.bfloat16):

@@ -370,12 +370,37 @@ def layer_bytes(module: nn.Module) -> int:
     return 0
 
 
-def weights_note(weights: str) -> str:
-    """What the loader's line adds about `weights` on this host."""
+def bfloat16_rows_alone(model: nn.Module) -> bool:
+    """Whether each of `model`'s BFloat16Linear layer shapes gives every row the same bits alone
+    as among 8, 32 or 64 rows, on this host. torch's bfloat16 product goes to oneDNN, which on
+    CPUs with AMX picks its kernel by row count and shape (an AVX2 CPU has one). A different
+    kernel adds in another order, which the bfloat16 output hides but for rare ties, so the
+    probe makes order show: weights of ones, each row two entries of ±2^20 among values in
+    [0, 1) that the big ones absorb or not depending on when they are added. ~0.3 s (SmolLM2)."""
+    generator = torch.Generator().manual_seed(0)
+    for inputs, outputs in {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, BFloat16Linear)}:
+        layer = BFloat16Linear(torch.ones(outputs, inputs, dtype=torch.bfloat16), None)
+        x = torch.rand(64, inputs, generator=generator)
+        for row in x:
+            big = torch.randperm(inputs, generator=generator)[:2]
+            row[big] = torch.tensor([2.0 ** 20, -2.0 ** 20])
+        with torch.no_grad():
+            alone = torch.cat([layer(x[k:k + 1]) for k in range(64)])
+            if any(not torch.equal(layer(x[:rows]), alone[:rows]) for rows in (8, 32, 64)):
+                return False
+    return True
+
+
+def weights_note(weights: str, model: nn.Module | None = None) -> str:
+    """What the loader's line adds about `weights` on this host (of `model`, loaded with them)."""
     if weights == "int8":
         return "" if WEIGHT_LEVELS == 127 else "; weights in 7 bits (no VNNI here: 8 would overflow fbgemm's sums)"
     if weights == "int4":
         return "; the logits layer int8"
+    if weights == "bfloat16" and model is not None and not bfloat16_rows_alone(model):
+        return ("; this CPU's bfloat16 kernels round a row differently among other rows (AMX: oneDNN picks "
+                "its kernel by row count), so batched and chunked forwards are close to, not the bits of, "
+                "one row at a time (docs/weights.md)")
     return ""
 
 
