@@ -99,13 +99,14 @@ def _config(name: str, policy: str, budget: int, seed: int, settings: dict) -> B
     names = {f.name for f in dataclasses.fields(BrainConfig)}
     if unknown := sorted(set(settings) - names):
         raise ValueError(f"press: {', '.join(unknown)} is not a setting of the brain (BrainConfig)")
-    config = BrainConfig(**({"budget": budget} if budget else {}), seed=seed, **settings)
+    settings = ({"budget": budget} if budget else {}) | dict(seed=seed) | settings
     if policy == "default":
         from ..brain.defaults import default_policy
-        choice = default_policy(name, config)
-        config = dataclasses.replace(config, policy=choice.policy, recall=choice.recall)
+        choice = default_policy(name, BrainConfig(**settings), window=settings.get("window"))
+        settings |= dict(policy=choice.policy, recall=choice.recall)
     else:
-        config = dataclasses.replace(config, policy=policy)
+        settings |= dict(policy=policy)
+    config = BrainConfig(**settings)  # made once: a window the policy does not read is the user's, refused
     if budget:
         config.validate()
     return config

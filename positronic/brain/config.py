@@ -25,7 +25,7 @@ from positronic import steps
 from ..kv import formats as kv_formats
 from ..kv.cache import check_store
 from ..policies import repairers
-from ..policies import DEFAULT_WINDOW, POLICIES
+from ..policies import DEFAULT_WINDOW, POLICIES, reads_window, window_refusal
 
 # a penalty divides (or multiplies) a logit: past these, one token's logit leaves every other
 # token's behind by more than float16 can hold, and the setting only means "never" or "always"
@@ -405,6 +405,8 @@ class BrainConfig:
                 raise ConfigError(f.name, f"{f.name} must be in -2**63..2**63-1, got {value}")
             if type(value) is float and not math.isfinite(value):
                 raise ConfigError(f.name, f"{f.name} must be a finite number, got {value}")
+        if not reads_window(self.policy) and self.window != POLICIES[self.policy].default_window(self.budget):
+            raise ConfigError("window", window_refusal(self.policy))
         if self.budget < self.sinks + self.window + 4 or self.protect + self.window + 4 > self.budget:
             raise ConfigError("budget", f"budget {self.budget} leaves no room to cull: it must exceed "
                               f"max(sinks, protect) + window + 3 = {max(self.sinks, self.protect) + self.window + 3}")

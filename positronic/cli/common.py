@@ -13,6 +13,7 @@ import typer
 
 from ..brain.config import ConfigError
 from ..brain.loop import BrainConfig
+from ..policies import reads_window, window_refusal
 
 DEFAULTS = BrainConfig()  # the CLI shows and uses the same defaults as the library
 # --threads' ceiling: torch takes a C int (-t 2147483648 was "Overflow when unpacking long",
@@ -152,9 +153,8 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
         raise flag_error(exc, options, given_flags(ctx)) from None
     if choice is not None:  # said by the command once the model loaded, not above an error about anything else
         ctx.meta["policy_note"] = f"positronic: {choice.note}"
-    if "window" in given_flags(ctx) and not takes_window(policy):
-        raise UserError(f"--window sets the recent rows of policies brightness and smartkv; policy {policy} keeps "
-                        "llama.cpp's recent window, max(32, live length / 4) (leave --window out)")
+    if "window" in given_flags(ctx) and not reads_window(policy):
+        raise flag_error(ConfigError("window", window_refusal(policy)), options)
     return config
 
 
@@ -168,15 +168,6 @@ def logit_bias_option(options: dict) -> str:
         return logit_bias_text(parse_logit_bias(",".join(entries)))
     except ValueError as exc:
         raise UserError(f"--logit-bias: {exc}") from None
-
-
-def takes_window(policy: str) -> bool:
-    """Whether `policy` reads the configured --window (its class defines `window` itself,
-    not the llama.cpp rule of the shared base; a policy made from a press: the press does)."""
-    from ..policies import POLICIES
-
-    cls = POLICIES.get(policy, object)
-    return "window" in vars(getattr(cls, "press_class", cls))
 
 
 def llama_cpp_aliases(policy: str, sinks: int, protect: int, kv_eviction: int | None, kv_sink_tokens: int | None,

@@ -52,6 +52,7 @@ def eval_command(
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
+    policy_option: Optional[list[str]] = typer.Option(None, "--policy-option", help="NAME=VALUE: a setting of the policies made from a press among the --policy runs (e.g. knorm's mix; docs/policies.md, \"A policy in one file\"); repeatable."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
     task: Optional[list[str]] = typer.Option(None, help="Task mode: retrieval tasks in the manner of RULER, generated from --seed (needle | multikey | multivalue | variables | recall | all; repeatable): the share of instances each cache answers exactly, the full cache's beside (docs/eval.md, 'Tasks'). --text is the haystack."),
     context: int = typer.Option(2048, help="With --task: tokens of each instance's context (haystack and facts), pruned to the budget before the question comes."),
@@ -71,14 +72,17 @@ def eval_command(
     set_threads(threads)
     if not 0 <= seed < 2**63:
         raise UserError(f"--seed must be in 0..2**63-1, got {seed}")
+    settings = dict(sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
+                    repair_batch=repair_batch, evict_every=evict_every, kv_format=kv_format,
+                    policy_options=",".join(policy_option or ()))
+    smartkv = dict(gates=gates, kv_store=kv_store, memory_rank=memory_rank)  # not (yet) read by --generate
+    common = dict(model=model, text=text, budgets=budget, policies=policy, out=out, device=device, dtype=dtype,
+                  weights=weights)
     if task:
         from ..evaluate.tasks import main as tasks_main
 
-        tasks_main(tasks=task, model=model, text=text, budgets=budget, policies=policy, context=context,
-                   instances=instances, seed=seed, out=out, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                   recall=recall, device=device, dtype=dtype, weights=weights, repairer=repairer,
-                   repair_batch=repair_batch, evict_every=evict_every, kv_format=kv_format, gates=gates,
-                   kv_store=kv_store, memory_rank=memory_rank)
+        tasks_main(tasks=task, context=context, instances=instances, seed=seed, recall=recall, **common,
+                   **settings, **smartkv)
         return
     if generate is not None:
         if recall:
@@ -91,21 +95,14 @@ def eval_command(
             raise UserError("--gates applies to the teacher-forced eval, not (yet) to --generate")
         from ..evaluate.generation import main as generation_main
 
-        report = generation_main(generate=generate, model=model, text=text, budgets=budget, policies=policy,
-                                 prompt_tokens=prompt_tokens, seed=seed, out=out, sinks=sinks, protect=protect,
-                                 at_capacity=at_capacity, device=device, dtype=dtype, weights=weights, repairer=repairer,
-                                 repair_batch=repair_batch, evict_every=evict_every, kv_format=kv_format)
+        report = generation_main(generate=generate, prompt_tokens=prompt_tokens, seed=seed, **common, **settings)
         if any(run.error for run in report.runs + ([report.reference] if report.reference else [])):
             raise typer.Exit(1)  # a run ended on a tick that failed twice: its files are written, but say so
         return
     from ..evaluate import main as evaluate_main
 
-    evaluate_main(model=model, text=text, budgets=budget, policies=policy, max_tokens=max_tokens, out=out,
-                  segments=segments, sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                  probe_filler=probe_filler, smooth=smooth, device=device, dtype=dtype, weights=weights, repairer=repairer,
-                  repair_batch=repair_batch, evict_every=evict_every, probe_at=probe_at, recall=recall,
-                  kv_format=kv_format, gates=gates,
-                  kv_store=kv_store, memory_rank=memory_rank)
+    evaluate_main(max_tokens=max_tokens, segments=segments, probe=probe, probe_filler=probe_filler, smooth=smooth,
+                  probe_at=probe_at, recall=recall, **common, **settings, **smartkv)
 
 
 def refuse_unread_options(ctx: typer.Context, generating: bool, probe: bool, tasks: bool = False) -> None:

@@ -64,13 +64,13 @@ from ..texts import DEFAULT_TEXT
 from .cli import main, read_text
 from .probe import PROBE_ANSWER, PROBE_FACT, PROBE_QUESTION, ProbeResult, ProbeStream, probe_stream, run_probe
 from .report import fmt_number, moving_average, plot, probe_cells, progress_bars, table, table_console, write_outputs
-from .stream import (EvalError, StreamResult, make_config, perplexity, reference_config, run_stream,
+from .stream import (EvalError, RunSettings, StreamResult, make_config, perplexity, reference_config, run_stream,
                      segment_bounds)
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate
 
 __all__ = [
     "DEFAULT_BUDGETS", "DEFAULT_POLICIES", "DEFAULT_TEXT", "PROBE_ANSWER", "PROBE_FACT", "PROBE_QUESTION", "EvalError",
-    "EvalReport", "ProbeResult", "ProbeStream", "RunSummary", "StreamResult", "evaluate", "fmt_number", "main",
+    "EvalReport", "ProbeResult", "ProbeStream", "RunSettings", "RunSummary", "StreamResult", "evaluate", "fmt_number", "main",
     "make_config", "moving_average", "perplexity", "plot", "probe_cells", "probe_stream", "progress_bars",
     "read_text", "reference_config", "run_probe", "run_stream", "segment_bounds", "table", "table_console",
     "write_outputs",

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..policies import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 from ..util import read_text_file
 from .report import progress_bars, table, table_console, write_outputs
-from .stream import EvalError, make_config, takes_evict_every
+from .stream import EvalError, RunSettings, takes_evict_every
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
+
+if TYPE_CHECKING:
+    from ..brain.config import BrainConfig
 
 
 def most_tokens(text: str) -> int:
@@ -30,19 +34,19 @@ def read_text(path: Path | None) -> tuple[str, str]:
 
 # eval's options that set a run's BrainConfig field of the same name
 SETTING_FLAGS = ("budget", "sinks", "protect", "at_capacity", "repairer", "repair_batch", "evict_every", "kv_format",
-                 "kv_store",
-                 "gates", "memory_rank")
+                 "kv_store", "gates", "memory_rank", "policy_options")
 
 
 def _flagged(message: str) -> str:
     """A setting's message with its leading field name written as eval's flag ("sinks must be
-    >= 0" -> "--sinks must be >= 0")."""
+    >= 0" -> "--sinks must be >= 0", "policy_options: ..." -> "--policy-option: ...")."""
     field = message.split(" ", 1)[0].rstrip(":")
-    return "--" + field.replace("_", "-") + message[len(field):] if field in SETTING_FLAGS else message
+    if field not in SETTING_FLAGS:
+        return message
+    return "--" + field.removesuffix("s" if field == "policy_options" else "").replace("_", "-") + message[len(field):]
 
 
-def default_sweep(model: str, budget: int, *, sinks: int, protect: int, gates: str,
-                  memory_rank: str | None) -> tuple[list[str], tuple[str, ...]]:
+def default_sweep(model: str, budget: int, cache: RunSettings) -> tuple[list[str], tuple[str, ...]]:
     """The policies an eval without --policy runs: DEFAULT_POLICIES and the one `run` and `serve`
     pick for `model` (brain/defaults.py: SmartKV with recall where gates ship for it, its rank
     the default's), as the smallest budget allows; and those of them that run with recall."""
@@ -50,40 +54,61 @@ def default_sweep(model: str, budget: int, *, sinks: int, protect: int, gates: s
     from ..brain.defaults import default_policy
 
     try:
-        config = BrainConfig(budget=budget, sinks=sinks, protect=protect, gates=gates)
+        config = BrainConfig(budget=budget, sinks=cache.sinks, protect=cache.protect, gates=cache.gates)
     except (TypeError, ValueError):  # the flags' own checks say what is wrong, below
         return list(DEFAULT_POLICIES), ()
-    choice = default_policy(model, config, recall=None, memory_rank=memory_rank)
+    choice = default_policy(model, config, recall=None, memory_rank=cache.memory_rank)
     if choice.policy in DEFAULT_POLICIES and not choice.recall:
         return list(DEFAULT_POLICIES), ()
     return [*DEFAULT_POLICIES, choice.policy], ((choice.policy,) if choice.recall else ())
 
 
-def check_policies(policies: list[str], *, gates: str, memory_rank: str | None, evict_every: int,
-                   recall: bool) -> None:
+def check_policies(policies: list[str], cache: RunSettings, *, recall: bool) -> None:
     """EvalError for an unknown policy, and for a setting that none of `policies` reads (it would
     go unused)."""
     for name in policies:
         if name not in POLICIES:
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     if not any(POLICIES[name].per_layer for name in policies):
-        for flag, value in (("--gates", gates), ("--memory-rank", memory_rank)):
+        for flag, value in (("--gates", cache.gates), ("--memory-rank", cache.memory_rank)):
             if value:
                 raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
-    if evict_every and not any(takes_evict_every(name) for name in policies):
+    if cache.evict_every and not any(takes_evict_every(name) for name in policies):
         raise EvalError("--evict-every applies to the shared-row policies (brightness, streaming, scored, h2o, "
                         "random), none of which is among the --policy runs")
+    if cache.policy_options and not any(hasattr(POLICIES[name], "press_class") for name in policies):
+        pressed = ", ".join(name for name, cls in POLICIES.items() if hasattr(cls, "press_class"))
+        raise EvalError(f"--policy-option sets a press's own settings: it applies to the policies made from a press "
+                        f"({pressed}), none of which is among the --policy runs")
     if recall and not any(recallable(name) for name in policies):
         raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
 
 
+def run_settings(settings: dict, policies: list[str], budgets: list[int], *,
+                 recall: bool, recalled: tuple[str, ...] = ()) -> dict[tuple[str, bool, int], BrainConfig]:
+    """Every run's BrainConfig, keyed (policy, recall, budget): the eval's `settings`
+    (RunSettings' fields) checked against its policies, each error worded with eval's flags.
+    `recall` adds a run with recall of every policy that can; `recalled`: those that run with
+    recall alone."""
+    cache = RunSettings.of(settings)
+    check_policies(policies, cache, recall=recall)
+    configs = {}
+    for budget in budgets:
+        for name in policies:
+            for on in dict.fromkeys((name in recalled, recall and recallable(name))):
+                try:
+                    configs[name, on, budget] = cache.config(name, budget, recall=on)
+                except EvalError as exc:
+                    raise EvalError(_flagged(str(exc))) from None
+    return configs
+
+
 def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None, max_tokens: int = 1024,
-         out: Path = Path("eval_results"), segments: int = 8, sinks: int = 4, protect: int = 0,
-         at_capacity: str = "shift", probe: bool = True, probe_filler: int | None = None, device: str | None = None,
-         dtype: str | None = None, weights: str | None = None, smooth: int | None = None, repairer: str | None = None,
-         repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0, recall: bool = False,
-         kv_format: str = "float", gates: str = "", kv_store: str = "splice", memory_rank: str | None = None) -> EvalReport:
-    """`positronic eval`: check the flags, load the model, run, print the table, write the files."""
+         out: Path = Path("eval_results"), segments: int = 8, probe: bool = True, probe_filler: int | None = None,
+         device: str | None = None, dtype: str | None = None, weights: str | None = None, smooth: int | None = None,
+         probe_at: float = 0.0, recall: bool = False, **settings) -> EvalReport:
+    """`positronic eval`: check the flags, load the model, run, print the table, write the files.
+    `settings`: the runs' cache settings (RunSettings' fields)."""
     from rich.console import Console
 
     from ..models import load_model
@@ -91,20 +116,9 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     budgets = list(budgets or DEFAULT_BUDGETS)
     recalled: tuple[str, ...] = ()
     if not policies:  # the sweep of the shared-row policies, and the product's own default for the model
-        policies, recalled = default_sweep(model, min(budgets), sinks=sinks, protect=protect, gates=gates,
-                                           memory_rank=memory_rank)
+        policies, recalled = default_sweep(model, min(budgets), RunSettings.of(settings))
     policies = list(policies)
-    check_policies(policies, gates=gates, memory_rank=memory_rank, evict_every=evict_every, recall=recall)
-    for budget in budgets:
-        for name in policies:
-            for on in {False, recall and recallable(name)}:
-                try:
-                    make_config(name, budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                repairer=repairer, repair_batch=repair_batch,
-                                evict_every=evict_every, recall=on, kv_format=kv_format,
-                                gates=gates, kv_store=kv_store, memory_rank=memory_rank)
-                except EvalError as exc:
-                    raise EvalError(_flagged(str(exc))) from None
+    run_settings(settings, policies, budgets, recall=recall, recalled=recalled)
     if max_tokens < 2:
         raise EvalError(f"--max-tokens must be >= 2, got {max_tokens}")
     if segments < 1:
@@ -130,13 +144,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
 
     with progress_bars(err) as progress:
         report = evaluate(lm, body, policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments,
-                          sinks=sinks, protect=protect, at_capacity=at_capacity, probe=probe,
-                          probe_filler=probe_filler, repairer=repairer, repair_batch=repair_batch,
-                          evict_every=evict_every,
-                          probe_at=probe_at, recall=recall, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                          memory_rank=memory_rank, recalled=recalled, progress=progress,
-                          on_run=done,
-                          text_name=name)
+                          probe=probe, probe_filler=probe_filler, probe_at=probe_at, recall=recall, recalled=recalled,
+                          progress=progress, on_run=done, text_name=name, **settings)
     table_console().print(table(report))
     paths = write_outputs(report, out, smooth=smooth)
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from . import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, fmt_number, make_config, perplexity,
-                       progress_bars, read_text, reference_config, table_console)
+from . import (DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalError, RunSettings, fmt_number, perplexity, progress_bars,
+               read_text, table_console)
 from ..brain.loop import Brain, BrainConfig
 from ..models.compat import with_cache
 
@@ -189,23 +189,22 @@ def prompt_of(lm, text: str, prompt_tokens: int) -> list[int]:
     return [lm.bos_id] + text_ids[:prompt_tokens]
 
 
-def check_settings(policies, budgets, *, generate: int, prompt_tokens: int, sinks: int = 4, protect: int = 0,
-                   at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
-                   evict_every: int = 0,
-                   score_layers="last", kv_format: str = "float") -> dict[tuple[str, int], BrainConfig]:
+def check_settings(policies, budgets, *, generate: int, prompt_tokens: int,
+                   **settings) -> dict[tuple[str, int], BrainConfig]:
     """EvalError for anything that cannot run (before a model is loaded or a file written);
-    returns the BrainConfig of every (policy, budget), seed not yet set."""
+    returns the BrainConfig of every (policy, budget), seed not yet set. `settings`: the runs'
+    cache settings (RunSettings' fields)."""
     if not policies or not budgets:
         raise EvalError("give at least one policy and one budget")
     if generate < 1:
         raise EvalError(f"--generate must be >= 1, got {generate}")
     if prompt_tokens < 1:
         raise EvalError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    return {(p, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
-                                evict_every=evict_every,
-                                kv_format=kv_format)
-            for b in budgets for p in policies}
+    try:
+        cache = RunSettings.of(settings)
+    except TypeError as exc:
+        raise EvalError(str(exc)) from None
+    return {(p, b): cache.config(p, b) for b in budgets for p in policies}
 
 
 def score_run(lm, prompt_ids: list[int], run: GenerationRun) -> GenerationRun:
@@ -218,21 +217,17 @@ def score_run(lm, prompt_ids: list[int], run: GenerationRun) -> GenerationRun:
 
 
 def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, generate: int,
-                        prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, sinks: int = 4, protect: int = 0,
-                        at_capacity: str = "shift", repairer: str | None = None, repair_batch: int | None = None,
-                        evict_every: int = 0,
-                        score_layers="last", reference: bool = True, progress=None, on_run=None,
-                        text_name: str = "", kv_format: str = "float") -> GenerationReport:
+                        prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, reference: bool = True,
+                        progress=None, on_run=None, text_name: str = "", **settings) -> GenerationReport:
     """Generate `generate` tokens per (policy, budget) from BOS + the first `prompt_tokens`
     tokens of `text`, all with sampler seed `seed`, plus the full-cache reference when
-    prompt + generate fits the model's positions; re-score every run. Returns a
-    GenerationReport (runs in budget-major order, reference separate). `progress` is a rich
-    Progress (or None); `on_run` is called with each finished, scored GenerationRun."""
+    prompt + generate fits the model's positions; re-score every run. `settings`: the runs'
+    cache settings (RunSettings' fields). Returns a GenerationReport (runs in budget-major
+    order, reference separate). `progress` is a rich Progress (or None); `on_run` is called
+    with each finished, scored GenerationRun."""
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
-    configs = check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks,
-                             protect=protect, at_capacity=at_capacity, repairer=repairer,
-                             repair_batch=repair_batch,
-                             evict_every=evict_every, score_layers=score_layers, kv_format=kv_format)
+    configs = check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, **settings)
+    cache = RunSettings.of(settings)
     if max(budgets) > lm.max_positions:
         raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
     if prompt_tokens + 1 > lm.max_positions:
@@ -260,8 +255,7 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
         note = (f"no full-cache reference: prompt + generated = {length} tokens is above {lm.name}'s "
                 f"{lm.max_positions} positions (re-scored perplexities are still computed, beyond them)")
     else:
-        ref = one(reference_config(length, sinks=sinks, protect=protect, score_layers=score_layers,
-                                   kv_format=kv_format), full=True)
+        ref = one(cache.reference(length), full=True)
     runs = [one(configs[(p, b)]) for b in budgets for p in policies]
     if ref is not None:
         ref.ratio = 1.0
@@ -271,9 +265,10 @@ def evaluate_generation(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEF
     settings = dict(policies=policies, budgets=budgets, generate=generate, prompt_tokens=prompt_tokens, seed=seed,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     repetition_penalty=sampling.repetition_penalty, penalty_window=sampling.penalty_window,
-                    sinks=sinks, protect=protect, at_capacity=at_capacity, score_layers=score_layers,
-                    repairer=repairer, repair_batch=repair_batch, kv_format=kv_format,
-                    **({"evict_every": evict_every} if evict_every else {}),
+                    sinks=cache.sinks, protect=cache.protect, at_capacity=cache.at_capacity,
+                    score_layers=cache.score_layers, repairer=cache.repairer, repair_batch=cache.repair_batch,
+                    kv_format=cache.kv_format, **({"evict_every": cache.evict_every} if cache.evict_every else {}),
+                    **({"policy_options": cache.policy_options} if cache.policy_options else {}),
                     rescore="full history, plain forward, float32 log_softmax",
                     torch=torch.__version__, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
                     **({"weights": lm.weights} if lm.weights != "float32" else {}),
@@ -387,20 +382,18 @@ def write_generation_outputs(report: GenerationReport, out: Path) -> dict[str, P
 
 def main(*, generate: int, model: str = "smollm2", text: Path | None = None, budgets=None, policies=None,
          prompt_tokens: int = DEFAULT_PROMPT_TOKENS, seed: int = 0, out: Path = Path("eval_results"),
-         sinks: int = 4, protect: int = 0, at_capacity: str = "shift", device: str | None = None,
-         dtype: str | None = None, weights: str | None = None, repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
-         kv_format: str = "float") -> GenerationReport:
+         device: str | None = None, dtype: str | None = None, weights: str | None = None,
+         **settings) -> GenerationReport:
     """`positronic eval --generate N`: check the flags, load the model, generate, re-score,
-    print the table, write the files. Returns the GenerationReport."""
+    print the table, write the files. `settings`: the runs' cache settings (RunSettings'
+    fields). Returns the GenerationReport."""
     from rich.console import Console
 
     from ..models import load_model
 
     policies = list(policies or DEFAULT_POLICIES)
     budgets = list(budgets or DEFAULT_BUDGETS)
-    check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, sinks=sinks, protect=protect,
-                   at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
-                   evict_every=evict_every, kv_format=kv_format)
+    check_settings(policies, budgets, generate=generate, prompt_tokens=prompt_tokens, **settings)
     body, name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype, weights=weights)
     err = Console(stderr=True)
@@ -414,10 +407,8 @@ def main(*, generate: int, model: str = "smollm2", text: Path | None = None, bud
 
     with progress_bars(err) as progress:
         report = evaluate_generation(lm, body, policies=policies, budgets=budgets, generate=generate,
-                                     prompt_tokens=prompt_tokens, seed=seed, sinks=sinks, protect=protect,
-                                     at_capacity=at_capacity, repairer=repairer, repair_batch=repair_batch,
-                                     evict_every=evict_every,
-                                     progress=progress, on_run=done, text_name=name, kv_format=kv_format)
+                                     prompt_tokens=prompt_tokens, seed=seed, progress=progress, on_run=done,
+                                     text_name=name, **settings)
     if report.note:
         print(f"note: {report.note}", file=sys.stderr)
     table_console().print(table(report))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..brain.loop import Brain, BrainConfig
-from ..policies import POLICIES
+from ..policies import DEFAULT_WINDOW, POLICIES
 
 
 class EvalError(ValueError):
@@ -35,28 +35,64 @@ class StreamResult:
     seconds: float
 
 
-def make_config(policy: str, budget: int, *, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-                score_layers="last", repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0,
-                recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
-                memory_rank: str | None = None) -> BrainConfig:
-    """The BrainConfig of one run (None: the library default); EvalError if the combination cannot run.
-    `evict_every`: how often the shared-row policies edit (0: each one's own; the others keep theirs).
-    `gates`: policy smartkv's gate file ("" = the gates shipped for the model); `memory_rank`: its
-    memory's rank (gates | recent; None: the run's default, recent with recall)."""
-    chosen = {"repairer": repairer, "repair_batch": repair_batch}
-    if evict_every and takes_evict_every(policy):  # as --gates: the policies that take it, in a sweep of several
-        chosen["evict_every"] = evict_every
-    config = BrainConfig(policy=policy, budget=budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                         score_layers=score_layers, recall=recall, kv_format=kv_format, kv_store=kv_store,
-                         gates=gates if (policy in POLICIES and POLICIES[policy].per_layer) else "",  # smartkv's only
-                         memory_rank=memory_rank if (policy in POLICIES and POLICIES[policy].per_layer) else None,
-                         **{k: v for k, v in chosen.items() if v is not None})
-    try:
-        config.validate()
-        POLICIES[policy].check(config)
-    except ValueError as exc:
-        raise EvalError(str(exc)) from None
-    return config
+@dataclass(frozen=True)
+class RunSettings:
+    """The cache settings every run of one eval shares (its flags; None: the library default).
+    `config(policy, budget)` makes each run's BrainConfig, giving a setting that only some
+    policies read to those alone, as in a sweep of several: `gates` and `memory_rank` to
+    smartkv, `evict_every` to the shared-row policies, `policy_options` to policies made from a
+    press. Made from keywords by `of`, which names an unknown one."""
+    sinks: int = 4
+    protect: int = 0
+    at_capacity: str = "shift"
+    score_layers: object = "last"
+    repairer: str | None = None
+    repair_batch: int | None = None
+    evict_every: int = 0  # how often the shared-row policies edit (0: each one's own)
+    kv_format: str = "float"
+    gates: str = ""  # smartkv's gate file ("": the gates shipped for the model)
+    kv_store: str = "splice"
+    memory_rank: str | None = None  # smartkv's memory rank (None: recent with recall, else gates)
+    policy_options: str = ""  # "name=value,...": a press's own settings
+
+    @classmethod
+    def of(cls, settings: dict) -> RunSettings:
+        if unknown := sorted(set(settings) - {f.name for f in fields(cls)}):
+            raise TypeError(f"not an eval setting: {', '.join(unknown)} (settings: "
+                            f"{', '.join(f.name for f in fields(cls))})")
+        return cls(**settings)
+
+    def config(self, policy: str, budget: int, *, recall: bool = False) -> BrainConfig:
+        """The BrainConfig of `policy` at `budget`; EvalError if the combination cannot run."""
+        known = POLICIES.get(policy)
+        smartkv = bool(known and known.per_layer)
+        chosen = {"repairer": self.repairer, "repair_batch": self.repair_batch}
+        if self.evict_every and takes_evict_every(policy):
+            chosen["evict_every"] = self.evict_every
+        config = BrainConfig(policy=policy, budget=budget, sinks=self.sinks, protect=self.protect,
+                             at_capacity=self.at_capacity, score_layers=self.score_layers, recall=recall,
+                             kv_format=self.kv_format, kv_store=self.kv_store, gates=self.gates if smartkv else "",
+                             memory_rank=self.memory_rank if smartkv else None,
+                             policy_options=self.policy_options if hasattr(known, "press_class") else "",
+                             **{k: v for k, v in chosen.items() if v is not None})
+        try:
+            config.validate()
+            POLICIES[policy].check(config)
+        except ValueError as exc:  # a press's own setting is refused by the press, in its words: say which flag
+            field = getattr(exc, "field", None)
+            raise EvalError(f"policy_options: {exc}" if field == "policy_options" else str(exc)) from None
+        return config
+
+    def reference(self, length: int) -> BrainConfig:
+        """The full-cache reference for streams of up to `length` tokens (`reference_config`)."""
+        return reference_config(length, sinks=self.sinks, protect=self.protect, score_layers=self.score_layers,
+                                kv_format=self.kv_format)
+
+
+def make_config(policy: str, budget: int, *, recall: bool = False, **settings) -> BrainConfig:
+    """The BrainConfig of one run of `policy` at `budget` with the eval `settings` (RunSettings'
+    fields); EvalError if the combination cannot run."""
+    return RunSettings.of(settings).config(policy, budget, recall=recall)
 
 
 def takes_evict_every(policy: str) -> bool:
@@ -68,9 +104,10 @@ def reference_config(length: int, *, sinks: int = 4, protect: int = 0, score_lay
                      kv_format: str = "float") -> BrainConfig:
     """The full-cache reference for streams of up to `length` tokens: policy `none` with a
     budget the stream never reaches (so it never stops and never evicts), and at least what
-    BrainConfig.validate asks of any budget (no recent window: nothing is culled anyway)."""
-    return BrainConfig(policy="none", budget=max(length + 1, max(sinks, protect) + 4), sinks=sinks, protect=protect,
-                       window=0, at_capacity="stop", score_layers=score_layers, kv_format=kv_format)
+    BrainConfig.validate asks of any budget (room for the default window, which policy none
+    never reads: nothing is culled anyway)."""
+    return BrainConfig(policy="none", budget=max(length + 1, max(sinks, protect) + DEFAULT_WINDOW + 4), sinks=sinks,
+                       protect=protect, at_capacity="stop", score_layers=score_layers, kv_format=kv_format)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from ..kv import formats as kv_formats
 from ..brain.loop import BrainConfig
 from ..policies import POLICIES
 from .probe import PROBE_ANSWER, PROBE_FACT, PROBE_QUESTION, ProbeResult, probe_stream, run_probe
-from .stream import EvalError, make_config, perplexity, reference_config, run_stream, segment_bounds
+from .stream import EvalError, RunSettings, perplexity, run_stream, segment_bounds
 
 DEFAULT_POLICIES = ("brightness", "streaming", "scored", "h2o", "none")
 DEFAULT_BUDGETS = (128, 256, 512)
@@ -63,23 +63,23 @@ def recallable(policy: str) -> bool:
 
 
 def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, max_tokens: int = 1024,
-             segments: int = 8, sinks: int = 4, protect: int = 0, at_capacity: str = "shift",
-             probe: bool = True, probe_filler: int | None = None, score_layers="last", reference: bool = True,
-             repairer: str | None = None, repair_batch: int | None = None, evict_every: int = 0, probe_at: float = 0.0,
-             recall: bool = False, kv_format: str = "float", gates: str = "", kv_store: str = "splice",
-             memory_rank: str | None = None, recalled: tuple[str, ...] = (), progress=None, on_run=None,
-             text_name: str = "") -> EvalReport:
+             segments: int = 8, probe: bool = True, probe_filler: int | None = None, reference: bool = True,
+             probe_at: float = 0.0, recall: bool = False, recalled: tuple[str, ...] = (), progress=None, on_run=None,
+             text_name: str = "", **settings) -> EvalReport:
     """Run every (policy, budget) over the first `max_tokens` tokens of `text`, plus the
-    full-cache reference when it fits. `repairer`, `repair_batch`: the brightness policy's
-    (None: the library default). `probe_at`: where the probe's fact goes (the fraction of the
-    filler before it). `recall`: every policy that can recall (not `none`) also runs with
-    recall on; `recalled`: policies that run with recall on alone (the product's default policy,
-    SmartKV with recall, in a sweep of the others without). `gates`, `memory_rank`: smartkv's gate file and memory rank (None:
-    each run's default, recent with recall).
-    `kv_format`: how every run, the reference included, stores its cache rows. `kv_store`:
-    where the policies' runs keep them (ring: streaming only); the full-cache reference
-    keeps the splice store (it never evicts, so a ring would change nothing).
+    full-cache reference when it fits. `settings`: the runs' cache settings (RunSettings'
+    fields: sinks, protect, at_capacity, repairer, kv_format, gates, policy_options, ...; each
+    given to the policies that read it). `probe_at`: where the probe's fact goes (the fraction
+    of the filler before it). `recall`: every policy that can recall (not `none`) also runs
+    with recall on; `recalled`: policies that run with recall on alone (the product's default
+    policy, SmartKV with recall, in a sweep of the others without). `kv_format` stores every
+    run's rows, the reference's included; `kv_store` is the policies' runs' store (the
+    reference keeps the splice store: it never evicts, so a ring would change nothing).
     `progress` is a rich Progress (or None); `on_run` is called with each finished RunSummary."""
+    try:
+        cache = RunSettings.of(settings)
+    except TypeError as exc:
+        raise EvalError(str(exc)) from None
     policies, budgets = list(dict.fromkeys(policies)), list(dict.fromkeys(budgets))
     if not policies or not budgets:
         raise EvalError("give at least one policy and one budget")
@@ -92,12 +92,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
         raise EvalError(f"segments must be >= 1, got {segments}")
     variants = [(p, r) for p in policies
                 for r in ((False, True) if recall and recallable(p) else (True,) if p in recalled else (False,))]
-    configs = {(p, r, b): make_config(p, b, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                      score_layers=score_layers, repairer=repairer, repair_batch=repair_batch,
-                                      evict_every=evict_every,
-                                      recall=r, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                                      memory_rank=memory_rank)
-               for b in budgets for p, r in variants}
+    configs = {(p, r, b): cache.config(p, b, recall=r) for b in budgets for p, r in variants}
     text_ids = lm.encode(text)
     if len(text_ids) < 2:
         raise EvalError("the text has fewer than 2 tokens")
@@ -105,7 +100,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     if max(budgets) > lm.max_positions:
         raise EvalError(f"budget {max(budgets)} is above {lm.name}'s {lm.max_positions} positions")
     filler = probe_filler if probe_filler is not None else min(max(budgets) + 128, len(text_ids))
-    pstream = probe_stream(lm, text_ids, filler, probe_at, keep=max(sinks, protect, 1)) if probe else None
+    pstream = probe_stream(lm, text_ids, filler, probe_at, keep=max(cache.sinks, cache.protect, 1)) if probe else None
     p_ids = pstream.ids if probe else []
     longest = max(len(ids), len(p_ids))
 
@@ -136,8 +131,7 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     ref = None
     if reference and (longest <= lm.max_positions or probe):  # the full cache fits: nothing is ever evicted
         fits = len(ids) <= lm.max_positions
-        ref = one("none", None, reference_config(longest if fits else len(p_ids), sinks=sinks, protect=protect,
-                                                 score_layers=score_layers, kv_format=kv_format), scored=fits)
+        ref = one("none", None, cache.reference(longest if fits else len(p_ids)), scored=fits)
     runs = [one(p, b, configs[(p, r, b)]) for b in budgets for p, r in variants]
     if ref is not None and ref.nll:
         bounds = segment_bounds(len(ids) - 1, segments)
@@ -149,14 +143,17 @@ def evaluate(lm, text: str, *, policies=DEFAULT_POLICIES, budgets=DEFAULT_BUDGET
     for run in ([ref] if ref is not None else []) + runs:
         if run.probe is not None:
             run.probe.compare(full)
-    settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=sinks,
-                    protect=protect, at_capacity=at_capacity, score_layers=score_layers, repairer=repairer, repair_batch=repair_batch, probe=probe,
+    kv_format = cache.kv_format
+    settings = dict(policies=policies, budgets=budgets, max_tokens=max_tokens, segments=segments, sinks=cache.sinks,
+                    protect=cache.protect, at_capacity=cache.at_capacity, score_layers=cache.score_layers,
+                    repairer=cache.repairer, repair_batch=cache.repair_batch, probe=probe,
                     probe_filler=filler if probe else None, probe_at=probe_at if probe else None,
                     probe_fact_at=pstream.fact_at if probe else None, recall=recall,
                     probe_fact=PROBE_FACT, probe_question=PROBE_QUESTION,
                     probe_answer=PROBE_ANSWER, kv_format=kv_format,
-                    **({"kv_store": kv_store} if kv_store != "splice" else {}),  # earlier results read as before
-                    **({"evict_every": evict_every} if evict_every else {}),
+                    **({"kv_store": cache.kv_store} if cache.kv_store != "splice" else {}),  # earlier results read as before
+                    **({"evict_every": cache.evict_every} if cache.evict_every else {}),
+                    **({"policy_options": cache.policy_options} if cache.policy_options else {}),
                     kv_bytes_per_token=kv_formats.bytes_per_token(kv_format, layers=lm.num_layers,
                                                                   kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                                                                   dtype=lm.dtype),

@@ -226,19 +226,17 @@ def write_task_results(rows: list[TaskRow], out, meta: dict) -> list:
 
 
 def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, policies=None, context: int = 2048,
-         instances: int = 8, seed: int = 0, out="eval_results", sinks: int = 4, protect: int = 0,
-         at_capacity: str = "shift", recall: bool = False, device=None, dtype=None, weights=None,
-         repairer=None, repair_batch=None, evict_every: int = 0, kv_format: str = "float", gates: str = "",
-         kv_store: str = "splice", memory_rank=None) -> list[TaskRow]:
+         instances: int = 8, seed: int = 0, out="eval_results", recall: bool = False, device=None, dtype=None,
+         weights=None, **settings) -> list[TaskRow]:
     """`positronic eval --task NAME`: check the settings, load the model, run every task under the
     full cache and each policy and budget (the product's default among them), print the table,
-    write tasks.csv/.json/.md."""
+    write tasks.csv/.json/.md. `settings`: the runs' cache settings (RunSettings' fields)."""
     import sys
 
     from ..models import load_model
-    from .cli import _flagged, check_policies, default_sweep, read_text
-    from .stream import make_config
-    from .sweep import DEFAULT_BUDGETS, recallable
+    from .cli import default_sweep, read_text, run_settings
+    from .stream import RunSettings
+    from .sweep import DEFAULT_BUDGETS
 
     names = list(TASKS) if "all" in tasks else list(dict.fromkeys(tasks))
     for name in names:
@@ -251,21 +249,10 @@ def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, p
     budgets = list(budgets or DEFAULT_BUDGETS)
     recalled: tuple[str, ...] = ()
     if not policies:
-        policies, recalled = default_sweep(model, min(budgets), sinks=sinks, protect=protect, gates=gates,
-                                           memory_rank=memory_rank)
-    check_policies(list(policies), gates=gates, memory_rank=memory_rank, evict_every=evict_every, recall=recall)
-    configs = {}
-    for budget in budgets:
-        for policy in policies:
-            for on in dict.fromkeys((policy in recalled, recall and recallable(policy))):
-                try:
-                    config = make_config(policy, budget, sinks=sinks, protect=protect, at_capacity=at_capacity,
-                                         repairer=repairer, repair_batch=repair_batch, evict_every=evict_every,
-                                         recall=on, kv_format=kv_format, gates=gates, kv_store=kv_store,
-                                         memory_rank=memory_rank)
-                except EvalError as exc:
-                    raise EvalError(_flagged(str(exc))) from None
-                configs[f"{policy}{'+recall' if on else ''}@{budget}"] = config
+        policies, recalled = default_sweep(model, min(budgets), RunSettings.of(settings))
+    configs = {f"{policy}{'+recall' if on else ''}@{budget}": config
+               for (policy, on, budget), config in run_settings(settings, list(policies), budgets, recall=recall,
+                                                                 recalled=recalled).items()}
     body, text_name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype, weights=weights)
     if context + 64 > lm.max_positions:

@@ -44,6 +44,22 @@ for _policy in (BrightnessPolicy, StreamingPolicy, ScoredPolicy, H2OPolicy, NoEv
     register(_policy)
 
 
+def reads_window(name: str) -> bool:
+    """Whether policy `name` reads the configured window (its class defines `window` itself,
+    not llama.cpp's rule of the shared base; a policy made from a press: whether the press does)."""
+    cls = POLICIES.get(name, object)
+    return "window" in vars(getattr(cls, "press_class", cls))
+
+
+def window_refusal(name: str) -> str:
+    """Why a window given to policy `name` (one that does not read it) is refused."""
+    *others, last = [n for n in POLICIES if reads_window(n)]
+    readers = f"{', '.join(others)} and {last}" if others else last
+    kept = ("evicts nothing, so it has no recent window" if name == "none"
+            else "keeps llama.cpp's recent window, max(32, live length / 4)")
+    return f"window sets the recent rows of policies {readers}; policy {name} {kept} (leave the window out)"
+
+
 def make_policy(name: str, lm, config):
     """The policy `name` for a run of `lm` with `config`."""
     try:
@@ -54,4 +70,4 @@ def make_policy(name: str, lm, config):
 
 __all__ = ["DEFAULT_WINDOW", "POLICIES", "BrightnessPolicy", "H2OPolicy", "NoEvictionPolicy", "Policy", "PolicyPlan",
            "RandomPolicy", "ScoredPolicy", "StreamingPolicy", "batch_size", "make_policy", "pinned_rows",
-           "recent_window", "register"]
+           "reads_window", "recent_window", "register", "window_refusal"]

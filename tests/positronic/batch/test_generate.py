@@ -47,7 +47,7 @@ def test_with_nothing_evicted_a_padded_batch_makes_plain_generate_s_tokens_and_t
                                           ("scored", "right")])
 def test_past_the_budget_each_row_of_a_batch_makes_its_tokens_alone(model, tiny, policy, side):
     ids, mask, width = padded(PROMPTS, side)
-    with press(model, tiny.tokenizer, policy=policy, budget=48, window=8):
+    with press(model, tiny.tokenizer, policy=policy, budget=48):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=40)
         alone = [model.generate(torch.tensor([p]), max_new_tokens=40)[0, len(p):].tolist() for p in PROMPTS]
     assert [out[i, width:].tolist() for i in range(4)] == alone
@@ -68,17 +68,17 @@ def test_prompts_several_times_the_budget_each_row_makes_its_tokens_alone(model,
 def test_sampling_draws_each_row_with_its_own_seed(model, tiny):
     ids, mask, width = padded(PROMPTS)
     fields = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=0, top_p=0.95)
-    with press(model, tiny.tokenizer, policy="streaming", budget=40, window=8, seed=7):
+    with press(model, tiny.tokenizer, policy="streaming", budget=40, seed=7):
         out = model.generate(ids, attention_mask=mask, **fields)
     for row, prompt in enumerate(PROMPTS):
-        with press(model, tiny.tokenizer, policy="streaming", budget=40, window=8, seed=7 + row):
+        with press(model, tiny.tokenizer, policy="streaming", budget=40, seed=7 + row):
             alone = model.generate(torch.tensor([prompt]), **fields)[0, len(prompt):].tolist()
         assert out[row, width:].tolist() == alone
 
 
 def test_a_row_ends_at_its_end_of_sequence_token_and_the_rest_is_padding(model, tiny):
     ids, mask, width = padded(PROMPTS[:2])
-    with press(model, tiny.tokenizer, policy="h2o", budget=40, window=8):
+    with press(model, tiny.tokenizer, policy="h2o", budget=40):
         first = model.generate(ids, attention_mask=mask, max_new_tokens=6)
         stop = int(first[0, width + 2])  # row 0's third token ends it now
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=stop, pad_token_id=3)
@@ -115,7 +115,7 @@ def test_compression_ratio_sets_each_row_s_budget_from_its_prompt(model, tiny, m
                         or start(lm, prompt, config, **kw))
     prompts = [[1] + list(range(10, 110)), [1] + list(range(200, 279))]
     ids, mask, width = padded(prompts)
-    with press(model, tiny.tokenizer, policy="streaming", compression_ratio=0.5, window=8):
+    with press(model, tiny.tokenizer, policy="streaming", compression_ratio=0.5):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=5)
         assert budgets == [51, 40] and out.shape == (2, width + 5)
         with pytest.raises(ValueError, match=r"compression_ratio 0.5 gives row 0 \(6 prompt tokens\) a budget of 3"):

@@ -125,3 +125,21 @@ def test_the_model_dependent_checks_name_their_field(tiny):
         with pytest.raises(ConfigError, match="random:tiny") as caught:
             check_budget(tiny, BrainConfig(**settings))
         assert caught.value.field == field
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "scored", "random", "knorm", "none"])
+def test_a_window_the_policy_does_not_read_is_refused_not_ignored(policy):
+    """Policies that keep llama.cpp's recent window (max(32, live length / 4)) never read the
+    configured one: the library refuses a window given to them, as --window is refused, instead
+    of running with another window than the one asked for. Their own default still validates,
+    so a session saved before reads back."""
+    from positronic.brain.config import ConfigError
+    from positronic.policies import POLICIES
+
+    with pytest.raises(ConfigError, match=f"policy {policy} .*leave the window out") as caught:
+        BrainConfig(policy=policy, budget=128, window=8).validate()
+    assert caught.value.field == "window"
+    BrainConfig(policy=policy, budget=128).validate()
+    BrainConfig(policy=policy, budget=128, window=POLICIES[policy].default_window(128)).validate()
+    for reader in ("brightness", "smartkv"):
+        assert BrainConfig(policy=reader, budget=128, window=8).validate() is None

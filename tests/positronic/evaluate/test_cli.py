@@ -43,15 +43,15 @@ def test_an_eval_without_policy_runs_the_products_default_beside_the_sweep():
     the sweep, elsewhere; a budget SmartKV cannot run with falls back to it as `run` does."""
     from positronic.brain.config import BrainConfig
     from positronic.evaluate.cli import default_sweep
-    from positronic.evaluate.stream import make_config
+    from positronic.evaluate.stream import RunSettings, make_config
     from positronic.evaluate.sweep import DEFAULT_POLICIES
 
-    policies, recalled = default_sweep("smollm2", 128, sinks=4, protect=0, gates="", memory_rank=None)
+    policies, recalled = default_sweep("smollm2", 128, RunSettings())
     assert policies == [*DEFAULT_POLICIES, "smartkv"] and recalled == ("smartkv",)
     config = make_config("smartkv", 128, recall=True)
     assert (config.recall, config.memory_rank) == (True, BrainConfig(policy="smartkv", recall=True).memory_rank)
-    assert default_sweep("random:tiny", 128, sinks=4, protect=0, gates="", memory_rank=None) == (list(DEFAULT_POLICIES), ())
-    assert default_sweep("smollm2", 8, sinks=4, protect=0, gates="", memory_rank=None) == (list(DEFAULT_POLICIES), ())
+    assert default_sweep("random:tiny", 128, RunSettings()) == (list(DEFAULT_POLICIES), ())
+    assert default_sweep("smollm2", 8, RunSettings()) == (list(DEFAULT_POLICIES), ())
 
 
 @pytest.mark.parametrize("args,message", [

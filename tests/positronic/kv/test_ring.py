@@ -17,7 +17,7 @@ PROMPT = list(range(10, 30))
 
 
 def config(store, **changes):
-    return BrainConfig(policy="streaming", budget=48, window=8, kv_store=store, seed=3, **changes)
+    return BrainConfig(policy="streaming", budget=48, kv_store=store, seed=3, **changes)
 
 
 def brains(tiny, **changes):

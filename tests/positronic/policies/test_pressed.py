@@ -139,3 +139,31 @@ def test_a_press_that_keeps_lanes_needs_a_policy_of_its_own(tiny):
         policy_of(laned)(tiny, BrainConfig(policy="streaming", budget=48))
     with pytest.raises(ValueError, match="already registered"):
         presses.register(type("Other", (StridePress,), {"name": "h2o"}))
+
+
+def test_eval_gives_its_settings_to_the_presses_in_the_sweep(tiny, stride, run_cli, eval_text, tmp_path, capsys):
+    """`eval --policy-option` reaches the policies made from a press among the --policy runs (h2o
+    beside it takes none), is recorded with the results, and is refused by name where it does
+    not apply or the press has no such setting."""
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text(eval_text)
+    common = ["eval", "--model", "random:tiny", "--text", str(text), "--budget", "48", "--max-tokens", "90",
+              "--no-probe"]
+    ppl = {}
+    for option in ("stride=1", "stride=3"):
+        out = tmp_path / option
+        assert run_cli(*common, "--policy", "stride", "--policy", "h2o", "--policy-option", option,
+                       "--out", str(out)) == 0
+        data = json.loads((out / "results.json").read_text())
+        assert data["settings"]["policy_options"] == option
+        ppl[option] = {run["label"]: run["ppl"] for run in data["runs"]}
+    assert ppl["stride=1"]["h2o@48"] == ppl["stride=3"]["h2o@48"]
+    assert ppl["stride=1"]["stride@48"] != ppl["stride=3"]["stride@48"]
+    capsys.readouterr()
+    assert run_cli(*common, "--policy", "h2o", "--policy-option", "stride=3", "--out", str(tmp_path / "x")) == 2
+    assert "--policy-option sets a press's own settings" in capsys.readouterr().err
+    assert run_cli(*common, "--policy", "stride", "--policy-option", "width=3", "--out", str(tmp_path / "x")) == 2
+    assert "--policy-option: policy stride: this press has no setting 'width'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())

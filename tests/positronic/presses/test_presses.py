@@ -331,7 +331,7 @@ def test_registry_and_make_press():
 
 @pytest.mark.parametrize("name", ["streaming", "h2o", "scored", "random", "brightness"])
 def test_window_batch_and_due_are_the_policys(name):
-    for settings in (dict(budget=48), dict(budget=100, protect=10), dict(budget=512, window=64), dict(budget=130),
+    for settings in (dict(budget=48), dict(budget=100, protect=10), dict(budget=512) | ({"window": 64} if name == "brightness" else {}), dict(budget=130),
                      dict(budget=64, evict_every=1), dict(budget=100, protect=10, evict_every=7)):
         cfg = config(name, **settings)
         press, policy = make_press(name, cfg), make_policy(name, None, cfg)
