@@ -244,7 +244,8 @@ class ContextShift(Part):
 
 @dataclass(frozen=True)
 class SmartKVGates(Part):
-    """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model; how a
+    """Policy smartkv: a gate file (.safetensors); "" = the gates shipped for the model; "auto" =
+    those, else gates trained for the model on its first use and kept (smartkv/first_use.py); how a
     lane's memory ranks its rows: by the gates (gates), or by the gates and the attention the
     lane paid each row lately (recent: positronic/smartkv/recent.py). None: the best measured
     for the run, `default_memory_rank` (a BrainConfig resolves it when made)."""
@@ -259,6 +260,7 @@ class SmartKVGates(Part):
 
 
 PARTS = (Sampling, Memory, Brightness, Repair, ContextShift, SmartKVGates)
+AUTO_GATES = "auto"  # SmartKVGates.gates: shipped gates, else trained on first use (smartkv/first_use.py)
 
 
 def _check_gate_file(path: str) -> None:
@@ -427,7 +429,7 @@ class BrainConfig:
             raise ConfigError("gates", f"--gates applies to policy smartkv, not {self.policy}")
         if self.memory_rank != "gates" and not POLICIES[self.policy].per_layer:
             raise ConfigError("memory_rank", f"--memory-rank applies to policy smartkv, not {self.policy}")
-        if self.gates:
+        if self.gates and self.gates != AUTO_GATES:
             _check_gate_file(self.gates)
         if self.evict_every:
             self._check_evict_every()

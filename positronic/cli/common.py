@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from ..brain.config import ConfigError
+from ..brain.config import AUTO_GATES, ConfigError
 from ..brain.loop import BrainConfig
 from ..policies import reads_window, window_refusal
 
@@ -139,11 +139,16 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
     if "model" in options and not ({"policy", "kv_eviction"} & given) and not options.get("resume"):
         from ..brain.defaults import default_policy
 
-        choice = default_policy(options["model"], BrainConfig(**settings | dict(policy=policy)),
-                                window=options.get("window"), recall=options["recall"] if "recall" in given else None,
-                                memory_rank=options.get("memory_rank"))
+        asked = dict(window=options.get("window"), recall=options["recall"] if "recall" in given else None,
+                     memory_rank=options.get("memory_rank"))
+        base = BrainConfig(**settings | dict(policy=policy))
+        choice = default_policy(options["model"], base, train=True, **asked)
+        if choice.gates == AUTO_GATES:  # trained once the model loads; where they cannot be, the gate-free default
+            free = default_policy(options["model"], base, **asked)
+            ctx.meta["gate_free"] = (BrainConfig(**settings | dict(policy=free.policy, recall=free.recall)),
+                                     f"positronic: {free.note}")
         policy = choice.policy
-        settings |= dict(policy=policy, recall=choice.recall)
+        settings |= dict(policy=policy, recall=choice.recall) | ({"gates": choice.gates} if choice.gates else {})
     config = BrainConfig(**settings)
     try:
         config.validate()
@@ -156,6 +161,25 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
     if "window" in given_flags(ctx) and not reads_window(policy):
         raise flag_error(ConfigError("window", window_refusal(policy)), options)
     return config
+
+
+def with_gates(ctx: typer.Context, lm, config: BrainConfig) -> BrainConfig:
+    """`config` with gates "auto" made a file once the model is loaded: the shipped gates, kept
+    ones, or gates trained now (smartkv/first_use.py; its lines on stderr). Where none can be
+    trained, the default policy's run goes on gate-free and its note says why; a run that asked
+    for `--gates auto` stops with the reason."""
+    if config.gates != AUTO_GATES:
+        return config
+    from ..smartkv.first_use import GateTrainingError, resolve
+
+    try:
+        return dataclasses.replace(config, gates=resolve(lm))
+    except GateTrainingError as exc:
+        if "gate_free" not in ctx.meta:
+            raise UserError(f"--gates auto: {exc}") from None
+        config, note = ctx.meta["gate_free"]
+        ctx.meta["policy_note"] = f"{note} ({exc})"
+        return config
 
 
 def logit_bias_option(options: dict) -> str:

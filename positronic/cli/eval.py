@@ -50,7 +50,7 @@ def eval_command(
     seed: int = typer.Option(0, help="With --generate: the sampling seed, the same for every run."),
     kv_format: str = typer.Option(DEFAULTS.kv_format, help="Cache rows: float (the model's dtype) | int4 | fp4 (4 bits + a float16 scale per row) | int4h (4 bits, keys centred before RoPE, K and V Hadamard-rotated, a scale and a zero point per 32 values; docs/kv_formats.md)."),
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
-    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors); default: the gates shipped for the model."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors), or auto: the shipped gates, else gates trained on the model's first use and kept (docs/smartkv.md). Default: the gates shipped for the model (auto for the default policy of a model without them)."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
     policy_option: Optional[list[str]] = typer.Option(None, "--policy-option", help="NAME=VALUE: a setting of the policies made from a press among the --policy runs (e.g. knorm's mix; docs/policies.md, \"A policy in one file\"); repeatable."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),

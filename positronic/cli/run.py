@@ -26,7 +26,7 @@ from ..policies import POLICIES
 from ..tui.snapshot import shades
 from ..util import read_text_file
 from .common import (DEFAULTS, MAX_THREADS, UserError, brain_config, freeze_heap, given_flags, refuse_changed_settings,
-                     set_threads, show_version, writable_directory)
+                     set_threads, show_version, with_gates, writable_directory)
 
 DEFAULT_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old clockmaker who"
 
@@ -41,9 +41,9 @@ def run(
     prompt_file: Optional[Path] = typer.Option(None, "-f", "--prompt-file", "--file", help="Read the prompt from this file (llama.cpp: -f/--file)."),
     pin: Optional[list[str]] = typer.Option(None, "--pin", help="Pin every occurrence of this text in the prompt: never evicted or repaired (repeatable)."),
     recall: bool = typer.Option(DEFAULTS.recall, "--recall/--no-recall", help="Bring evicted text back at its old positions when the newest token's query wants it (positronic/policies/recall.py). On by default where the default policy is smartkv; --no-recall turns it off."),
-    policy: str = typer.Option("brightness", show_default=False, help=f"Maintenance policy: {' | '.join(POLICIES)} (default: smartkv with recall where SmartKV gates exist for the model, as for smollm2, else brightness; docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
+    policy: str = typer.Option("brightness", show_default=False, help=f"Maintenance policy: {' | '.join(POLICIES)} (default: smartkv with recall, on the gates shipped for the model (smollm2) or else trained on its first use (--gates auto); brightness for random weights; docs/policies.md; smartkv: each layer, or each kv head with per-head gates, keeps its own gate-ranked rows, docs/smartkv.md)."),
     policy_option: Optional[list[str]] = typer.Option(None, "--policy-option", help="NAME=VALUE: a setting of a policy made from a press (positronic/presses/, e.g. knorm's mix; docs/policies.md, \"A policy in one file\"); repeatable."),
-    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`); default: the gates shipped for the model."),
+    gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors, `positronic smartkv train`), or auto: the gates shipped for the model, else gates trained on its first use and kept (about a minute for SmolLM2-135M on 2 cores; docs/smartkv.md). Default: the shipped gates; the default policy of a model without them uses auto."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates (the lifespan the gates predict) | recent (that, times (1 + the attention the lane paid the row lately) squared; docs/smartkv.md). Default: recent with recall (as the default policy runs), gates without: each the best measured."),
     budget: int = typer.Option(RUN_BUDGET, "-c", "--budget", "--ctx-size", help=f"Live context budget: never exceeded after a tick (small by default, so a first run shows maintenance at work; DESIGN's reference is {BUDGET})."),
     sinks: int = typer.Option(4, min=0, help="Attention-sink rows never culled."),
@@ -203,6 +203,7 @@ def run(
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
         lm = load_model(model, device=device, dtype=dtype, weights=weights)
         freeze_heap()
+        config = with_gates(ctx, lm, config)  # --gates auto: kept, or trained now on first use
         if template is not None:
             lm.tokenizer.chat_template = template or None  # "" (plain): none
         if maybe_chat and typing == "lines" and getattr(lm.tokenizer, "chat_template", None):

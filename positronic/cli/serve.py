@@ -24,7 +24,7 @@ import typer
 
 from ..brain.config import SERVE_BUDGET, check_budget
 from ..models import load_model
-from .common import UserError, freeze_heap, set_threads, writable_directory
+from .common import UserError, freeze_heap, set_threads, with_gates, writable_directory
 
 # the run's options a server takes as they are (besides --budget, whose default differs)
 RUN_OPTIONS = ("model", "policy", "policy_option", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
@@ -196,6 +196,7 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         set_threads(1)
         lm = load_model(options["model"], device=options["device"], dtype=options["dtype"], weights=options["weights"])
         freeze_heap()
+        config = with_gates(ctx, lm, config)  # --gates auto: kept, or trained now on first use
         check_budget(lm, config)
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
             typer.echo(note, err=True)

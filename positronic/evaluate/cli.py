@@ -46,21 +46,23 @@ def _flagged(message: str) -> str:
     return "--" + field.removesuffix("s" if field == "policy_options" else "").replace("_", "-") + message[len(field):]
 
 
-def default_sweep(model: str, budget: int, cache: RunSettings) -> tuple[list[str], tuple[str, ...]]:
+def default_sweep(model: str, budget: int, cache: RunSettings) -> tuple[list[str], tuple[str, ...], str]:
     """The policies an eval without --policy runs: DEFAULT_POLICIES and the one `run` and `serve`
-    pick for `model` (brain/defaults.py: SmartKV with recall where gates ship for it, its rank
-    the default's), as the smallest budget allows; and those of them that run with recall."""
+    pick for `model` (brain/defaults.py: SmartKV with recall where gates ship for it or can be
+    trained on its first use, its rank the default's), as the smallest budget allows; those of
+    them that run with recall; and the gates they need ("auto" for gates trained on first use,
+    else the --gates given)."""
     from ..brain.config import BrainConfig
     from ..brain.defaults import default_policy
 
     try:
         config = BrainConfig(budget=budget, sinks=cache.sinks, protect=cache.protect, gates=cache.gates)
     except (TypeError, ValueError):  # the flags' own checks say what is wrong, below
-        return list(DEFAULT_POLICIES), ()
-    choice = default_policy(model, config, recall=None, memory_rank=cache.memory_rank)
+        return list(DEFAULT_POLICIES), (), cache.gates
+    choice = default_policy(model, config, recall=None, memory_rank=cache.memory_rank, train=True)
     if choice.policy in DEFAULT_POLICIES and not choice.recall:
-        return list(DEFAULT_POLICIES), ()
-    return [*DEFAULT_POLICIES, choice.policy], ((choice.policy,) if choice.recall else ())
+        return list(DEFAULT_POLICIES), (), cache.gates
+    return [*DEFAULT_POLICIES, choice.policy], ((choice.policy,) if choice.recall else ()), choice.gates or cache.gates
 
 
 def check_policies(policies: list[str], cache: RunSettings, *, recall: bool) -> None:
@@ -116,7 +118,8 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
     budgets = list(budgets or DEFAULT_BUDGETS)
     recalled: tuple[str, ...] = ()
     if not policies:  # the sweep of the shared-row policies, and the product's own default for the model
-        policies, recalled = default_sweep(model, min(budgets), RunSettings.of(settings))
+        policies, recalled, gates = default_sweep(model, min(budgets), RunSettings.of(settings))
+        settings = settings | {"gates": gates}
     policies = list(policies)
     run_settings(settings, policies, budgets, recall=recall, recalled=recalled)
     if max_tokens < 2:

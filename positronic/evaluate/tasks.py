@@ -249,7 +249,8 @@ def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, p
     budgets = list(budgets or DEFAULT_BUDGETS)
     recalled: tuple[str, ...] = ()
     if not policies:
-        policies, recalled = default_sweep(model, min(budgets), RunSettings.of(settings))
+        policies, recalled, gates = default_sweep(model, min(budgets), RunSettings.of(settings))
+        settings = settings | {"gates": gates}
     configs = {f"{policy}{'+recall' if on else ''}@{budget}": config
                for (policy, on, budget), config in run_settings(settings, list(policies), budgets, recall=recall,
                                                                  recalled=recalled).items()}

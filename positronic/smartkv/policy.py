@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..brain.config import AUTO_GATES
 from ..policies import PolicyPlan, pinned_rows, register
 from ..policies.recall import DEFAULT_SPAN
 from .cache import KeyUnrotator, value_log_norms
@@ -57,7 +58,15 @@ MEMORY_RANKS = {"gates": Memories, "recent": RecentMemories}  # --memory-rank: h
 
 
 def load_gates(spec: str, lm) -> GateSet:
-    """The gates of `--gates`: a safetensors path, or "" for those shipped for the model."""
+    """The gates of `--gates`: a safetensors path, "" for those shipped for the model, "auto" for
+    those or else gates trained on the model's first use (first_use.py)."""
+    if spec == AUTO_GATES:
+        from .first_use import GateTrainingError, resolve
+
+        try:
+            spec = resolve(lm)
+        except GateTrainingError as exc:
+            raise ValueError(f"smartkv: {exc}") from None
     try:
         gates = GateSet.load(spec) if spec else GateSet.for_model(lm.name)
         gates.check_model(lm.model.config)
@@ -115,7 +124,7 @@ class SmartKVPolicy:
             raise ValueError("policy smartkv drops rows per layer: it takes no repairer (--repairer none)")
         if config.window < 1:
             raise ValueError("policy smartkv needs a window of at least 1 row (the newest token)")
-        if config.gates and not Path(config.gates).is_file():
+        if config.gates and config.gates != AUTO_GATES and not Path(config.gates).is_file():
             raise ValueError(f"policy smartkv: gate file {config.gates} does not exist")
         if cls.memory_size(config) < 1:
             raise ValueError(f"policy smartkv: budget {config.budget} leaves no long-term memory after "

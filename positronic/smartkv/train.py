@@ -171,6 +171,25 @@ def check_informative(labels: LabelSet, source: str) -> None:
                          "train or measure; nothing was written")
 
 
+def check_finite(gates: GateSet, what: str, config: TrainConfig) -> None:
+    """ValueError if training diverged (NaN or infinite weights in `gates`)."""
+    if not all(bool(t.isfinite().all()) for g in gates.gates for t in g.state_dict().values()):
+        raise ValueError(f"training diverged: {what} hold NaN or infinite weights (lower --lr, now {config.lr:g}); "
+                         "nothing was written")
+
+
+def ranked_heldout(gates: GateSet, labels: LabelSet) -> list[float]:
+    """`heldout_spearman`, recorded in the gates' header; ValueError where a layer's correlation
+    is undefined (the gates give every held-out token one score: they cannot rank a memory)."""
+    rho = heldout_spearman(gates, labels)
+    if undefined := [layer for layer, r in enumerate(rho) if not math.isfinite(r)]:
+        raise ValueError(f"the gates predict one score for every held-out token in layer"
+                         f"{'s' * (len(undefined) > 1)} {', '.join(map(str, undefined[:8]))}: their rank correlation "
+                         "is undefined, so they cannot rank a memory; nothing was written")
+    gates.header["heldout_spearman"] = [round(r, 4) for r in rho]
+    return rho
+
+
 def heldout_spearman(gates: GateSet, labels: LabelSet) -> list[float]:
     """Spearman correlation of predicted and true labels, per layer (per-head gates: the mean
     over the layer's kv heads)."""
@@ -247,16 +266,9 @@ def run(*, model: str, texts: list[Path], heldout: Path, out: Path, shared_out: 
         if shared_out is not None:
             shared = train_gates(train_labels, config, shared=True, on_step=advance, header=header)
     for name, trained in (("--out", gates), ("--shared-out", shared)):
-        if trained is not None and not all(bool(t.isfinite().all()) for g in trained.gates
-                                           for t in g.state_dict().values()):
-            raise ValueError(f"training diverged: the gates for {name} hold NaN or infinite weights "
-                             f"(lower --lr, now {config.lr:g}); nothing was written")
-    rho = heldout_spearman(gates, held_labels)
-    if undefined := [layer for layer, r in enumerate(rho) if not math.isfinite(r)]:
-        raise ValueError(f"the gates predict one score for every held-out token in layer"
-                         f"{'s' * (len(undefined) > 1)} {', '.join(map(str, undefined[:8]))}: their rank correlation "
-                         "is undefined, so they cannot rank a memory; nothing was written")
-    gates.header["heldout_spearman"] = [round(r, 4) for r in rho]
+        if trained is not None:
+            check_finite(trained, f"the gates for {name}", config)
+    rho = ranked_heldout(gates, held_labels)
     gates.save(out)
     rho_shared = None
     if shared is not None:

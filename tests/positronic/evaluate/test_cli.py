@@ -46,12 +46,14 @@ def test_an_eval_without_policy_runs_the_products_default_beside_the_sweep():
     from positronic.evaluate.stream import RunSettings, make_config
     from positronic.evaluate.sweep import DEFAULT_POLICIES
 
-    policies, recalled = default_sweep("smollm2", 128, RunSettings())
-    assert policies == [*DEFAULT_POLICIES, "smartkv"] and recalled == ("smartkv",)
+    policies, recalled, gates = default_sweep("smollm2", 128, RunSettings())
+    assert policies == [*DEFAULT_POLICIES, "smartkv"] and recalled == ("smartkv",) and gates == ""
     config = make_config("smartkv", 128, recall=True)
     assert (config.recall, config.memory_rank) == (True, BrainConfig(policy="smartkv", recall=True).memory_rank)
-    assert default_sweep("random:tiny", 128, RunSettings()) == (list(DEFAULT_POLICIES), ())
-    assert default_sweep("smollm2", 8, RunSettings()) == (list(DEFAULT_POLICIES), ())
+    assert default_sweep("random:tiny", 128, RunSettings()) == (list(DEFAULT_POLICIES), (), "")
+    assert default_sweep("smollm2", 8, RunSettings()) == (list(DEFAULT_POLICIES), (), "")
+    assert default_sweep("Qwen/Qwen3-0.6B", 128, RunSettings()) == ([*DEFAULT_POLICIES, "smartkv"], ("smartkv",), "auto"), \
+        "a model without shipped gates: SmartKV on gates trained on its first use, as `run` picks"
 
 
 @pytest.mark.parametrize("args,message", [
