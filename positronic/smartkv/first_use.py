@@ -31,7 +31,7 @@ import torch
 
 from .gates import GateFileError, GateSet
 from .labels import LifespanRule, label_text, window_count
-from .train import TrainConfig, check_finite, check_informative, ranked_heldout, train_gates
+from .train import TrainConfig, check_finite, check_informative, ranked_heldout, steps_needed, train_gates
 
 RECIPE = 1  # bump when the text, rule or training below change: kept gates are then trained again
 TRAIN_SHARE = 0.75  # of the shipped text's characters, cut at a paragraph; the rest is held out
@@ -89,11 +89,11 @@ def rule_for(lm) -> LifespanRule:
     return LifespanRule(horizon=min(LifespanRule.horizon, window // 2), window=window)
 
 
-def gates_for(lm, *, log=None, progress=None, text: str | None = None, train: TrainConfig = TrainConfig()) -> Path:
+def gates_for(lm, *, log=None, bars=None, text: str | None = None, train: TrainConfig = TrainConfig()) -> Path:
     """The path of `lm`'s gates: kept ones, else trained now from the shipped text and kept
-    (`text`, `train`: another text and training, for tests). `log(line)` hears what happened (stderr by default; two lines when
-    training); `progress(done, total)` is called as training goes (labelling windows, then
-    training steps). GateTrainingError when nothing can be trained."""
+    (`text`, `train`: another text and training, for tests). `log(line)` hears what happened
+    (stderr by default; two lines when training); `bars` (train.Bars) shows the labelling and
+    training as they go. GateTrainingError when nothing can be trained."""
     log = log or _stderr
     path = cache_path(lm)
     gates, why = kept(lm, path)
@@ -107,28 +107,17 @@ def gates_for(lm, *, log=None, progress=None, text: str | None = None, train: Tr
     rule, config = rule_for(lm), train
     log(f"gates: {why} for {lm.name}: training them on {DEFAULT_TEXT.name} (once; kept in {path.parent})")
     started = time.perf_counter()
-    windows = window_count(lm, train_text, rule) + window_count(lm, held_text, rule)
-    done = [0]
-
-    def step(total):
-        def advance(*_):
-            done[0] += 1
-            if progress:
-                progress(done[0], total)
-        return advance
-
+    task = bars.task if bars is not None else (lambda name, total: None)
     try:
         # the held-out quarter first: a model with nothing to learn is told in a quarter of the time
-        held_labels = label_text(lm, held_text, rule, name="held out", on_window=step(windows), per_head=True)
+        labelled = task("labels", window_count(lm, held_text, rule) + window_count(lm, train_text, rule))
+        held_labels = label_text(lm, held_text, rule, name="held out", on_window=labelled, per_head=True)
         check_informative(held_labels, f"{lm.name} on {DEFAULT_TEXT.name}")
-        train_labels = label_text(lm, train_text, rule, name="training", on_window=step(windows), per_head=True)
+        train_labels = label_text(lm, train_text, rule, name="training", on_window=labelled, per_head=True)
         check_informative(train_labels, f"{lm.name} on {DEFAULT_TEXT.name}")
-        done[0] = 0
-        from .train import steps_needed
-
         header = {"model": lm.name, "first_use": {"fingerprint": fingerprint(lm), "recipe": RECIPE,
                                                   "text": DEFAULT_TEXT.name, "train_share": TRAIN_SHARE}}
-        gates = train_gates(train_labels, config, on_step=step(steps_needed(train_labels, config, False)),
+        gates = train_gates(train_labels, config, on_step=task("gates", steps_needed(train_labels, config, False)),
                             header=header)
         check_finite(gates, "the gates", config)
         rho = ranked_heldout(gates, held_labels)
@@ -147,14 +136,19 @@ def gates_for(lm, *, log=None, progress=None, text: str | None = None, train: Tr
 
 
 
-def resolve(lm, *, log=None, progress=None) -> str:
+def resolve(lm) -> str:
     """BrainConfig.gates for "auto" on `lm`: "" where gates ship for it, else the path of its
-    kept or newly trained gates (`gates_for`; log lines on stderr unless `log` is given)."""
+    kept or newly trained gates (`gates_for`, its lines and progress on stderr)."""
+    from rich.console import Console
+
     from .gates import SHIPPED
+    from .train import Bars
 
     if lm.name in SHIPPED:
         return ""
-    return str(gates_for(lm, log=log or _stderr, progress=progress))
+    # progress as lines, not bars: a run's loading spinner may hold the terminal
+    with Bars(Console(stderr=True, force_terminal=False)) as bars:
+        return str(gates_for(lm, bars=bars))
 
 
 def _stderr(line: str) -> None:
