@@ -59,7 +59,7 @@ def press(model, tokenizer=None, *, policy: str = "default", budget: int | None 
           compression_ratio: float | None = None, seed: int = 0, **settings):
     """Within the block, `model.generate` keeps each row's context inside `budget` rows (or
     `compression_ratio` of its prompt removed) with `policy` ("default": the project's default
-    for the model, SmartKV with recall where gates ship for it, else brightness); `settings`:
+    for the model, SmartKV with recall where gates ship for it, else brightness: no training here); `settings`:
     any other BrainConfig field (window, sinks, recall, ...). ValueError for a bad setting, before
     the model is touched. `model` may also be a LoadedModel (`load_model("smollm2")`): its
     model, tokenizer and name (which picks the default policy's gates) are used."""
