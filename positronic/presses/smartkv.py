@@ -216,12 +216,12 @@ class SmartKVPress(Press):
         looks = looking & ~forget & (now < index.max_positions)  # no return in a round that packs
         taking, near = index.look(rows, state, looks, lane_rows, clock)  # [S, L, ring], [S, ring]
         slot = plan.next["slot"]
-        weakest, weak = index.weakest(ranks(now), slot, candidate[:, None] & ~plan.deleted, taking.sum(dim=2))
-        deleted = plan.deleted | weakest
-        next = dict(plan.next) | {"born": state["born"], "until": state["until"]}  # rows kept keep theirs
         back = taking.any(dim=1)  # [S, ring]: the tokens coming back into some lane
-        inserts = None
-        if (width := int(back.sum(dim=1).max())) > 0:
+        deleted, inserts = plan.deleted, None
+        next = dict(plan.next) | {"born": state["born"], "until": state["until"]}  # rows kept keep theirs
+        if (width := int(back.sum(dim=1).max())) > 0:  # most rounds take nothing back: no ranking, no sorts
+            weakest, weak = index.weakest(ranks(now), slot, candidate[:, None] & ~plan.deleted, taking.sum(dim=2))
+            deleted = plan.deleted | weakest
             slots = torch.sort((~back).to(torch.int8), dim=1, stable=True).indices[:, :width]  # [S, J]
             taken = taking.gather(2, slots[:, None].expand(-1, lanes, -1)) & back.gather(1, slots)[:, None]
             members = torch.arange(count, device=device)[:, None]
