@@ -22,6 +22,7 @@ learn: `GateTrainingError` says so, and the default policy stays gate-free.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -123,17 +124,20 @@ def gates_for(lm, *, log=None, bars=None, text: str | None = None, train: TrainC
         rho = ranked_heldout(gates, held_labels)
     except ValueError as exc:
         raise GateTrainingError(f"gates: none could be trained for {lm.name}: {exc}") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         gates.save(partial)
         os.replace(partial, path)
+    except OSError as exc:  # a read-only or full cache: said, not a traceback
+        raise GateTrainingError(f"gates: trained for {lm.name} but not kept in {path.parent}: "
+                                f"{exc.strerror or exc}") from None
     finally:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
     log(f"gates: trained for {lm.name} in {time.perf_counter() - started:.0f} s, held-out rank correlation "
         f"{sum(rho) / len(rho):.3f} (mean of {len(rho)} layers); kept as {path}")
     return path
-
 
 
 def resolve(lm) -> str:

@@ -74,6 +74,14 @@ def test_a_broken_or_foreign_kept_file_is_trained_again_not_trusted(cache):
     assert GateSet.load(path).header["first_use"]["fingerprint"] == fingerprint(lm)
 
 
+def test_a_cache_that_cannot_be_written_is_said_not_a_traceback(cache):
+    lm = attentive("random:tiny")
+    cache.parent.mkdir(parents=True)
+    cache.write_text("a file where the folder should be")
+    with pytest.raises(GateTrainingError, match="trained for random:tiny but not kept in"):
+        gates_for(lm, log=lambda line: None, **QUICK)
+
+
 def test_other_weights_under_the_same_name_get_their_own_gates():
     plain, sharper = load_model("random:tiny", device="cpu", dtype="float32"), attentive("random:tiny")
     assert plain.name == sharper.name and fingerprint(plain) != fingerprint(sharper)
