@@ -32,11 +32,12 @@ import contextlib
 import copy
 import dataclasses
 import math
+import sys
 
 import torch
 from torch import nn
 
-from ..brain.config import BrainConfig, ConfigError
+from ..brain.config import AUTO_GATES, BrainConfig, ConfigError
 from ..brain.loop import Brain
 from ..models.loading import LoadedModel, wrap_model
 from .brains import Batch
@@ -59,7 +60,8 @@ def press(model, tokenizer=None, *, policy: str = "default", budget: int | None 
           compression_ratio: float | None = None, seed: int = 0, **settings):
     """Within the block, `model.generate` keeps each row's context inside `budget` rows (or
     `compression_ratio` of its prompt removed) with `policy` ("default": the project's default
-    for the model, SmartKV with recall where gates ship for it, else brightness: no training here); `settings`:
+    for the model, SmartKV with recall on the gates shipped for it or else trained on its first use
+    and kept, brightness where none can be: smartkv/first_use.py); `settings`:
     any other BrainConfig field (window, sinks, recall, ...). ValueError for a bad setting, before
     the model is touched. `model` may also be a LoadedModel (`load_model("smollm2")`): its
     model, tokenizer and name (which picks the default policy's gates) are used."""
@@ -82,6 +84,7 @@ def press(model, tokenizer=None, *, policy: str = "default", budget: int | None 
     base = _config(name, policy, budget if budget is not None else 0, seed, settings)  # refused before any change
     try:
         lm = wrap_model(model, tokenizer, name)
+        base = _with_gates(lm, base, settings)
         model.generate = lambda *args, **kwargs: generate(lm, base, compression_ratio, *args, **kwargs)
         yield lm
     finally:
@@ -95,6 +98,25 @@ def press(model, tokenizer=None, *, policy: str = "default", budget: int | None 
             parameter.requires_grad_(True)
 
 
+def _with_gates(lm, config: BrainConfig, settings: dict) -> BrainConfig:
+    """The default policy's gates "auto" made a file (kept, or trained now on the model's first
+    use: smartkv/first_use.py, its lines on stderr); where none can be trained, the gate-free
+    default, said on stderr with the reason."""
+    if config.gates != AUTO_GATES or "gates" in settings:
+        return config
+    from ..smartkv.first_use import GateTrainingError, resolve
+
+    try:
+        return dataclasses.replace(config, gates=resolve(lm))
+    except GateTrainingError as exc:
+        from ..brain.defaults import default_policy
+
+        free = default_policy(lm.name, dataclasses.replace(config, gates=""), window=settings.get("window"))
+        print(f"positronic.press: {free.note} ({exc})", file=sys.stderr, flush=True)
+        return dataclasses.replace(config, policy=free.policy, recall=free.recall, gates="", memory_rank=None,
+                                   window=settings.get("window"))
+
+
 def _config(name: str, policy: str, budget: int, seed: int, settings: dict) -> BrainConfig:
     names = {f.name for f in dataclasses.fields(BrainConfig)}
     if unknown := sorted(set(settings) - names):
@@ -102,8 +124,8 @@ def _config(name: str, policy: str, budget: int, seed: int, settings: dict) -> B
     settings = ({"budget": budget} if budget else {}) | dict(seed=seed) | settings
     if policy == "default":
         from ..brain.defaults import default_policy
-        choice = default_policy(name, BrainConfig(**settings), window=settings.get("window"))
-        settings |= dict(policy=choice.policy, recall=choice.recall)
+        choice = default_policy(name, BrainConfig(**settings), window=settings.get("window"), train=True)
+        settings |= dict(policy=choice.policy, recall=choice.recall) | ({"gates": choice.gates} if choice.gates else {})
     else:
         settings |= dict(policy=policy)
     config = BrainConfig(**settings)  # made once: a window the policy does not read is the user's, refused

@@ -119,3 +119,34 @@ def test_run_defaults_to_smartkv_on_kept_gates_and_falls_back_with_the_reason(ru
     path.unlink()
     assert run_cli(*common, "--policy", "smartkv", "--gates", "auto") == 2
     assert "--gates auto: gates: none could be trained for random:tiny" in capsys.readouterr().err
+
+
+def test_press_default_uses_kept_gates_and_falls_back_with_the_reason(capsys):
+    """`positronic.press` with its default policy on a user's own model: gates kept from a first
+    use are used without training; where none can be trained (random weights) it generates with
+    the gate-free default and says why on stderr."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from positronic import press
+
+    tiny = load_model("random:tiny", device="cpu", dtype="float32")
+    config = transformers.LlamaConfig(**{k: v for k, v in tiny.model.config.to_dict().items()
+                                         if k not in ("_attn_implementation", "attn_implementation")})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.tensor([[tiny.bos_id] + list(range(10, 70))])
+    with press(model, tiny.tokenizer, budget=48):
+        fallback = model.generate(ids, max_new_tokens=6)
+    err = capsys.readouterr().err
+    assert "positronic.press: policy brightness" in err and "attention tells no token from another" in err
+    own = SimpleNamespace(model=model, name=model.config._name_or_path or type(model).__name__)
+    GateSet.for_config(model.config, per_head=True,
+                       header={"first_use": {"fingerprint": fingerprint(own), "recipe": first_use.RECIPE}}
+                       ).save(cache_path(own))
+    with press(model, tiny.tokenizer, budget=48):
+        smart = model.generate(ids, max_new_tokens=6)
+    err = capsys.readouterr().err
+    assert "positronic.press" not in err and "training" not in err, err
+    assert fallback.shape == smart.shape == (1, ids.shape[1] + 6)
