@@ -178,6 +178,10 @@ def with_gates(ctx: typer.Context, lm, config: BrainConfig) -> BrainConfig:
         if "gate_free" not in ctx.meta:
             raise UserError(f"--gates auto: {exc}") from None
         config, note = ctx.meta["gate_free"]
+        try:
+            config.validate()  # SmartKV took these settings; the gate-free policy may not (a budget too small)
+        except ConfigError as refused:
+            raise UserError(f"{exc}; the gate-free default cannot run either: {refused}") from None
         ctx.meta["policy_note"] = f"{note} ({exc})"
         return config
 
