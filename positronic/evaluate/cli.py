@@ -86,6 +86,19 @@ def check_policies(policies: list[str], cache: RunSettings, *, recall: bool) -> 
         raise EvalError("--recall adds runs with recall of the policies that evict; --policy none evicts nothing")
 
 
+def trained_gates(lm, settings: dict) -> dict:
+    """`settings` with gates "auto" made a file before any run (kept gates, or trained now:
+    smartkv/first_use.py), so a model with nothing to learn is refused before the work starts."""
+    if settings.get("gates") != "auto":
+        return settings
+    from ..smartkv.first_use import GateTrainingError, resolve
+
+    try:
+        return settings | {"gates": resolve(lm)}
+    except GateTrainingError as exc:
+        raise EvalError(f"--gates auto: {exc}") from None
+
+
 def run_settings(settings: dict, policies: list[str], budgets: list[int], *,
                  recall: bool, recalled: tuple[str, ...] = ()) -> dict[tuple[str, bool, int], BrainConfig]:
     """Every run's BrainConfig, keyed (policy, recall, budget): the eval's `settings`
@@ -137,6 +150,7 @@ def main(*, model: str = "smollm2", text: Path | None = None, budgets=None, poli
         raise EvalError(f"--probe-filler {probe_filler} is more tokens than any tokenizer makes of --text {name} "
                         f"({len(body.encode('utf-8'))} bytes)")
     lm = load_model(model, device=device, dtype=dtype, weights=weights)
+    settings = trained_gates(lm, settings)
     err = Console(stderr=True)
 
     def done(run: RunSummary) -> None:  # without a terminal the bars do not redraw: one line per run

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -234,7 +234,7 @@ def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, p
     import sys
 
     from ..models import load_model
-    from .cli import default_sweep, read_text, run_settings
+    from .cli import default_sweep, read_text, run_settings, trained_gates
     from .stream import RunSettings
     from .sweep import DEFAULT_BUDGETS
 
@@ -256,6 +256,10 @@ def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, p
                                                                  recalled=recalled).items()}
     body, text_name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype, weights=weights)
+    if any(config.gates == "auto" for config in configs.values()):  # trained (or found) before any task runs
+        gates = trained_gates(lm, {"gates": "auto"})["gates"]
+        configs = {label: replace(config, gates=gates) if config.gates == "auto" else config
+                   for label, config in configs.items()}
     if context + 64 > lm.max_positions:
         raise EvalError(f"--context {context} leaves no room for the question within {lm.name}'s "
                         f"{lm.max_positions} positions")

@@ -150,3 +150,15 @@ def test_press_default_uses_kept_gates_and_falls_back_with_the_reason(capsys):
     err = capsys.readouterr().err
     assert "positronic.press" not in err and "training" not in err, err
     assert fallback.shape == smart.shape == (1, ids.shape[1] + 6)
+
+
+def test_eval_with_gates_auto_is_refused_before_any_run_where_none_can_be_trained(run_cli, capsys, tmp_path, eval_text):
+    text = tmp_path / "t.txt"
+    text.write_text(eval_text)
+    out = tmp_path / "out"
+    for mode in ((), ("--task", "needle", "--context", "256", "--instances", "1")):
+        assert run_cli("eval", "-m", "random:tiny", "--text", str(text), "--policy", "smartkv", "--gates", "auto",
+                       "--budget", "64", "--out", str(out), *(mode or ("--max-tokens", "80", "--no-probe"))) == 2
+        err = capsys.readouterr().err
+        assert "--gates auto: gates: none could be trained for random:tiny" in err and "ppl" not in err
+        assert not out.exists() or not any(out.iterdir())
