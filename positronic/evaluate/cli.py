@@ -10,6 +10,7 @@ from ..policies import POLICIES
 from ..texts import DEFAULT_TEXT  # texts/alice_ch1-2.txt, shipped as package data
 from ..util import read_text_file
 from .report import progress_bars, table, table_console, write_outputs
+from ..brain.config import AUTO_GATES
 from .stream import EvalError, RunSettings, takes_evict_every
 from .sweep import DEFAULT_BUDGETS, DEFAULT_POLICIES, EvalReport, RunSummary, evaluate, recallable
 
@@ -89,7 +90,7 @@ def check_policies(policies: list[str], cache: RunSettings, *, recall: bool) -> 
 def trained_gates(lm, settings: dict) -> dict:
     """`settings` with gates "auto" made a file before any run (kept gates, or trained now:
     smartkv/first_use.py), so a model with nothing to learn is refused before the work starts."""
-    if settings.get("gates") != "auto":
+    if settings.get("gates") != AUTO_GATES:
         return settings
     from ..smartkv.first_use import GateTrainingError, resolve
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..brain.config import AUTO_GATES
 from ..brain.loop import Brain, BrainConfig
 from .stream import EvalError
 
@@ -256,9 +257,9 @@ def main(*, tasks: list[str], model: str = "smollm2", text=None, budgets=None, p
                                                                  recalled=recalled).items()}
     body, text_name = read_text(text)
     lm = load_model(model, device=device, dtype=dtype, weights=weights)
-    if any(config.gates == "auto" for config in configs.values()):  # trained (or found) before any task runs
-        gates = trained_gates(lm, {"gates": "auto"})["gates"]
-        configs = {label: replace(config, gates=gates) if config.gates == "auto" else config
+    if any(config.gates == AUTO_GATES for config in configs.values()):  # trained (or found) before any task runs
+        gates = trained_gates(lm, {"gates": AUTO_GATES})["gates"]
+        configs = {label: replace(config, gates=gates) if config.gates == AUTO_GATES else config
                    for label, config in configs.items()}
     if context + 64 > lm.max_positions:
         raise EvalError(f"--context {context} leaves no room for the question within {lm.name}'s "

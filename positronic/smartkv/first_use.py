@@ -63,14 +63,16 @@ def cache_dir() -> Path:
     return cache_root() / "gates"
 
 
-def cache_path(lm) -> Path:
-    """Where `lm`'s gates are kept: <cache>/gates/<model name, made a file name>-<fingerprint>.safetensors."""
+def cache_path(lm, printed: str | None = None) -> Path:
+    """Where `lm`'s gates are kept: <cache>/gates/<model name, made a file name>-<fingerprint>.safetensors
+    (`printed`: its fingerprint, if already taken)."""
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(lm.name).name or lm.name)[:64]
-    return cache_dir() / f"{name}-{fingerprint(lm)}.safetensors"
+    return cache_dir() / f"{name}-{printed or fingerprint(lm)}.safetensors"
 
 
-def kept(lm, path: Path) -> tuple[GateSet | None, str]:
-    """(gates, "") if `path` holds gates trained here for this very model, else (None, why not)."""
+def kept(lm, path: Path, printed: str | None = None) -> tuple[GateSet | None, str]:
+    """(gates, "") if `path` holds gates trained here for this very model (`printed`: its
+    fingerprint, if already taken), else (None, why not)."""
     if not path.exists():
         return None, "none kept"
     try:
@@ -79,7 +81,7 @@ def kept(lm, path: Path) -> tuple[GateSet | None, str]:
     except GateFileError as exc:
         return None, f"the kept file is unusable ({exc})"
     made = gates.header.get("first_use", {})
-    if made.get("fingerprint") != fingerprint(lm) or made.get("recipe") != RECIPE:
+    if made.get("fingerprint") != (printed or fingerprint(lm)) or made.get("recipe") != RECIPE:
         return None, "the kept file was made for other weights or another recipe"
     return gates, ""
 
@@ -96,8 +98,9 @@ def gates_for(lm, *, log=None, bars=None, text: str | None = None, train: TrainC
     (stderr by default; two lines when training); `bars` (train.Bars) shows the labelling and
     training as they go. GateTrainingError when nothing can be trained."""
     log = log or _stderr
-    path = cache_path(lm)
-    gates, why = kept(lm, path)
+    printed = fingerprint(lm)  # once: it reads a sample of every tensor
+    path = cache_path(lm, printed)
+    gates, why = kept(lm, path, printed)
     if gates is not None:
         return path
     from ..texts import DEFAULT_TEXT
@@ -116,7 +119,7 @@ def gates_for(lm, *, log=None, bars=None, text: str | None = None, train: TrainC
         check_informative(held_labels, f"{lm.name} on {DEFAULT_TEXT.name}")
         train_labels = label_text(lm, train_text, rule, name="training", on_window=labelled, per_head=True)
         check_informative(train_labels, f"{lm.name} on {DEFAULT_TEXT.name}")
-        header = {"model": lm.name, "first_use": {"fingerprint": fingerprint(lm), "recipe": RECIPE,
+        header = {"model": lm.name, "first_use": {"fingerprint": printed, "recipe": RECIPE,
                                                   "text": DEFAULT_TEXT.name, "train_share": TRAIN_SHARE}}
         gates = train_gates(train_labels, config, on_step=task("gates", steps_needed(train_labels, config, False)),
                             header=header)
