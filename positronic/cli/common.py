@@ -168,22 +168,31 @@ def with_gates(ctx: typer.Context, lm, config: BrainConfig) -> BrainConfig:
     ones, or gates trained now (smartkv/first_use.py; its lines on stderr). Where none can be
     trained, the default policy's run goes on gate-free and its note says why; a run that asked
     for `--gates auto` stops with the reason."""
+    config, note = resolve_gates(lm, config, ctx.meta.get("gate_free"))
+    if note:
+        ctx.meta["policy_note"] = note
+    return config
+
+
+def resolve_gates(lm, config: BrainConfig, gate_free: tuple[BrainConfig, str] | None) -> tuple[BrainConfig, str | None]:
+    """with_gates without the command's context (a server replica's): `gate_free` is the
+    default's fallback (`brain_config` keeps it in ctx.meta), None where `--gates auto` was
+    asked for. Returns the config and, on the fallback, the note that says why."""
     if config.gates != AUTO_GATES:
-        return config
+        return config, None
     from ..smartkv.first_use import GateTrainingError, resolve
 
     try:
-        return dataclasses.replace(config, gates=resolve(lm))
+        return dataclasses.replace(config, gates=resolve(lm)), None
     except GateTrainingError as exc:
-        if "gate_free" not in ctx.meta:
+        if gate_free is None:
             raise UserError(f"--gates auto: {exc}") from None
-        config, note = ctx.meta["gate_free"]
+        config, note = gate_free
         try:
             config.validate()  # SmartKV took these settings; the gate-free policy may not (a budget too small)
         except ConfigError as refused:
             raise UserError(f"{exc}; the gate-free default cannot run either: {refused}") from None
-        ctx.meta["policy_note"] = f"{note} ({exc})"
-        return config
+        return config, f"{note} ({exc})"
 
 
 def logit_bias_option(options: dict) -> str:

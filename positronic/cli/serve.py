@@ -88,6 +88,18 @@ def _server_options(
         None, metavar="ORIGIN",
         help="A browser origin allowed to call the server (https://host[:port]; repeatable; *: any). None: no "
              "CORS headers."),
+    replicas: int = typer.Option(
+        1, min=1, max=256, help="Replicas of the server on Ray Serve behind this one address (2 or more; Ray installs with "
+                       "`pip install 'positronic-brain[cluster]'`): each a whole server, a session's requests all go to "
+                       "the replica holding it, and a replica that dies hands its sessions to another from the "
+                       "store (docs/cluster.md). 1: the plain server, without Ray."),
+    ray_address: Optional[str] = typer.Option(
+        None, metavar="ADDRESS", help="With --replicas: join this Ray cluster (ray://host:10001, or auto) instead of "
+                                      "starting a local instance."),
+    session_store: Optional[str] = typer.Option(
+        None, metavar="URL", help="With --replicas: the store every replica checkpoints its sessions to, a directory "
+                                  "every node reaches (a path on shared storage, or file:///path); default: "
+                                  "--session-dir."),
     log_level: LogLevel = typer.Option(LogLevel.info, case_sensitive=False, help="Log level of uvicorn and the "
                                        "server (the address it runs on is printed at every level)."),
 ) -> None:
@@ -173,7 +185,12 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
             raise UserError(f"--history-edits must be refuse or rebuild, got {options['history_edits']!r}")
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
-        writable_directory(directory, "--session-dir")
+        if options["replicas"] > 1:
+            directory = check_cluster(options, directory)
+        elif options["ray_address"] is not None or options["session_store"] is not None:
+            given = "--ray-address" if options["ray_address"] is not None else "--session-store"
+            raise UserError(f"{given} is for a server on Ray: give --replicas 2 or more with it")
+        writable_directory(directory, "--session-store" if options["session_store"] else "--session-dir")
         if options["default_max_tokens"] > options["max_tokens"]:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
@@ -187,6 +204,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         # one server per session directory (and no run.py on the directory itself; each session has its
         # own lock, held by the pool while the session is in memory): held until the command ends
         ctx.with_resource(sessions.locked(directory, "positronic serve"))
+        if options["replicas"] > 1:
+            return serve_replicas(ctx, options, config, directory)
         import torch
 
         # the forwards run in the server's forward thread with these threads; this one (the event
@@ -200,9 +219,22 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         check_budget(lm, config)
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
             typer.echo(note, err=True)
-        from ..server.app import ServerSettings, serve_forever
+        from ..server.app import serve_forever
 
-        settings = ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],
+        settings = server_settings(options, directory, threads)
+        return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
+                             api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
+                             log_level=options["log_level"].value)
+
+    serve.__signature__ = inspect.Signature(parameters)
+    return serve
+
+
+def server_settings(options: dict, directory: Path, threads: int | None):
+    """The ServerSettings of serve's options (a replica's too)."""
+    from ..server.service import ServerSettings
+
+    return ServerSettings(session_dir=directory, max_sessions=options["max_sessions"],
                                   idle_save_s=options["idle_save"], max_pending=options["max_pending"],
                                   max_body_bytes=options["max_body"], max_tokens=options["max_tokens"],
                                   default_max_tokens=options["default_max_tokens"],
@@ -211,9 +243,57 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
                                   engine_slots=min(options["max_sessions"], 64) if options["engine"] else 0,
                                   engine_smartkv=options["engine_smartkv"],
                                   served_model_names=tuple(options["served_model_name"] or ()))
-        return serve_forever(lm, config, settings, host=options["host"], port=options["port"],  # exit status
-                             api_key=options["api_key"], cors_origins=options["cors_origin"] or (),
-                             log_level=options["log_level"].value)
 
-    serve.__signature__ = inspect.Signature(parameters)
-    return serve
+
+CLUSTER_EXTRA = ("ray",)  # pyproject.toml's [cluster] extra
+# what a replica's process is given of this one's environment (a local instance inherits it all;
+# a cluster's nodes have their own)
+PASSED_ENVIRONMENT = ("POSITRONIC_CACHE", "POSITRONIC_NAN_FILL", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def check_cluster(options: dict, directory: Path) -> Path:
+    """UserError for what a server on Ray cannot do (before anything loads); the store's directory."""
+    import importlib.util
+
+    if missing := [name for name in CLUSTER_EXTRA if importlib.util.find_spec(name) is None]:
+        raise UserError(f"--replicas needs {', '.join(missing)}: pip install 'positronic-brain[cluster]'")
+    if not options["checkpoint_each_request"]:
+        raise UserError("--replicas needs --checkpoint-each-request: a replica that dies hands its sessions to "
+                        "another from their checkpoints, which must hold every answered turn")
+    store = options["session_store"]
+    if store is None:
+        return directory
+    scheme, sep, rest = store.partition("://")
+    if not sep:
+        return Path(store)
+    if scheme == "file" and rest.startswith("/"):
+        return Path(rest)
+    raise UserError(f"--session-store {store!r}: the store is a directory every replica reaches (a path on shared "
+                    "storage such as NFS, or file:///path); object stores (s3://, gs://) are not supported yet")
+
+
+def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path) -> int:
+    """`serve --replicas N`: the server on Ray Serve (positronic/cluster/app.py)."""
+    from ..cluster.app import serve_cluster
+    from ..cluster.replica import ReplicaSpec
+
+    replicas = options["replicas"]
+    threads = options["threads"] or max(1, (os.cpu_count() or 1) // replicas)  # one machine's cores shared out
+    port = options["port"] or free_port(options["host"])
+    spec = ReplicaSpec(model=options["model"], device=options["device"], dtype=options["dtype"],
+                       weights=options["weights"], config=config, settings=server_settings(options, directory, threads),
+                       gate_free=ctx.meta.get("gate_free"), api_key=options["api_key"],
+                       cors_origins=tuple(options["cors_origin"] or ()), log_level=options["log_level"].value,
+                       host="127.0.0.1" if options["ray_address"] is None else "",
+                       environment={name: os.environ[name] for name in PASSED_ENVIRONMENT if name in os.environ})
+    gpus = 1.0 if (options["device"] or "").startswith("cuda") else 0.0
+    return serve_cluster(spec, replicas=replicas, host=options["host"], port=port,
+                         ray_address=options["ray_address"], cpus=float(threads), gpus=gpus)
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (--port 0: Ray's proxy needs a number)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

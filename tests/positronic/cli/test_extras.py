@@ -1,6 +1,6 @@
 """The core install runs without the optional extras: `serve` (fastapi, uvicorn,
-prometheus_client, llguidance) and `eval`'s plot (matplotlib) are extras, named by the command that needs
-them; `make setup` (the README's set-up) installs them all."""
+prometheus_client, llguidance), `eval`'s plot (matplotlib) and `serve --replicas` (ray) are extras, named
+by the command that needs them; `make setup` (the README's set-up) installs them all."""
 
 import subprocess
 import sys
@@ -33,7 +33,9 @@ def test_the_extras_are_declared_and_make_setup_installs_them():
     assert not core & (SERVE | {"matplotlib"})
     assert {d.split(">")[0] for d in project["optional-dependencies"]["serve"]} == SERVE
     assert project["optional-dependencies"]["eval"] == ["matplotlib"]
-    assert "'.[serve,eval,dev]'" in (ROOT / "Makefile").read_text()
+    assert not any(d.startswith("ray") for d in project["dependencies"])
+    assert [d.split(">")[0] for d in project["optional-dependencies"]["cluster"]] == ["ray[serve]"]
+    assert "'.[serve,eval,dev,cluster]'" in (ROOT / "Makefile").read_text()
 
 
 @pytest.mark.long

@@ -1,0 +1,76 @@
+"""`positronic serve --replicas N`: the server as a Ray Serve application.
+
+    Ray Serve's HTTP proxy (--host, --port)
+        -> Front (front.py): one deployment; reads each request's session, picks its replica
+           (routes.py), relays the answer
+        -> Replica 0 .. N-1 (replica.py): one deployment each, a whole server (its model, its
+           sessions in memory, its batched engine), restarted by Ray when it dies
+    the store: one session directory that every replica reaches (cli/serve.py checks it);
+    a session is held by one replica at a time (its lock in the store)
+
+A local Ray instance is started for the command (or `--ray-address` joins a running cluster);
+Ctrl-C or SIGTERM deletes the application, which stops every replica's server the way a Ctrl-C
+stops a plain one (every session checkpointed), then stops Ray if this command started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+APP_NAME = "positronic"
+OBJECT_STORE_BYTES = 256 << 20  # a local instance: the replicas exchange addresses, not tensors, through Ray
+
+
+def replica_names(count: int) -> list[str]:
+    return [f"replica-{index}" for index in range(count)]
+
+
+def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str | None, cpus: float,
+                  gpus: float) -> int:
+    """Runs the application until Ctrl-C or SIGTERM; the exit status (0, or 1 if it failed)."""
+    import ray
+    from ray import serve
+
+    from .front import Front
+    from .replica import Replica
+
+    stop = threading.Event()
+    previous = {}
+    local = ray_address is None
+    try:
+        if local:  # enough CPUs declared for every replica's threads, whatever this machine has
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(replicas * cpus) + 1), include_dashboard=False,
+                     object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING,
+                     namespace=APP_NAME)
+        else:
+            ray.init(address=ray_address, logging_level=logging.WARNING, namespace=APP_NAME)
+        serve.start(http_options={"host": host, "port": port})
+        handles = {name: Replica.options(name=name, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus})
+                   .bind(spec, name) for name in replica_names(replicas)}
+        serve.run(Front.options(name="front").bind(handles, spec.settings.max_body_bytes), name=APP_NAME,
+                  route_prefix="/", blocking=False)
+        # taken after Ray's start-up, which installs handlers of its own
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        shown = f"[{host}]" if ":" in host else host
+        print(f"positronic serve running on http://{shown}:{port} ({replicas} replicas on Ray"
+              f"{f' at {ray_address}' if ray_address else ', a local instance'}; sessions in "
+              f"{spec.settings.session_dir})", file=sys.stderr, flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("stopping: every replica checkpoints its sessions", file=sys.stderr, flush=True)
+        serve.delete(APP_NAME)
+        return 0
+    except RuntimeError as exc:  # a replica that cannot start (Ray said why above), a cluster not reached
+        print(f"error: the cluster did not start: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            if local:
+                serve.shutdown()
+            ray.shutdown()

@@ -1,0 +1,241 @@
+"""`positronic serve --replicas 2` on a local Ray instance (positronic/cluster/): sessions spread
+over the replicas and stay put; one replica holds a session at a time; a killed replica's
+sessions resume on the other from the store, token for token; the failover soak; the flags
+refused before anything starts; the plain server without Ray."""
+
+import importlib.util
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.positronic.server.test_kill_soak import CONFIG, MODEL, SERVE_ARGS, Client, converse, sessions_said
+
+ROOT = Path(__file__).resolve().parents[3]
+KILLS = int(os.environ.get("POSITRONIC_CLUSTER_SOAK_KILLS", "12" if os.environ.get("POSITRONIC_LONG_TESTS") else "3"))
+SEED = int(os.environ.get("POSITRONIC_CLUSTER_SOAK_SEED", "5"))
+REPLICA = "x-positronic-replica"
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (pip install 'positronic-brain[cluster]')")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Cluster:
+    """`run.py serve --replicas 2` as a process; its stderr in a file (its address, Ray's lines)."""
+
+    def __init__(self, directory: Path, log: Path, *args: str):
+        self.directory, self.log = directory, log
+        command = [sys.executable, str(ROOT / "run.py"), "serve", "-m", MODEL, "--replicas", "2", "--port",
+                   str(free_port()), "--session-dir", str(directory), *SERVE_ARGS, *args]
+        with open(log, "w") as err:
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+        deadline = time.monotonic() + 240
+        while not (found := re.search(r"serve running on (http://\S+) \(\d+ replicas", log.read_text())):
+            assert self.process.poll() is None, f"serve exited {self.process.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the cluster did not start: {log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        self.url = found.group(1)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=30).json()
+
+    def pid(self, replica: str, timeout: float = 120) -> int:
+        """The live process of `replica` (after a kill: the one Ray started again)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.health()["replicas"][replica]
+            if entry["up"] and "pid" in entry:
+                return entry["pid"]
+            time.sleep(0.2)
+        raise AssertionError(f"{replica} did not come back: {self.health()}")
+
+    def kill(self, replica: str) -> int:
+        pid = self.pid(replica)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                return self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def start(*args: str) -> Cluster:
+        made.append(Cluster(tmp_path / "store", tmp_path / f"cluster-{len(made)}.log", *args))
+        return made[-1]
+
+    yield start
+    for each in made:
+        each.stop()
+
+
+def ask(url: str, session: str, prompt: str, key: str | None = None, **extra) -> httpx.Response:
+    body = {"model": MODEL, "user": session, "prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120,
+                      headers={"Idempotency-Key": key} if key else {})
+
+
+def in_memory(replica_url: str) -> set[str]:
+    """The sessions a replica holds, from its own metrics (one live-length gauge per session)."""
+    text = httpx.get(f"{replica_url}/metrics", timeout=30).text
+    return set(re.findall(r'positronic_live_length\{session="([^"]+)"\}', text))
+
+
+@needs_ray
+@pytest.mark.long
+def test_sessions_stay_on_their_replica_one_holds_each_and_a_killed_ones_resume_exactly(cluster, live_server, tiny,
+                                                                                        server_settings, tmp_path):
+    sessions = [f"s{i}" for i in range(8)]
+    prompts = [" one", " two", " three", " four"]
+    with live_server(tiny, server_settings(tmp_path / "reference"), CONFIG) as plain:  # the uninterrupted run
+        expected = {sid: [ask(plain.url, sid, p).json()["choices"][0]["text"] for p in prompts] for sid in sessions}
+        transcripts = {sid: plain.get(f"/v1/sessions/{sid}").json()["transcript"] for sid in sessions}
+
+    served = cluster()
+    replicas = {name: entry["url"] for name, entry in served.health()["replicas"].items()}
+    # every session's requests go to one replica, and the sessions spread over both
+    where: dict[str, set[str]] = {sid: set() for sid in sessions}
+    for turn in range(2):
+        for sid in sessions:
+            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected[sid][turn]
+            where[sid].add(answer.headers[REPLICA])
+    assert all(len(names) == 1 for names in where.values()), where
+    home = {sid: names.pop() for sid, names in where.items()}
+    assert set(home.values()) == set(replicas), home
+    for name, url in replicas.items():  # the replicas' own metrics agree: each holds only its sessions
+        held = in_memory(url)
+        assert held and all(home[sid] == name for sid in held), (name, held, home)
+
+    # one replica at a time: the other one, asked directly for a session the first holds, refuses
+    # it and writes nothing
+    victim = next(sid for sid in sessions if sid in in_memory(replicas[home[sid]]))
+    other = next(name for name in replicas if name != home[victim])
+    saved = (served.directory / victim / "mirror.msgpack").read_bytes()
+    refused = ask(replicas[other], victim, " intruder")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_in_use", refused.text
+    assert (served.directory / victim / "mirror.msgpack").read_bytes() == saved
+
+    # the replica holding it is killed: its sessions go on on the other, from the store, exactly
+    lost = home[victim]
+    served.kill(lost)
+    for turn in range(2, 4):
+        for sid in sessions:
+            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected[sid][turn], (sid, turn)
+            if turn == 2 and home[sid] == lost:
+                assert answer.headers[REPLICA] != lost  # moved (Ray brings the killed one back meanwhile)
+    for sid in sessions:
+        assert httpx.get(f"{served.url}/v1/sessions/{sid}", timeout=30).json()["transcript"] == transcripts[sid]
+    assert served.health()["sessions_moved"] >= sum(1 for sid in sessions if home[sid] == lost)
+    assert served.stop() == 0  # every replica stopped cleanly, its sessions checkpointed
+    assert all((served.directory / sid / "mirror.msgpack").exists() for sid in sessions)
+
+
+@needs_ray
+@pytest.mark.long
+def test_replicas_killed_at_random_moments_lose_no_turn(cluster, live_server, tiny, server_settings, tmp_path):
+    """The failover soak: 4 clients stream to their sessions (greedy and seeded sampled chats,
+    completions) while replicas are killed by SIGKILL at random moments; every client retries what
+    it did not get whole with its Idempotency-Key. Every answer and every transcript equals an
+    uninterrupted run's."""
+    def clients() -> list[Client]:
+        rng = random.Random(SEED + 1)
+        return [Client("greedy-chat", "chat", rng), Client("sampled-chat", "sampled", rng),
+                Client("completions", "completion", rng), Client("greedy-chat-2", "chat", rng)]
+
+    reference = clients()
+    with live_server(tiny, server_settings(tmp_path / "reference"), CONFIG) as plain:
+        converse(lambda: plain.url, reference, threading.Event())
+        expected = sessions_said(plain.url, reference)
+    assert not any(c.failures for c in reference), [c.failures for c in reference]
+
+    served, soaked, stop, rng, kills = cluster(), clients(), threading.Event(), random.Random(SEED), []
+    talking = threading.Thread(target=converse, args=(lambda: served.url, soaked, stop))
+    talking.start()
+    try:
+        while len(kills) < KILLS and talking.is_alive():
+            replica = rng.choice(["replica-0", "replica-1"])
+            pid = served.pid(replica)  # up again after an earlier kill
+            time.sleep(rng.uniform(0.1, 2.0))
+            if not talking.is_alive():
+                break
+            os.kill(pid, signal.SIGKILL)
+            kills.append(replica)
+        talking.join(timeout=600)
+        assert not talking.is_alive(), "the clients did not finish"
+        said = sessions_said(served.url, soaked)
+    finally:
+        stop.set()
+        talking.join(timeout=60)
+    assert kills, "no replica was killed: the clients finished first"
+    assert not any(c.failures for c in soaked), [c.failures for c in soaked]
+    for client, ref in zip(soaked, reference):
+        assert client.answers == ref.answers, client.session
+    assert said == expected
+    assert served.stop() == 0
+    print(f"cluster soak: {len(kills)} replicas killed ({', '.join(kills)}), {sum(c.attempts for c in soaked)} "
+          f"requests for {sum(len(c.answers) for c in soaked)} answers ({sum(c.hung_up for c in soaked)} dropped by "
+          "the clients); every answer and transcript equal to the uninterrupted run's")
+
+
+@needs_ray
+def test_what_a_cluster_cannot_do_is_refused_before_anything_starts(tmp_path, capsys, run_cli, monkeypatch):
+    import positronic.cli.serve as serve_module
+
+    monkeypatch.setattr(serve_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(serve_module, "serve_replicas", lambda *a, **k: pytest.fail("the cluster started"))
+    store = ["--session-dir", str(tmp_path / "store")]
+    assert run_cli("serve", "-m", MODEL, "--ray-address", "auto", *store) == 2
+    assert "--ray-address is for a server on Ray: give --replicas 2 or more" in capsys.readouterr().err
+    assert run_cli("serve", "-m", MODEL, "--replicas", "2", "--session-store", "s3://bucket/sessions", *store) == 2
+    assert "object stores (s3://, gs://) are not supported yet" in capsys.readouterr().err
+    assert run_cli("serve", "-m", MODEL, "--replicas", "2", "--checkpoint-when-idle", *store) == 2
+    assert "--replicas needs --checkpoint-each-request" in capsys.readouterr().err
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if not os.access(read_only, os.W_OK):  # root writes anywhere
+        assert run_cli("serve", "-m", MODEL, "--replicas", "2", "--session-store", f"file://{read_only}") == 2
+        assert f"cannot use --session-store {read_only}: {read_only} is not writable" in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()  # nothing made
+
+
+def test_without_ray_replicas_name_the_extra_and_the_plain_server_never_imports_it(tmp_path, capsys, run_cli,
+                                                                                  monkeypatch):
+    import positronic.cli.serve as serve_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.setattr(serve_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert run_cli("serve", "-m", MODEL, "--replicas", "2", "--session-dir", str(tmp_path)) == 2
+    assert "--replicas needs ray: pip install 'positronic-brain[cluster]'" in capsys.readouterr().err
+    code = ("import sys; import positronic.cli, positronic.cli.serve, positronic.server.app; "
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
