@@ -113,8 +113,10 @@ class Front:
         self._start_watching()
         replicas = {}
         for name in self.routes.replicas:
-            url = self.urls.get(name) or await self.url(name)
-            entry = {"url": url, "up": name not in self.routes.down_since}
+            up = name not in self.routes.down_since
+            # a replica marked down is not waited for here (the watcher asks it): /health answers at once
+            url = await self.url(name) if up else self.urls.get(name)
+            entry = {"url": url, "up": up}
             if url is not None and entry["up"]:
                 try:
                     entry["health"] = (await self.client.get(f"{url}/health", timeout=ASK_TIMEOUT_S)).json()

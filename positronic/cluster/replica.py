@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import ray
+import uvicorn
 from ray import serve
 
-log = logging.getLogger("positronic.cluster.replica")
+from ..server.app import GRACEFUL_S, GracefulServer, create_app
 
 START_TIMEOUT_S = 600  # a model load (first-use gates included) may take minutes; Ray's own limit is longer
 
@@ -43,6 +45,14 @@ class ReplicaSpec:
     environment: dict = field(default_factory=dict)  # e.g. POSITRONIC_CACHE, as the command had it
 
 
+class ReplicaServer(GracefulServer):
+    """The plain server's shutdown without its "running on" line: a replica says where it runs in
+    its own words, so that the cluster's address is the one line of the command that says so."""
+
+    async def startup(self, sockets=None) -> None:
+        await uvicorn.Server.startup(self, sockets)
+
+
 @serve.deployment(max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=60)
 class Replica:
@@ -50,11 +60,9 @@ class Replica:
 
     def __init__(self, spec: ReplicaSpec, name: str):
         import torch
-        import uvicorn
 
         from ..cli.common import resolve_gates, set_threads
         from ..models import load_model
-        from ..server.app import GRACEFUL_S, GracefulServer, create_app
 
         os.environ.update(spec.environment)
         self.name = name
@@ -64,14 +72,17 @@ class Replica:
         lm = load_model(spec.model, device=spec.device, dtype=spec.dtype, weights=spec.weights)
         config, note = resolve_gates(lm, spec.config, spec.gate_free)
         if note:
-            log.warning("%s: %s", name, note)
+            print(f"{name}: {note}", file=sys.stderr, flush=True)
         import dataclasses
 
         settings = dataclasses.replace(spec.settings, threads=threads)
         app = create_app(lm, config, settings, api_key=spec.api_key, cors_origins=spec.cors_origins)
         host = spec.host or ray.util.get_node_ip_address()  # "": this node's address, which the front can reach
-        self.server = GracefulServer(uvicorn.Config(app, host=host, port=0, log_level=spec.log_level,
-                                                    timeout_graceful_shutdown=GRACEFUL_S))
+        # uvicorn's own lines at warning and above: its "running on" (and the access log) would be read for the
+        # cluster's address by whoever watches the command's stderr, where Ray forwards every replica's lines
+        level = spec.log_level if spec.log_level in ("critical", "error", "warning") else "warning"
+        self.server = ReplicaServer(uvicorn.Config(app, host=host, port=0, log_level=level, access_log=False,
+                                                   timeout_graceful_shutdown=GRACEFUL_S))
         self.thread = threading.Thread(target=self.server.run, name=f"{name}-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -81,7 +92,9 @@ class Replica:
             time.sleep(0.02)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        log.info("%s serving at %s (pid %d)", name, self.address, os.getpid())
+        # Ray forwards a replica's stderr to the command's, each line under the replica's name
+        print(f"{name} serves at {self.address} (pid {os.getpid()}, {lm.name}, policy {config.policy})",
+              file=sys.stderr, flush=True)
 
     def url(self) -> str:
         return self.address
@@ -101,3 +114,4 @@ class Replica:
         if server is not None and self.thread.is_alive():
             server.should_exit = True
             self.thread.join()
+

@@ -21,7 +21,8 @@ import pytest
 from tests.positronic.server.test_kill_soak import CONFIG, MODEL, SERVE_ARGS, Client, converse, sessions_said
 
 ROOT = Path(__file__).resolve().parents[3]
-KILLS = int(os.environ.get("POSITRONIC_CLUSTER_SOAK_KILLS", "12" if os.environ.get("POSITRONIC_LONG_TESTS") else "3"))
+KILLS = int(os.environ.get("POSITRONIC_CLUSTER_SOAK_KILLS", "20" if os.environ.get("POSITRONIC_LONG_TESTS") else "3"))
+TURNS = 4 * KILLS  # requests per client: the kills land among them
 SEED = int(os.environ.get("POSITRONIC_CLUSTER_SOAK_SEED", "5"))
 REPLICA = "x-positronic-replica"
 
@@ -167,8 +168,8 @@ def test_replicas_killed_at_random_moments_lose_no_turn(cluster, live_server, ti
     uninterrupted run's."""
     def clients() -> list[Client]:
         rng = random.Random(SEED + 1)
-        return [Client("greedy-chat", "chat", rng), Client("sampled-chat", "sampled", rng),
-                Client("completions", "completion", rng), Client("greedy-chat-2", "chat", rng)]
+        return [Client("greedy-chat", "chat", rng, TURNS), Client("sampled-chat", "sampled", rng, TURNS),
+                Client("completions", "completion", rng, TURNS), Client("greedy-chat-2", "chat", rng, TURNS)]
 
     reference = clients()
     with live_server(tiny, server_settings(tmp_path / "reference"), CONFIG) as plain:
@@ -181,13 +182,13 @@ def test_replicas_killed_at_random_moments_lose_no_turn(cluster, live_server, ti
     talking.start()
     try:
         while len(kills) < KILLS and talking.is_alive():
-            replica = rng.choice(["replica-0", "replica-1"])
-            pid = served.pid(replica)  # up again after an earlier kill
-            time.sleep(rng.uniform(0.1, 2.0))
-            if not talking.is_alive():
-                break
-            os.kill(pid, signal.SIGKILL)
-            kills.append(replica)
+            time.sleep(rng.uniform(0.2, 1.5))
+            up = {name: entry["pid"] for name, entry in served.health()["replicas"].items()
+                  if entry["up"] and "pid" in entry}
+            if up and talking.is_alive():  # none up: both are starting again, the clients retry meanwhile
+                replica = rng.choice(sorted(up))
+                os.kill(up[replica], signal.SIGKILL)
+                kills.append(replica)
         talking.join(timeout=600)
         assert not talking.is_alive(), "the clients did not finish"
         said = sessions_said(served.url, soaked)

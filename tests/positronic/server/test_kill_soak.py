@@ -43,8 +43,8 @@ class Client:
     """One session's requests, each with its own key, sent until answered whole. Kinds: a
     greedy chat, a seeded sampled chat, greedy completions; streamed and whole in turn."""
 
-    def __init__(self, session: str, kind: str, rng: random.Random):
-        self.session, self.kind, self.rng = session, kind, rng
+    def __init__(self, session: str, kind: str, rng: random.Random, turns: int = TURNS):
+        self.session, self.kind, self.rng, self.turns = session, kind, rng, turns
         self.answers: list[str] = []
         self.history: list[dict] = []
         self.attempts = 0  # requests sent, retries included
@@ -62,7 +62,7 @@ class Client:
         return "/v1/chat/completions", body
 
     def run(self, url: "callable", stop: threading.Event) -> None:
-        for turn in range(TURNS):
+        for turn in range(self.turns):
             path, body = self.body(turn)
             key, streamed = f"{self.session}-{turn}", turn % 2 == 0
             while not stop.is_set() and not self.failures:
