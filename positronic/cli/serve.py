@@ -97,9 +97,11 @@ def _server_options(
         None, metavar="ADDRESS", help="With --replicas: join this Ray cluster (ray://host:10001, or auto) instead of "
                                       "starting a local instance."),
     session_store: Optional[str] = typer.Option(
-        None, metavar="URL", help="With --replicas: the store every replica checkpoints its sessions to, a directory "
-                                  "every node reaches (a path on shared storage, or file:///path); default: "
-                                  "--session-dir."),
+        None, metavar="URL", help="With --replicas: the store every replica checkpoints its sessions to: a directory "
+                                  "every node reaches (a path on shared storage; one replica per session by its "
+                                  "lock there), or an object store's URL (s3://bucket/dir, gs://, file:///dir: any "
+                                  "fsspec protocol; one replica per session by a lease; each replica works on a "
+                                  "local copy). Default: --session-dir."),
     log_level: LogLevel = typer.Option(LogLevel.info, case_sensitive=False, help="Log level of uvicorn and the "
                                        "server (the address it runs on is printed at every level)."),
 ) -> None:
@@ -185,12 +187,14 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
             raise UserError(f"--history-edits must be refuse or rebuild, got {options['history_edits']!r}")
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
+        store = None  # an object store's URL (--session-store s3://…): no directory of its own here
         if options["replicas"] > 1:
-            directory = check_cluster(options, directory)
+            directory, store = check_cluster(options, directory)
         elif options["ray_address"] is not None or options["session_store"] is not None:
             given = "--ray-address" if options["ray_address"] is not None else "--session-store"
             raise UserError(f"{given} is for a server on Ray: give --replicas 2 or more with it")
-        writable_directory(directory, "--session-store" if options["session_store"] else "--session-dir")
+        if store is None:
+            writable_directory(directory, "--session-store" if options["session_store"] else "--session-dir")
         if options["default_max_tokens"] > options["max_tokens"]:
             raise UserError(f"--default-max-tokens {options['default_max_tokens']} is above "
                             f"--max-tokens {options['max_tokens']}")
@@ -203,9 +207,10 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
 
         # one server per session directory (and no run.py on the directory itself; each session has its
         # own lock, held by the pool while the session is in memory): held until the command ends
-        ctx.with_resource(sessions.locked(directory, "positronic serve"))
+        if store is None:  # (an object store is held session by session, by leases: cluster/store.py)
+            ctx.with_resource(sessions.locked(directory, "positronic serve"))
         if options["replicas"] > 1:
-            return serve_replicas(ctx, options, config, directory)
+            return serve_replicas(ctx, options, config, directory, store)
         import torch
 
         # the forwards run in the server's forward thread with these threads; this one (the event
@@ -251,8 +256,10 @@ CLUSTER_EXTRA = ("ray",)  # pyproject.toml's [cluster] extra
 PASSED_ENVIRONMENT = ("POSITRONIC_CACHE", "POSITRONIC_NAN_FILL", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def check_cluster(options: dict, directory: Path) -> Path:
-    """UserError for what a server on Ray cannot do (before anything loads); the store's directory."""
+def check_cluster(options: dict, directory: Path) -> tuple[Path, str | None]:
+    """UserError for what a server on Ray cannot do (before anything loads). The store: a
+    directory (shared storage; `file:///path` too), or the URL of an object store (s3://, gs://,
+    any other fsspec protocol but memory://), checked by writing to it."""
     import importlib.util
 
     if missing := [name for name in CLUSTER_EXTRA if importlib.util.find_spec(name) is None]:
@@ -262,17 +269,29 @@ def check_cluster(options: dict, directory: Path) -> Path:
                         "another from their checkpoints, which must hold every answered turn")
     store = options["session_store"]
     if store is None:
-        return directory
-    scheme, sep, rest = store.partition("://")
+        return directory, None
+    scheme, sep, _ = store.partition("://")
     if not sep:
-        return Path(store)
-    if scheme == "file" and rest.startswith("/"):
-        return Path(rest)
-    raise UserError(f"--session-store {store!r}: the store is a directory every replica reaches (a path on shared "
-                    "storage such as NFS, or file:///path); object stores (s3://, gs://) are not supported yet")
+        return Path(store), None
+    if scheme == "memory":
+        raise UserError(f"--session-store {store!r}: a memory:// store lives in one process, and every replica is a "
+                        "process of its own; give a shared directory or an object store")
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(store)
+        probe = f"{root.rstrip('/')}/.positronic-probe-{os.getpid()}"
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except (ImportError, ValueError) as exc:  # a protocol fsspec does not know, or its package missing
+        raise UserError(f"--session-store {store!r}: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"cannot write to --session-store {store}: {exc.strerror or exc}") from None
+    return directory, store
 
 
-def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path) -> int:
+def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path, store: str | None) -> int:
     """`serve --replicas N`: the server on Ray Serve (positronic/cluster/app.py)."""
     from ..cluster.app import serve_cluster
     from ..cluster.replica import ReplicaSpec
@@ -284,7 +303,7 @@ def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path) -
                        weights=options["weights"], config=config, settings=server_settings(options, directory, threads),
                        gate_free=ctx.meta.get("gate_free"), api_key=options["api_key"],
                        cors_origins=tuple(options["cors_origin"] or ()), log_level=options["log_level"].value,
-                       host="127.0.0.1" if options["ray_address"] is None else "",
+                       host="127.0.0.1" if options["ray_address"] is None else "", store=store,
                        environment={name: os.environ[name] for name in PASSED_ENVIRONMENT if name in os.environ})
     gpus = 1.0 if (options["device"] or "").startswith("cuda") else 0.0
     return serve_cluster(spec, replicas=replicas, host=options["host"], port=port,

@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from ..server.schemas import APIError
-from .routes import NoReplica, Routes, session_of
+from .routes import NoReplica, Routes, rank, session_of
+from .store import TAKEOVER_HEADER
 
 log = logging.getLogger("positronic.cluster.front")
 
@@ -145,7 +146,9 @@ class Front:
             body += chunk
             if len(body) > self.max_body:
                 return self._too_large()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        # a client's own X-Positronic-* headers are not passed on: only the front tells a replica those
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_HEADERS and not k.lower().startswith("x-positronic-")}
         session = session_of(request.url.path, {k.lower(): v for k, v in headers.items()}, bytes(body))
         # safe to send again to another replica: nothing changes on a GET, and a keyed request is
         # answered once whatever reached the replica before it died
@@ -154,6 +157,8 @@ class Front:
         tried: set[str] = set()
         conflict: Response | None = None
         while True:
+            # where the session was before this pick (its replica, or its first choice)
+            previous = (self.routes.owner.get(session) or rank(session, self.routes.replicas)[0]) if session else None
             try:
                 name = self.routes.pick(session, tried)
             except NoReplica as exc:
@@ -166,7 +171,12 @@ class Front:
             if url is None:
                 self.lost(name, "no address")
                 continue
-            upstream_request = self.client.build_request(request.method, url + target, headers=headers,
+            # for a replica on an object store (store.py): the replica the session leaves if that one died
+            # holding it (its lease taken over at once, not after it expires)
+            told = {}
+            if session is not None and previous != name and previous in self.routes.down_since:
+                told[TAKEOVER_HEADER] = previous
+            upstream_request = self.client.build_request(request.method, url + target, headers={**headers, **told},
                                                          content=bytes(body))
             try:
                 upstream = await self.client.send(upstream_request, stream=True)

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 import uvicorn
 from ray import serve
 
 from ..server.app import GRACEFUL_S, GracefulServer, create_app
+from .store import SessionStore, StoreSync
 
 START_TIMEOUT_S = 600  # a model load (first-use gates included) may take minutes; Ray's own limit is longer
 
@@ -43,6 +47,7 @@ class ReplicaSpec:
     log_level: str = "info"
     host: str = "127.0.0.1"  # where the replica listens: loopback on one machine; "": its node's address (a cluster)
     environment: dict = field(default_factory=dict)  # e.g. POSITRONIC_CACHE, as the command had it
+    store: str | None = None  # an object store's URL: sessions pulled from and pushed to it (store.py)
 
 
 class ReplicaServer(GracefulServer):
@@ -76,7 +81,14 @@ class Replica:
         import dataclasses
 
         settings = dataclasses.replace(spec.settings, threads=threads)
+        self.work = None
+        if spec.store is not None:  # the server's sessions in a local directory, the store's copy the truth
+            self.work = Path(tempfile.mkdtemp(prefix=f"positronic-{name}-"))
+            settings = dataclasses.replace(settings, session_dir=self.work)
         app = create_app(lm, config, settings, api_key=spec.api_key, cors_origins=spec.cors_origins)
+        if spec.store is not None:
+            store = SessionStore(spec.store, self.work, holder=f"{name}:{os.getpid()}")
+            app = StoreSync(app, store, app.state.server)
         host = spec.host or ray.util.get_node_ip_address()  # "": this node's address, which the front can reach
         # uvicorn's own lines at warning and above: its "running on" (and the access log) would be read for the
         # cluster's address by whoever watches the command's stderr, where Ray forwards every replica's lines
@@ -114,4 +126,6 @@ class Replica:
         if server is not None and self.thread.is_alive():
             server.should_exit = True
             self.thread.join()
+        if getattr(self, "work", None) is not None:  # every session is in the store by now
+            shutil.rmtree(self.work, ignore_errors=True)
 

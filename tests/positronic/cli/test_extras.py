@@ -34,7 +34,7 @@ def test_the_extras_are_declared_and_make_setup_installs_them():
     assert {d.split(">")[0] for d in project["optional-dependencies"]["serve"]} == SERVE
     assert project["optional-dependencies"]["eval"] == ["matplotlib"]
     assert not any(d.startswith("ray") for d in project["dependencies"])
-    assert [d.split(">")[0] for d in project["optional-dependencies"]["cluster"]] == ["ray[serve]"]
+    assert [d.split(">")[0] for d in project["optional-dependencies"]["cluster"]] == ["ray[serve]", "fsspec"]
     assert "'.[serve,eval,dev,cluster]'" in (ROOT / "Makefile").read_text()
 
 
