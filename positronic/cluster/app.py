@@ -64,8 +64,8 @@ def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str
         print("stopping: every replica checkpoints its sessions", file=sys.stderr, flush=True)
         serve.delete(APP_NAME)
         return 0
-    except RuntimeError as exc:  # a replica that cannot start (Ray said why above), a cluster not reached
-        print(f"error: the cluster did not start: {exc}", file=sys.stderr, flush=True)
+    except RuntimeError as exc:  # a replica that cannot start, a cluster not reached
+        print(f"error: the cluster did not start: {why_not_started(serve) or exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         for sig, handler in previous.items():
@@ -74,3 +74,17 @@ def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str
             if local:
                 serve.shutdown()
             ray.shutdown()
+
+
+def why_not_started(serve) -> str | None:
+    """The first failed deployment's own error (its exception's last line, as a replica's
+    constructor raised it: "ModelError: cannot load model …"), or None."""
+    try:
+        application = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 -- Ray itself is what failed: its message is the one to show
+        return None
+    for name, deployment in sorted((application.deployments if application else {}).items()):
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if deployment.status != "HEALTHY" and lines:
+            return f"{name}: {lines[-1]}"
+    return None
