@@ -124,6 +124,9 @@ class Front:
                     entry["pid"] = await asyncio.wait_for(self._ask_pid(name), ASK_TIMEOUT_S)
                 except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
                     entry["health"] = {"status": f"unreachable ({type(exc).__name__})"}
+                    if isinstance(exc, httpx.TransportError):  # gone (Ray is starting it again): down until it answers
+                        self.lost(name, type(exc).__name__)
+                        entry["up"] = False
             replicas[name] = entry
         up = [name for name, entry in replicas.items() if entry["up"]]
         return JSONResponse({"status": "ok" if up else "no replica up", "replicas": replicas,
