@@ -306,8 +306,36 @@ def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path, s
                        host="127.0.0.1" if options["ray_address"] is None else "", store=store,
                        environment={name: os.environ[name] for name in PASSED_ENVIRONMENT if name in os.environ})
     gpus = 1.0 if (options["device"] or "").startswith("cuda") else 0.0
+    if ctx.meta.get(PLAN_ONLY):  # cluster.app.application: Ray Serve runs it, this command does not
+        ctx.meta[PLAN] = dict(spec=spec, replicas=replicas, cpus=float(threads), gpus=gpus)
+        return 0
     return serve_cluster(spec, replicas=replicas, host=options["host"], port=port,
                          ray_address=options["ray_address"], cpus=float(threads), gpus=gpus)
+
+
+PLAN_ONLY, PLAN = "positronic.cluster.plan_only", "positronic.cluster.plan"
+
+
+def cluster_plan(argv: list[str]) -> dict:
+    """What `positronic serve ARGV --replicas N` would run on Ray, checked as the command checks
+    it, without running it: the replicas' spec and their resources (cluster/app.py's
+    `application`). UserError, or click's error for a bad flag, as ValueError."""
+    import click
+
+    from . import _TyperError, app as cli_app
+
+    group = typer.main.get_command(cli_app)
+    try:
+        with group.make_context("positronic", ["serve", *argv]) as parent:
+            name, command, rest = group.resolve_command(parent, ["serve", *argv])
+            with command.make_context(name, rest, parent=parent) as ctx:
+                ctx.meta[PLAN_ONLY] = True
+                command.invoke(ctx)
+                return ctx.meta[PLAN]
+    except (_TyperError, click.ClickException) as exc:
+        raise ValueError(" ".join(exc.format_message().split())) from None
+    except UserError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def free_port(host: str) -> int:

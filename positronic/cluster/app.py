@@ -29,30 +29,60 @@ def replica_names(count: int) -> list[str]:
     return [f"replica-{index}" for index in range(count)]
 
 
+def bind(spec, replicas: int, cpus: float, gpus: float):
+    """The application: the front bound to `replicas` replica deployments of `spec`."""
+    from .front import Front
+    from .replica import Replica
+
+    handles = {name: Replica.options(name=name, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus}).bind(spec, name)
+               for name in replica_names(replicas)}
+    return Front.options(name="front").bind(handles, spec.settings.max_body_bytes)
+
+
+def application(args: dict):
+    """Ray Serve's application builder, for Ray's own tools: `serve run
+    positronic.cluster.app:application model=random:tiny replicas=2 session_store=s3://b/s`, or a
+    config file's (or a KubeRay RayService's) `import_path` with `args:`. The args are `serve`'s
+    flags by name (`budget: 256`, `session_dir: /mnt/shared`; a switch: true, or false for its
+    `--no-` form; a switch whose other form has a name of its own, by that name:
+    `checkpoint_when_idle: true`), checked as the command checks them (ValueError naming the flag);
+    `replicas` at least 2. `host`, `port`
+    and `ray_address` are Ray's to set there (its `http_options`), not these."""
+    argv = []
+    for key, value in args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append(f"--no-{flag[2:]}")
+        else:
+            for each in value if isinstance(value, (list, tuple)) else [value]:
+                argv += [flag, str(each)]
+    if int(args.get("replicas", 0)) < 2:
+        raise ValueError("replicas must be 2 or more (one replica is the plain server: positronic serve)")
+    from ..cli.serve import cluster_plan
+
+    return bind(**cluster_plan(argv))
+
+
 def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str | None, cpus: float,
                   gpus: float) -> int:
     """Runs the application until Ctrl-C or SIGTERM; the exit status (0, or 1 if it failed)."""
     import ray
     from ray import serve
 
-    from .front import Front
-    from .replica import Replica
-
     stop = threading.Event()
     previous = {}
     local = ray_address is None
     try:
         if local:  # enough CPUs declared for every replica's threads, whatever this machine has
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(replicas * cpus) + 1), include_dashboard=False,
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(replicas * cpus)), include_dashboard=False,
                      object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING,
                      namespace=APP_NAME)
         else:
             ray.init(address=ray_address, logging_level=logging.WARNING, namespace=APP_NAME)
         serve.start(http_options={"host": host, "port": port})
-        handles = {name: Replica.options(name=name, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus})
-                   .bind(spec, name) for name in replica_names(replicas)}
-        serve.run(Front.options(name="front").bind(handles, spec.settings.max_body_bytes), name=APP_NAME,
-                  route_prefix="/", blocking=False)
+        serve.run(bind(spec, replicas, cpus, gpus), name=APP_NAME, route_prefix="/", blocking=False)
         # taken after Ray's start-up, which installs handlers of its own
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         shown = f"[{host}]" if ":" in host else host

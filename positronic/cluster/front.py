@@ -43,7 +43,8 @@ ASK_TIMEOUT_S = 5.0  # a replica's url or health: one that does not answer in th
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@serve.deployment(max_ongoing_requests=1000)
+# no CPU of its own asked for (as Ray's proxy asks none): it relays, and a replica's CPUs are the ones that count
+@serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Front:
     """Routes and relays (see the module's text). `replicas`: each replica's deployment handle by name."""

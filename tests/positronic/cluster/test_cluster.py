@@ -261,3 +261,23 @@ def test_without_ray_replicas_name_the_extra_and_the_plain_server_never_imports_
     code = ("import sys; import positronic.cli, positronic.cli.serve, positronic.server.app; "
             "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@needs_ray
+def test_rays_own_tools_get_the_same_application_checked_as_serve_checks_it(tmp_path):
+    """`serve run positronic.cluster.app:application model=… replicas=2` (or a config file's
+    import_path): the front over its replicas, with serve's checks and errors."""
+    from ray.serve.deployment import Application
+
+    from positronic.cluster.app import application
+
+    app = application({"model": MODEL, "replicas": "2", "budget": "96", "session_dir": str(tmp_path / "store"),
+                       "engine": False})  # a switch off: --no-engine
+    assert isinstance(app, Application)
+    for args, said in [({"model": MODEL, "replicas": 1}, "replicas must be 2 or more"),
+                       ({"model": MODEL, "replicas": 2, "budget": 3}, "--budget 3 leaves no room to cull"),
+                       ({"model": MODEL, "replicas": 2, "bogus": 1}, "No such option: --bogus"),
+                       ({"model": MODEL, "replicas": 2, "checkpoint_when_idle": True},
+                        "--replicas needs --checkpoint-each-request")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            application({"session_dir": str(tmp_path / "store"), **args})
