@@ -36,7 +36,7 @@ def bind(spec, replicas: int, cpus: float, gpus: float):
 
     handles = {name: Replica.options(name=name, ray_actor_options={"num_cpus": cpus, "num_gpus": gpus}).bind(spec, name)
                for name in replica_names(replicas)}
-    return Front.options(name="front").bind(handles, spec.settings.max_body_bytes)
+    return Front.options(name="front").bind(handles, spec.settings.max_body_bytes, spec.api_key)
 
 
 def application(args: dict):
@@ -92,8 +92,7 @@ def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str
         while not stop.wait(1.0):
             pass
         print("stopping: every replica checkpoints its sessions", file=sys.stderr, flush=True)
-        serve.delete(APP_NAME)
-        return 0
+        return stop_application(serve)
     except RuntimeError as exc:  # a replica that cannot start, a cluster not reached
         print(f"error: the cluster did not start: {why_not_started(serve) or exc}", file=sys.stderr, flush=True)
         return 1
@@ -118,3 +117,25 @@ def why_not_started(serve) -> str | None:
         if deployment.status != "HEALTHY" and lines:
             return f"{name}: {lines[-1]}"
     return None
+
+
+STOP_WAIT_S = 180  # past the replicas' graceful period (replica.py: 60 s), which Ray enforces by killing them
+
+
+def stop_application(serve) -> int:
+    """Deletes the application and waits for it to go: each replica's server stops as a plain
+    one does (sessions checkpointed). Ray kills one that is still not stopped after its graceful
+    period (one still starting, say): nothing answered is lost then either, as every answer was
+    checkpointed before its last byte; said in a line. 0, or 1 if the application would not go."""
+    import time
+
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        if APP_NAME not in serve.status().applications:
+            return 0
+        time.sleep(0.5)
+    print(f"error: the application did not stop within {STOP_WAIT_S} s (every answered turn was checkpointed "
+          "before its answer; sessions in the middle of a request may have lost that request)", file=sys.stderr,
+          flush=True)
+    return 1

@@ -18,6 +18,8 @@ answers keeps the session.
 
 
 import asyncio
+import hashlib
+import hmac
 import logging
 
 import httpx
@@ -43,14 +45,21 @@ ASK_TIMEOUT_S = 5.0  # a replica's url or health: one that does not answer in th
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
 
+@app.exception_handler(APIError)
+async def api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
 # no CPU of its own asked for (as Ray's proxy asks none): it relays, and a replica's CPUs are the ones that count
 @serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Front:
     """Routes and relays (see the module's text). `replicas`: each replica's deployment handle by name."""
 
-    def __init__(self, replicas: dict, max_body: int):
+    def __init__(self, replicas: dict, max_body: int, api_key: str | None = None):
         self.handles = replicas
+        # as the plain server keeps it (server/app.py ApiKey): a digest, compared in constant time
+        self.key_digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
         self.routes = Routes(list(replicas))
         self.urls: dict[str, str] = {}
         self.max_body = max_body
@@ -134,10 +143,30 @@ class Front:
                              "sessions_moved": self.routes.moved}, status_code=200 if up else 503)
 
     @app.get("/metrics")
-    async def metrics(self):
-        """The front's own counters (each replica's are at its url's /metrics, listed by /health)."""
+    async def metrics(self, request: Request):
+        """The front's own counters (each replica's at /replicas/NAME/metrics, or its url's /metrics)."""
+        self._check_key(request)
         self.up_gauge.set(len(self.routes.up()))
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/replicas/{name}/metrics")
+    async def replica_metrics(self, name: str, request: Request):
+        """A replica's own /metrics through the front (one address for Prometheus to scrape them all)."""
+        self._check_key(request)
+        if name not in self.handles:
+            raise APIError(404, f"no replica {name!r} (the replicas: {', '.join(self.routes.replicas)})",
+                           code="not_found")
+        url = await self.url(name) if name not in self.routes.down_since else None
+        try:
+            if url is None:
+                raise httpx.ConnectError("down")
+            answer = await self.client.get(f"{url}/metrics", timeout=ASK_TIMEOUT_S,
+                                           headers={k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+        except httpx.TransportError as exc:
+            raise APIError(503, f"replica {name} is down ({type(exc).__name__})", type="server_error",
+                           code="no_replica") from None
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", CONTENT_TYPE_LATEST))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str):
@@ -230,6 +259,16 @@ class Front:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS - {"content-length"}}
         headers[REPLICA_HEADER] = name
         return headers
+
+    def _check_key(self, request: Request) -> None:
+        """The front's own endpoints but /health ask the replicas' key (the rest is the replicas' to check)."""
+        if self.key_digest is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(),
+                                                                self.key_digest):
+            raise APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY`",
+                           code="invalid_api_key")
 
     def _too_large(self) -> Response:
         return APIError(413, f"the request body is larger than this server's limit of {self.max_body} bytes "

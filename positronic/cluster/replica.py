@@ -88,7 +88,7 @@ class Replica:
         app = create_app(lm, config, settings, api_key=spec.api_key, cors_origins=spec.cors_origins)
         if spec.store is not None:
             store = SessionStore(spec.store, self.work, holder=f"{name}:{os.getpid()}")
-            app = StoreSync(app, store, app.state.server)
+            app = StoreSync(app, store, app.state.server, api_key=spec.api_key)
         host = spec.host or ray.util.get_node_ip_address()  # "": this node's address, which the front can reach
         # uvicorn's own lines at warning and above: its "running on" (and the access log) would be read for the
         # cluster's address by whoever watches the command's stderr, where Ray forwards every replica's lines

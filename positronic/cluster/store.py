@@ -177,8 +177,12 @@ class StoreSync:
     """The ASGI layer around a replica's app that keeps its sessions in the store (see the
     module's text). `server`: the app's BrainServer (its pool says which sessions are in memory)."""
 
-    def __init__(self, app, store: SessionStore, server, every_s: float = 5.0):
+    def __init__(self, app, store: SessionStore, server, every_s: float = 5.0, api_key: str | None = None):
+        from ..server.app import ApiKey
+
         self.app, self.store, self.server, self.every_s = app, store, server, every_s
+        # a request without the key touches no lease: it goes straight to the app, which answers 401
+        self.key = ApiKey(app, api_key) if api_key is not None else None
         self.max_body = server.settings.max_body_bytes  # past it the app answers 413: read no further
         self.state = app.state  # as the app's: the uvicorn server finds its BrainServer there
         self.held: set[str] = set()  # sessions whose lease this replica holds
@@ -189,7 +193,7 @@ class StoreSync:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(scope, receive, send)
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.key is not None and not self.key.allows(scope)):
             return await self.app(scope, receive, send)
         # the session read here as the server reads it (not taken from a header: a client may call a
         # replica directly, and its request must meet the same lease)

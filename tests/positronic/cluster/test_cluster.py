@@ -45,7 +45,7 @@ class Cluster:
                    str(free_port()), "--session-dir", str(directory), *SERVE_ARGS, *args]
         with open(log, "w") as err:
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300  # a busy 2-core box (the suite beside it) starts Ray slowly
         while not (found := re.search(r"serve running on (http://\S+) \(\d+ replicas", log.read_text())):
             assert self.process.poll() is None, f"serve exited {self.process.returncode}: {log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"the cluster did not start: {log.read_text()[-3000:]}"
@@ -74,7 +74,7 @@ class Cluster:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
-                return self.process.wait(120)
+                return self.process.wait(240)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -101,15 +101,16 @@ def cluster(tmp_path):
         each.stop()
 
 
-def ask(url: str, session: str, prompt: str, key: str | None = None, **extra) -> httpx.Response:
+def ask(url: str, session: str, prompt: str, key: str | None = None, auth: dict | None = None,
+        **extra) -> httpx.Response:
     body = {"model": MODEL, "user": session, "prompt": prompt, "max_tokens": 6, "ignore_eos": True, **extra}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120,
-                      headers={"Idempotency-Key": key} if key else {})
+                      headers={**({"Idempotency-Key": key} if key else {}), **(auth or {})})
 
 
-def in_memory(replica_url: str) -> set[str]:
+def in_memory(metrics_url: str, auth: dict | None = None) -> set[str]:
     """The sessions a replica holds, from its own metrics (one live-length gauge per session)."""
-    text = httpx.get(f"{replica_url}/metrics", timeout=30).text
+    text = httpx.get(metrics_url, timeout=30, headers=auth or {}).text
     return set(re.findall(r'positronic_live_length\{session="([^"]+)"\}', text))
 
 
@@ -124,13 +125,15 @@ def test_sessions_stay_on_their_replica_one_holds_each_and_a_killed_ones_resume_
         expected = {sid: [ask(plain.url, sid, p).json()["choices"][0]["text"] for p in prompts] for sid in sessions}
         transcripts = {sid: plain.get(f"/v1/sessions/{sid}").json()["transcript"] for sid in sessions}
 
-    served = cluster(store)
+    # the object-store cluster serves with an API key too: the replicas check it, and the front's own endpoints
+    auth = {"Authorization": "Bearer k-123"} if store == "object-store" else {}
+    served = cluster(store, *(("--api-key", "k-123") if auth else ()))
     replicas = {name: entry["url"] for name, entry in served.health()["replicas"].items()}
     # every session's requests go to one replica, and the sessions spread over both
     where: dict[str, set[str]] = {sid: set() for sid in sessions}
     for turn in range(2):
         for sid in sessions:
-            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}")
+            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}", auth=auth)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected[sid][turn]
             where[sid].add(answer.headers[REPLICA])
@@ -138,15 +141,23 @@ def test_sessions_stay_on_their_replica_one_holds_each_and_a_killed_ones_resume_
     home = {sid: names.pop() for sid, names in where.items()}
     assert set(home.values()) == set(replicas), home
     for name, url in replicas.items():  # the replicas' own metrics agree: each holds only its sessions
-        held = in_memory(url)
+        held = in_memory(f"{url}/metrics", auth)
         assert held and all(home[sid] == name for sid in held), (name, held, home)
+        assert in_memory(f"{served.url}/replicas/{name}/metrics", auth) == held  # the same, through the front
+    assert httpx.get(f"{served.url}/replicas/nope/metrics", headers=auth).status_code == 404
+    if auth:  # without the key: the front's own endpoints and the replicas refuse, /health answers
+        assert httpx.get(f"{served.url}/metrics").status_code == 401
+        assert httpx.get(f"{served.url}/replicas/replica-0/metrics").status_code == 401
+        assert ask(served.url, sessions[0], " no key").status_code == 401
+        assert httpx.get(f"{served.url}/health").status_code == 200
+    assert "positronic_cluster_requests_total" in httpx.get(f"{served.url}/metrics", headers=auth).text
 
     # one replica at a time: the other one, asked directly for a session the first holds, refuses
     # it and writes nothing
-    victim = next(sid for sid in sessions if sid in in_memory(replicas[home[sid]]))
+    victim = next(sid for sid in sessions if sid in in_memory(f"{replicas[home[sid]]}/metrics", auth))
     other = next(name for name in replicas if name != home[victim])
     saved = (served.root / victim / "mirror.msgpack").read_bytes()
-    refused = ask(replicas[other], victim, " intruder")
+    refused = ask(replicas[other], victim, " intruder", auth=auth)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_in_use", refused.text
     assert (served.root / victim / "mirror.msgpack").read_bytes() == saved
 
@@ -155,13 +166,14 @@ def test_sessions_stay_on_their_replica_one_holds_each_and_a_killed_ones_resume_
     served.kill(lost)
     for turn in range(2, 4):
         for sid in sessions:
-            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}")
+            answer = ask(served.url, sid, prompts[turn], key=f"{sid}-{turn}", auth=auth)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected[sid][turn], (sid, turn)
             if turn == 2 and home[sid] == lost:
                 assert answer.headers[REPLICA] != lost  # moved (Ray brings the killed one back meanwhile)
     for sid in sessions:
-        assert httpx.get(f"{served.url}/v1/sessions/{sid}", timeout=30).json()["transcript"] == transcripts[sid]
+        assert httpx.get(f"{served.url}/v1/sessions/{sid}", timeout=30, headers=auth).json()["transcript"] == \
+            transcripts[sid]
     assert served.health()["sessions_moved"] >= sum(1 for sid in sessions if home[sid] == lost)
     assert served.stop() == 0  # every replica stopped cleanly, its sessions checkpointed
     assert all((served.root / sid / "mirror.msgpack").exists() for sid in sessions)
