@@ -316,28 +316,6 @@ def serve_replicas(ctx: typer.Context, options: dict, config, directory: Path, s
 PLAN_ONLY, PLAN = "positronic.cluster.plan_only", "positronic.cluster.plan"
 
 
-def cluster_plan(argv: list[str]) -> dict:
-    """What `positronic serve ARGV --replicas N` would run on Ray, checked as the command checks
-    it, without running it: the replicas' spec and their resources (cluster/app.py's
-    `application`). UserError, or click's error for a bad flag, as ValueError."""
-    import click
-
-    from . import _TyperError, app as cli_app
-
-    group = typer.main.get_command(cli_app)
-    try:
-        with group.make_context("positronic", ["serve", *argv]) as parent:
-            name, command, rest = group.resolve_command(parent, ["serve", *argv])
-            with command.make_context(name, rest, parent=parent) as ctx:
-                ctx.meta[PLAN_ONLY] = True
-                command.invoke(ctx)
-                return ctx.meta[PLAN]
-    except (_TyperError, click.ClickException) as exc:
-        raise ValueError(" ".join(exc.format_message().split())) from None
-    except UserError as exc:
-        raise ValueError(str(exc)) from None
-
-
 def free_port(host: str) -> int:
     """A port free on `host` now (--port 0: Ray's proxy needs a number)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -39,32 +39,6 @@ def bind(spec, replicas: int, cpus: float, gpus: float):
     return Front.options(name="front").bind(handles, spec.settings.max_body_bytes, spec.api_key)
 
 
-def application(args: dict):
-    """Ray Serve's application builder, for Ray's own tools: `serve run
-    positronic.cluster.app:application model=random:tiny replicas=2 session_store=s3://b/s`, or a
-    config file's (or a KubeRay RayService's) `import_path` with `args:`. The args are `serve`'s
-    flags by name (`budget: 256`, `session_dir: /mnt/shared`; a switch: true, or false for its
-    `--no-` form; a switch whose other form has a name of its own, by that name:
-    `checkpoint_when_idle: true`), checked as the command checks them (ValueError naming the flag);
-    `replicas` at least 2. `host`, `port`
-    and `ray_address` are Ray's to set there (its `http_options`), not these."""
-    argv = []
-    for key, value in args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv.append(f"--no-{flag[2:]}")
-        else:
-            for each in value if isinstance(value, (list, tuple)) else [value]:
-                argv += [flag, str(each)]
-    if int(args.get("replicas", 0)) < 2:
-        raise ValueError("replicas must be 2 or more (one replica is the plain server: positronic serve)")
-    from ..cli.serve import cluster_plan
-
-    return bind(**cluster_plan(argv))
-
-
 def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str | None, cpus: float,
                   gpus: float) -> int:
     """Runs the application until Ctrl-C or SIGTERM; the exit status (0, or 1 if it failed)."""

@@ -277,11 +277,11 @@ def test_without_ray_replicas_name_the_extra_and_the_plain_server_never_imports_
 
 @needs_ray
 def test_rays_own_tools_get_the_same_application_checked_as_serve_checks_it(tmp_path):
-    """`serve run positronic.cluster.app:application model=… replicas=2` (or a config file's
+    """`serve run positronic.cli.cluster:application model=… replicas=2` (or a config file's
     import_path): the front over its replicas, with serve's checks and errors."""
     from ray.serve.deployment import Application
 
-    from positronic.cluster.app import application
+    from positronic.cli.cluster import application
 
     app = application({"model": MODEL, "replicas": "2", "budget": "96", "session_dir": str(tmp_path / "store"),
                        "engine": False})  # a switch off: --no-engine
