@@ -180,14 +180,20 @@ class StoreSync:
     def __init__(self, app, store: SessionStore, server, every_s: float = 5.0, api_key: str | None = None):
         from ..server.app import ApiKey
 
+        from prometheus_client import Counter
+
         self.app, self.store, self.server, self.every_s = app, store, server, every_s
+        # beside the server's own metrics (its /metrics): a push that failed leaves the store one answer behind
+        self.push_failures = Counter("positronic_session_store_push_failures",
+                                     "Checkpoints that could not be pushed to the session store (the answer went; "
+                                     "the store keeps the session's previous checkpoint)",
+                                     registry=server.metrics.registry)
         # a request without the key touches no lease: it goes straight to the app, which answers 401
         self.key = ApiKey(app, api_key) if api_key is not None else None
         self.max_body = server.settings.max_body_bytes  # past it the app answers 413: read no further
         self.state = app.state  # as the app's: the uvicorn server finds its BrainServer there
         self.held: set[str] = set()  # sessions whose lease this replica holds
         self.locks: dict[str, asyncio.Lock] = {}
-        self.failures = 0  # pushes that failed (logged each)
         self.keeper: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -248,7 +254,7 @@ class StoreSync:
         try:
             await asyncio.to_thread(self.store.push, session)
         except Exception as exc:  # noqa: BLE001 -- the answer still goes; said and counted
-            self.failures += 1
+            self.push_failures.inc()
             log.error("session %s: its checkpoint could not be pushed to %s: %s", session, self.store.url, exc)
 
     async def _keep(self) -> None:

@@ -98,3 +98,45 @@ def test_a_torn_lease_file_is_nobodys(tmp_path):
     (tmp_path / "store" / "s" / LEASE).write_bytes(b'{"holder": "replica-9:')
     store.claim("s")
     assert store.lease("s")["holder"] == "replica-0:1"
+
+
+def test_a_replica_on_a_store_claims_pulls_pushes_and_releases_its_sessions(tiny, tmp_path, live_server,
+                                                                             server_settings, monkeypatch):
+    """StoreSync around a real server (in this process, no Ray): each answer's checkpoint is in the
+    store when the answer ends, a session another replica holds is refused and left alone, a push
+    that fails is counted while the answer still goes, and shutdown pushes and releases all."""
+    from positronic.cluster.store import StoreSync
+
+    url = f"file://{tmp_path / 'store'}"
+    other = SessionStore(url, tmp_path / "other", holder="replica-1:9", lease_s=60)
+    other.claim("theirs")
+    server = live_server(tiny, server_settings(tmp_path / "work"), CONFIG)
+    store = SessionStore(url, server.server.settings.session_dir, holder="replica-0:1", lease_s=60)
+    server.uvicorn.config.app = StoreSync(server.app, store, server.server)
+    body = {"model": tiny.name, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    with server:
+        answer = server.post("/v1/completions", {**body, "user": "mine"})
+        assert answer.status_code == 200, answer.text
+        remote = tmp_path / "store" / "mine"
+        local = server.server.settings.session_dir / "mine"
+        assert (remote / MIRROR).read_bytes() == (local / MIRROR).read_bytes()  # pushed before the answer ended
+        assert store.lease("mine")["holder"] == "replica-0:1"
+        streamed = server.post("/v1/completions", {**body, "user": "mine", "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        assert (remote / MIRROR).read_bytes() == (local / MIRROR).read_bytes()
+
+        refused = server.post("/v1/completions", {**body, "user": "theirs"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_in_use"
+        assert "replica-1:9" in refused.json()["error"]["message"]
+        assert other.lease("theirs")["holder"] == "replica-1:9" and not (tmp_path / "store" / "theirs" / MIRROR).exists()
+
+        monkeypatch.setattr(store, "push", lambda session: (_ for _ in ()).throw(OSError("No space left on device")))
+        kept = (remote / MIRROR).read_bytes()
+        answer = server.post("/v1/completions", {**body, "user": "mine"})
+        assert answer.status_code == 200  # the answer goes; the failure is counted
+        assert "positronic_session_store_push_failures_total 1.0" in server.get("/metrics").text
+        assert (remote / MIRROR).read_bytes() == kept  # the store keeps the previous checkpoint, whole
+        monkeypatch.undo()
+    # shut down: every session pushed (the one that failed too) and its lease released
+    assert (remote / MIRROR).read_bytes() == (local / MIRROR).read_bytes() != kept
+    assert store.lease("mine") is None
