@@ -292,7 +292,13 @@ class Engine:
             plan = press.plan(rows, inputs, clocks)
             deleted[index] = plan.deleted if plan.deleted.dim() == 3 else plan.deleted[:, None]  # shared: every lane
             stopped[index] = plan.stop
+            # a group of every slot in order (one kind of press in the round, the usual case) hands its
+            # next states over as they are; a group of some slots writes its rows into a copy
+            whole = at == slice(0, active)
             for name, full in names.items():
+                if whole and full not in row_state:
+                    row_state[full] = plan.next[name]
+                    continue
                 merged = row_state.get(full, state.row_state[full][:active].clone())
                 merged[index] = plan.next[name]
                 row_state[full] = merged
@@ -301,7 +307,9 @@ class Engine:
                     sequence_state[m, name] = value
             for name in press.slot_state:
                 full = f"{press.name}.{name}"
-                if name in plan.next:
+                if name in plan.next and whole and full not in slot_state:
+                    slot_state[full] = plan.next[name]
+                elif name in plan.next:
                     merged = slot_state.get(full, state.sequence_state[full][:active].clone())
                     merged[index] = plan.next[name]
                     slot_state[full] = merged
