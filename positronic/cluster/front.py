@@ -18,8 +18,6 @@ answers keeps the session.
 
 
 import asyncio
-import hashlib
-import hmac
 import logging
 
 import httpx
@@ -29,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
+from ..server.app import ApiKey, body_too_large
 from ..server.schemas import APIError
 from .routes import NoReplica, Routes, rank, session_of
 from .store import TAKEOVER_HEADER
@@ -58,8 +57,8 @@ class Front:
 
     def __init__(self, replicas: dict, max_body: int, api_key: str | None = None):
         self.handles = replicas
-        # as the plain server keeps it (server/app.py ApiKey): a digest, compared in constant time
-        self.key_digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
+        # the plain server's check (a digest compared in constant time), for the front's own endpoints
+        self.key = ApiKey(None, api_key) if api_key is not None else None
         self.routes = Routes(list(replicas))
         self.urls: dict[str, str] = {}
         self.max_body = max_body
@@ -92,7 +91,7 @@ class Front:
         return await self.handles[name].pid.remote()
 
     def lost(self, name: str, why: str) -> None:
-        if name not in self.routes.down_since:
+        if name not in self.routes.down:
             log.warning("replica %s is down (%s): its sessions go to the next replica from the store", name, why)
             self.failures.labels(name).inc()
         self.routes.fail(name)
@@ -102,7 +101,7 @@ class Front:
         """Brings replicas marked down back once they answer again (Ray restarts a dead one)."""
         while True:
             await asyncio.sleep(WATCH_EVERY_S)
-            for name in list(self.routes.down_since):
+            for name in list(self.routes.down):
                 url = await self.url(name)
                 if url is None:
                     continue
@@ -124,7 +123,7 @@ class Front:
         self._start_watching()
         replicas = {}
         for name in self.routes.replicas:
-            up = name not in self.routes.down_since
+            up = name not in self.routes.down
             # a replica marked down is not waited for here (the watcher asks it): /health answers at once
             url = await self.url(name) if up else self.urls.get(name)
             entry = {"url": url, "up": up}
@@ -145,18 +144,20 @@ class Front:
     @app.get("/metrics")
     async def metrics(self, request: Request):
         """The front's own counters (each replica's at /replicas/NAME/metrics, or its url's /metrics)."""
-        self._check_key(request)
+        if refused := self._refused(request):
+            return refused
         self.up_gauge.set(len(self.routes.up()))
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/replicas/{name}/metrics")
     async def replica_metrics(self, name: str, request: Request):
         """A replica's own /metrics through the front (one address for Prometheus to scrape them all)."""
-        self._check_key(request)
+        if refused := self._refused(request):
+            return refused
         if name not in self.handles:
             raise APIError(404, f"no replica {name!r} (the replicas: {', '.join(self.routes.replicas)})",
                            code="not_found")
-        url = await self.url(name) if name not in self.routes.down_since else None
+        url = await self.url(name) if name not in self.routes.down else None
         try:
             if url is None:
                 raise httpx.ConnectError("down")
@@ -207,7 +208,7 @@ class Front:
             # for a replica on an object store (store.py): the replica the session leaves if that one died
             # holding it (its lease taken over at once, not after it expires)
             told = {}
-            if session is not None and previous != name and previous in self.routes.down_since:
+            if session is not None and previous != name and previous in self.routes.down:
                 told[TAKEOVER_HEADER] = previous
             upstream_request = self.client.build_request(request.method, url + target, headers={**headers, **told},
                                                          content=bytes(body))
@@ -260,19 +261,13 @@ class Front:
         headers[REPLICA_HEADER] = name
         return headers
 
-    def _check_key(self, request: Request) -> None:
-        """The front's own endpoints but /health ask the replicas' key (the rest is the replicas' to check)."""
-        if self.key_digest is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(hashlib.sha256(key.strip().encode()).digest(),
-                                                                self.key_digest):
-            raise APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY`",
-                           code="invalid_api_key")
+    def _refused(self, request: Request) -> Response | None:
+        """401 unless the request carries the replicas' key (the front's own endpoints but /health;
+        the rest the replicas check)."""
+        return None if self.key is None or self.key.allows(request.scope) else self.key.refused()
 
     def _too_large(self) -> Response:
-        return APIError(413, f"the request body is larger than this server's limit of {self.max_body} bytes "
-                             "(serve --max-body)", code="request_too_large").response()
+        return body_too_large(self.max_body).response()
 
     def _start_watching(self) -> None:
         if self.watcher is None or self.watcher.done():

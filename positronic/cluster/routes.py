@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from dataclasses import dataclass, field
 
 SESSION_PATH = re.compile(r"/v1/sessions/([^/]+)")
@@ -62,12 +61,12 @@ class Routes:
 
     replicas: list[str]
     owner: dict[str, str] = field(default_factory=dict)  # session -> its replica, where not its first choice
-    down_since: dict[str, float] = field(default_factory=dict)  # replica -> when it was marked down
+    down: set[str] = field(default_factory=set)  # replicas marked down, until they answer again
     moved: int = 0  # sessions sent away from their replica (or first choice) because it was down
     _turn: int = 0
 
     def up(self) -> list[str]:
-        return [name for name in self.replicas if name not in self.down_since]
+        return [name for name in self.replicas if name not in self.down]
 
     def pick(self, session: str | None, tried: set[str] = frozenset()) -> str:
         """The replica for a request of `session` (None: throwaway), skipping those `tried` for
@@ -102,10 +101,7 @@ class Routes:
 
     def fail(self, replica: str) -> None:
         """`replica` broke a request: down until `revive`."""
-        self.down_since.setdefault(replica, time.monotonic())
+        self.down.add(replica)
 
     def revive(self, replica: str) -> None:
-        self.down_since.pop(replica, None)
-
-    def sessions(self, replica: str) -> list[str]:
-        return sorted(sid for sid, name in self.owner.items() if name == replica)
+        self.down.discard(replica)

@@ -88,6 +88,12 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when the server cannot start
 
 # -- middleware -------------------------------------------------------------------------------
 
+def body_too_large(limit: int) -> APIError:
+    """413 for a body over `limit` bytes (serve --max-body): the server's, and a cluster front's."""
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes (serve --max-body)",
+                     code="request_too_large")
+
+
 class BodyLimit:
     """Refuses a request body over `limit` bytes with 413: at once when its Content-Length
     says so, else when the bytes read pass it."""
@@ -98,8 +104,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes "
-                                  "(serve --max-body)", code="request_too_large")
+        too_large = body_too_large(self.limit)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await too_large.response()(scope, receive, send)
@@ -148,7 +153,7 @@ class RequestMetrics:
 
 class ApiKey:
     """Lets a request in only with `Authorization: Bearer KEY` (GET /health needs none); any
-    other is answered 401 before the app sees it. The key is never logged nor echoed."""
+    other is answered 401 before the app sees it (`refused`). The key is never logged nor echoed."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -158,10 +163,14 @@ class ApiKey:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/health") or self.allows(scope):
             return await self.app(scope, receive, send)
+        await self.refused()(scope, receive, send)
+
+    @staticmethod
+    def refused() -> Response:
         response = APIError(401, "a valid API key is required: send the header `Authorization: Bearer KEY`",
                             code="invalid_api_key").response()
         response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
+        return response
 
     def allows(self, scope) -> bool:
         scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
