@@ -39,7 +39,6 @@ import warnings
 import torch
 from torch import nn
 
-from .linear import row_invariant
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")  # what a loaded model's linear layers can be
 WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
@@ -76,7 +75,7 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 per output row and x quantized row by row, by fbgemm
     (module docstring); the few input channels `outliers` names run in float32 beside it.
     `packed` holds W [out, in + 2] (the outlier columns and two columns at the end zero) and
-    its per-row scales; `outlier_weight` [out, outliers]; `in_features`, `out_features` as
+    its per-row scales; `outlier_weight` [outliers, out]; `in_features`, `out_features` as
     nn.Linear's.
 
     fbgemm's dynamic product quantizes its whole input with one range, its minimum to its
@@ -86,9 +85,11 @@ class Int8Linear(nn.Module):
     each row's 8 bits its own, the integer sums exact, the output multiplied back by the row's
     magnitude. The outlier channels (a decoder's inputs carry a few channels ten times the
     others: the largest of a calibration forward, `calibrate`) are taken out first, or they
-    would set every row's range and leave the rest a few levels; their product is oneDNN's
-    row-invariant one (linear.py). A row's output is the same bits alone, beside others, or in
-    a prompt chunk."""
+    would set every row's range and leave the rest a few levels; their product is written out
+    as one broadcast multiply and an addition per channel, in channel order: elementwise work,
+    so each row's sum is the same bits whatever rows come with it (a matrix product over four
+    columns was a fifth of a decode tick: oneDNN re-laid the weight out on every call). A row's
+    output is the same bits alone, beside others, or in a prompt chunk."""
 
     def __init__(self, packed, in_features: int, out_features: int, bias: torch.Tensor | None,
                  outliers: torch.Tensor | None = None, outlier_weight: torch.Tensor | None = None):
@@ -103,7 +104,7 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float().clone()
         outlier_weight = None
         if outliers is not None and len(outliers):
-            outlier_weight = weight[:, outliers].contiguous()
+            outlier_weight = weight[:, outliers].t().contiguous()
             weight[:, outliers] = 0
         else:
             outliers = None
@@ -121,7 +122,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         if self.outliers is not None:
-            extra = row_invariant(flat.index_select(1, self.outliers), self.outlier_weight, None)
+            terms = flat.index_select(1, self.outliers)[:, :, None] * self.outlier_weight  # [rows, outliers, out]
+            extra = terms[:, 0]
+            for channel in range(1, terms.shape[1]):
+                extra = extra + terms[:, channel]
             flat = flat.index_fill(1, self.outliers, 0.0)
         magnitude = torch.linalg.vector_norm(flat, float("inf"), -1, keepdim=True).clamp_min_(TINY)
         pinned = torch.cat([flat / magnitude, ENDS.expand(flat.shape[0], -1)], 1)
