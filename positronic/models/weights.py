@@ -86,8 +86,9 @@ class Int8Linear(nn.Module):
     magnitude. The outlier channels (a decoder's inputs carry a few channels ten times the
     others: the largest of a calibration forward, `calibrate`) are taken out first, or they
     would set every row's range and leave the rest a few levels; their product is written out
-    as one broadcast multiply and an addition per channel, in channel order: elementwise work,
-    so each row's sum is the same bits whatever rows come with it (a matrix product over four
+    as one broadcast multiply and a sum over the channels (a reduction across rows of the
+    product, in channel order for each output), so each row's sum is the same bits whatever rows
+    come with it (tests/positronic/models/test_weights.py; a matrix product over four
     columns was a fifth of a decode tick: oneDNN re-laid the weight out on every call). A row's
     output is the same bits alone, beside others, or in a prompt chunk."""
 
@@ -122,10 +123,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         if self.outliers is not None:
-            terms = flat.index_select(1, self.outliers)[:, :, None] * self.outlier_weight  # [rows, outliers, out]
-            extra = terms[:, 0]
-            for channel in range(1, terms.shape[1]):
-                extra = extra + terms[:, channel]
+            # [rows, outliers, out] summed over the outliers one after another, each row alone
+            extra = (flat.index_select(1, self.outliers)[:, :, None] * self.outlier_weight).sum(1)
             flat = flat.index_fill(1, self.outliers, 0.0)
         magnitude = torch.linalg.vector_norm(flat, float("inf"), -1, keepdim=True).clamp_min_(TINY)
         pinned = torch.cat([flat / magnitude, ENDS.expand(flat.shape[0], -1)], 1)

@@ -190,3 +190,16 @@ def test_an_outlier_channel_runs_apart_and_the_rest_keep_their_precision():
     assert torch.equal(apart, torch.cat([apart_layer(row[None]) for row in x]))
     error = lambda y: ((y - want).norm() / want.norm()).item()  # noqa: E731
     assert error(apart) < error(together) / 3, (error(apart), error(together))
+
+
+def test_several_outlier_channels_sum_the_same_bits_for_a_row_alone_and_among_others():
+    """Four channels apart, summed over the channels for each output: a row's sum does not
+    depend on how many rows come with it (an output width off the vector width included)."""
+    torch.manual_seed(4)
+    linear = nn.Linear(96, 203)
+    x = torch.randn(37, 96)
+    x[:, [2, 7, 40, 90]] *= torch.tensor([150.0, -80.0, 300.0, 45.0])
+    layer = Int8Linear.from_linear(linear, torch.tensor([2, 7, 40, 90]))
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(row[None]) for row in x]))
+    assert torch.equal(layer(x[3:20]), together[3:20])
