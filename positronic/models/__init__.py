@@ -15,7 +15,7 @@ per family (random weights, built-in tokenizer). Failures are `ModelError`s whos
     gguf.py           any GGUF file, converted once into a safetensors cache
     checks.py         what a model must be for exact splicing; ModelError; the position limit
     attention.py      the attention functions and their tap
-    decode.py         a decode tick's one token through a Llama without the library's scaffolding, same bits
+    lean.py           a Llama's forward without the library's per-call scaffolding, same bits
     linear.py         CPU float32 linear layers whose rows do not change each other's numbers
     weights.py        --weights: int8, int4 and bfloat16 linear layers, rows still independent
     tiles.py          the same on a GPU in half precision: row-wise layers in fixed 64-row tiles

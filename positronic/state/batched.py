@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..models import attention
-from ..models.compat import with_cache
+from ..models.lean import logits_of
 from .forward import FEEDING, ForwardResult, Prepared, recording
 
 
@@ -102,13 +102,12 @@ def forward_many(lm, parts: list[Prepared]) -> list[ForwardResult]:
     feeding = FEEDING.set(frozenset(id(part.cache) for part in parts))
     try:
         with recording([part.recorder for part in parts]):
-            out = lm.model(input_ids=token_ids, position_ids=positions, attention_mask=unused, **with_cache(cache),
-                           use_cache=True, logits_to_keep=0)
+            logits = logits_of(lm.model, token_ids, positions, cache, unused)
     finally:
         FEEDING.reset(feeding)
     results = []
     for part, (start, count) in zip(parts, cache.runs):
         if part.recorder.layers:
             part.recorder.finish(part.cache)
-        results.append(part.result(out.logits[0, start : start + count]))
+        results.append(part.result(logits[0, start : start + count]))
     return results

@@ -33,7 +33,7 @@ import torch
 from ..kv.cache import SpliceCache
 from ..models import attention
 from ..models.compat import with_cache
-from ..models.decode import lean_decoder
+from ..models.lean import logits_of
 
 # the batch this sequence ticks in (positronic.batch.Rounds, set inside its works; None: alone):
 # its forwards, prefill chunks included, meet the other sequences' and run as one
@@ -362,14 +362,8 @@ def forward_alone(lm, cache: SpliceCache, token_ids: list[int], positions: list[
     part = prepare(lm, cache, token_ids, positions, key_positions, attention_layers=attention_layers, probes=probes,
                    weights=weights)
     ids = torch.tensor([part.token_ids], dtype=torch.long, device=lm.device)
-    # a decode tick (one token, no mask) skips the library's per-call scaffolding, same bits (models/decode.py)
-    lean = lean_decoder(lm.model) if part.mask is None and len(part.token_ids) == 1 else None
     with part.recorder.record(cache):
-        if lean is not None:
-            logits = lean(ids, part.query[None], cache)
-        else:
-            logits = lm.model(input_ids=ids, position_ids=part.query[None], attention_mask=part.mask,
-                              **with_cache(cache), use_cache=True, logits_to_keep=0).logits
+        logits = logits_of(lm.model, ids, part.query[None], cache, part.mask)
     return part.result(logits[0])
 
 

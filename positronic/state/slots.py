@@ -57,7 +57,7 @@ from positronic.steps.attention import layer_indices
 from ..kv import rope
 from ..kv.slots import SlotKV
 from ..models import attention
-from ..models.compat import with_cache
+from ..models.lean import logits_of
 from . import rows as row_plans
 from .checks import StateInvariantError
 from .manager import StateManager
@@ -619,10 +619,8 @@ class SlotState:
         mask = mask.masked_fill_(~visible, torch.finfo(lm.dtype).min)[:, None, None]  # [active, 1, 1, capacity]
         seen = _Seen()
         with attention.tap(seen.see, layers=self.attention_layers, norms=seen.norm):
-            out = lm.model(input_ids=tokens[:, None],
-                           position_ids=positions[:, None], attention_mask=mask,
-                           **with_cache(self.kv.cache(active, rows, mask)), use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1].float()
+            logits = logits_of(lm.model, tokens[:, None], positions[:, None], self.kv.cache(active, rows, mask), mask,
+                               last=True)[:, -1].float()
         per_head = seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])  # [active, layers, heads, capacity]
         lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
         queries = norms = None
