@@ -43,7 +43,9 @@ MUTATORS = {
 }
 PRIVATE = {"_mirror", "_cache", "_predicted", "_write_rows", "_target"}
 BLADES = {"mirror", "cache"}  # a state's attributes that lead to a blade
-OWNERS = ("positronic/state/", "positronic/kv/")
+# models/lean.py is the model's own forward, run only by the state on a cache it hands over: its
+# cache.update is the call transformers' attention makes in the library's forward
+OWNERS = ("positronic/state/", "positronic/kv/", "positronic/models/lean.py")
 SOURCES = ["positronic", "steps", "bench", "run.py"]
 
 
