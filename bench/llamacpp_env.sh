@@ -26,6 +26,15 @@ if "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.versio
     echo "llama-cpp-python $LLAMACPP_VERSION already in $VENV" >&2
 else
     echo "building llama-cpp-python $LLAMACPP_VERSION for this CPU (minutes)" >&2
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" "${PIP[@]}" install --quiet "llama-cpp-python==$LLAMACPP_VERSION"
+    # GGML_NATIVE on an AMX Xeon builds llama.cpp's AMX path, which crashed (ggml_backend_amx_mul_mat)
+    # on the VM this was measured on: there the AVX-512 kernels are named instead, and pip's cached
+    # wheel (a native build) is not reused
+    DEFAULT_ARGS="-DGGML_NATIVE=ON"
+    if grep -q amx_tile /proc/cpuinfo 2>/dev/null; then
+        DEFAULT_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+        DEFAULT_ARGS="$DEFAULT_ARGS -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON"
+        PIP+=(--no-cache-dir)
+    fi
+    CMAKE_ARGS="${CMAKE_ARGS:-$DEFAULT_ARGS}" "${PIP[@]}" install --quiet "llama-cpp-python==$LLAMACPP_VERSION"
 fi
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__); print(llama_cpp.llama_print_system_info().decode())"
