@@ -64,9 +64,11 @@ def test_a_prompt_and_its_ticks_are_the_library_forwards_bits(llama, calls, monk
         assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
-def test_a_brain_past_its_budget_makes_the_library_forwards_run(tiny, calls, monkeypatch):
+def test_a_brain_past_its_budget_makes_the_library_forwards_run(calls, monkeypatch):
     """Evicting every tick (spliced rows, gaps in the positions, the attention row scoring every
-    row): tokens, live rows and positions as with the library's forward."""
+    row): tokens, live rows and positions as with the library's forward. (A model of its own:
+    the session's shared one may carry another test's hooks, and then rightly takes the library's.)"""
+    tiny = load_model("random:tiny", device="cpu", dtype="float32")
     def run():
         brain = Brain.start(tiny, [1] + list(range(40, 110)), BrainConfig(budget=64, temperature=0.0))
         tokens = [brain.step().token_id for _ in range(40)]
@@ -108,9 +110,10 @@ def test_a_hook_on_a_skipped_module_or_a_subclass_takes_the_librarys_forward(cal
         mlp.__class__ = kind
 
 
-def test_core_v4_rounds_are_the_library_forwards_bits(tiny, calls, monkeypatch):
+def test_core_v4_rounds_are_the_library_forwards_bits(calls, monkeypatch):
     """Three sequences in one state (a mask per slot, Decode rows), evicting: the same tokens and
     every slot's rows."""
+    tiny = load_model("random:tiny", device="cpu", dtype="float32")
     def rounds():
         engine = Engine(tiny, slots=4, capacity=72)
         for key, start in (("a", 40), ("b", 90), ("c", 150)):
