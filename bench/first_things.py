@@ -90,6 +90,40 @@ def cli_things(tmp: Path) -> list[tuple[str, callable]]:
     ]
 
 
+def wheel_things(tmp: Path) -> list[tuple[str, callable]]:
+    """A user of the package, not the checkout: the wheel installed in a fresh venv (whose
+    dependencies are this interpreter's, through a .pth file: installing torch again would take
+    minutes), an empty model cache, then the two commands its error message and docs name."""
+    def from_the_wheel():
+        import sysconfig
+        import venv
+
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp / "wheels"), str(ROOT)], check=True, capture_output=True, timeout=300)
+        venv.create(tmp / "venv", with_pip=False)
+        python = tmp / "venv" / "bin" / "python"
+        site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        outer = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+        (Path(site) / "_outer.pth").write_text("".join(f"{p}\n" for p in outer))
+        subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q",
+                        *(tmp / "wheels").glob("positronic_brain-*.whl")], check=True, capture_output=True)
+        env = {**__import__("os").environ, "POSITRONIC_CACHE": str(tmp / "cache")}
+
+        def positronic(*args):
+            return subprocess.run([tmp / "venv" / "bin" / "positronic", *args], cwd=tmp, env=env, capture_output=True,
+                                  text=True, timeout=600)
+        before, fetch, run = positronic("-n", "8", "--no-tui", "--no-input"), positronic("fetch-model"), None
+        if fetch.returncode == 0:
+            run = positronic("-n", "8", "--no-tui", "--no-input")
+        ok = (before.returncode == 2 and "positronic fetch-model" in before.stderr and fetch.returncode == 0
+              and run.returncode == 0 and run.stdout.strip() != "")
+        return ok, "" if ok else " | ".join(shown(d) for d in (before, fetch, run) if d is not None)
+
+    return [("pip install positronic-brain; positronic -n 8 (names fetch-model); positronic fetch-model; "
+             "positronic -n 8", from_the_wheel)]
+
+
 def server_things(url: str) -> list[tuple[str, callable]]:
     import httpx
     import openai
@@ -234,7 +268,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        for what, check in cli_things(tmp) + library_things():
+        for what, check in cli_things(tmp) + wheel_things(tmp) + library_things():
             if wanted(what):
                 outcomes.append(attempt(what, check))
                 print(("PASS " if outcomes[-1].passed else "FAIL ") + what, flush=True)

