@@ -143,8 +143,8 @@ def test_a_directory_config_that_lies_about_sizes_is_refused_before_allocating(t
 
 @pytest.mark.slow
 def test_a_gguf_file_loads_like_the_embedded_model_and_converts_once(smol, tmp_path, monkeypatch, capfd):
+    gguf = str(models.smollm2_gguf())  # before the cache moves: the fetched file lies in the user's
     monkeypatch.setenv("POSITRONIC_CACHE", str(tmp_path))
-    gguf = str(models.smollm2_gguf())
     capfd.readouterr()
     lm = load_model(gguf, device="cpu", weights="float32")  # the de-quantized file: the embedded model's numbers
     assert "converting" in capfd.readouterr().err
