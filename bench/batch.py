@@ -50,8 +50,11 @@ TEXT = "\n\n".join((ROOT / name).read_text(encoding="utf-8") for name in ("READM
 
 
 def configs(policy: str, budget: int, gates: str = "") -> dict:
+    """A policy as the scripts name it: NAME[+recall][@TEMPERATURE] (sampling with top-k 40; greedy without)."""
+    policy, _, temperature = policy.partition("@")
     name, _, extra = policy.partition("+")
-    return dict(policy=name, recall=extra == "recall", budget=budget, temperature=0,
+    sampling = dict(temperature=float(temperature), top_k=40) if temperature else dict(temperature=0)
+    return dict(policy=name, recall=extra == "recall", budget=budget, **sampling,
                 **({"gates": gates} if name == "smartkv" else {}))
 
 
@@ -142,7 +145,8 @@ def batch_arguments(parser: argparse.ArgumentParser, *, model: str, sizes: list[
     parser.add_argument("--sizes", type=int, nargs="+", default=sizes)
     parser.add_argument("--ticks", type=int, default=ticks)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--policies", nargs="+", default=policies)
+    parser.add_argument("--policies", nargs="+", default=policies,
+                        help="NAME[+recall][@TEMPERATURE], e.g. smartkv+recall@0.8 (sampling, top-k 40)")
 
 
 def main(argv=None) -> int:

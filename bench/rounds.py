@@ -13,7 +13,8 @@ per round, that time against B = 1's, the time the mirrors then take to catch up
 rounds (`fold`, per round: ledger entries and token texts, Python per sequence, done when a
 mirror is read rather than in the round), and whether both made the same tokens (greedy: the
 two attend over different widths, so a near-tie may differ in the last bits; the share of
-equal tokens is printed), and (`alone`, B > 1) the share of sequences whose tokens in the round
+equal tokens is printed), the torch operations a round dispatches (`ops`: each a kernel launch
+on a GPU, where the host's time is their count, not their sizes), and (`alone`, B > 1) the share of sequences whose tokens in the round
 equal those they make in an engine of their own: Core v4 promises all of them, on any device
 and dtype. Medians over the rounds; the header notes the load.
 
@@ -41,11 +42,13 @@ from batch import batch_arguments, batched, brains, configs  # noqa: E402  (benc
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
+from positronic.util import TorchOps  # noqa: E402
 
 
-def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]]]:
+def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]], int]:
     """ms a round, of which the forward (on a GPU: its launch, not its run), the mirrors' catching
-    up per round, and each sequence's tokens."""
+    up per round, each sequence's tokens, and the torch operations one more round dispatches
+    (counted apart: counting slows the ops down)."""
     engine = Engine(lm, slots=len(group), capacity=budget, score_layers=group[0].config.recorded_layers)
     for k, brain in enumerate(group):
         engine.join(k, brain)
@@ -61,7 +64,10 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
     seconds = (time.perf_counter() - start) / ticks
     start = time.perf_counter()
     engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
-    return seconds, forward / ticks, (time.perf_counter() - start) / ticks, tokens
+    folded = (time.perf_counter() - start) / ticks
+    with TorchOps() as ops:
+        engine.step()
+    return seconds, forward / ticks, folded, tokens, ops.count
 
 
 def main(argv=None) -> int:
@@ -73,18 +79,18 @@ def main(argv=None) -> int:
           f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
-          f"{'speed-up':>8} {'fold ms':>8} {'equal':>6} {'alone':>6}")
+          f"{'speed-up':>8} {'fold ms':>8} {'ops':>5} {'equal':>6} {'alone':>6}")
     folder = tempfile.TemporaryDirectory()
     _, gates = bench_gates(lm, folder.name)
     for policy in args.policies:
         config = configs(policy, args.budget, gates)
         first_outside = None
         for size in args.sizes:
-            old, new, forward, fold, same, alone = [], [], [], [], [], "-"
+            old, new, forward, fold, same, alone, ops = [], [], [], [], [], "-", 0
             for repeat in range(args.repeats):
                 seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks + 1, engine=False)
                 old.append(seconds)
-                seconds, seconds_forward, seconds_fold, new_tokens = with_engine(
+                seconds, seconds_forward, seconds_fold, new_tokens, ops = with_engine(
                     lm, brains(lm, size, config, args.budget), args.ticks, args.budget)
                 new.append(seconds)
                 forward.append(seconds_forward)
@@ -100,7 +106,7 @@ def main(argv=None) -> int:
             outside = statistics.median(n - f for n, f in zip(new, forward)) * 1e3
             first_outside = first_outside or outside
             print(f"{policy:10} {size:>3} {old_ms:>9.1f} {new_ms:>8.1f} {forward_ms:>8.1f} {outside:>8.2f} "
-                  f"{outside / first_outside:>6.2f}x {old_ms / new_ms:>7.2f}x {statistics.median(fold) * 1e3:>8.2f} "
+                  f"{outside / first_outside:>6.2f}x {old_ms / new_ms:>7.2f}x {statistics.median(fold) * 1e3:>8.2f} {ops:>5} "
                   f"{min(same):>6.1%} {alone:>6}")
     return 0
 

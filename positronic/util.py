@@ -10,6 +10,8 @@
     read_text_file          a user's text file (--prompt-file, --text), read with a bound
     from_list               torch.tensor(a list of Python numbers), in a third of the time
     parse_options           "name=value,name=value" (a press's own settings) as a dict
+    TorchOps                how many torch operations a block dispatches (what a round costs a
+                            GPU's host: one launch each, whatever the tensors' sizes)
 
 Writing a single file atomically is `positronic.mirror.write_atomic` (temporary file, fsync,
 rename): the mirror package has no torch and no dependency on this one, so it keeps its own.
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NUMPY = {torch.long: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
@@ -176,3 +179,18 @@ def quiet_transformers(progress: bool = False):
     finally:
         transformers.logging.set_verbosity(verbosity)
         (transformers.logging.enable_progress_bar if bars else transformers.logging.disable_progress_bar)()
+
+
+class TorchOps(TorchDispatchMode):
+    """`with TorchOps() as ops: ...`, then `ops.count`: the torch operations the block
+    dispatched (each an aten call: a kernel launch on a GPU, a dispatch on a CPU), and
+    `ops.by_name` {aten name: count}."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.by_name = 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.by_name[str(func)] = self.by_name.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))

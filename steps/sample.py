@@ -269,11 +269,13 @@ def sample_many(logits: Tensor, recent: Tensor, settings: Sequence[tuple[float, 
         if min_p > 0.0:
             tempered = MinPLogitsWarper(float(min_p))(recent, tempered)
         kept = torch.softmax(tempered, dim=-1)
-        for k, row in enumerate(rows):
-            if not bool(exact[k]):
-                continue
-            pick = int(torch.multinomial(kept[k], 1, generator=generators[row]))
-            tokens[row] = pick if candidates is None else int(candidates[k, pick])
+        drawn = [k for k, ok in enumerate(exact.tolist()) if ok]
+        if drawn:  # one draw a row from its own generator; the rest once for all of them
+            picks = torch.cat([torch.multinomial(kept[k], 1, generator=generators[rows[k]]) for k in drawn])
+            if candidates is not None:
+                picks = candidates[drawn, picks]
+            for k, pick in zip(drawn, picks.tolist()):
+                tokens[rows[k]] = pick
     for row, token in enumerate(tokens):
         if token is None:
             temperature, top_k, top_p, min_p, penalty = settings[row]

@@ -418,26 +418,20 @@ class Engine:
                 windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
         for (window, lanes), slots in windows.items():
             index = torch.tensor(slots, device=logits.device)
-            if lanes:
-                recent, newest = union_recent(state, index, window)
-                recent = torch.where(newest, recent, recent[:, :1])  # a repeated id is penalised once either way
-            else:
-                rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
-                recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            recent = _recent(state, index, window, lanes)
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
             for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
                 tokens[slot] = token
-        drawn: dict[int, list[int]] = {}  # penalty window -> slots: the common samplers at once (steps.sample_many)
+        # (penalty window, lanes) -> slots: the common samplers at once (steps.sample_many)
+        drawn: dict[tuple[int, bool], list[int]] = {}
         for slot, sequence in enumerate(self.sequences):
             if slot in skip:
                 continue
-            if (not sequence.greedy and sequence.constraint is None and sequence.press.lanes == 1
-                    and _batched_draw(sequence.config)):
-                drawn.setdefault(sequence.config.penalty_window, []).append(slot)
-        for window, slots in drawn.items():
+            if not sequence.greedy and sequence.constraint is None and _batched_draw(sequence.config):
+                drawn.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
+        for (window, lanes), slots in drawn.items():
             index = torch.tensor(slots, device=logits.device)
-            rows = state.length[index, None] - window + torch.arange(window, device=logits.device)
-            recent = state.token_ids[index, 0].gather(1, rows.clamp(min=0))  # short rows repeat their own row 0
+            recent = _recent(state, index, window, lanes)
             configs = [self.sequences[slot].config for slot in slots]
             settings = [(c.temperature, c.top_k, c.top_p, c.min_p, c.repetition_penalty) for c in configs]
             made = sample_many(logits[index], recent, settings, [self.sequences[slot].generator for slot in slots])
@@ -480,6 +474,18 @@ def union_recent(state: SlotState, index: torch.Tensor, window: int) -> tuple[to
     first = torch.ones_like(positions, dtype=torch.bool)
     first[:, 1:] = positions[:, 1:] != positions[:, :-1]
     return ids, first & (first.cumsum(dim=1) <= window)
+
+
+def _recent(state: SlotState, index: torch.Tensor, window: int, lanes: bool) -> torch.Tensor:
+    """[S, window] token ids whose repetition penalty the sequences in slots `index` [S] take:
+    their last `window` tokens (a sequence with fewer repeats its row 0; with `lanes`, the
+    union of its lanes' rows, `union_recent`, a repeated id standing for the rest: an id is
+    penalised once however often it is listed)."""
+    if lanes:
+        recent, newest = union_recent(state, index, window)
+        return torch.where(newest, recent, recent[:, :1])
+    rows = state.length[index, None] - window + torch.arange(window, device=index.device)
+    return state.token_ids[index, 0].gather(1, rows.clamp(min=0))
 
 
 def _batched_draw(config) -> bool:

@@ -14,6 +14,7 @@ from positronic.brain.loop import Brain, BrainConfig
 from positronic.presses import Press, Settings
 from positronic.state.manager import StateManager
 from positronic.smartkv.gates import bench_gates
+from positronic.util import TorchOps
 
 PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "none", "knorm"]  # knorm: a press without a policy of its own
 TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))  # 119 ids, repeats within the penalty window
@@ -317,3 +318,40 @@ def test_input_given_to_rounds_is_read_as_a_brain_reads_it(tiny):
         with pytest.raises(ValueError, match="a given token is"):
             engine.step({"other": bad})
     assert engine.state.tick(0) == rounds and engine.keys() == ["other"]  # nothing changed
+
+
+@pytest.mark.parametrize("policy", [p for p in PRESSES if p != "random"] + ["smartkv", "smartkv+recall"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_round_of_many_sequences_dispatches_no_more_torch_ops_than_a_round_of_one(tiny, tmp_path, policy, temperature):
+    """No loop over sequences in a round: 12 sequences past their budgets dispatch at most the
+    torch operations (kernel launches on a GPU) of the costliest round any of them makes alone
+    (their edits differ: a round of all runs each branch one of them takes, hence the 1.25),
+    plus, when sampling, one draw each from its own generator (a select and a multinomial),
+    and 24 no more than 12 but for those draws. The random press is the one press that loops:
+    each sequence draws its rows' values from its own generator."""
+    name, _, extra = policy.partition("+")
+    settings = dict(recall=extra == "recall", temperature=temperature, top_k=20 if temperature else 0)
+    if name == "smartkv":
+        settings["gates"] = bench_gates(tiny, tmp_path)[1]
+    config = config_for(name, **settings)
+    lanes = tiny.num_layers if name == "smartkv" else 1
+
+    def ops_a_round(offsets: list[int]) -> list[int]:
+        engine = Engine(tiny, slots=len(offsets), capacity=64, lanes=lanes, score_layers=config.recorded_layers)
+        for offset in offsets:
+            engine.join(offset, Brain.start(tiny, prompt(tiny, offset, 60), config))
+        counts = []
+        for _ in range(12):
+            with TorchOps() as ops:
+                engine.step()
+            counts.append(ops.count)
+        return counts
+
+    offsets = list(range(0, 48, 4))
+    alone = max(count for offset in offsets for count in ops_a_round([offset]))
+    together = max(ops_a_round(offsets))
+    draw = 2 if temperature else 0
+    assert together <= 1.25 * alone + draw * len(offsets), (together, alone)
+    # twice the sequences (the same edits and more): a loop of even one op a sequence would show
+    twice = max(ops_a_round(offsets + [offset + 2 for offset in offsets]))
+    assert twice <= together + draw * len(offsets) + 8, (twice, together)
