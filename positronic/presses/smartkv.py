@@ -237,8 +237,6 @@ class SmartKVPress(Press):
             inserts = Inserts(taken, state["recall.positions"].gather(1, slots), state["recall.tokens"].gather(1, slots),
                               state["recall.keys"][members, :, :, slots], state["recall.values"][members, :, :, slots],
                               row_state)
-        back_at = torch.where(taking.transpose(1, 2), clock[:, None, None], state["recall.back_at"])
-        back_at = torch.where(forget[:, None, None], NEVER, back_at)
         start, stored = torch.where(forget, 0, state["recall.next"]), torch.where(forget, 0, stored)
         # the tokens leaving the window (every lane holds them) join the index, in the ring's next slots
         offered = state["recall.offered"]
@@ -249,19 +247,24 @@ class SmartKVPress(Press):
         members, where = leaving.nonzero(as_tuple=True)
         items = slot_of[members, where]
         keys, values = rows.read(members, where)  # [M, layers, kv_heads, head_dim]
-        recalled = {}
-        for name, source in (("positions", positions[members, 0, where]), ("tokens", rows.token_ids[members, where]),
-                             ("weights", next["weight"][members, :, where]), ("back_at", None)):
-            value = back_at if name == "back_at" else state[f"recall.{name}"]
-            value = value.clone()
-            value[members, items] = NEVER if source is None else source
-            recalled[name] = value
-        next |= {f"recall.{name}": value for name, value in recalled.items()}
+        # The index changes in a few ring slots a round, written in place once the round is adopted
+        # (a new [S, ring, lanes] tensor a round cost more than the rest of recall): a joining
+        # token's slot (not back since: NEVER), the slots taken back (this clock, in the lanes that
+        # took them), and every slot of a sequence that forgets (NEVER).
+        joined = torch.zeros_like(back)
+        joined[members, items] = True
+        who, which = (back | joined | forget[:, None]).nonzero(as_tuple=True)
+        back_at = torch.where(taking[who, :, which], clock[who, None], state["recall.back_at"][who, which])
+        back_at = torch.where((joined[who, which] | forget[who])[:, None], NEVER, back_at)  # [n, lanes]
+        writes = {"recall.keys": (members, items, keys, 3), "recall.values": (members, items, values, 3),
+                  "recall.positions": (members, items, positions[members, 0, where], 1),
+                  "recall.tokens": (members, items, rows.token_ids[members, where], 1),
+                  "recall.weights": (members, items, next["weight"][members, :, where], 1),
+                  "recall.back_at": (who, which, back_at, 1)}
         next |= {"recall.count": (stored + joining).clamp(max=ring), "recall.next": (start + joining) % ring,
                  "recall.clock": clock, "recall.restored": state["recall.restored"] + back.sum(dim=1),
                  "recall.offered": torch.where(offers, torch.maximum(offered, positions[:, 0].gather(1, at[:, None])[:, 0]),
                                                offered)}
-        writes = {"recall.keys": (members, items, keys, 3), "recall.values": (members, items, values, 3)}
         return Plan(deleted, plan.need, plan.values, next, plan.stop, inserts, writes)
 
     def _weigh(self, rows, weight: Tensor, at: Tensor) -> Tensor:
