@@ -37,6 +37,9 @@ into the row after its slot's last and records the attention shares, and then co
 mirror. A failure anywhere after the first change rebuilds every active sequence from its
 mirror, which still describes the rows before the round: the round did not happen.
 
+`apply_edits` makes a round from the Step 4 contract's action lists (one checked `Edit` a
+sequence: deletes or a drop, and one add); what a round cannot make is refused by name.
+
 Joining and rebuilding go through the single-sequence `StateManager`, whose prefill,
 pruning and checks are proven: its rows are copied into the slot. A sequence's mirror is the
 same `Mirror` a `StateManager` keeps, so sessions, the terminal view and fixtures read it
@@ -59,7 +62,9 @@ from ..kv.slots import SlotKV
 from ..models import attention
 from ..models.lean import logits_of
 from . import rows as row_plans
+from .actions import ActionError
 from .checks import StateInvariantError
+from .edit import Bounds, Edit
 from .manager import StateManager
 from .readonly import MirrorView
 
@@ -429,6 +434,44 @@ class SlotState:
             self._ticks[slot] += 1
         report.seconds["write"] = time.perf_counter() - now
         return report
+
+    def bounds(self, slot: int) -> Bounds:
+        """What an action list for sequence `slot` is checked against (`Edit.from_actions`), as
+        `StateManager.bounds` says for the same sequence: its live rows, and with per-lane rows
+        (lanes, rows a lane)."""
+        mirror = self._fold(slot)
+        lanes = None if mirror.layers is None else (self.lanes, int(self.length[slot]))
+        return Bounds(len(mirror), self.lm.vocab_size, self.lm.max_positions, lanes)
+
+    def apply_edits(self, edits: list[Edit], *, source: str | list[str] = "generated") -> RoundReport:
+        """A round from the Step 4 contract's action lists: `edits[s]` (an `Edit` checked against
+        `bounds(s)`) for sequence s, its deletes (or a per-lane state's drops) and its one add made
+        into `apply`'s deleted rows and token. What a round does not do is refused with an
+        ActionError naming the sequence, before anything changes: a repair (replace_pair: new
+        tokens in the middle need a forward of their own), a restore (rows come back through
+        their press, recall, whose K/V it keeps), and a list without exactly one add (every
+        sequence adds one token a round)."""
+        if len(edits) != self.active:
+            raise ValueError(f"a round of {self.active} sequences takes {self.active} edits, got {len(edits)}")
+        deleted = torch.zeros((self.active, self.lanes, self.capacity), dtype=torch.bool)
+        tokens = []
+        for slot, edit in enumerate(edits):
+            if edit.bounds != self.bounds(slot):
+                raise ActionError(f"sequence {slot}: the edit was checked against {edit.bounds}, the sequence's "
+                                  f"are {self.bounds(slot)} (Edit.from_actions(actions, state.bounds(slot)))")
+            refused = ("replace_pair (a repair) runs on the single-sequence state" if edit.replacements else
+                       "restore: rows come back in a round through their press (recall)" if edit.restores else
+                       f"a round adds one token to every sequence, this list adds {len(edit.adds)}"
+                       if len(edit.adds) != 1 else None)
+            if refused:
+                raise ActionError(f"sequence {slot}: {refused}")
+            if edit.drops is not None:
+                for lane, rows in enumerate(edit.drops):
+                    deleted[slot, lane, list(rows)] = True
+            else:
+                deleted[slot, :, list(edit.deletes)] = True
+            tokens.append(edit.adds[0])
+        return self.apply(deleted.to(self.positions.device), tokens, source=source)
 
     def _check_inserts(self, inserts: Inserts, kept: torch.Tensor) -> None:
         """ValueError unless `inserts` fit this round: its shapes, lanes that hold rows apart,

@@ -4,10 +4,13 @@ edited a round at a time, equal to the single-sequence state and to themselves a
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from positronic.state.actions import ActionError
+from positronic.state.edit import Bounds, Edit
 from positronic.state.manager import StateManager
 from positronic.state.slots import SlotState
 
@@ -291,3 +294,102 @@ def test_a_joining_sequences_shorter_per_sequence_tensor_fills_the_leading_part_
     with pytest.raises(ValueError, match=r"per-sequence state 'index' is \(3, 5\) a sequence, got \(3, 6\)"):
         state.join(StateManager.from_tokens(tiny, prompt(3, 20), capacity=64),
                    sequence_state={"index": torch.zeros(3, 6)})
+
+
+# the Step 4 contract's action lists as a round's edit (SlotState.apply_edits)
+
+def test_action_lists_make_each_sequences_round_as_the_single_sequence_state_makes_it(tiny):
+    """Three sequences, one of them with rows per lane, 30 rounds of the action lists a policy
+    hands Step 4 (deletes or a drop, then an add), each checked against its sequence's bounds
+    (the single-sequence state's, for the same sequence): each one's live rows, per-lane rows,
+    positions and next tokens are those of a StateManager given the same lists."""
+    heads, lanes = 1, tiny.num_layers
+    references = [StateManager.from_tokens(tiny, prompt(k, 46 + 3 * k), capacity=CAPACITY) for k in range(3)]
+    references[2].split_layers(heads)
+    state = SlotState(tiny, slots=3, capacity=CAPACITY, lanes=lanes)
+    for k in range(3):
+        joining = StateManager.from_tokens(tiny, prompt(k, 46 + 3 * k), capacity=CAPACITY)
+        if k == 2:
+            joining.split_layers(heads)
+        state.join(joining)
+    rng = random.Random(7)
+    for _ in range(30):
+        lists = []
+        for k, reference in enumerate(references):
+            assert state.bounds(k) == reference.bounds
+            token = int(reference.next_logits.argmax())
+            if reference.per_layer:
+                rows = reference.rows_per_layer
+                drops = [sorted(rng.sample(range(1, rows - 1), 2)) if rows > 45 else [] for _ in range(lanes)]
+                edits = [{"action": "drop", "rows": drops}] if any(drops) else []
+            else:
+                edits = [{"action": "delete", "position": row} for row in deletions(rng, len(reference))]
+            lists.append(edits + [{"action": "add", "token_id": token}])
+        report = state.apply_edits([Edit.from_actions(actions, state.bounds(k)) for k, actions in enumerate(lists)])
+        assert not report.failed
+        for k, (reference, actions) in enumerate(zip(references, lists)):
+            reference.apply(actions)
+            assert int(state.next_logits[k].argmax()) == int(reference.next_logits.argmax())
+            torch.testing.assert_close(state.next_logits[k], reference.next_logits, rtol=0, atol=1e-5)
+    for k, reference in enumerate(references):
+        mirror = state.mirror(k)
+        assert mirror.live_token_ids() == reference.mirror.live_token_ids()
+        assert mirror.positions() == reference.mirror.positions()
+        assert (mirror.layers.rows if mirror.layers else None) == \
+            (reference.mirror.layers.rows if reference.mirror.layers else None)
+        mirror.check(tiny.max_positions)
+
+
+@pytest.mark.parametrize("actions, message", [
+    ([{"action": "replace_pair", "original_pos1": 5, "original_pos2": 6, "new_token_ids": [9]},
+      {"action": "add", "token_id": 4}], "sequence 1: replace_pair"),
+    ([{"action": "restore", "ledger_ids": [0]}, {"action": "add", "token_id": 4}], "sequence 1: restore"),
+    ([{"action": "delete", "position": 3}], "sequence 1: a round adds one token to every sequence, this list adds 0"),
+    ([{"action": "add", "token_id": 4}, {"action": "add", "token_id": 5}], "this list adds 2"),
+])
+def test_an_action_list_a_round_cannot_make_is_refused_by_name_and_nothing_changes(tiny, actions, message):
+    state = SlotState(tiny, slots=2, capacity=CAPACITY)
+    for k in range(2):
+        state.join(StateManager.from_tokens(tiny, prompt(k, 30), capacity=CAPACITY))
+    before = [(state.mirror(k).live_token_ids(), state.positions[k].clone()) for k in range(2)]
+    length, logits = state.length.clone(), state.next_logits.clone()
+    first = Edit.from_actions([{"action": "add", "token_id": 3}], state.bounds(0))
+    with pytest.raises(ActionError, match=message):
+        state.apply_edits([first, Edit.from_actions(actions, state.bounds(1))])
+    elsewhere = Bounds(5, tiny.vocab_size, tiny.max_positions)  # another state's
+    with pytest.raises(ActionError, match="sequence 1: the edit was checked against"):
+        state.apply_edits([first, Edit.from_actions([{"action": "add", "token_id": 3}], elsewhere)])
+    assert torch.equal(state.length, length) and torch.equal(state.next_logits, logits)
+    for k in range(2):
+        assert state.mirror(k).live_token_ids() == before[k][0] and torch.equal(state.positions[k], before[k][1])
+
+
+def test_the_committed_fixtures_a_round_can_make_replay_in_core_v4(smol):
+    """The captured ticks whose action lists a round makes (deletes and an add; the repairs are
+    the single-sequence state's) replay in a SlotState, beside another sequence, to what the
+    fixture recorded: the live tokens and positions, layer 0's K/V within the replay's
+    tolerance, and the first greedy token."""
+    from positronic.fixtures import load_fixture
+    from positronic.fixtures.replay import tolerance
+
+    played = 0
+    for path in sorted(Path(__file__).resolve().parents[3].glob("fixtures/*.pt")):
+        fixture = load_fixture(path)
+        if fixture.fault or any(a["action"] not in ("delete", "add") for a in fixture.actions):
+            continue
+        fresh = StateManager.from_mirror(smol, fixture.mirror(), brightness=fixture.new_brightness)
+        state = SlotState(smol, slots=2, capacity=len(fresh) + 8)
+        state.join(StateManager.from_tokens(smol, prompt(3, 20), capacity=len(fresh) + 8))
+        state.join(fresh)
+        edits = [Edit.from_actions([{"action": "add", "token_id": 5}], state.bounds(0)),
+                 Edit.from_actions(fixture.actions, state.bounds(1))]
+        assert not state.apply_edits(edits).failed
+        expected, mirror = fixture.expected, state.mirror(1)
+        assert mirror.live_token_ids() == expected.live_ids and mirror.positions() == expected.positions, path.name
+        keys, values = state.rows(1)
+        rows = expected.layer0_rows
+        torch.testing.assert_close(keys[0][:, rows], expected.layer0_keys, rtol=0, atol=tolerance(fixture.dtype))
+        torch.testing.assert_close(values[0][:, rows], expected.layer0_values, rtol=0, atol=tolerance(fixture.dtype))
+        assert int(state.next_logits[1].argmax()) == expected.greedy[0], path.name
+        played += 1
+    assert played == 2, "api_delete_row4.pt and api_delete_last_row.pt"
