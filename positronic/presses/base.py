@@ -15,7 +15,7 @@ never writes its inputs, so a round that fails is simply not adopted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
@@ -72,6 +72,13 @@ class Settings:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "budget" else 0):
                 raise ValueError(f"{name} must be an int >= {1 if name == 'budget' else 0}, got {value!r}")
+
+    def shared(self) -> "Settings":
+        """What sequences scored together in one round must agree on: these settings with each
+        per-sequence one (a field whose metadata says `per_sequence`, e.g. a seed that only
+        starts a sequence's own state) at its default."""
+        own = {f.name: f.default for f in fields(self) if f.metadata.get("per_sequence")}
+        return replace(self, **own) if own else self
 
     @classmethod
     def of(cls, source: Any) -> "Settings":

@@ -6,7 +6,7 @@ rule leaves, with llama.cpp's window and batch as streaming, scored and h2o."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,9 @@ from .base import Press, Settings
 
 @dataclass(frozen=True)
 class RandomSettings(Settings):
-    seed: int = 0
+    # starts each sequence's own generator (its sequence state): sequences of different seeds
+    # score in one group
+    seed: int = field(default=0, metadata={"per_sequence": True})
 
     def __post_init__(self):
         super().__post_init__()
