@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def wheel_things(tmp: Path) -> list[tuple[str, callable]]:
         (Path(site) / "_outer.pth").write_text("".join(f"{p}\n" for p in outer))
         subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q",
                         *(tmp / "wheels").glob("positronic_brain-*.whl")], check=True, capture_output=True)
-        env = {**__import__("os").environ, "POSITRONIC_CACHE": str(tmp / "cache")}
+        env = {**os.environ, "POSITRONIC_CACHE": str(tmp / "cache")}
 
         def positronic(*args):
             return subprocess.run([tmp / "venv" / "bin" / "positronic", *args], cwd=tmp, env=env, capture_output=True,

@@ -393,11 +393,10 @@ class Engine:
                     token_ids=state.token_ids[index, 0] if press.reads_query else None)
 
     def _groups(self):
-        """(press, slots) for each kind of press among the active sequences (`Settings.shared`)."""
+        """(press, slots) for each kind of press among the active sequences (`Press.group`)."""
         groups: dict[tuple, tuple[object, list[int]]] = {}
         for slot, sequence in enumerate(self.sequences):
-            key = (sequence.press.name, sequence.press.settings.shared())
-            groups.setdefault(key, (sequence.press, []))[1].append(slot)
+            groups.setdefault(sequence.press.group, (sequence.press, []))[1].append(slot)
         return groups.values()
 
     def _sample(self, logits: torch.Tensor, skip: set[int] = frozenset()) -> list[int]:

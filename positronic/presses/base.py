@@ -153,6 +153,8 @@ class Press:
     def __init__(self, settings: Settings | Mapping | Any):
         self.settings = self.Settings.of(settings)
         self.check()
+        # which presses score together in a round (the engine groups by it every round)
+        self.group = (self.name, self.settings.shared())
 
     # --- per press ----------------------------------------------------------------------------
 
