@@ -45,11 +45,14 @@ from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.util import TorchOps  # noqa: E402
 
 
-def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float, list[list[int]], int]:
+def with_engine(lm, group, ticks: int, budget: int, compiled: bool = False
+                ) -> tuple[float, float, float, list[list[int]], int]:
     """ms a round, of which the forward (on a GPU: its launch, not its run), the mirrors' catching
     up per round, each sequence's tokens, and the torch operations one more round dispatches
-    (counted apart: counting slows the ops down)."""
-    engine = Engine(lm, slots=len(group), capacity=budget, score_layers=group[0].config.recorded_layers)
+    (counted apart: counting slows the ops down). `compiled`: the forward one graph
+    (positronic/models/compiled.py; compiled before the timed rounds, see main)."""
+    engine = Engine(lm, slots=len(group), capacity=budget, score_layers=group[0].config.recorded_layers,
+                    compiled=compiled)
     for k, brain in enumerate(group):
         engine.join(k, brain)
     tokens = [[] for _ in group]
@@ -65,6 +68,8 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
     start = time.perf_counter()
     engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
     folded = (time.perf_counter() - start) / ticks
+    if compiled:  # under an op counter the compiled round runs eagerly: its count would not be this round's
+        return seconds, forward / ticks, folded, tokens, "-"
     with TorchOps() as ops:
         engine.step()
     return seconds, forward / ticks, folded, tokens, ops.count
@@ -73,11 +78,14 @@ def with_engine(lm, group, ticks: int, budget: int) -> tuple[float, float, float
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     batch_arguments(parser, model="random:tiny", sizes=[1, 8, 32], ticks=16, policies=["streaming", "h2o"])
+    parser.add_argument("--compiled", action="store_true",
+                        help="the engine's forward as one compiled graph per bucket (compiled before timing)")
     args = parser.parse_args(argv)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     print(f"model {args.model}  {lm.device.type}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  "
           f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
-          f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}")
+          f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}"
+          f"{'  core v4 compiled' if args.compiled else ''}")
     print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
           f"{'speed-up':>8} {'fold ms':>8} {'ops':>5} {'equal':>6} {'alone':>6}")
     folder = tempfile.TemporaryDirectory()
@@ -85,20 +93,23 @@ def main(argv=None) -> int:
     for policy in args.policies:
         config = configs(policy, args.budget, gates)
         first_outside = None
+        if args.compiled:  # every bucket's graph made before the clock runs (a model's graphs are shared)
+            for size in sorted({1, *args.sizes}):
+                with_engine(lm, brains(lm, size, config, args.budget), 2, args.budget, compiled=True)
         for size in args.sizes:
             old, new, forward, fold, same, alone, ops = [], [], [], [], [], "-", 0
             for repeat in range(args.repeats):
                 seconds, old_tokens = batched(brains(lm, size, config, args.budget), args.ticks + 1, engine=False)
                 old.append(seconds)
                 seconds, seconds_forward, seconds_fold, new_tokens, ops = with_engine(
-                    lm, brains(lm, size, config, args.budget), args.ticks, args.budget)
+                    lm, brains(lm, size, config, args.budget), args.ticks, args.budget, args.compiled)
                 new.append(seconds)
                 forward.append(seconds_forward)
                 fold.append(seconds_fold)
                 pairs = [(a, b) for x, y in zip(old_tokens, new_tokens) for a, b in zip(x, y)]
                 same.append(sum(a == b for a, b in pairs) / len(pairs))
                 if size > 1 and repeat == 0:  # each sequence in an engine of its own: batched must equal alone
-                    lone = [with_engine(lm, [brain], args.ticks, args.budget)[3][0]
+                    lone = [with_engine(lm, [brain], args.ticks, args.budget, args.compiled)[3][0]
                             for brain in brains(lm, size, config, args.budget)]
                     alone = f"{sum(x == y for x, y in zip(lone, new_tokens)) / size:.0%}"
             old_ms, new_ms = statistics.median(old) * 1e3, statistics.median(new) * 1e3

@@ -32,12 +32,13 @@ from .seats import Seats
 
 class Batch:
     """Brains of one model, ticked together (see the module docstring). `engine`: seat the
-    brains Core v4 runs in engines of `slots` sequences (each engine one round a tick)."""
+    brains Core v4 runs in engines of `slots` sequences (each engine one round a tick);
+    `compiled`: each engine's forward one compiled graph (positronic/models/compiled.py)."""
 
-    def __init__(self, *, engine: bool = True, slots: int = 16):
+    def __init__(self, *, engine: bool = True, slots: int = 16, compiled: bool = False):
         self._brains: dict[Hashable, Brain] = {}
         self.meeting = Rounds()
-        self.seats = Seats(slots=slots) if engine else None
+        self.seats = Seats(slots=slots, compiled=compiled) if engine else None
         self._seated: dict[Hashable, Engine] = {}
 
     def __len__(self) -> int:

@@ -141,9 +141,11 @@ class Engine:
     """Up to `slots` sequences of at most `capacity` rows each (the largest budget among
     them), ticking in rounds; see the module docstring."""
 
-    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int | None = None):
+    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int | None = None,
+                 compiled: bool = False):
         self.lm, self._lanes = lm, lanes  # lanes None: the first joining sequence's
-        self._shape = dict(slots=slots, capacity=capacity, score_layers=score_layers)
+        # compiled: every round's forward one graph (positronic/models/compiled.py)
+        self._shape = dict(slots=slots, capacity=capacity, score_layers=score_layers, compiled=compiled)
         self.state = SlotState(lm, **self._shape, lanes=lanes or 1)
         self.sequences: list[Sequence] = []  # in slot order
         self.finished: dict[Hashable, object] = {}  # mirrors of sequences their press stopped

@@ -21,18 +21,21 @@ from collections.abc import Hashable
 from positronic.steps.attention import layer_indices
 
 from ..brain.loop import TickRecord
+from ..models.compiled import refusal as compiled_refusal
 from ..text import span_texts
 from .engine import Engine, unsupported
 
 
 class Seats:
     """Engines of `slots` sequences each, made as brains need them (module docstring).
-    `smartkv`: whether SmartKV brains (lanes apart) take seats at all."""
+    `smartkv`: whether SmartKV brains (lanes apart) take seats at all; `compiled`: the engines'
+    forwards as compiled graphs (positronic/models/compiled.py; a model it cannot run ticks
+    its brains on their own, the reason in `refusal`)."""
 
-    def __init__(self, *, slots: int, smartkv: bool = True):
+    def __init__(self, *, slots: int, smartkv: bool = True, compiled: bool = False):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a whole number of at least 1, got {slots!r}")
-        self.slots, self.smartkv = slots, smartkv
+        self.slots, self.smartkv, self.compiled = slots, smartkv, compiled
         self._engines: dict[tuple, list[Engine]] = {}
 
     @property
@@ -59,6 +62,8 @@ class Seats:
             return reason
         if brain.state.per_layer and not self.smartkv:
             return "smartkv brains tick on their own here"
+        if self.compiled and (reason := compiled_refusal(brain.state.lm)) is not None:
+            return reason
         return None
 
     def engine_for(self, brain, *, capacity: int | None = None) -> Engine | None:
@@ -73,7 +78,7 @@ class Seats:
             if engine.refusal(brain, returning=True) is None:
                 return engine
         engine = Engine(brain.state.lm, slots=self.slots, capacity=max(capacity or 0, brain.config.budget),
-                        score_layers=list(kind[1]))
+                        score_layers=list(kind[1]), compiled=self.compiled)
         if engine.refusal(brain, returning=True) is not None:
             return None
         group.append(engine)

@@ -71,6 +71,13 @@ def _server_options(
         help="With --engine, SmartKV sessions (the embedded model's default) tick in engine rounds too. Off by "
              "default: on a 2-core CPU with SmolLM2 they made 0.68x the tokens/s of ticking alone (the forward "
              "bounds a round there); where the host bounds it (a GPU) try it on."),
+    compile: bool = typer.Option(
+        False, "--compile/--no-compile",
+        help="With --engine, each engine round's forward as one compiled graph (torch.compile; Llama-class "
+             "models with float weights): the first round at each batch size (2, 4, 8, ...) compiles it, about "
+             "5 s on a tiny model and 40 s on SmolLM2 on 2 CPU cores, then every round runs it (SmolLM2 on 2 "
+             "cores: a forward of 8 sequences 1.7x faster). Replies equal alone still; their tokens may part "
+             "from the uncompiled ones at a near-tie (docs/core.md, \"A compiled round\")."),
     served_model_name: Optional[list[str]] = typer.Option(
         None, metavar="NAME",
         help="Model ids requests may name and answers carry (vLLM's flag: `--served-model-name a b`, or the flag "
@@ -185,6 +192,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         require_serve_extra()
         if options["history_edits"] not in ("refuse", "rebuild"):
             raise UserError(f"--history-edits must be refuse or rebuild, got {options['history_edits']!r}")
+        if options["compile"] and not options["engine"]:
+            raise UserError("--compile compiles the engine's rounds: give it without --no-engine")
         config = brain_config(ctx, options)
         directory = options["session_dir"] or default_session_dir(options["model"])
         store = None  # an object store's URL (--session-store s3://…): no directory of its own here
@@ -222,6 +231,11 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         freeze_heap()
         config = with_gates(ctx, lm, config)  # --gates auto: kept, or trained now on first use
         check_budget(lm, config)
+        if options["compile"]:
+            from ..models.compiled import refusal
+
+            if (why := refusal(lm)) is not None:
+                raise UserError(f"--compile: {why}")
         if note := ctx.meta.get("policy_note"):  # which default policy, and why (common.brain_config)
             typer.echo(note, err=True)
         from ..server.app import serve_forever
@@ -247,6 +261,7 @@ def server_settings(options: dict, directory: Path, threads: int | None):
                                   history_edits=options["history_edits"], threads=threads,
                                   engine_slots=min(options["max_sessions"], 64) if options["engine"] else 0,
                                   engine_smartkv=options["engine_smartkv"],
+                                  engine_compiled=options["compile"] and options["engine"],
                                   served_model_names=tuple(options["served_model_name"] or ()))
 
 

@@ -109,20 +109,26 @@ def decode_attention(query: torch.Tensor, rows: Decode, scaling: float,
     in place, one softmax where no log-normaliser is wanted (SmolLM2, one slot: 130 µs a layer
     against 240 for logsumexp then exp; the fused kernel 53)."""
     slots, heads, _, head_dim = query.shape
+    weights, log_norm = decode_weights(query, rows, scaling, norms)
+    out = (weights.to(rows.values.dtype) @ rows.values).reshape(slots, heads, 1, head_dim)
+    return out.to(query.dtype), log_norm
+
+
+def decode_weights(query: torch.Tensor, rows: Decode, scaling: float,
+                   norms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decode_attention`'s weights: query [slots, heads, 1, head_dim] -> each row's share
+    [slots, kv_heads, heads // kv_heads, capacity] float32 and (`norms`) the log-normaliser
+    [slots, heads, 1] float32, else None."""
+    slots, heads, _, head_dim = query.shape
     kv_heads = rows.keys.shape[1]
     grouped = query.reshape(slots, kv_heads, heads // kv_heads, head_dim).float() * scaling
     logits = (grouped @ rows.keys.transpose(-1, -2).float()).add_(rows.mask)  # [slots, kv, g, capacity]
-    log_norm = None
-    if norms:
-        top = logits.amax(dim=-1, keepdim=True)
-        weights = logits.sub_(top).exp_()
-        total = weights.sum(dim=-1, keepdim=True)
-        weights = weights.div_(total)
-        log_norm = (top + total.log()).reshape(slots, heads, 1)
-    else:
-        weights = torch.softmax(logits, dim=-1)
-    out = (weights.to(rows.values.dtype) @ rows.values).reshape(slots, heads, 1, head_dim)
-    return out.to(query.dtype), log_norm
+    if not norms:
+        return torch.softmax(logits, dim=-1), None
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = logits.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights.div_(total), (top + total.log()).reshape(slots, heads, 1)
 
 
 def _each(attend, module, query: torch.Tensor, ragged: Ragged, **kwargs) -> tuple[torch.Tensor, None]:

@@ -69,6 +69,7 @@ class ServerSettings:
     threads: int | None = None  # torch's threads in the forward thread (None: this thread's when the server is made)
     engine_slots: int = 16  # sequences per Core v4 engine whose rounds run replies' ticks (0: none; worker.py)
     engine_smartkv: bool = False  # SmartKV sessions tick in engine rounds too (worker.py: slower on a CPU)
+    engine_compiled: bool = False  # the engines' rounds as compiled graphs (positronic/models/compiled.py)
     # the model ids requests may name (vLLM's --served-model-name): () the model's own name, as `-m` gave it
     served_model_names: tuple[str, ...] = ()
 
@@ -89,7 +90,8 @@ class BrainServer:
         self.text_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="positronic-text")
         lm.fewest_tokens("")  # the vocabulary's longest entry, read once now rather than by a request
         self.worker = ModelWorker(on_forward=self.metrics.record_batch, threads=settings.threads,
-                                  engine_slots=settings.engine_slots, engine_smartkv=settings.engine_smartkv)
+                                  engine_slots=settings.engine_slots, engine_smartkv=settings.engine_smartkv,
+                                  engine_compiled=settings.engine_compiled)
         self.pool = SessionPool(lm, self.worker, settings.session_dir, max_sessions=settings.max_sessions,
                                 idle_save_s=settings.idle_save_s, on_tick=self.metrics.record_tick)
         self.preparer = Preparer(lm, config, self.worker, self.format, self.off_loop,

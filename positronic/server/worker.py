@@ -49,7 +49,7 @@ class ModelWorker:
     (positronic/batch/threads.py says why)."""
 
     def __init__(self, *, on_forward: Callable[[int], None] = lambda sequences: None, threads: int | None = None,
-                 engine_slots: int = 0, engine_smartkv: bool = False):
+                 engine_slots: int = 0, engine_smartkv: bool = False, engine_compiled: bool = False):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a whole number of at least 1 (or None: torch's), got {threads!r}")
         # Core v4 (positronic/batch/engine.py): a reply's ticks run as rounds of one engine per
@@ -61,7 +61,8 @@ class ModelWorker:
         # they made 0.68x the tokens/s of ticking alone (the forward bounds a round there, and each
         # request's join and hand-back copy ~94 MB of recall index: bench/results/server.md)
         self.engine_smartkv = engine_smartkv
-        self.seats = Seats(slots=engine_slots, smartkv=engine_smartkv) if engine_slots else None
+        # each engine's forward one compiled graph per bucket (positronic/models/compiled.py)
+        self.seats = Seats(slots=engine_slots, smartkv=engine_smartkv, compiled=engine_compiled) if engine_slots else None
         self.meeting = Rounds(on_forward=on_forward)
         self.threads = threads or torch.get_num_threads()  # torch's, for the forward thread
         serving = threading.Event()

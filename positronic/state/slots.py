@@ -59,6 +59,8 @@ from positronic.steps.attention import layer_indices
 
 from ..kv import rope
 from ..kv.slots import SlotKV
+from ..models.compiled import CompiledRound
+from ..models.compiled import refusal as compiled_refusal
 from ..models import attention
 from ..models.lean import logits_of
 from . import rows as row_plans
@@ -99,14 +101,20 @@ class SlotState:
     mirrors; see the module docstring. `score_layers`: the layers whose attention the shares
     average ("last", "all" or indices). `lanes`: 1, the model's layers, or layers × kv heads."""
 
-    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int = 1):
+    def __init__(self, lm, *, slots: int, capacity: int, score_layers="last", lanes: int = 1, compiled: bool = False):
         if lanes not in (1, lm.num_layers, lm.num_layers * lm.num_kv_heads):
             raise ValueError(f"lanes must be 1, {lm.num_layers} (layers) or {lm.num_layers * lm.num_kv_heads} "
                              f"(layers x kv heads), got {lanes}")
         self.lm, self.lanes = lm, lanes
         self.attention_layers = layer_indices(score_layers, lm.num_layers)
-        self.kv = SlotKV(layers=lm.num_layers, slots=slots, kv_heads=lm.num_kv_heads, capacity=capacity,
-                         head_dim=lm.head_dim, dtype=lm.dtype, device=lm.device)
+        if compiled and (why := compiled_refusal(lm)) is not None:
+            raise ValueError(why)
+        self.slots = slots
+        # a compiled round pads a lone sequence to two slots (CompiledRound): room for the second
+        self.kv = SlotKV(layers=lm.num_layers, slots=max(slots, 2) if compiled else slots, kv_heads=lm.num_kv_heads,
+                         capacity=capacity, head_dim=lm.head_dim, dtype=lm.dtype, device=lm.device)
+        # the round's forward as one compiled graph, or None: eager (`_forward`)
+        self.compiled = CompiledRound(lm, self.kv.keys, self.kv.values, self.attention_layers) if compiled else None
         device = lm.device
         self.length = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, lanes, capacity, dtype=torch.long, device=device)
@@ -185,7 +193,7 @@ class SlotState:
     def declare_sequence(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> None:
         """A press's per-sequence tensor `name`: `[slots, *shape]` of `dtype`, a joining sequence's
         at `fill` unless it brings its own."""
-        full = (self.kv.slots, *shape)
+        full = (self.slots, *shape)
         if name in self.sequence_state:
             kept = self.sequence_state[name]
             if (kept.dtype, tuple(kept.shape), self.sequence_fill[name]) != (dtype, full, fill):
@@ -202,8 +210,8 @@ class SlotState:
         per-row values of its live rows, `{name: [rows]}` (others start at their fill);
         `sequence_state`: its per-sequence tensors (`declare_sequence`; others at their fill; a
         tensor shorter than the declared shape fills its leading part, the rest at the fill)."""
-        if self.active == self.kv.slots:
-            raise ValueError(f"all {self.kv.slots} slots are in use")
+        if self.active == self.slots:
+            raise ValueError(f"all {self.slots} slots are in use")
         rows = manager.rows_per_layer
         if manager.kv_format != "float" or manager.kv_store != "splice":
             raise ValueError("Core v4 holds float rows in the splice store (4-bit formats and the ring store run on "
@@ -656,6 +664,20 @@ class SlotState:
         [active, lanes, capacity] (zeros unless every layer is recorded), all float32, and with
         every layer recorded the queries (scaled) [active, layers, heads, head_dim] and
         log-normalisers [active, layers, heads] (else None, None)."""
+        active = self.active
+        if self.compiled is not None:
+            logits, per_head, queries, norms = self.compiled(tokens, rows, positions)
+        else:
+            logits, per_head, queries, norms = self._eager(tokens, rows, positions)
+        lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
+        if not self._every_lane(len(self.attention_layers)):
+            return logits, per_head, lane_shares, lane_peaks, None, None
+        per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
+        return logits, per_head, per_lane.mean(dim=2), per_lane.amax(dim=2), queries, norms
+
+    def _eager(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+        """The round's forward through the model's modules (`logits_of`), its attention read by
+        the tap: logits, shares, and with every layer recorded queries and norms (else None)."""
         lm, active = self.lm, self.active
         visible = torch.arange(self.capacity, device=rows.device)[None] <= rows[:, None]  # [active, capacity]
         mask = torch.zeros(visible.shape, dtype=lm.dtype, device=rows.device)
@@ -665,14 +687,11 @@ class SlotState:
             logits = logits_of(lm.model, tokens[:, None], positions[:, None], self.kv.cache(active, rows, mask), mask,
                                last=True)[:, -1].float()
         per_head = seen.shares(self.kv, self.attention_layers, active, mask[:, 0, 0])  # [active, layers, heads, capacity]
-        lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
         queries = norms = None
         if self._every_lane(len(self.attention_layers)):
-            per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
-            lane_shares, lane_peaks = per_lane.mean(dim=2), per_lane.amax(dim=2)
             queries = torch.stack([seen.queries[layer].float() * seen.scaling for layer in range(lm.num_layers)], dim=1)
             norms = torch.stack([seen.norms[layer].float() for layer in range(lm.num_layers)], dim=1)
-        return logits, per_head, lane_shares, lane_peaks, queries, norms
+        return logits, per_head, queries, norms
 
     # --- failure ----------------------------------------------------------------------------
 

@@ -26,6 +26,13 @@ def test_serve_refuses_bad_flags_before_loading_a_model(tmp_path, capsys, run_cl
     # vLLM's spelling, several names after one flag: the same names, checked the same way
     assert run_cli("serve", "-m", MODEL, "--served-model-name", "a", "a", "--session-dir", str(tmp_path)) == 2
     assert "--served-model-name must be distinct, non-empty names, got ['a', 'a']" in capsys.readouterr().err
+    assert run_cli("serve", "-m", "no-such-model-anywhere", "--compile", "--no-engine") == 2
+    assert "--compile compiles the engine's rounds" in capsys.readouterr().err
+
+
+def test_compile_on_a_model_it_cannot_run_is_one_line_before_serving(tmp_path, capsys, run_cli):
+    assert run_cli("serve", "-m", "random:qwen2", "--compile", "--session-dir", str(tmp_path)) == 2
+    assert "--compile: a compiled round runs Llama-class models; Qwen2ForCausalLM is not one" in capsys.readouterr().err
 
 
 def test_several_names_after_one_flag_are_each_a_value():

@@ -1,0 +1,206 @@
+"""Core v4's decode round as one compiled graph (`Engine(..., compiled=True)`, `--compile`).
+
+A round's forward (positronic/state/slots.py) feeds one new token for each active slot over
+the slot buffers. Eager, each layer of it is some forty operations dispatched from Python; here
+the whole round, from the embedding to the logits, the newest query and log-normaliser of
+every layer and the attention shares the presses score, is one function of tensors that
+`torch.compile` turns into one graph (inductor: fused C++ loops on a CPU, Triton kernels on a
+GPU). The model's own modules' weights and arithmetic; the attention written out as
+`decode_attention` writes it.
+
+Shapes never change, so nothing recompiles. The active slots are padded to a bucket (2, 4, 8,
+... up to the buffers' slots, as vLLM pads its CUDA graphs): padding slots feed token 0 at
+position 0 into row 0 of slots no sequence holds (a joining sequence writes its rows over
+them). The K/V buffers are the same tensors every round, written in place with one
+`index_put_` per layer (a buffer handed to the graph and written through a view is copied
+whole by the compiler; an `index_put_` on the buffer itself is not). Edits, joins and leaves
+change the buffers' contents, never a shape: one compile per bucket for a run of any length
+(`compiles` counts them; tests/positronic/models/test_compiled.py holds it over rounds with
+evictions, joins and leaves).
+
+Numbers. Inductor fuses and reorders, so a compiled round's logits differ from the eager
+round's in their last bits (~1e-4 on SmolLM2): its tokens can part from the eager ones at a
+near-tie. What it keeps is batched = alone: on a CPU the graph is compiled with inductor's
+freezing, which runs every linear layer through oneDNN with its weight packed, whose rows are
+computed alone for two rows or more (the property `RowInvariantLinear` uses), and every other
+operation works slot by slot; a bucket is never 1 (a lone sequence is padded to 2). So a
+sequence's numbers are the same bits whatever bucket it is in and whoever else is in it. On a
+GPU this is measured (bench/gpu.sh), not claimed.
+
+It runs Llama-class models (`LeanLlama.fits`: Llama, SmolLM2, TinyLlama, Mistral's layout is
+another class) with float weights (`nn.Linear`, `RowInvariantLinear`); `refusal` names what
+it cannot run (an int8 or int4 layer, another family), and the engine says so before it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.llama import modeling_llama as llama
+
+from .attention import Decode, decode_weights
+from .lean import LeanLlama
+
+log = logging.getLogger(__name__)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# graphs a process keeps for one function: a bucket per shape, for every model and recorded layers
+RECOMPILE_LIMIT = 64
+
+
+def refusal(lm) -> str | None:
+    """Why a compiled round cannot run `lm`, or None if it can."""
+    model = lm.model
+    if not LeanLlama.fits(model):
+        return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            if module.weight.dtype not in FLOATS:
+                return f"a compiled round runs float weights; {name} is {module.weight.dtype}"
+        elif "linear" in type(module).__name__.lower() or type(module).__name__ in ("Fused", "Part"):
+            return f"a compiled round runs float weights (--weights float32); {name} is {type(module).__name__}"
+    return None
+
+
+def buckets(slots: int) -> list[int]:
+    """The padded sizes a round of `slots` buffers runs at: 2, 4, 8, ... and `slots`."""
+    sizes, size = [], 2
+    while size < slots:
+        sizes.append(size)
+        size *= 2
+    return sorted({*sizes, max(slots, 2)})
+
+
+class CompiledRound:
+    """`round(tokens, rows, positions)` -> the eager round's results (`SlotState._forward`):
+    logits [active, vocab] float32, shares [active, recorded layers, heads, capacity] float32,
+    queries (scaled) [active, layers, heads, head_dim] and log-normalisers [active, layers,
+    heads] float32. tokens, rows, positions: [active] int64, slot s's token written into its
+    row `rows[s]` at RoPE position `positions[s]` (rows past `rows[s]` hidden).
+
+    `keys`, `values`: the slot buffers `[layers, slots, kv_heads, capacity, head_dim]`, slots
+    >= 2 (SlotState makes them so); `recorded`: the layers whose shares the presses read.
+    Rounds of one model and recorded layers share their graphs (`_Graph`), whatever state
+    or engine runs them: a second engine on the same model compiles nothing new."""
+
+    def __init__(self, lm, keys: torch.Tensor, values: torch.Tensor, recorded: list[int]):
+        if (why := refusal(lm)) is not None:
+            raise ValueError(why)
+        if keys.shape[1] < 2:
+            raise ValueError("a compiled round pads a lone sequence to 2 slots: give the buffers 2 or more")
+        self.keys, self.values = keys, values
+        self.sizes = buckets(keys.shape[1])
+        graphs = lm.model.__dict__.setdefault("_positronic_graphs", {})  # {(recorded, device): _Graph}
+        self.graph = graphs.get(key := (tuple(recorded), keys.device.type))
+        if self.graph is None:
+            self.graph = graphs[key] = _Graph(lm, list(recorded), keys.device.type)
+        if keys.device.type == "cuda":  # captured graphs need the buffers at fixed addresses
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+
+    @property
+    def compiles(self) -> int:
+        """Graphs made for this model and recorded layers so far (one per bucket used)."""
+        return self.graph.compiles
+
+    def bucket(self, active: int) -> int:
+        return next(size for size in self.sizes if size >= active)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+        active = tokens.shape[0]
+        pad = self.bucket(active) - active
+        if pad:
+            zeros = tokens.new_zeros(pad)
+            tokens, rows, positions = (torch.cat([t, zeros]) for t in (tokens, rows, positions))
+        # under a dispatch mode (an op counter, a flop counter) dynamo compiles nothing, and a
+        # frame it gave up on stays given up: such a round runs the same function eagerly
+        eager = torch._C._len_torch_dispatch_stack() or self.graph.broken is not None
+        run = self.graph.eager if eager else self.graph.run
+        try:
+            logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
+        except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
+            if not eager:
+                self.graph.broken = f"{type(exc).__name__}: {exc}"
+                log.warning("the compiled round failed (%s); rounds run eagerly from now on", self.graph.broken)
+            raise
+        return logits[:active], shares[:active], queries[:active], norms[:active]
+
+
+class _Graph:
+    """One model's compiled round for one set of recorded layers: `run(tokens, rows, positions,
+    keys, values)`, traced and compiled once per shape (bucket)."""
+
+    def __init__(self, lm, recorded: list[int], device: str):
+        self.lm, self.recorded, self.device = lm, recorded, device
+        self.compiles = 0
+        # dynamo keeps one code's graphs together, every _Graph's buckets under one limit (8 by
+        # default); past it, it would run the round eager without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
+        self.eager = self._round
+        self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)
+
+    def _backend(self, graph, inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        patches = {"freezing": True}
+        if self.device == "cuda":
+            patches["triton.cudagraphs"] = True  # torch.compile's "reduce-overhead"
+        size, clock = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1), "?"), time.perf_counter()
+        log.info("compiling the decode round for %s sequences (once for this size)", size)
+        compiled = compile_fx(graph, inputs, config_patches=patches)
+        log.info("compiled the decode round for %s sequences in %.1f s", size, time.perf_counter() - clock)
+        return compiled
+
+    def _round(self, tokens, rows, positions, keys, values):
+        """Traced once per bucket: the whole round over `keys` / `values` (written in place)."""
+        model, core = self.lm.model, self.lm.model.model
+        size, capacity = tokens.shape[0], keys.shape[3]
+        kv_heads = keys.shape[2]
+        slots = torch.arange(size, device=tokens.device)
+        visible = torch.arange(capacity, device=tokens.device)[None] <= rows[:, None]  # [size, capacity]
+        mask = torch.zeros(visible.shape, dtype=keys.dtype, device=tokens.device)
+        mask = mask.masked_fill(~visible, torch.finfo(keys.dtype).min)[:, None, None]  # [size, 1, 1, capacity]
+        heads_of = torch.arange(kv_heads, device=tokens.device)[None]
+        where = (slots[:, None].expand(size, kv_heads), heads_of.expand(size, kv_heads), rows[:, None].expand(size, kv_heads))
+        hidden = core.embed_tokens(tokens[:, None])  # [size, 1, hidden]
+        cos, sin = core.rotary_emb(hidden, positions[:, None])
+        queries, norms, shares = [], [], []
+        for index, layer in enumerate(core.layers[: model.config.num_hidden_layers]):
+            attention = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            shape = (size, 1, -1, attention.head_dim)
+            query = _linear(attention.q_proj, hidden).view(shape).transpose(1, 2)  # [size, heads, 1, head_dim]
+            key = _linear(attention.k_proj, hidden).view(shape).transpose(1, 2)  # [size, kv_heads, 1, head_dim]
+            value = _linear(attention.v_proj, hidden).view(shape).transpose(1, 2)
+            query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
+            layer_index = torch.full_like(where[0], index)
+            keys.index_put_((layer_index, *where), key[:, :, 0].to(keys.dtype))
+            values.index_put_((layer_index, *where), value[:, :, 0].to(values.dtype))
+            weights, log_norm = decode_weights(query, Decode(keys[index, :size], values[index, :size], mask),
+                                               attention.scaling)  # [size, kv_heads, group, capacity]
+            out = (weights.to(values.dtype) @ values[index, :size]).to(query.dtype)  # [size, kv_heads, group, head_dim]
+            queries.append(query[:, :, 0].float() * attention.scaling)  # [size, heads, head_dim]
+            norms.append(log_norm[:, :, 0])
+            if index in self.recorded:  # the shares are the weights (a second product with the keys
+                shares.append(weights.reshape(size, -1, capacity))  # would copy the whole buffer)
+            out = out.reshape(size, 1, -1)
+            hidden = residual + _linear(attention.o_proj, out)
+            residual = hidden
+            mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
+            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, normed)) * _linear(mlp.up_proj, normed))
+        hidden = core.norm(hidden)
+        logits = _linear(model.lm_head, hidden)[:, -1].float()
+        return logits, torch.stack(shares, dim=1), torch.stack(queries, dim=1), torch.stack(norms, dim=1)
+
+
+def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product as the compiler sees it (RowInvariantLinear's oneDNN call is opaque
+    to it; freezing gives the same kernel its packed weight)."""
+    return F.linear(x, module.weight, module.bias)

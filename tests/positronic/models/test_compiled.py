@@ -1,0 +1,164 @@
+"""The compiled decode round (positronic/models/compiled.py): one graph per bucket for a run of
+any length, batched = alone bit for bit, the eager round's numbers to float tolerance, a failed
+round rebuilt without poisoning the graph, and what it cannot run refused by name."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from positronic.batch.engine import Engine
+from positronic.brain.loop import Brain, BrainConfig
+from positronic.models import load_model
+from positronic.models.compiled import buckets
+from positronic.smartkv.gates import bench_gates
+from positronic.util import TorchOps
+
+PRESSES = ["streaming", "h2o", "scored", "brightness", "random", "knorm"]
+TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))
+
+
+def config_for(policy: str, **extra) -> BrainConfig:
+    return BrainConfig(**{**dict(policy=policy, budget=40, temperature=0, seed=3), **extra})
+
+
+def prompt(lm, offset: int, length: int) -> list[int]:
+    return [lm.bos_id] + TEXT[offset : offset + length]
+
+
+def alone(lm, config: BrainConfig, offset: int, rounds: int, **engine) -> list[int]:
+    """A sequence's tokens in a compiled engine of its own (padded to 2 slots)."""
+    single = Engine(lm, slots=1, capacity=64, compiled=True, **engine)
+    single.join("x", Brain.start(lm, prompt(lm, offset, 50), config))
+    return [single.step()["x"] for _ in range(rounds)]
+
+
+def test_buckets_pad_to_powers_of_two_and_the_slots():
+    assert buckets(1) == [2] and buckets(2) == [2] and buckets(5) == [2, 4, 5] and buckets(32) == [2, 4, 8, 16, 32]
+
+
+def test_batched_sequences_make_their_alone_tokens_as_they_join_and_leave(tiny):
+    """Six sequences of mixed presses and samplers join and leave at random rounds in a compiled
+    engine (buckets 2, 4 and 6 in turn): each makes, token for token, what it makes alone."""
+    rng = random.Random(6)
+    plans = []
+    for k, policy in enumerate(PRESSES):
+        extra = dict(budget=rng.choice([40, 44, 48]), seed=k)
+        if k % 3 == 1:
+            extra.update(temperature=0.8, top_k=20)
+        joins = rng.randrange(0, 10)
+        plans.append((k, config_for(policy, **extra), 5 * k, joins, joins + rng.randrange(10, 25)))
+    engine = Engine(tiny, slots=len(plans), capacity=64, compiled=True)
+    made = {k: [] for k, *_ in plans}
+    for number in range(40):
+        for k, config, offset, joins, leaves in plans:
+            if number == joins:
+                engine.join(k, Brain.start(tiny, prompt(tiny, offset, 50), config))
+            if number == leaves:
+                engine.leave(k)
+        for k, token in engine.step().items():
+            made[k].append(token)
+    for k, config, offset, *_ in plans:
+        assert len(made[k]) >= 10 and made[k] == alone(tiny, config, offset, len(made[k])), f"sequence {k}"
+
+
+def test_a_long_run_with_evictions_joins_and_leaves_compiles_nothing_new(tiny):
+    """200 rounds, every sequence past its budget (an eviction a round), sequences joining and
+    leaving so that 1 to 8 are active: once each bucket has its graph, none is made again."""
+    engine = Engine(tiny, slots=8, capacity=48, compiled=True)
+    graphs = engine.state.compiled.compiles  # a model's graphs are shared: the tests before made some
+    config = config_for("h2o", budget=40)
+    for k in range(8):  # warm every bucket: 8, then 4, then 2 active
+        engine.join(k, Brain.start(tiny, prompt(tiny, 3 * k, 45), config))
+    for active in (8, 4, 2, 1):
+        while len(engine) > active:
+            engine.leave(engine.keys()[-1])
+        engine.step()
+    compiled = engine.state.compiled.compiles
+    rng, joined, evicting = random.Random(0), 8, 0
+    for _ in range(200):
+        if len(engine) < 8 and (not len(engine) or rng.random() < 0.3):
+            engine.join(joined, Brain.start(tiny, prompt(tiny, joined % 40, 45), config))
+            joined += 1
+        elif len(engine) > 1 and rng.random() < 0.25:
+            engine.leave(rng.choice(engine.keys()))
+        made = engine.step()
+        assert len(made) == len(engine.removed)
+        evicting += sum(bool(rows) for rows in engine.removed.values())
+    assert engine.state.compiled.compiles == compiled <= graphs + len(buckets(8))
+    assert evicting > 400 and joined > 30
+
+
+def test_the_compiled_round_is_the_eager_round_to_float_tolerance(tiny):
+    """The same sequences in an eager and a compiled engine: every round's logits and shares
+    agree to 1e-5 (inductor reorders sums; the eager round is the Brain's, bit for bit), and so
+    do the tokens on this model."""
+    engines = [Engine(tiny, slots=3, capacity=64, compiled=compiled) for compiled in (False, True)]
+    for engine in engines:
+        for k, policy in enumerate(("h2o", "streaming", "brightness")):
+            engine.join(k, Brain.start(tiny, prompt(tiny, 9 * k, 50), config_for(policy)))
+    for _ in range(30):
+        eager, compiled = (engine.step() for engine in engines)
+        assert eager == compiled
+        states = [engine.state for engine in engines]
+        torch.testing.assert_close(states[1].next_logits[:3], states[0].next_logits[:3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[1].attention[:3], states[0].attention[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_smartkv_with_recall_compiled_makes_its_alone_tokens_and_eagers_numbers(tiny, tmp_path):
+    """SmartKV's lanes (one per layer) read every layer's shares, queries and log-normalisers
+    from the graph: three sequences batched make their alone tokens, and the newest queries and
+    norms are the eager engine's to float tolerance."""
+    _, gates = bench_gates(tiny, tmp_path)
+    configs = [config_for("smartkv", gates=gates, recall=True, budget=48, seed=k) for k in range(3)]
+    shape = dict(capacity=64, lanes=tiny.num_layers, score_layers="all")
+    engines = [Engine(tiny, slots=3, compiled=compiled, **shape) for compiled in (False, True)]
+    for engine in engines:
+        for k, config in enumerate(configs):
+            engine.join(k, Brain.start(tiny, prompt(tiny, 11 * k, 50), config))
+    made = {k: [] for k in range(3)}
+    for _ in range(30):
+        eager, compiled = (engine.step() for engine in engines)
+        assert eager == compiled
+        for k, token in compiled.items():
+            made[k].append(token)
+        states = [engine.state for engine in engines]
+        for name in ("queries", "log_norms", "lane_shares"):
+            torch.testing.assert_close(getattr(states[1], name)[:3], getattr(states[0], name)[:3], atol=1e-5, rtol=1e-5)
+    for k, config in enumerate(configs):
+        single = Engine(tiny, slots=1, compiled=True, **shape)
+        single.join("x", Brain.start(tiny, prompt(tiny, 11 * k, 50), config))
+        assert [single.step()["x"] for _ in range(30)] == made[k]
+
+
+def test_a_failed_round_is_rebuilt_and_the_rounds_after_it_stay_compiled(tiny):
+    """Logits that are not finite rebuild the sequence from its mirror (a fresh prefill of its
+    live rows, whose K/V are not the ones the rounds wrote: the tokens after it are the eager
+    engine's after the same rebuild, not an undisturbed run's), and a round under an op counter
+    runs the same function eagerly. Neither makes a graph again or stops the compiled rounds."""
+    config, made = config_for("h2o"), []
+    for compiled in (False, True):
+        engine = Engine(tiny, slots=2, capacity=64, compiled=compiled)
+        engine.join("x", Brain.start(tiny, prompt(tiny, 5, 50), config))
+        tokens = [engine.step()["x"] for _ in range(4)]
+        graphs = engine.state.compiled.compiles if compiled else 0
+        engine.state.next_logits[0, 7] = float("nan")
+        tokens += [engine.step()["x"] for _ in range(3)]
+        with TorchOps() as ops:
+            tokens.append(engine.step()["x"])
+        tokens += [engine.step()["x"] for _ in range(4)]
+        assert engine.state.rebuilds == 1 and ops.count > 100
+        made.append(tokens)
+    assert engine.state.compiled.compiles == graphs and engine.state.compiled.graph.broken is None
+    assert made[1] == made[0] and made[1][:4] == alone(tiny, config, 5, 4)
+
+
+def test_what_a_compiled_round_cannot_run_is_refused_by_name():
+    int8 = load_model("random:llama3", device="cpu", dtype="float32", weights="int8")
+    with pytest.raises(ValueError, match="float weights.*Int8Linear|float weights.*Part"):
+        Engine(int8, slots=2, capacity=32, compiled=True)
+    qwen = load_model("random:qwen2", device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="Llama-class models; Qwen2ForCausalLM"):
+        Engine(qwen, slots=2, capacity=32, compiled=True)
