@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
-#   bash bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve|rounds ...]   (default: the first six)
+#   bash bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|rounds ...]
+#   (default: tests graph invariance batch suite)
 #
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
+# graph: issue 70's figures (bench/graph.py): random:tinyllama in bfloat16, B = 1, 8, 32, 64 sequences of
+#        the default policy past their budget as compiled rounds (torch.compile, CUDA graphs over the
+#        slot buffers; positronic/models/compiled.py), against the eager round and HF generate in the
+#        same run, batched = alone, and graphs made again over 2,000 rounds with joins and leaves
+#        (recaptures): writes OUTDIR/gpu.json (copy it to bench/results/gpu.json) and graph.txt.
+#        Not yet run on a GPU (built 2026-12-04 without one): compiling each bucket may take a
+#        minute there, so it has a call's first five minutes;
 # invariance: which modules of random:tinyllama give a row other bits among 8 or 32 packed rows
 #        than alone, in float16, bfloat16 and float32 (bench/invariance.py): B = 32 batched chose
 #        other tokens than alone in float16 on every lent GPU up to 2026-11-30; since then the
@@ -44,9 +52,9 @@
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
 #     && bash bench/gpu.sh $OUT
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUTDIR [tests|invariance|batch|bench|host|suite|serve|rounds ...]}
+out=${1:?usage: bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|rounds ...]}
 shift
-parts=${*:-tests invariance host batch bench suite}
+parts=${*:-tests graph invariance batch suite}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 # the versions head tests.txt: at most 8 files come back from a lent GPU, and the parts write 8
@@ -76,6 +84,8 @@ fi
 for part in $parts; do
   case $part in
     tests) timeout 150 $pin python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/positronic/kv/test_triton_kernel.py 2>&1 | tee -a "$out/tests.txt" ;;
+    graph) timeout 300 $pin python3 bench/graph.py --model random:tinyllama --device cuda --dtype bfloat16 \
+          --sizes 1 8 32 64 --ticks 64 --long 2000 --json "$out/gpu.json" 2>&1 | tee "$out/graph.txt" ;;
     invariance) timeout 150 $pin python3 bench/invariance.py --model random:tinyllama --device cuda --rows 8 32 \
           --dtypes float16 bfloat16 float32 2>&1 | tee "$out/invariance.txt" ;;
     batch) timeout 220 $pin python3 bench/batch.py --model random:tinyllama --device cuda --sizes 1 8 32 --ticks 8 \

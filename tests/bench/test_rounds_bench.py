@@ -12,3 +12,14 @@ def test_rounds_bench_prints_a_row_per_policy_and_size(run_script):
         assert batch_ms > 0 and core_ms > forward_ms > 0 and outside_ms > 0 and int(row[-3]) > 0  # ops a round
         assert row[-2] == "100.0%"  # greedy tokens of the two equal on the CPU in float32
         assert row[-1] == ("-" if row[1] == "1" else "100%")  # every sequence batched makes its alone tokens
+
+
+def test_rounds_bench_compiled_prints_the_same_rows_without_an_op_count(run_script):
+    """--compiled: the engine's forward one graph (compiled before the clock runs); its ops are
+    not counted (under a counter the round runs eagerly), the tokens still equal."""
+    out = run_script("rounds", "--model", "random:tiny", "--budget", "48", "--sizes", "1", "3",
+                     "--ticks", "4", "--repeats", "1", "--policies", "h2o", "--compiled", check=True).stdout
+    assert "core v4 compiled" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["h2o"]]
+    assert [row[1] for row in rows] == ["1", "3"]
+    assert all(row[-3] == "-" and row[-2] == "100.0%" for row in rows) and rows[1][-1] == "100%"
