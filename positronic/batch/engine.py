@@ -159,6 +159,13 @@ class Engine:
     def keys(self) -> list[Hashable]:
         return [sequence.key for sequence in self.sequences]
 
+    def warm(self) -> int:
+        """A compiled engine with no sequence yet: make every bucket's graph now, rather than at
+        the first round of each size (a server before it serves). Returns the graphs made."""
+        if len(self):
+            raise ValueError(f"an engine is warmed before sequences join; {len(self)} have")
+        return self.state.warm()
+
     def refusal(self, brain, *, returning: bool = False) -> str | None:
         """Why `brain` cannot join this engine (its settings or state, `unsupported`; the
         engine's room), or None: it can. `returning`: it joins now and is handed back after

@@ -47,8 +47,9 @@ from .lean import LeanLlama
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# graphs a process keeps for one function: a bucket per shape, for every model and recorded layers
-RECOMPILE_LIMIT = 64
+# graphs dynamo keeps for the round's one function: one per model, recorded layers, buffer shape
+# and bucket (a server has a few; a test process hundreds)
+RECOMPILE_LIMIT = 4096
 
 
 def refusal(lm) -> str | None:
@@ -138,8 +139,10 @@ class _Graph:
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
         # dynamo keeps one code's graphs together, every _Graph's buckets under one limit (8 by
-        # default); past it, it would run the round eager without a word
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # default); past it, it would refuse to compile (fullgraph) and the rounds would run eagerly
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
         self.eager = self._round
         self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)

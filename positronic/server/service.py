@@ -104,7 +104,25 @@ class BrainServer:
         self.open_requests = 0  # HTTP requests not yet answered to their last byte (app.RequestMetrics)
 
     async def start(self) -> None:
+        if self.settings.engine_compiled:
+            await self._warm()
         self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _warm(self) -> None:
+        """`serve --compile`: the engine of the server's own settings made and its graphs
+        compiled before the first request (vLLM captures its graphs at start the same way), so
+        that no request waits for one; sessions of other budgets compile theirs when they come."""
+        from ..brain.loop import Brain
+
+        clock = time.perf_counter()
+        brain = Brain.start(self.lm, self.lm.encode("Hello.") or [0], self.config)
+        try:
+            made = await self.worker.run(self.worker.warm, brain)
+        except Exception as exc:  # serve anyway: the rounds of a graph that failed run eagerly
+            log.warning("could not compile the decode rounds (%s: %s); they run eagerly", type(exc).__name__, exc)
+            return
+        if made:
+            log.info("compiled the decode rounds of %d batch sizes in %.0f s", made, time.perf_counter() - clock)
 
     def begin_shutdown(self) -> None:
         """The shutdown begins (app.GracefulServer calls this before uvicorn waits for the

@@ -84,6 +84,12 @@ class ModelWorker:
         SmartKV without engine_smartkv, every slot in use): it ticks on its own then."""
         return None if self.seats is None else self.seats.engine_for(brain)
 
+    def warm(self, brain) -> int:
+        """In a job, before serving: the engine a brain like `brain` would tick in, made now,
+        with every batch size's compiled graph (`serve --compile`). Returns the graphs made."""
+        engine = self.engine_for(brain)
+        return 0 if engine is None else engine.warm()
+
     @property
     def engine_rounds(self) -> int:
         """Rounds the engines have run (each one token for every sequence in it)."""

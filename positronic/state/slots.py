@@ -695,6 +695,20 @@ class SlotState:
 
     # --- failure ----------------------------------------------------------------------------
 
+    def warm(self) -> int:
+        """With no sequence in: run the compiled round once at every bucket (row 0 of the first
+        slots gets the rows of token 0, which a joining sequence writes over), so that each
+        graph is made now. Returns the graphs made (0 for an eager state)."""
+        if self.active:
+            raise ValueError(f"a state is warmed before sequences join; {self.active} have")
+        if self.compiled is None:
+            return 0
+        made = self.compiled.compiles
+        for size in self.compiled.sizes:
+            # three tensors, as a round passes them: one passed thrice would be a graph of its own
+            self.compiled(*(torch.zeros(size, dtype=torch.long, device=self.positions.device) for _ in range(3)))
+        return self.compiled.compiles - made
+
     def rebuild(self, slots=None) -> None:
         """Recompute sequences' rows from their mirrors (default: every active one), which first
         take every round that went through."""

@@ -162,3 +162,19 @@ def test_what_a_compiled_round_cannot_run_is_refused_by_name():
     qwen = load_model("random:qwen2", device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="Llama-class models; Qwen2ForCausalLM"):
         Engine(qwen, slots=2, capacity=32, compiled=True)
+
+
+def test_warming_an_empty_engine_makes_every_buckets_graph_before_any_round(tiny):
+    """`Engine.warm` (a server with --compile, before it serves): every bucket's graph made at
+    once; the rounds after it, whatever their size, make none; with a sequence in, refused."""
+    engine = Engine(tiny, slots=5, capacity=56, compiled=True)  # capacity 56: shapes no other test's
+    made = engine.warm()
+    graphs = engine.state.compiled.compiles
+    assert made == len(buckets(5)) == 3
+    for k in range(5):
+        engine.join(k, Brain.start(tiny, prompt(tiny, 4 * k, 50), config_for("h2o")))
+        engine.step()
+    assert engine.state.compiled.compiles == graphs
+    with pytest.raises(ValueError, match="warmed before sequences join; 5 have"):
+        engine.warm()
+    assert Engine(tiny, slots=2, capacity=56).warm() == 0  # eager: nothing to make
