@@ -255,3 +255,19 @@ def test_seated_sequences_records_and_forced_tokens_are_those_of_brains_alone(ti
     for name in (0, 1):
         ledger, other = brains[name].state.mirror.ledger, lone[name].state.mirror.ledger
         assert [(e.token_id, e.source, e.text) for e in ledger] == [(e.token_id, e.source, e.text) for e in other]
+
+
+def test_a_compiled_batch_seats_a_lone_brain_and_it_makes_its_engine_tokens(tiny):
+    """`Batch(compiled=True)`: a compiled round of one is faster than a brain's own tick, so a
+    lone brain takes a seat too; its tokens are those of a compiled engine of its own."""
+    from positronic.batch.engine import Engine
+
+    config = dict(policy="h2o", budget=40, temperature=0)
+    batch = Batch(compiled=True)
+    batch.join("a", started(tiny, PROMPTS[0], **config))
+    got = [batch.step()["a"].token_id for _ in range(20)]
+    assert batch.seated == ["a"] and batch.seats.rounds == 20 and batch.meeting.forwards == 0
+    engine = Engine(tiny, slots=1, capacity=40, compiled=True)
+    engine.join("a", started(tiny, PROMPTS[0], **config))
+    assert got == [engine.step()["a"] for _ in range(20)]
+    assert Batch(compiled=False).seats.compiled is False
