@@ -88,7 +88,9 @@ class ModelWorker:
         """In a job, before serving: the engine a brain like `brain` would tick in, made now,
         with every batch size's compiled graph (`serve --compile`). Returns the graphs made."""
         engine = self.engine_for(brain)
-        return 0 if engine is None else engine.warm()
+        # with the forwards' torch threads, as the rounds run: a graph is compiled for a thread
+        # count (dynamo guards it), and one made with the jobs' one thread would be made again
+        return 0 if engine is None else self.meeting.call(engine.warm)
 
     @property
     def engine_rounds(self) -> int:
