@@ -47,8 +47,9 @@ from .lean import LeanLlama
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# graphs dynamo keeps for the round's one function: one per model, recorded layers, buffer shape
-# and bucket (a server has a few; a test process hundreds)
+# graphs dynamo keeps for the round's one function: one per model, recorded layers, buffer shape,
+# bucket and torch thread count (a server has a few; a test process hundreds). Dynamo's own limit
+# is 8 a function: past it, it would refuse to compile (fullgraph) and the rounds would run eagerly
 RECOMPILE_LIMIT = 4096
 
 
@@ -122,7 +123,9 @@ class CompiledRound:
         eager = torch._C._len_torch_dispatch_stack() or self.graph.broken is not None
         run = self.graph.eager if eager else self.graph.run
         try:
-            logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
+            # dynamo's settings are per thread (torch 2.13): set for the call, in the thread that makes it
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+                logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
         except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
             if not eager:
                 self.graph.broken = f"{type(exc).__name__}: {exc}"
@@ -138,11 +141,6 @@ class _Graph:
     def __init__(self, lm, recorded: list[int], device: str):
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
-        # dynamo keeps one code's graphs together, every _Graph's buckets under one limit (8 by
-        # default); past it, it would refuse to compile (fullgraph) and the rounds would run eagerly
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
         self.eager = self._round
         self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)

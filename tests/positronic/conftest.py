@@ -49,9 +49,12 @@ def _metric(text: str, name: str, **labels) -> float:
 class LiveServer:
     """create_app served by uvicorn in a thread, on a port of its own; stopping it is a
     graceful shutdown (the app's lifespan checkpoints its sessions). `app_options` go to
-    create_app (api_key, cors_origins)."""
+    create_app (api_key, cors_origins). `start_s`: how long its start may take (a server with
+    compiled rounds makes their graphs first)."""
 
-    def __init__(self, lm, settings: ServerSettings, config: BrainConfig = SERVER_CONFIG, **app_options):
+    def __init__(self, lm, settings: ServerSettings, config: BrainConfig = SERVER_CONFIG, *, start_s: float = 20,
+                 **app_options):
+        self.start_s = start_s
         self.app = create_app(lm, config, settings, **app_options)
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
@@ -67,7 +70,7 @@ class LiveServer:
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.start_s
         while not self.uvicorn.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)

@@ -196,3 +196,17 @@ def test_in_half_precision_batched_sequences_make_their_alone_tokens(dtype):
             made[k].append(token)
     for k, config in enumerate(configs):
         assert made[k] == alone(lm, config, 9 * k, 30), f"sequence {k} ({dtype})"
+
+
+def test_more_graphs_than_dynamos_default_limit_are_made_in_any_thread(tiny):
+    """Dynamo keeps at most 8 graphs of one function unless told otherwise, and its settings are
+    per thread: a round raises the limit for its own call, so a ninth engine shape in this thread
+    compiles too, after another thread made one (a fresh clone's suite hit the limit once)."""
+    import threading
+
+    thread = threading.Thread(target=lambda: Engine(tiny, slots=2, capacity=80, compiled=True).warm())
+    thread.start()
+    thread.join()
+    engines = [Engine(tiny, slots=2, capacity=capacity, compiled=True) for capacity in range(81, 90)]
+    assert [engine.warm() for engine in engines] == [1] * 9
+    assert all(engine.state.compiled.graph.broken is None for engine in engines)

@@ -20,7 +20,7 @@ def answers(tiny, tmp_path, live_server, server_settings, engine_slots: int, con
     # compiled: the forwards with 2 torch threads, the jobs with 1 (a graph is made per thread count)
     extra = dict(engine_compiled=True, threads=2) if compiled else {}
     with live_server(tiny, server_settings(tmp_path / f"slots-{engine_slots}-{compiled}", engine_slots=engine_slots,
-                                           engine_smartkv=True, **extra), config) as server:
+                                           engine_smartkv=True, **extra), config, start_s=300) as server:
         if compiled:  # made before serving (Engine.warm): a round of any size makes none again
             warmed = server.server.worker.seats.engines[0].state.compiled.compiles
         converse(lambda: server.url, talking, threading.Event())
