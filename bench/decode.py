@@ -39,6 +39,10 @@ share: 1 - tick(none) / tick(repairer), what repairing costs over culling the sa
       round over B), and its ratio against the same brain alone. A batch of 1 ticks as a
       brain alone does; a batch of 8 shows what a token costs when 8 conversations share the
       forwards (bench/batch.py compares them ticking in turn in detail).
+  (i) with --compiled: (h)'s batches (B = 1 without --sequences) as compiled Core v4 rounds
+      (`Batch(compiled=True)`, which seats a lone brain too: positronic/models/compiled.py),
+      timed as (h) after the same untimed cycle, in which each bucket's graph is made; against
+      the same brain alone, eager: compiled against eager in the same run.
 Where both ran, SmartKV against streaming is printed as a ratio: the brain's smartkv tick over
 its streaming tick, and the SmartKVCache with gates over the same cache without. "choose" is
 the share of a tick the policy spends choosing rows (its score + select steps; in (f) the
@@ -262,18 +266,22 @@ def loop_maintained(lm, ids: list[int], ticks: int, batch: int = 1, repairer: st
                   average(choose_shares), cache.memory_bytes() / 2**20, live / 2**20)
 
 
-def loop_batched(lm, ids: list[int], ticks: int, sequences: int, make) -> Timing:
+def loop_batched(lm, ids: list[int], ticks: int, sequences: int, make, compiled: bool = False) -> Timing:
     """(h): `sequences` brains made by `make(ids) -> (brain, its maintenance cycle in ticks)`
     (the first on `ids`, the others on random contexts of the same length) ticking as one
     Batch, after one untimed cycle: seconds per generated token, the mean over `ticks` rounds
-    rounded up to whole cycles (a policy's work comes in batches), each round `sequences` tokens."""
+    rounded up to whole cycles (a policy's work comes in batches), each round `sequences` tokens.
+    (i) `compiled`: every brain seated in compiled engine rounds (ValueError if one is not)."""
     gc.collect()  # the brains of the runs before (kept by their reference cycles) go first: no run pays for another's
-    group, cycle = Batch(), 1
+    group, cycle = Batch(compiled=compiled), 1
     for number in range(sequences):
         brain, cycle = make(ids if not number else context_ids(lm, len(ids), number))
         group.join(number, brain)
     for _ in range(cycle):
         group.step()
+    if compiled and len(group.seated) != sequences:
+        brain = next(group.brains[name] for name in group.brains if name not in group.seated)
+        raise ValueError(f"(i): a brain ticks alone, not in compiled rounds: {group.seats.refusal(brain)}")
     times = []
     for _ in range(-(-ticks // cycle) * cycle):
         sync(lm)
@@ -368,6 +376,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, nargs="*", default=[], metavar="B",
                         help="also run (h): B brains as (c) (the first --batches), and as each --policies policy, "
                              "ticking as one batch, one forward a round; ms per generated token (e.g. --sequences 1 8)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add (i): (h)'s batches (B = 1 without --sequences) as compiled Core v4 rounds")
     parser.add_argument("--paired", type=int, default=0, metavar="TICKS",
                         help="instead of (a)-(f), run (g): the --policies' brains ticking in turn, one tick each, "
                              "TICKS each (rounded up to whole smartkv windows) per round, and their ratios to the "
@@ -377,6 +387,8 @@ def main() -> None:
         parser.error(f"--paired takes a number of ticks >= 1, got {args.paired}")
     if any(size < 1 for size in args.sequences):
         parser.error(f"--sequences takes batch sizes >= 1, got {' '.join(map(str, args.sequences))}")
+    if args.paired and args.compiled:
+        parser.error("--compiled adds (i) to the table of (a)-(f); --paired runs (g) instead of that table")
     if args.paired and args.sequences:
         parser.error("--sequences adds (h) to the table of (a)-(f); --paired runs (g) instead of that table")
     if args.paired and len(args.policies) < 2:
@@ -435,6 +447,9 @@ def main() -> None:
             batched += [(p, p, f"(e) policy {p}", f"policy {p}") for p in policies]
             against = [(f"(h) {size} batched, {label}", alone, f"{short} {size} batched, per token / alone")
                        for label, _, alone, short in batched for size in args.sequences]
+            compiled_sizes = (args.sequences or [1]) if args.compiled else []
+            against += [(f"(i) {size} compiled, {label}", alone, f"{short} {size} compiled, per token / alone eager")
+                        for label, _, alone, short in batched for size in compiled_sizes]
             names += [row for row, _, _ in against]
             names += ["(f) hf-generate + SmartKVCache streaming", "(f) hf-generate + SmartKVCache gates"] \
                 if cache_runs else []
@@ -449,6 +464,10 @@ def main() -> None:
                              batch_member, lm, batch=cull, policy=p, gates=gates_file,
                              recall_rows=index_rows if p and "+recall" in p else 0))
                          for _, p, *_ in batched for size in args.sequences]
+                runs += [loop_batched(lm, ids, args.ticks, size, functools.partial(
+                             batch_member, lm, batch=cull, policy=p, gates=gates_file,
+                             recall_rows=index_rows if p and "+recall" in p else 0), compiled=True)
+                         for _, p, *_ in batched for size in compiled_sizes]
                 if cache_runs:
                     timed = cycle_ticks - window
                     for with_gates in (None, gates):

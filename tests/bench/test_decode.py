@@ -113,3 +113,18 @@ def test_generate_is_measured_on_a_default_model_of_its_own(tiny):
     ids = torch.tensor([[tiny.bos_id, 5, 9, 77, 3, 41]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, tiny.model(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_decode_bench_compiled_adds_a_row_per_policy_against_the_brain_alone(run_script):
+    """--compiled: (i), each brain of (c) and (e) alone in compiled engine rounds (B = 1), with
+    its ratio to the same brain ticking alone, eager: compiled against eager in the same run."""
+    out = run_script("decode", "--model", "random:tiny", "--contexts", "64", "--ticks", "8", "--repeats", "1",
+                     "--batches", "4", "--repairers", "none", "--policies", "streaming", "smartkv+recall",
+                     "--compiled", check=True).stdout
+    rows = [line for line in out.splitlines() if "(i) 1 compiled" in line]
+    assert [row.split("compiled, ")[1].split()[0] for row in rows] == ["(c)", "streaming", "smartkv+recall"]
+    for row in rows:  # ms per token, tokens/s, the ratio to generate
+        ms, per_second = map(float, re.search(r"\s(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+x", row).groups())
+        assert ms > 0 and abs(ms * per_second - 1000) < 5
+    ratios = [line for line in out.splitlines() if "1 compiled, per token / alone eager: x" in line]
+    assert len(ratios) == 3 and all(float(line.rsplit("x", 1)[1]) > 0 for line in ratios)
