@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What this project checks and measures on a lent GPU, in one go (results: bench/results/gpu.md).
 #
-#   bash bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|rounds ...]
+#   bash bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|serve-compiled|rounds ...]
 #   (default: tests graph invariance batch suite)
 #
 # tests: the CUDA test modules (tests/test_cuda.py, the fused decode kernel's tests);
@@ -28,6 +28,9 @@
 #        jobs as greenlets of the forward thread since 2026-11-30): appended to batch.txt (at most 8
 #        files come back). Not in the default set: the six fill one 10-minute call; ask for it in
 #        a call of its own (about 2 minutes: a fresh server per level).
+# serve-compiled: issue 70's server figure, `serve --compile` (each batch size's graph made before
+#        serving) at 64, 32, 8 and 1 clients on random:tinyllama in bfloat16: a call of its own
+#        (never run: each level's server compiles its buckets first, up to 64);
 # rounds: Core v4 (docs/core.md): B = 1, 8, 32, 64 sequences as one round on random:tinyllama in
 #        float16 and bfloat16, against today's batch, with whether every sequence's tokens equal
 #        its tokens alone (bench/rounds.py, streaming and smartkv without recall). Not in the
@@ -52,7 +55,7 @@
 #     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . \
 #     && bash bench/gpu.sh $OUT
 set -uo pipefail
-out=${1:?usage: bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|rounds ...]}
+out=${1:?usage: bench/gpu.sh OUTDIR [tests|graph|invariance|batch|bench|host|suite|serve|serve-compiled|rounds ...]}
 shift
 parts=${*:-tests graph invariance batch suite}
 mkdir -p "$out"
@@ -100,6 +103,9 @@ for part in $parts; do
           --warm 60 --profile 15 2>&1 | tee "$out/tick_host.txt" ;;
     serve) timeout 200 $pin python3 bench/serve_load.py -m random:tinyllama --device cuda --levels 8 1 --rounds 1 \
           --requests 4 --max-tokens 32 --budget 256 2>&1 | tee -a "$out/batch.txt" ;;
+    serve-compiled) timeout 480 $pin python3 bench/serve_load.py -m random:tinyllama --device cuda --dtype bfloat16 \
+          --levels 64 32 8 1 --rounds 1 --requests 4 --max-tokens 32 --budget 256 --max-sessions 64 --compile \
+          --startup-timeout 400 2>&1 | tee -a "$out/batch.txt" ;;
     rounds) for dtype in float16 bfloat16; do
           timeout 100 $pin python3 bench/rounds.py --model random:tinyllama --device cuda --dtype $dtype \
               --sizes 1 8 32 64 --ticks 8 --repeats 1 --budget 256 --policies streaming smartkv 2>&1
