@@ -59,17 +59,22 @@ def configs(policy: str, budget: int, gates: str = "") -> dict:
 
 
 def brains(lm, size: int, config: dict, budget: int) -> list[Brain]:
+    return [brain(lm, k, config, budget) for k in range(size)]
+
+
+def brain(lm, k: int, config: dict, budget: int) -> Brain:
+    """The k-th of `brains`: its prompt starts 97 * k tokens into TEXT (wrapping), budget + 32 long."""
     ids = lm.encode(TEXT)
-    return [Brain.start(lm, [lm.bos_id] + ids[97 * k : 97 * k + budget + 32], BrainConfig(**config, seed=k))
-            for k in range(size)]
+    start = 97 * k % max(1, len(ids) - budget - 32)
+    return Brain.start(lm, [lm.bos_id] + ids[start : start + budget + 32], BrainConfig(**config, seed=k))
 
 
 def alone(group: list[Brain], ticks: int) -> tuple[float, list[list[int]]]:
     tokens = [[] for _ in group]
     start = time.perf_counter()
     for _ in range(ticks):
-        for k, brain in enumerate(group):
-            tokens[k].append(brain.step().token_id)
+        for k, member in enumerate(group):
+            tokens[k].append(member.step().token_id)
     return (time.perf_counter() - start) / ticks, tokens
 
 
@@ -78,8 +83,8 @@ def batched(group: list[Brain], ticks: int, *, engine: bool = True) -> tuple[flo
     `engine=False` each brain's own tick and one forward for all), the first (the seating) untimed,
     and each brain's tokens."""
     batch = Batch(engine=engine)
-    for k, brain in enumerate(group):
-        batch.join(k, brain)
+    for k, member in enumerate(group):
+        batch.join(k, member)
     tokens = [[] for _ in group]
     for k, record in batch.step().items():  # seats the brains an engine runs: a copy of their rows, once
         if isinstance(record, Exception):

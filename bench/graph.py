@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch import TEXT, brains  # noqa: E402  (bench/batch.py: the same prompts)
+from batch import TEXT, brain, brains  # noqa: E402  (bench/batch.py: the same prompts)
 
 from positronic.batch.engine import Engine  # noqa: E402
-from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
+from positronic.brain.loop import BrainConfig  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 
 
@@ -65,8 +65,8 @@ def hf_ms_per_token(lm, prompt: list[int], ticks: int) -> float:
 def engine_rounds(lm, size: int, config: dict, budget: int, ticks: int, compiled: bool, warm: int = 3):
     """ms a round of `size` sequences (after `warm` rounds), and each sequence's tokens."""
     engine = Engine(lm, slots=size, capacity=budget, compiled=compiled)
-    for k, brain in enumerate(brains(lm, size, config, budget)):
-        engine.join(k, brain)
+    for k, started in enumerate(brains(lm, size, config, budget)):
+        engine.join(k, started)
     tokens = [[] for _ in range(size)]
     for _ in range(warm):
         for k, token in engine.step().items():
@@ -93,13 +93,10 @@ def long_run(lm, config: dict, budget: int, rounds: int) -> dict:
         engine.step()
     made, recompiles = engine.state.compiled.compiles, sum(counters["recompiles"].values())
     rng, joined, evictions = random.Random(0), 8, 0
-    ids = lm.encode(TEXT)
     start = time.perf_counter()
     for _ in range(rounds):
         if len(engine) < 8 and (not len(engine) or rng.random() < 0.2):
-            offset = 97 * (joined % 16)
-            engine.join(joined, Brain.start(lm, [lm.bos_id] + ids[offset : offset + budget + 32],
-                                            BrainConfig(**config, seed=joined)))
+            engine.join(joined, brain(lm, joined % 16, config, budget))
             joined += 1
         elif len(engine) > 1 and rng.random() < 0.15:
             engine.leave(rng.choice(engine.keys()))
@@ -156,7 +153,7 @@ def main(argv=None) -> int:
     alone = []
     for k in range(checked):  # sequence k alone: its own prompt (brains' k-th) in an engine of one
         engine = Engine(lm, slots=1, capacity=args.budget, compiled=True)
-        engine.join(k, brains(lm, k + 1, config, args.budget)[k])
+        engine.join(k, brain(lm, k, config, args.budget))
         alone.append([engine.step()[k] for _ in range(len(tokens_at[largest][k]))] == tokens_at[largest][k])
     print(f"batched = alone at B = {largest}: {sum(alone)} of {checked} sequences")
     long = long_run(lm, config, args.budget, args.long) if args.long else None

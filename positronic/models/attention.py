@@ -95,6 +95,13 @@ class Decode:
     mask: torch.Tensor
 
 
+def decode_mask(rows: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """rows [slots] int64 (each slot's newest row) -> the additive mask [slots, 1, 1, capacity]
+    of `dtype` that hides every row past it (`Decode.mask`)."""
+    hidden = torch.arange(capacity, device=rows.device)[None] > rows[:, None]  # [slots, capacity]
+    return torch.zeros(hidden.shape, dtype=dtype, device=rows.device).masked_fill_(hidden, torch.finfo(dtype).min)[:, None, None]
+
+
 def decode_attention(query: torch.Tensor, rows: Decode, scaling: float,
                      norms: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One new token per slot: query [slots, heads, 1, head_dim] -> output [slots, heads, 1,

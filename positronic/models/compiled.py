@@ -27,9 +27,10 @@ operation works slot by slot; a bucket is never 1 (a lone sequence is padded to 
 sequence's numbers are the same bits whatever bucket it is in and whoever else is in it. On a
 GPU this is measured (bench/gpu.sh), not claimed.
 
-It runs Llama-class models (`LeanLlama.fits`: Llama, SmolLM2, TinyLlama, Mistral's layout is
-another class) with float weights (`nn.Linear`, `RowInvariantLinear`); `refusal` names what
-it cannot run (an int8 or int4 layer, another family), and the engine says so before it starts.
+It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,
+TinyLlama; Mistral, Qwen and Phi-3 have classes of their own) with float weights (`nn.Linear`,
+`RowInvariantLinear`); `refusal` names what it cannot run (an int8 or int4 layer, another
+family), and the engine says so before it starts.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama import modeling_llama as llama
 
-from .attention import Decode, decode_weights
+from .attention import Decode, decode_mask, decode_weights
 from .lean import LeanLlama
 
 log = logging.getLogger(__name__)
@@ -53,17 +54,29 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 RECOMPILE_LIMIT = 4096
 
 
+# each decoder layer's products the graph computes (`_linear`), as (module, its layer)
+PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
 def refusal(lm) -> str | None:
-    """Why a compiled round cannot run `lm`, or None if it can."""
+    """Why a compiled round cannot run `lm`, or None if it can: the model must be Llama's
+    classes (`LeanLlama.fits`), and every product the graph computes an `nn.Linear` of float
+    weights, the embedding an `nn.Embedding` (another weight format replaces them by layers of
+    its own: models/weights.py)."""
     model = lm.model
     if not LeanLlama.fits(model):
         return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            if module.weight.dtype not in FLOATS:
-                return f"a compiled round runs float weights; {name} is {module.weight.dtype}"
-        elif "linear" in type(module).__name__.lower() or type(module).__name__ in ("Fused", "Part"):
+    core = model.model
+    if type(core.embed_tokens) is not nn.Embedding:
+        return f"a compiled round runs float weights (--weights float32); the embedding is {type(core.embed_tokens).__name__}"
+    products = [(f"model.layers.{index}.{part}.{name}", getattr(getattr(layer, part), name))
+                for index, layer in enumerate(core.layers) for part, name in PRODUCTS]
+    for name, module in [*products, ("lm_head", model.lm_head)]:
+        if not isinstance(module, nn.Linear):
             return f"a compiled round runs float weights (--weights float32); {name} is {type(module).__name__}"
+        if module.weight.dtype not in FLOATS:
+            return f"a compiled round runs float weights; {name} is {module.weight.dtype}"
     return None
 
 
@@ -122,9 +135,15 @@ class CompiledRound:
         # frame it gave up on stays given up: such a round runs the same function eagerly
         eager = torch._C._len_torch_dispatch_stack() or self.graph.broken is not None
         run = self.graph.eager if eager else self.graph.run
+        # dynamo's settings are per thread (torch 2.13: per context, so per greenlet too): checked
+        # in the caller's every time (2 µs; a `config.patch` around the call cost 17)
+        config = torch._dynamo.config
+        if config.recompile_limit < RECOMPILE_LIMIT or config.accumulated_recompile_limit < RECOMPILE_LIMIT:
+            config.recompile_limit = config.accumulated_recompile_limit = RECOMPILE_LIMIT
         try:
-            # dynamo's settings are per thread (torch 2.13): set for the call, in the thread that makes it
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+            # freezing: set where dynamo hands the graph over (given to compile_fx as a patch it
+            # was not applied: the products' bits then moved with the bucket; tested)
+            with torch._inductor.config.patch(freezing=True):
                 logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
         except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
             if not eager:
@@ -149,7 +168,7 @@ class _Graph:
         from torch._inductor.compile_fx import compile_fx
 
         self.compiles += 1
-        patches = {"freezing": True}
+        patches = {}
         if self.device == "cuda":
             patches["triton.cudagraphs"] = True  # torch.compile's "reduce-overhead"
         size, clock = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1), "?"), time.perf_counter()
@@ -164,9 +183,7 @@ class _Graph:
         size, capacity = tokens.shape[0], keys.shape[3]
         kv_heads = keys.shape[2]
         slots = torch.arange(size, device=tokens.device)
-        visible = torch.arange(capacity, device=tokens.device)[None] <= rows[:, None]  # [size, capacity]
-        mask = torch.zeros(visible.shape, dtype=keys.dtype, device=tokens.device)
-        mask = mask.masked_fill(~visible, torch.finfo(keys.dtype).min)[:, None, None]  # [size, 1, 1, capacity]
+        mask = decode_mask(rows, capacity, keys.dtype)  # [size, 1, 1, capacity]
         heads_of = torch.arange(kv_heads, device=tokens.device)[None]
         where = (slots[:, None].expand(size, kv_heads), heads_of.expand(size, kv_heads), rows[:, None].expand(size, kv_heads))
         hidden = core.embed_tokens(tokens[:, None])  # [size, 1, hidden]

@@ -60,7 +60,6 @@ from positronic.steps.attention import layer_indices
 from ..kv import rope
 from ..kv.slots import SlotKV
 from ..models.compiled import CompiledRound
-from ..models.compiled import refusal as compiled_refusal
 from ..models import attention
 from ..models.lean import logits_of
 from . import rows as row_plans
@@ -107,8 +106,6 @@ class SlotState:
                              f"(layers x kv heads), got {lanes}")
         self.lm, self.lanes = lm, lanes
         self.attention_layers = layer_indices(score_layers, lm.num_layers)
-        if compiled and (why := compiled_refusal(lm)) is not None:
-            raise ValueError(why)
         self.slots = slots
         # a compiled round pads a lone sequence to two slots (CompiledRound): room for the second
         self.kv = SlotKV(layers=lm.num_layers, slots=max(slots, 2) if compiled else slots, kv_heads=lm.num_kv_heads,
@@ -669,9 +666,9 @@ class SlotState:
             logits, per_head, queries, norms = self.compiled(tokens, rows, positions)
         else:
             logits, per_head, queries, norms = self._eager(tokens, rows, positions)
-        lane_shares = lane_peaks = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
         if not self._every_lane(len(self.attention_layers)):
-            return logits, per_head, lane_shares, lane_peaks, None, None
+            none = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
+            return logits, per_head, none, none, None, None
         per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
         return logits, per_head, per_lane.mean(dim=2), per_lane.amax(dim=2), queries, norms
 
@@ -679,9 +676,7 @@ class SlotState:
         """The round's forward through the model's modules (`logits_of`), its attention read by
         the tap: logits, shares, and with every layer recorded queries and norms (else None)."""
         lm, active = self.lm, self.active
-        visible = torch.arange(self.capacity, device=rows.device)[None] <= rows[:, None]  # [active, capacity]
-        mask = torch.zeros(visible.shape, dtype=lm.dtype, device=rows.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(lm.dtype).min)[:, None, None]  # [active, 1, 1, capacity]
+        mask = attention.decode_mask(rows, self.capacity, lm.dtype)  # [active, 1, 1, capacity]
         seen = _Seen()
         with attention.tap(seen.see, layers=self.attention_layers, norms=seen.norm):
             logits = logits_of(lm.model, tokens[:, None], positions[:, None], self.kv.cache(active, rows, mask), mask,
@@ -692,8 +687,6 @@ class SlotState:
             queries = torch.stack([seen.queries[layer].float() * seen.scaling for layer in range(lm.num_layers)], dim=1)
             norms = torch.stack([seen.norms[layer].float() for layer in range(lm.num_layers)], dim=1)
         return logits, per_head, queries, norms
-
-    # --- failure ----------------------------------------------------------------------------
 
     def warm(self) -> int:
         """With no sequence in: run the compiled round once at every bucket (row 0 of the first
@@ -708,6 +701,8 @@ class SlotState:
             # three tensors, as a round passes them: one passed thrice would be a graph of its own
             self.compiled(*(torch.zeros(size, dtype=torch.long, device=self.positions.device) for _ in range(3)))
         return self.compiled.compiles - made
+
+    # --- failure ----------------------------------------------------------------------------
 
     def rebuild(self, slots=None) -> None:
         """Recompute sequences' rows from their mirrors (default: every active one), which first

@@ -210,3 +210,23 @@ def test_more_graphs_than_dynamos_default_limit_are_made_in_any_thread(tiny):
     engines = [Engine(tiny, slots=2, capacity=capacity, compiled=True) for capacity in range(81, 90)]
     assert [engine.warm() for engine in engines] == [1] * 9
     assert all(engine.state.compiled.graph.broken is None for engine in engines)
+
+
+def test_a_slots_numbers_are_the_same_bits_in_every_bucket(tiny):
+    """The same rows, tokens and positions in buckets of 2, 4 and 8: slot 0 and 1's logits,
+    shares, queries and log-normalisers are the same bits (what makes batched = alone hold;
+    without inductor's freezing the products' bits moved with the row count)."""
+    from positronic.models.compiled import CompiledRound
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (tiny.num_layers, 8, tiny.num_kv_heads, 64, tiny.head_dim)
+    keys, values = (torch.randn(shape, generator=generator) * 0.3 for _ in range(2))
+    tokens = torch.randint(3, 500, (8,), generator=generator)
+    rows = torch.randint(10, 60, (8,), generator=generator)
+    results = {}
+    for size in (2, 4, 8):
+        round_ = CompiledRound(tiny, keys.clone(), values.clone(), [0, 1])
+        results[size] = round_(tokens[:size], rows[:size], rows[:size] + 5)
+    for size in (4, 8):
+        for got, want in zip(results[size], results[2]):
+            assert torch.equal(got[:2], want), size
