@@ -76,7 +76,7 @@ def _server_options(
         help="With --engine, each engine round's forward as one compiled graph (torch.compile; Llama-class "
              "models with float weights): the first round at each batch size (2, 4, 8, ...) compiles it, about "
              "5 s on a tiny model and 40 s on SmolLM2 on 2 CPU cores, then every round runs it (SmolLM2 on 2 "
-             "cores: a forward of 8 sequences 1.7x faster). Replies equal alone still; their tokens may part "
+             "cores: a round of 8 sequences 1.3-1.4x faster). Replies equal alone still; their tokens may part "
              "from the uncompiled ones at a near-tie (docs/core.md, \"A compiled round\")."),
     served_model_name: Optional[list[str]] = typer.Option(
         None, metavar="NAME",
