@@ -33,9 +33,12 @@ from .seats import Seats
 class Batch:
     """Brains of one model, ticked together (see the module docstring). `engine`: seat the
     brains Core v4 runs in engines of `slots` sequences (each engine one round a tick);
-    `compiled`: each engine's forward one compiled graph (positronic/models/compiled.py)."""
+    `compiled`: each engine's forward one compiled graph (positronic/models/compiled.py);
+    `texts`: a round's records name the rows it took out with their texts, as a Brain's tick
+    does (a decode a row: a run's edit log wants them, a batch's rounds need not pay for it)."""
 
-    def __init__(self, *, engine: bool = True, slots: int = 16, compiled: bool = False):
+    def __init__(self, *, engine: bool = True, slots: int = 16, compiled: bool = False, texts: bool = False):
+        self.texts = texts
         self._brains: dict[Hashable, Brain] = {}
         self.meeting = Rounds()
         self.seats = Seats(slots=slots, compiled=compiled) if engine else None
@@ -100,6 +103,18 @@ class Batch:
                                          for name in alone})
         return {name: records[name] for name in self._brains}
 
+    def warm(self) -> int:
+        """Make, before the first `step`, the engines the brains not seated yet will sit in and,
+        where they are compiled, every graph of theirs (a minute or so for a 135M model on a
+        2-core CPU, rather than in the first ticks). Returns the graphs made."""
+        if self.seats is None or not self.seats.compiled:
+            return 0
+        made = 0
+        for name, brain in self._brains.items():
+            if name not in self._seated and (engine := self.seats.engine_for(brain)) is not None and not len(engine):
+                made += engine.warm()
+        return made
+
     def _sit(self) -> None:
         """Every brain not seated that an engine can take joins one, where it has company
         there (a brain of its kind seated or standing: an eager engine round of one is slower
@@ -134,6 +149,9 @@ class Batch:
         """One round of `engine`: its sequences' TickRecords (a sequence whose round failed was
         rebuilt from its mirror: rebuilt, as a Brain's failed tick)."""
         given = {name: (force[name], "generated") for name in engine.keys() if name in force}
+        for name in engine.keys():  # a line said to a seated brain: its next token, as its own tick reads it
+            if name not in given and (typed := self._brains[name].pending_input):
+                given[name] = (typed[0], "user")
         previous = Seats.last_tokens(engine)
         for sequence in engine.sequences:  # a grammar set or cleared on the brain since it sat down
             sequence.constraint = self._brains[sequence.key].constraint
@@ -141,4 +159,8 @@ class Batch:
             made = engine.step(given)
         except Exception as error:  # refused before anything changed
             return {name: error for name in engine.keys()}
-        return Seats.records(engine, made, previous)
+        for name, (_, source) in given.items():
+            if source == "user" and name in made:  # in: it leaves the brain's queue (not when the round failed)
+                self._brains[name].input_added()
+        return Seats.records(engine, made, previous, {name: source for name, (_, source) in given.items()},
+                             texts=self.texts)

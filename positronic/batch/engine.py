@@ -151,6 +151,8 @@ class Engine:
         self.finished: dict[Hashable, object] = {}  # mirrors of sequences their press stopped
         self.seconds: dict[str, float] = {}
         self.removed: dict[Hashable, list[int]] = {}  # the last round's deleted rows (lane 0's) of each sequence
+        self.removed_tokens: dict[Hashable, list[int]] = {}  # their token ids, in the same order
+        self.deleted: torch.Tensor | None = None  # the last round's deleted rows, [active, lanes, capacity]
         self.rounds = 0  # rounds run
 
     def __len__(self) -> int:
@@ -335,6 +337,8 @@ class Engine:
                 inserts.append((index, plan.inserts, names))
         planned = time.perf_counter()
         self.seconds["policy"] = planned - now
+        leaving = deleted[:, 0]  # lane 0's deleted rows and their tokens, read before the gaps close
+        leaving_tokens = state.token_ids[:active, 0][leaving]
         report = state.apply(deleted, tokens, row_state=row_state, inserts=self._inserts(inserts, active),
                              sequence_state=slot_state, sequence_writes=writes,
                              source=sources if given else "generated")
@@ -342,8 +346,12 @@ class Engine:
         self.seconds.update({f"apply.{k}": v for k, v in report.seconds.items()})
         self.rounds += 1
         self.removed = {sequence.key: [] for sequence in self.sequences}
-        for slot, row in deleted[:, 0].nonzero().tolist():  # one copy a round: the server's eviction counts
+        self.removed_tokens = {sequence.key: [] for sequence in self.sequences}
+        self.deleted = deleted  # [active, lanes, capacity]: every lane's, for whoever lists them (a run's log)
+        # one copy a round: the server's eviction counts, the run's edits in words
+        for (slot, row), token in zip(leaving.nonzero().tolist(), leaving_tokens.tolist()):
             self.removed[self.sequences[slot].key].append(row)
+            self.removed_tokens[self.sequences[slot].key].append(token)
         made = {}
         for slot, sequence in enumerate(self.sequences):
             if slot in report.failed:

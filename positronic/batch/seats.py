@@ -60,6 +60,8 @@ class Seats:
             return "policy none stops at capacity: its last tick ends it, in its own brain"
         if (reason := unsupported(brain)) is not None:  # before any engine's buffers are made for it
             return reason
+        if any(not getattr(observer, "sees_rounds", False) for observer in brain.observers):
+            return "an observer of its ticks (a fixture capture) sees each action list as its own tick applies it"
         if brain.state.per_layer and not self.smartkv:
             return "smartkv brains tick on their own here"
         if self.compiled and (reason := compiled_refusal(brain.state.lm)) is not None:
@@ -77,8 +79,10 @@ class Seats:
         for engine in group:
             if engine.refusal(brain, returning=True) is None:
                 return engine
+        layers = brain.state.mirror.layers  # lanes apart (SmartKV): made with its lanes, so a warmed one stays
         engine = Engine(brain.state.lm, slots=self.slots, capacity=max(capacity or 0, brain.config.budget),
-                        score_layers=list(kind[1]), compiled=self.compiled)
+                        score_layers=list(kind[1]), compiled=self.compiled,
+                        lanes=None if layers is None else layers.num_layers)
         if engine.refusal(brain, returning=True) is not None:
             return None
         group.append(engine)
@@ -113,20 +117,36 @@ class Seats:
         return _record(engine, slot, key, token, source, previous, int(engine.state.length[slot]))
 
     @staticmethod
-    def records(engine: Engine, made: dict[Hashable, int], previous: dict[Hashable, int]) -> dict[Hashable, TickRecord]:
-        """`record` of every sequence of the engine's last round (all drew or were forced: source
-        "generated"), the live lengths read in one copy."""
-        lengths = engine.state.length[:len(engine)].tolist()
-        return {key: _record(engine, slot, key, made.get(key), "generated", previous.get(key), lengths[slot])
+    def records(engine: Engine, made: dict[Hashable, int], previous: dict[Hashable, int],
+                sources: dict[Hashable, str] | None = None, *, texts: bool = False) -> dict[Hashable, TickRecord]:
+        """`record` of every sequence of the engine's last round (`sources`: the ledger source of
+        those given a token, "user" for typed input; the others' "generated"), the live lengths
+        read in one copy. `texts`: each record's `removed` too, where rows are shared (a decode
+        a row: what a run's edit log shows; a batch's rounds skip it)."""
+        lengths, sources = engine.state.length[:len(engine)].tolist(), sources or {}
+        return {key: _record(engine, slot, key, made.get(key), sources.get(key, "generated"), previous.get(key),
+                             lengths[slot], texts=texts)
                 for slot, key in enumerate(engine.keys())}
 
 
 def _record(engine: Engine, slot: int, key: Hashable, token: int | None, source: str, previous: int | None,
-            length: int) -> TickRecord:
-    removed = engine.removed.get(key, []) if token is not None else []
+            length: int, *, texts: bool = False) -> TickRecord:
+    rows = engine.removed.get(key, []) if token is not None else []
     text = "" if token is None or previous is None else span_texts(engine.lm.decode, [token], previous)[0]
+    actions = [{"action": "delete", "position": row} for row in sorted(rows)]  # in row order, as the policies list them
+    removed = []
+    if texts and token is not None and engine.state.lanes == 1:
+        # shared rows: the deleted ones are tokens out of the context; their ledger ids are the
+        # mirror's, made when it is read (docs/core.md, "The mirrors")
+        removed = [{"ledger_id": None, "text": engine.lm.decode([t])} for t in engine.removed_tokens.get(key, [])]
+    elif texts and rows:  # lanes apart: each lane's own drops, as a Brain's tick lists them
+        dropped = [[] for _ in range(engine.state.lanes)]
+        for lane, row in engine.deleted[slot].nonzero().tolist():
+            dropped[lane].append(row)
+        actions = [{"action": "drop", "rows": dropped}]
     return TickRecord(tick=engine.state.tick(slot), token_id=-1 if token is None else token, text=text,
-                      actions=[{"action": "delete", "position": row} for row in sorted(removed, reverse=True)],
+                      actions=actions + ([] if token is None else [{"action": "add", "token_id": token}]),
+                      removed=removed,
                       outcomes=[], live_length=length, brightness_min=0.0, brightness_mean=0.0, brightness_max=0.0,
                       rebuilt=token is None, source=source,
                       complete=token is not None and (constraint := engine.sequences[slot].constraint) is not None

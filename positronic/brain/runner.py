@@ -30,6 +30,7 @@ from .chat import END_OF_INPUT, TurnRefused
 from .dialogue import Dialogue
 from .loop import Brain, TickRecord
 
+RUN = "run"  # the run's one sequence, in its `rounds`
 RSS_SAMPLES = (1000, 10000)  # ticks at which resident memory is recorded
 
 
@@ -130,13 +131,45 @@ class Runner:
     def __init__(self, brain: Brain, model_name: str, ticks: int | None, *, events: Path | None = None,
                  append_events: bool = False, session: Path | None = None, save_every: int = 100,
                  inputs: queue.SimpleQueue | None = None, on_refused: Callable[[str], None] | None = None,
-                 dialogue: Dialogue | None = None):
+                 dialogue: Dialogue | None = None, rounds=None):
         self.brain, self.model_name, self.ticks = brain, model_name, ticks
+        # rounds: an empty positronic.batch.Batch (compiled, one slot) whose engine rounds make the
+        # ticks (docs/core.md, "A lone stream"); the brain is handed back whenever something
+        # reads it (`sync`: a save, a frame of the live view, the end)
+        self.batch = rounds
+        self.in_rounds = False  # the last tick was an engine round: no Observer saw it, its record says what it did
+        if rounds is not None:
+            rounds.join(RUN, brain)
         self.dialogue = dialogue  # conversation mode: its turns instead of `inputs` (dialogue.py)
         self.events, self.append_events = events, append_events
         self.session, self.save_every = session, save_every
         self.inputs = inputs
         self.on_refused = on_refused or (lambda message: print(message, file=sys.stderr, flush=True))
+
+    def refusal(self) -> str | None:
+        """Why the brain's ticks cannot be compiled rounds (they would be its own), or None."""
+        return None if self.batch is None else self.batch.seats.refusal(self.brain)
+
+    def warm(self) -> int:
+        """Compile the rounds now, before the first tick (about 40 s for SmolLM2 on a 2-core
+        CPU, seconds for random:tiny; the graphs are kept for the process). Returns the graphs made."""
+        return 0 if self.batch is None else self.batch.warm()
+
+    def sync(self) -> Brain:
+        """The brain, up to date (its rows, ledger, counts, policy): a brain whose ticks are
+        rounds is handed back (a copy of its rows, ~25 ms for SmolLM2) and sits again at its next tick."""
+        if self.batch is not None:
+            self.batch.brains  # noqa: B018  (reading them hands the seated ones back)
+        return self.brain
+
+    def _tick(self, force: int | None) -> TickRecord:
+        if self.batch is None:
+            return self.brain.step(force)
+        record = self.batch.step(None if force is None else {RUN: force})[RUN]
+        self.in_rounds = RUN in self.batch.seated
+        if isinstance(record, BaseException):  # what the brain's own tick would have raised
+            raise record
+        return record
 
     def take_input(self) -> None:
         """Queue every line typed since the last call as a user turn (never waits)."""
@@ -180,14 +213,14 @@ class Runner:
                         break
                 else:
                     self.take_input()
-                record = brain.step(force)
+                record = self._tick(force)
                 if self.dialogue is not None:
                     self.dialogue.after_tick(record)
                 result.ticks, result.seconds = done, time.perf_counter() - start
                 if log:
                     log.write(json.dumps(record.to_json()) + "\n")
-                if self.session and brain.tick % self.save_every == 0:
-                    sessions.save(self.session, brain, self.model_name)
+                if self.session and record.tick % self.save_every == 0:
+                    sessions.save(self.session, self.sync(), self.model_name)
                 if done in RSS_SAMPLES:
                     result.rss_mb[done] = rss_mb()
                 on_tick(record, result)
@@ -203,6 +236,7 @@ class Runner:
             result.seconds = time.perf_counter() - start
             if log:
                 log.close()
+            self.sync()
             if self.session and not brain.state.broken:
                 if self.dialogue is None:
                     self.take_input()  # a line typed during the last tick is saved, fed on resume

@@ -8,6 +8,7 @@ import os
 import queue
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -74,6 +75,7 @@ def run(
     n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", min=0, help="llama.cpp alias of --device: 0 = cpu; any N > 0 = cuda, every layer (no partial offload)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
     weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): int8 for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...), else float32. int8: fastest on a CPU; int4: least memory."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="Each tick a Core v4 engine round of one whose forward is one compiled graph (torch.compile; Llama-class models with float weights, the policies Core v4 runs): compiled before the first tick, about 40 s for SmolLM2 on 2 CPU cores (5 s for a tiny model), then SmolLM2's tick is ~1.5x faster there. Tokens may part from an uncompiled run's at a near-tie (docs/core.md, \"A lone stream\")."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, max=sessions.MAX_TICK, help="Checkpoint every N ticks (with --session)."),
@@ -139,6 +141,9 @@ def run(
     for flag, needs, name in (("capture_ticks", capture, "--capture DIR"), ("save_every", session, "--session DIR")):
         if flag in given and needs is None:  # read only with the other: alone it would be silently ignored
             raise UserError(f"--{flag.replace('_', '-')} applies to {name.split()[0]}: give {name}")
+    if compile and capture is not None:
+        raise UserError("--capture records each tick's action list as the brain applies it, and --compile's "
+                        "ticks are engine rounds that make none: give one of them")
     if capture is not None:
         from ..fixtures import parse_spec
 
@@ -248,8 +253,17 @@ def run(
         from ..fixtures import Capture
 
         brain.observers.append(Capture(capture, lm, capture_ticks))
+    rounds = None
+    if compile:
+        from ..batch import Batch
+
+        rounds = Batch(compiled=True, slots=1, texts=True)
     runner = Runner(brain, lm.name, None if ticks == -1 or dialogue else ticks, events=events, append_events=resume,
-                    session=session, save_every=save_every, inputs=inputs, dialogue=dialogue)
+                    session=session, save_every=save_every, inputs=inputs, dialogue=dialogue, rounds=rounds)
+    if compile:
+        if (why := runner.refusal()) is not None:
+            raise UserError(f"--compile: {why} (run without --compile)")
+        compile_rounds(runner, lm, live)
     note = ctx.meta.get("policy_note")  # which default policy, and why (brain_config)
     if dialogue is not None:
         if note:
@@ -267,6 +281,21 @@ def run(
             print(note, file=sys.stderr)
     if result.interrupted:  # the summary says so; the exit code tells scripts (130 Ctrl-C, 143 SIGTERM)
         raise typer.Exit(128 + int(result.signal or signal.SIGINT))
+
+
+def compile_rounds(runner: Runner, lm, live: bool) -> None:
+    """Make the compiled round before the first tick, saying so (it takes a while)."""
+    said = f"compiling {lm.name}'s decode round (torch.compile, once per process; about 40 s for a 135M model on 2 cores)"
+    if live:
+        from ..tui.app import loading
+
+        with loading(lm.name, what=said):
+            runner.warm()
+        return
+    print(f"positronic: {said} …", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    runner.warm()
+    print(f"positronic: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def grammar_of(gbnf: str | None, gbnf_file: Path | None, schema: str | None, schema_file: Path | None):
@@ -386,7 +415,7 @@ def run_plain(brain: Brain, lm, runner: Runner, *, show_prompt: bool) -> RunResu
         out.write(record.text)
         out.flush()
         if result.ticks % every == 0 or result.ticks == runner.ticks:
-            err.write(progress_line(brain, record, result, runner.ticks) + "\n")
+            err.write(progress_line(runner.sync(), record, result, runner.ticks) + "\n")
 
     result = runner.run(on_tick)
     out.write("\n" + summary(brain, lm, result) + "\n")

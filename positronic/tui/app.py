@@ -41,17 +41,20 @@ if TYPE_CHECKING:  # imported for annotations only: the loop module pulls in tor
     from ..models import LoadedModel
 
 REFRESH_PER_SECOND = 4
+# a frame of a run in compiled rounds hands the brain back and seats it again (~40 ms for SmolLM2
+# on a 2-core CPU): at most two a second there
+ROUNDS_SNAPSHOT_SECONDS = 0.5
 RATE_WINDOW = 32  # ticks in the tokens/s moving average
 NOTE_SECONDS = 10.0  # a refused line's message stays on the input line this long
 
 
 @contextlib.contextmanager
-def loading(model: str, console: Console | None = None):
+def loading(model: str, console: Console | None = None, *, what: str | None = None):
     """A spinner line while the model loads and the prompt is prefilled (SmolLM2 takes ~6 s on
-    a CPU, longer on its first run): without it the screen stays blank until the view opens.
-    The line goes when the block ends, however it ends (Ctrl-C included)."""
+    a CPU, longer on its first run), or while `what` is done: without it the screen stays blank
+    until the view opens. The line goes when the block ends, however it ends (Ctrl-C included)."""
     console = console or Console()
-    with console.status(f"loading {model} …", spinner="dots"):
+    with console.status(f"{what or f'loading {model}'} …", spinner="dots"):
         yield
 
 
@@ -69,7 +72,8 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
     console = console or Console()
     recorder = ActionRecorder(lm)
     brain.observers.append(recorder)
-    interval = 1.0 / refresh_per_second
+    interval = 1.0 / refresh_per_second if runner.batch is None else max(1.0 / refresh_per_second,
+                                                                         ROUNDS_SNAPSHOT_SECONDS)
     stamps: deque[float] = deque(maxlen=RATE_WINDOW + 1)
     last = [0.0]  # time of the last snapshot
     note = ["", 0.0]  # the last refusal and when it came (the loop thread writes it)
@@ -77,7 +81,7 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
     def snap(done: int, elapsed: float, status: str = "running") -> Snapshot:
         rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else (
             done / elapsed if elapsed > 0 else 0.0)
-        return take_snapshot(brain, lm, done=done, total=runner.ticks, tok_s=rate, elapsed=elapsed,
+        return take_snapshot(runner.sync(), lm, done=done, total=runner.ticks, tok_s=rate, elapsed=elapsed,
                              actions=list(recorder.lines)[-BOTTOM_ROWS * 4:], status=status,
                              resumed=not show_prompt,
                              input_note=note[0] if time.perf_counter() - note[1] < NOTE_SECONDS else "")
@@ -95,6 +99,8 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
     def on_tick(record: "TickRecord", result: RunResult) -> None:
         now = time.perf_counter()
         stamps.append(now)
+        if runner.in_rounds:  # no Observer saw it
+            recorder.round(record)
         # a snapshot costs a pass over the live rows: take one per refresh, not per tick
         if now - last[0] >= interval or record.stopped or result.ticks == runner.ticks:
             last[0] = now
@@ -118,7 +124,7 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
                     result = runner.run(on_tick)
             finally:
                 view.prompt = None  # the run is over: no more input
-            closing = summary(brain, lm, result)
+            closing = summary(runner.sync(), lm, result)
             status = ("interrupted" if result.interrupted else "policy stopped" if result.stopped else "finished")
             view.snapshot = snap(result.ticks, result.seconds, status)
             view.reserve = closing.count("\n") + 1  # the last frame and the summary fit on one screen

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .render import display_text
 
 if TYPE_CHECKING:  # imported for annotations only: the loop module pulls in torch
-    from ..brain.loop import Brain
+    from ..brain.loop import Brain, TickRecord
     from ..models import LoadedModel
 
 ACTION_LOG = 200  # action lines kept (the view shows the newest that fit)
@@ -68,6 +68,18 @@ class ActionRecorder:
             return entries[ledger_id].text if isinstance(ledger_id, int) and 0 <= ledger_id < len(entries) else "?"
 
         self.lines.extend(describe_actions(brain.tick, actions, row_text, self.lm.decode, ledger_text))
+
+    sees_rounds = True  # a tick made as an engine round is given to `round` instead (brain/runner.py)
+
+    def round(self, record: "TickRecord") -> None:
+        """A tick made as an engine round (`Batch(texts=True)`): its edits in words, from the
+        record (no Observer saw it): each delete with the text it took out, each lane's drops."""
+        if record.rebuilt:
+            self.lines.append(f"t{record.tick} REBUILT the cache from the mirror: {record.error}")
+            return
+        deleted = sorted(action["position"] for action in record.actions if action["action"] == "delete")
+        texts = dict(zip(deleted, (row["text"] for row in record.removed)))  # removed: in row order
+        self.lines.extend(describe_actions(record.tick, record.actions, lambda row: texts.get(row, "?"), self.lm.decode))
 
     def after_apply(self, brain: "Brain", actions: list[dict], report) -> None:
         if report.rebuilt:

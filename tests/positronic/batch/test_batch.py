@@ -271,3 +271,37 @@ def test_a_compiled_batch_seats_a_lone_brain_and_it_makes_its_engine_tokens(tiny
     engine.join("a", started(tiny, PROMPTS[0], **config))
     assert got == [engine.step()["a"] for _ in range(20)]
     assert Batch(compiled=False).seats.compiled is False
+
+
+def test_a_line_said_to_a_seated_brain_is_read_in_its_rounds_as_its_own_ticks_read_it(tiny):
+    """`Brain.say` on a brain seated in an engine: its next rounds add the line's tokens (ledger
+    source "user", the sampler unmoved), then it generates on, as alone; with `texts`, each
+    record names the rows it took out with their texts, as a Brain's tick does."""
+    configs = [dict(policy="brightness", budget=40, window=8, seed=3, temperature=0.8), dict(policy="streaming", budget=44, temperature=0)]
+    lone = [started(tiny, prompt, **config) for prompt, config in zip(PROMPTS, configs)]
+    seated = [started(tiny, prompt, **config) for prompt, config in zip(PROMPTS, configs)]
+    batch = Batch(texts=True)
+    for name, brain in enumerate(seated):
+        batch.join(name, brain)
+    want, got = [[], []], [[], []]
+    for t in range(40):
+        if t == 6:
+            said = lone[0].say("the keeper")
+            assert seated[0].say("the keeper") == said and len(said) > 2
+        for name in (0, 1):
+            want[name].append(lone[name].step())
+        for name, record in batch.step().items():
+            got[name].append(record)
+    assert batch.seated == [0, 1], "the line was read in rounds"
+    for mine, theirs in zip(got, want):
+        assert [(r.token_id, r.source, r.text, r.tick) for r in mine] == \
+               [(r.token_id, r.source, r.text, r.tick) for r in theirs]
+        assert [sorted(map(repr, r.actions)) for r in mine] == [sorted(map(repr, r.actions)) for r in theirs]
+        for a, b in zip(mine, theirs):  # a row's own decode: the ledger's text, but where a character spans tokens
+            assert len(a.removed) == len(b.removed)
+            assert all(x["text"] == y["text"] for x, y in zip(a.removed, b.removed) if "\ufffd" not in y["text"])
+    assert sum(r.source == "user" for r in got[0]) == len(said) and any(r.removed for r in got[0])
+    assert seated[0].pending_input == ()
+    brains = batch.brains
+    ledger, other = brains[0].state.mirror.ledger, lone[0].state.mirror.ledger
+    assert [(e.token_id, e.source) for e in ledger] == [(e.token_id, e.source) for e in other]

@@ -71,6 +71,39 @@ def test_a_state_that_cannot_be_rebuilt_stops_the_run_and_is_never_saved(tiny, t
     assert sessions.load(session)[1]["tick"] == 7, "the broken state was not"
 
 
+def test_a_run_in_compiled_rounds_logs_saves_and_resumes_as_the_brains_own_ticks(tiny, tmp_path):
+    """`run --compile`: the Runner's ticks are rounds of a compiled engine of one slot. Its event
+    log has the tokens, ticks, sources and edits of the brain's own ticks (random:tiny, greedy:
+    the compiled logits are the eager ones to 1e-5, and the same tokens), a session saved from
+    the rounds resumes (into rounds again) to the same stream, and the brain after the run is
+    up to date (its tick, its ledger: handed back)."""
+    from positronic.batch import Batch
+
+    config, prompt = BrainConfig(policy="h2o", budget=40, temperature=0), [tiny.bos_id] + list(range(40, 70))
+
+    def logged(events: Path) -> list[tuple]:
+        return [(r["tick"], r["token_id"], r["source"], sorted(map(repr, r["actions"])))
+                for r in map(json.loads, events.read_text().splitlines()) if r["record"] == "tick"]
+
+    own = Brain.start(tiny, prompt, config)
+    Runner(own, tiny.name, 60, events=tmp_path / "own.jsonl").run(lambda r, res: None)
+    brain = Brain.start(tiny, prompt, config)
+    runner = Runner(brain, tiny.name, 35, events=tmp_path / "rounds.jsonl", session=tmp_path / "s", save_every=20,
+                    rounds=Batch(compiled=True, slots=1, texts=True))
+    assert runner.refusal() is None and runner.warm() >= 1
+    seen = []
+    result = runner.run(lambda record, res: seen.append(runner.in_rounds))
+    assert result.ticks == 35 and all(seen), "every tick was a round"
+    assert brain.tick == 35 and len(brain.state.mirror.ledger) == len(prompt) + 35, "handed back at the end"
+    resumed = sessions.resume(tiny, tmp_path / "s")
+    assert resumed.tick == 35
+    Runner(resumed, tiny.name, 25, events=tmp_path / "rounds.jsonl", append_events=True,
+           rounds=Batch(compiled=True, slots=1, texts=True)).run(lambda r, res: None)
+    assert logged(tmp_path / "rounds.jsonl") == logged(tmp_path / "own.jsonl")
+    assert any("delete" in str(actions) for *_, actions in logged(tmp_path / "own.jsonl")), "it evicted"
+    assert [(e.token_id, e.state) for e in resumed.state.mirror.ledger] == [(e.token_id, e.state) for e in own.state.mirror.ledger]
+
+
 def test_run_py_refused_once_the_model_has_loaded_leaves_no_directory_and_no_lock_file(tmp_path, capsys, run_cli):
     """A run holds its --session from before the model loads (a server or another run is refused
     at once); what only the model can tell (a prompt past its positions, a saved run that does

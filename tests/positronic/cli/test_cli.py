@@ -67,6 +67,34 @@ def test_llama_cpps_long_flags_run_the_brain_their_own_flags_run(capsys, run_cli
     assert "--n-gpu-layers and --device set the same thing" in capsys.readouterr().err
 
 
+def test_run_compile_ticks_in_compiled_rounds_and_refuses_what_they_cannot_run(capsys, run_cli, tmp_path):
+    """`run --compile`: the same greedy text and edits as the brain's own ticks (random:tiny),
+    the compile said before the first tick; a capture, a setting Core v4 does not run and a
+    model the compiled round cannot run are refused with the reason."""
+    torch_threads = torch.get_num_threads()
+    texts, logs = [], []
+    try:
+        for flag in ("--compile", "--no-compile"):
+            events = tmp_path / f"{flag}.jsonl"
+            assert run_cli("-m", "random:tiny", flag, "-n", "40", "-c", "48", "--policy", "streaming",
+                           "--temperature", "0", "-p", "The fox and the hound", "--events", str(events),
+                           "--no-tui", "--no-input", "-t", "1") == 0
+            out, err = capsys.readouterr()
+            texts.append(out.split("\n--- summary")[0])
+            logs.append([(r["token_id"], r["actions"]) for r in map(json.loads, events.read_text().splitlines()[1:])])
+            assert ("compiled in" in err) == (flag == "--compile")
+        assert texts[0] == texts[1] and logs[0] == logs[1] and any(len(a) > 1 for _, a in logs[0])
+        assert run_cli("-m", "random:tiny", "--compile", "--capture", str(tmp_path / "c"), "--no-tui") == 2
+        assert "--capture records each tick's action list" in capsys.readouterr().err
+        assert run_cli("-m", "random:tiny", "--compile", "--policy", "brightness", "--repairer", "bridge",
+                       "--no-tui", "--no-input") == 2
+        assert "--compile: repairer='bridge' does not run on Core v4 yet" in capsys.readouterr().err
+        assert run_cli("-m", "random:tiny", "--compile", "--weights", "int8", "--no-tui", "--no-input") == 2
+        assert "--compile: " in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
 def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys, run_cli):
     torch_threads = torch.get_num_threads()
     try:

@@ -1,6 +1,7 @@
 """The live view's wiring: short real runs under run_live (frames, the summary, Ctrl-C, a
 failed tick, typed lines) and the loading line."""
 
+import re
 import threading
 
 import pytest
@@ -125,3 +126,27 @@ def test_a_loading_line_shows_until_the_view_opens_and_ctrl_c_passes_through_it(
             raise KeyboardInterrupt
     assert "loading smollm2 …" in c.export_text()
     assert c._live_stack == [], "the spinner's Live stopped"
+
+
+def test_a_run_in_compiled_rounds_shows_its_frames_edits_and_typed_lines(tiny, console, lighthouse):
+    """`run --compile` under the live view: the ticks are engine rounds (no Observer sees them),
+    the edits panel says each round's deletes with their texts, a typed line is read in the
+    rounds, and every frame and the summary read the brain handed back up to date."""
+    import queue
+
+    from positronic.batch import Batch
+
+    config = BrainConfig(policy="streaming", budget=60, seed=1, temperature=0)
+    brain = Brain.start(tiny, [tiny.bos_id] + tiny.encode(lighthouse), config)
+    inputs = queue.SimpleQueue()
+    inputs.put("hi")
+    runner = Runner(brain, tiny.name, 30, inputs=inputs, rounds=Batch(compiled=True, slots=1, texts=True))
+    c = console(100, 30)
+    result = run_live(brain, tiny, runner, show_prompt=True, console=c)
+    out = c.export_text()
+    assert result.ticks == 30 and runner.in_rounds and "[finished]" in out and "tick 30/30" in out
+    assert re.search(r"t\d+ delete \d+ '", out), "the rounds' edits in words"
+    assert out.rindex("--- summary ---") > out.rindex("[finished]") and "now at tick 30" in out
+    typed = [e.token_id for e in brain.state.mirror.ledger.entries if e.source == "user"]
+    assert tiny.decode(typed) == "\nUser: hi\nAssistant:", "read in the rounds"
+    assert brain.tick == 30 and brain.observers == [] and live_stopped()
