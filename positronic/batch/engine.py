@@ -153,6 +153,7 @@ class Engine:
         self.removed: dict[Hashable, list[int]] = {}  # the last round's deleted rows (lane 0's) of each sequence
         self.removed_tokens: dict[Hashable, list[int]] = {}  # their token ids, in the same order
         self.deleted: torch.Tensor | None = None  # the last round's deleted rows, [active, lanes, capacity]
+        self.lengths: dict[Hashable, int] = {}  # each sequence's live rows after the last round
         self.rounds = 0  # rounds run
 
     def __len__(self) -> int:
@@ -362,6 +363,8 @@ class Engine:
                 sequence.constraint.advance(tokens[slot])
             sequence.carried.update({name: value.clone() for (m, name), value in sequence_state.items() if m == slot})
             made[sequence.key] = tokens[slot]
+        # each sequence's live rows after the round, read once for the records (not an item each)
+        self.lengths = dict(zip(self.keys(), state.length[:len(self.sequences)].tolist()))
         for slot in reversed(stopped.nonzero().flatten().tolist()):
             if slot not in report.failed:
                 key = self.sequences[slot].key
@@ -423,7 +426,7 @@ class Engine:
         Brain does; if they stay so, NonFiniteLogits. Slots in `skip` draw nothing (their
         token is given; their entry is 0)."""
         state = self.state
-        bad = (~torch.isfinite(logits.max(dim=-1).values)).nonzero().flatten().tolist()
+        bad = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()  # NaN, inf or nothing finite
         if bad:
             state.rebuild(bad)
             logits = state.next_logits[: len(self.sequences)]

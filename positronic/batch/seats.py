@@ -114,18 +114,18 @@ class Seats:
         delete actions), its tick and live length. A round keeps no brightness per tick (the
         brain's ledger has it again once it leaves): the record's brightness fields are 0."""
         slot = engine.keys().index(key)
-        return _record(engine, slot, key, token, source, previous, int(engine.state.length[slot]))
+        return _record(engine, slot, key, token, source, previous, engine.lengths[key])
 
     @staticmethod
     def records(engine: Engine, made: dict[Hashable, int], previous: dict[Hashable, int],
                 sources: dict[Hashable, str] | None = None, *, texts: bool = False) -> dict[Hashable, TickRecord]:
         """`record` of every sequence of the engine's last round (`sources`: the ledger source of
         those given a token, "user" for typed input; the others' "generated"), the live lengths
-        read in one copy. `texts`: each record's `removed` too, where rows are shared (a decode
+        the engine read in one copy. `texts`: each record's `removed` too, where rows are shared (a decode
         a row: what a run's edit log shows; a batch's rounds skip it)."""
-        lengths, sources = engine.state.length[:len(engine)].tolist(), sources or {}
+        sources = sources or {}
         return {key: _record(engine, slot, key, made.get(key), sources.get(key, "generated"), previous.get(key),
-                             lengths[slot], texts=texts)
+                             engine.lengths[key], texts=texts)
                 for slot, key in enumerate(engine.keys())}
 
 
