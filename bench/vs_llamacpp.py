@@ -3,6 +3,7 @@
     bash bench/llamacpp_env.sh                  # once: bench/.llamacpp-venv (builds llama.cpp, minutes)
     python bench/vs_llamacpp.py                 # the embedded model's GGUF, threads 1 and 2
     python bench/vs_llamacpp.py --gguf model.Q8_0.gguf --threads 2 --weights float32 int8 --budgets 384
+    python bench/vs_llamacpp.py --threads 2 --weights int8 bfloat16+compiled --budgets 384   # run --compile
 
 Each round runs, in turn and for each thread count: llama.cpp (llama-cpp-python in its own
 venv, a child process per run: `Llama(n_ctx=1024)`, the prompt evaluated at once, then
@@ -82,9 +83,12 @@ def hf_run(model, threads: int, prompt: list[int], tokens: int) -> dict:
     return {"prompt_s": prompt_s, "decode_s": whole - prompt_s, "tokens": out[0, len(prompt):][:tokens].tolist()}
 
 
-def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int) -> dict:
+def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int, compiled: bool = False) -> dict:
+    """`compiled`: the ticks as compiled Core v4 rounds of one (`run --compile`), the graph made
+    before the clock starts (once per model, budget and thread count)."""
     import torch
 
+    from positronic.batch import Batch
     from positronic.brain.loop import Brain, BrainConfig
 
     torch.set_num_threads(threads)
@@ -92,9 +96,15 @@ def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int) -
     start = time.perf_counter()
     brain = Brain.start(lm, prompt, config)
     prompt_s = time.perf_counter() - start
+    tick = lambda: brain.step().token_id  # noqa: E731
+    if compiled:
+        batch = Batch(compiled=True, slots=1)
+        batch.join("run", brain)
+        batch.warm()
+        tick = lambda: batch.step()["run"].token_id  # noqa: E731
     out, start = [], time.perf_counter()
     for _ in range(tokens):
-        out.append(brain.step().token_id)
+        out.append(tick())
     decode_s = time.perf_counter() - start
     return {"prompt_s": prompt_s, "decode_s": decode_s, "tokens": out, "policy": config.policy}
 
@@ -103,7 +113,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded model's)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--weights", nargs="+", default=["float32", "int8"])  # int4: see docs/weights.md
+    parser.add_argument("--weights", nargs="+", default=["float32", "int8"],  # int4: see docs/weights.md
+                        help="float32 | bfloat16 | int8 | int4, or DTYPE+compiled (float32+compiled, bfloat16+compiled): "
+                             "the model in that dtype ticking compiled Core v4 rounds (run --compile --dtype DTYPE)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 384])
     parser.add_argument("--prompt-tokens", type=int, default=450)
     parser.add_argument("--tokens", type=int, default=256)
@@ -118,7 +130,10 @@ def main(argv=None) -> int:
     from positronic.models import load_model, smollm2_gguf
 
     gguf = (args.gguf or smollm2_gguf()).resolve()
-    models = {w: load_model(str(gguf), device="cpu", weights=w) for w in args.weights}
+    # WEIGHTS+compiled: the model in dtype WEIGHTS (its own linear layers), ticking compiled rounds
+    models = {w: load_model(str(gguf), device="cpu", weights=w) if not w.endswith("+compiled") else
+              load_model(str(gguf), device="cpu", dtype=w.removesuffix("+compiled"), weights="float32")
+              for w in args.weights}
     hf = None
     if not args.no_hf:  # the same converted weights, loaded as transformers loads them by default
         from transformers import AutoModelForCausalLM
@@ -142,7 +157,8 @@ def main(argv=None) -> int:
             for weights, model in models.items():
                 for budget in args.budgets:
                     key = ("project", weights, budget, threads)
-                    runs.setdefault(key, []).append(project_run(model, threads, prompt, args.tokens, budget))
+                    runs.setdefault(key, []).append(project_run(model, threads, prompt, args.tokens, budget,
+                                                                compiled=weights.endswith("+compiled")))
                     print(f"round {repeat + 1}: project {weights}, budget {budget}, {threads} threads: "
                           f"{_line(runs[key][-1], len(prompt))}", file=sys.stderr, flush=True)
     print(table(runs, len(prompt), args.tokens, gguf))

@@ -24,8 +24,10 @@ near-tie. What it keeps is batched = alone: on a CPU the graph is compiled with 
 freezing, which runs every linear layer through oneDNN with its weight packed, whose rows are
 computed alone for two rows or more (the property `RowInvariantLinear` uses), and every other
 operation works slot by slot; a bucket is never 1 (a lone sequence is padded to 2). So a
-sequence's numbers are the same bits whatever bucket it is in and whoever else is in it. On a
-GPU this is measured (bench/gpu.sh), not claimed.
+sequence's numbers are the same bits whatever bucket it is in and whoever else is in it. In
+bfloat16 on a CPU the products are inductor's own GEMM templates (`inductor_settings`), whose
+row independence is measured (the same bits in buckets 2, 4 and 8 on SmolLM2 and random:tiny;
+tested on random:tiny), not argued. On a GPU this is measured (bench/gpu.sh), not claimed.
 
 It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,
 TinyLlama; Mistral, Qwen and Phi-3 have classes of their own) with float weights (`nn.Linear`,
@@ -67,6 +69,9 @@ def refusal(lm) -> str | None:
     model = lm.model
     if not LeanLlama.fits(model):
         return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
+    if getattr(lm, "weights", "float32") != "float32":  # models/weights.py replaced the linear layers
+        return (f"a compiled round runs the model's own linear layers, not --weights {lm.weights} ones "
+                "(for half precision: --dtype bfloat16, whose compiled products are the fastest here)")
     core = model.model
     if type(core.embed_tokens) is not nn.Embedding:
         return f"a compiled round runs float weights (--weights float32); the embedding is {type(core.embed_tokens).__name__}"
@@ -143,7 +148,7 @@ class CompiledRound:
         try:
             # freezing: set where dynamo hands the graph over (given to compile_fx as a patch it
             # was not applied: the products' bits then moved with the bucket; tested)
-            with torch._inductor.config.patch(freezing=True):
+            with torch._inductor.config.patch(self.graph.inductor):
                 logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
         except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
             if not eager:
@@ -153,6 +158,22 @@ class CompiledRound:
         return logits[:active], shares[:active], queries[:active], norms[:active]
 
 
+def inductor_settings(dtype: torch.dtype, device: str) -> dict:
+    """Inductor's settings for a round's graph. Freezing everywhere (oneDNN's packed linears on a
+    CPU: a row's numbers whatever rows are beside it). On a CPU in bfloat16, inductor's own
+    GEMM templates too, each product's kernel picked by timing it once (AMX micro-kernels for one
+    to a few rows, where oneDNN's linear is slow), with q/k/v and gate/up each one product:
+    SmolLM2 in bfloat16, a round of one 15.8 ms against 23.2 (float32: 28.7 against 29.9, a
+    product there is memory-bound, so float32 keeps oneDNN and the shorter compile)."""
+    settings = {"freezing": True}
+    if device == "cpu" and dtype == torch.bfloat16:  # float16 not measured: oneDNN's linears as before
+        settings |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                     "cpp.enable_concat_linear": True,
+                     # its timings are the compile's business, not lines on a run's stderr
+                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    return settings
+
+
 class _Graph:
     """One model's compiled round for one set of recorded layers: `run(tokens, rows, positions,
     keys, values)`, traced and compiled once per shape (bucket)."""
@@ -160,6 +181,7 @@ class _Graph:
     def __init__(self, lm, recorded: list[int], device: str):
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
+        self.inductor = inductor_settings(lm.dtype, device)
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
         self.eager = self._round
         self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)

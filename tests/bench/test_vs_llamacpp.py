@@ -26,3 +26,18 @@ def test_the_table_gives_tok_s_and_ratios_against_llama_cpp_at_the_same_threads(
     assert "| llama.cpp | gguf | n_ctx 1024 | 2 | 100 | 2.0 | 1.00 |  |" in lines
     assert "| project | float32 | 384 | 2 | 200 | 0.5 | 0.25 | 4/4 |" in lines
     assert "| project | int8 | 384 | 2 | 200 | 1.0 | 0.50 | 2/4 |" in lines
+
+
+def test_the_projects_compiled_run_makes_its_own_ticks_tokens(tiny):
+    """`--weights float32+compiled`: the ticks as compiled rounds of one (run --compile), the
+    compile before the clock; greedy on random:tiny, the tokens of the brain's own ticks."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        prompt = [tiny.bos_id] + list(range(30, 70))
+        own = vs_llamacpp.project_run(tiny, 1, prompt, 12, 48)
+        compiled = vs_llamacpp.project_run(tiny, 1, prompt, 12, 48, compiled=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert compiled["tokens"] == own["tokens"] and len(own["tokens"]) == 12 and compiled["decode_s"] > 0

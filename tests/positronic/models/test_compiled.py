@@ -157,7 +157,7 @@ def test_a_failed_round_is_rebuilt_and_the_rounds_after_it_stay_compiled(tiny):
 
 def test_what_a_compiled_round_cannot_run_is_refused_by_name():
     int8 = load_model("random:llama3", device="cpu", dtype="float32", weights="int8")
-    with pytest.raises(ValueError, match="float weights.*Int8Linear|float weights.*Part"):
+    with pytest.raises(ValueError, match="own linear layers, not --weights int8 ones .*--dtype bfloat16"):
         Engine(int8, slots=2, capacity=32, compiled=True)
     qwen = load_model("random:qwen2", device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="Llama-class models; Qwen2ForCausalLM"):
@@ -182,15 +182,17 @@ def test_warming_an_empty_engine_makes_every_buckets_graph_before_any_round(tiny
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_in_half_precision_batched_sequences_make_their_alone_tokens(dtype):
-    """bfloat16 and float16 on a CPU: five sequences of four presses in one compiled engine make,
+    """bfloat16 and float16 on a CPU: four sequences of four presses in one compiled engine make,
     token for token, what each makes in a compiled engine of its own (against the eager round
-    they part at near-ties: 137 of 150 tokens equal in bfloat16 when this was written)."""
+    they part at near-ties: 137 of 150 tokens equal in bfloat16 when this was written). In
+    bfloat16 the products are inductor's own GEMM templates, picked by timing (`inductor_settings`):
+    a row's bits the same in buckets 2 and 4 as alone."""
     lm = load_model("random:tiny", device="cpu", dtype=dtype)
-    configs = [config_for(policy) for policy in ("h2o", "streaming", "brightness", "scored", "h2o")]
-    engine = Engine(lm, slots=5, capacity=64, compiled=True)
+    configs = [config_for(policy) for policy in ("h2o", "streaming", "brightness", "scored")]
+    engine = Engine(lm, slots=4, capacity=64, compiled=True)
     for k, config in enumerate(configs):
         engine.join(k, Brain.start(lm, prompt(lm, 9 * k, 50), config))
-    made = {k: [] for k in range(5)}
+    made = {k: [] for k in range(4)}
     for _ in range(30):
         for k, token in engine.step().items():
             made[k].append(token)
