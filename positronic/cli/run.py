@@ -285,7 +285,8 @@ def run(
 
 def compile_rounds(runner: Runner, lm, live: bool) -> None:
     """Make the compiled round before the first tick, saying so (it takes a while)."""
-    said = f"compiling {lm.name}'s decode round (torch.compile, once per process; about 40 s for a 135M model on 2 cores)"
+    said = (f"compiling {lm.name}'s decode round (torch.compile, once per process; for a 135M model on 2 cores "
+            "about 40 s, a minute in bfloat16)")
     if live:
         from ..tui.app import loading
 

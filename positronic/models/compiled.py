@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -195,7 +196,9 @@ class _Graph:
             patches["triton.cudagraphs"] = True  # torch.compile's "reduce-overhead"
         size, clock = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 1), "?"), time.perf_counter()
         log.info("compiling the decode round for %s sequences (once for this size)", size)
-        compiled = compile_fx(graph, inputs, config_patches=patches)
+        with warnings.catch_warnings():  # inductor's autotuner reads a TypedStorage (bfloat16): its business
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+            compiled = compile_fx(graph, inputs, config_patches=patches)
         log.info("compiled the decode round for %s sequences in %.1f s", size, time.perf_counter() - clock)
         return compiled
 
