@@ -96,7 +96,7 @@ def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int, c
     start = time.perf_counter()
     brain = Brain.start(lm, prompt, config)
     prompt_s = time.perf_counter() - start
-    tick = lambda: brain.step().token_id  # noqa: E731
+    tick, batch = (lambda: brain.step().token_id), None  # noqa: E731
     if compiled:
         batch = Batch(compiled=True, slots=1)
         batch.join("run", brain)
@@ -106,7 +106,8 @@ def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int, c
     for _ in range(tokens):
         out.append(tick())
     decode_s = time.perf_counter() - start
-    return {"prompt_s": prompt_s, "decode_s": decode_s, "tokens": out, "policy": config.policy}
+    rounds = 0 if batch is None else batch.seats.rounds  # the ticks that were engine rounds
+    return {"prompt_s": prompt_s, "decode_s": decode_s, "tokens": out, "policy": config.policy, "rounds": rounds}
 
 
 def main(argv=None) -> int:

@@ -51,9 +51,14 @@ class Batch:
     def brains(self) -> dict[Hashable, Brain]:
         """Every brain, up to date: seated ones are handed back first (they take a seat again
         at the next `step`, which costs a copy of their rows each way)."""
+        self.stand()
+        return dict(self._brains)
+
+    def stand(self) -> None:
+        """Hand every seated brain back (`Engine.hand_back`): each is up to date, and sits again at
+        the next `step`."""
         for name in list(self._seated):
             self._stand(name)
-        return dict(self._brains)
 
     @property
     def seated(self) -> list[Hashable]:
@@ -162,5 +167,9 @@ class Batch:
         for name, (_, source) in given.items():
             if source == "user" and name in made:  # in: it leaves the brain's queue (not when the round failed)
                 self._brains[name].input_added()
-        return Seats.records(engine, made, previous, {name: source for name, (_, source) in given.items()},
-                             texts=self.texts)
+        records = Seats.records(engine, made, previous, {name: source for name, (_, source) in given.items()},
+                                texts=self.texts)
+        for name, record in records.items():  # seated, every observer takes rounds (Seats.refusal)
+            for observer in self._brains[name].observers:
+                observer.round(self._brains[name], record)
+        return records

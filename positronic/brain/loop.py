@@ -93,7 +93,10 @@ class TickRecord:
 
 class Observer(Protocol):
     """Sees every action list just before and just after Step 4 (fixture capture uses it),
-    and the Step 2b brightness that goes with it (None: unchanged)."""
+    and the Step 2b brightness that goes with it (None: unchanged). An observer whose class
+    says `sees_rounds = True` also takes a brain's ticks made as engine rounds
+    (positronic/batch), which apply no action list: `round(brain, record)` after each; a brain
+    with any other observer takes no seat in an engine."""
 
     def before_apply(self, brain: "Brain", actions: list[dict], brightness=None) -> None: ...
 

@@ -159,7 +159,7 @@ class Runner:
         """The brain, up to date (its rows, ledger, counts, policy): a brain whose ticks are
         rounds is handed back (a copy of its rows, ~25 ms for SmolLM2) and sits again at its next tick."""
         if self.batch is not None:
-            self.batch.brains  # noqa: B018  (reading them hands the seated ones back)
+            self.batch.stand()
         return self.brain
 
     def _tick(self, force: int | None) -> TickRecord:

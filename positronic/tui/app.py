@@ -99,8 +99,6 @@ def run_live(brain: "Brain", lm: "LoadedModel", runner: Runner, *, show_prompt: 
     def on_tick(record: "TickRecord", result: RunResult) -> None:
         now = time.perf_counter()
         stamps.append(now)
-        if runner.in_rounds:  # no Observer saw it
-            recorder.round(record)
         # a snapshot costs a pass over the live rows: take one per refresh, not per tick
         if now - last[0] >= interval or record.stopped or result.ticks == runner.ticks:
             last[0] = now

@@ -69,9 +69,9 @@ class ActionRecorder:
 
         self.lines.extend(describe_actions(brain.tick, actions, row_text, self.lm.decode, ledger_text))
 
-    sees_rounds = True  # a tick made as an engine round is given to `round` instead (brain/runner.py)
+    sees_rounds = True  # a tick made as an engine round comes to `round` instead (brain/loop.Observer)
 
-    def round(self, record: "TickRecord") -> None:
+    def round(self, brain: "Brain", record: "TickRecord") -> None:
         """A tick made as an engine round (`Batch(texts=True)`): its edits in words, from the
         record (no Observer saw it): each delete with the text it took out, each lane's drops."""
         if record.rebuilt:

@@ -41,3 +41,4 @@ def test_the_projects_compiled_run_makes_its_own_ticks_tokens(tiny):
     finally:
         torch.set_num_threads(threads)
     assert compiled["tokens"] == own["tokens"] and len(own["tokens"]) == 12 and compiled["decode_s"] > 0
+    assert compiled["rounds"] == 12 and own["rounds"] == 0, "the compiled run's ticks were engine rounds"
