@@ -28,10 +28,10 @@ first ones), so they run with the smallest N they work with (see PRESSES).
 The model is the project's embedded SmolLM2-135M (the safetensors directory the project
 converts into ~/.cache/positronic/smollm2-135m-instruct, or $POSITRONIC_CACHE), loaded with this
 venv's transformers in float32. This file never imports `positronic` (it needs transformers 5.x
-past kvpress's pin); bench/texts.py and bench/kernels.py are torch-free and imported as is.
+past kvpress's pin); bench/texts.py and bench/cpu_kernels.py are torch-free and imported as is.
 
 Output: one JSON per (text, budget, press) in --out (an existing one is reused unless --force;
-one run with other CPU kernels is refused, bench/kernels.py says why), with the NLL of every
+one run with other CPU kernels is refused, bench/cpu_kernels.py says why), with the NLL of every
 scored token (`nll`, for bench/significance.py) and the CPU kernels (`kernels`), and a markdown
 table (ppl and x full per text x budget) on stdout; progress on stderr.
 """
@@ -53,7 +53,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import describe, record, refuse_others  # noqa: E402  (torch-free at import)
+from bench.cpu_kernels import describe, record, refuse_others  # noqa: E402  (torch-free at import)
 from bench.texts import excerpt  # noqa: E402  (torch-free: the excerpt rule every quality table shares)
 
 SINKS = 4
@@ -316,7 +316,7 @@ def run_path(out: Path, text: str, tokens: int, budget: int | None, name: str) -
 
 def refuse_other_kernels(args, presses: list[str], kernels: dict) -> None:
     """SystemExit, before anything runs, if a run this one would reuse was made with other CPU
-    kernels (bench/kernels.py): reused, it would put two kernels' numbers in one table."""
+    kernels (bench/cpu_kernels.py): reused, it would put two kernels' numbers in one table."""
     paths = [run_path(args.out, t, args.tokens, None if share is None else round(share * args.tokens), name)
              for t in args.texts for name in presses for share in ([None] if name == "full" else args.budgets)]
     refuse_others(kernels, ((path, json.loads(path.read_text()).get("kernels")) for path in paths if path.exists()),

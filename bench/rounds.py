@@ -35,9 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch import batch_arguments, batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
+from bench.batch import batch_arguments, batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
 
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.models import load_model  # noqa: E402

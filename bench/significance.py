@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import describe  # noqa: E402  (torch-free at import)
+from bench.cpu_kernels import describe  # noqa: E402  (torch-free at import)
 from bench.kvpress_anchor import MAIN, TEXTS  # noqa: E402  (torch-free at import)
 
 
@@ -150,7 +150,7 @@ def kvpress_rows(directory: Path, text: str, tokens: int, kernels: dict) -> tupl
 
 
 def one_kernels(kernels: dict[str, dict | None]) -> str:
-    """The CPU kernels every recorded run used (bench/kernels.py: the same run rounds
+    """The CPU kernels every recorded run used (bench/cpu_kernels.py: the same run rounds
     differently under others, and near-tie rankings then keep other rows), as one line.
     SystemExit naming one run of each if two differ; runs from before the record count as
     either."""
@@ -159,7 +159,7 @@ def one_kernels(kernels: dict[str, dict | None]) -> str:
         if record:
             kinds.setdefault(describe(record), where)
     if len(kinds) > 1:
-        raise SystemExit("these runs used other CPU kernels, and their numbers do not pair (bench/kernels.py): "
+        raise SystemExit("these runs used other CPU kernels, and their numbers do not pair (bench/cpu_kernels.py): "
                          + "; ".join(f"{where}: {kind}" for kind, where in kinds.items()))
     unrecorded = sum(record is None for record in kernels.values())
     head = next(iter(kinds), "not recorded")

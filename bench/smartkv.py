@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernels import describe, record, refuse_others  # noqa: E402
+from bench.cpu_kernels import describe, record, refuse_others  # noqa: E402
 from positronic.kv import formats as kv_formats  # noqa: E402
 from bench.texts import excerpt  # noqa: E402
 from positronic.evaluate import make_config, reference_config, run_stream  # noqa: E402
@@ -108,7 +108,7 @@ def gate_sets(args, config) -> dict[str, GateSet]:
 
 
 def quality(args, lm, kernels: dict) -> None:
-    """`kernels`: this run's record (bench/kernels.py), written beside its numbers."""
+    """`kernels`: this run's record (bench/cpu_kernels.py), written beside its numbers."""
     config = lm.model.config
     gates = gate_sets(args, config)
     untrained = [name for name in (args.where or []) if name.startswith("smartkv") and name != "smartkv-stream"
@@ -196,7 +196,7 @@ def out_path(args) -> Path:
 
 def refuse_other_kernels(args, kernels: dict) -> None:
     """SystemExit, before anything runs, if --out's file holds rows run with other CPU kernels
-    (bench/kernels.py): this run's rows would sit beside them, and the table mix two kernels'
+    (bench/cpu_kernels.py): this run's rows would sit beside them, and the table mix two kernels'
     numbers."""
     path = out_path(args)
     if path.exists():

@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batch  # noqa: E402  (bench/batch.py: its prompts and policy settings)
+from bench import batch  # noqa: E402  (bench/batch.py: its prompts and policy settings)
 from positronic.brain.loop import Brain, BrainConfig  # noqa: E402
 from positronic.models import ModelError, load_model  # noqa: E402
 from positronic.policies import POLICIES  # noqa: E402

@@ -17,7 +17,7 @@ HERE = {"cpu": "AVX512"}
 
 def test_a_run_made_with_other_cpu_kernels_is_not_reused_into_this_table(tmp_path):
     """An existing JSON is reused unless --force; one that recorded other CPU kernels would mix two
-    kernels' numbers in one table (bench/kernels.py), so the run stops before anything runs,
+    kernels' numbers in one table (bench/cpu_kernels.py), so the run stops before anything runs,
     naming the file, both kernels and the way out; runs of the same kernels or none go ahead."""
     args = argparse.Namespace(texts=["dracula"], out=tmp_path, tokens=1024, budgets=[0.125, 0.25])
     presses = ["full", "snapkv"]

@@ -72,7 +72,7 @@ def test_an_out_run_adds_its_rows_and_keeps_the_others_only_if_they_scored_the_s
 
 
 def test_an_out_run_records_its_cpu_kernels_and_refuses_a_file_of_rows_run_with_others(tmp_path, run_script):
-    """The same run rounds differently under other CPU kernels (bench/kernels.py), so every row
+    """The same run rounds differently under other CPU kernels (bench/cpu_kernels.py), so every row
     records them, and rows of two kernels are not put in one file: refused before anything runs,
     the file unchanged."""
     import json
