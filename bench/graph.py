@@ -13,8 +13,11 @@ memory bandwidth, given by `--bandwidth` in GB/s; H200 4,800). HF `generate` (gr
 DynamicCache) on the same prompt in the same run: ms a token from the difference of two
 lengths (the prefill cancels). Then batched = alone: the first three sequences of the largest B
 against each alone in a compiled engine of its own. Then `--long` rounds in a compiled engine of
-8 slots with sequences joining and leaving at random (every bucket), counting graphs made after
-the warm-up (a recapture each on a GPU; 0 is the promise) and dynamo's recompiles.
+the largest B's slots with sequences joining and leaving at random (more active than the next
+smaller bucket holds: the bucket the table made, so no compile is added on a GPU, where each takes ~30 s),
+counting graphs made after the warm-up (a recapture each on a GPU; 0 is the promise) and
+dynamo's recompiles. The smallest and largest B, batched = alone and the long run come first
+and the figures are written after each stage, so a run cut off by its time limit keeps them.
 
 Prints a table and, with `--json`, writes the figures issue 70 names (date, gpu, model, dtype,
 b1_ms_per_token, hf_generate_ms_per_token, b64_tok_s, batched_equal_alone, recaptures) plus the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -34,13 +38,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch import TEXT, brain, brains  # noqa: E402  (bench/batch.py: the same prompts)
+from bench.batch import TEXT, brain, brains  # noqa: E402  (bench/batch.py: the same prompts)
 
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.brain.loop import BrainConfig  # noqa: E402
 from positronic.models import load_model  # noqa: E402
+from positronic.models.compiled import buckets  # noqa: E402
 
 
 def sync(lm) -> None:
@@ -79,31 +83,40 @@ def engine_rounds(lm, size: int, config: dict, budget: int, ticks: int, compiled
     return (time.perf_counter() - start) / ticks * 1e3, tokens
 
 
-def long_run(lm, config: dict, budget: int, rounds: int) -> dict:
-    """Graphs made over `rounds` rounds with joins and leaves, after each bucket's first."""
+def cudagraph_counts() -> dict:
+    """Inductor's counters of CUDA graphs (skips name why a graph was not captured: the rounds
+    then run its kernels one by one)."""
     from torch._dynamo.utils import counters
 
-    engine = Engine(lm, slots=8, capacity=budget, compiled=True)
-    pool = brains(lm, 8, config, budget)
-    for k in range(8):
-        engine.join(k, pool[k])
-    for active in (8, 4, 2, 1):  # every bucket's graph
-        while len(engine) > active:
-            engine.leave(engine.keys()[-1])
-        engine.step()
+    return {name: count for name, count in counters["inductor"].items() if "cudagraph" in name}
+
+
+def long_run(lm, config: dict, budget: int, rounds: int, slots: int) -> dict:
+    """Graphs made over `rounds` rounds of an engine of `slots` (the largest B, whose bucket is
+    made already) with sequences joining and leaving so that more sequences stay active than the
+    next smaller bucket holds (the one bucket: no compile beyond the table's), every sequence
+    past its budget."""
+    from torch._dynamo.utils import counters
+
+    engine = Engine(lm, slots=slots, capacity=budget, compiled=True)
+    for k, started in enumerate(brains(lm, slots, config, budget)):
+        engine.join(k, started)
+    engine.step()
     made, recompiles = engine.state.compiled.compiles, sum(counters["recompiles"].values())
-    rng, joined, evictions = random.Random(0), 8, 0
+    sizes = buckets(slots)  # active above the next smaller bucket: the slots' bucket alone
+    rng, joined, left, evictions, floor = random.Random(0), slots, 0, 0, (sizes[-2] + 1 if len(sizes) > 1 else 1)
     start = time.perf_counter()
     for _ in range(rounds):
-        if len(engine) < 8 and (not len(engine) or rng.random() < 0.2):
+        if len(engine) < slots and rng.random() < 0.3:
             engine.join(joined, brain(lm, joined % 16, config, budget))
             joined += 1
-        elif len(engine) > 1 and rng.random() < 0.15:
+        elif len(engine) > floor and rng.random() < 0.3:
             engine.leave(rng.choice(engine.keys()))
+            left += 1
         engine.step()
         evictions += sum(bool(rows) for rows in engine.removed.values())
-    return dict(rounds=rounds, seconds=round(time.perf_counter() - start, 1), joins=joined - 8,
-                evicting_sequence_rounds=evictions, recaptures=engine.state.compiled.compiles - made,
+    return dict(rounds=rounds, slots=slots, seconds=round(time.perf_counter() - start, 1), joins=joined - slots,
+                leaves=left, evicting_sequence_rounds=evictions, recaptures=engine.state.compiled.compiles - made,
                 recompiles=sum(counters["recompiles"].values()) - recompiles,
                 graphs=engine.state.compiled.compiles)
 
@@ -122,6 +135,8 @@ def main(argv=None) -> int:
                         help="the sizes also timed eager (default: the smallest and the largest)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    logging.basicConfig(format="  %(message)s")  # each bucket's compile and its seconds
+    logging.getLogger("positronic.models.compiled").setLevel(logging.INFO)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     lm = load_model(args.model, device=device, dtype=dtype)
@@ -137,8 +152,25 @@ def main(argv=None) -> int:
     print(f"HF generate: {hf:.2f} ms a token;  weights {weights / 1e9:.2f} GB, floor at {args.bandwidth:.0f} GB/s "
           f"{floor_ms:.3f} ms a round")
     print(f"{'B':>3} {'compiled ms':>11} {'tok/s':>9} {'x floor':>8} {'eager ms':>9} {'x eager':>8} {'x HF':>6}")
-    rows, tokens_at = [], {}
-    for size in args.sizes:
+    rows, tokens_at, alone, checked, long = [], {}, [], 0, None
+    began = time.perf_counter()
+
+    def write(stage: str) -> None:
+        """The figures so far, after every stage: a run cut off by its time limit keeps them."""
+        by_size = {row["B"]: row for row in rows}
+        figures = dict(date=stamp, gpu=gpu, model=args.model, dtype=dtype,
+                       b1_ms_per_token=by_size.get(1, {}).get("compiled_ms"), hf_generate_ms_per_token=round(hf, 3),
+                       b64_tok_s=by_size.get(64, {}).get("tok_s"),
+                       batched_equal_alone=f"{sum(alone)}/{checked}" if checked else None,
+                       recaptures=None if long is None else long["recaptures"], floor_ms=round(floor_ms, 4),
+                       policy=config["policy"], budget=args.budget, rows=rows, long_run=long,
+                       cudagraphs=cudagraph_counts(), complete=stage == "done", stage=stage)
+        print(f"  [{time.perf_counter() - began:.0f} s: {stage}]", flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
+
+    def measure(size: int) -> None:
         ms, tokens = engine_rounds(lm, size, config, args.budget, args.ticks, compiled=True)
         tokens_at[size] = tokens
         eager = engine_rounds(lm, size, config, args.budget, args.ticks, compiled=False)[0] if size in eager_sizes else None
@@ -148,28 +180,33 @@ def main(argv=None) -> int:
         print(f"{size:>3} {ms:>11.2f} {row['tok_s']:>9.1f} {row['x_floor']:>7.1f}x "
               f"{'-' if eager is None else f'{eager:.2f}':>9} {'-' if eager is None else f'{eager / ms:.2f}x':>8} "
               f"{'-' if size != 1 else f'{hf / ms:.1f}x':>6}")
-    largest = max(args.sizes)
+        write(f"B = {size}")
+
+    # the issue's figures first (the smallest and largest B, batched = alone, recaptures), the
+    # sizes between last: a run its time limit cuts off has written what matters most
+    smallest, largest = min(args.sizes), max(args.sizes)
+    for size in sorted({smallest, largest}):
+        measure(size)
     checked = min(3, largest)
-    alone = []
     for k in range(checked):  # sequence k alone: its own prompt (brains' k-th) in an engine of one
         engine = Engine(lm, slots=1, capacity=args.budget, compiled=True)
         engine.join(k, brain(lm, k, config, args.budget))
         alone.append([engine.step()[k] for _ in range(len(tokens_at[largest][k]))] == tokens_at[largest][k])
     print(f"batched = alone at B = {largest}: {sum(alone)} of {checked} sequences")
-    long = long_run(lm, config, args.budget, args.long) if args.long else None
+    write("batched = alone")
+    long = long_run(lm, config, args.budget, args.long, largest) if args.long else None
     if long:
-        print(f"{long['rounds']} rounds with {long['joins']} joins, {long['evicting_sequence_rounds']} evicting "
+        print(f"{long['rounds']} rounds of {long['slots']} slots with {long['joins']} joins, {long['leaves']} leaves, "
+              f"{long['evicting_sequence_rounds']} evicting "
               f"sequence-rounds: graphs made after warm-up (recaptures) {long['recaptures']}, recompiles "
               f"{long['recompiles']}, graphs in all {long['graphs']} ({long['seconds']} s)")
-    by_size = {row["B"]: row for row in rows}
-    figures = dict(date=stamp, gpu=gpu, model=args.model, dtype=dtype,
-                   b1_ms_per_token=by_size.get(1, {}).get("compiled_ms"), hf_generate_ms_per_token=round(hf, 3),
-                   b64_tok_s=by_size.get(64, {}).get("tok_s"), batched_equal_alone=f"{sum(alone)}/{checked}",
-                   recaptures=None if long is None else long["recaptures"], floor_ms=round(floor_ms, 4),
-                   policy=config["policy"], budget=args.budget, rows=rows, long_run=long)
+        write("recaptures")
+    for size in sorted(set(args.sizes) - {smallest, largest}):
+        measure(size)
+    rows.sort(key=lambda row: row["B"])
+    print(f"inductor's CUDA graphs: {cudagraph_counts()}")
+    write("done")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
 

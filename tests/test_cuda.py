@@ -140,7 +140,7 @@ def test_32_sequences_in_half_precision_choose_the_tokens_they_choose_alone(alon
     alone's tokens."""
     lm = load_model("random:tinyllama", device="cuda", dtype=dtype)
     assert any(type(m).__name__ == "TiledLinear" for m in lm.model.modules())
-    configs = [dict(policy="streaming", budget=48, sinks=3, window=6, seed=k, temperature=0) for k in range(32)]
+    configs = [dict(policy="streaming", budget=48, sinks=3, seed=k, temperature=0) for k in range(32)]
     prompts = [prompt(lm, 56 + k, seed=40 + k) for k in range(32)]
     ticks = 8
     want = [alone(lm, text, ticks, **config) for text, config in zip(prompts, configs)]
@@ -170,3 +170,61 @@ def test_tick_host_counts_the_gpu_waits_of_a_tick(capsys, bench_script):
             sites.append(line.split())
         assert all(":" in site for _, site in sites)
         assert abs(sum(float(count) for count, _ in sites) - float(row[7])) < 0.1
+
+
+def engine_prompt(lm, seed: int) -> list[int]:
+    return prompt(lm, 50, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_rounds_on_the_gpu_make_each_sequences_alone_tokens_and_capture_nothing_new(dtype):
+    """Core v4's compiled round on the device (inductor's Triton kernels in captured CUDA graphs
+    over the slot buffers): four sequences of four presses past their budget make, token for
+    token, what each makes in a compiled engine of its own; then 120 rounds with joins and
+    leaves make no graph past each bucket's first."""
+    import random
+
+    from positronic.batch.engine import Engine
+
+    lm = load_model("random:tiny", device="cuda", dtype=dtype)
+    configs = [BrainConfig(policy=policy, budget=40, temperature=0, seed=3)
+               for policy in ("h2o", "streaming", "brightness", "scored")]
+    engine = Engine(lm, slots=4, capacity=64, compiled=True)
+    for k, config in enumerate(configs):
+        engine.join(k, Brain.start(lm, engine_prompt(lm, 60 + k), config))
+    made = {k: [] for k in range(4)}
+    for _ in range(24):
+        for k, token in engine.step().items():
+            made[k].append(token)
+    for k, config in enumerate(configs):
+        single = Engine(lm, slots=1, capacity=64, compiled=True)
+        single.join(k, Brain.start(lm, engine_prompt(lm, 60 + k), config))
+        assert [single.step()[k] for _ in range(24)] == made[k], f"sequence {k} ({dtype})"
+    assert engine.state.kv.keys.is_cuda
+    for active in (4, 2, 1):  # every bucket of this engine has its graph
+        while len(engine) > active:
+            engine.leave(engine.keys()[-1])
+        engine.step()
+    graphs, rng, joined = engine.state.compiled.compiles, random.Random(0), 4
+    for _ in range(120):
+        if len(engine) < 4 and (not len(engine) or rng.random() < 0.3):
+            engine.join(joined, Brain.start(lm, engine_prompt(lm, joined), configs[joined % 4]))
+            joined += 1
+        elif len(engine) > 1 and rng.random() < 0.25:
+            engine.leave(rng.choice(engine.keys()))
+        engine.step()
+    assert engine.state.compiled.compiles == graphs and joined > 15
+    assert engine.state.compiled.graph.broken is None
+
+
+def test_the_eager_round_on_the_gpu_is_the_brains_tick(gpu_tiny):
+    """Core v4's eager round (one batched attention call a layer over the slot buffers) on the
+    device: a sequence past its budget makes the tokens its Brain makes alone, float32."""
+    from positronic.batch.engine import Engine
+
+    config = BrainConfig(policy="h2o", budget=40, temperature=0, seed=3)
+    brain = Brain.start(gpu_tiny, engine_prompt(gpu_tiny, 70), config)
+    want = [brain.step().token_id for _ in range(30)]
+    engine = Engine(gpu_tiny, slots=2, capacity=64)
+    engine.join("x", Brain.start(gpu_tiny, engine_prompt(gpu_tiny, 70), config))
+    assert [engine.step()["x"] for _ in range(30)] == want

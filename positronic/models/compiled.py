@@ -20,14 +20,19 @@ evictions, joins and leaves).
 
 Numbers. Inductor fuses and reorders, so a compiled round's logits differ from the eager
 round's in their last bits (~1e-4 on SmolLM2): its tokens can part from the eager ones at a
-near-tie. What it keeps is batched = alone: on a CPU the graph is compiled with inductor's
-freezing, which runs every linear layer through oneDNN with its weight packed, whose rows are
-computed alone for two rows or more (the property `RowInvariantLinear` uses), and every other
-operation works slot by slot; a bucket is never 1 (a lone sequence is padded to 2). So a
-sequence's numbers are the same bits whatever bucket it is in and whoever else is in it. In
-bfloat16 on a CPU the products are inductor's own GEMM templates (`inductor_settings`), whose
-row independence is measured (the same bits in buckets 2, 4 and 8 on SmolLM2 and random:tiny;
-tested on random:tiny), not argued. On a GPU this is measured (bench/gpu.sh), not claimed.
+near-tie. What it keeps is batched = alone. In float32 on a CPU every product is oneDNN's, as
+the eager layers' (`linear.row_linear`, an op the compiler keeps whole, with the weight packed
+once), whose rows are computed alone for two rows or more, and every other operation works
+slot by slot; a bucket is never 1 (a lone sequence is padded to 2). Left to itself inductor
+lowers a float32 linear to MKL's packed product, whose rows kept their bits across buckets on
+an AMX Xeon and did not on an AMD EPYC (both ran this suite): the op is what makes the claim
+hold on any CPU, and on the EPYC it is faster too (SmolLM2, a round of 2: 49.6 against 70.5
+ms). In bfloat16 on a CPU the products are inductor's own GEMM templates (`inductor_settings`),
+whose row independence is measured (the same bits in buckets 2, 4 and 8 on SmolLM2 and
+random:tiny on the Xeon; tested on random:tiny, passing on both CPUs), not argued. On a GPU
+every product and norm runs over fixed 64-row tiles (models/tiles.py), as the eager layers
+there do; whether that makes batched = alone hold is measured (bench/gpu.sh), not claimed:
+on 2026-12-04, before the tiles, it did not (bench/results/gpu.md).
 
 It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,
 TinyLlama; Mistral, Qwen and Phi-3 have classes of their own) with float weights (`nn.Linear`,
@@ -48,6 +53,8 @@ from transformers.models.llama import modeling_llama as llama
 
 from .attention import Decode, decode_mask, decode_weights
 from .lean import LeanLlama
+from .linear import ONEDNN, row_linear
+from .tiles import by_tiles
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,7 +64,7 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 RECOMPILE_LIMIT = 4096
 
 
-# each decoder layer's products the graph computes (`_linear`), as (module, its layer)
+# each decoder layer's products the graph computes (`linear` in `_Graph._round`), as (module, its layer)
 PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -68,7 +75,7 @@ def refusal(lm) -> str | None:
     weights, the embedding an `nn.Embedding` (another weight format replaces them by layers of
     its own: models/weights.py)."""
     model = lm.model
-    if not LeanLlama.fits(model):
+    if not LeanLlama.fits(model, tiled=True):
         return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
     if getattr(lm, "weights", "float32") != "float32":  # models/weights.py replaced the linear layers
         return (f"a compiled round runs the model's own linear layers, not --weights {lm.weights} ones "
@@ -79,7 +86,7 @@ def refusal(lm) -> str | None:
     products = [(f"model.layers.{index}.{part}.{name}", getattr(getattr(layer, part), name))
                 for index, layer in enumerate(core.layers) for part, name in PRODUCTS]
     for name, module in [*products, ("lm_head", model.lm_head)]:
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear):  # a TiledLinear is one (models/tiles.py)
             return f"a compiled round runs float weights (--weights float32); {name} is {type(module).__name__}"
         if module.weight.dtype not in FLOATS:
             return f"a compiled round runs float weights; {name} is {module.weight.dtype}"
@@ -150,6 +157,8 @@ class CompiledRound:
             # freezing: set where dynamo hands the graph over (given to compile_fx as a patch it
             # was not applied: the products' bits then moved with the bucket; tested)
             with torch._inductor.config.patch(self.graph.inductor):
+                if self.keys.is_cuda and not eager:  # each round a new step of the captured graphs: the
+                    torch.compiler.cudagraph_mark_step_begin()  # last round's outputs were copied out
                 logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
         except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
             if not eager:
@@ -183,6 +192,7 @@ class _Graph:
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
         self.inductor = inductor_settings(lm.dtype, device)
+        self.onednn = device == "cpu" and lm.dtype == torch.float32 and ONEDNN
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
         self.eager = self._round
         self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)
@@ -211,17 +221,29 @@ class _Graph:
         mask = decode_mask(rows, capacity, keys.dtype)  # [size, 1, 1, capacity]
         heads_of = torch.arange(kv_heads, device=tokens.device)[None]
         where = (slots[:, None].expand(size, kv_heads), heads_of.expand(size, kv_heads), rows[:, None].expand(size, kv_heads))
+        # on a GPU every row-wise layer runs over fixed 64-row tiles (models/tiles.py), so its kernel,
+        # and a row's bits, are the same in every bucket; on a CPU freezing's packed products are
+        rows = by_tiles if self.device == "cuda" else (lambda function, x: function(x))
+
+        def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if self.onednn:  # float32 on a CPU: oneDNN's row-invariant product (models/linear.py)
+                return row_linear(x, module.weight, module.bias)
+            return rows(lambda x: F.linear(x, module.weight, module.bias), x)
+
+        def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return rows(getattr(module, "untiled", module), x)
+
         hidden = core.embed_tokens(tokens[:, None])  # [size, 1, hidden]
         cos, sin = core.rotary_emb(hidden, positions[:, None])
         queries, norms, shares = [], [], []
         for index, layer in enumerate(core.layers[: model.config.num_hidden_layers]):
             attention = layer.self_attn
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden = norm(layer.input_layernorm, hidden)
             shape = (size, 1, -1, attention.head_dim)
-            query = _linear(attention.q_proj, hidden).view(shape).transpose(1, 2)  # [size, heads, 1, head_dim]
-            key = _linear(attention.k_proj, hidden).view(shape).transpose(1, 2)  # [size, kv_heads, 1, head_dim]
-            value = _linear(attention.v_proj, hidden).view(shape).transpose(1, 2)
+            query = linear(attention.q_proj, hidden).view(shape).transpose(1, 2)  # [size, heads, 1, head_dim]
+            key = linear(attention.k_proj, hidden).view(shape).transpose(1, 2)  # [size, kv_heads, 1, head_dim]
+            value = linear(attention.v_proj, hidden).view(shape).transpose(1, 2)
             query, key = llama.apply_rotary_pos_emb(query, key, cos, sin)
             layer_index = torch.full_like(where[0], index)
             keys.index_put_((layer_index, *where), key[:, :, 0].to(keys.dtype))
@@ -234,16 +256,11 @@ class _Graph:
             if index in self.recorded:  # the shares are the weights (a second product with the keys
                 shares.append(weights.reshape(size, -1, capacity))  # would copy the whole buffer)
             out = out.reshape(size, 1, -1)
-            hidden = residual + _linear(attention.o_proj, out)
+            hidden = residual + linear(attention.o_proj, out)
             residual = hidden
-            mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
-            hidden = residual + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, normed)) * _linear(mlp.up_proj, normed))
-        hidden = core.norm(hidden)
-        logits = _linear(model.lm_head, hidden)[:, -1].float()
+            mlp, normed = layer.mlp, norm(layer.post_attention_layernorm, hidden)
+            hidden = residual + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, normed)) * linear(mlp.up_proj, normed))
+        hidden = norm(core.norm, hidden)
+        logits = linear(model.lm_head, hidden)[:, -1].float()
         return logits, torch.stack(shares, dim=1), torch.stack(queries, dim=1), torch.stack(norms, dim=1)
 
-
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The layer's product as the compiler sees it (RowInvariantLinear's oneDNN call is opaque
-    to it; freezing gives the same kernel its packed weight)."""
-    return F.linear(x, module.weight, module.bias)

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
 
 from .compat import with_cache
+from .tiles import RowTiles
 
 # what a Llama decoder is made of, class for class: a subclass may compute something else
 _LAYER = {"": llama.LlamaDecoderLayer, "self_attn": llama.LlamaAttention, "mlp": llama.LlamaMLP,
@@ -51,14 +52,19 @@ class LeanLlama:
         self.skipped = [model, self.core, *self.layers, *(layer.self_attn for layer in self.layers)]
 
     @staticmethod
-    def fits(model: nn.Module) -> bool:
-        """Whether `model` is transformers' Llama, class for class (module docstring)."""
+    def fits(model: nn.Module, tiled: bool = False) -> bool:
+        """Whether `model` is transformers' Llama, class for class (module docstring); `tiled`:
+        its norms may be the same classes computing in row tiles (models/tiles.py)."""
+        def kind(module: nn.Module) -> type:
+            cls = type(module)
+            return cls.__bases__[1] if tiled and issubclass(cls, RowTiles) else cls
+
         core = getattr(model, "model", None)
         if type(model) is not llama.LlamaForCausalLM or type(core) is not llama.LlamaModel:
             return False
-        if type(core.norm) is not llama.LlamaRMSNorm or type(core.rotary_emb) is not llama.LlamaRotaryEmbedding:
+        if kind(core.norm) is not llama.LlamaRMSNorm or type(core.rotary_emb) is not llama.LlamaRotaryEmbedding:
             return False
-        return all(type(layer.get_submodule(name)) is kind for layer in core.layers for name, kind in _LAYER.items())
+        return all(kind(layer.get_submodule(name)) is cls for layer in core.layers for name, cls in _LAYER.items())
 
     def ready(self) -> bool:
         """No hook on a module whose forward is skipped, nor a forward of its own put on one (a

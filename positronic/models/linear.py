@@ -59,6 +59,7 @@ follow it), and a weight made in inference mode keeps no counter, so it is used 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -149,3 +150,29 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+# a compiled round's products on a CPU (models/compiled.py): inductor lowers a float32 linear to
+# MKL's packed product, whose row bits depend on the row count on some CPUs (an AMD EPYC: a
+# slot's logits differed between buckets 2 and 4), so the graph calls oneDNN as the eager layers
+# do, through an op the compiler keeps as it is; its packed weight is kept per weight tensor
+_PACKED: dict[int, tuple] = {}
+
+
+@torch.library.custom_op("positronic::row_linear", mutates_args=())
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`row_invariant` as one op (x [..., in] float32 on the CPU -> [..., out]) with the weight in
+    oneDNN's layout, made once per weight tensor (again if its memory or version changed)."""
+    if not PACKS or weight.is_inference():
+        return row_invariant(x, weight, bias)
+    stamp = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    kept = _PACKED.get(id(weight))
+    if kept is None or kept[0] != stamp or kept[1]() is not weight:
+        kept = _PACKED[id(weight)] = (stamp, weakref.ref(weight, lambda _, key=id(weight): _PACKED.pop(key, None)),
+                                      torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2))
+    return row_invariant(x, kept[2], bias)
+
+
+@row_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -350,7 +350,9 @@ class SlotState:
         self.lane_peaks[slot].zero_()
         self.queries[slot].zero_()
         self.log_norms[slot].zero_()
-        if manager.last_attention is not None:
+        # a per-layer state's forward may leave one layer's attention (its own rows, not the union's:
+        # seen on a GPU); its lane shares come from the queries below
+        if manager.last_attention is not None and not manager.per_layer:
             self.shares[slot, :rows] = manager.last_attention.float().mean(dim=(0, 1)).to(self.shares.device)
             self.attention[slot, :, :, :rows] = manager.last_attention.float().to(self.attention.device)
         query, norm = manager.last_query, manager.last_log_norm

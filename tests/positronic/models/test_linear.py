@@ -193,3 +193,23 @@ def test_without_the_memory_for_a_copy_the_layers_stay_plain_and_say_so(monkeypa
     monkeypatch.setattr(linear, "available_memory", lambda: 60_000)
     use_row_invariant_linear(roomy)
     assert roomy.packs
+
+
+def test_the_compiled_rounds_op_is_the_layers_product_and_follows_a_changed_weight():
+    """`row_linear` (the op a compiled round's float32 products call on a CPU): the layer's own
+    bits for 1-8 rows, each row the same bits among any others, and a weight written in place or
+    a new weight is packed again (not the stale copy's numbers)."""
+    from positronic.models.linear import row_linear
+
+    torch.manual_seed(9)
+    layer = nn.Linear(64, 96)
+    use_row_invariant_linear(layer)
+    x = torch.randn(8, 1, 64)
+    with torch.no_grad():
+        for rows in range(1, 9):
+            got = row_linear(x[:rows], layer.weight, layer.bias)
+            assert torch.equal(got, layer(x[:rows])) and torch.equal(got, row_linear(x, layer.weight, layer.bias)[:rows])
+        layer.weight.mul_(-2)
+        torch.testing.assert_close(row_linear(x, layer.weight, None), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        other = torch.randn(96, 64)
+        torch.testing.assert_close(row_linear(x, other, None), F.linear(x, other), rtol=1e-5, atol=1e-5)
