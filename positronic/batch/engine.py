@@ -426,7 +426,8 @@ class Engine:
         Brain does; if they stay so, NonFiniteLogits. Slots in `skip` draw nothing (their
         token is given; their entry is 0)."""
         state = self.state
-        bad = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()  # NaN, inf or nothing finite
+        finite = torch.isfinite(logits.amax(dim=-1))  # a row of NaN, inf or nothing finite is not
+        bad = [] if bool(finite.all()) else (~finite).nonzero().flatten().tolist()  # one wait when all are
         if bad:
             state.rebuild(bad)
             logits = state.next_logits[: len(self.sequences)]
@@ -439,7 +440,7 @@ class Engine:
             index = torch.tensor(slots, device=logits.device)
             recent = _recent(state, index, window, lanes)
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
-            for slot, token in zip(slots, greedy_many(logits[index], recent, penalties)):
+            for slot, token in zip(slots, greedy_many(logits[index], recent, penalties, finite=not bad)):
                 tokens[slot] = token
         # (penalty window, lanes) -> slots: the common samplers at once (steps.sample_many)
         drawn: dict[tuple[int, bool], list[int]] = {}

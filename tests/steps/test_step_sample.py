@@ -338,7 +338,7 @@ def test_greedy_many_picks_each_rows_sample_to_the_bit():
     penalties = [1.1, 1.0, 1.3, 1.1, 2.0, 1.3]
     want = [sample(logits[s], temperature=0, repetition_penalty=penalties[s],
                    recent_ids=sorted(set(recent[s].tolist()))).token_id for s in range(6)]
-    assert greedy_many(logits, recent, penalties) == want
+    assert greedy_many(logits, recent, penalties) == want == greedy_many(logits, recent, penalties, finite=True)
     assert torch.equal(logits, before)  # the caller's logits are not written
     assert greedy_many(logits, recent, [1.0] * 6) == logits.argmax(dim=-1).tolist()
     assert want != logits.argmax(dim=-1).tolist()  # the penalties changed some pick
