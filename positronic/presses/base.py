@@ -149,6 +149,10 @@ class Press:
     # per-sequence tensors the state keeps in its slot: name -> (shape, dtype, fill); in `plan`'s
     # state by name, the next values in `Plan.next` (replaced) or `Plan.writes` (written in place)
     slot_state: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = {}
+    # a round below the budget is plain (the engine's `_plain_round`): `plan` there deletes nothing,
+    # brings nothing back, stops nothing and keeps no per-sequence state, so its next row state is
+    # `score`'s and the round needs neither a selection nor a compaction. False: every round plans
+    plain_rounds: ClassVar[bool] = False
 
     def __init__(self, settings: Settings | Mapping | Any):
         self.settings = self.Settings.of(settings)

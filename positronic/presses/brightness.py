@@ -63,6 +63,7 @@ class BrightnessPress(Press):
     values it selects by are the float64 update, as today's list of floats."""
 
     name = "brightness"
+    plain_rounds = True
     Settings = BrightnessSettings
 
     def __init__(self, settings):

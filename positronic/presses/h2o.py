@@ -13,6 +13,7 @@ class H2OPress(Press):
     """State "accumulated" [S, N] float64: the sum of every share a row received, new rows 0."""
 
     name = "h2o"
+    plain_rounds = True
     row_state = {"accumulated": (torch.float64, 0.0)}
 
     def score(self, rows, state, clock):

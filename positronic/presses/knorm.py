@@ -32,6 +32,7 @@ class KeyNormPress(Press):
     """State "norm" [S, N] float64: each row's mean key norm (NaN until read)."""
 
     name = "knorm"
+    plain_rounds = True
     Settings = KeyNormSettings
     row_state = {"norm": (torch.float64, float("nan"))}
     reads_keys = True

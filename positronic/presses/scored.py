@@ -13,6 +13,7 @@ class ScoredPress(Press):
     """State "last" [S, N] float64: the round (clock + 1) a row was last accessed, new rows -1."""
 
     name = "scored"
+    plain_rounds = True
     row_state = {"last": (torch.float64, -1.0)}
 
     def score(self, rows, state, clock):

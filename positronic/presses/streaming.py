@@ -13,6 +13,7 @@ class StreamingPress(Press):
     """A row's value is its RoPE position: the oldest go first."""
 
     name = "streaming"
+    plain_rounds = True
 
     def score(self, rows, state, clock):
         return rows.positions.to(torch.float64), {}

@@ -79,6 +79,8 @@ class RoundReport:
     failed: list[int] = field(default_factory=list)
     error: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    tokens: list[int] | None = None  # a plain round's tokens (`SlotState.advance`)
+    deleted: torch.Tensor | None = None  # a plain round's deleted rows: none, [active, lanes, capacity]
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,18 @@ class Inserts:
     keys: torch.Tensor  # [active, J, layers, kv_heads, head_dim]
     values: torch.Tensor
     row_state: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [active, lanes, J] (or [active, J])
+
+
+@dataclass
+class Known:
+    """What the host knows of the active sequences without reading the device: each one's live
+    rows, the position its next token takes (one past its newest row's) and whether every
+    sequence's next logits are finite. A plain round (`SlotState.advance`) needs all three
+    before it starts, and keeps them (+1, +1, its own logits' check) without a wait."""
+
+    lengths: list[int]
+    reach: list[int]
+    finite: bool
 
 
 class SlotState:
@@ -145,6 +159,8 @@ class SlotState:
         self._starts: list[float] = []  # the brightness a sequence's new ledger entries start at
         self.rebuilds = 0
         self.forward_seconds = 0.0  # the last round's model forward (its shares included)
+        self._known: Known | None = None  # `known()`: None until read again after a change
+        self._no_deletes = torch.zeros(slots, lanes, capacity, dtype=torch.bool, device=device)  # a plain round's
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -163,6 +179,18 @@ class SlotState:
     def tick(self, slot: int) -> int:
         """Rounds sequence `slot` has made (its ledger's tick), counted from its join's `tick`."""
         return self._ticks[slot]
+
+    def known(self) -> Known:
+        """The active sequences' lengths, next positions and logits' finiteness on the host:
+        kept by plain rounds, read from the device in one copy after anything else changed them."""
+        if self._known is None:
+            active = self.active
+            live = torch.arange(self.capacity, device=self.length.device) < self.length[:active, None]
+            reach = torch.where(live[:, None], self.positions[:active], -1).amax(dim=(1, 2)) + 1
+            finite = torch.isfinite(self.next_logits[:active].amax(dim=-1))
+            values = torch.cat([self.length[:active], reach, finite.long()]).tolist()
+            self._known = Known(values[:active], values[active:2 * active], all(values[2 * active:]))
+        return self._known
 
     def rows(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of sequence `slot`'s live K/V: keys, values `[layers, kv_heads, rows, head_dim]`."""
@@ -224,6 +252,7 @@ class SlotState:
             if values.dim() != len(shape) or any(a > b for a, b in zip(values.shape, shape)):
                 raise ValueError(f"per-sequence state {name!r} is {tuple(shape)} a sequence, got {tuple(values.shape)}")
         slot = self.active
+        self._known = None
         saved = manager.tensors()
         self.kv.write(slot, saved["keys"], saved["values"])
         self.length[slot] = rows
@@ -248,6 +277,7 @@ class SlotState:
     def leave(self, slot: int) -> Mirror:
         """Sequence `slot` leaves; the last active sequence moves into its slot. Returns its mirror."""
         self.fold()  # the journal's rounds name sequences by slot: taken before a slot changes hands
+        self._known = None
         last = self.active - 1
         mirror = self._mirrors[slot]
         if slot != last:
@@ -400,6 +430,7 @@ class SlotState:
                              f"[{active}, {self.lanes}, {self.capacity}] and {active} tokens, got "
                              f"{tuple(deleted.shape)} and {len(tokens)}")
         clock = time.perf_counter()
+        self._known = None
         live = (torch.arange(self.capacity, device=device) < self.length[:active, None])[:, None]  # [active, 1, capacity]
         deleted = deleted & live
         kept = live & ~deleted
@@ -440,6 +471,57 @@ class SlotState:
         for slot in range(active):
             self._ticks[slot] += 1
         report.seconds["write"] = time.perf_counter() - now
+        return report
+
+    def advance(self, tokens: torch.Tensor, *, row_state: dict[str, torch.Tensor] | None = None) -> RoundReport:
+        """A plain round: every active sequence adds `tokens[s]` ([active] int64, on the device)
+        and deletes nothing, takes nothing back and stays below the model's position limit (the
+        caller knows it from `known()`). `row_state`: the presses' per-row state after this round's
+        scoring, as `apply` takes it. The same tensors as `apply` with nothing deleted, bit for
+        bit, without its plan, checks and gathers: the new rows go after the live ones, the
+        forward writes their K/V, and `known()` moves on without a read (the tokens and the new
+        logits' finiteness come back in one copy). `RoundReport.tokens` holds the tokens as ints.
+        A failure rebuilds every sequence from its mirror, as `apply`'s does."""
+        active, device, known = self.active, self.positions.device, self.known()
+        if tokens.shape != (active,):
+            raise ValueError(f"a round of {active} sequences takes {active} tokens, got {tuple(tokens.shape)}")
+        if any(reach >= self.lm.max_positions for reach in known.reach):
+            raise ValueError("a plain round cannot pack positions: a sequence is at the model's position limit")
+        if any(length >= self.capacity for length in known.lengths):
+            raise ValueError(f"a plain round adds a row: a sequence holds all {self.capacity} rows of its slot")
+        clock = time.perf_counter()
+        report = RoundReport(seconds={"plan": 0.0})
+        try:
+            at = torch.tensor([known.lengths, known.reach], device=device)  # [2, active]: new rows, positions
+            new_rows, position = at[0], at[1]
+            results = self._run_forward(tokens, new_rows, position)
+            rows = torch.arange(active, device=device)
+            self.positions[rows, :, new_rows] = position[:, None]
+            self.token_ids[rows, :, new_rows] = tokens[:, None]
+            for name, values in (row_state or {}).items():
+                self.row_state[name][:active] = values
+            for name, values in self.row_state.items():
+                if name != "predicted":
+                    values[rows, ..., new_rows] = self.row_fill[name]
+            self.row_state["predicted"][rows, :, new_rows] = results[0].argmax(dim=-1)[:, None]
+            self._take_results(*results)
+            self.length[:active] = new_rows + 1
+            finite = torch.isfinite(results[0].amax(dim=-1))
+            made = torch.cat([tokens, finite.long()]).tolist()  # the round's one wait
+        except BaseException as exc:  # as `apply`: every mirror (with the rounds before) is the truth
+            report.rebuilt, report.failed, report.error = True, list(range(active)), f"{type(exc).__name__}: {exc}"
+            self.rebuild()
+            if not isinstance(exc, Exception):
+                raise
+            return report
+        report.tokens, report.deleted = made[:active], self._no_deletes[:active]
+        self._journal.append((report.deleted, report.tokens, ["generated"] * active, None))
+        for slot in range(active):
+            self._ticks[slot] += 1
+            known.lengths[slot] += 1
+            known.reach[slot] += 1
+        known.finite = all(made[active:])
+        report.seconds["write"] = time.perf_counter() - clock
         return report
 
     def bounds(self, slot: int) -> Bounds:
@@ -586,19 +668,28 @@ class SlotState:
             values = values.gather(1, order[:, 0]) if values.dim() == 2 else values.gather(2, order)
             values[rows, ..., new_rows] = torch.tensor(self.row_fill[name], dtype=values.dtype, device=device)
             states[name] = values
+        results = self._run_forward(token_ids[rows, 0, new_rows], new_rows, position)
+        states["predicted"][rows, :, new_rows] = results[0].argmax(dim=-1)[:, None]
+        self._take_results(*results)
+        self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
+        for name, values in states.items():
+            self.row_state[name][:active] = values
+
+    def _run_forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """`_forward`, timed (`forward_seconds`)."""
         clock = time.perf_counter()
-        logits, per_head, lane_shares, lane_peaks, queries, norms = self._forward(token_ids[rows, 0, new_rows],
-                                                                                  new_rows, position)
+        results = self._forward(tokens, rows, positions)
         self.forward_seconds = time.perf_counter() - clock
-        states["predicted"][rows, :, new_rows] = logits.argmax(dim=-1)[:, None]
+        return results
+
+    def _take_results(self, logits, per_head, lane_shares, lane_peaks, queries, norms) -> None:
+        """What a round's forward left for the next round: its logits and shares (`_forward`'s)."""
+        active = self.active
         self.next_logits[:active], self.lane_shares[:active] = logits, lane_shares
         self.attention[:active], self.shares[:active] = per_head, per_head.mean(dim=(1, 2))
         self.lane_peaks[:active] = lane_peaks
         if queries is not None:
             self.queries[:active], self.log_norms[:active] = queries, norms
-        self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
-        for name, values in states.items():
-            self.row_state[name][:active] = values
 
     def _fold(self, slot: int) -> Mirror:
         """Sequence `slot`'s mirror with every round since it was last read: each round's
@@ -709,6 +800,7 @@ class SlotState:
     def rebuild(self, slots=None) -> None:
         """Recompute sequences' rows from their mirrors (default: every active one), which first
         take every round that went through."""
+        self._known = None
         for slot in range(self.active) if slots is None else slots:
             mirror = self._fold(slot)
             manager = StateManager.from_mirror(self.lm, mirror, capacity=self.capacity,

@@ -203,18 +203,27 @@ def test_policy_none_with_stop_makes_its_last_token_and_leaves(tiny):
     assert rounds == 9 and len(engine.finished["s"]) == 40  # 31 rows, 9 tokens: the cache exactly full
 
 
-def test_logits_that_are_not_finite_rebuild_that_sequence_and_it_goes_on(tiny):
-    """A garbage row (NaN logits) is rebuilt from the mirror before it samples, as a Brain does:
-    the sequence makes the tokens of an undisturbed run."""
+@pytest.mark.parametrize("plain", [True, False])
+def test_logits_that_are_not_finite_rebuild_that_sequence_and_it_goes_on(tiny, plain):
+    """A forward that leaves a garbage row (NaN logits) has that sequence rebuilt from the mirror
+    before it samples, as a Brain does: it makes the tokens of an undisturbed run. Plain rounds
+    check the logits their forward made in the round's one wait; full rounds before sampling."""
     config = config_for("h2o")
     want = alone(tiny, "h2o", 5, 12)
     engine = Engine(tiny, slots=1, capacity=64)
+    engine.plain = plain
     engine.join("x", Brain.start(tiny, prompt(tiny, 5, 50 + 5 % 17), config))
-    made = [engine.step()["x"] for _ in range(6)]
-    engine.state.next_logits[0, 7] = float("nan")
-    made += [engine.step()["x"] for _ in range(6)]
+    made = [engine.step()["x"] for _ in range(5)]
+
+    def garbage(module, args, logits):  # the sixth round's forward: one NaN among the logits
+        handle.remove()
+        logits = logits.clone()
+        logits[0, -1, 7] = float("nan")
+        return logits
+    handle = tiny.model.lm_head.register_forward_hook(garbage)
+    made += [engine.step()["x"] for _ in range(7)]
     assert engine.state.rebuilds == 1
-    assert made[:6] == want[:6] and made[6] == want[6]
+    assert made[:7] == want[:7]
 
 
 def in_and_out(engine: Engine, brain: Brain, filler) -> list[int]:
@@ -356,3 +365,83 @@ def test_a_round_of_many_sequences_dispatches_no_more_torch_ops_than_a_round_of_
     # twice the sequences (the same edits and more): a loop of even one op a sequence would show
     twice = max(ops_a_round(offsets + [offset + 2 for offset in offsets]))
     assert twice <= together + draw * len(offsets) + 8, (twice, together)
+
+
+PLAIN = ["streaming", "h2o", "scored", "brightness", "knorm"]  # the presses whose rounds below the budget are plain
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bit patterns (a float's as an int of its width), so NaN equals NaN."""
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def test_plain_rounds_are_the_full_rounds_bit_for_bit(tiny):
+    """A round in which no press deletes (below every budget) skips the selection and the
+    compaction (`Engine._plain_round`): two engines, one taking plain rounds and one planning
+    every round, hold the same tokens, the same tensors to the bit and the same mirrors, round
+    after round, with sequences of every plain press crossing their budgets, joining and leaving."""
+    engines = [Engine(tiny, slots=5, capacity=64) for _ in range(2)]
+    engines[1].plain = False
+    rng = random.Random(5)
+    added = 0
+
+    def join(key, policy):
+        config = config_for(policy, budget=rng.choice([40, 48, 64]), repetition_penalty=rng.choice([1.0, 1.3]))
+        for engine in engines:
+            engine.join(key, Brain.start(tiny, prompt(tiny, key % 40, 20 + key % 9), config))
+
+    for key, policy in enumerate(PLAIN):
+        join(key, policy)
+    added = len(PLAIN)
+    for round_ in range(70):
+        if round_ in (20, 45):  # one leaves, another joins: slots change hands between plain rounds
+            leaving = rng.choice(engines[0].keys())
+            mirrors = [engine.leave(leaving) for engine in engines]
+            assert mirrors[0].live_token_ids() == mirrors[1].live_token_ids()
+            join(added, rng.choice(PLAIN))
+            added += 1
+        made = [engine.step() for engine in engines]
+        assert made[0] == made[1], round_
+        a, b = engines[0].state, engines[1].state
+        active = a.active
+        for name in ("length", "positions", "token_ids", "next_logits", "shares", "attention", "lane_shares"):
+            assert torch.equal(getattr(a, name)[:active], getattr(b, name)[:active]), (round_, name)
+        for name in a.row_state:  # bit patterns: knorm's rows not yet read are NaN in both
+            assert torch.equal(bits(a.row_state[name][:active]), bits(b.row_state[name][:active])), (round_, name)
+        assert engines[0].lengths == engines[1].lengths
+    assert 0 < engines[0].plain_made < engines[0].rounds and engines[1].plain_made == 0
+    for slot in range(engines[0].state.active):
+        mirrors = [engine.state.mirror(slot) for engine in engines]
+        assert mirrors[0].live_token_ids() == mirrors[1].live_token_ids()
+        assert mirrors[0].positions() == mirrors[1].positions()
+        assert [(e.state, e.token_id, e.position) for e in mirrors[0].ledger.entries] == \
+            [(e.state, e.token_id, e.position) for e in mirrors[1].ledger.entries]
+        mirrors[0].check(tiny.max_positions)
+
+
+def test_a_plain_round_dispatches_a_fraction_of_a_full_rounds_operations(tiny):
+    """What a plain round is for (each operation a kernel launch on a GPU): below the budget a
+    round of brightness dispatches well under half the operations outside the forward of the
+    round that plans, selects and compacts."""
+    def ops_a_round(plain: bool) -> int:
+        engine = Engine(tiny, slots=2, capacity=64)
+        engine.plain = plain
+        engine.join("a", Brain.start(tiny, prompt(tiny, 0, 20), config_for("brightness")))
+        engine.step()
+        forward, inside = engine.state._forward, []
+
+        def counted(*args):
+            with TorchOps() as ops:
+                result = forward(*args)
+            inside.append(ops.count)
+            return result
+        engine.state._forward = counted
+        with TorchOps() as ops:
+            engine.step()
+        assert engine.plain_made == (2 if plain else 0) and len(inside) == 1
+        return ops.count - inside[0]
+
+    full, plain = ops_a_round(False), ops_a_round(True)
+    assert plain < 0.5 * full, (plain, full)

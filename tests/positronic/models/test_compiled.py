@@ -134,17 +134,18 @@ def test_smartkv_with_recall_compiled_makes_its_alone_tokens_and_eagers_numbers(
 
 
 def test_a_failed_round_is_rebuilt_and_the_rounds_after_it_stay_compiled(tiny):
-    """Logits that are not finite rebuild the sequence from its mirror (a fresh prefill of its
-    live rows, whose K/V are not the ones the rounds wrote: the tokens after it are the eager
-    engine's after the same rebuild, not an undisturbed run's), and a round under an op counter
-    runs the same function eagerly. Neither makes a graph again or stops the compiled rounds."""
+    """A cache row gone bad (NaN keys) makes the next forward's logits not finite, which
+    rebuilds the sequence from its mirror (a fresh prefill of its live rows, whose K/V are not
+    the ones the rounds wrote: the tokens after it are the eager engine's after the same
+    rebuild, not an undisturbed run's), and a round under an op counter runs the same function
+    eagerly. Neither makes a graph again or stops the compiled rounds."""
     config, made = config_for("h2o"), []
     for compiled in (False, True):
         engine = Engine(tiny, slots=2, capacity=64, compiled=compiled)
         engine.join("x", Brain.start(tiny, prompt(tiny, 5, 50), config))
         tokens = [engine.step()["x"] for _ in range(4)]
         graphs = engine.state.compiled.compiles if compiled else 0
-        engine.state.next_logits[0, 7] = float("nan")
+        engine.state.kv.keys[:, 0, :, 3] = float("nan")
         tokens += [engine.step()["x"] for _ in range(3)]
         with TorchOps() as ops:
             tokens.append(engine.step()["x"])
