@@ -117,7 +117,7 @@ class Batch:
         made = 0
         for name, brain in self._brains.items():
             if name not in self._seated and (engine := self.seats.engine_for(brain)) is not None and not len(engine):
-                made += engine.warm()
+                made += engine.warm(brain.config)
         return made
 
     def _sit(self) -> None:

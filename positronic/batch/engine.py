@@ -44,6 +44,7 @@ from positronic.steps.sample import GREEDY_BELOW, greedy_many, greedy_tensor, sa
 from ..policies.scorers import Keyed
 from ..policies.pressed import PressPolicy
 from ..presses import PRESSES, Rows, make_press
+from .plain import PRELUDES, recent_ids
 from ..state.manager import default_capacity
 from ..state.readonly import MirrorView
 from ..state.slots import Inserts, SlotState
@@ -166,12 +167,27 @@ class Engine:
     def keys(self) -> list[Hashable]:
         return [sequence.key for sequence in self.sequences]
 
-    def warm(self) -> int:
+    def warm(self, config=None) -> int:
         """A compiled engine with no sequence yet: make every bucket's graph now, rather than at
-        the first round of each size (a server before it serves). Returns the graphs made."""
+        the first round of each size (a server before it serves), and with `config` (the settings
+        of the sequences to come) the plain rounds' preludes for its press and penalty too.
+        Returns the graphs made."""
         if len(self):
             raise ValueError(f"an engine is warmed before sequences join; {len(self)} have")
-        return self.state.warm()
+        made = self.state.warm()
+        if config is None or self.state.compiled is None or not _greedy(config) or config.policy not in PRESSES:
+            return made
+        press = press_for(config)
+        if not (press.plain_rounds and PRELUDES.fits(press)):
+            return made
+        state, before = self.state, PRELUDES.compiles
+        for name, (dtype, fill) in press.row_state.items():  # as a joining sequence declares them
+            state.declare(f"{press.name}.{name}", dtype, fill)
+        state.declare("pinned", torch.bool, False)
+        with torch.no_grad():  # as `step` runs them (dynamo guards the grad mode)
+            for bucket in state.compiled.sizes:  # reads the empty slots' zeros, writes nothing
+                self._run_prelude(press, config.penalty_window, config.repetition_penalty, [0] * bucket)
+        return made + PRELUDES.compiles - before
 
     def refusal(self, brain, *, returning: bool = False) -> str | None:
         """Why `brain` cannot join this engine (its settings or state, `unsupported`; the
@@ -378,19 +394,11 @@ class Engine:
         next row state stay on the device and go to `SlotState.advance` with no selection, no
         compaction and one wait (the tokens coming back). The same tokens, tensors and mirrors as
         the full round (tested), in a few dozen operations instead of ~190."""
-        state, active = self.state, len(self.sequences)
-        device = state.length.device
-        tokens = self._greedy(state.next_logits[:active])
+        state = self.state
+        fast = self._prelude() if state.compiled is not None else None  # one graph for tokens and scores
+        tokens = fast[0] if fast is not None else self._greedy(state.next_logits[: len(self.sequences)])
         self.seconds = {"sample": (now := time.perf_counter()) - clock}
-        row_state = {}
-        for press, members in self._groups():
-            index = torch.tensor(members, device=device)
-            names = {name: f"{press.name}.{name}" for name in press.row_state}
-            inputs = {name: state.row_state[full][index] for name, full in names.items()}
-            clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
-            _, scored = press.score(self._rows(press, index), inputs, clocks)
-            for name, full in names.items():
-                self._merge(row_state, full, scored[name], index, members == list(range(active)))
+        row_state = fast[1] if fast is not None else self._scores()
         planned = time.perf_counter()
         self.seconds["policy"] = planned - now
         report = state.advance(tokens, row_state=row_state)
@@ -399,6 +407,41 @@ class Engine:
         self.plain_made += 1
         self._begin_records(report.deleted)
         return self._made(report, report.tokens, {}, {})
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        """A plain round's next per-row state by the state's names: each kind of press scores
+        its sequences (`Press.score`), as its plan would."""
+        state, active, row_state = self.state, len(self.sequences), {}
+        for press, members in self._groups():
+            index = torch.tensor(members, device=state.length.device)
+            names = {name: f"{press.name}.{name}" for name in press.row_state}
+            inputs = {name: state.row_state[full][index] for name, full in names.items()}
+            clocks = torch.tensor([self.sequences[m].clock for m in members], device=state.length.device)
+            _, scored = press.score(self._rows(press, index), inputs, clocks)
+            for name, full in names.items():
+                self._merge(row_state, full, scored[name], index, members == list(range(active)))
+        return row_state
+
+    def _prelude(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """A compiled engine's plain round with one kind of press, penalty window and penalty
+        (batch/plain.py): the tokens [active] and the press's next row state by the state's
+        names, from one compiled function over the round's bucket; None where they differ."""
+        first, state, active = self.sequences[0], self.state, len(self.sequences)
+        press, window, penalty = first.press, first.config.penalty_window, first.config.repetition_penalty
+        if not PRELUDES.fits(press) or any((s.press.group, s.config.penalty_window, s.config.repetition_penalty)
+                                           != (press.group, window, penalty) for s in self.sequences):
+            return None
+        clocks = [s.clock for s in self.sequences] + [0] * (state.compiled.bucket(active) - active)
+        tokens, scored = self._run_prelude(press, window, penalty, clocks)
+        return tokens[:active], {f"{press.name}.{name}": values[:active] for name, values in scored.items()}
+
+    def _run_prelude(self, press, window: int, penalty: float, clocks: list[int]):
+        """The compiled prelude over the first len(`clocks`) slots (a bucket), `clocks` their rounds scored."""
+        state, at = self.state, slice(0, len(clocks))
+        return PRELUDES(press, window, penalty, state.next_logits[at], state.length[at], state.positions[at, 0],
+                        state.token_ids[at, 0], state.shares[at], state.row_state["pinned"][at],
+                        {name: state.row_state[f"{press.name}.{name}"][at] for name in press.row_state},
+                        torch.tensor(clocks, device=state.length.device))
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """[active] int64 on the device: every sequence's greedy token (all greedy, logits known
@@ -587,8 +630,7 @@ def _recent(state: SlotState, index: torch.Tensor, window: int, lanes: bool) -> 
     if lanes:
         recent, newest = union_recent(state, index, window)
         return torch.where(newest, recent, recent[:, :1])
-    rows = state.length[index, None] - window + torch.arange(window, device=index.device)
-    return state.token_ids[index, 0].gather(1, rows.clamp(min=0))
+    return recent_ids(state.token_ids[index, 0], state.length[index], window)
 
 
 def _batched_draw(config) -> bool:

@@ -148,11 +148,7 @@ class CompiledRound:
         # frame it gave up on stays given up: such a round runs the same function eagerly
         eager = torch._C._len_torch_dispatch_stack() or self.graph.broken is not None
         run = self.graph.eager if eager else self.graph.run
-        # dynamo's settings are per thread (torch 2.13: per context, so per greenlet too): checked
-        # in the caller's every time (2 µs; a `config.patch` around the call cost 17)
-        config = torch._dynamo.config
-        if config.recompile_limit < RECOMPILE_LIMIT or config.accumulated_recompile_limit < RECOMPILE_LIMIT:
-            config.recompile_limit = config.accumulated_recompile_limit = RECOMPILE_LIMIT
+        lift_limits()
         try:
             # freezing: set where dynamo hands the graph over (given to compile_fx as a patch it
             # was not applied: the products' bits then moved with the bucket; tested)
@@ -166,6 +162,15 @@ class CompiledRound:
                 log.warning("the compiled round failed (%s); rounds run eagerly from now on", self.graph.broken)
             raise
         return logits[:active], shares[:active], queries[:active], norms[:active]
+
+
+def lift_limits() -> None:
+    """Dynamo's limit of graphs a function to `RECOMPILE_LIMIT`. Its settings are per thread
+    (torch 2.13: per context, so per greenlet too): checked in the caller's every time (2 µs; a
+    `config.patch` around the call cost 17)."""
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_LIMIT or config.accumulated_recompile_limit < RECOMPILE_LIMIT:
+        config.recompile_limit = config.accumulated_recompile_limit = RECOMPILE_LIMIT
 
 
 def inductor_settings(dtype: torch.dtype, device: str) -> dict:

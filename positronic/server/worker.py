@@ -90,7 +90,7 @@ class ModelWorker:
         engine = self.engine_for(brain)
         # with the forwards' torch threads, as the rounds run: a graph is compiled for a thread
         # count (dynamo guards it), and one made with the jobs' one thread would be made again
-        return 0 if engine is None else self.meeting.call(engine.warm)
+        return 0 if engine is None else self.meeting.call(engine.warm, brain.config)
 
     @property
     def engine_rounds(self) -> int:

@@ -127,6 +127,9 @@ class SlotState:
         # the round's forward as one compiled graph, or None: eager (`_forward`)
         self.compiled = CompiledRound(lm, self.kv.keys, self.kv.values, self.attention_layers) if compiled else None
         device = lm.device
+        # the per-slot tensors have the buffers' slots too: a compiled round's work before its
+        # forward reads the first `bucket` of them (batch/plain.py), the padding ones unused
+        slots = self.kv.slots
         self.length = torch.zeros(slots, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, lanes, capacity, dtype=torch.long, device=device)
         self.token_ids = torch.zeros(slots, lanes, capacity, dtype=torch.long, device=device)
