@@ -33,6 +33,7 @@ made after joining, refreshes. Input (typed turns, forced tokens) is given to a 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, fields
 from typing import Hashable
@@ -44,6 +45,7 @@ from positronic.steps.sample import GREEDY_BELOW, greedy_many, greedy_tensor, sa
 from ..policies.scorers import Keyed
 from ..policies.pressed import PressPolicy
 from ..presses import PRESSES, Rows, make_press
+from . import plain
 from .plain import PRELUDES, recent_ids
 from ..state.manager import default_capacity
 from ..state.readonly import MirrorView
@@ -127,11 +129,11 @@ def unsupported(brain) -> str | None:
     config = brain.config
     if config.policy not in PRESSES:
         return f"policy {config.policy!r} has no press yet; Core v4 runs {', '.join(PRESSES)}"
-    for name, plain in UNSUPPORTED:
+    for name, usual in UNSUPPORTED:
         if name == "recall" and config.policy == "smartkv":
             continue  # the smartkv press runs recall (presses/recall.py)
-        if getattr(config, name) != plain:
-            return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {plain!r})"
+        if getattr(config, name) != usual:
+            return f"{name}={getattr(config, name)!r} does not run on Core v4 yet (only {usual!r})"
     if brain.state.per_layer and (getattr(brain.policy, "pinned_out", None)
                                   or any(brain.state.mirror.ledger[i].pinned for i in brain.state.mirror.live.ledger_ids)):
         return "smartkv with pinned rows does not run on Core v4 yet"
@@ -178,7 +180,7 @@ class Engine:
         if config is None or self.state.compiled is None or not _greedy(config) or config.policy not in PRESSES:
             return made
         press = press_for(config)
-        if not (press.plain_rounds and PRELUDES.fits(press)):
+        if not (press.plain_rounds and plain.fits(press)):
             return made
         state, before = self.state, PRELUDES.compiles
         for name, (dtype, fill) in press.row_state.items():  # as a joining sequence declares them
@@ -424,21 +426,23 @@ class Engine:
 
     def _prelude(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """A compiled engine's plain round with one kind of press, penalty window and penalty
-        (batch/plain.py): the tokens [active] and the press's next row state by the state's
-        names, from one compiled function over the round's bucket; None where they differ."""
+        (batch/plain.py): the tokens and the press's next row state by the state's names, for
+        the round's whole bucket (`SlotState.advance` takes them so), from one compiled function;
+        None where they differ."""
         first, state, active = self.sequences[0], self.state, len(self.sequences)
         press, window, penalty = first.press, first.config.penalty_window, first.config.repetition_penalty
-        if not PRELUDES.fits(press) or any((s.press.group, s.config.penalty_window, s.config.repetition_penalty)
+        if not plain.fits(press) or any((s.press.group, s.config.penalty_window, s.config.repetition_penalty)
                                            != (press.group, window, penalty) for s in self.sequences):
             return None
         clocks = [s.clock for s in self.sequences] + [0] * (state.compiled.bucket(active) - active)
         tokens, scored = self._run_prelude(press, window, penalty, clocks)
-        return tokens[:active], {f"{press.name}.{name}": values[:active] for name, values in scored.items()}
+        return tokens, {f"{press.name}.{name}": values for name, values in scored.items()}  # the whole bucket's
 
     def _run_prelude(self, press, window: int, penalty: float, clocks: list[int]):
         """The compiled prelude over the first len(`clocks`) slots (a bucket), `clocks` their rounds scored."""
         state, at = self.state, slice(0, len(clocks))
-        return PRELUDES(press, window, penalty, state.next_logits[at], state.length[at], state.positions[at, 0],
+        return PRELUDES((press.group, window, penalty), functools.partial(plain.prelude, press, window, penalty),
+                        state.next_logits[at], state.length[at], state.positions[at, 0],
                         state.token_ids[at, 0], state.shares[at], state.row_state["pinned"][at],
                         {name: state.row_state[f"{press.name}.{name}"][at] for name in press.row_state},
                         torch.tensor(clocks, device=state.length.device))

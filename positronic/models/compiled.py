@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
@@ -104,7 +105,8 @@ def buckets(slots: int) -> list[int]:
 
 class CompiledRound:
     """`round(tokens, rows, positions)` -> the eager round's results (`SlotState._forward`):
-    logits [active, vocab] float32, shares [active, recorded layers, heads, capacity] float32,
+    logits [active, vocab] float32, shares [active, recorded layers, heads, capacity] float32
+    and their mean over layers and heads [active, capacity],
     queries (scaled) [active, layers, heads, head_dim] and log-normalisers [active, layers,
     heads] float32. tokens, rows, positions: [active] int64, slot s's token written into its
     row `rows[s]` at RoPE position `positions[s]` (rows past `rows[s]` hidden).
@@ -155,13 +157,13 @@ class CompiledRound:
             with torch._inductor.config.patch(self.graph.inductor):
                 if self.keys.is_cuda and not eager:  # each round a new step of the captured graphs: the
                     torch.compiler.cudagraph_mark_step_begin()  # last round's outputs were copied out
-                logits, shares, queries, norms = run(tokens, rows, positions, self.keys, self.values)
+                logits, shares, mean, queries, norms = run(tokens, rows, positions, self.keys, self.values)
         except Exception as exc:  # the round fails (and is rebuilt); the rounds after it run eagerly
             if not eager:
                 self.graph.broken = f"{type(exc).__name__}: {exc}"
                 log.warning("the compiled round failed (%s); rounds run eagerly from now on", self.graph.broken)
             raise
-        return logits[:active], shares[:active], queries[:active], norms[:active]
+        return logits[:active], shares[:active], mean[:active], queries[:active], norms[:active]
 
 
 def lift_limits() -> None:
@@ -171,6 +173,47 @@ def lift_limits() -> None:
     config = torch._dynamo.config
     if config.recompile_limit < RECOMPILE_LIMIT or config.accumulated_recompile_limit < RECOMPILE_LIMIT:
         config.recompile_limit = config.accumulated_recompile_limit = RECOMPILE_LIMIT
+
+
+class Functions:
+    """Small functions of tensors around the round (a plain round's prelude and its writes),
+    each compiled once per key and shape with inductor's defaults: a few fused kernels and one
+    Python call instead of dozens of operations (a kernel launch each on a GPU). `compiles`
+    counts the graphs made. Under a dispatch mode (an op counter) they run eagerly, as the
+    round does, and for good once a compile has failed (`broken` says why)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._compiled: dict[Hashable, Callable] = {}
+        self.compiles = 0
+        self.broken: str | None = None
+
+    def __call__(self, key: Hashable, function: Callable, *tensors):
+        """`function(*tensors)`, compiled the first time `key` comes (later calls of the same key
+        run that first function's graph: a key names all that `function` holds)."""
+        if torch._C._len_torch_dispatch_stack() or self.broken is not None:
+            return function(*tensors)
+        run = self._compiled.get(key)
+        if run is None:
+            def run(*tensors, function=function):
+                return function(*tensors)
+            run = self._compiled[key] = torch.compile(run, fullgraph=True, dynamic=False, backend=self._backend)
+        lift_limits()
+        try:
+            return run(*tensors)
+        except Exception as exc:  # a compile that failed ran nothing: this call and the later ones run eagerly
+            self.broken = f"{type(exc).__name__}: {exc}"
+            log.warning("compiling %s failed (%s); it runs eagerly from now on", self.what, self.broken)
+            return function(*tensors)
+
+    def _backend(self, graph, inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        clock = time.perf_counter()
+        compiled = compile_fx(graph, inputs)
+        log.info("compiled %s in %.1f s", self.what, time.perf_counter() - clock)
+        return compiled
 
 
 def inductor_settings(dtype: torch.dtype, device: str) -> dict:
@@ -267,5 +310,6 @@ class _Graph:
             hidden = residual + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, normed)) * linear(mlp.up_proj, normed))
         hidden = norm(core.norm, hidden)
         logits = linear(model.lm_head, hidden)[:, -1].float()
-        return logits, torch.stack(shares, dim=1), torch.stack(queries, dim=1), torch.stack(norms, dim=1)
+        shares = torch.stack(shares, dim=1)
+        return logits, shares, shares.mean(dim=(1, 2)), torch.stack(queries, dim=1), torch.stack(norms, dim=1)
 

@@ -48,6 +48,7 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ from .actions import ActionError
 from .checks import StateInvariantError
 from .edit import Bounds, Edit
 from .manager import StateManager
+from .plain import SETTLES, settle
 from .readonly import MirrorView
 
 
@@ -477,16 +479,20 @@ class SlotState:
         return report
 
     def advance(self, tokens: torch.Tensor, *, row_state: dict[str, torch.Tensor] | None = None) -> RoundReport:
-        """A plain round: every active sequence adds `tokens[s]` ([active] int64, on the device)
-        and deletes nothing, takes nothing back and stays below the model's position limit (the
-        caller knows it from `known()`). `row_state`: the presses' per-row state after this round's
-        scoring, as `apply` takes it. The same tensors as `apply` with nothing deleted, bit for
-        bit, without its plan, checks and gathers: the new rows go after the live ones, the
-        forward writes their K/V, and `known()` moves on without a read (the tokens and the new
-        logits' finiteness come back in one copy). `RoundReport.tokens` holds the tokens as ints.
-        A failure rebuilds every sequence from its mirror, as `apply`'s does."""
+        """A plain round: every active sequence adds `tokens[s]` (int64, on the device) and deletes
+        nothing, takes nothing back and stays below the model's position limit (the caller knows
+        it from `known()`). `row_state`: the presses' per-row state after this round's scoring, as
+        `apply` takes it. The same tensors as `apply` with nothing deleted, bit for bit, without
+        its plan, checks and gathers: the forward writes the new rows' K/V after the live ones,
+        `settle` (state/plain.py) the rest, and `known()` moves on without a read (the tokens and
+        the new logits' finiteness come back in one copy). In a compiled state `tokens` and the
+        row state may cover the round's whole bucket (`compiled.bucket(active)` slots, the
+        padding ones' values unused), and the forward and the writes are a compiled call each.
+        `RoundReport.tokens` holds the tokens as ints. A failure rebuilds every sequence from its
+        mirror, as `apply`'s does."""
         active, device, known = self.active, self.positions.device, self.known()
-        if tokens.shape != (active,):
+        size = active if self.compiled is None else self.compiled.bucket(active)
+        if tokens.dim() != 1 or len(tokens) not in (active, size):
             raise ValueError(f"a round of {active} sequences takes {active} tokens, got {tuple(tokens.shape)}")
         if any(reach >= self.lm.max_positions for reach in known.reach):
             raise ValueError("a plain round cannot pack positions: a sequence is at the model's position limit")
@@ -495,22 +501,23 @@ class SlotState:
         clock = time.perf_counter()
         report = RoundReport(seconds={"plan": 0.0})
         try:
-            at = torch.tensor([known.lengths, known.reach], device=device)  # [2, active]: new rows, positions
+            pad = [0] * (size - active)  # padding slots: token 0 (or the prelude's), row 0, position 0
+            at = torch.tensor([known.lengths + pad, known.reach + pad], device=device)  # [2, size]: new rows, positions
             new_rows, position = at[0], at[1]
+            if len(tokens) < size:
+                tokens = torch.cat([tokens, tokens.new_zeros(size - len(tokens))])
+            scored = {name: values if len(values) == size else torch.cat([values, self.row_state[name][active:size]])
+                      for name, values in (row_state or {}).items()}
             results = self._run_forward(tokens, new_rows, position)
-            rows = torch.arange(active, device=device)
-            self.positions[rows, :, new_rows] = position[:, None]
-            self.token_ids[rows, :, new_rows] = tokens[:, None]
-            for name, values in (row_state or {}).items():
-                self.row_state[name][:active] = values
-            for name, values in self.row_state.items():
-                if name != "predicted":
-                    values[rows, ..., new_rows] = self.row_fill[name]
-            self.row_state["predicted"][rows, :, new_rows] = results[0].argmax(dim=-1)[:, None]
-            self._take_results(*results)
-            self.length[:active] = new_rows + 1
-            finite = torch.isfinite(results[0].amax(dim=-1))
-            made = torch.cat([tokens, finite.long()]).tolist()  # the round's one wait
+            fills = tuple((name, self.row_fill[name]) for name in self.row_state if name != "predicted")
+            buffers = dict(length=self.length, positions=self.positions, token_ids=self.token_ids,
+                           next_logits=self.next_logits, attention=self.attention, shares=self.shares,
+                           lane_shares=self.lane_shares, lane_peaks=self.lane_peaks, queries=self.queries,
+                           log_norms=self.log_norms)
+            arguments = (tokens, new_rows, position, results, buffers, self.row_state, scored)
+            finite = settle(fills, *arguments) if self.compiled is None else \
+                SETTLES(fills, functools.partial(settle, fills), *arguments)
+            made = torch.cat([tokens[:active], finite[:active].long()]).tolist()  # the round's one wait
         except BaseException as exc:  # as `apply`: every mirror (with the rounds before) is the truth
             report.rebuilt, report.failed, report.error = True, list(range(active)), f"{type(exc).__name__}: {exc}"
             self.rebuild()
@@ -685,13 +692,12 @@ class SlotState:
         self.forward_seconds = time.perf_counter() - clock
         return results
 
-    def _take_results(self, logits, per_head, lane_shares, lane_peaks, queries, norms) -> None:
+    def _take_results(self, logits, per_head, mean, lane_shares, lane_peaks, queries, norms) -> None:
         """What a round's forward left for the next round: its logits and shares (`_forward`'s)."""
         active = self.active
-        self.next_logits[:active], self.lane_shares[:active] = logits, lane_shares
-        self.attention[:active], self.shares[:active] = per_head, per_head.mean(dim=(1, 2))
-        self.lane_peaks[:active] = lane_peaks
-        if queries is not None:
+        self.next_logits[:active], self.attention[:active], self.shares[:active] = logits, per_head, mean
+        if lane_shares is not None:
+            self.lane_shares[:active], self.lane_peaks[:active] = lane_shares, lane_peaks
             self.queries[:active], self.log_norms[:active] = queries, norms
 
     def _fold(self, slot: int) -> Mirror:
@@ -753,20 +759,19 @@ class SlotState:
 
     def _forward(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """One decode forward: sequence s's token at `positions[s]` written into its row `rows[s]`.
-        Returns logits [active, vocab], shares [active, recorded layers, heads, capacity], lane shares and lane peaks
-        [active, lanes, capacity] (zeros unless every layer is recorded), all float32, and with
-        every layer recorded the queries (scaled) [active, layers, heads, head_dim] and
-        log-normalisers [active, layers, heads] (else None, None)."""
-        active = self.active
+        Returns logits [S, vocab], shares [S, recorded layers, heads, capacity] and their mean
+        [S, capacity], and with every layer recorded lane shares and lane peaks [S, lanes,
+        capacity], the queries (scaled) [S, layers, heads, head_dim] and log-normalisers [S,
+        layers, heads] (else None for these four), all float32; S = len(tokens)."""
         if self.compiled is not None:
-            logits, per_head, queries, norms = self.compiled(tokens, rows, positions)
+            logits, per_head, mean, queries, norms = self.compiled(tokens, rows, positions)
         else:
             logits, per_head, queries, norms = self._eager(tokens, rows, positions)
-        if not self._every_lane(len(self.attention_layers)):
-            none = torch.zeros((active, self.lanes, self.capacity), device=rows.device)
-            return logits, per_head, none, none, None, None
-        per_lane = per_head.reshape(active, self.lanes, -1, self.capacity)  # a lane's query heads together
-        return logits, per_head, per_lane.mean(dim=2), per_lane.amax(dim=2), queries, norms
+            mean = per_head.mean(dim=(1, 2))
+        if not self._every_lane(len(self.attention_layers)):  # lane shares stay the zeros they are
+            return logits, per_head, mean, None, None, None, None
+        per_lane = per_head.reshape(len(tokens), self.lanes, -1, self.capacity)  # a lane's query heads together
+        return logits, per_head, mean, per_lane.mean(dim=2), per_lane.amax(dim=2), queries, norms
 
     def _eager(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
         """The round's forward through the model's modules (`logits_of`), its attention read by

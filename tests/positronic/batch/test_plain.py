@@ -3,6 +3,7 @@ compiled engine, the full rounds' tokens, with one graph a bucket however sequen
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -43,7 +44,8 @@ def test_the_compiled_prelude_is_the_eager_preludes_bits(tiny, policy, penalty):
                state.shares[at], state.row_state["pinned"][at],
                {name: state.row_state[f"{press.name}.{name}"][at] for name in press.row_state},
                torch.tensor([5, 5, 5, 0]))
-    made = PRELUDES(press, config.penalty_window, penalty, *tensors)
+    made = PRELUDES((press.group, config.penalty_window, penalty),
+                    functools.partial(prelude, press, config.penalty_window, penalty), *tensors)
     want = prelude(press, config.penalty_window, penalty, *tensors)
     assert PRELUDES.broken is None
     assert torch.equal(made[0], want[0])
