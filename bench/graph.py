@@ -42,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.batch import TEXT, brain, brains  # noqa: E402  (bench/batch.py: the same prompts)
 
 from positronic.batch.engine import Engine  # noqa: E402
+from positronic.batch.plain import PRELUDES  # noqa: E402
 from positronic.brain.loop import BrainConfig  # noqa: E402
 from positronic.models import load_model  # noqa: E402
 from positronic.models.compiled import buckets  # noqa: E402
+from positronic.state.plain import SETTLES  # noqa: E402
 
 
 def sync(lm) -> None:
@@ -69,6 +71,7 @@ def hf_ms_per_token(lm, prompt: list[int], ticks: int) -> float:
 def engine_rounds(lm, size: int, config: dict, budget: int, ticks: int, compiled: bool, warm: int = 3):
     """ms a round of `size` sequences (after `warm` rounds), and each sequence's tokens."""
     engine = Engine(lm, slots=size, capacity=budget, compiled=compiled)
+    engine.warm(BrainConfig(**config))  # every bucket's graphs, plain rounds' included: none made in the timed rounds
     for k, started in enumerate(brains(lm, size, config, budget)):
         engine.join(k, started)
     tokens = [[] for _ in range(size)]
@@ -102,7 +105,7 @@ def long_run(lm, config: dict, budget: int, rounds: int, slots: int) -> dict:
     for k, started in enumerate(brains(lm, slots, config, budget)):
         engine.join(k, started)
     engine.step()
-    made, recompiles = engine.state.compiled.compiles, sum(counters["recompiles"].values())
+    made, recompiles = graphs(engine), sum(counters["recompiles"].values())
     sizes = buckets(slots)  # active above the next smaller bucket: the slots' bucket alone
     rng, joined, left, evictions, floor = random.Random(0), slots, 0, 0, (sizes[-2] + 1 if len(sizes) > 1 else 1)
     start = time.perf_counter()
@@ -116,9 +119,14 @@ def long_run(lm, config: dict, budget: int, rounds: int, slots: int) -> dict:
         engine.step()
         evictions += sum(bool(rows) for rows in engine.removed.values())
     return dict(rounds=rounds, slots=slots, seconds=round(time.perf_counter() - start, 1), joins=joined - slots,
-                leaves=left, evicting_sequence_rounds=evictions, recaptures=engine.state.compiled.compiles - made,
-                recompiles=sum(counters["recompiles"].values()) - recompiles,
-                graphs=engine.state.compiled.compiles)
+                leaves=left, evicting_sequence_rounds=evictions, plain_rounds=engine.plain_made,
+                recaptures=graphs(engine) - made, recompiles=sum(counters["recompiles"].values()) - recompiles,
+                graphs=graphs(engine))
+
+
+def graphs(engine: Engine) -> int:
+    """Graphs made so far for the engine's rounds: the forward's, and a plain round's prelude and writes."""
+    return engine.state.compiled.compiles + PRELUDES.compiles + SETTLES.compiles
 
 
 def main(argv=None) -> int:

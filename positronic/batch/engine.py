@@ -176,20 +176,20 @@ class Engine:
         Returns the graphs made."""
         if len(self):
             raise ValueError(f"an engine is warmed before sequences join; {len(self)} have")
-        made = self.state.warm()
-        if config is None or self.state.compiled is None or not _greedy(config) or config.policy not in PRESSES:
-            return made
-        press = press_for(config)
-        if not (press.plain_rounds and plain.fits(press)):
-            return made
+        press = None
+        if config is not None and self.state.compiled is not None and _greedy(config) and config.policy in PRESSES:
+            press = press_for(config)
+        if press is None or not (press.plain_rounds and plain.fits(press)):
+            return self.state.warm()
         state, before = self.state, PRELUDES.compiles
         for name, (dtype, fill) in press.row_state.items():  # as a joining sequence declares them
             state.declare(f"{press.name}.{name}", dtype, fill)
         state.declare("pinned", torch.bool, False)
-        with torch.no_grad():  # as `step` runs them (dynamo guards the grad mode)
-            for bucket in state.compiled.sizes:  # reads the empty slots' zeros, writes nothing
-                self._run_prelude(press, config.penalty_window, config.repetition_penalty, [0] * bucket)
-        return made + PRELUDES.compiles - before
+
+        def scored(bucket: int) -> dict[str, torch.Tensor]:  # the prelude's, from the empty slots' zeros
+            _, values = self._run_prelude(press, config.penalty_window, config.repetition_penalty, [0] * bucket)
+            return {f"{press.name}.{name}": value for name, value in values.items()}
+        return state.warm(scored) + PRELUDES.compiles - before
 
     def refusal(self, brain, *, returning: bool = False) -> str | None:
         """Why `brain` cannot join this engine (its settings or state, `unsupported`; the

@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -508,15 +509,7 @@ class SlotState:
                 tokens = torch.cat([tokens, tokens.new_zeros(size - len(tokens))])
             scored = {name: values if len(values) == size else torch.cat([values, self.row_state[name][active:size]])
                       for name, values in (row_state or {}).items()}
-            results = self._run_forward(tokens, new_rows, position)
-            fills = tuple((name, self.row_fill[name]) for name in self.row_state if name != "predicted")
-            buffers = dict(length=self.length, positions=self.positions, token_ids=self.token_ids,
-                           next_logits=self.next_logits, attention=self.attention, shares=self.shares,
-                           lane_shares=self.lane_shares, lane_peaks=self.lane_peaks, queries=self.queries,
-                           log_norms=self.log_norms)
-            arguments = (tokens, new_rows, position, results, buffers, self.row_state, scored)
-            finite = settle(fills, *arguments) if self.compiled is None else \
-                SETTLES(fills, functools.partial(settle, fills), *arguments)
+            finite = self._settle(tokens, new_rows, position, self._run_forward(tokens, new_rows, position), scored)
             made = torch.cat([tokens[:active], finite[:active].long()]).tolist()  # the round's one wait
         except BaseException as exc:  # as `apply`: every mirror (with the rounds before) is the truth
             report.rebuilt, report.failed, report.error = True, list(range(active)), f"{type(exc).__name__}: {exc}"
@@ -533,6 +526,18 @@ class SlotState:
         known.finite = all(made[active:])
         report.seconds["write"] = time.perf_counter() - clock
         return report
+
+    def _settle(self, tokens, new_rows, position, results: tuple, scored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`settle` of a plain round (state/plain.py) on this state's tensors, compiled in a compiled state."""
+        fills = tuple((name, self.row_fill[name]) for name in self.row_state if name != "predicted")
+        buffers = dict(length=self.length, positions=self.positions, token_ids=self.token_ids,
+                       next_logits=self.next_logits, attention=self.attention, shares=self.shares,
+                       lane_shares=self.lane_shares, lane_peaks=self.lane_peaks, queries=self.queries,
+                       log_norms=self.log_norms)
+        arguments = (tokens, new_rows, position, results, buffers, self.row_state, scored)
+        if self.compiled is None:
+            return settle(fills, *arguments)
+        return SETTLES(fills, functools.partial(settle, fills), *arguments)
 
     def bounds(self, slot: int) -> Bounds:
         """What an action list for sequence `slot` is checked against (`Edit.from_actions`), as
@@ -789,19 +794,25 @@ class SlotState:
             norms = torch.stack([seen.norms[layer].float() for layer in range(lm.num_layers)], dim=1)
         return logits, per_head, queries, norms
 
-    def warm(self) -> int:
+    @torch.no_grad()
+    def warm(self, scored: Callable[[int], dict[str, torch.Tensor]] | None = None) -> int:
         """With no sequence in: run the compiled round once at every bucket (row 0 of the first
         slots gets the rows of token 0, which a joining sequence writes over), so that each
-        graph is made now. Returns the graphs made (0 for an eager state)."""
+        graph is made now; with `scored` (a bucket's size -> the presses' next row state, as a
+        plain round's prelude gives it) a plain round's writes after it too, into the same
+        empty slots. Returns the graphs made (0 for an eager state)."""
         if self.active:
             raise ValueError(f"a state is warmed before sequences join; {self.active} have")
         if self.compiled is None:
             return 0
-        made = self.compiled.compiles
+        made = self.compiled.compiles + SETTLES.compiles
         for size in self.compiled.sizes:
             # three tensors, as a round passes them: one passed thrice would be a graph of its own
-            self.compiled(*(torch.zeros(size, dtype=torch.long, device=self.positions.device) for _ in range(3)))
-        return self.compiled.compiles - made
+            zeros = [torch.zeros(size, dtype=torch.long, device=self.positions.device) for _ in range(3)]
+            results = self._forward(*zeros)
+            if scored is not None:
+                self._settle(*zeros, results, scored(size))
+        return self.compiled.compiles + SETTLES.compiles - made
 
     # --- failure ----------------------------------------------------------------------------
 

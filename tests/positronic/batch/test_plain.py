@@ -1,5 +1,5 @@
 """A plain round's prelude (positronic/batch/plain.py): compiled, the eager prelude's bits; in a
-compiled engine, the full rounds' tokens, with one graph a bucket however sequences come and go."""
+compiled engine, the full rounds' tokens, with one graph a bucket however sequences come and go, all made before serving by `Engine.warm(config)`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from positronic.batch.engine import Engine
 from positronic.batch.plain import PRELUDES, prelude
 from positronic.brain.loop import Brain, BrainConfig
+from positronic.state.plain import SETTLES
 
 TEXT = list(range(3, 240, 3)) + list(range(7, 200, 5))
 
@@ -79,26 +80,31 @@ def test_compiled_plain_rounds_make_the_full_rounds_tokens_and_one_prelude_a_buc
         bucket = engines[0].state.compiled.bucket(len(engines[0]))
         if engines[0].plain_made > before:
             if bucket in seen:
-                assert PRELUDES.compiles == compiles, (round_, bucket)
+                assert graphs(engines[0]) == compiles, (round_, bucket)
             seen.add(bucket)
-            compiles = PRELUDES.compiles
+            compiles = graphs(engines[0])
     assert seen == {2, 4, 5} and 0 < engines[0].plain_made < engines[0].rounds
-    assert PRELUDES.broken is None
+    assert PRELUDES.broken is None and SETTLES.broken is None
 
 
-def test_warming_with_the_settings_makes_every_buckets_prelude(tiny):
-    """`Engine.warm(config)` (a server before it serves) makes the preludes of the settings'
-    press and penalty for every bucket: the plain rounds after it compile nothing."""
+def graphs(engine: Engine) -> tuple[int, int, int]:
+    return engine.state.compiled.compiles, PRELUDES.compiles, SETTLES.compiles
+
+
+def test_warming_with_the_settings_makes_every_buckets_graphs(tiny):
+    """`Engine.warm(config)` (a server before it serves) makes, for every bucket, the forward's
+    graph and a plain round's prelude (of the settings' press and penalty) and writes: the plain
+    rounds after it compile nothing."""
     config = config_for("streaming", repetition_penalty=1.17)  # a penalty no other test compiles
     engine = Engine(tiny, slots=3, capacity=64, compiled=True)
     before = PRELUDES.compiles
     engine.warm(config)
     assert PRELUDES.compiles == before + len(engine.state.compiled.sizes)
-    warmed = PRELUDES.compiles
+    warmed = graphs(engine)
     for k in range(3):
         engine.join(k, start(tiny, 5 * k, config))
         engine.step()
     while len(engine) > 1:
         engine.leave(engine.keys()[-1])
         engine.step()
-    assert engine.plain_made == engine.rounds == 5 and PRELUDES.compiles == warmed
+    assert engine.plain_made == engine.rounds == 5 and graphs(engine) == warmed
