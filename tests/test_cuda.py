@@ -217,6 +217,29 @@ def test_compiled_rounds_on_the_gpu_make_each_sequences_alone_tokens_and_capture
     assert engine.state.compiled.graph.broken is None
 
 
+def test_compiled_plain_rounds_on_the_gpu_make_the_full_rounds_tokens(gpu_tiny):
+    """Plain rounds on the device (the prelude and the writes compiled to Triton, the forward in
+    its captured graph): the tokens of an engine that plans every round, sequences crossing
+    their budgets, and no graph made after the first rounds of each bucket."""
+    from positronic.batch.engine import Engine
+    from positronic.batch.plain import PRELUDES
+    from positronic.state.plain import SETTLES
+
+    config = BrainConfig(policy="h2o", budget=48, temperature=0, repetition_penalty=1.2, seed=3)
+    engines = [Engine(gpu_tiny, slots=4, capacity=64, compiled=True) for _ in range(2)]
+    engines[1].plain = False
+    engines[0].warm(config)
+    graphs = (engines[0].state.compiled.compiles, PRELUDES.compiles, SETTLES.compiles)
+    for engine in engines:
+        for k in range(3):
+            engine.join(k, Brain.start(gpu_tiny, engine_prompt(gpu_tiny, 80 + k)[:20 + 3 * k], config))
+    for round_ in range(50):
+        assert engines[0].step() == engines[1].step(), round_
+    assert 0 < engines[0].plain_made < engines[0].rounds
+    assert (engines[0].state.compiled.compiles, PRELUDES.compiles, SETTLES.compiles) == graphs
+    assert PRELUDES.broken is None and SETTLES.broken is None
+
+
 def test_the_eager_round_on_the_gpu_is_the_brains_tick(gpu_tiny):
     """Core v4's eager round (one batched attention call a layer over the slot buffers) on the
     device: a sequence past its budget makes the tokens its Brain makes alone, float32."""

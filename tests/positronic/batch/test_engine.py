@@ -381,14 +381,16 @@ def test_plain_rounds_are_the_full_rounds_bit_for_bit(tiny):
     """A round in which no press deletes (below every budget) skips the selection and the
     compaction (`Engine._plain_round`): two engines, one taking plain rounds and one planning
     every round, hold the same tokens, the same tensors to the bit and the same mirrors, round
-    after round, with sequences of every plain press crossing their budgets, joining and leaving."""
+    after round, with greedy and sampling sequences of every plain press crossing their budgets,
+    joining and leaving."""
     engines = [Engine(tiny, slots=5, capacity=64) for _ in range(2)]
     engines[1].plain = False
     rng = random.Random(5)
     added = 0
 
-    def join(key, policy):
-        config = config_for(policy, budget=rng.choice([40, 48, 64]), repetition_penalty=rng.choice([1.0, 1.3]))
+    def join(key, policy):  # greedy or sampling (each sequence drawing from its own generator, as alone)
+        config = config_for(policy, budget=rng.choice([40, 48, 64]), repetition_penalty=rng.choice([1.0, 1.3]),
+                            temperature=rng.choice([0, 0, 0.8]), top_k=20, seed=key)
         for engine in engines:
             engine.join(key, Brain.start(tiny, prompt(tiny, key % 40, 20 + key % 9), config))
 
