@@ -172,23 +172,27 @@ class Engine:
     def warm(self, config=None) -> int:
         """A compiled engine with no sequence yet: make every bucket's graph now, rather than at
         the first round of each size (a server before it serves), and with `config` (the settings
-        of the sequences to come) the plain rounds' preludes for its press and penalty too.
-        Returns the graphs made."""
+        of the sequences to come) a plain round's writes for its press too, and greedy its
+        prelude for the press and penalty. Returns the graphs made."""
         if len(self):
             raise ValueError(f"an engine is warmed before sequences join; {len(self)} have")
         press = None
-        if config is not None and self.state.compiled is not None and _greedy(config) and config.policy in PRESSES:
+        if config is not None and self.state.compiled is not None and config.policy in PRESSES:
             press = press_for(config)
-        if press is None or not (press.plain_rounds and plain.fits(press)):
+        if press is None or not press.plain_rounds:
             return self.state.warm()
         state, before = self.state, PRELUDES.compiles
+        names = {name: f"{press.name}.{name}" for name in press.row_state}
         for name, (dtype, fill) in press.row_state.items():  # as a joining sequence declares them
-            state.declare(f"{press.name}.{name}", dtype, fill)
+            state.declare(names[name], dtype, fill)
         state.declare("pinned", torch.bool, False)
+        prelude = _greedy(config) and plain.fits(press)  # else a plain round's scores are the press's own, eager
 
-        def scored(bucket: int) -> dict[str, torch.Tensor]:  # the prelude's, from the empty slots' zeros
+        def scored(bucket: int) -> dict[str, torch.Tensor]:  # what a plain round's writes take, from the empty slots
+            if not prelude:  # the state's own dtypes and layout, as the eager scores come padded
+                return {full: state.row_state[full][:bucket].clone() for full in names.values()}
             _, values = self._run_prelude(press, config.penalty_window, config.repetition_penalty, [0] * bucket)
-            return {f"{press.name}.{name}": value for name, value in values.items()}
+            return {names[name]: value for name, value in values.items()}
         return state.warm(scored) + PRELUDES.compiles - before
 
     def refusal(self, brain, *, returning: bool = False) -> str | None:

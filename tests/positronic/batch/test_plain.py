@@ -93,8 +93,8 @@ def graphs(engine: Engine) -> tuple[int, int, int]:
 
 def test_warming_with_the_settings_makes_every_buckets_graphs(tiny):
     """`Engine.warm(config)` (a server before it serves) makes, for every bucket, the forward's
-    graph and a plain round's prelude (of the settings' press and penalty) and writes: the plain
-    rounds after it compile nothing."""
+    graph and a plain round's writes for the settings' press, and for greedy settings its prelude
+    (of the press and penalty): the plain rounds after it compile nothing, greedy or sampling."""
     config = config_for("streaming", repetition_penalty=1.17)  # a penalty no other test compiles
     engine = Engine(tiny, slots=3, capacity=64, compiled=True)
     before = PRELUDES.compiles
@@ -108,3 +108,11 @@ def test_warming_with_the_settings_makes_every_buckets_graphs(tiny):
         engine.leave(engine.keys()[-1])
         engine.step()
     assert engine.plain_made == engine.rounds == 5 and graphs(engine) == warmed
+    sampling = config_for("scored", temperature=0.8, top_k=20)  # no prelude: the writes alone
+    engine = Engine(tiny, slots=3, capacity=64, compiled=True)
+    engine.warm(sampling)
+    warmed = graphs(engine)
+    for k in range(3):
+        engine.join(k, start(tiny, 5 * k, sampling))
+        engine.step()
+    assert engine.plain_made == engine.rounds == 3 and graphs(engine) == warmed
