@@ -226,12 +226,12 @@ def test_compiled_plain_rounds_on_the_gpu_make_the_full_rounds_tokens(gpu_tiny):
     from positronic.state.plain import SETTLES
 
     config = BrainConfig(policy="h2o", budget=48, temperature=0, repetition_penalty=1.2, seed=3)
-    engines = [Engine(gpu_tiny, slots=4, capacity=64, compiled=True) for _ in range(2)]
+    engines = [Engine(gpu_tiny, slots=2, capacity=64, compiled=True) for _ in range(2)]  # one bucket: one compile
     engines[1].plain = False
     engines[0].warm(config)
     graphs = (engines[0].state.compiled.compiles, PRELUDES.compiles, SETTLES.compiles)
     for engine in engines:
-        for k in range(3):
+        for k in range(2):
             engine.join(k, Brain.start(gpu_tiny, engine_prompt(gpu_tiny, 80 + k)[:20 + 3 * k], config))
     for round_ in range(50):
         assert engines[0].step() == engines[1].step(), round_
