@@ -19,6 +19,11 @@ A round, for the S active sequences at once (positronic/state/slots.py holds the
 4. apply: one edit for all (`SlotState.apply`): the gaps closed by one gather, one forward
    writing every new token, the mirrors committed.
 
+Most rounds delete nothing (a press frees a batch of rows once it reaches its budget): such a
+round is plain (`_plain_round`), steps 2-4 reduced to each press's scores and
+`SlotState.advance` (no selection, no compaction; in a compiled engine three compiled calls:
+batch/plain.py, the forward, state/plain.py). The same tokens, tensors and mirrors, bit for bit.
+
 Lanes: an engine keeps `lanes` per sequence (1, layers, or layers x kv heads: SlotState); a
 smartkv sequence needs its gates' (a lane per layer, or per kv head of a layer), and sequences
 of shared-row presses run beside it with every lane alike. By default the engine takes the
