@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.batch import TEXT, brain, brains  # noqa: E402  (bench/batch.py: the same prompts)
+from bench.decode import default_model  # noqa: E402
 
 from positronic.batch.engine import Engine  # noqa: E402
 from positronic.batch.plain import PRELUDES  # noqa: E402
@@ -55,14 +56,17 @@ def sync(lm) -> None:
 
 
 def hf_ms_per_token(lm, prompt: list[int], ticks: int) -> float:
-    """Greedy `generate` of `ticks` + 1 tokens against 1 token: ms a decode step."""
+    """Greedy `generate` of `ticks` + 1 tokens against 1 token: ms a decode step, on the same
+    weights in a model built transformers' default way ("sdpa" attention; bench/decode.py's
+    `default_model`), not on the brain's model object."""
+    model = default_model(lm)
     ids = torch.tensor([prompt], device=lm.device)
     times = {}
     for new in (1, ticks + 1, 1, ticks + 1):  # the first pair warms up
         sync(lm)
         start = time.perf_counter()
         with torch.no_grad():
-            lm.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         sync(lm)
         times[new] = time.perf_counter() - start
     return (times[ticks + 1] - times[1]) / ticks * 1e3

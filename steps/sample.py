@@ -241,10 +241,7 @@ def sample_many(logits: Tensor, recent: Tensor, settings: Sequence[tuple[float, 
     `greedy_many`. A row whose top-k cut falls inside a tie, or whose penalties leave a
     non-finite logit, is drawn by `sample` itself. NonFiniteLogits as `greedy_many`."""
     x = logits.detach().to(torch.float32, copy=True)
-    top = x.amax(dim=-1)  # amax: max's values without its indices, 4x faster on [32, 49152]
-    if not bool(torch.isfinite(top).all()):
-        bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
-        raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
+    _check_finite(x)
     vocab = x.shape[-1]
     x = _repetition(x, recent, [setting[4] for setting in settings])
     tokens: list[int | None] = [None] * len(settings)
@@ -288,19 +285,28 @@ def sample_many(logits: Tensor, recent: Tensor, settings: Sequence[tuple[float, 
 def _repetition(x: Tensor, recent: Tensor, penalties: Sequence[float]) -> Tensor:
     """transformers' RepetitionPenaltyLogitsProcessor on each row of x [S, vocab] (in place)
     with its own penalty (a Python float, as `sample` passes it) over its ids `recent` [S, n]."""
-    if recent.numel() and len(set(penalties)) == 1 and penalties[0] != 1.0:  # one penalty: every row at once
-        value = penalties[0]
-        score = x.gather(1, recent)
-        return x.scatter_(1, recent, torch.where(score < 0, score * value, score / value))
-    if recent.numel():
-        penalty = torch.tensor(penalties, dtype=torch.float64, device=x.device)
-        for value in sorted(set(penalties) - {1.0}):
-            rows = (penalty == value).nonzero().flatten()
-            part, ids = x[rows], recent[rows]
-            score = part.gather(1, ids)
-            score = torch.where(score < 0, score * value, score / value)
-            x[rows] = part.scatter(1, ids, score)
-    return x
+    values = sorted(set(penalties) - {1.0})
+    if not recent.numel() or not values:
+        return x
+    score = x.gather(1, recent)  # [S, n]
+    penalised = score
+    for value in values:  # rows of each penalty by a mask, not an index: no wait on the device
+        changed = torch.where(score < 0, score * value, score / value)
+        if len(set(penalties)) == 1:  # one penalty for every row (the usual case): no mask at all
+            penalised = changed
+        else:
+            rows = torch.tensor([penalty == value for penalty in penalties], device=x.device)[:, None]
+            penalised = torch.where(rows, changed, penalised)
+    return x.scatter_(1, recent, penalised)
+
+
+def _check_finite(logits: Tensor) -> None:
+    """NonFiniteLogits naming the rows of `logits` [S, vocab] that hold NaN or +inf or nothing
+    finite (one wait on the device when all are finite)."""
+    top = logits.amax(dim=-1)  # amax: max's values without its indices, 4x faster on [32, 49152]
+    if not bool(torch.isfinite(top).all()):
+        bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
+        raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
 
 
 def greedy_many(logits: Tensor, recent: Tensor, penalties: Sequence[float], *, finite: bool = False) -> list[int]:
@@ -313,10 +319,7 @@ def greedy_many(logits: Tensor, recent: Tensor, penalties: Sequence[float], *, f
     `sample` passes it). NonFiniteLogits names the rows that hold NaN or +inf or nothing finite;
     `finite`: the caller has just checked every row (on a GPU the check is a wait of its own)."""
     if not finite:
-        top = logits.amax(dim=-1)  # amax: max's values without its indices, 4x faster on [32, 49152]
-        if not bool(torch.isfinite(top).all()):
-            bad = (~torch.isfinite(top)).nonzero().flatten().tolist()
-            raise NonFiniteLogits(f"the logits of rows {bad} hold NaN or inf or no finite value")
+        _check_finite(logits)
     return greedy_tensor(logits, recent, penalties).tolist()
 
 

@@ -73,6 +73,15 @@ class Sequence:
     constraint: object = None  # its brain's grammar (brain/grammar.py): it draws on its own, masked
 
 
+@dataclass(frozen=True)
+class _Kinds:
+    """What plain rounds ask of an engine's sequences (`Engine._plain_kinds`), in slot order."""
+
+    limits: list[int]  # the length each must stay below for a plain round (-1: its press plans every round)
+    greedy: bool  # every one greedy and free of a grammar: the tokens stay on the device
+    one_kind: bool  # one kind of press, penalty window and penalty, which compiles (`plain.fits`): one prelude
+
+
 def press_for(config):
     """The press of `config.policy` with the settings `config` gives it (every field of the
     press's Settings that BrainConfig has, by name: a press's new setting needs no plumbing)."""
@@ -167,6 +176,7 @@ class Engine:
         # compacts (what the tests compare them with)
         self.plain = True
         self.plain_made = 0  # of `rounds`, those that were plain
+        self._kinds: _Kinds | None = None  # what plain rounds ask of the sequences; made again after a join or leave
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -241,6 +251,7 @@ class Engine:
         self.state.join(brain.state, tick=brain.tick, row_state=row_state, sequence_state=slots)
         generator = torch.Generator()
         generator.set_state(brain.generator.get_state())
+        self._kinds = None
         self.sequences.append(Sequence(key, press, config, generator, greedy=_greedy(config), clock=clock,
                                        carried=sequence, culled=MirrorView(mirror).ledger.count("culled"),
                                        constraint=brain.constraint))
@@ -261,6 +272,7 @@ class Engine:
     def leave(self, key: Hashable):
         """Sequence `key` leaves; returns its mirror (the last sequence takes its slot)."""
         slot = self.keys().index(key)
+        self._kinds = None
         last = self.sequences.pop()
         if slot < len(self.sequences):
             self.sequences[slot] = last
@@ -324,35 +336,19 @@ class Engine:
         stopped = torch.zeros(active, dtype=torch.bool, device=device)
         row_state, sequence_state, slot_state, writes, inserts = {}, {}, {}, {}, []
         for press, members in self._groups():
-            index = torch.tensor(members, device=device)
-            rows = self._rows(press, index)
-            names = {name: f"{press.name}.{name}" for name in press.row_state}
-            inputs = {name: state.row_state[full][index] for name, full in names.items()}
-            # per-sequence tensors: the slots' own where the group is every slot in order (no copy)
-            at = slice(0, active) if members == list(range(active)) else index
-            inputs |= {name: state.sequence_state[f"{press.name}.{name}"][at] for name in press.slot_state}
-            for name in press.sequence_state():
-                inputs[name] = torch.stack([self.sequences[m].carried[name] for m in members])
-            clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
+            index, names, whole, rows, inputs, clocks = self._group_inputs(press, members)
             plan = press.plan(rows, inputs, clocks)
             deleted[index] = plan.deleted if plan.deleted.dim() == 3 else plan.deleted[:, None]  # shared: every lane
             stopped[index] = plan.stop
-            # a group of every slot in order (one kind of press in the round, the usual case) hands its
-            # next states over as they are; a group of some slots writes its rows into a copy
-            whole = at == slice(0, active)
             for name, full in names.items():
-                self._merge(row_state, full, plan.next[name], index, whole)
+                self._merge(row_state, state.row_state, full, plan.next[name], index, whole)
             for name in press.sequence_state():
                 for m, value in zip(members, plan.next[name]):
                     sequence_state[m, name] = value
             for name in press.slot_state:
                 full = f"{press.name}.{name}"
-                if name in plan.next and whole and full not in slot_state:
-                    slot_state[full] = plan.next[name]
-                elif name in plan.next:
-                    merged = slot_state.get(full, state.sequence_state[full][:active].clone())
-                    merged[index] = plan.next[name]
-                    slot_state[full] = merged
+                if name in plan.next:
+                    self._merge(slot_state, state.sequence_state, full, plan.next[name], index, whole)
                 if name in plan.writes:
                     local, items, values, axis = plan.writes[name]
                     if full in writes:  # another group of the same press name (other settings)
@@ -389,16 +385,22 @@ class Engine:
         """Whether this round can be plain: every sequence below its press's budget (so no press
         deletes a row) with a press whose rounds there are plain (`Press.plain_rounds`), its next
         logits finite and its next position and row within bounds, all known on the host."""
-        state = self.state
-        known = state.known()
-        if not known.finite:
-            return False
-        for sequence, length, reach in zip(self.sequences, known.lengths, known.reach):
-            press = sequence.press
-            if not (press.plain_rounds and length < min(press.settings.budget, state.capacity)
-                    and reach < self.lm.max_positions):
-                return False
-        return True
+        known = self.state.known()
+        return (known.finite and max(known.reach) < self.lm.max_positions
+                and all(length < limit for length, limit in zip(known.lengths, self._plain_kinds().limits)))
+
+    def _plain_kinds(self) -> "_Kinds":
+        """What plain rounds ask of the sequences in, worked out once a membership."""
+        if self._kinds is None:
+            capacity, first = self.state.capacity, self.sequences[0]
+
+            def kind(sequence) -> tuple:  # what one compiled prelude serves
+                return sequence.press.group, sequence.config.penalty_window, sequence.config.repetition_penalty
+            self._kinds = _Kinds(
+                limits=[min(s.press.settings.budget, capacity) if s.press.plain_rounds else -1 for s in self.sequences],
+                greedy=all(s.greedy and s.constraint is None for s in self.sequences),
+                one_kind=plain.fits(first.press) and all(kind(s) == kind(first) for s in self.sequences))
+        return self._kinds
 
     def _plain_round(self, clock: float) -> dict[Hashable, int]:
         """A round in which no sequence deletes a row (`_plain`): the tokens (greedy ones on the
@@ -407,7 +409,7 @@ class Engine:
         no compaction and, all greedy, one wait (the tokens coming back). The same tokens,
         tensors and mirrors as the full round (tested), in a few dozen operations instead of ~190."""
         state, active = self.state, len(self.sequences)
-        greedy = all(sequence.greedy and sequence.constraint is None for sequence in self.sequences)
+        greedy = self._plain_kinds().greedy
         fast = self._prelude() if greedy and state.compiled is not None else None  # one graph for tokens and scores
         if fast is not None:
             tokens = fast[0]
@@ -429,16 +431,33 @@ class Engine:
     def _scores(self) -> dict[str, torch.Tensor]:
         """A plain round's next per-row state by the state's names: each kind of press scores
         its sequences (`Press.score`), as its plan would."""
-        state, active, row_state = self.state, len(self.sequences), {}
+        row_state = {}
         for press, members in self._groups():
-            index = torch.tensor(members, device=state.length.device)
-            names = {name: f"{press.name}.{name}" for name in press.row_state}
-            inputs = {name: state.row_state[full][index] for name, full in names.items()}
-            clocks = torch.tensor([self.sequences[m].clock for m in members], device=state.length.device)
-            _, scored = press.score(self._rows(press, index), inputs, clocks)
+            index, names, whole, rows, inputs, clocks = self._group_inputs(press, members)
+            _, scored = press.score(rows, inputs, clocks)
             for name, full in names.items():
-                self._merge(row_state, full, scored[name], index, members == list(range(active)))
+                self._merge(row_state, self.state.row_state, full, scored[name], index, whole)
         return row_state
+
+    def _group_inputs(self, press, members: list[int]):
+        """What `press` reads for the sequences in slots `members`: their slots `index` [n], the
+        press's row state names in the state, whether they are every active slot in order
+        (`whole`), their `Rows`, their state by the press's names (per-row, per-slot, per-sequence)
+        and the rounds each was scored (`clocks` [n])."""
+        state, device = self.state, self.state.length.device
+        index = torch.tensor(members, device=device)
+        names = {name: f"{press.name}.{name}" for name in press.row_state}
+        inputs = {name: state.row_state[full][index] for name, full in names.items()}
+        # per-sequence tensors: the slots' own where the group is every slot in order (no copy);
+        # a group of every slot in order (one kind of press in the round, the usual case) hands its
+        # next states over as they are, a group of some slots writes its rows into a copy
+        whole = members == list(range(len(self.sequences)))
+        at = slice(0, len(members)) if whole else index
+        inputs |= {name: state.sequence_state[f"{press.name}.{name}"][at] for name in press.slot_state}
+        for name in press.sequence_state():
+            inputs[name] = torch.stack([self.sequences[m].carried[name] for m in members])
+        clocks = torch.tensor([self.sequences[m].clock for m in members], device=device)
+        return index, names, whole, self._rows(press, index), inputs, clocks
 
     def _prelude(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """A compiled engine's plain round with one kind of press, penalty window and penalty
@@ -447,8 +466,7 @@ class Engine:
         None where they differ."""
         first, state, active = self.sequences[0], self.state, len(self.sequences)
         press, window, penalty = first.press, first.config.penalty_window, first.config.repetition_penalty
-        if not plain.fits(press) or any((s.press.group, s.config.penalty_window, s.config.repetition_penalty)
-                                           != (press.group, window, penalty) for s in self.sequences):
+        if not self._plain_kinds().one_kind:
             return None
         clocks = [s.clock for s in self.sequences] + [0] * (state.compiled.bucket(active) - active)
         tokens, scored = self._run_prelude(press, window, penalty, clocks)
@@ -466,32 +484,39 @@ class Engine:
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """[active] int64 on the device: every sequence's greedy token (all greedy, logits known
         finite), as `_sample` draws them, unread."""
-        windows: dict[tuple[int, bool], list[int]] = {}
-        for slot, sequence in enumerate(self.sequences):
-            windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
-        tokens = None
-        for (window, lanes), slots in windows.items():
-            index = torch.tensor(slots, device=logits.device)
-            penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
-            drawn = greedy_tensor(logits[index], _recent(self.state, index, window, lanes), penalties)
-            if len(windows) == 1:
+        groups = list(self._penalty_groups(range(len(self.sequences))))
+        tokens = None if len(groups) == 1 else torch.zeros(len(self.sequences), dtype=torch.long, device=logits.device)
+        for slots, index, recent in groups:
+            drawn = greedy_tensor(logits[index], recent, [self.sequences[slot].config.repetition_penalty for slot in slots])
+            if tokens is None:
                 return drawn
-            tokens = torch.zeros(len(self.sequences), dtype=torch.long, device=logits.device) if tokens is None else tokens
             tokens[index] = drawn
         return tokens
 
-    def _merge(self, row_state: dict, full: str, values: torch.Tensor, index: torch.Tensor, whole: bool) -> None:
-        """A press group's next per-row state `values` [members, ...] into the round's `row_state`
-        under `full`: as it is for a group of every slot in order (one kind of press in the round,
-        the usual case), else written into a copy of the state at the group's slots `index`."""
-        if whole and full not in row_state:
-            row_state[full] = values
+    def _penalty_groups(self, slots):
+        """The sequences in `slots` grouped by what their repetition penalty reads (the penalty
+        window; lanes kept apart or not): each group's slots, their index [n] and their recent
+        token ids [n, window] (`_recent`)."""
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for slot in slots:
+            sequence = self.sequences[slot]
+            groups.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
+        for (window, lanes), members in groups.items():
+            index = torch.tensor(members, device=self.state.length.device)
+            yield members, index, _recent(self.state, index, window, lanes)
+
+    def _merge(self, merged: dict, kept: dict, full: str, values: torch.Tensor, index: torch.Tensor,
+               whole: bool) -> None:
+        """A press group's next state `values` [members, ...] into the round's `merged` (per-row
+        or per-slot) under `full`: as it is for a group of every slot in order (one kind of press
+        in the round, the usual case), else written at the group's slots `index` into a copy of
+        the state `kept` holds (`SlotState.row_state` or `.sequence_state`)."""
+        if whole and full not in merged:
+            merged[full] = values
             return
-        merged = row_state.get(full)
-        if merged is None:
-            merged = self.state.row_state[full][:len(self.sequences)].clone()
-        merged[index] = values
-        row_state[full] = merged
+        if full not in merged:
+            merged[full] = kept[full][:len(self.sequences)].clone()
+        merged[full][index] = values
 
     def _begin_records(self, deleted: torch.Tensor) -> None:
         """The round's records, before its deleted rows are listed: none yet for any sequence."""
@@ -578,32 +603,20 @@ class Engine:
             state.rebuild(bad)
             logits = state.next_logits[: len(self.sequences)]
         tokens: list[int] = [0] * len(self.sequences)
-        windows: dict[tuple[int, bool], list[int]] = {}
-        for slot, sequence in enumerate(self.sequences):
-            if sequence.greedy and sequence.constraint is None and slot not in skip:
-                windows.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
-        for (window, lanes), slots in windows.items():
-            index = torch.tensor(slots, device=logits.device)
-            recent = _recent(state, index, window, lanes)
+        free = [slot for slot, sequence in enumerate(self.sequences) if slot not in skip and sequence.constraint is None]
+        for slots, index, recent in self._penalty_groups([slot for slot in free if self.sequences[slot].greedy]):
             penalties = [self.sequences[slot].config.repetition_penalty for slot in slots]
             for slot, token in zip(slots, greedy_many(logits[index], recent, penalties, finite=not bad)):
                 tokens[slot] = token
-        # (penalty window, lanes) -> slots: the common samplers at once (steps.sample_many)
-        drawn: dict[tuple[int, bool], list[int]] = {}
-        for slot, sequence in enumerate(self.sequences):
-            if slot in skip:
-                continue
-            if not sequence.greedy and sequence.constraint is None and _batched_draw(sequence.config):
-                drawn.setdefault((sequence.config.penalty_window, sequence.press.lanes > 1), []).append(slot)
-        for (window, lanes), slots in drawn.items():
-            index = torch.tensor(slots, device=logits.device)
-            recent = _recent(state, index, window, lanes)
+        # the common samplers at once (steps.sample_many)
+        drawn = [slot for slot in free if not self.sequences[slot].greedy and _batched_draw(self.sequences[slot].config)]
+        for slots, index, recent in self._penalty_groups(drawn):
             configs = [self.sequences[slot].config for slot in slots]
             settings = [(c.temperature, c.top_k, c.top_p, c.min_p, c.repetition_penalty) for c in configs]
             made = sample_many(logits[index], recent, settings, [self.sequences[slot].generator for slot in slots])
             for slot, token in zip(slots, made):
                 tokens[slot] = token
-        drawn = {slot for slots in drawn.values() for slot in slots}
+        drawn = set(drawn)
         for slot, sequence in enumerate(self.sequences):
             if (not sequence.greedy or sequence.constraint is not None) and slot not in drawn and slot not in skip:
                 cfg = sequence.config

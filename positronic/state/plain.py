@@ -17,17 +17,21 @@ from torch import Tensor
 
 from ..models.compiled import Functions
 
+# the state's tensors that take a forward's results (`SlotState._forward`'s, in its order), the
+# logits first; the last four only with every layer recorded (None otherwise)
+RESULTS = ("next_logits", "attention", "shares", "lane_shares", "lane_peaks", "queries", "log_norms")
+
 
 def settle(fills: tuple[tuple[str, float], ...], tokens: Tensor, new_rows: Tensor, position: Tensor,
            results: tuple, buffers: dict[str, Tensor], row_state: dict[str, Tensor], scored: dict[str, Tensor]) -> Tensor:
     """S slots' new rows after their forward. tokens, new_rows, position [S] int64: slot s's token,
     the row it took and its position; `results`: the forward's (`SlotState._forward`); `buffers`:
-    the state's length, positions, token_ids, next_logits, attention, shares, lane_shares,
-    lane_peaks, queries and log_norms (whole, written in their first S slots); `row_state`: the
+    the state's length, positions, token_ids and its `RESULTS` tensors (whole, written in their
+    first S slots); `row_state`: the
     per-row state's tensors, `scored` the presses' next values of some of them [S, ...], `fills`
     (name, value) a new row's value of each but the predictions. Returns [S] bool: whether each
     slot's new logits are finite."""
-    logits, per_head, mean, lane_shares, lane_peaks, queries, norms = results
+    logits = results[0]
     size, device = tokens.shape[0], tokens.device
     lanes = buffers["positions"].shape[1]
     rows = torch.arange(size, device=device)
@@ -40,9 +44,8 @@ def settle(fills: tuple[tuple[str, float], ...], tokens: Tensor, new_rows: Tenso
         tensor = row_state[name]
         tensor.index_put_(new if tensor.dim() == 3 else (rows, new_rows), torch.tensor(fill, dtype=tensor.dtype, device=device))
     row_state["predicted"].index_put_(new, logits.argmax(dim=-1)[:, None].expand(size, lanes))
-    for name, value in (("next_logits", logits), ("attention", per_head), ("shares", mean), ("lane_shares", lane_shares),
-                        ("lane_peaks", lane_peaks), ("queries", queries), ("log_norms", norms)):
-        if value is not None:  # lane shares, queries and norms: only with every layer recorded
+    for name, value in zip(RESULTS, results):
+        if value is not None:
             buffers[name].index_put_((rows,), value)
     buffers["length"].index_put_((rows,), new_rows + 1)
     return torch.isfinite(logits.amax(dim=-1))

@@ -69,7 +69,7 @@ from .actions import ActionError
 from .checks import StateInvariantError
 from .edit import Bounds, Edit
 from .manager import StateManager
-from .plain import SETTLES, settle
+from .plain import RESULTS, SETTLES, settle
 from .readonly import MirrorView
 
 
@@ -530,10 +530,7 @@ class SlotState:
     def _settle(self, tokens, new_rows, position, results: tuple, scored: dict[str, torch.Tensor]) -> torch.Tensor:
         """`settle` of a plain round (state/plain.py) on this state's tensors, compiled in a compiled state."""
         fills = tuple((name, self.row_fill[name]) for name in self.row_state if name != "predicted")
-        buffers = dict(length=self.length, positions=self.positions, token_ids=self.token_ids,
-                       next_logits=self.next_logits, attention=self.attention, shares=self.shares,
-                       lane_shares=self.lane_shares, lane_peaks=self.lane_peaks, queries=self.queries,
-                       log_norms=self.log_norms)
+        buffers = {name: getattr(self, name) for name in ("length", "positions", "token_ids", *RESULTS)}
         arguments = (tokens, new_rows, position, results, buffers, self.row_state, scored)
         if self.compiled is None:
             return settle(fills, *arguments)
@@ -685,7 +682,7 @@ class SlotState:
             states[name] = values
         results = self._run_forward(token_ids[rows, 0, new_rows], new_rows, position)
         states["predicted"][rows, :, new_rows] = results[0].argmax(dim=-1)[:, None]
-        self._take_results(*results)
+        self._take_results(results)
         self.length[:active], self.positions[:active], self.token_ids[:active] = length, positions, token_ids
         for name, values in states.items():
             self.row_state[name][:active] = values
@@ -697,13 +694,11 @@ class SlotState:
         self.forward_seconds = time.perf_counter() - clock
         return results
 
-    def _take_results(self, logits, per_head, mean, lane_shares, lane_peaks, queries, norms) -> None:
-        """What a round's forward left for the next round: its logits and shares (`_forward`'s)."""
-        active = self.active
-        self.next_logits[:active], self.attention[:active], self.shares[:active] = logits, per_head, mean
-        if lane_shares is not None:
-            self.lane_shares[:active], self.lane_peaks[:active] = lane_shares, lane_peaks
-            self.queries[:active], self.log_norms[:active] = queries, norms
+    def _take_results(self, results: tuple) -> None:
+        """What a round's forward left for the next round (`_forward`'s results): its logits and shares."""
+        for name, value in zip(RESULTS, results):
+            if value is not None:
+                getattr(self, name)[: self.active] = value
 
     def _fold(self, slot: int) -> Mirror:
         """Sequence `slot`'s mirror with every round since it was last read: each round's

@@ -342,6 +342,9 @@ def test_greedy_many_picks_each_rows_sample_to_the_bit():
     assert torch.equal(logits, before)  # the caller's logits are not written
     assert greedy_many(logits, recent, [1.0] * 6) == logits.argmax(dim=-1).tolist()
     assert want != logits.argmax(dim=-1).tolist()  # the penalties changed some pick
+    one = [sample(logits[s], temperature=0, repetition_penalty=1.3, recent_ids=sorted(set(recent[s].tolist()))).token_id
+           for s in range(6)]  # one penalty for every row: the rows at once, no mask
+    assert greedy_many(logits, recent, [1.3] * 6) == one
 
 
 def test_greedy_many_names_the_rows_without_finite_logits():
