@@ -5,9 +5,10 @@
 A brain with the default policy (SmartKV with recall) runs `--warm` ticks, then checkpoints after
 every `--tokens` more ticks (a server request's reply, written through before its answer
 ends), `--requests` times, into one session directory. Then its index is filled to capacity
-(2,048 tokens) and the same is measured again: the filling tokens are made up (random K/V,
-ledger ids past the run's, recall kept from bringing them back), since what a save costs
-depends on the sizes it writes, not on what they hold. Prints per stage: tokens indexed, the
+(`SmartKVPolicy.recall_capacity`: 4,096 tokens; 2,048 before 2026-12-04) and the same is
+measured again: the filling tokens are made up (random K/V, ledger ids past the run's, recall
+kept from bringing them back), since what a save costs depends on the sizes it writes, not on
+what they hold. Prints per stage: tokens indexed, the
 first save, each later save (ms), the bytes each later save wrote (files created or
 rewritten), the directory's size and one resume (ms). Run it from a worktree of an older
 commit to compare (both sides' `session.save` and `resume` are the same calls).

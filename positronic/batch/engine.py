@@ -289,7 +289,7 @@ class Engine:
         press, rows = sequence.press, int(state.length[slot])
         kept = {name: state.row_state[f"{press.name}.{name}"][slot, ..., :rows].to("cpu", copy=True)
                 for name in press.row_state}  # [rows], or [lanes, rows] with lanes apart
-        # the slot's own tensors (recall's index: ~94 MB for SmolLM2), read by the press's restore
+        # the slot's own tensors (recall's index: ~188 MB for SmolLM2), read by the press's restore
         # before the slot changes hands, not copied first (a copy cost 90 ms of a 230 ms hand-back)
         slots = {name: state.sequence_state[f"{press.name}.{name}"][slot].to("cpu")
                  for name in press.slot_state}

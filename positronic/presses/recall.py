@@ -15,9 +15,9 @@ A round (`look`), where a sequence's memories are full: the newest query of ever
 against every indexed key of every sequence in one batched product, exp(q·k − log-normaliser)
 averaged over each lane's query heads; the best token some lane lacks comes back if that lane
 would give it `share` of the attention it gives its own rows, with the indexed tokens nearest
-to it in position (`span`, ordered by distance then position), into every lane that lacks
-each, at most `room` per lane in that order, none into a lane that took it back less than
-`cooldown` looks ago. A lane drops as many of its weakest memory rows (after the round's
+to it in position (`span`, ordered by `reach` then position: the text after it first), into
+every lane that lacks each, at most `room` per lane in that order, none into a lane that took
+it back less than `cooldown` looks ago. A lane drops as many of its weakest memory rows (after the round's
 offer); a token back is held for `hold` rounds and ranks from its return on (`born`).
 
 The selection is `LaneRecall.look_lanes` + `Memories.take_back` as masks over [S, lanes,
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..policies.recall import DEFAULT_CAPACITY, DEFAULT_COOLDOWN
+from ..smartkv.recall import reach
 from ..smartkv.rows import HELD
 
 NEVER = -(2**40)  # back_at of a token never brought back into a lane
@@ -67,7 +68,7 @@ class LaneIndex:
         if recall.capacity != self.capacity or recall.cooldown != self.cooldown or recall.every != 1:
             raise ValueError("the recall index's capacity, cooldown or schedule differ from the press's")
         n, state = len(recall.ids), {}
-        # the filled slots only (the state keeps the rest at its fill): the ring is ~94 MB for SmolLM2
+        # the filled slots only (the state keeps the rest at its fill): the ring is ~188 MB for SmolLM2
         keys = values = torch.zeros(self.layers, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
         if n:
             keys = recall.keys[..., :n].transpose(2, 3).to(self.dtype)
@@ -155,8 +156,8 @@ class LaneIndex:
         lost = (shares * missing).amax(dim=1)  # [S, used]
         best = lost.argmax(dim=1)  # the first of equals, in ring order as today
         wanted = lost.gather(1, best[:, None])[:, 0] >= self.share
-        # the tokens nearest the match: by distance, then position, within `span`
-        distance = (positions - positions.gather(1, best[:, None])).abs()
+        # the tokens nearest the match (`reach`: the text after it first), then by position, within `span`
+        distance = reach(positions - positions.gather(1, best[:, None]))
         key = torch.where(filled[:, :used], distance * (self.max_positions + 1) + positions, torch.iinfo(torch.long).max)
         order = key.argsort(dim=1)  # positions differ, so the order is total
         ranked = torch.empty_like(order).scatter_(1, order, torch.arange(used, device=order.device).expand(S, -1))

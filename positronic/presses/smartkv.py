@@ -140,7 +140,8 @@ class SmartKVPress(Press):
         if self.settings.recall:
             size = SmartKVPolicy.memory_size(self.settings)
             self.index = LaneIndex(lm, lanes=self.lanes, heads=self.heads, size=size, share=SmartKVPolicy.recall_share,
-                                   span=SmartKVPolicy.recall_span(size), hold=SmartKVPolicy.recall_hold)
+                                   span=SmartKVPolicy.recall_span(size), hold=SmartKVPolicy.recall_hold,
+                                   capacity=SmartKVPolicy.recall_capacity)
             self.slot_state = self.index.declarations()
 
     # --- a round ------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class ModelWorker:
         self.engine_slots = engine_slots
         # SmartKV sessions (lanes apart) in engines too: off by default. On a 2-core CPU with SmolLM2
         # they made 0.68x the tokens/s of ticking alone (the forward bounds a round there, and each
-        # request's join and hand-back copy ~94 MB of recall index: bench/results/server.md)
+        # request's join and hand-back copy the recall index, then ~94 MB, now up to 188 MB: bench/results/server.md)
         self.engine_smartkv = engine_smartkv
         # each engine's forward one compiled graph per bucket (positronic/models/compiled.py)
         self.seats = Seats(slots=engine_slots, smartkv=engine_smartkv, compiled=engine_compiled) if engine_slots else None

@@ -87,6 +87,10 @@ class SmartKVPolicy:
     repairer = None
     recall_share = 1.0  # a lane wants a token it lacks at this share of its attention (recall.py)
     recall_hold = 16  # ticks a token taken back cannot be dropped (recall.py)
+    # tokens the recall index keeps (the oldest go first): a 4,096-token context past a 1,024-row
+    # budget loses nothing (2,048 lost a fact in its first quarter); scoring them is most of recall's
+    # cost (SmolLM2 at budget 256: a tick 1.084x with 4,096 indexed against 2,048, bench/recall_cost.py)
+    recall_capacity = 4096
     value_norms = True  # scores add log4 of the value norms (a session saved before them resumes without)
 
     def __init__(self, lm, config):
@@ -99,7 +103,8 @@ class SmartKVPolicy:
         self.horizon = self.gates.horizon
         self.heads = self.gates.heads  # lanes per layer: 1, or the kv heads (per-head gates)
         self.memory = MEMORY_RANKS[config.memory_rank](lm.num_layers * self.heads, self.size, self.horizon)
-        self.recall = LaneRecall(self.heads, share=self.recall_share, span=self.recall_span(self.size)) \
+        self.recall = LaneRecall(self.heads, share=self.recall_share, span=self.recall_span(self.size),
+                                 capacity=self.recall_capacity) \
             if config.recall else None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.pinned_out: frozenset[int] = frozenset()  # pinned tokens out of the window: in every lane, in no memory

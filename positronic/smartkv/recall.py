@@ -21,12 +21,12 @@ else a fact the gates predicted little use for is the weakest again at once), th
 its own score with a lifespan counted from its return. For `cooldown` ticks it does not come
 back into the same lane again (other lanes may still take it).
 
-The index is a ring: `keys`/`values` are allocated once for `capacity` tokens and a token
-leaving the window is written into the next slot (over the oldest when full), so a tick
-copies only its own rows. Keys are kept as columns: one query against every indexed key is
-then a [group, head_dim] x [head_dim, rows] product, which the CPU does in half the time of
-the [rows, head_dim] x [head_dim, group] one (it reads every key each tick: this is recall's
-main cost).
+The index is a ring of `capacity` tokens (SmartKVPolicy.recall_capacity: 4,096) that grows by
+doubling until it is full: a token leaving the window is written into the next slot (over the
+oldest when full), so a tick copies only its own rows. Keys are kept as columns: one query
+against every indexed key is then a [group, head_dim] x [head_dim, rows] product, which the CPU
+does in half the time of the [rows, head_dim] x [head_dim, group] one (it reads every key each
+tick: this is recall's main cost).
 
     keys    [layers, kv_heads, head_dim, capacity]  (float32, on the CPU)
     values  [layers, kv_heads, capacity, head_dim]
@@ -43,6 +43,20 @@ import torch
 from ..models.attention import grouped_logits
 from ..policies.recall import Digested, Lookup, Recall
 from ..util import DTYPES, is_int_list
+
+BEHIND = 7  # a token before the match counts as this many times as far as one after it (`reach`)
+
+
+def reach(offset):
+    """How far a token `offset` positions from the match is, for what comes back with it (int
+    arrays or tensors, elementwise): the text after a match counts as its distance, the text
+    before it BEHIND times that (16 tokens: the match, 13 after it, 2 before). A question names
+    what a fact is about, and the fact follows its subject: in "the special magic number for KEY
+    is 48213" the question's query matched "magic" or "number", and of the 16 tokens nearest it
+    by plain distance the last digits (8-12 tokens after it) were outside them (RULER-like
+    needles at 4,096 tokens on lcet10.txt: bench/results/tasks.md)."""
+    return offset * (offset >= 0) - BEHIND * offset * (offset < 0)
+
 
 BLOCK = 128  # ring slots a saved block holds (SmolLM2 float32: 2.9 MB of keys, as much of values)
 
@@ -137,7 +151,7 @@ class LaneRecall(Recall):
         if float(lost[best]) < self.share:
             return lookup
         positions = np.asarray(self.positions)
-        distance = np.abs(positions - positions[best])
+        distance = reach(positions - positions[best])
         near = [slot for slot in np.lexsort((positions, distance)) if distance[slot] <= self.span][: self.span]
         # the text around the match comes back into every lane that lacks it, as the shared
         # recall brings it back into every layer: which heads will read it is not known yet
@@ -207,11 +221,8 @@ class LaneRecall(Recall):
                values: torch.Tensor) -> None:
         """Index tokens in their slots: the next free ones, then over the oldest (a ring, so
         nothing is copied but the new rows)."""
-        if self.keys is None:
-            layers, kv_heads, _, head_dim = keys.shape
-            self.keys = keys.new_empty(layers, kv_heads, head_dim, self.capacity)
-            self.values = values.new_empty(layers, kv_heads, self.capacity, values.shape[-1])
         ids, positions, predicted = ids[-self.capacity:], positions[-self.capacity:], predicted[-self.capacity:]
+        self._room(len(self.ids) + len(ids), keys, values)
         keys, values = keys[:, :, -self.capacity:], values[:, :, -self.capacity:]
         runs = self._runs(self.next, len(ids))
         slots = [slot for a, b in runs for slot in range(a, b)]
@@ -231,6 +242,24 @@ class LaneRecall(Recall):
             for block in range(a // BLOCK, (b - 1) // BLOCK + 1):
                 self._digests.pop(("keys", block), None), self._digests.pop(("values", block), None)
         self.next = (self.next + len(ids)) % self.capacity
+
+    def _room(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Slots for `needed` tokens (at most `capacity`). The ring grows by doubling until it
+        is full (a run that never fills it never holds 4,096 tokens' K/V: 188 MB for SmolLM2 in
+        float32); until then its tokens lie in slots 0.. in order, so growing copies them as they lie."""
+        held = 0 if self.keys is None else self.keys.shape[-1]
+        if min(needed, self.capacity) <= held:  # a full ring: the new tokens go over the oldest
+            return
+        size = min(self.capacity, max(needed, 2 * held, BLOCK))
+        layers, kv_heads, _, head_dim = keys.shape
+        grown_keys = keys.new_empty(layers, kv_heads, head_dim, size,
+                                    dtype=keys.dtype if self.keys is None else self.keys.dtype)
+        grown_values = values.new_empty(layers, kv_heads, size, values.shape[-1],
+                                        dtype=values.dtype if self.values is None else self.values.dtype)
+        if held:
+            grown_keys[..., :held] = self.keys
+            grown_values[:, :, :held] = self.values
+        self.keys, self.values = grown_keys, grown_values
 
     def _runs(self, start: int, count: int) -> list[tuple[int, int]]:
         """The ring's slots `start`, `start + 1`, ... (`count` of them, wrapping) as at most two

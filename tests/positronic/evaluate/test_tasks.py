@@ -114,3 +114,22 @@ def test_the_embedded_model_with_its_full_cache_finds_a_needle_and_a_stated_fact
     for task in ("needle", "recall"):
         for instance in make_instances(smol, task, FILLER, context=256, count=2, seed=1):
             assert answers_exactly(smol, instance, reference_config(len(instance.ids))), (task, instance.answer)
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_the_default_still_finds_a_needle_stated_early_in_a_prompt_six_times_its_budget(smol):
+    """SmartKV with recall (the embedded model's default) at a 512-row budget, a needle at 10%
+    of a ~2,950-token prompt: the prompt is pruned to the budget before the question comes, so
+    the number comes back only through recall's index. With the index's 4,096 tokens it does,
+    and the question is answered exactly; with 2,048 (the index before 2026-12-04) the fact had
+    already been overwritten and this fails (checked by setting SmartKVPolicy.recall_capacity)."""
+    from positronic.brain.defaults import default_policy
+
+    choice = default_policy("smollm2", make_config("smartkv", 512), recall=None)
+    assert (choice.policy, choice.recall) == ("smartkv", True)
+    config = make_config("smartkv", 512, recall=True, memory_rank="recent", gates=choice.gates)
+    instance = make_instances(smol, "needle", FILLER, context=3100, count=1, seed=0)[0]
+    # the fact (about token 320) left the window more than 2,048 window-leavers before the question
+    assert instance.depth == 0.1 and instance.question_at > 2048 + 512 + 330
+    assert answers_exactly(smol, instance, config)

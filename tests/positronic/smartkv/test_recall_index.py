@@ -281,3 +281,51 @@ def test_a_saved_block_carries_its_digest_and_only_the_blocks_written_since_are_
     hashed.clear()
     check(resumed.state())  # a ring taken back hashes its blocks afresh
     assert len(hashed) == 6
+
+
+def test_what_comes_back_with_a_match_is_mostly_the_text_after_it():
+    """A question names a fact's subject and the fact follows it ("the number for KEY is
+    48213" matches at KEY): of the tokens indexed around the match, those after it come back
+    first, those before it at seven times their distance (`reach`), within `span`."""
+    recall = LaneRecall(KV_HEADS, capacity=64, share=1.0, span=16)
+    keys = torch.zeros(LAYERS, KV_HEADS, 41, HEAD_DIM)  # tokens 100..140 at positions 1100..1140
+    keys[0, 0, 20, 0] = 1.0  # lane 0 reads token 120
+    lookup = LaneLookup(1, False)
+    lookup.evicted = (list(range(100, 141)), list(range(1100, 1141)), [0] * 41, keys, keys.clone(),
+                      {i: [0.0] * 4 for i in range(100, 141)})
+    recall.adopt(lookup)
+    query = torch.zeros(LAYERS, 2 * KV_HEADS, HEAD_DIM)
+    query[0, :2, 0] = 5.0 + math.log(2.0)  # both of lane 0's heads: twice what its rows get
+    back = recall.look_lanes(view_with_query(query, torch.full((LAYERS, 2 * KV_HEADS), 5.0), 2000),
+                             numpy.full((4, 1), -1), room=16).back
+    # the match, 13 after it and 2 before it, nearest first (equal reaches: the earlier first)
+    assert back == [120, 121, 122, 123, 124, 125, 126, 119, 127, 128, 129, 130, 131, 132, 133, 118]
+    assert lane_recall.reach(numpy.array([-2, -1, 0, 3])).tolist() == [14, 7, 0, 3]
+    assert lane_recall.reach(torch.tensor([-2, 5])).tolist() == [14, 5]
+
+
+def test_the_ring_grows_until_it_holds_its_capacity_and_keeps_every_token_as_it_was():
+    """The index doubles its slots as tokens come (a short run never holds `capacity` tokens'
+    K/V), the tokens lying in order in them, and stops at `capacity`, then overwrites the oldest."""
+    generator = torch.Generator().manual_seed(4)
+    recall = LaneRecall(KV_HEADS, capacity=300)
+    keys, values = leaving(recall, 0, 3, generator)
+    assert recall.keys.shape[3] == recall.values.shape[2] == lane_recall.BLOCK  # not 300
+    more = [leaving(recall, first, 50, generator) for first in range(3, 253, 50)]  # 253 tokens in all
+    assert recall.keys.shape[3] == 256
+    keys = torch.cat([keys] + [k for k, _ in more], dim=2)
+    values = torch.cat([values] + [v for _, v in more], dim=2)
+    ids, _, _, kept_keys, kept_values = recall._rows()
+    assert ids == list(range(253)) and torch.equal(kept_keys, keys) and torch.equal(kept_values, values)
+    later = leaving(recall, 253, 100, generator)  # past the capacity: the oldest 53 go
+    assert recall.keys.shape[3] == 300 and len(recall.ids) == 300
+    ids, _, _, kept_keys, _ = recall._rows()
+    assert ids == list(range(53, 353))
+    assert torch.equal(kept_keys, torch.cat([keys[:, :, 53:], later[0]], dim=2))
+    saved = recall.state()
+    resumed = LaneRecall(KV_HEADS, capacity=300)
+    resumed.load_state(saved)
+    assert resumed.ids == recall.ids and torch.equal(resumed._rows()[3], kept_keys)
+    full = recall.keys
+    leaving(recall, 353, 1, generator)
+    assert recall.keys is full and recall.ids[recall.next - 1] == 353  # written in place, never copied again
