@@ -39,20 +39,48 @@ PRESSES = ("full", "snapkv", "tova", "streaming", "expected_attention", "pyramid
 def export(args) -> None:
     """The project's side: the instances, as JSON."""
     from positronic.evaluate.cli import read_text
+    from positronic.evaluate.stream import EvalError
     from positronic.evaluate.tasks import make_instances
-    from positronic.models import load_model
+    from positronic.models import ModelError, load_model
 
-    lm = load_model(args.model)
-    text, _ = read_text(Path(args.text))  # as `positronic eval --task --text` reads it
-    made = []
-    for task in args.task:
-        for instance in make_instances(lm, task, text, context=args.context, count=args.instances, seed=args.seed):
+    try:
+        text, _ = read_text(Path(args.text))  # as `positronic eval --task --text` reads it
+        lm = load_model(args.model)
+        made = []
+        instances = [(task, make_instances(lm, task, text, context=args.context, count=args.instances, seed=args.seed))
+                     for task in args.task]
+    except (OSError, ValueError, EvalError, ModelError) as exc:  # EvalError: a task, context or count it cannot make
+        raise SystemExit(f"kvpress_tasks export: {exc}") from None
+    for task, made_for_task in instances:
+        for instance in made_for_task:
             made.append({"task": task, "ids": instance.ids, "question_at": instance.question_at,
                          "answer_at": instance.answer_at, "answer": instance.answer, "depth": instance.depth})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": lm.name, "filler": Path(args.text).name, "context": args.context,
                                     "seed": args.seed, "instances": made}), encoding="utf-8")
     print(f"wrote {len(made)} instances to {args.out}")
+
+
+def read_instances(path: Path, budgets: list[int]) -> dict:
+    """`export`'s JSON; SystemExit naming the problem if it is not that, or a budget does not
+    leave a context shorter than the budget to compress (nothing changes, nothing loads)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        items = data["instances"]
+        ok = isinstance(items, list) and items and all(
+            isinstance(i, dict) and isinstance(i.get("ids"), list) and all(type(t) is int for t in i["ids"])
+            and type(i.get("question_at")) is int and type(i.get("answer_at")) is int and isinstance(i.get("task"), str)
+            and 0 < i["question_at"] < i["answer_at"] < len(i["ids"]) for i in items)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"kvpress_tasks run: cannot read {path}: {exc}") from None
+    if not ok:
+        raise SystemExit(f"kvpress_tasks run: {path} holds no instances as `export` writes them")
+    shortest = min(i["question_at"] for i in items)
+    for budget in budgets:
+        if not 0 < budget < shortest:
+            raise SystemExit(f"kvpress_tasks run: --budget {budget} must be >= 1 and below the shortest context "
+                             f"({shortest} tokens)")
+    return data
 
 
 def press_of(name: str, ratio: float):
@@ -68,6 +96,7 @@ def press_of(name: str, ratio: float):
 
 
 def run(args) -> None:
+    data = read_instances(args.instances, args.budget)  # refused before anything loads
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -76,7 +105,6 @@ def run(args) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
-    data = json.loads(args.instances.read_text(encoding="utf-8"))
     models = {}
 
     def model(attn: str):

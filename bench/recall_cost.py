@@ -57,6 +57,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    for name in ("budget", "ticks", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if min(args.capacities) < 1:
+        parser.error(f"--capacities must be >= 1, got {min(args.capacities)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)

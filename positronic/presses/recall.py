@@ -17,8 +17,8 @@ averaged over each lane's query heads; the best token some lane lacks comes back
 would give it `share` of the attention it gives its own rows, with the indexed tokens nearest
 to it in position (`span`, ordered by `reach` then position: the text after it first), into
 every lane that lacks each, at most `room` per lane in that order, none into a lane that took
-it back less than `cooldown` looks ago. A lane drops as many of its weakest memory rows (after the round's
-offer); a token back is held for `hold` rounds and ranks from its return on (`born`).
+it back less than `cooldown` looks ago. A lane drops as many of its weakest memory rows (after
+the round's offer); a token back is held for `hold` rounds and ranks from its return on (`born`).
 
 The selection is `LaneRecall.look_lanes` + `Memories.take_back` as masks over [S, lanes,
 index] and one stable sort of ranks; the only differences from today are last-bit ones in the
@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..policies.recall import DEFAULT_CAPACITY, DEFAULT_COOLDOWN
+from ..policies.recall import DEFAULT_COOLDOWN
 from ..smartkv.recall import reach
 from ..smartkv.rows import HELD
 
@@ -44,7 +44,7 @@ class LaneIndex:
     per layer) whose memories hold `size` rows; see the module docstring."""
 
     def __init__(self, lm, *, lanes: int, heads: int, size: int, share: float, span: int, hold: int,
-                 cooldown: int = DEFAULT_COOLDOWN, capacity: int = DEFAULT_CAPACITY):
+                 capacity: int, cooldown: int = DEFAULT_COOLDOWN):
         self.lanes, self.heads, self.share, self.span, self.hold = lanes, heads, share, span, hold
         self.cooldown, self.capacity, self.room = cooldown, capacity, max(1, size // 2)
         self.layers, self.kv_heads, self.head_dim = lm.num_layers, lm.num_kv_heads, lm.head_dim

@@ -246,16 +246,16 @@ class LaneRecall(Recall):
     def _room(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Slots for `needed` tokens (at most `capacity`). The ring grows by doubling until it
         is full (a run that never fills it never holds 4,096 tokens' K/V: 188 MB for SmolLM2 in
-        float32); until then its tokens lie in slots 0.. in order, so growing copies them as they lie."""
+        float32); until then its tokens lie in slots 0.. in order, so growing copies them as they
+        lie. keys, values: [layers, kv_heads, n, head_dim], the tokens about to be written."""
         held = 0 if self.keys is None else self.keys.shape[-1]
         if min(needed, self.capacity) <= held:  # a full ring: the new tokens go over the oldest
             return
         size = min(self.capacity, max(needed, 2 * held, BLOCK))
         layers, kv_heads, _, head_dim = keys.shape
-        grown_keys = keys.new_empty(layers, kv_heads, head_dim, size,
-                                    dtype=keys.dtype if self.keys is None else self.keys.dtype)
-        grown_values = values.new_empty(layers, kv_heads, size, values.shape[-1],
-                                        dtype=values.dtype if self.values is None else self.values.dtype)
+        keys, values = (keys, values) if self.keys is None else (self.keys, self.values)  # dtype and device
+        grown_keys = keys.new_empty(layers, kv_heads, head_dim, size)
+        grown_values = values.new_empty(layers, kv_heads, size, values.shape[-1])
         if held:
             grown_keys[..., :held] = self.keys
             grown_values[:, :, :held] = self.values

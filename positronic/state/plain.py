@@ -27,9 +27,8 @@ def settle(fills: tuple[tuple[str, float], ...], tokens: Tensor, new_rows: Tenso
     """S slots' new rows after their forward. tokens, new_rows, position [S] int64: slot s's token,
     the row it took and its position; `results`: the forward's (`SlotState._forward`); `buffers`:
     the state's length, positions, token_ids and its `RESULTS` tensors (whole, written in their
-    first S slots); `row_state`: the
-    per-row state's tensors, `scored` the presses' next values of some of them [S, ...], `fills`
-    (name, value) a new row's value of each but the predictions. Returns [S] bool: whether each
+    first S slots); `row_state`: the per-row state's tensors, `scored` the presses' next values
+    of some of them [S, ...], `fills` (name, value) a new row's value of each but the predictions. Returns [S] bool: whether each
     slot's new logits are finite."""
     logits = results[0]
     size, device = tokens.shape[0], tokens.device

@@ -14,3 +14,10 @@ def test_each_capacity_fills_its_index_and_the_shipped_one_stays(run_script):
     assert [(int(row[0]), int(row[1])) for row in rows] == [(64, 64), (128, 128)]  # each index full
     assert float(rows[0][4]) == 1.0 and float(rows[1][2]) > 0
     assert SmartKVPolicy.recall_capacity == 4096
+
+
+def test_settings_it_cannot_run_are_refused_before_the_model_loads(run_script):
+    done = run_script("recall_cost", "--capacities", "0", "64")
+    assert done.returncode == 2 and "--capacities must be >= 1, got 0" in done.stderr
+    done = run_script("recall_cost", "--ticks", "0")
+    assert done.returncode == 2 and "--ticks must be >= 1, got 0" in done.stderr
