@@ -3,7 +3,7 @@
     bash bench/llamacpp_env.sh                  # once: bench/.llamacpp-venv (builds llama.cpp, minutes)
     python bench/vs_llamacpp.py                 # the embedded model's GGUF, threads 1 and 2
     python bench/vs_llamacpp.py --gguf model.Q8_0.gguf --threads 2 --weights float32 int8 --budgets 384
-    python bench/vs_llamacpp.py --threads 2 --weights int8 bfloat16+compiled --budgets 384   # run --compile
+    python bench/vs_llamacpp.py --threads 2 --weights int8 int8-weight-only+compiled --budgets 384   # run --compile
 
 Each round runs, in turn and for each thread count: llama.cpp (llama-cpp-python in its own
 venv, a child process per run: `Llama(n_ctx=1024)`, the prompt evaluated at once, then
@@ -110,13 +110,25 @@ def project_run(lm, threads: int, prompt: list[int], tokens: int, budget: int, c
     return {"prompt_s": prompt_s, "decode_s": decode_s, "tokens": out, "policy": config.policy, "rounds": rounds}
 
 
+def load_compiled(gguf: Path, what: str):
+    """The model for WHAT+compiled, ticking compiled rounds: --weights WHAT where a round computes
+    that format (float32, int8-weight-only), else the model in dtype WHAT (bfloat16)."""
+    from positronic.models import load_model
+    from positronic.models.compiled import ROUND_WEIGHTS
+
+    if what in ROUND_WEIGHTS:
+        return load_model(str(gguf), device="cpu", weights=what)
+    return load_model(str(gguf), device="cpu", dtype=what, weights="float32")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded model's)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--weights", nargs="+", default=["float32", "int8"],  # int4: see docs/weights.md
-                        help="float32 | bfloat16 | int8 | int4, or DTYPE+compiled (float32+compiled, bfloat16+compiled): "
-                             "the model in that dtype ticking compiled Core v4 rounds (run --compile --dtype DTYPE)")
+                        help="float32 | bfloat16 | int8 | int8-weight-only | int4, or W+compiled (float32+compiled, "
+                             "int8-weight-only+compiled, bfloat16+compiled): ticking compiled Core v4 rounds (run "
+                             "--compile --weights W, or --dtype bfloat16)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 384])
     parser.add_argument("--prompt-tokens", type=int, default=450)
     parser.add_argument("--tokens", type=int, default=256)
@@ -131,10 +143,8 @@ def main(argv=None) -> int:
     from positronic.models import load_model, smollm2_gguf
 
     gguf = (args.gguf or smollm2_gguf()).resolve()
-    # WEIGHTS+compiled: the model in dtype WEIGHTS (its own linear layers), ticking compiled rounds
-    models = {w: load_model(str(gguf), device="cpu", weights=w) if not w.endswith("+compiled") else
-              load_model(str(gguf), device="cpu", dtype=w.removesuffix("+compiled"), weights="float32")
-              for w in args.weights}
+    models = {w: load_compiled(gguf, w.removesuffix("+compiled")) if w.endswith("+compiled") else
+              load_model(str(gguf), device="cpu", weights=w) for w in args.weights}
     hf = None
     if not args.no_hf:  # the same converted weights, loaded as transformers loads them by default
         from transformers import AutoModelForCausalLM

@@ -41,7 +41,7 @@ def eval_command(
     smooth: Optional[int] = typer.Option(None, help="Moving-average window of the plot (tokens)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
-    weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): int8 for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...), else float32. int8: fastest on a CPU; int4: least memory."),
+    weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int8-weight-only | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): int8 for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...), else float32. int4: least memory."),
     repairer: str = typer.Option(DEFAULTS.repairer, help="The brightness policy's repairer: none (cull only) | bridge | self | mlm:PATH."),
     repair_batch: int = typer.Option(DEFAULTS.repair_batch, min=1, help="The brightness policy's rows freed at once at the budget (1 = one per tick)."),
     evict_every: int = typer.Option(0, min=0, help="The shared-row policies (brightness, streaming, scored, h2o, random) edit once every N ticks, freeing N rows; 0: each one's own (llama.cpp's budget/16 + 1; brightness: --repair-batch). smartkv and none keep theirs."),

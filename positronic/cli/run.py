@@ -74,8 +74,8 @@ def run(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", min=0, help="llama.cpp alias of --device: 0 = cpu; any N > 0 = cuda, every layer (no partial offload)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 | auto: the checkpoint's own dtype (a bf16 checkpoint stays bf16). Default: float16 on cuda, float32 on cpu."),
-    weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): int8 for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...), else float32. int8: fastest on a CPU; int4: least memory."),
-    compile: bool = typer.Option(False, "--compile/--no-compile", help="Each tick a Core v4 engine round of one whose forward is one compiled graph (torch.compile; Llama-class models with float weights, the policies Core v4 runs): compiled before the first tick, about 40 s for SmolLM2 on 2 CPU cores (5 s for a tiny model), then SmolLM2's tick is ~1.5x faster there. Tokens may part from an uncompiled run's at a near-tie (docs/core.md, \"A lone stream\")."),
+    weights: Optional[str] = typer.Option(None, help="float32 | bfloat16 | int8 | int8-weight-only | int4 | auto: the CPU linear layers' format (docs/weights.md). auto (default): for a GGUF file of quantized weights (Q4_0, Q4_1, Q8_0, ...) int8, or int8-weight-only with --compile; else float32. int8-weight-only with --compile: fastest on a CPU; int4: least memory."),
+    compile: bool = typer.Option(False, "--compile/--no-compile", help="Each tick a Core v4 engine round of one whose forward is one compiled graph (torch.compile; Llama-class models with float or int8-weight-only weights, the policies Core v4 runs): compiled before the first tick, about 40 s for SmolLM2 on 2 CPU cores (5 s for a tiny model); with --weights int8-weight-only SmolLM2 then ticks ~4x faster than float32 uncompiled. Tokens may part from an uncompiled run's at a near-tie (docs/core.md, \"A lone stream\")."),
     events: Optional[Path] = typer.Option(None, help="Write one JSON line per tick to this file."),
     session: Optional[Path] = typer.Option(None, help="Directory to checkpoint the run into."),
     save_every: int = typer.Option(100, min=1, max=sessions.MAX_TICK, help="Checkpoint every N ticks (with --session)."),
@@ -206,7 +206,7 @@ def run(
     if live:
         from ..tui.app import loading
     with loading(model) if live else contextlib.nullcontext():  # the view opens only once the brain exists
-        lm = load_model(model, device=device, dtype=dtype, weights=weights)
+        lm = load_model(model, device=device, dtype=dtype, weights=weights, compiled=compile)
         freeze_heap()
         config = with_gates(ctx, lm, config)  # --gates auto: kept, or trained now on first use
         if template is not None:

@@ -227,7 +227,8 @@ def serve_command(run: Callable, brain_config: Callable) -> Callable:
         # slow every forward (positronic/batch/threads.py)
         threads = options["threads"] or torch.get_num_threads()
         set_threads(1)
-        lm = load_model(options["model"], device=options["device"], dtype=options["dtype"], weights=options["weights"])
+        lm = load_model(options["model"], device=options["device"], dtype=options["dtype"], weights=options["weights"],
+                        compiled=options["compile"])
         freeze_heap()
         config = with_gates(ctx, lm, config)  # --gates auto: kept, or trained now on first use
         check_budget(lm, config)

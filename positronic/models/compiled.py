@@ -23,7 +23,7 @@ round's in their last bits (~1e-4 on SmolLM2): its tokens can part from the eage
 near-tie. What it keeps is batched = alone. In float32 on a CPU every product is oneDNN's, as
 the eager layers' (`linear.row_linear`, an op the compiler keeps whole, with the weight packed
 once), whose rows are computed alone for two rows or more, and every other operation works
-slot by slot; a bucket is never 1 (a lone sequence is padded to 2). Left to itself inductor
+slot by slot; such a bucket is never 1 (a lone sequence is padded to 2). Left to itself inductor
 lowers a float32 linear to MKL's packed product, whose rows kept their bits across buckets on
 an AMX Xeon and did not on an AMD EPYC (both ran this suite): the op is what makes the claim
 hold on any CPU, and on the EPYC it is faster too (SmolLM2, a round of 2: 49.6 against 70.5
@@ -34,10 +34,17 @@ every product and norm runs over fixed 64-row tiles (models/tiles.py), as the ea
 there do; whether that makes batched = alone hold is measured (bench/gpu.sh), not claimed:
 on 2026-12-04, before the tiles, it did not (bench/results/gpu.md).
 
+With `--weights int8-weight-only` (models/weights.py) each product is the eager layer's own
+`weight_only_product`, traced into the round: inductor writes it as one loop a row that reads the
+int8 weights and widens them in registers (not frozen: freezing would fold the weights into float32
+copies), its additions in the same order for one row or many, so a lone sequence's round is one
+slot and batched = alone holds from bucket 1 (tested). SmolLM2 past its budget: a round of one
+~11 ms on a 2-core AVX-512 CPU, float32's ~50 (bench/results/weights.md).
+
 It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,
 TinyLlama; Mistral, Qwen and Phi-3 have classes of their own) with float weights (`nn.Linear`,
-`RowInvariantLinear`); `refusal` names what it cannot run (an int8 or int4 layer, another
-family), and the engine says so before it starts.
+`RowInvariantLinear`) or int8-weight-only ones; `refusal` names what it cannot run (fbgemm's int8
+or int4 layers, another family), and the engine says so before it starts.
 """
 
 from __future__ import annotations
@@ -56,9 +63,11 @@ from .attention import Decode, decode_mask, decode_weights
 from .lean import LeanLlama
 from .linear import ONEDNN, row_linear
 from .tiles import by_tiles
+from .weights import WeightOnlyInt8Linear
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+ROUND_WEIGHTS = ("float32", "int8-weight-only")  # the --weights formats a round's graph computes
 # graphs dynamo keeps for the round's one function: one per model, recorded layers, buffer shape,
 # bucket and torch thread count (a server has a few; a test process hundreds). Dynamo's own limit
 # is 8 a function: past it, it would refuse to compile (fullgraph) and the rounds would run eagerly
@@ -78,15 +87,18 @@ def refusal(lm) -> str | None:
     model = lm.model
     if not LeanLlama.fits(model, tiled=True):
         return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
-    if getattr(lm, "weights", "float32") != "float32":  # models/weights.py replaced the linear layers
-        return (f"a compiled round runs the model's own linear layers, not --weights {lm.weights} ones "
-                "(for half precision: --dtype bfloat16, whose compiled products are the fastest here)")
+    weights = getattr(lm, "weights", "float32")
+    if weights not in ROUND_WEIGHTS:  # models/weights.py replaced the linear layers
+        return (f"a compiled round runs float weights or --weights int8-weight-only, not --weights {weights} "
+                "(for half precision: --dtype bfloat16)")
     core = model.model
     if type(core.embed_tokens) is not nn.Embedding:
         return f"a compiled round runs float weights (--weights float32); the embedding is {type(core.embed_tokens).__name__}"
     products = [(f"model.layers.{index}.{part}.{name}", getattr(getattr(layer, part), name))
                 for index, layer in enumerate(core.layers) for part, name in PRODUCTS]
     for name, module in [*products, ("lm_head", model.lm_head)]:
+        if weights == "int8-weight-only" and isinstance(module, WeightOnlyInt8Linear):
+            continue
         if not isinstance(module, nn.Linear):  # a TiledLinear is one (models/tiles.py)
             return f"a compiled round runs float weights (--weights float32); {name} is {type(module).__name__}"
         if module.weight.dtype not in FLOATS:
@@ -94,13 +106,21 @@ def refusal(lm) -> str | None:
     return None
 
 
-def buckets(slots: int) -> list[int]:
-    """The padded sizes a round of `slots` buffers runs at: 2, 4, 8, ... and `slots`."""
-    sizes, size = [], 2
+def smallest_bucket(lm) -> int:
+    """The slots a lone sequence's round runs in: one where every product sums a row in the same
+    order at any row count (int8-weight-only's kernel), else two (oneDNN computes a row alone
+    for two rows or more)."""
+    return 1 if getattr(lm, "weights", "float32") == "int8-weight-only" else 2
+
+
+def buckets(slots: int, smallest: int = 2) -> list[int]:
+    """The padded sizes a round of `slots` buffers runs at: `smallest` (1 or 2), then 2, 4,
+    8, ... and `slots`."""
+    sizes, size = [smallest], 2
     while size < slots:
         sizes.append(size)
         size *= 2
-    return sorted({*sizes, max(slots, 2)})
+    return sorted({*sizes, max(slots, smallest)})
 
 
 class CompiledRound:
@@ -112,21 +132,22 @@ class CompiledRound:
     row `rows[s]` at RoPE position `positions[s]` (rows past `rows[s]` hidden).
 
     `keys`, `values`: the slot buffers `[layers, slots, kv_heads, capacity, head_dim]`, slots
-    >= 2 (SlotState makes them so); `recorded`: the layers whose shares the presses read.
+    >= `smallest_bucket(lm)` (SlotState makes them so); `recorded`: the layers whose shares the presses read.
     Rounds of one model and recorded layers share their graphs (`_Graph`), whatever state
     or engine runs them: a second engine on the same model compiles nothing new."""
 
     def __init__(self, lm, keys: torch.Tensor, values: torch.Tensor, recorded: list[int]):
         if (why := refusal(lm)) is not None:
             raise ValueError(why)
-        if keys.shape[1] < 2:
-            raise ValueError("a compiled round pads a lone sequence to 2 slots: give the buffers 2 or more")
+        if keys.shape[1] < (smallest := smallest_bucket(lm)):
+            raise ValueError(f"a compiled round of this model pads a lone sequence to {smallest} slots: "
+                             f"give the buffers {smallest} or more")
         self.keys, self.values = keys, values
-        self.sizes = buckets(keys.shape[1])
         graphs = lm.model.__dict__.setdefault("_positronic_graphs", {})  # {(recorded, device): _Graph}
         self.graph = graphs.get(key := (tuple(recorded), keys.device.type))
         if self.graph is None:
             self.graph = graphs[key] = _Graph(lm, list(recorded), keys.device.type)
+        self.sizes = buckets(keys.shape[1], self.graph.smallest)
         if keys.device.type == "cuda":  # captured graphs need the buffers at fixed addresses
             torch._dynamo.mark_static_address(keys)
             torch._dynamo.mark_static_address(values)
@@ -216,14 +237,16 @@ class Functions:
         return compiled
 
 
-def inductor_settings(dtype: torch.dtype, device: str) -> dict:
-    """Inductor's settings for a round's graph. Freezing everywhere (oneDNN's packed linears on a
-    CPU: a row's numbers whatever rows are beside it). On a CPU in bfloat16, inductor's own
+def inductor_settings(dtype: torch.dtype, device: str, weights: str = "float32") -> dict:
+    """Inductor's settings for a round's graph. Freezing for float weights (oneDNN's packed
+    linears on a CPU: a row's numbers whatever rows are beside it); not for int8-weight-only,
+    whose products freezing would fold into float32 copies of the weights (4x the bytes a round
+    reads, and the memory). On a CPU in bfloat16, inductor's own
     GEMM templates too, each product's kernel picked by timing it once (AMX micro-kernels for one
     to a few rows, where oneDNN's linear is slow), with q/k/v and gate/up each one product:
     SmolLM2 in bfloat16, a round of one 15.8 ms against 23.2 (float32: 28.7 against 29.9, a
     product there is memory-bound, so float32 keeps oneDNN and the shorter compile)."""
-    settings = {"freezing": True}
+    settings = {"freezing": weights != "int8-weight-only"}
     if device == "cpu" and dtype == torch.bfloat16:  # float16 not measured: oneDNN's linears as before
         settings |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                      "cpp.enable_concat_linear": True,
@@ -239,9 +262,11 @@ class _Graph:
     def __init__(self, lm, recorded: list[int], device: str):
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
-        self.inductor = inductor_settings(lm.dtype, device)
+        self.inductor = inductor_settings(lm.dtype, device, getattr(lm, "weights", "float32"))
         self.onednn = device == "cpu" and lm.dtype == torch.float32 and ONEDNN
-        self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend)
+        self.smallest = smallest_bucket(lm)
+        self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.eager = self._round
         self.broken: str | None = None  # why compiled rounds stopped (they run eagerly then)
 
@@ -274,6 +299,8 @@ class _Graph:
         rows = by_tiles if self.device == "cuda" else (lambda function, x: function(x))
 
         def linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if isinstance(module, WeightOnlyInt8Linear):  # its sum is the eager layer's kernel's (weights.py)
+                return module.product(x)
             if self.onednn:  # float32 on a CPU: oneDNN's row-invariant product (models/linear.py)
                 return row_linear(x, module.weight, module.bias)
             return rows(lambda x: F.linear(x, module.weight, module.bias), x)

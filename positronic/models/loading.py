@@ -76,17 +76,19 @@ def _longest_entry(tokenizer) -> int:
 
 def load_model(name: str = "smollm2", device: str | None = None,
                dtype: str | torch.dtype | None = None, *, weights: str | None = None,
-               allow_download: bool = True) -> LoadedModel:
+               allow_download: bool = True, compiled: bool = False) -> LoadedModel:
     """Load model `name` onto `device` (default: cuda if available, else cpu) in `dtype`
     (default: float16 on cuda, float32 on cpu; "auto": the checkpoint's own dtype), its linear
     layers in the format `weights` names (weights.py; None: "auto", which is int8 for a GGUF
     file of quantized weights and the loaded dtype otherwise), and return it as a
     `LoadedModel`. `allow_download=False`: a hub id is read from the local cache only, never
-    fetched (a name that came from an untrusted file)."""
+    fetched (a name that came from an untrusted file). `compiled`: the model will run compiled
+    rounds (`--compile`), for which "auto" on a quantized GGUF is int8-weight-only, the format a
+    round computes fastest (docs/weights.md)."""
     dev = _resolve_device(device)
     auto = isinstance(dtype, str) and dtype.lower() == "auto"
     dt = None if auto else _resolve_dtype(dtype, dev)
-    weights = _resolve_weights(name, weights, dev, dt)
+    weights = _resolve_weights(name, weights, dev, dt, compiled)
     with quiet_transformers():
         if name.startswith("random:"):
             model, tokenizer = random_model(name.removeprefix("random:"), dev, dt or _resolve_dtype(None, dev))
@@ -96,13 +98,16 @@ def load_model(name: str = "smollm2", device: str | None = None,
     return _wrap(name, model, tokenizer, dev, model.dtype, weights)
 
 
-def _resolve_weights(name: str, weights: str | None, dev: torch.device, dt: torch.dtype | None) -> str:
+def _resolve_weights(name: str, weights: str | None, dev: torch.device, dt: torch.dtype | None,
+                     compiled: bool = False) -> str:
     """The linear layers' format for `weights` (None: "auto"), refused where it cannot run."""
     asked = (weights or "auto").lower()
     if asked not in WEIGHTS:
         raise ModelError(f"bad weights {weights!r}: expected {', '.join(WEIGHTS)}")
     if asked == "auto":
-        return "int8" if dev.type == "cpu" and dt in (None, torch.float32) and quantized_gguf(name) else "float32"
+        if dev.type == "cpu" and dt in (None, torch.float32) and quantized_gguf(name):
+            return "int8-weight-only" if compiled else "int8"
+        return "float32"
     if asked != "float32" and (dev.type != "cpu" or dt not in (None, torch.float32)):
         raise ModelError(f"--weights {asked} runs on the CPU with float32 activations only "
                          f"(here: {dev.type}, {dt or 'the checkpoint dtype'}); on a GPU use --dtype")

@@ -1,5 +1,5 @@
 """The linear layers' weights in the format the user asks for: `--weights float32 | bfloat16 |
-int8 | int4 | auto` (docs/weights.md has the measured speeds and perplexities).
+int8 | int8-weight-only | int4 | auto` (docs/weights.md has the measured speeds and perplexities).
 
 A decode step on a CPU reads every weight once, so fewer bytes a weight is less time a token
 (how much less depends on what else a tick spends: bench/results/weights.md). Each format is a
@@ -14,6 +14,14 @@ stay as loaded, the embedding too except for int4's `Int8Embedding`):
               hold by construction, as RowInvariantLinear makes them hold for float32
               (linear.py). torch's own int8 kernels (`_int_mm`, `_weight_int8pack_mm`, oneDNN's
               qlinear) measured 7-21x slower than fbgemm's here (bench/results/weights.md).
+    int8-weight-only
+              WeightOnlyInt8Linear: the same int8 weights and row scales, the inputs left
+              float32; each output one sum over the inputs of input x weight, in a kernel
+              inductor writes (`weight_only_product`, compiled once for any number of rows):
+              the weights are read as bytes and widened in registers, so a decode step reads a
+              quarter of float32's bytes. A row's sum is the kernel's alone, so batched = alone
+              and decode = prefill hold by construction; inside a compiled round
+              (models/compiled.py) the same sum is part of the round's graph.
     int4      Int4Linear: 4 bits a weight in groups of 32 along the input, a scale and an
               offset per group (the form of llama.cpp's Q4_1), through torch's CPU int4 kernel
               (`_weight_int4pack_mm_for_cpu`) on float32 inputs. A GGUF's Q4_1 blocks come
@@ -40,7 +48,7 @@ import torch
 from torch import nn
 
 
-FORMATS = ("float32", "bfloat16", "int8", "int4")  # what a loaded model's linear layers can be
+FORMATS = ("float32", "bfloat16", "int8", "int8-weight-only", "int4")  # what a loaded model's linear layers can be
 WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
 GROUP = 32  # int4's group along the input, llama.cpp's block
 
@@ -139,6 +147,67 @@ class Int8Linear(nn.Module):
         outliers = 0 if self.outliers is None else len(self.outliers)
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"outliers={outliers}"
+
+
+def weight_only_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] float32, values int8 [out, in], scale float32 [out] -> [..., out]: each
+    output the sum over the inputs of x times the int8 value, times the output row's scale.
+    Written as a broadcast product and a sum so that inductor makes it one loop (the int8
+    widened in registers, never a float32 copy of the weight) whose order of additions is
+    the kernel's, whatever rows come with it: the same bits for a row alone, in a batch, in a
+    prompt chunk, and in a compiled round's graph (tests/positronic/models/test_weights.py).
+    Eager it would build [..., out, in] floats: it runs compiled (`_PRODUCT`)."""
+    return (x.unsqueeze(-2) * values.to(x.dtype)).sum(-1) * scale
+
+
+# one graph for any number of rows and any layer shape (a lone row gets one of its own: dynamo
+# specialises a size of 1); a few seconds' compile on first use, then inductor's cache on disk
+_PRODUCT = torch.compile(weight_only_product, dynamic=True, fullgraph=True)
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """y = x W^T + b with W as int8 per output row (one float32 scale a row, symmetric, 127
+    levels) and x as it comes (float32): `weight_only_product`. `values` int8 [out, in],
+    `scale` float32 [out]. Compiled, for a decode step (a few rows) it reads the int8 bytes
+    once per row: SmolLM2's 211 products of one row 5.3 ms on a 2-core AVX2 CPU, where
+    oneDNN's float32 ones took 82 and fbgemm's int8 25 (bench/results/weights.md); its cost
+    grows with the rows (a prompt of 450: about as fast as float32's oneDNN there)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        self.register_buffer("values", values)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, outliers=None) -> "WeightOnlyInt8Linear":
+        weight = linear.weight.detach().float()
+        scale = row_scales(weight, 127)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        return cls(torch.round(weight / scale).clamp_(-127, 127).to(torch.int8), scale[:, 0].contiguous(), bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x [..., in] as an expression (what a compiled round traces)."""
+        out = weight_only_product(x, self.values, self.scale)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        if torch.compiler.is_compiling():  # inside a graph being traced: part of it
+            out = weight_only_product(flat, self.values, self.scale)
+        else:
+            from .compiled import lift_limits
+
+            lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
+            # a view's base is guarded on by its shape: one compile for each caller's layout
+            out = _PRODUCT(flat if flat._base is None else flat.clone(), self.values, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 OUTLIERS = 4  # input channels per layer kept in float32 (SmolLM2, 512 tokens: 0, 2, 4, 8 -> x1.070, 1.016, 1.011, 1.014)
@@ -265,7 +334,7 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
+LAYERS = {"int8": Int8Linear, "int8-weight-only": WeightOnlyInt8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers a decoder feeds one input
 
 
@@ -335,7 +404,7 @@ def use_weights(model: nn.Module, weights: str, calibration: torch.Tensor | None
     changed = 0
     for parent in list(model.modules()):
         linears = {name: child for name, child in parent.named_children() if type(child) is nn.Linear}
-        for names in SIBLINGS:
+        for names in SIBLINGS if layer_type is not WeightOnlyInt8Linear else ():  # a compiled round reads each layer's own
             group = [linears[name] for name in names if name in linears]
             if len(group) == len(names) and len({m.in_features for m in group}) == 1 and \
                     (layer_type is not Int4Linear or all(map(Int4Linear.fits, group))):
@@ -370,6 +439,8 @@ def layer_bytes(module: nn.Module) -> int:
         return module.packed.numel() + module.scales_and_zeros.numel() * 4
     if isinstance(module, BFloat16Linear):
         return module.weight.numel() * 2
+    if isinstance(module, WeightOnlyInt8Linear):
+        return module.values.numel() + module.scale.numel() * 4
     return 0
 
 
@@ -400,6 +471,8 @@ def weights_note(weights: str, model: nn.Module | None = None) -> str:
         return "" if WEIGHT_LEVELS == 127 else "; weights in 7 bits (no VNNI here: 8 would overflow fbgemm's sums)"
     if weights == "int4":
         return "; the logits layer int8"
+    if weights == "int8-weight-only":
+        return "; float32 inputs, each product a kernel inductor compiles on first use (seconds)"
     if weights == "bfloat16" and model is not None and not bfloat16_rows_alone(model):
         return ("; this CPU's bfloat16 kernels round a row differently among other rows (AMX: oneDNN picks "
                 "its kernel by row count), so batched and chunked forwards are close to, not the bits of, "

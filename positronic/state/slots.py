@@ -61,7 +61,7 @@ from positronic.steps.attention import layer_indices
 
 from ..kv import rope
 from ..kv.slots import SlotKV
-from ..models.compiled import CompiledRound
+from ..models.compiled import CompiledRound, smallest_bucket
 from ..models import attention
 from ..models.lean import logits_of
 from . import rows as row_plans
@@ -124,8 +124,9 @@ class SlotState:
         self.lm, self.lanes = lm, lanes
         self.attention_layers = layer_indices(score_layers, lm.num_layers)
         self.slots = slots
-        # a compiled round pads a lone sequence to two slots (CompiledRound): room for the second
-        self.kv = SlotKV(layers=lm.num_layers, slots=max(slots, 2) if compiled else slots, kv_heads=lm.num_kv_heads,
+        # a compiled round may pad a lone sequence to two slots (CompiledRound): room for the second
+        self.kv = SlotKV(layers=lm.num_layers, slots=max(slots, smallest_bucket(lm)) if compiled else slots,
+                         kv_heads=lm.num_kv_heads,
                          capacity=capacity, head_dim=lm.head_dim, dtype=lm.dtype, device=lm.device)
         # the round's forward as one compiled graph, or None: eager (`_forward`)
         self.compiled = CompiledRound(lm, self.kv.keys, self.kv.values, self.attention_layers) if compiled else None

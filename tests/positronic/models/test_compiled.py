@@ -35,8 +35,25 @@ def alone(lm, config: BrainConfig, offset: int, rounds: int, **engine) -> list[i
     return [single.step()["x"] for _ in range(rounds)]
 
 
+def pair(lm, configs: list[BrainConfig], spacing: int, **engine) -> list[Engine]:
+    """An eager and a compiled engine holding the same sequences (configs[k]'s at prompt offset
+    spacing * k)."""
+    engines = [Engine(lm, slots=len(configs), compiled=compiled, **engine) for compiled in (False, True)]
+    for engine in engines:
+        for k, config in enumerate(configs):
+            engine.join(k, Brain.start(lm, prompt(lm, spacing * k, 50), config))
+    return engines
+
+
 def test_buckets_pad_to_powers_of_two_and_the_slots():
     assert buckets(1) == [2] and buckets(2) == [2] and buckets(5) == [2, 4, 5] and buckets(32) == [2, 4, 8, 16, 32]
+    assert buckets(1, 1) == [1] and buckets(2, 1) == [1, 2] and buckets(5, 1) == [1, 2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_w8():
+    """random:tiny with --weights int8-weight-only: its rounds' products are the eager layers' kernel."""
+    return load_model("random:tiny", device="cpu", dtype="float32", weights="int8-weight-only")
 
 
 def test_batched_sequences_make_their_alone_tokens_as_they_join_and_leave(tiny):
@@ -95,10 +112,7 @@ def test_the_compiled_round_is_the_eager_round_to_float_tolerance(tiny):
     """The same sequences in an eager and a compiled engine: every round's logits and shares
     agree to 1e-5 (inductor reorders sums; the eager round is the Brain's, bit for bit), and so
     do the tokens on this model."""
-    engines = [Engine(tiny, slots=3, capacity=64, compiled=compiled) for compiled in (False, True)]
-    for engine in engines:
-        for k, policy in enumerate(("h2o", "streaming", "brightness")):
-            engine.join(k, Brain.start(tiny, prompt(tiny, 9 * k, 50), config_for(policy)))
+    engines = pair(tiny, [config_for(policy) for policy in ("h2o", "streaming", "brightness")], 9, capacity=64)
     for _ in range(30):
         eager, compiled = (engine.step() for engine in engines)
         assert eager == compiled
@@ -114,10 +128,7 @@ def test_smartkv_with_recall_compiled_makes_its_alone_tokens_and_eagers_numbers(
     _, gates = bench_gates(tiny, tmp_path)
     configs = [config_for("smartkv", gates=gates, recall=True, budget=48, seed=k) for k in range(3)]
     shape = dict(capacity=64, lanes=tiny.num_layers, score_layers="all")
-    engines = [Engine(tiny, slots=3, compiled=compiled, **shape) for compiled in (False, True)]
-    for engine in engines:
-        for k, config in enumerate(configs):
-            engine.join(k, Brain.start(tiny, prompt(tiny, 11 * k, 50), config))
+    engines = pair(tiny, configs, 11, **shape)
     made = {k: [] for k in range(3)}
     for _ in range(30):
         eager, compiled = (engine.step() for engine in engines)
@@ -158,7 +169,7 @@ def test_a_failed_round_is_rebuilt_and_the_rounds_after_it_stay_compiled(tiny):
 
 def test_what_a_compiled_round_cannot_run_is_refused_by_name():
     int8 = load_model("random:llama3", device="cpu", dtype="float32", weights="int8")
-    with pytest.raises(ValueError, match="own linear layers, not --weights int8 ones .*--dtype bfloat16"):
+    with pytest.raises(ValueError, match="float weights or --weights int8-weight-only, not --weights int8 .*--dtype bfloat16"):
         Engine(int8, slots=2, capacity=32, compiled=True)
     qwen = load_model("random:qwen2", device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="Llama-class models; Qwen2ForCausalLM"):
@@ -215,21 +226,47 @@ def test_more_graphs_than_dynamos_default_limit_are_made_in_any_thread(tiny):
     assert all(engine.state.compiled.graph.broken is None for engine in engines)
 
 
-def test_a_slots_numbers_are_the_same_bits_in_every_bucket(tiny):
-    """The same rows, tokens and positions in buckets of 2, 4 and 8: slot 0 and 1's logits,
+@pytest.mark.parametrize("weights", ["float32", "int8-weight-only"])
+def test_a_slots_numbers_are_the_same_bits_in_every_bucket(weights, tiny, tiny_w8):
+    """The same rows, tokens and positions in buckets of 2, 4 and 8 (and 1, where the products
+    sum a lone row as they sum it among others: int8-weight-only): slot 0's and 1's logits,
     shares, queries and log-normalisers are the same bits (what makes batched = alone hold;
-    without inductor's freezing the products' bits moved with the row count)."""
+    without inductor's freezing the float32 products' bits moved with the row count)."""
     from positronic.models.compiled import CompiledRound
 
+    tiny = tiny_w8 if weights == "int8-weight-only" else tiny
     generator = torch.Generator().manual_seed(0)
     shape = (tiny.num_layers, 8, tiny.num_kv_heads, 64, tiny.head_dim)
     keys, values = (torch.randn(shape, generator=generator) * 0.3 for _ in range(2))
     tokens = torch.randint(3, 500, (8,), generator=generator)
     rows = torch.randint(10, 60, (8,), generator=generator)
     results = {}
-    for size in (2, 4, 8):
+    for size in (1, 2, 4, 8):
         round_ = CompiledRound(tiny, keys.clone(), values.clone(), [0, 1])
+        assert round_.bucket(size) == (2 if size == 1 and weights == "float32" else size)
         results[size] = round_(tokens[:size], rows[:size], rows[:size] + 5)
-    for size in (4, 8):
+    for size in (2, 4, 8):
         for got, want in zip(results[size], results[2]):
             assert torch.equal(got[:2], want), size
+        for got, want in zip(results[size], results[1]):
+            assert torch.equal(got[:1], want), size
+
+
+def test_int8_weight_only_rounds_make_their_alone_tokens_and_the_eager_rounds_numbers(tiny_w8):
+    """--weights int8-weight-only compiled: four sequences of four presses in one engine (bucket
+    4) make, token for token, what each makes in an engine of its own (a round of one slot);
+    and the compiled rounds' logits and shares are the eager rounds' to float tolerance (the
+    products are the same kernel's sums; the rest inductor fuses and reorders)."""
+    configs = [config_for(policy) for policy in ("h2o", "streaming", "brightness", "scored")]
+    engines = pair(tiny_w8, configs, 9, capacity=64)
+    made = {k: [] for k in range(4)}
+    for _ in range(30):
+        eager, compiled = (engine.step() for engine in engines)
+        for k, token in compiled.items():
+            made[k].append(token)
+        states = [engine.state for engine in engines]
+        torch.testing.assert_close(states[1].next_logits[:4], states[0].next_logits[:4], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[1].attention[:4], states[0].attention[:4], atol=1e-5, rtol=1e-5)
+    assert engines[1].state.compiled.bucket(1) == 1
+    for k, config in enumerate(configs):
+        assert made[k] == alone(tiny_w8, config, 9 * k, 30), f"sequence {k}"

@@ -13,7 +13,7 @@ from positronic.models import lean as leans
 from positronic.models import load_model
 from positronic.state import StateManager
 
-WEIGHTS = ["float32", "int8", "int4", "bfloat16"]
+WEIGHTS = ["float32", "int8", "int8-weight-only", "int4", "bfloat16"]
 
 
 @pytest.fixture(scope="module", params=WEIGHTS)

@@ -1,4 +1,4 @@
-"""--weights: the linear layers as int8, int4 or bfloat16 (positronic/models/weights.py).
+"""--weights: the linear layers as int8, int8-weight-only, int4 or bfloat16 (positronic/models/weights.py).
 
 Quantization changes a model's numbers, not the cache's exactness: the families' exactness
 tests (test_families.py) run again here on quantized models, each against that model's own
@@ -16,7 +16,9 @@ from torch import nn
 from positronic.brain import session as sessions
 from positronic.brain.loop import Brain, BrainConfig
 from positronic.models import ModelError, load_model, smollm2_gguf
-from positronic.models.weights import GROUP, Int4Linear, Int8Linear, bfloat16_rows_alone, quantize_int4
+from positronic.models.loading import _resolve_weights
+from positronic.models.weights import (GROUP, Int4Linear, Int8Linear, WeightOnlyInt8Linear, bfloat16_rows_alone,
+                                       quantize_int4)
 
 from .test_families import (prompt, test_a_batched_forward_gives_each_sequence_its_alone_numbers_bit_for_bit,  # noqa: F401
                             test_a_rebuild_is_a_plain_prefill_in_every_layer_and_the_attention_row_is_eager_attentions,
@@ -24,7 +26,8 @@ from .test_families import (prompt, test_a_batched_forward_gives_each_sequence_i
                             test_layer0_equals_a_fresh_prefill_after_random_edits)
 
 # qwen2: biases on q, k, v; phi3: fused qkv and gate_up projections
-CASES = [("llama3", "int8"), ("qwen2", "int8"), ("phi3", "int8"), ("llama3", "int4"), ("qwen2", "bfloat16")]
+CASES = [("llama3", "int8"), ("qwen2", "int8"), ("phi3", "int8"), ("llama3", "int4"), ("qwen2", "bfloat16"),
+         ("qwen2", "int8-weight-only"), ("phi3", "int8-weight-only")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{w}" for f, w in CASES])
@@ -82,6 +85,25 @@ def test_an_int8_row_is_the_same_bits_alone_and_among_others_and_close_to_float3
     assert error < 0.03, f"int8 relative error {error:.3f}"
 
 
+def test_an_int8_weight_only_row_is_the_same_bits_alone_among_others_and_in_a_chunk_and_close_to_float32():
+    """One kernel sums every row (one compiled for a lone row, one for any other count): the
+    same bits whatever rows come with it; the inputs stay float32, so only the weights' 8 bits
+    cost precision (well under int8's, whose inputs take 8 bits too)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 64)
+    layer = WeightOnlyInt8Linear.from_linear(linear)
+    assert layer.values.dtype == torch.int8 and layer.values.abs().max() == 127
+    x = torch.randn(40, 96) * torch.rand(40, 1) * 10
+    x[3] = 0
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(row[None]) for row in x]))
+    assert torch.equal(layer(x[5:9]), together[5:9]) and torch.equal(layer(x[None, 7:30])[0], together[7:30])
+    assert torch.equal(together[3], linear.bias.detach())
+    want = linear(x)
+    error = (together - want).norm() / want.norm()
+    assert error < 0.01, f"int8-weight-only relative error {error:.4f}"
+
+
 def test_int4_keeps_a_q4_1_block_exactly_and_is_close_on_others():
     torch.manual_seed(1)
     codes = torch.randint(0, 16, (16, 4 * GROUP))
@@ -115,10 +137,13 @@ def test_auto_is_int8_for_a_quantized_gguf_and_float32_otherwise(capfd):
     assert "weights: int8 for 211 linear layers" in capfd.readouterr().err
     assert load_model("random:tiny", device="cpu").weights == "float32"
     assert load_model("random:tiny", device="cpu", weights="auto").weights == "float32"
+    # for compiled rounds (--compile), the format a round computes fastest
+    assert _resolve_weights(str(smollm2_gguf()), None, torch.device("cpu"), None, compiled=True) == "int8-weight-only"
+    assert _resolve_weights("random:tiny", "auto", torch.device("cpu"), None, compiled=True) == "float32"
 
 
 @pytest.mark.parametrize("weights, dtype, problem", [
-    ("int3", "float32", "bad weights 'int3': expected float32, bfloat16, int8, int4, auto"),
+    ("int3", "float32", "bad weights 'int3': expected float32, bfloat16, int8, int8-weight-only, int4, auto"),
     ("int8", "bfloat16", "--weights int8 runs on the CPU with float32 activations only"),
 ])
 def test_a_format_that_cannot_run_is_refused_by_name(weights, dtype, problem):
@@ -138,13 +163,14 @@ def test_a_session_resumes_only_on_the_weights_it_was_saved_with(tmp_path):
     assert sessions.resume(int8, tmp_path).tick == 5
 
 
-def test_run_takes_weights_from_the_command_line(tmp_path):
+@pytest.mark.parametrize("weights, extra", [("int8", []), ("int8-weight-only", ["--compile"])])
+def test_run_takes_weights_from_the_command_line(tmp_path, weights, extra):
     events = tmp_path / "events.jsonl"
-    done = subprocess.run([sys.executable, "run.py", "--model", "random:tiny", "--weights", "int8", "--ticks", "12",
-                           "--budget", "64", "--no-tui", "--events", str(events), "--temperature", "0"],
+    done = subprocess.run([sys.executable, "run.py", "--model", "random:tiny", "--weights", weights, "--ticks", "12",
+                           "--budget", "64", "--no-tui", "--events", str(events), "--temperature", "0", *extra],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "weights: int8 for" in done.stderr
+    assert f"weights: {weights} for" in done.stderr
     assert len(events.read_text().splitlines()) >= 12
 
 
@@ -163,7 +189,7 @@ def test_fused_siblings_serve_each_part_once_per_input():
     assert torch.equal(parts[1](y), alone[1](y))  # another input: computed, not the cached one
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int8-weight-only", "int4"])
 def test_a_batch_of_quantized_brains_ticks_each_exactly_as_alone(weights, alone, batched):
     """Through the budget (edits every tick), greedy and seeded sampling: each sequence's
     tokens are the ones it makes alone on the same weights."""
