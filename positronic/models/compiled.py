@@ -60,6 +60,7 @@ from torch.nn import functional as F
 from transformers.models.llama import modeling_llama as llama
 
 from .attention import Decode, decode_mask, decode_weights
+from .dynamo import lift_limits
 from .lean import LeanLlama
 from .linear import ONEDNN, row_linear
 from .tiles import by_tiles
@@ -68,10 +69,6 @@ from .weights import WeightOnlyInt8Linear
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 ROUND_WEIGHTS = ("float32", "int8-weight-only")  # the --weights formats a round's graph computes
-# graphs dynamo keeps for the round's one function: one per model, recorded layers, buffer shape,
-# bucket and torch thread count (a server has a few; a test process hundreds). Dynamo's own limit
-# is 8 a function: past it, it would refuse to compile (fullgraph) and the rounds would run eagerly
-RECOMPILE_LIMIT = 4096
 
 
 # each decoder layer's products the graph computes (`linear` in `_Graph._round`), as (module, its layer)
@@ -185,15 +182,6 @@ class CompiledRound:
                 log.warning("the compiled round failed (%s); rounds run eagerly from now on", self.graph.broken)
             raise
         return logits[:active], shares[:active], mean[:active], queries[:active], norms[:active]
-
-
-def lift_limits() -> None:
-    """Dynamo's limit of graphs a function to `RECOMPILE_LIMIT`. Its settings are per thread
-    (torch 2.13: per context, so per greenlet too): checked in the caller's every time (2 µs; a
-    `config.patch` around the call cost 17)."""
-    config = torch._dynamo.config
-    if config.recompile_limit < RECOMPILE_LIMIT or config.accumulated_recompile_limit < RECOMPILE_LIMIT:
-        config.recompile_limit = config.accumulated_recompile_limit = RECOMPILE_LIMIT
 
 
 class Functions:

@@ -47,6 +47,7 @@ import warnings
 import torch
 from torch import nn
 
+from .dynamo import lift_limits
 
 FORMATS = ("float32", "bfloat16", "int8", "int8-weight-only", "int4")  # what a loaded model's linear layers can be
 WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
@@ -197,8 +198,6 @@ class WeightOnlyInt8Linear(nn.Module):
         if torch.compiler.is_compiling():  # inside a graph being traced: part of it
             out = weight_only_product(flat, self.values, self.scale)
         else:
-            from .compiled import lift_limits
-
             lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
             # a view's base is guarded on by its shape: one compile for each caller's layout
             out = _PRODUCT(flat if flat._base is None else flat.clone(), self.values, self.scale)

@@ -90,7 +90,7 @@ def test_run_compile_ticks_in_compiled_rounds_and_refuses_what_they_cannot_run(c
                        "--no-tui", "--no-input") == 2
         assert "--compile: repairer='bridge' does not run on Core v4 yet" in capsys.readouterr().err
         assert run_cli("-m", "random:tiny", "--compile", "--weights", "int8", "--no-tui", "--no-input") == 2
-        assert "--compile: a compiled round runs the model's own linear layers, not --weights int8" in capsys.readouterr().err
+        assert "--compile: a compiled round runs float weights or --weights int8-weight-only, not --weights int8" in capsys.readouterr().err
     finally:
         torch.set_num_threads(torch_threads)
 
