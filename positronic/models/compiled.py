@@ -50,6 +50,7 @@ or int4 layers, another family), and the engine says so before it starts.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 import time
 import warnings
 from typing import Callable, Hashable
@@ -68,7 +69,22 @@ from .weights import WeightOnlyInt8Linear
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-ROUND_WEIGHTS = ("float32", "int8-weight-only")  # the --weights formats a round's graph computes
+
+
+@dataclass(frozen=True)
+class RoundWeights:
+    """What a round's graph does differently for one --weights format it computes."""
+    smallest: int  # the slots a lone sequence's round runs in (its smallest bucket)
+    freezing: bool  # inductor's freezing
+
+
+ROUND_WEIGHTS = {
+    # oneDNN's packed products (freezing packs them once) compute a row alone for two rows or more
+    "float32": RoundWeights(smallest=2, freezing=True),
+    # weight_only_product sums a row in one order at any row count; freezing would fold its
+    # `values.to(float32)` into float32 copies of the weights (4x the bytes a round reads, and the memory)
+    "int8-weight-only": RoundWeights(smallest=1, freezing=False),
+}
 
 
 # each decoder layer's products the graph computes (`linear` in `_Graph._round`), as (module, its layer)
@@ -84,7 +100,7 @@ def refusal(lm) -> str | None:
     model = lm.model
     if not LeanLlama.fits(model, tiled=True):
         return f"a compiled round runs Llama-class models; {type(model).__name__} is not one"
-    weights = getattr(lm, "weights", "float32")
+    weights = lm.weights
     if weights not in ROUND_WEIGHTS:  # models/weights.py replaced the linear layers
         return (f"a compiled round runs float weights or --weights int8-weight-only, not --weights {weights} "
                 "(for half precision: --dtype bfloat16)")
@@ -94,7 +110,7 @@ def refusal(lm) -> str | None:
     products = [(f"model.layers.{index}.{part}.{name}", getattr(getattr(layer, part), name))
                 for index, layer in enumerate(core.layers) for part, name in PRODUCTS]
     for name, module in [*products, ("lm_head", model.lm_head)]:
-        if weights == "int8-weight-only" and isinstance(module, WeightOnlyInt8Linear):
+        if isinstance(module, WeightOnlyInt8Linear):  # the round traces its product (`linear` in `_round`)
             continue
         if not isinstance(module, nn.Linear):  # a TiledLinear is one (models/tiles.py)
             return f"a compiled round runs float weights (--weights float32); {name} is {type(module).__name__}"
@@ -104,10 +120,9 @@ def refusal(lm) -> str | None:
 
 
 def smallest_bucket(lm) -> int:
-    """The slots a lone sequence's round runs in: one where every product sums a row in the same
-    order at any row count (int8-weight-only's kernel), else two (oneDNN computes a row alone
-    for two rows or more)."""
-    return 1 if getattr(lm, "weights", "float32") == "int8-weight-only" else 2
+    """The slots a lone sequence's round of `lm` runs in (`ROUND_WEIGHTS`; a format no round runs
+    is refused by `refusal` when the round is made)."""
+    return ROUND_WEIGHTS.get(lm.weights, ROUND_WEIGHTS["float32"]).smallest
 
 
 def buckets(slots: int, smallest: int = 2) -> list[int]:
@@ -144,7 +159,7 @@ class CompiledRound:
         self.graph = graphs.get(key := (tuple(recorded), keys.device.type))
         if self.graph is None:
             self.graph = graphs[key] = _Graph(lm, list(recorded), keys.device.type)
-        self.sizes = buckets(keys.shape[1], self.graph.smallest)
+        self.sizes = buckets(keys.shape[1], smallest)
         if keys.device.type == "cuda":  # captured graphs need the buffers at fixed addresses
             torch._dynamo.mark_static_address(keys)
             torch._dynamo.mark_static_address(values)
@@ -226,15 +241,14 @@ class Functions:
 
 
 def inductor_settings(dtype: torch.dtype, device: str, weights: str = "float32") -> dict:
-    """Inductor's settings for a round's graph. Freezing for float weights (oneDNN's packed
-    linears on a CPU: a row's numbers whatever rows are beside it); not for int8-weight-only,
-    whose products freezing would fold into float32 copies of the weights (4x the bytes a round
-    reads, and the memory). On a CPU in bfloat16, inductor's own
+    """Inductor's settings for a round's graph. Freezing as `ROUND_WEIGHTS` says (for float
+    weights: oneDNN's packed linears on a CPU, a row's numbers whatever rows are beside it).
+    On a CPU in bfloat16, inductor's own
     GEMM templates too, each product's kernel picked by timing it once (AMX micro-kernels for one
     to a few rows, where oneDNN's linear is slow), with q/k/v and gate/up each one product:
     SmolLM2 in bfloat16, a round of one 15.8 ms against 23.2 (float32: 28.7 against 29.9, a
     product there is memory-bound, so float32 keeps oneDNN and the shorter compile)."""
-    settings = {"freezing": weights != "int8-weight-only"}
+    settings = {"freezing": ROUND_WEIGHTS[weights].freezing}
     if device == "cpu" and dtype == torch.bfloat16:  # float16 not measured: oneDNN's linears as before
         settings |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                      "cpp.enable_concat_linear": True,
@@ -250,9 +264,8 @@ class _Graph:
     def __init__(self, lm, recorded: list[int], device: str):
         self.lm, self.recorded, self.device = lm, recorded, device
         self.compiles = 0
-        self.inductor = inductor_settings(lm.dtype, device, getattr(lm, "weights", "float32"))
+        self.inductor = inductor_settings(lm.dtype, device, lm.weights)
         self.onednn = device == "cpu" and lm.dtype == torch.float32 and ONEDNN
-        self.smallest = smallest_bucket(lm)
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.eager = self._round

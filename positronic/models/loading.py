@@ -50,7 +50,7 @@ class LoadedModel:
     bos_id: int
     eos_id: int | None
     inv_freq: torch.Tensor
-    weights: str = "float32"  # the linear layers' format (weights.py): float32 | bfloat16 | int8 | int4
+    weights: str = "float32"  # the linear layers' format (weights.py): float32 | bfloat16 | int8 | int8-weight-only | int4
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no special tokens added (the caller adds BOS itself)."""

@@ -199,8 +199,8 @@ class WeightOnlyInt8Linear(nn.Module):
             out = weight_only_product(flat, self.values, self.scale)
         else:
             lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
-            # a view's base is guarded on by its shape: one compile for each caller's layout
-            out = _PRODUCT(flat if flat._base is None else flat.clone(), self.values, self.scale)
+            # detached, a view has no base for dynamo to guard on (one compile per caller's layout)
+            out = _PRODUCT(flat.detach(), self.values, self.scale)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
