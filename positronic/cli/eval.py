@@ -27,7 +27,7 @@ def eval_command(
     model: str = typer.Option("smollm2", "-m", "--model", help="Model, as for the run command."),
     text: Optional[Path] = typer.Option(None, help="Text file to feed (default: texts/alice_ch1-2.txt)."),
     budget: Optional[list[int]] = typer.Option(None, help="Cache budget; repeat for several (default 128 256 512)."),
-    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: brightness, streaming, scored, h2o, none; smartkv on request)."),
+    policy: Optional[list[str]] = typer.Option(None, help="Policy; repeat for several (default: brightness, streaming, scored, h2o, none, and the policy run and serve pick for the model, e.g. smartkv with recall)."),
     max_tokens: int = typer.Option(1024, help="Text tokens to score."),
     out: Path = typer.Option(Path("eval_results"), help="Directory for results.csv/.json and the PNG plot (with --generate: generation.csv/.json, texts/, side_by_side.md)."),
     segments: int = typer.Option(8, help="Perplexity segments reported per run."),

@@ -23,6 +23,11 @@ import threading
 
 APP_NAME = "positronic"
 OBJECT_STORE_BYTES = 256 << 20  # a local instance: the replicas exchange addresses, not tensors, through Ray
+# a local instance shares its CPUs with the replicas' model loads and forwards: Ray's controller kills a
+# proxy not ready in 5 s (its default), which on a loaded 2-core box failed a start (`serve.start`:
+# ActorDiedError); the processes of a local instance read these from this one's environment, and a
+# value already set there is kept
+LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
 def replica_names(count: int) -> list[str]:
@@ -50,6 +55,8 @@ def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str
     local = ray_address is None
     try:
         if local:  # enough CPUs declared for every replica's threads, whatever this machine has
+            for name, value in LOCAL_RAY_ENV.items():
+                os.environ.setdefault(name, value)
             ray.init(num_cpus=max(os.cpu_count() or 1, int(replicas * cpus)), include_dashboard=False,
                      object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING,
                      namespace=APP_NAME)
@@ -67,7 +74,7 @@ def serve_cluster(spec, *, replicas: int, host: str, port: int, ray_address: str
             pass
         print("stopping: every replica checkpoints its sessions", file=sys.stderr, flush=True)
         return stop_application(serve)
-    except RuntimeError as exc:  # a replica that cannot start, a cluster not reached
+    except (RuntimeError, ray.exceptions.RayError) as exc:  # a replica that cannot start, a cluster not reached
         print(f"error: the cluster did not start: {why_not_started(serve) or exc}", file=sys.stderr, flush=True)
         return 1
     finally:

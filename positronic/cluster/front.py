@@ -11,9 +11,10 @@ the replica that made it. When a replica dies:
 - an answer cut off half-way is cut off for the client too (the stream ends without `[DONE]`, a
   whole reply short of its length), as a dying plain server's would be: the client asks again
   with its Idempotency-Key, and the session's next replica answers it from the store.
-A replica that answers 409 `session_in_use` does not hold the session (another replica does,
-after a front restarted and forgot where sessions moved): the next one is tried, and the one that
-answers keeps the session.
+A session's request tells the replica which replicas the front saw die (`X-Positronic-Takeover`):
+a lease of theirs is taken over at once (store.py). A replica that answers 409 `session_in_use`
+does not hold the session (another replica does, after a front restarted and forgot where
+sessions moved): the next one is tried, and the one that answers keeps the session.
 """
 
 
@@ -29,7 +30,7 @@ from ray import serve
 
 from ..server.app import ApiKey, body_too_large
 from ..server.schemas import APIError
-from .routes import NoReplica, Routes, rank, session_of
+from .routes import NoReplica, Routes, session_of
 from .store import TAKEOVER_HEADER
 
 log = logging.getLogger("positronic.cluster.front")
@@ -191,8 +192,6 @@ class Front:
         tried: set[str] = set()
         conflict: Response | None = None
         while True:
-            # where the session was before this pick (its replica, or its first choice)
-            previous = (self.routes.owner.get(session) or rank(session, self.routes.replicas)[0]) if session else None
             try:
                 name = self.routes.pick(session, tried)
             except NoReplica as exc:
@@ -205,11 +204,10 @@ class Front:
             if url is None:
                 self.lost(name, "no address")
                 continue
-            # for a replica on an object store (store.py): the replica the session leaves if that one died
-            # holding it (its lease taken over at once, not after it expires)
-            told = {}
-            if session is not None and previous != name and previous in self.routes.down:
-                told[TAKEOVER_HEADER] = previous
+            # for a replica on an object store (store.py): the replicas seen dead, whose leases it may take
+            # over at once rather than after they expire (which of them held the session, the store says)
+            dead = self.routes.seen_dead(name) if session is not None else []
+            told = {TAKEOVER_HEADER: ",".join(dead)} if dead else {}
             upstream_request = self.client.build_request(request.method, url + target, headers={**headers, **told},
                                                          content=bytes(body))
             try:

@@ -14,6 +14,9 @@ Pure Python (no Ray, no HTTP), so the rules can be read and tested on their own;
 - A replica that comes back (Ray restarted it) takes new sessions again; sessions that moved
   away stay where they are (their new replica holds them in memory).
 - A request without a session goes to the next replica that is up, in turn.
+- A session's request tells its replica every replica the front sees down (`seen_dead`): the
+  session's lease may be any of theirs. Not only the one the table names: a session sent on to a
+  replica that died before it took the session, then to a third, was last held by the first.
 """
 
 from __future__ import annotations
@@ -105,3 +108,8 @@ class Routes:
 
     def revive(self, replica: str) -> None:
         self.down.discard(replica)
+
+    def seen_dead(self, replica: str) -> list[str]:
+        """The replicas down but `replica`: a session's lease held by one of them is a dead
+        process's, which `replica` may take over at once (cluster/store.py)."""
+        return sorted(self.down - {replica})

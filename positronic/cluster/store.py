@@ -18,8 +18,8 @@ expires). `StoreSync` is the ASGI layer that does it around the replica's app:
   freed (room, idle, shutdown) are pushed a last time and released.
 
 A replica that dies stops renewing: its leases expire after `lease_s`. The front, which saw it
-die, asks the session's next replica to take the lease over at once (`X-Positronic-Takeover`:
-the dead replica's name), so failover does not wait for the expiry.
+die, tells the session's next replica which replicas it sees dead (`X-Positronic-Takeover`: their
+names), and a lease of theirs is taken over at once, so failover does not wait for the expiry.
 
 Object stores have no atomic create-if-absent across every backend that fsspec reaches: a lease is
 written, then read back, and the claim stands only if it reads back as this replica's. Two claims
@@ -36,6 +36,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Iterable
 
 from ..server.schemas import APIError
 from .routes import session_of
@@ -45,7 +46,7 @@ log = logging.getLogger("positronic.cluster.store")
 MIRROR = "mirror.msgpack"
 LEASE = ".lease"
 LOCAL_ONLY = {".lock", LEASE}  # the plain server's flock file stays on the replica's disk
-TAKEOVER_HEADER = "x-positronic-takeover"  # the replica the front saw die holding it
+TAKEOVER_HEADER = "x-positronic-takeover"  # the replicas the front saw die, by name, comma-separated
 
 
 class Held(Exception):
@@ -93,16 +94,16 @@ class SessionStore:
         except ValueError:  # a torn or foreign file: nobody's lease
             return None
 
-    def claim(self, session: str, takeover: str | None = None) -> None:
-        """This replica's lease on `session`, or Held. `takeover`: a replica seen dead, whose lease
-        may be taken before it expires."""
+    def claim(self, session: str, takeover: Iterable[str] = ()) -> None:
+        """This replica's lease on `session`, or Held. `takeover`: the replicas seen dead (by
+        name), whose leases may be taken before they expire."""
         now = time.time()
         current = self.lease(session)
         if current is not None and current.get("holder") != self.holder and current.get("expires", 0) > now:
             name = str(current.get("holder", "")).split(":")[0]
             # a lease of this replica's own name is its previous process's (Ray runs one at a time and
             # started this one when that one died): taken at once, as one the front saw die
-            if name != self.holder.split(":")[0] and not (takeover and name == takeover):
+            if name != self.holder.split(":")[0] and name not in set(takeover):
                 raise Held(session, current.get("holder", "?"), current["expires"] - now)
             log.warning("session %s: taking the lease of %s, which is dead", session, current.get("holder"))
         self.fs.makedirs(self._remote(session), exist_ok=True)
@@ -224,7 +225,7 @@ class StoreSync:
 
     async def _serve(self, session: str, headers: dict, scope, receive, send) -> None:
         if session not in self.held:
-            takeover = headers.get(TAKEOVER_HEADER) or None
+            takeover = [name.strip() for name in headers.get(TAKEOVER_HEADER, "").split(",") if name.strip()]
             try:
                 await asyncio.to_thread(self.store.claim, session, takeover)
                 await asyncio.to_thread(self.store.pull, session)

@@ -49,6 +49,26 @@ def test_a_down_replicas_sessions_move_once_and_stay_when_it_returns():
     assert "replica-1" not in routes.owner.values()  # none of the moved sessions went back
 
 
+def test_a_session_sent_on_to_a_replica_that_died_before_taking_it_is_taken_from_the_first():
+    """The failover soak's 409 (2026-12-04): the session held by replica B; B dies, its request
+    goes to A, which dies before taking it; A is back first. The lease is still B's, and A must be
+    told B is dead, though the table now names A (the session's first choice)."""
+    routes = Routes(["replica-0", "replica-1"])
+    session = next(f"s{i}" for i in range(100) if rank(f"s{i}", routes.replicas)[0] == "replica-0")
+    routes.fail("replica-0")
+    assert routes.pick(session) == "replica-1"  # held by replica-1 from here (its lease in the store)
+    routes.revive("replica-0")
+    assert routes.pick(session) == "replica-1" and routes.seen_dead("replica-1") == []
+    routes.fail("replica-1")  # dies holding it
+    assert routes.pick(session) == "replica-0"
+    routes.fail("replica-0")  # dies before it took the session
+    with pytest.raises(NoReplica):
+        routes.pick(session)
+    routes.revive("replica-0")  # back first
+    assert routes.pick(session) == "replica-0"
+    assert routes.seen_dead("replica-0") == ["replica-1"]  # the lease's holder, which replica-0 takes over
+
+
 def test_a_request_tries_each_replica_once_then_none_is_left():
     routes = Routes(list(REPLICAS))
     first = routes.pick("s")

@@ -74,10 +74,10 @@ def test_one_replica_holds_a_session_until_it_releases_dies_or_is_taken_over(tmp
     with pytest.raises(Held, match="session s is in use by replica-0:1"):
         b.claim("s")
     with pytest.raises(Held):
-        b.claim("s", takeover="replica-1")  # a takeover names the replica seen dead, not any
+        b.claim("s", takeover=["replica-1", "replica-2"])  # a takeover names the replicas seen dead, not any
     b.release("s")  # not b's: left as it is
     assert a.lease("s")["holder"] == "replica-0:1"
-    b.claim("s", takeover="replica-0")  # the front saw replica-0 die: its lease is taken at once
+    b.claim("s", takeover=["replica-0", "replica-2"])  # the front saw replica-0 die: its lease is taken at once
     assert a.lease("s")["holder"] == "replica-1:2"
     with pytest.raises(Held):
         a.claim("s")
