@@ -101,3 +101,21 @@ def test_without_the_fused_kernel_the_normalisers_are_not_given(tiny_gqa):
     with attention.tap(lambda *args: None, norms=lambda module, log_norm: norms.append(module.layer_idx)):
         logits(tiny_gqa, attention.ATTENTION, [1, 5, 6, 7], [0, 1, 2, 3], mask)
     assert norms == []
+
+
+def test_the_traced_decode_attention_computes_what_decode_attention_does():
+    """A compiled round's attention written as loops (int8-weight-only on a CPU) against the
+    eager round's: the same output, shares and log-normalisers, rows past each slot's length
+    hidden (their shares 0)."""
+    torch.manual_seed(0)
+    slots, kv_heads, group, capacity, head_dim = 3, 2, 3, 40, 16
+    rows = attention.Decode(torch.randn(slots, kv_heads, capacity, head_dim), torch.randn(slots, kv_heads, capacity, head_dim),
+                            attention.decode_mask(torch.tensor([39, 7, 20]), capacity, torch.float32))
+    query = torch.randn(slots, kv_heads * group, 1, head_dim)
+    out, log_norm = attention.decode_attention(query, rows, 0.25)
+    traced, shares, traced_norm = attention.traced_decode_attention(query, rows, 0.25)
+    weights, _ = attention.decode_weights(query, rows, 0.25)
+    assert torch.allclose(traced.reshape(out.shape), out, atol=1e-6)
+    assert torch.allclose(shares, weights, atol=1e-7) and torch.allclose(traced_norm, log_norm, atol=1e-6)
+    assert shares[1, ..., 8:].abs().max() == 0 and shares[2, ..., 21:].abs().max() == 0
+    assert torch.allclose(shares.sum(-1), torch.ones(slots, kv_heads, group))
