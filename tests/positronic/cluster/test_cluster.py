@@ -293,3 +293,28 @@ def test_rays_own_tools_get_the_same_application_checked_as_serve_checks_it(tmp_
                         "--replicas needs --checkpoint-each-request")]:
         with pytest.raises(ValueError, match=re.escape(said)):
             application({"session_dir": str(tmp_path / "store"), **args})
+
+
+@needs_ray
+def test_a_local_instance_gives_rays_proxy_time_to_start_and_a_failed_start_is_one_line(capsys, monkeypatch):
+    """A local instance's processes read Ray Serve's proxy timeouts from this process's
+    environment: serve sets generous ones unless the user set them; Ray failing to start is
+    a one-line error and exit 1, not a traceback."""
+    import ray
+
+    from positronic.cluster.app import LOCAL_RAY_ENV, serve_cluster
+
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "")  # recorded, so that what serve sets is undone
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "7")  # the user's choice
+    seen = {}
+
+    def init(*args, **kwargs):  # where Ray would start its processes with this environment
+        seen.update({name: os.environ.get(name) for name in LOCAL_RAY_ENV})
+        raise ray.exceptions.RaySystemError("the raylet did not start")
+
+    monkeypatch.setattr(ray, "init", init)
+    assert serve_cluster(None, replicas=2, host="127.0.0.1", port=free_port(), ray_address=None, cpus=1, gpus=0) == 1
+    assert seen == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "7"}
+    err = capsys.readouterr().err
+    assert "error: the cluster did not start: " in err and "the raylet did not start" in err and "Traceback" not in err
