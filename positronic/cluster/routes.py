@@ -15,8 +15,8 @@ Pure Python (no Ray, no HTTP), so the rules can be read and tested on their own;
   away stay where they are (their new replica holds them in memory).
 - A request without a session goes to the next replica that is up, in turn.
 - A session's request tells its replica every replica the front sees down (`seen_dead`): the
-  session's lease may be any of theirs. Not only the one the table names: a session sent on to a
-  replica that died before it took the session, then to a third, was last held by the first.
+  session's lease may be any of theirs, not only the one the table names (a session sent on to
+  a replica that died before it took the session is still held by the one before).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Collection
 
 from ..server.schemas import APIError
 from .routes import session_of
@@ -94,7 +94,7 @@ class SessionStore:
         except ValueError:  # a torn or foreign file: nobody's lease
             return None
 
-    def claim(self, session: str, takeover: Iterable[str] = ()) -> None:
+    def claim(self, session: str, takeover: Collection[str] = ()) -> None:
         """This replica's lease on `session`, or Held. `takeover`: the replicas seen dead (by
         name), whose leases may be taken before they expire."""
         now = time.time()
@@ -103,7 +103,7 @@ class SessionStore:
             name = str(current.get("holder", "")).split(":")[0]
             # a lease of this replica's own name is its previous process's (Ray runs one at a time and
             # started this one when that one died): taken at once, as one the front saw die
-            if name != self.holder.split(":")[0] and name not in set(takeover):
+            if name != self.holder.split(":")[0] and name not in takeover:
                 raise Held(session, current.get("holder", "?"), current["expires"] - now)
             log.warning("session %s: taking the lease of %s, which is dead", session, current.get("holder"))
         self.fs.makedirs(self._remote(session), exist_ok=True)

@@ -126,16 +126,11 @@ def decode_weights(query: torch.Tensor, rows: Decode, scaling: float,
     """`decode_attention`'s weights: query [slots, heads, 1, head_dim] -> each row's share
     [slots, kv_heads, heads // kv_heads, capacity] float32 and (`norms`) the log-normaliser
     [slots, heads, 1] float32, else None."""
-    slots, heads, _, head_dim = query.shape
-    kv_heads = rows.keys.shape[1]
-    grouped = query.reshape(slots, kv_heads, heads // kv_heads, head_dim).float() * scaling
+    grouped = _grouped_query(query, rows, scaling)
     logits = (grouped @ rows.keys.transpose(-1, -2).float()).add_(rows.mask)  # [slots, kv, g, capacity]
     if not norms:
         return torch.softmax(logits, dim=-1), None
-    top = logits.amax(dim=-1, keepdim=True)
-    weights = logits.sub_(top).exp_()
-    total = weights.sum(dim=-1, keepdim=True)
-    return weights.div_(total), (top + total.log()).reshape(slots, heads, 1)
+    return _normalised(logits, query.shape[1])
 
 
 def traced_decode_attention(query: torch.Tensor, rows: Decode,
@@ -146,19 +141,31 @@ def traced_decode_attention(query: torch.Tensor, rows: Decode,
     [slots, heads, 1] float32. Both products are written as a broadcast product and a sum, so
     that inductor makes each a loop fused with the softmax beside it where `@` would be two
     calls of an external batched product a layer: SmolLM2 int8-weight-only, a round of one,
-    93.7 tok/s against 84.7 (with float32 weights slower: compiled.ROUND_WEIGHTS). Eager it would build [slots, kv_heads,
-    group, capacity, head_dim] floats: it is for traced rounds only. Every slot and head is
-    the same loop whatever the batch, as with `@`."""
+    93.7 tok/s against 84.7 (with float weights slower: compiled.ROUND_WEIGHTS). Eager it would
+    build [slots, kv_heads, group, capacity, head_dim] floats: it is for traced rounds only.
+    Every slot and head is the same loop whatever the batch, as with `@`."""
+    grouped = _grouped_query(query, rows, scaling)
+    logits = (grouped.unsqueeze(-2) * rows.keys.float().unsqueeze(2)).sum(-1).add_(rows.mask)  # [slots, kv, g, capacity]
+    weights, log_norm = _normalised(logits, query.shape[1])
+    out = (weights.unsqueeze(-1) * rows.values.float().unsqueeze(2)).sum(-2)  # [slots, kv, g, head_dim]
+    return out.to(query.dtype), weights, log_norm
+
+
+def _grouped_query(query: torch.Tensor, rows: Decode, scaling: float) -> torch.Tensor:
+    """query [slots, heads, 1, head_dim] -> [slots, kv_heads, heads // kv_heads, head_dim]
+    float32, scaled (not the [.., capacity] logits: fewer multiplications)."""
     slots, heads, _, head_dim = query.shape
     kv_heads = rows.keys.shape[1]
-    grouped = query.reshape(slots, kv_heads, heads // kv_heads, head_dim).float() * scaling
-    logits = (grouped.unsqueeze(-2) * rows.keys.float().unsqueeze(2)).sum(-1) + rows.mask  # [slots, kv, g, capacity]
+    return query.reshape(slots, kv_heads, heads // kv_heads, head_dim).float() * scaling
+
+
+def _normalised(logits: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [slots, kv_heads, group, capacity] float32, masked (overwritten) -> the shares of
+    the same shape and the log-normaliser [slots, heads, 1]."""
     top = logits.amax(dim=-1, keepdim=True)
-    weights = (logits - top).exp()
+    weights = logits.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
-    weights = weights / total
-    out = (weights.unsqueeze(-1) * rows.values.float().unsqueeze(2)).sum(-2)  # [slots, kv, g, head_dim]
-    return out.to(query.dtype), weights, (top + total.log()).reshape(slots, heads, 1)
+    return weights.div_(total), (top + total.log()).reshape(logits.shape[0], heads, 1)
 
 
 def _each(attend, module, query: torch.Tensor, ragged: Ragged, **kwargs) -> tuple[torch.Tensor, None]:
