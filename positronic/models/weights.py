@@ -16,12 +16,11 @@ stay as loaded, the embedding too except for int4's `Int8Embedding`):
               qlinear) measured 7-21x slower than fbgemm's here (bench/results/weights.md).
     int8-weight-only
               WeightOnlyInt8Linear: the same int8 weights and row scales, the inputs left
-              float32; each output one sum over the inputs of input x weight, in a kernel
-              inductor writes (`weight_only_product`, compiled once for any number of rows):
-              the weights are read as bytes and widened in registers, so a decode step reads a
-              quarter of float32's bytes. A row's sum is the kernel's alone, so batched = alone
-              and decode = prefill hold by construction; inside a compiled round
-              (models/compiled.py) the same sum is part of the round's graph.
+              float32; each output one sum over the inputs of input x weight, in a loop
+              inductor writes (`weight_only_product`) that widens the int8 in registers: a
+              decode step reads a quarter of float32's bytes. A prompt's rows take a tiled
+              kernel with the loop's bits (models/blocked.py); in a compiled round the loop is
+              part of the graph: batched = alone and decode = prefill hold by construction.
     int4      Int4Linear: 4 bits a weight in groups of 32 along the input, a scale and an
               offset per group (the form of llama.cpp's Q4_1), through torch's CPU int4 kernel
               (`_weight_int4pack_mm_for_cpu`) on float32 inputs. A GGUF's Q4_1 blocks come
@@ -47,6 +46,7 @@ import warnings
 import torch
 from torch import nn
 
+from . import blocked
 from .dynamo import lift_limits
 
 FORMATS = ("float32", "bfloat16", "int8", "int8-weight-only", "int4")  # what a loaded model's linear layers can be
@@ -171,8 +171,8 @@ class WeightOnlyInt8Linear(nn.Module):
     levels) and x as it comes (float32): `weight_only_product`. `values` int8 [out, in],
     `scale` float32 [out]. Compiled, for a decode step (a few rows) it reads the int8 bytes
     once per row: SmolLM2's 211 products of one row 5.3 ms on a 2-core AVX2 CPU, where
-    oneDNN's float32 ones took 82 and fbgemm's int8 25 (bench/results/weights.md); its cost
-    grows with the rows (a prompt of 450: about as fast as float32's oneDNN there)."""
+    oneDNN's float32 ones took 82 and fbgemm's int8 25 (bench/results/weights.md). A prompt's
+    rows take models/blocked.py's tiles (each weight widened once for 6 rows; the same bits)."""
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -200,7 +200,8 @@ class WeightOnlyInt8Linear(nn.Module):
         else:
             lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
             # detached, a view has no base for dynamo to guard on (one compile per caller's layout)
-            out = _PRODUCT(flat.detach(), self.values, self.scale)
+            # a prompt's rows by the tiled kernel, with the loop's bits (models/blocked.py)
+            out = blocked.product(flat.detach(), self.values, self.scale, _PRODUCT)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
