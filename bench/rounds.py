@@ -25,12 +25,14 @@ recall) runs the model's shipped gates, or untrained ones for a random model (be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.batch import batch_arguments, batched, brains, configs  # noqa: E402  (bench/batch.py: the same prompts, brains, batch)
 
 from positronic.batch.engine import Engine  # noqa: E402
-from positronic.models import load_model  # noqa: E402
+from positronic.models import load_model, weight_only  # noqa: E402
 from positronic.smartkv.gates import bench_gates  # noqa: E402
 from positronic.util import TorchOps  # noqa: E402
 
@@ -67,7 +69,9 @@ def with_engine(lm, group, ticks: int, budget: int, compiled: bool = False
     start = time.perf_counter()
     engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
     folded = (time.perf_counter() - start) / ticks
-    if compiled:  # under an op counter the compiled round runs eagerly: its count would not be this round's
+    # under an op counter the compiled round runs eagerly (its count would not be this round's), and
+    # int8-weight-only's products, compiled kernels, cannot run at all
+    if compiled or lm.weights == "int8-weight-only":
         return seconds, forward / ticks, folded, tokens, "-"
     with TorchOps() as ops:
         engine.step()
@@ -79,12 +83,21 @@ def main(argv=None) -> int:
     batch_arguments(parser, model="random:tiny", sizes=[1, 8, 32], ticks=16, policies=["streaming", "h2o"])
     parser.add_argument("--compiled", action="store_true",
                         help="the engine's forward as one compiled graph per bucket (compiled before timing)")
+    parser.add_argument("--weights", help="the linear layers' format (run.py --weights; default: the model's own)")
+    parser.add_argument("--no-tiles", action="store_true",
+                        help="int8-weight-only: every product by the one-row loop, rounds of 4 or more slots "
+                             "included (the code before the tiles, for comparison)")
     args = parser.parse_args(argv)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    with mock.patch.object(weight_only, "ROWS", sys.maxsize) if args.no_tiles else contextlib.nullcontext():
+        return run(args)
+
+
+def run(args) -> int:
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
     print(f"model {args.model}  {lm.device.type}  {str(lm.dtype).removeprefix('torch.')}  budget {args.budget}  "
           f"ticks {args.ticks} x {args.repeats}  torch {torch.__version__} threads {torch.get_num_threads()}  "
           f"load {os.getloadavg()[0]:.2f}  {time.strftime('%Y-%m-%d %H:%M')}"
-          f"{'  core v4 compiled' if args.compiled else ''}")
+          f"{'  core v4 compiled' if args.compiled else ''}  weights {lm.weights}{' (no tiles)' if args.no_tiles else ''}")
     print(f"{'policy':10} {'B':>3} {'batch ms':>9} {'core ms':>8} {'forward':>8} {'outside':>8} {'vs B=1':>7} "
           f"{'speed-up':>8} {'fold ms':>8} {'ops':>5} {'equal':>6} {'alone':>6}")
     folder = tempfile.TemporaryDirectory()

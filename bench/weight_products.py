@@ -38,7 +38,7 @@ def products(kernel: str, weights: list, int8: list, scales: list):
     import torch
     from torch.nn import functional as F
 
-    from positronic.models.weights import weight_only_product
+    from positronic.models.weight_only import weight_only_product
 
     def pick(x576, x1536, inputs):
         return x576 if inputs == 576 else x1536

@@ -66,7 +66,7 @@ from .dynamo import lift_limits
 from .lean import LeanLlama
 from .linear import ONEDNN, row_linear
 from .tiles import by_tiles
-from .weights import WeightOnlyInt8Linear
+from .weight_only import WeightOnlyInt8Linear
 
 log = logging.getLogger(__name__)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -271,6 +271,10 @@ class _Graph:
         self.inductor = inductor_settings(lm.dtype, device, lm.weights)
         self.onednn = device == "cpu" and lm.dtype == torch.float32 and ONEDNN
         self.loops = device == "cpu" and ROUND_WEIGHTS[lm.weights].loops
+        if device == "cpu":  # rounds of 4 slots or more: int8-weight-only's tiles (models/weight_only.py)
+            for module in lm.model.modules():
+                if isinstance(module, WeightOnlyInt8Linear):
+                    module.prove_tiles()
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.eager = self._round

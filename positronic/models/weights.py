@@ -19,7 +19,7 @@ stay as loaded, the embedding too except for int4's `Int8Embedding`):
               float32; each output one sum over the inputs of input x weight, in a loop
               inductor writes (`weight_only_product`) that widens the int8 in registers: a
               decode step reads a quarter of float32's bytes. A prompt's rows take a tiled
-              kernel with the loop's bits (models/blocked.py); in a compiled round the loop is
+              kernel with the loop's bits (models/weight_only.py); in a compiled round the loop is
               part of the graph: batched = alone and decode = prefill hold by construction.
     int4      Int4Linear: 4 bits a weight in groups of 32 along the input, a scale and an
               offset per group (the form of llama.cpp's Q4_1), through torch's CPU int4 kernel
@@ -46,8 +46,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import blocked
-from .dynamo import lift_limits
+from .weight_only import TINY, WeightOnlyInt8Linear, row_scales
 
 FORMATS = ("float32", "bfloat16", "int8", "int8-weight-only", "int4")  # what a loaded model's linear layers can be
 WEIGHTS = (*FORMATS, "auto")  # what --weights accepts
@@ -70,14 +69,7 @@ def has_vnni() -> bool:
 # inputs keep 8: on SmolLM2 (docs/weights.md) 7-bit inputs cost 10% of perplexity, 7-bit
 # weights 0.1%. With VNNI both take 8.
 WEIGHT_LEVELS = 127 if has_vnni() else 63
-TINY = torch.finfo(torch.float32).tiny
 ENDS = torch.tensor([[1.0, -1.0]])  # two input columns that pin every product's input range
-
-
-def row_scales(weight: torch.Tensor, levels: int) -> torch.Tensor:
-    """weight [rows, columns] -> float32 [rows, 1]: each row's symmetric step, its largest
-    magnitude at `levels` (a row of zeros gets the smallest step, not 0)."""
-    return weight.abs().amax(1, keepdim=True).clamp_min(TINY) / levels
 
 
 class Int8Linear(nn.Module):
@@ -148,66 +140,6 @@ class Int8Linear(nn.Module):
         outliers = 0 if self.outliers is None else len(self.outliers)
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"outliers={outliers}"
-
-
-def weight_only_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., in] float32, values int8 [out, in], scale float32 [out] -> [..., out]: each
-    output the sum over the inputs of x times the int8 value, times the output row's scale.
-    Written as a broadcast product and a sum so that inductor makes it one loop (the int8
-    widened in registers, never a float32 copy of the weight) whose order of additions is
-    the kernel's, whatever rows come with it: the same bits for a row alone, in a batch, in a
-    prompt chunk, and in a compiled round's graph (tests/positronic/models/test_weights.py).
-    Eager it would build [..., out, in] floats: it runs compiled (`_PRODUCT`)."""
-    return (x.unsqueeze(-2) * values.to(x.dtype)).sum(-1) * scale
-
-
-# one graph for any number of rows and any layer shape (a lone row gets one of its own: dynamo
-# specialises a size of 1); a few seconds' compile on first use, then inductor's cache on disk
-_PRODUCT = torch.compile(weight_only_product, dynamic=True, fullgraph=True)
-
-
-class WeightOnlyInt8Linear(nn.Module):
-    """y = x W^T + b with W as int8 per output row (one float32 scale a row, symmetric, 127
-    levels) and x as it comes (float32): `weight_only_product`. `values` int8 [out, in],
-    `scale` float32 [out]. Compiled, for a decode step (a few rows) it reads the int8 bytes
-    once per row: SmolLM2's 211 products of one row 5.3 ms on a 2-core AVX2 CPU, where
-    oneDNN's float32 ones took 82 and fbgemm's int8 25 (bench/results/weights.md). A prompt's
-    rows take models/blocked.py's tiles (each weight widened once for 6 rows; the same bits)."""
-
-    def __init__(self, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = values.shape
-        self.register_buffer("values", values)
-        self.register_buffer("scale", scale)
-        self.register_buffer("bias", bias)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, outliers=None) -> "WeightOnlyInt8Linear":
-        weight = linear.weight.detach().float()
-        scale = row_scales(weight, 127)
-        bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        return cls(torch.round(weight / scale).clamp_(-127, 127).to(torch.int8), scale[:, 0].contiguous(), bias)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output for x [..., in] as an expression (what a compiled round traces)."""
-        out = weight_only_product(x, self.values, self.scale)
-        return out if self.bias is None else out + self.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        if torch.compiler.is_compiling():  # inside a graph being traced: part of it
-            out = weight_only_product(flat, self.values, self.scale)
-        else:
-            lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
-            # detached, a view has no base for dynamo to guard on (one compile per caller's layout)
-            # a prompt's rows by the tiled kernel, with the loop's bits (models/blocked.py)
-            out = blocked.product(flat.detach(), self.values, self.scale, _PRODUCT)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 OUTLIERS = 4  # input channels per layer kept in float32 (SmolLM2, 512 tokens: 0, 2, 4, 8 -> x1.070, 1.016, 1.011, 1.014)

@@ -23,3 +23,14 @@ def test_rounds_bench_compiled_prints_the_same_rows_without_an_op_count(run_scri
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["h2o"]]
     assert [row[1] for row in rows] == ["1", "3"]
     assert all(row[-3] == "-" and row[-2] == "100.0%" for row in rows) and rows[1][-1] == "100%"
+
+
+def test_rounds_bench_runs_a_weight_format_and_the_loop_without_the_tiles(run_script):
+    """--weights picks the linear layers' format; --no-tiles (int8-weight-only) sums every
+    product by the one-row loop, and the header says both."""
+    out = run_script("rounds", "--model", "random:tiny", "--budget", "48", "--sizes", "4", "--ticks", "3",
+                     "--repeats", "1", "--policies", "h2o", "--weights", "int8-weight-only", "--no-tiles",
+                     check=True).stdout
+    assert "weights int8-weight-only (no tiles)" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["h2o"]]
+    assert [row[1] for row in rows] == ["4"] and rows[0][-1] == "100%"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from positronic.models import blocked
-from positronic.models.weights import _PRODUCT, WeightOnlyInt8Linear
+from positronic.models import weight_only as blocked
+from positronic.models.weight_only import _PRODUCT, WeightOnlyInt8Linear
 
 
 @pytest.fixture(scope="module")
