@@ -69,8 +69,8 @@ def with_engine(lm, group, ticks: int, budget: int, compiled: bool = False
     start = time.perf_counter()
     engine.state.fold()  # the mirrors take the rounds (ledger entries, texts): per sequence, off the round
     folded = (time.perf_counter() - start) / ticks
-    # under an op counter the compiled round runs eagerly (its count would not be this round's), and
-    # int8-weight-only's products, compiled kernels, cannot run at all
+    # under an op counter a compiled round, and int8-weight-only's compiled products, run eagerly:
+    # the count would not be this round's
     if compiled or lm.weights == "int8-weight-only":
         return seconds, forward / ticks, folded, tokens, "-"
     with TorchOps() as ops:

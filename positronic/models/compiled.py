@@ -35,11 +35,14 @@ every product and norm runs over fixed 64-row tiles (models/tiles.py), as the ea
 there do; whether that makes batched = alone hold is measured (bench/gpu.sh), not claimed:
 on 2026-12-04, before the tiles, it did not (bench/results/gpu.md).
 
-With `--weights int8-weight-only` (models/weights.py) each product is the eager layer's own
+With `--weights int8-weight-only` (models/weight_only.py) each product is the eager layer's own
 `weight_only_product`, traced into the round: inductor writes it as one loop a row that reads the
 int8 weights and widens them in registers (not frozen: freezing would fold the weights into float32
 copies), its additions in the same order for one row or many, so a lone sequence's round is one
-slot and batched = alone holds from bucket 1 (tested). SmolLM2 past its budget: a round of one
+slot and batched = alone holds from bucket 1 (tested). Buckets of 4 slots or more call the
+tiles instead (`positronic::int8_tiles`, an op the graph keeps whole: each weight widened once
+for 6 rows, each row's sum in the loop's order), for weight shapes whose bits were proven equal
+to the loop's before the round compiled; the loop's cost grew with the slots, the tiles' less. SmolLM2 past its budget: a round of one
 ~11 ms on a 2-core AVX-512 CPU, float32's ~50 (bench/results/weights.md).
 
 It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,

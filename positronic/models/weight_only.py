@@ -265,6 +265,10 @@ class WeightOnlyInt8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         if torch.compiler.is_compiling():  # inside a graph being traced: part of it
             out = weight_only_product(flat, self.values, self.scale)
+        elif torch._C._len_torch_dispatch_stack():  # under a dispatch mode (an op counter) nothing compiles:
+            # the expression runs eagerly, 256 outputs at a time ([rows, 256, in] floats), its sums torch's
+            out = torch.cat([weight_only_product(flat, values, scale)
+                             for values, scale in zip(self.values.split(256), self.scale.split(256))], -1)
         else:
             lift_limits()  # a graph per row count of 1 or more, per coincidence of sizes (a few)
             # detached, a view has no base for dynamo to guard on (one compile per caller's layout)

@@ -65,3 +65,17 @@ def test_a_shape_whose_tiles_differ_from_the_loop_keeps_the_loop_and_says_so(ker
         assert torch.equal(blocked.product(x, values, scale, other_loop), other_loop(x, values, scale))
     assert blocked._agrees == {(16, 32): False} and "keep the loop" in caplog.text
     assert torch.equal(blocked.product(x, values, scale, other_loop), other_loop(x, values, scale))
+
+
+def test_under_an_op_counter_the_layer_runs_eagerly_to_the_loops_numbers():
+    """A dispatch mode (bench/rounds.py's op counter) compiles nothing: the layer's expression
+    runs eagerly there, a block of outputs at a time, instead of failing."""
+    from positronic.util import TorchOps
+
+    torch.manual_seed(2)
+    layer = WeightOnlyInt8Linear.from_linear(nn.Linear(64, 600))
+    x = torch.randn(5, 64)
+    with TorchOps() as ops:
+        counted = layer(x)
+    assert ops.count > 0 and counted.shape == (5, 600)
+    torch.testing.assert_close(counted, layer(x), rtol=1e-5, atol=1e-5)
