@@ -176,11 +176,17 @@ def proven(values: torch.Tensor, scale: torch.Tensor, loop: Product) -> bool:
         if values.device.type != "cpu" or compiled_kernel() is None:
             return False
         probe = torch.randn(7, values.shape[1], generator=torch.Generator().manual_seed(0))
-        _agrees[shape] = same_bits(tiled(probe, values, scale), loop(probe, values, scale))
-        if not _agrees[shape]:
-            log.warning("int8-weight-only: the tiled kernel's sums differ from the loop's for weights %s on "
-                        "this host; those layers keep the loop", "x".join(map(str, shape)))
+        _judge(shape, tiled(probe, values, scale), loop(probe, values, scale))
     return _agrees[shape]
+
+
+def _judge(shape: tuple[int, ...], tiles: torch.Tensor, loop: torch.Tensor) -> bool:
+    """Record whether the tiles gave the loop's bits for weights of `shape` (and say so if not)."""
+    agrees = _agrees[shape] = same_bits(tiles, loop)
+    if not agrees:
+        log.warning("int8-weight-only: the tiled kernel's sums differ from the loop's for weights %s on this "
+                    "host; those layers keep the loop", "x".join(map(str, shape)))
+    return agrees
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -197,12 +203,8 @@ def product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, loop: Pr
     if agrees is False:
         return loop(x, values, scale)
     out = tiled(x, values, scale)
-    if agrees is None:
-        agrees = _agrees[shape] = same_bits(out, loop(x, values, scale))
-        if not agrees:
-            log.warning("int8-weight-only: the tiled prompt kernel's sums differ from the loop's for "
-                        "weights %s on this host; those layers keep the loop", "x".join(map(str, shape)))
-            return loop(x, values, scale)
+    if agrees is None and not _judge(shape, out, reference := loop(x, values, scale)):
+        return reference
     return out
 
 
