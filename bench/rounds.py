@@ -85,8 +85,8 @@ def main(argv=None) -> int:
                         help="the engine's forward as one compiled graph per bucket (compiled before timing)")
     parser.add_argument("--weights", help="the linear layers' format (run.py --weights; default: the model's own)")
     parser.add_argument("--no-tiles", action="store_true",
-                        help="int8-weight-only: every product by the one-row loop, rounds of 4 or more slots "
-                             "included (the code before the tiles, for comparison)")
+                        help="int8-weight-only: every eager product by the one-row loop, prompts and eager "
+                             "batched rounds included (the code before the tiles, for comparison)")
     args = parser.parse_args(argv)
     with mock.patch.object(weight_only, "ROWS", sys.maxsize) if args.no_tiles else contextlib.nullcontext():
         return run(args)

@@ -39,11 +39,9 @@ With `--weights int8-weight-only` (models/weight_only.py) each product is the ea
 `weight_only_product`, traced into the round: inductor writes it as one loop a row that reads the
 int8 weights and widens them in registers (not frozen: freezing would fold the weights into float32
 copies), its additions in the same order for one row or many, so a lone sequence's round is one
-slot and batched = alone holds from bucket 1 (tested). Buckets of 4 slots or more call the
-tiles instead (`positronic::int8_tiles`, an op the graph keeps whole: each weight widened once
-for 6 rows, each row's sum in the loop's order), for weight shapes whose bits were proven equal
-to the loop's before the round compiled; the loop's cost grew with the slots, the tiles' less. SmolLM2 past its budget: a round of one
-~11 ms on a 2-core AVX-512 CPU, float32's ~50 (bench/results/weights.md).
+slot and batched = alone holds from bucket 1 (tested). (The eager layer's tiles for several rows,
+models/weight_only.py, measured slower as an op the graph calls: the loop stays.) SmolLM2 past
+its budget: a round of one ~11 ms on a 2-core AVX-512 CPU, float32's ~50 (bench/results/weights.md).
 
 It runs the models built of transformers' Llama classes (`LeanLlama.fits`: Llama, SmolLM2,
 TinyLlama; Mistral, Qwen and Phi-3 have classes of their own) with float weights (`nn.Linear`,
@@ -274,10 +272,6 @@ class _Graph:
         self.inductor = inductor_settings(lm.dtype, device, lm.weights)
         self.onednn = device == "cpu" and lm.dtype == torch.float32 and ONEDNN
         self.loops = device == "cpu" and ROUND_WEIGHTS[lm.weights].loops
-        if device == "cpu":  # rounds of 4 slots or more: int8-weight-only's tiles (models/weight_only.py)
-            for module in lm.model.modules():
-                if isinstance(module, WeightOnlyInt8Linear):
-                    module.prove_tiles()
         self.run = torch.compile(self._round, fullgraph=True, dynamic=False, backend=self._backend,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.eager = self._round

@@ -31,10 +31,14 @@ SmolLM2-135M's shapes, 2 threads, AVX-512 (ms a product; 64 rows: a shared promp
     576 x 1536             450   11.86    4.90
     49152 x 576 (logits)   450  424      211
 
-The tiles take every product of `ROWS` rows or more: a prompt's chunks in the eager layer,
-and a compiled round of 4 slots or more through the op `positronic::int8_tiles`, for weight
-shapes `proven` before the round is compiled. Fewer rows keep the loop: on one row of the
-logits' 28 MB the tiles were slower (1.49 ms against the loop's 0.92).
+The tiles take every eager product of `ROWS` rows or more: a prompt's chunks, and an eager
+batched round of 4 sequences or more (`Batch` without the engine: SmolLM2, B = 4, 65.1 -> 42.6-48.4
+ms a round). Fewer rows keep the loop: on one row of the logits' 28 MB the tiles were slower
+(1.49 ms against the loop's 0.92). A compiled round keeps the loop in its graph at every
+bucket: the tiles there, an op the graph called, measured slower (SmolLM2 at budget 256, 2
+threads: a round of 4 33.6 ms against 26.7, of 8 50.0 against 48.6; with a few rows both are
+bound by the same multiplies and adds, and the op's calls and the lost fusions cost more than
+the widening saved).
 """
 
 from __future__ import annotations
@@ -116,8 +120,13 @@ extern "C" void kernel(float* out, const float* x, const int8_t* w, const float*
         const int64_t n0 = b * BLOCK, n1 = std::min(N, n0 + BLOCK);
         int64_t m = 0;
         for (; m + 6 <= M; m += 6) outputs<6>(out, x, w, scale, m, n0, n1, N, K);
-        for (; m + 3 <= M; m += 3) outputs<3>(out, x, w, scale, m, n0, n1, N, K);
-        for (; m < M; m++) outputs<1>(out, x, w, scale, m, n0, n1, N, K);
+        switch (M - m) {  // the rest in one tile: each weight widened once for them too
+            case 5: outputs<5>(out, x, w, scale, m, n0, n1, N, K); break;
+            case 4: outputs<4>(out, x, w, scale, m, n0, n1, N, K); break;
+            case 3: outputs<3>(out, x, w, scale, m, n0, n1, N, K); break;
+            case 2: outputs<2>(out, x, w, scale, m, n0, n1, N, K); break;
+            case 1: outputs<1>(out, x, w, scale, m, n0, n1, N, K); break;
+        }
     }
 }
 """
@@ -150,34 +159,6 @@ def tiled(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.T
     out = torch.empty(x.shape[0], values.shape[0], dtype=torch.float32)
     compiled_kernel()(out, x, values, scale, x.shape[0], values.shape[0], x.shape[1])
     return out
-
-
-@torch.library.custom_op("positronic::int8_tiles", mutates_args=())
-def int8_tiles(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`tiled` as an op a compiled round keeps whole (inductor calls it; its shapes are fixed per
-    bucket): a round of 4 slots or more, for weight shapes `proven`."""
-    calls[0] += 1
-    return tiled(x, values, scale)
-
-
-@int8_tiles.register_fake
-def _(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], values.shape[0])
-
-
-calls = [0]  # int8_tiles calls so far (tests: whether a round's graph runs the tiles)
-
-
-def proven(values: torch.Tensor, scale: torch.Tensor, loop: Product) -> bool:
-    """Whether the tiles give `loop`'s bits for this weight shape on this host: the verdict of
-    its first product, or else of a probe of 7 rows (a full tile and a partial one) made now."""
-    shape = tuple(values.shape)
-    if shape not in _agrees:
-        if values.device.type != "cpu" or compiled_kernel() is None:
-            return False
-        probe = torch.randn(7, values.shape[1], generator=torch.Generator().manual_seed(0))
-        _judge(shape, tiled(probe, values, scale), loop(probe, values, scale))
-    return _agrees[shape]
 
 
 def _judge(shape: tuple[int, ...], tiles: torch.Tensor, loop: torch.Tensor) -> bool:
@@ -238,7 +219,6 @@ class WeightOnlyInt8Linear(nn.Module):
         self.register_buffer("values", values)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self.tiles = False  # whether `product` may use the tiles (`prove_tiles`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, outliers=None) -> "WeightOnlyInt8Linear":
@@ -248,20 +228,10 @@ class WeightOnlyInt8Linear(nn.Module):
         return cls(torch.round(weight / scale).clamp_(-127, 127).to(torch.int8), scale[:, 0].contiguous(), bias)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output for x [..., in] as an expression (what a compiled round traces): 4
-        rows or more by the tiles' op once `prove_tiles` found them exact here (below)."""
-        rows = x.numel() // self.in_features
-        if self.tiles and rows >= ROWS:
-            out = int8_tiles(x.reshape(rows, self.in_features), self.values, self.scale)
-            out = out.reshape(*x.shape[:-1], self.out_features)
-        else:
-            out = weight_only_product(x, self.values, self.scale)
+        """The layer's output for x [..., in] as an expression (what a compiled round traces: the
+        loop, fused with what is around it; the tiles measured slower there, module docstring)."""
+        out = weight_only_product(x, self.values, self.scale)
         return out if self.bias is None else out + self.bias
-
-    def prove_tiles(self) -> bool:
-        """Let `product` use the tiles where they give the loop's bits for this layer's shape."""
-        self.tiles = proven(self.values, self.scale, _PRODUCT)
-        return self.tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()

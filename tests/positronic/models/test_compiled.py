@@ -232,7 +232,6 @@ def test_a_slots_numbers_are_the_same_bits_in_every_bucket(weights, tiny, tiny_w
     sum a lone row as they sum it among others: int8-weight-only): slot 0's and 1's logits,
     shares, queries and log-normalisers are the same bits (what makes batched = alone hold;
     without inductor's freezing the float32 products' bits moved with the row count)."""
-    from positronic.models import weight_only
     from positronic.models.compiled import CompiledRound
 
     tiny = tiny_w8 if weights == "int8-weight-only" else tiny
@@ -241,16 +240,11 @@ def test_a_slots_numbers_are_the_same_bits_in_every_bucket(weights, tiny, tiny_w
     keys, values = (torch.randn(shape, generator=generator) * 0.3 for _ in range(2))
     tokens = torch.randint(3, 500, (8,), generator=generator)
     rows = torch.randint(10, 60, (8,), generator=generator)
-    results, tiles = {}, {}
+    results = {}
     for size in (1, 2, 4, 8):
         round_ = CompiledRound(tiny, keys.clone(), values.clone(), [0, 1])
         assert round_.bucket(size) == (2 if size == 1 and weights == "float32" else size)
-        before = weight_only.calls[0]
         results[size] = round_(tokens[:size], rows[:size], rows[:size] + 5)
-        tiles[size] = weight_only.calls[0] - before
-    # int8-weight-only rounds of 4 slots or more sum by the tiles (models/weight_only.py), fewer by the loop
-    products = 7 * tiny.num_layers + 1
-    assert tiles == ({1: 0, 2: 0, 4: products, 8: products} if weights == "int8-weight-only" else dict.fromkeys(tiles, 0))
     for size in (2, 4, 8):
         for got, want in zip(results[size], results[2]):
             assert torch.equal(got[:2], want), size
