@@ -32,9 +32,9 @@ SmolLM2-135M's shapes, 2 threads, AVX-512 (ms a product; 64 rows: a shared promp
     49152 x 576 (logits)   450  424      211
 
 The tiles take every eager product of `ROWS` rows or more: a prompt's chunks, and an eager
-batched round of 4 sequences or more (`Batch` without the engine: SmolLM2, B = 4, 65.1 -> 42.6-48.4
-ms a round). Fewer rows keep the loop: on one row of the logits' 28 MB the tiles were slower
-(1.49 ms against the loop's 0.92). A compiled round keeps the loop in its graph at every
+batched round (`Batch` without the engine: SmolLM2, B = 4, 65.1 -> 42.6-48.4 ms a round; SmolLM2's
+211 products of 2 rows 17.3 -> 13.1 ms, of 3 rows 25.0 -> 13.6). A lone row keeps the loop: on
+one row of the logits' 28 MB the tiles were slower (2.28 ms against the loop's 1.15). A compiled round keeps the loop in its graph at every
 bucket: the tiles there, an op the graph called, measured slower (SmolLM2 at budget 256, 2
 threads: a round of 4 33.6 ms against 26.7, of 8 50.0 against 48.6; with a few rows both are
 bound by the same multiplies and adds, and the op's calls and the lost fusions cost more than
@@ -61,7 +61,7 @@ def row_scales(weight: torch.Tensor, levels: int) -> torch.Tensor:
     return weight.abs().amax(1, keepdim=True).clamp_min(TINY) / levels
 
 
-ROWS = 4  # fewer rows than this take the loop
+ROWS = 2  # a lone row takes the loop
 
 SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>

@@ -34,7 +34,7 @@ def test_the_tiles_give_every_row_the_loops_bits(kernel, out_features, in_featur
     x[7, 1] = float("nan")
     x[8, 2] = float("inf")
     loop = torch.cat([_PRODUCT(row[None], values, scale) for row in x])  # each row alone, as a decode step
-    for rows in (4, 5, 7, 8, 13, 67):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 13, 67):
         assert blocked.same_bits(blocked.tiled(x[:rows], values, scale), loop[:rows]), rows
     assert loop[7].isnan().any() and blocked.same_bits(blocked.tiled(x[7:11], values, scale), loop[7:11])
 
