@@ -88,6 +88,8 @@ def main(argv=None) -> int:
                         help="int8-weight-only: every eager product by the one-row loop, prompts and eager "
                              "batched rounds included (the code before the tiles, for comparison)")
     args = parser.parse_args(argv)
+    if args.no_tiles and args.weights != "int8-weight-only":
+        parser.error("--no-tiles is for --weights int8-weight-only (the tiles are its kernel)")
     with mock.patch.object(weight_only, "ROWS", sys.maxsize) if args.no_tiles else contextlib.nullcontext():
         return run(args)
 

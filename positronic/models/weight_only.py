@@ -43,6 +43,7 @@ the widening saved).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -134,22 +135,20 @@ ARGUMENTS = ["float*", "const float*", "const int8_t*", "const float*", "const i
              "const int64_t"]
 
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-_kernel: list = []  # [the compiled kernel or None], filled on first use
 _agrees: dict[tuple[int, int], bool] = {}  # weight shape -> whether the tiles gave the loop's bits
 
 
+@functools.cache
 def compiled_kernel():
     """The tiles' kernel, built by inductor's C++ builder on first use (seconds; then its disk
     cache), or None where it cannot be built (the reason logged once)."""
-    if not _kernel:
-        try:
-            from torch._inductor.codecache import CppPythonBindingsCodeCache
-            _kernel.append(CppPythonBindingsCodeCache.load_pybinding(ARGUMENTS, SOURCE))
-        except Exception as error:  # noqa: BLE001 - no compiler, an older torch: the loop serves
-            log.warning("int8-weight-only: the tiled prompt kernel did not build (%s: %s); prompts use "
-                        "the one-row loop", type(error).__name__, error)
-            _kernel.append(None)
-    return _kernel[0]
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+        return CppPythonBindingsCodeCache.load_pybinding(ARGUMENTS, SOURCE)
+    except Exception as error:  # noqa: BLE001 - no compiler, an older torch: the loop serves
+        log.warning("int8-weight-only: the tiled prompt kernel did not build (%s: %s); prompts use "
+                    "the one-row loop", type(error).__name__, error)
+        return None
 
 
 def tiled(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

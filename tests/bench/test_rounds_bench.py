@@ -34,3 +34,8 @@ def test_rounds_bench_runs_a_weight_format_and_the_loop_without_the_tiles(run_sc
     assert "weights int8-weight-only (no tiles)" in out.splitlines()[0]
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["h2o"]]
     assert [row[1] for row in rows] == ["4"] and rows[0][-1] == "100%"
+
+
+def test_rounds_bench_refuses_no_tiles_without_int8_weight_only(run_script):
+    result = run_script("rounds", "--model", "random:tiny", "--no-tiles")
+    assert result.returncode == 2 and "--no-tiles is for --weights int8-weight-only" in result.stderr
