@@ -54,8 +54,10 @@ def configs(policy: str, budget: int, gates: str = "") -> dict:
     policy, _, temperature = policy.partition("@")
     name, _, extra = policy.partition("+")
     sampling = dict(temperature=float(temperature), top_k=40) if temperature else dict(temperature=0)
+    # Core v4's rounds do not reread yet (SmartKV with recall): both sides of a comparison look in the plan
     return dict(policy=name, recall=extra == "recall", budget=budget, **sampling,
-                **({"gates": gates} if name == "smartkv" else {}))
+                **({"gates": gates} if name == "smartkv" else {}),
+                **({"reread": False} if name == "smartkv" and extra == "recall" else {}))
 
 
 def brains(lm, size: int, config: dict, budget: int) -> list[Brain]:

@@ -118,6 +118,8 @@ def test_a_batch_on_the_gpu_gives_each_sequence_what_it_gets_alone(gpu_tiny, tmp
     if policy == "smartkv":
         for config in configs:
             config["gates"] = str(path)
+            if config.get("recall"):
+                config["reread"] = False  # one forward a tick: a reread's second forward is counted apart
     prompts = [prompt(gpu_tiny, 40 + 6 * k, seed=20 + k) for k in range(len(configs))]
     ticks = 30
     want = [alone(gpu_tiny, text, ticks, **config) for text, config in zip(prompts, configs)]

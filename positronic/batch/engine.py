@@ -134,7 +134,7 @@ def restore(press, policy, live_ids: list[int], rows: dict[str, torch.Tensor], s
 GIVEN_SOURCES = ("user", "generated")  # ledger sources of given tokens: typed input, forced tokens
 
 UNSUPPORTED = (("recall", False), ("repairer", "none"), ("kv_format", "float"), ("kv_store", "splice"),
-               ("refresh_every", 0), ("refresh_kl", 0.0))
+               ("refresh_every", 0), ("refresh_kl", 0.0), ("reread", False))
 
 
 def unsupported(brain) -> str | None:

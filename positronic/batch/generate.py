@@ -114,7 +114,7 @@ def _with_gates(lm, config: BrainConfig, settings: dict) -> BrainConfig:
         free = default_policy(lm.name, dataclasses.replace(config, gates=""), window=settings.get("window"))
         print(f"positronic.press: {free.note} ({exc})", file=sys.stderr, flush=True)
         return dataclasses.replace(config, policy=free.policy, recall=free.recall, gates="", memory_rank=None,
-                                   window=settings.get("window"))
+                                   reread=None, window=settings.get("window"))
 
 
 def _config(name: str, policy: str, budget: int, seed: int, settings: dict) -> BrainConfig:

@@ -252,6 +252,11 @@ class SmartKVGates(Part):
 
     gates: str = ""
     memory_rank: str | None = None
+    # With recall: look right after each forward, with the query it made, and read that token
+    # again with what came back (its forward runs once more; the `reread` action), so the token
+    # the look was for is predicted with it, not the one after. None: on with recall
+    # (`default_reread`); Core v4's rounds do not reread yet (batch/engine.py).
+    reread: bool | None = None
 
     def check(self) -> None:
         if self.memory_rank not in MEMORY_RANKS:
@@ -278,7 +283,7 @@ def _check_gate_file(path: str) -> None:
 
 # Settings whose None means "the run's default", resolved when a BrainConfig is made (and so
 # saved resolved, of this type).
-RESOLVED = {"window": int, "memory_rank": str}
+RESOLVED = {"window": int, "memory_rank": str, "reread": bool}
 
 
 def _kind_ok(name: str, value, default) -> bool:
@@ -297,6 +302,12 @@ def default_memory_rank(policy: str, recall: bool) -> str:
     best measured: docs/policies.md, "The default"), else gates (smartkv without recall was
     measured with the gates alone; the other policies have no such memory)."""
     return "recent" if recall and policy in POLICIES and POLICIES[policy].per_layer else "gates"
+
+
+def default_reread(policy: str, recall: bool) -> bool:
+    """Whether a run rereads when not asked: smartkv with recall does (its look right after the
+    forward: bench/results/policies.md, "Reread"); no other policy has it."""
+    return bool(recall and policy in POLICIES and POLICIES[policy].per_layer)
 
 
 def _default(part: type[Part], name: str):
@@ -341,6 +352,7 @@ class BrainConfig:
     kv_store: str = _default(Memory, "kv_store")
     gates: str = _default(SmartKVGates, "gates")
     memory_rank: str | None = _default(SmartKVGates, "memory_rank")
+    reread: bool | None = _default(SmartKVGates, "reread")
     # a press's own settings, "name=value,..." (a policy made from a press, policies/pressed.py)
     policy_options: str = ""
 
@@ -350,6 +362,8 @@ class BrainConfig:
             self.window = policy.default_window(self.budget) if policy else DEFAULT_WINDOW
         if self.memory_rank is None:
             self.memory_rank = default_memory_rank(self.policy, self.recall)
+        if self.reread is None:
+            self.reread = default_reread(self.policy, self.recall)
 
     @property
     def sampling(self) -> Sampling:
@@ -429,6 +443,10 @@ class BrainConfig:
             raise ConfigError("gates", f"--gates applies to policy smartkv, not {self.policy}")
         if self.memory_rank != "gates" and not POLICIES[self.policy].per_layer:
             raise ConfigError("memory_rank", f"--memory-rank applies to policy smartkv, not {self.policy}")
+        if self.reread and not default_reread(self.policy, True):
+            raise ConfigError("reread", f"--reread applies to policy smartkv with recall, not {self.policy}")
+        if self.reread and not self.recall:
+            raise ConfigError("reread", "--reread rereads a token with what recall brought back: it needs --recall")
         if self.gates and self.gates != AUTO_GATES:
             _check_gate_file(self.gates)
         if self.evict_every:

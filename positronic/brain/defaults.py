@@ -81,7 +81,7 @@ def default_policy(model: str, config: BrainConfig, *, window: int | None = None
     gates = "" if shipped else AUTO_GATES
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     smart = BrainConfig(**fields | {"policy": "smartkv", "window": window, "recall": recall, "memory_rank": memory_rank,
-                                    "gates": gates})
+                                    "reread": None, "gates": gates})
     try:
         smart.validate()
     except ValueError as exc:

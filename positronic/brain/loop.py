@@ -162,7 +162,9 @@ class Brain:
         prune, as SmartKV does after prefill): every prompt token but the last is prefilled,
         the policy prunes that context down to `budget - 1` rows from the attention of its
         newest row, and the last prompt token is added in the same edit, so its logits
-        start the run from the pruned context. The tick count stays 0.
+        start the run from the pruned context; a policy that looks right after a forward
+        (SmartKV's recall with `reread`) then looks with that token's query. The tick count
+        stays 0.
         """
         config = config or BrainConfig()
         check_budget(lm, config)
@@ -192,6 +194,7 @@ class Brain:
             brain.policy.commit(plan.next)  # e.g. the pruned prompt rows become recallable
             if len(prompt_ids) - 1 in pinned:
                 state.pin([len(state) - 1])
+            brain._reread(typed=False)  # the last prompt token's look, as after every forward of a tick
         return brain
 
     def step(self, force: int | None = None) -> TickRecord:
@@ -264,6 +267,10 @@ class Brain:
         for observer in self.observers:
             observer.after_apply(self, actions, report)
         lap("apply")
+        outcomes = plan.outcomes
+        if not report.rebuilt and (after := self._reread(typed=source == "user")) is not None:
+            actions, outcomes = actions + after[0], outcomes + after[1]
+            lap("reread")
         if not report.rebuilt and self._refresh_due(report):
             sm.rebuild()
             self.counts["refreshes"] += 1
@@ -284,11 +291,35 @@ class Brain:
         text = "" if report.rebuilt else live.ledger[live.live.ledger_ids[-1]].text
         return TickRecord(
             tick=self.tick, token_id=token_id, text=text,
-            actions=actions, outcomes=plan.outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
+            actions=actions, outcomes=outcomes, live_length=sm.rows_per_layer, live_tokens=len(live),
             brightness_min=min(new_brightness), brightness_mean=sum(new_brightness) / len(new_brightness),
             brightness_max=max(new_brightness), rebuilt=report.rebuilt, error=report.error, stopped=plan.stop,
             source=source, seconds=seconds, removed=removed,
             complete=self.constraint is not None and self.constraint.done)
+
+    def _reread(self, *, typed: bool) -> tuple[list[dict], list] | None:
+        """After the tick's forward, a policy that looks right away (SmartKV's recall with
+        `reread`) plans from the query it made; what it brings back goes in with a reread of
+        the newest row, so the next token is drawn (or scored) from logits that saw it. Part of
+        this tick: its actions and outcomes join the tick's record. A failed reread leaves the
+        state rebuilt from the mirror, the token added, the look's state not committed."""
+        after = getattr(self.policy, "after_forward", None)
+        plan = after(self.state.view(keys=True), typed=typed) if after is not None else None
+        if plan is None:
+            return None
+        if not plan.actions:  # the look found nothing: its clock stands
+            self.policy.commit(plan.next)
+            return None
+        actions = [*plan.actions, {"action": "reread"}]
+        for observer in self.observers:
+            observer.before_apply(self, actions)
+        report = self.state.apply(actions, tick=self.tick)
+        if not report.rebuilt:
+            self.policy.commit(plan.next)
+        self.counts["rebuilds"] += report.rebuilt
+        for observer in self.observers:
+            observer.after_apply(self, actions, report)
+        return actions, plan.outcomes
 
     KL_CHECK_EVERY = 50  # ticks between divergence measurements for refresh_kl
 

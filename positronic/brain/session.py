@@ -294,7 +294,7 @@ def _blobs_in(directory: Path, state, budget: list[int] | None = None):
 BEFORE_NEW_SETTINGS = {"ttl_decay": 2.0, "ttl_gain": 10.0, "unit": 2, "bridge_margin": 0.0, "recall": False,
                        "kv_format": "float", "gates": "", "kv_store": "splice", "min_p": 0.0,
                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": "",
-                       "memory_rank": "gates"}
+                       "memory_rank": "gates", "reread": False}
 
 def checked_config(path: Path, config) -> dict:
     """The saved settings, complete and valid, or SessionError naming what is not (a missing

@@ -149,6 +149,9 @@ def brain_config(ctx: typer.Context, options: dict) -> BrainConfig:
                                      f"positronic: {free.note}")
         policy = choice.policy
         settings |= dict(policy=policy, recall=choice.recall) | ({"gates": choice.gates} if choice.gates else {})
+    if options.get("reread") is None and options.get("engine_smartkv" if "engine_smartkv" in options else "compile"):
+        # Core v4's rounds (run --compile, serve --engine-smartkv) do not reread yet: their default is off
+        settings["reread"] = False
     config = BrainConfig(**settings)
     try:
         config.validate()

@@ -52,6 +52,7 @@ def eval_command(
     kv_store: str = typer.Option(DEFAULTS.kv_store, help="Where cache rows live: splice (default) | ring (policy streaming, float rows: evictions only move a cursor; DESIGN.md §6)."),
     gates: str = typer.Option(DEFAULTS.gates, help="Policy smartkv: a gate file (.safetensors), or auto: the shipped gates, else gates trained on the model's first use and kept (docs/smartkv.md). Default: the gates shipped for the model (auto for the default policy of a model without them)."),
     memory_rank: Optional[str] = typer.Option(None, show_default=False, help="Policy smartkv: how each lane's memory ranks its rows: gates | recent (docs/smartkv.md). Default: recent with --recall, gates without."),
+    reread: Optional[bool] = typer.Option(None, "--reread/--no-reread", show_default=False, help="Policy smartkv with recall: recall looks right after each token's forward and rereads that token with what came back (docs/smartkv.md, \"Reread\"). Default: on."),
     policy_option: Optional[list[str]] = typer.Option(None, "--policy-option", help="NAME=VALUE: a setting of the policies made from a press among the --policy runs (e.g. knorm's mix; docs/policies.md, \"A policy in one file\"); repeatable."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=MAX_THREADS, help="CPU threads for torch (default: one per core)."),
     task: Optional[list[str]] = typer.Option(None, help="Task mode: retrieval tasks in the manner of RULER, generated from --seed (needle | multikey | multivalue | variables | recall | all; repeatable): the share of instances each cache answers exactly, the full cache's beside (docs/eval.md, 'Tasks'). --text is the haystack."),
@@ -75,7 +76,8 @@ def eval_command(
     settings = dict(sinks=sinks, protect=protect, at_capacity=at_capacity, repairer=repairer,
                     repair_batch=repair_batch, evict_every=evict_every, kv_format=kv_format,
                     policy_options=",".join(policy_option or ()))
-    smartkv = dict(gates=gates, kv_store=kv_store, memory_rank=memory_rank)  # not (yet) read by --generate
+    # not (yet) read by --generate
+    smartkv = dict(gates=gates, kv_store=kv_store, memory_rank=memory_rank, reread=reread)
     common = dict(model=model, text=text, budgets=budget, policies=policy, out=out, device=device, dtype=dtype,
                   weights=weights)
     if task:
@@ -89,6 +91,8 @@ def eval_command(
             raise UserError("--recall applies to the teacher-forced eval and its probe, not to --generate")
         if kv_store == "ring":
             raise UserError("--kv-store ring applies to the teacher-forced eval, not (yet) to --generate")
+        if reread is not None:  # SmartKVCache, which --generate runs, has no recall
+            raise UserError("--reread applies to the teacher-forced eval, not (yet) to --generate")
         if memory_rank == "recent":  # SmartKVCache, which --generate runs, ranks by the gates alone
             raise UserError("--memory-rank applies to the teacher-forced eval, not (yet) to --generate")
         if gates:  # --generate's SmartKVCache runs the gates shipped for the model

@@ -29,7 +29,8 @@ from .common import UserError, freeze_heap, set_threads, with_gates, writable_di
 # the run's options a server takes as they are (besides --budget, whose default differs)
 RUN_OPTIONS = ("model", "policy", "policy_option", "sinks", "protect", "window", "brightness", "ttl_decay", "ttl_gain", "unit",
                "repairer", "repair_tokens", "bridge_margin", "repair_batch", "recall", "at_capacity",
-               "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "memory_rank", "temperature", "top_k",
+               "kv_eviction", "kv_sink_tokens", "kv_protected_tokens", "kv_format", "gates", "memory_rank", "reread",
+               "temperature", "top_k",
                "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "refresh_every", "refresh_kl", "evict_every", "device", "dtype", "weights", "threads")
 
 

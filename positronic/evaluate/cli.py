@@ -35,7 +35,7 @@ def read_text(path: Path | None) -> tuple[str, str]:
 
 # eval's options that set a run's BrainConfig field of the same name
 SETTING_FLAGS = ("budget", "sinks", "protect", "at_capacity", "repairer", "repair_batch", "evict_every", "kv_format",
-                 "kv_store", "gates", "memory_rank", "policy_options")
+                 "kv_store", "gates", "memory_rank", "reread", "policy_options")
 
 
 def _flagged(message: str) -> str:
@@ -73,7 +73,8 @@ def check_policies(policies: list[str], cache: RunSettings, *, recall: bool) -> 
         if name not in POLICIES:
             raise EvalError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     if not any(POLICIES[name].per_layer for name in policies):
-        for flag, value in (("--gates", cache.gates), ("--memory-rank", cache.memory_rank)):
+        for flag, value in (("--gates", cache.gates), ("--memory-rank", cache.memory_rank),
+                            ("--reread" if cache.reread else "--no-reread", cache.reread is not None)):
             if value:
                 raise EvalError(f"{flag} applies to policy smartkv, which is not among the --policy runs")
     if cache.evict_every and not any(takes_evict_every(name) for name in policies):

@@ -40,8 +40,9 @@ class RunSettings:
     """The cache settings every run of one eval shares (its flags; None: the library default).
     `config(policy, budget)` makes each run's BrainConfig, giving a setting that only some
     policies read to those alone, as in a sweep of several: `gates` and `memory_rank` to
-    smartkv, `evict_every` to the shared-row policies, `policy_options` to policies made from a
-    press. Made from keywords by `of`, which names an unknown one."""
+    smartkv (and `reread` to smartkv with recall), `evict_every` to the shared-row policies,
+    `policy_options` to policies made from a press. Made from keywords by `of`, which names an
+    unknown one."""
     sinks: int = 4
     protect: int = 0
     at_capacity: str = "shift"
@@ -53,6 +54,7 @@ class RunSettings:
     gates: str = ""  # smartkv's gate file ("": the gates shipped for the model)
     kv_store: str = "splice"
     memory_rank: str | None = None  # smartkv's memory rank (None: recent with recall, else gates)
+    reread: bool | None = None  # smartkv with recall: reread after a look (None: the default, on)
     policy_options: str = ""  # "name=value,...": a press's own settings
 
     @classmethod
@@ -73,6 +75,7 @@ class RunSettings:
                              at_capacity=self.at_capacity, score_layers=self.score_layers, recall=recall,
                              kv_format=self.kv_format, kv_store=self.kv_store, gates=self.gates if smartkv else "",
                              memory_rank=self.memory_rank if smartkv else None,
+                             reread=self.reread if smartkv and recall else None,
                              policy_options=self.policy_options if hasattr(known, "press_class") else "",
                              **{k: v for k, v in chosen.items() if v is not None})
         try:

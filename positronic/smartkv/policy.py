@@ -106,6 +106,10 @@ class SmartKVPolicy:
         self.recall = LaneRecall(self.heads, share=self.recall_share, span=self.recall_span(self.size),
                                  capacity=self.recall_capacity) \
             if config.recall else None
+        # recall looks right after each forward, with the query that forward made, and what it
+        # brings back is read by that token's forward again (`after_forward`, the `reread`
+        # action), not first by the next token's: the token the look was for is predicted with it
+        self.reread = bool(getattr(config, "reread", False)) and self.recall is not None
         self.offered = -1  # every ledger id up to this one has left the window (or is a kept row)
         self.pinned_out: frozenset[int] = frozenset()  # pinned tokens out of the window: in every lane, in no memory
         self.scores: dict[int, list[float]] = {}  # ledger id -> its score in each lane
@@ -188,10 +192,32 @@ class SmartKVPolicy:
             else:
                 dropping(memory.offer(ledger_id, position, scores[ledger_id], now=now))
         lookup = self._recall(view, memory, drops, scores, [ids[row] for row in leaving if ids[row] not in pinned],
-                              pinned, look=look, typed=typed)
+                              pinned, look=look and not self.reread, typed=typed)
         seconds["select"] = (now := time.perf_counter()) - scored
         out = frozenset(i for i in pinned if i <= max([self.offered] + [ids[row] for row in leaving]))
         next = (memory, max([self.offered] + [ids[row] for row in leaving]), fresh, lookup, out)
+        actions, outcomes = self._actions(view, drops, lookup)
+        seconds["recall"] = time.perf_counter() - now if self.recall is not None else 0.0
+        return PolicyPlan(actions, outcomes, next=next)
+
+    def after_forward(self, view, *, typed: bool = False) -> PolicyPlan | None:
+        """With `reread` and recall, once the tick's forward went through: recall's look for the
+        query it made (`view`: the state after it), as a plan whose actions take the tokens back
+        (each lane dropping as many of its weakest memory rows) for the Brain to apply with a
+        `reread` of the newest row. None: nothing to do (no reread, or the memories are not
+        full yet); a plan without actions: the look found nothing, its clock still stands."""
+        if not self.reread or self.recall is None or self.memory.count < self.memory.size:
+            return None
+        memory = self.memory.copy()
+        ids = view.ledger_ids.tolist()
+        pinned = {ids[row] for row in pinned_rows(view) if row >= self.keep}
+        drops: list[list[int]] = [[] for _ in range(memory.layers)]
+        lookup = self._recall(view, memory, drops, self.scores, [], pinned, look=True, typed=typed)
+        actions, outcomes = self._actions(view, drops, lookup)
+        return PolicyPlan(actions, outcomes, next=(memory, self.offered, {}, lookup, self.pinned_out))
+
+    def _actions(self, view, drops: list[list[int]], lookup) -> tuple[list[dict], list]:
+        """The drop (ledger ids per lane, `drops`) and restore (`lookup`) actions, and their outcomes."""
         actions, outcomes = [], []
         unit = "layer" if self.heads == 1 else "kv head"
         if any(drops):
@@ -204,8 +230,7 @@ class SmartKVPolicy:
             actions.append(self.recall.restore_action(lookup))
             taking = len({lane for lanes in lookup.lanes.values() for lane in lanes})
             outcomes.append(((), f"recalled {len(lookup.back)} into {taking} {unit}{'s' * (taking != 1)}"))
-        seconds["recall"] = time.perf_counter() - now if self.recall is not None else 0.0
-        return PolicyPlan(actions, outcomes, next=next)
+        return actions, outcomes
 
     def _pins(self, view, memory: Memories, scores: dict, dropping) -> set[int]:
         """The pinned tokens (ledger ids past the kept rows). A token pinned after it left the

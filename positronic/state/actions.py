@@ -15,6 +15,11 @@ Actions are plain dicts (DESIGN §3):
        per-layer rows (SmartKV): also 'lanes': [[int, ...] per ledger id], the lanes that take
        each token back (a lane holds it nowhere else; K/V are then required). Every lane ends
        with as many rows: a lane takes back as many tokens as its drop names more rows.
+    {'action': 'reread'}   the newest row's forward again, over the rows the list's other edits
+       leave (recall's rows back): its K/V in every layer and the next token's logits made anew;
+       its token, ledger entry and position stay. Not with an add; the newest row must stay in
+       every layer (recall's look comes right after the forward that wrote it, and the token
+       that look was for is predicted with what it brought back).
 Positions are live rows before the tick's edits. A whole list is checked before anything
 is touched, once, when it becomes an `Edit` (edit.py); then position edits run in strictly
 descending order of their highest row (so no edit moves a row a later edit refers to) and
@@ -29,6 +34,7 @@ SCHEMA = {
     "delete": ("position",),
     "restore": ("ledger_ids",),
     "drop": ("rows",),
+    "reread": (),
 }
 OPTIONAL = {"restore": ("keys", "values", "predicted", "lanes")}  # K/V: all of them or none; lanes: per-layer rows
 

@@ -9,6 +9,7 @@ meant for, and keeps what the list asks for in typed fields:
     restores      culled tokens brought back, `stored` with their own K/V when given
     drops         per-layer states: the rows each lane drops
     adds          tokens appended after the last row, in list order
+    reread        the newest row's forward runs again after the other edits (no add then)
 
 `insertions` turns it into the mirror's layout inputs (mirror.Insertion). What only the state
 can check (that restored ids are culled tokens, that stored K/V fit the model, the tick's
@@ -72,6 +73,7 @@ class Edit:
     drops: tuple[tuple[int, ...], ...] | None = None
     adds: tuple[int, ...] = ()
     lanes: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))  # restored id -> lanes
+    reread: bool = False
 
     def lane_inserts(self) -> list[list[int]]:
         """Per-layer states: the ledger ids each lane takes back (ascending)."""
@@ -127,6 +129,7 @@ def _validate(actions, bounds: Bounds) -> Edit:
     stored: dict[int, StoredRow] = {}
     final_length = live_length if layers is None else layers[1]
     deletes, replacements, adds, drops = [], [], [], None
+    reread = None  # index of the reread action
     lanes: dict[int, tuple[int, ...]] = {}  # per-layer states: restored ledger id -> the lanes taking it
     for index, action in enumerate(actions):
         name = action.get("action") if isinstance(action, dict) else None
@@ -141,8 +144,8 @@ def _validate(actions, bounds: Bounds) -> Edit:
             fail(f"unknown action {name!r}; expected one of {', '.join(SCHEMA)}")
         if layers is None and name == "drop":
             fail("drop names rows per layer: this state keeps the same rows in every layer (use delete)")
-        if layers is not None and name not in ("add", "drop", "restore"):
-            fail("a per-layer state (layers keep different rows) takes add, drop and restore actions only")
+        if layers is not None and name not in ("add", "drop", "restore", "reread"):
+            fail("a per-layer state (layers keep different rows) takes add, drop, restore and reread actions only")
         expected = set(SCHEMA[name]) | set(OPTIONAL.get(name, ())) | {"action"}
         if unknown := sorted(set(map(str, action)) - expected):
             fail(f"unknown key(s) {', '.join(unknown)}")
@@ -192,6 +195,10 @@ def _validate(actions, bounds: Bounds) -> Edit:
                 if "lanes" not in action:
                     fail("a per-layer state's restore names the lanes that take each token back (lanes)")
                 lanes.update(_restore_lanes(action["lanes"], ids, layers[0], fail))
+        elif name == "reread":
+            if reread is not None:
+                fail(f"the newest row is already reread by action {reread}")
+            reread = index
         elif name == "drop":
             if drops is not None:
                 fail("one drop action per list (it names every layer's rows)")
@@ -216,6 +223,8 @@ def _validate(actions, bounds: Bounds) -> Edit:
             final_length += len(new_ids) - 2
     if layers is not None:
         final_length += _lane_balance(drops, lanes, layers[0])
+    if reread is not None:
+        _check_reread(reread, actions[reread], adds, live_length, seen, drops, layers)
     if final_length < 1:
         raise ActionError(f"the action list would leave the context empty ({live_length} rows before)")
     if final_length > bounds.max_length:
@@ -228,7 +237,25 @@ def _validate(actions, bounds: Bounds) -> Edit:
                 replacements=tuple(sorted(replacements, key=lambda r: r.rows, reverse=True)),
                 restores=tuple(restored), stored=MappingProxyType(stored),
                 drops=None if drops is None else tuple(map(tuple, drops)), adds=tuple(adds),
-                lanes=MappingProxyType(lanes))
+                lanes=MappingProxyType(lanes), reread=reread is not None)
+
+
+def _check_reread(index: int, action: dict, adds: list[int], live_length: int, seen: dict[int, int],
+                  drops: list[list[int]] | None, layers: tuple[int, int] | None) -> None:
+    """A reread recomputes the newest row where it is: ActionError if the list adds a token
+    (whose forward would be the newest) or takes the newest row out of some layer."""
+    where = f"action {index} (reread)"
+    if adds:
+        raise ActionError(f"{where}: a list that adds a token runs the new token's forward, not the newest row's "
+                          "again (reread or add, not both)")
+    if live_length < 1:
+        raise ActionError(f"{where}: there is no newest row to reread")
+    last = live_length - 1 if layers is None else layers[1] - 1
+    if layers is None and last in seen:
+        raise ActionError(f"{where}: action {seen[last]} edits the newest row (row {last}), which a reread keeps")
+    if layers is not None and drops is not None and any(last in dropped for dropped in drops):
+        lane = next(lane for lane, dropped in enumerate(drops) if last in dropped)
+        raise ActionError(f"{where}: the drop takes the newest row (row {last}) out of layer {lane}; a reread keeps it")
 
 
 def _copy(value):

@@ -296,6 +296,9 @@ class StateManager(StateReads):
         elif edit.bounds != self.bounds:
             raise ActionError(f"the edit was checked for a state of {edit.bounds}, this one is {self.bounds}")
         brightness = self._checked_brightness(brightness)
+        if edit.reread and (probes or self.kv_store == "ring"):
+            raise ActionError("a reread needs the splice store and no probes (it runs the newest row's forward "
+                              "where the row lies)")
         if self.per_layer:
             if probes:
                 raise ValueError("probes need every layer to hold the same rows")
@@ -312,7 +315,7 @@ class StateManager(StateReads):
             if probes:
                 self._check_probes(probes, len(edit.adds))
             rows = self._shared(deleted, edit.insertions(add_source, restored))
-        report = self._edit(rows, tick=tick, brightness=brightness, probes=probes, stored=stored)
+        report = self._edit(rows, tick=tick, brightness=brightness, probes=probes, stored=stored, reread=edit.reread)
         report.applied = 0 if report.rebuilt else len(edit)
         return report
 
@@ -344,7 +347,7 @@ class StateManager(StateReads):
                         self.lanes_per_layer, inserts, stored)
 
     def _edit(self, rows: SharedRows | LaneRows, *, tick: int | None, brightness: list[float] | None = None,
-              probes: Probes | None = None, stored: dict | None = None) -> ApplyReport:
+              probes: Probes | None = None, stored: dict | None = None, reread: bool = False) -> ApplyReport:
         """Stages 2–5 of a planned edit (`rows`): the cache's writes, then the mirror's commit.
         All of it, or (on any failure or an interrupt) a rebuild of the cache from the
         unchanged mirror, reported as `rebuilt`."""
@@ -354,7 +357,7 @@ class StateManager(StateReads):
         report = ApplyReport(tick=self.last_tick + 1 if tick is None else tick)
         texts = row_plans.texts(self.lm.decode, self._mirror, rows.layout)
         try:
-            report.probe_logprobs = self._write(rows, probes, stored or {})
+            report.probe_logprobs = self._write(rows, probes, stored or {}, reread)
             self._faults.point("commit")
             rows.commit(self._mirror, self._cache, texts, tick=report.tick, brightness=self.new_brightness,
                         live_brightness=brightness)
@@ -377,10 +380,13 @@ class StateManager(StateReads):
         report.seconds = time.perf_counter() - start
         return report
 
-    def _write(self, rows: SharedRows | LaneRows, probes: Probes | None, stored: dict) -> list[float] | None:
+    def _write(self, rows: SharedRows | LaneRows, probes: Probes | None, stored: dict,
+               reread: bool = False) -> list[float] | None:
         """Stages 2–4 on the cache: splice, re-rotate, restored rows' own K/V (`stored`, by
         ledger id) copied in, one forward for the other new rows (with the probes' scratch
-        rows after the live rows, dropped again). Returns the probes' log-probabilities."""
+        rows after the live rows, dropped again), or with `reread` (no new rows then but
+        restored ones) for the newest row again, in its place. Returns the probes'
+        log-probabilities."""
         layout = rows.layout
         predicted_before, requantized_before = self._predicted, self._requantized
         scratch = len(probes) if probes and layout.old_length and layout.new_rows else 0
@@ -403,6 +409,8 @@ class StateManager(StateReads):
                 predicted[row] = token_id
                 requantized[row] = 1  # what checks.checked_stored_rows allowed it
         fed = [(row, token_id) for row, token_id in zip(layout.new_rows, layout.new_token_ids) if row not in known]
+        if reread:  # the newest row stays the last one (Edit refused a list that adds or removes it)
+            fed.append((layout.length - 1, self._mirror.ledger[self._mirror.live.ledger_ids[-1]].token_id))
         newest = bool(fed) and fed[-1][0] == layout.length - 1
         if rows.changed:  # the last forward is history
             self._take_newest(None)

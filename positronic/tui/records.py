@@ -43,6 +43,8 @@ def describe_actions(tick: int, actions: list[dict], row_text, decode, ledger_te
         elif kind == "drop":
             count = len(action["rows"][0])
             lines.append(f"t{tick} drop {count} row{'s' * (count != 1)} per layer")
+        elif kind == "reread":
+            lines.append(f"t{tick} reread the newest token with what came back")
     return lines
 
 

@@ -95,6 +95,29 @@ def test_run_compile_ticks_in_compiled_rounds_and_refuses_what_they_cannot_run(c
         torch.set_num_threads(torch_threads)
 
 
+def test_reread_is_for_smartkv_with_recall_and_compiled_rounds_default_to_without(capsys, run_cli, tiny, tmp_path):
+    """`--reread` (on by default with recall): refused in one line for a policy without SmartKV's
+    recall; `run --compile`, whose rounds do not reread yet, runs SmartKV with recall without it
+    unless asked, and asked, says why it cannot."""
+    from positronic.smartkv.gates import bench_gates
+
+    assert run_cli("-m", "random:tiny", "--policy", "streaming", "--reread", "-n", "2", "--no-tui", "--no-input") == 2
+    assert "--reread applies to policy smartkv with recall, not streaming" in capsys.readouterr().err
+    gates = ["--policy", "smartkv", "--gates", bench_gates(tiny, tmp_path)[1]]
+    assert run_cli("-m", "random:tiny", *gates, "--no-recall", "--reread", "-n", "2", "--no-tui", "--no-input") == 2
+    assert "--reread rereads a token with what recall brought back: it needs --recall" in capsys.readouterr().err
+    torch_threads = torch.get_num_threads()
+    try:
+        assert run_cli("-m", "random:tiny", *gates, "--recall", "--compile", "--reread", "-n", "2", "--no-tui",
+                       "--no-input", "-t", "1") == 2
+        assert "--compile: reread=True does not run on Core v4 yet" in capsys.readouterr().err
+        assert run_cli("-m", "random:tiny", *gates, "--recall", "--compile", "-n", "4", "-c", "48", "--no-tui",
+                       "--no-input", "-t", "1") == 0
+        assert "compiled in" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
 def test_short_flags_and_the_run_subcommand_run_the_same_brain(capsys, run_cli):
     torch_threads = torch.get_num_threads()
     try:

@@ -126,7 +126,7 @@ def test_smartkv_with_recall_compiled_makes_its_alone_tokens_and_eagers_numbers(
     from the graph: three sequences batched make their alone tokens, and the newest queries and
     norms are the eager engine's to float tolerance."""
     _, gates = bench_gates(tiny, tmp_path)
-    configs = [config_for("smartkv", gates=gates, recall=True, budget=48, seed=k) for k in range(3)]
+    configs = [config_for("smartkv", gates=gates, recall=True, reread=False, budget=48, seed=k) for k in range(3)]
     shape = dict(capacity=64, lanes=tiny.num_layers, score_layers="all")
     engines = pair(tiny, configs, 11, **shape)
     made = {k: [] for k in range(3)}

@@ -29,7 +29,9 @@ def gates(tiny, tmp_path_factory):
 
 
 def config(gates: str, **extra) -> BrainConfig:
-    return BrainConfig(**{**dict(policy="smartkv", recall=True, budget=48, temperature=0, seed=3, gates=gates), **extra})
+    # Core v4's rounds look in the plan (no reread yet): the Brain they are compared with too
+    return BrainConfig(**{**dict(policy="smartkv", recall=True, reread=False, budget=48, temperature=0, seed=3,
+                                 gates=gates), **extra})
 
 
 def restored(engine: Engine, slot: int) -> int:
@@ -111,7 +113,7 @@ def test_three_sequences_batched_make_what_each_makes_alone(tiny, gates, monkeyp
 def test_the_embedded_model_with_recall_makes_todays_tokens(smol, monkeypatch):
     """SmolLM2, its shipped per-head gates (90 lanes), a repeating prompt, 24 rounds."""
     monkeypatch.setattr(SmartKVPolicy, "recall_share", 0.3)
-    cfg = BrainConfig(policy="smartkv", recall=True, budget=64, temperature=0)
+    cfg = BrainConfig(policy="smartkv", recall=True, reread=False, budget=64, temperature=0)
     ids = [smol.bos_id] + smol.encode("The code is 7 4 1 9. The quick brown fox jumps over the lazy dog. " * 6)
     brain = Brain.start(smol, ids, cfg)
     engine = Engine(smol, slots=1, capacity=64, score_layers=cfg.recorded_layers)

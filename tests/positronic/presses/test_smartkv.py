@@ -243,7 +243,8 @@ def test_the_carried_state_is_todays_memories_and_scores(tiny, gate_file):
 def test_what_does_not_run_on_the_press_yet_is_refused_with_the_reason(tiny, gate_file):
     with pytest.raises(ValueError, match="press smartkv ranks by every layer's attention: make the engine with "
                                          "score_layers='all'"):  # recall reads every layer's query
-        Engine(tiny, slots=1, capacity=48).join(0, Brain.start(tiny, prompt(tiny, 0, 20), config(gate_file, recall=True)))
+        Engine(tiny, slots=1, capacity=48).join(0, Brain.start(tiny, prompt(tiny, 0, 20),
+                                                               config(gate_file, recall=True, reread=False)))
     pinned = Brain.start(tiny, prompt(tiny, 0, 20), config(gate_file))
     pinned.state.pin([5])
     with pytest.raises(ValueError, match="smartkv with pinned rows does not run on Core v4 yet"):
@@ -267,7 +268,8 @@ def test_what_does_not_run_on_the_press_yet_is_refused_with_the_reason(tiny, gat
         SmartKVPress(dict(budget=48, window=24, memory_rank="often"))
 
 
-@pytest.mark.parametrize("extra", [dict(memory_rank="gates"), dict(memory_rank="recent"), dict(recall=True)],
+@pytest.mark.parametrize("extra", [dict(memory_rank="gates"), dict(memory_rank="recent"),
+                                   dict(recall=True, reread=False)],
                          ids=["gates", "recent", "recall"])
 def test_a_sequence_handed_back_ticks_on_as_if_it_had_never_left_its_brain(tiny, gate_file, extra):
     """10 ticks alone, 40 rounds, 20 alone, 20 rounds, 10 alone (another smartkv sequence ticking

@@ -42,8 +42,8 @@ def test_replies_in_engine_rounds_are_the_replies_of_brains_ticking_alone(tiny, 
     config = CONFIG
     if policy == "smartkv":
         _, gates = bench_gates(tiny, tmp_path)
-        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, memory_rank="recent", gates=gates,
-                                     window=48)
+        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, reread=False, memory_rank="recent",
+                                     gates=gates, window=48)
     alone, rounds_alone, generated_alone, _ = answers(tiny, tmp_path, live_server, server_settings, 0, config)
     batched, rounds, generated, retried = answers(tiny, tmp_path, live_server, server_settings, 16, config)
     assert rounds_alone == 0 and rounds > 0
@@ -73,8 +73,8 @@ def test_settings_the_engine_does_not_run_tick_alone(tiny, tmp_path, live_server
     monkeypatch.setattr(seats, "Engine", lambda *args, **kwargs: made.append(1) or Engine(*args, **kwargs))
     config = BrainConfig(budget=96, temperature=0.0, seed=0, repairer="self")
     if setting == "smartkv":
-        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, gates=bench_gates(tiny, tmp_path)[1],
-                                     window=48)
+        config = dataclasses.replace(CONFIG, policy="smartkv", recall=True, reread=False,
+                                     gates=bench_gates(tiny, tmp_path)[1], window=48)
     with live_server(tiny, server_settings(tmp_path, engine_slots=16), config) as server:
         for turn in range(2):
             reply = chat(server.client(), "r1", f"hello {turn}", max_tokens=6)

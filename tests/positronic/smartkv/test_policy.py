@@ -216,7 +216,7 @@ def test_step4_refuses_what_a_per_layer_state_cannot_take(tiny, gate_file):
     state, before = brain.state, to_bytes(brain.state.mirror)
     rows = state.rows_per_layer
     for actions, message in (
-        ([{"action": "delete", "position": 5}], "add, drop and restore actions only"),
+        ([{"action": "delete", "position": 5}], "add, drop, restore and reread actions only"),
         ([{"action": "drop", "rows": [[4], []]}], "as many rows"),
         ([{"action": "drop", "rows": [[rows]] * 2}], "out of range|rows must be ints"),
         ([{"action": "drop", "rows": [[4]]}], "one per layer"),

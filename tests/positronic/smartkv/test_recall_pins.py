@@ -56,6 +56,53 @@ def test_dropped_tokens_come_back_into_the_lanes_that_lack_them_exactly(tiny, an
     brain.state.check(deep=True)
 
 
+def test_with_reread_the_token_a_look_was_for_is_predicted_with_what_came_back(tiny, any_gate_file, eager_recall):
+    """`reread`: recall looks right after the tick's forward, with the query it made, and the
+    newest row's forward runs again over the lanes with what came back. Every tick's logits
+    still equal plain transformers over exactly the rows each lane holds (the reread row's K/V
+    included); every restore comes after the tick's add, with a reread; the plan never looks."""
+    ids = text_ids(tiny, 90, seed=31)
+    brain = Brain.start(tiny, ids[:15], config(any_gate_file, recall=True))
+    assert brain.config.reread and brain.policy.reread, "on by default with recall"
+    reference = Reference(tiny, ids[:15])
+    rereads = 0
+    for n in range(15, len(ids)):
+        plan = brain.policy.plan(brain.state.view(keys=True), [], {})
+        assert not any(action["action"] == "restore" for action in plan.actions), "the plan does not look"
+        record = brain.step(force=ids[n])
+        assert not record.rebuilt, record.error
+        kinds = [action["action"] for action in record.actions]
+        if "restore" in kinds:
+            rereads += 1
+            assert kinds.index("add") < kinds.index("restore") and kinds[-1] == "reread"
+            assert record.outcomes[-1][1].startswith("recalled")
+        else:
+            assert "reread" not in kinds
+        kept = layer_positions(brain.state)
+        before = [[p for p in lane if p != n] for lane in kept]
+        torch.testing.assert_close(brain.state.next_logits, reference.step(before, ids[n], n), atol=1e-4, rtol=1e-4)
+    assert rereads and brain.policy.recall.restored > 0 and brain.counts["rebuilds"] == 0
+    brain.state.check(deep=True)
+
+
+def test_a_reread_is_captured_as_its_own_fixture_and_replays_exactly(tiny, head_gate_file, eager_recall, tmp_path):
+    from positronic.fixtures import Capture, load_fixture, replay
+
+    ids = text_ids(tiny, 60, seed=31)
+    brain = Brain.start(tiny, ids[:15], config(head_gate_file, recall=True))
+    capture = Capture(tmp_path, tiny, "all", limit=1000, log=open(tmp_path / "log", "w"))
+    brain.observers.append(capture)
+    for token in ids[15:]:
+        brain.step(force=token)
+    rereads = sorted(tmp_path.glob("tick*-reread.pt"))
+    assert rereads and len(capture.written) == brain.tick + len(rereads)
+    for path in rereads:
+        fixture = load_fixture(path)
+        assert fixture.actions[-1] == {"action": "reread"} and (tmp_path / path.name.replace("-reread", "")).is_file()
+        result = replay(fixture, tiny)
+        assert result.passed, result.failed()
+
+
 def test_one_recall_brings_back_at_most_an_eighth_of_a_lanes_memory(tiny, head_gate_file, eager_recall):
     """16 tokens around a match, or an eighth of the memory when that is fewer: a 12.5% budget's
     memory (60 rows for 1,024 tokens) would give up a quarter of itself for one recall."""
@@ -79,8 +126,9 @@ def test_recall_off_keeps_what_it_kept_before(tiny, head_gate_file):
     assert run_checked(tiny, brain, ids, 15) == []
 
 
-def test_a_session_with_recall_and_pins_resumes_exactly(tiny, head_gate_file, eager_recall, tmp_path):
-    settings = config(head_gate_file, recall=True, temperature=0.9)
+@pytest.mark.parametrize("reread", [False, True], ids=["look in the plan", "reread"])
+def test_a_session_with_recall_and_pins_resumes_exactly(tiny, head_gate_file, eager_recall, tmp_path, reread):
+    settings = config(head_gate_file, recall=True, temperature=0.9, reread=reread)
     prompt = [tiny.bos_id] + tiny.encode("x y z the key is 42 and more words follow here now")
 
     def fresh():

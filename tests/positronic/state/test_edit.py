@@ -80,7 +80,7 @@ def test_a_per_layer_state_takes_add_and_one_drop_of_as_many_rows_in_every_layer
                     **LIMITS, layers=layers)
     assert plan.drops == ((0, 5), (3, 1)) and plan.final_length == 6 - 2 + 1 and plan.edits == []
     for actions, message in [
-        ([{"action": "delete", "position": 1}], "takes add, drop and restore actions only"),
+        ([{"action": "delete", "position": 1}], "takes add, drop, restore and reread actions only"),
         ([{"action": "drop", "rows": [[1]]}], "rows must be a list of 2 lists"),
         ([{"action": "drop", "rows": [[1], [6]]}], r"layer 1: rows must be ints in 0\.\.5"),
         ([{"action": "drop", "rows": [[1, 1], [2, 3]]}], "layer 0: a row is dropped twice"),
@@ -113,6 +113,29 @@ def test_a_per_layer_restore_names_its_lanes_and_keeps_every_lane_as_long():
             validate(actions, **LIMITS, layers=layers)
     with pytest.raises(ActionError, match="lanes name the lanes of a per-layer state"):
         validate([restore], **LIMITS)
+
+
+def test_a_reread_keeps_the_newest_row_and_comes_without_an_add():
+    """The newest row's forward again, after the other edits: never beside an add (whose forward
+    would be the newest), never with the newest row deleted, replaced or dropped in some layer."""
+    plan = validate([{"action": "delete", "position": 3}, {"action": "reread"}], **LIMITS)
+    assert plan.reread and plan.deletes == (3,) and plan.final_length == 9 and plan.adds == ()
+    assert not validate([{"action": "delete", "position": 3}], **LIMITS).reread
+    layers = (2, 6)
+    lanes = validate([{"action": "drop", "rows": [[0], [4]]}, {"action": "reread"}], **LIMITS, layers=layers)
+    assert lanes.reread and lanes.final_length == 5
+    for actions, bounds, message in [
+        ([{"action": "reread"}, {"action": "add", "token_id": 1}], {}, "reread or add, not both"),
+        ([{"action": "delete", "position": 9}, {"action": "reread"}], {}, r"action 0 edits the newest row \(row 9\)"),
+        ([{"action": "replace_pair", "original_pos1": 8, "original_pos2": 9, "new_token_ids": [1]},
+          {"action": "reread"}], {}, "edits the newest row"),
+        ([{"action": "reread"}, {"action": "reread"}], {}, "already reread by action 0"),
+        ([{"action": "reread", "row": 2}], {}, "unknown key"),
+        ([{"action": "drop", "rows": [[0], [5]]}, {"action": "reread"}], {"layers": layers},
+         r"out of layer 1; a reread keeps it"),
+    ]:
+        with pytest.raises(ActionError, match=message):
+            validate(actions, **LIMITS, **bounds)
 
 
 def test_an_edit_keeps_typed_parts_and_gives_the_layout_inputs():

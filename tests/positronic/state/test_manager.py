@@ -226,6 +226,40 @@ def test_an_edit_applies_as_its_action_list_does_and_only_to_a_state_of_its_boun
     assert snapshot(by_edit)[:2] == before[:2] and snapshot(by_edit)[3] == before[3]
 
 
+def test_a_reread_gives_the_newest_row_what_an_add_after_the_other_edits_gives_it(tiny):
+    """`reread`: the newest token's forward again over the rows the list's other edits leave.
+    It must give that row, in every layer, and the next logits, exactly what adding the token
+    after those edits gives; the mirror keeps the token's ledger entry and position."""
+    tokens = [random.Random(8).randrange(512) for _ in range(24)]
+    added = StateManager.from_tokens(tiny, tokens[:-1])
+    added.apply([{"action": "delete", "position": 6}, {"action": "delete", "position": 11},
+                 {"action": "add", "token_id": tokens[-1]}])
+    reread = StateManager.from_tokens(tiny, tokens)
+    entries = len(reread.mirror.ledger)
+    before = reread.next_logits.clone()
+    report = reread.apply([{"action": "delete", "position": 11}, {"action": "delete", "position": 6},
+                           {"action": "reread"}])
+    assert not report.rebuilt and report.applied == 3
+    assert reread.live_token_ids() == added.live_token_ids() and reread.positions() == added.positions()
+    assert len(reread.mirror.ledger) == entries and reread.mirror.ledger[entries - 1].state == "live"
+    for layer in range(tiny.num_layers):
+        for mine, theirs in zip(reread.layer_kv(layer), added.layer_kv(layer)):
+            assert torch.equal(mine, theirs), f"layer {layer}"
+    assert torch.equal(reread.next_logits, added.next_logits) and not torch.equal(reread.next_logits, before)
+    again = reread.next_logits.clone()
+    reread.apply([{"action": "reread"}])  # over the same rows: the same bits
+    assert torch.equal(reread.next_logits, again)
+    reread.check(deep=True)
+
+
+def test_a_reread_is_refused_where_it_cannot_run_and_changes_nothing(tiny):
+    sm = StateManager.from_tokens(tiny, list(range(1, 11)), kv_store="ring")
+    before = snapshot(sm)
+    with pytest.raises(ActionError, match="a reread needs the splice store"):
+        sm.apply([{"action": "reread"}])
+    assert snapshot(sm)[:2] == before[:2] and snapshot(sm)[3] == before[3]
+
+
 # --- 6. fault injection ---------------------------------------------------------------------
 
 TICK = [
