@@ -50,6 +50,9 @@ def test_an_eval_without_policy_runs_the_products_default_beside_the_sweep():
     assert policies == [*DEFAULT_POLICIES, "smartkv"] and recalled == ("smartkv",) and gates == ""
     config = make_config("smartkv", 128, recall=True)
     assert (config.recall, config.memory_rank) == (True, BrainConfig(policy="smartkv", recall=True).memory_rank)
+    assert config.reread and not make_config("smartkv", 128, recall=True, reread=False).reread
+    assert not make_config("smartkv", 128, reread=True).reread, "reread goes to smartkv with recall alone"
+    assert not make_config("brightness", 128, recall=True, reread=True).reread
     assert default_sweep("random:tiny", 128, RunSettings()) == (list(DEFAULT_POLICIES), (), "")
     assert default_sweep("smollm2", 8, RunSettings()) == (list(DEFAULT_POLICIES), (), "")
     assert default_sweep("Qwen/Qwen3-0.6B", 128, RunSettings()) == ([*DEFAULT_POLICIES, "smartkv"], ("smartkv",), "auto"), \
@@ -72,6 +75,9 @@ def test_an_eval_without_policy_runs_the_products_default_beside_the_sweep():
     (["--policy", "h2o", "--gates", "x"], "--gates applies to policy smartkv, which is not among the --policy runs"),
     (["--gates", "x"], "--gates x does not exist"),  # without --policy the gates make smartkv the default, as in run
     (["--policy", "h2o", "--memory-rank", "gates"], "--memory-rank applies to policy smartkv"),
+    (["--policy", "h2o", "--reread"], "--reread applies to policy smartkv, which is not among the --policy runs"),
+    (["--policy", "h2o", "--no-reread"], "--no-reread applies to policy smartkv"),
+    (["--generate", "8", "--no-reread"], "--reread applies to the teacher-forced eval"),
     (["--policy", "none", "--recall"], "--recall adds runs with recall of the policies that evict"),
     (["--kv-store", "ring"], "the ring store serves only the streaming policy, not brightness (choose --policy "
                              "streaming or --kv-store splice)"),
