@@ -294,10 +294,11 @@ def loop_batched(lm, ids: list[int], ticks: int, sequences: int, make, compiled:
     return Timing(statistics.fmean(times) / sequences)
 
 
-def batch_member(lm, ids: list[int], batch: int, policy: str | None, gates: str, recall_rows: int) -> tuple[Brain, int]:
+def batch_member(lm, ids: list[int], batch: int, policy: str | None, gates: str, recall_rows: int,
+                 reread: bool | None = None) -> tuple[Brain, int]:
     """A brain of (h) and its maintenance cycle: as (c) culling `batch` rows (no `policy`), or as (e)."""
     if policy is not None:
-        return policy_brain(lm, ids, policy, gates, recall_rows)
+        return policy_brain(lm, ids, policy, gates, recall_rows, reread)
     return Brain.start(lm, ids, culling_config(len(ids), batch)), batch
 
 
@@ -306,18 +307,21 @@ def culling_config(budget: int, batch: int, repairer: str = "none", recall: bool
     return BrainConfig(budget=budget, temperature=0, window=32, repair_batch=batch, repairer=repairer, recall=recall)
 
 
-def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int) -> tuple[Brain, int]:
+def policy_brain(lm, ids: list[int], policy: str, gates: str, recall_rows: int,
+                 reread: bool | None = None) -> tuple[Brain, int]:
     """(e)'s brain at budget len(ids): `policy` ("smartkv+recall": smartkv with recall on; +recent: its
     memory ranked by recent use too) with its
     own defaults (smartkv: `gates`, a file or "" for the shipped ones), and its maintenance
     cycle in ticks; `recall_rows`: with recall on, a longer prompt, pruned to the budget at the
-    start, fills its index with that many rows."""
+    start, fills its index with that many rows; `reread`: recall's reread (None: the default, on
+    with recall; compiled rounds run without it)."""
     budget = len(ids)
     if recall_rows:
         ids = ids + context_ids(lm, recall_rows + 1)[1:]
     policy, *marks = policy.split("+")
     config = BrainConfig(budget=budget, temperature=0, policy=policy, gates=gates if policy == "smartkv" else "",
-                         recall=bool(recall_rows), memory_rank="recent" if "recent" in marks else "gates")
+                         recall=bool(recall_rows), memory_rank="recent" if "recent" in marks else "gates",
+                         reread=reread if recall_rows else None)
     return Brain.start(lm, ids, config), maintenance_cycle(config)
 
 
@@ -466,7 +470,7 @@ def main() -> None:
                          for _, p, *_ in batched for size in args.sequences]
                 runs += [loop_batched(lm, ids, args.ticks, size, functools.partial(
                              batch_member, lm, batch=cull, policy=p, gates=gates_file,
-                             recall_rows=index_rows if p and "+recall" in p else 0), compiled=True)
+                             recall_rows=index_rows if p and "+recall" in p else 0, reread=False), compiled=True)
                          for _, p, *_ in batched for size in compiled_sizes]
                 if cache_runs:
                     timed = cycle_ticks - window
