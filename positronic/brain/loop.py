@@ -303,8 +303,9 @@ class Brain:
         the newest row, so the next token is drawn (or scored) from logits that saw it. Part of
         this tick: its actions and outcomes join the tick's record. A failed reread leaves the
         state rebuilt from the mirror, the token added, the look's state not committed."""
-        after = getattr(self.policy, "after_forward", None)
-        plan = after(self.state.view(keys=True), typed=typed) if after is not None else None
+        if not getattr(self.policy, "reread", False):  # no view made on a tick that has nothing to look for
+            return None
+        plan = self.policy.after_forward(self.state.view(keys=True), typed=typed)
         if plan is None:
             return None
         if not plan.actions:  # the look found nothing: its clock stands
